@@ -1,0 +1,12 @@
+"""ds-fssdp: Fully Sharded Sparse Data Parallelism for MoE training, as a DeepSpeed extension.
+
+    from ds_fssdp import FSSDPMoE, initialize
+    engine, optimizer, _, _ = ds_fssdp.initialize(model=model, config="ds_config.json")
+"""
+from ds_fssdp.config import FSSDPConfig, FSSDPConfigError
+from ds_fssdp.moe.layer import FSSDPMoE
+from ds_fssdp.runtime.engine import initialize
+from ds_fssdp.topology import Topology
+
+__version__ = "0.1.0"
+__all__ = ["FSSDPConfig", "FSSDPConfigError", "FSSDPMoE", "initialize", "Topology", "__version__"]

@@ -1,0 +1,115 @@
+"""The ``"fssdp"`` section of a DeepSpeed config: typed, validated, errors name the key and the value.
+
+The section lives in the same JSON/HJSON file (or dict) that DeepSpeed reads; DeepSpeed ignores
+unknown top-level keys, so it does not choke on it. Everything here is checked before any
+collective runs: static values in :func:`FSSDPConfig.from_ds_config`, values that depend on the
+world size in :meth:`FSSDPConfig.resolve_ranks_per_node`.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Literal, Mapping, Union
+
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+from pydantic import Field, StrictBool, StrictInt, ValidationError
+
+SECTION = "fssdp"
+POLICIES = ("fssdp", "ep")
+
+
+class FSSDPConfigError(ValueError):
+    """A bad value in the ``"fssdp"`` section (or a combination FSSDP refuses)."""
+
+
+class FSSDPConfig(DeepSpeedConfigModel):
+    """Typed model of the ``"fssdp"`` section."""
+
+    enabled: StrictBool = True
+    """Shard experts with FSSDP. ``false`` leaves FSSDPMoE layers as ordinary modules, so DeepSpeed
+    trains every expert data-parallel (all experts replicated on all ranks)."""
+
+    policy: Literal["fssdp", "ep"] = "fssdp"
+    """``fssdp``: per-iteration ephemeral replicas. ``ep``: static expert parallelism (no replicas)."""
+
+    materialization_budget: StrictInt = Field(2, ge=0)
+    """m: extra expert replicas each rank may hold per MoE layer per iteration."""
+
+    overlap_degree: StrictInt = Field(4, ge=0)
+    """t: at most this many distinct experts are replicated per layer per iteration."""
+
+    rematerialize: StrictBool = False
+    """Free replicas after the forward and gather them again for the backward."""
+
+    reshard_interval: StrictInt = Field(0, ge=0)
+    """Re-plan the owners of all layers every this many optimizer steps (0: never)."""
+
+    load_window: StrictInt = Field(5, ge=1)
+    """w: the load predictor averages the last w iterations."""
+
+    calibration: StrictBool = False
+    """After gating, add replicas for the actual loads when the modelled gain exceeds the cost."""
+
+    ranks_per_node: Union[Literal["auto"], StrictInt] = "auto"
+    """Ranks per node: "auto" (the launcher's local world size) or an int dividing the world size;
+    an int smaller than the real node makes logical nodes on one machine."""
+
+    def __init__(self, **data):
+        # strict=True keeps DeepSpeedConfigModel from silently dropping "auto" values.
+        super().__init__(strict=True, **data)
+
+    @classmethod
+    def from_ds_config(cls, ds_config: Mapping[str, Any] | None) -> "FSSDPConfig":
+        """Parse the section out of a DeepSpeed config dict; a missing section means disabled."""
+        section = (ds_config or {}).get(SECTION)
+        if section is None:
+            return cls(enabled=False)
+        if not isinstance(section, Mapping):
+            raise FSSDPConfigError(f"{SECTION} ({section!r}) must be an object of settings")
+        try:
+            cfg = cls(**dict(section))
+        except ValidationError as err:
+            raise FSSDPConfigError(_format_errors(err, section)) from None
+        if isinstance(cfg.ranks_per_node, int) and cfg.ranks_per_node < 1:
+            raise FSSDPConfigError(f"{SECTION}.ranks_per_node ({cfg.ranks_per_node}) must be >= 1 or \"auto\"")
+        return cfg
+
+    def resolve_ranks_per_node(self, world_size: int, env: Mapping[str, str] | None = None) -> int:
+        """Ranks per node for this world; "auto" reads the launcher's local world size."""
+        env = os.environ if env is None else env
+        if self.ranks_per_node == "auto":
+            local = env.get("LOCAL_SIZE") or env.get("LOCAL_WORLD_SIZE")
+            g = int(local) if local else world_size
+        else:
+            g = self.ranks_per_node
+        if g < 1 or world_size % g != 0:
+            raise FSSDPConfigError(f"{SECTION}.ranks_per_node ({self.ranks_per_node!r} -> {g}) must divide the "
+                                   f"world size ({world_size})")
+        return g
+
+
+def _format_errors(err: ValidationError, section: Mapping[str, Any]) -> str:
+    known = ", ".join(FSSDPConfig.model_fields)
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"] if not str(p).startswith(("literal[", "int", "bool")))
+        key = key or "?"
+        value = section.get(key, e.get("input"))
+        kind, ctx = e["type"], e.get("ctx", {})
+        if key == "ranks_per_node":
+            lines.append(f"{SECTION}.{key} ({value!r}) must be \"auto\" or an int >= 1")
+        elif kind == "extra_forbidden":
+            lines.append(f"{SECTION}.{key} ({value!r}) is not a known key; known keys: {known}")
+        elif kind == "greater_than_equal":
+            lines.append(f"{SECTION}.{key} ({value!r}) must be >= {ctx['ge']}")
+        elif kind == "literal_error":
+            lines.append(f"{SECTION}.{key} ({value!r}) must be one of {ctx['expected']}")
+        else:
+            lines.append(f"{SECTION}.{key} ({value!r}): {e['msg']}")
+    # A Union field reports one line per branch; keep the first per key.
+    seen, unique = set(), []
+    for line in lines:
+        head = line.split(" ", 1)[0]
+        if head not in seen:
+            seen.add(head)
+            unique.append(line)
+    return "; ".join(unique)

@@ -1,0 +1,86 @@
+"""Top-k softmax gate: routing, the GShard/Switch auxiliary loss, z-loss and aux-loss-free bias.
+
+Legend: T tokens, H hidden, E experts, K top-k.
+
+* probabilities: softmax in fp32 over ``x @ W^T`` (``gate.weight`` [E, H], no bias);
+* selection: top-k of the probabilities (plus ``expert_bias`` when the DeepSeek-style
+  aux-loss-free balancing is on: the bias moves selection only, never the weights);
+* weights: the selected probabilities, renormalised to sum to 1 when k > 1 and ``normalize_topk``;
+* ``l_aux = E * sum_e f_e * P_e`` with f_e the fraction of this rank's assignments routed to e and
+  P_e the mean probability of e (1.0 at perfect balance), plus ``z_loss_coef * mean(logsumexp^2)``.
+
+Dropless: every assignment is kept.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GateOutput:
+    idx_TK: torch.Tensor  # long: chosen experts
+    weights_TK: torch.Tensor  # fp32: combine weights
+    l_aux: torch.Tensor  # fp32 scalar
+    counts_E: torch.Tensor  # long: this rank's assignments per expert
+
+
+class TopKGate(nn.Module):
+
+    def __init__(self, hidden_size: int, num_experts: int, k: int, *, normalize_topk: bool = True,
+                 z_loss_coef: float = 0.0, aux_free_bias: bool = False, bias_update_rate: float = 1e-3,
+                 device=None, dtype=None):
+        super().__init__()
+        if not 1 <= k <= num_experts:
+            raise ValueError(f"k ({k}) must be between 1 and num_experts ({num_experts})")
+        self.num_experts = num_experts
+        self.k = k
+        self.normalize_topk = normalize_topk
+        self.z_loss_coef = z_loss_coef
+        self.bias_update_rate = bias_update_rate
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
+        if aux_free_bias:
+            self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
+            self.register_buffer("pending_load", torch.zeros(num_experts, device=device, dtype=torch.float64))
+        else:
+            self.expert_bias = None
+            self.pending_load = None
+
+    def forward(self, x_TH: torch.Tensor) -> GateOutput:
+        logits_TE = F.linear(x_TH.float(), self.weight.float())
+        probs_TE = torch.softmax(logits_TE, dim=-1)
+        scores_TE = probs_TE if self.expert_bias is None else probs_TE + self.expert_bias
+        idx_TK = torch.topk(scores_TE.detach(), self.k, dim=-1, sorted=True).indices
+        weights_TK = probs_TE.gather(1, idx_TK)
+        if self.k > 1 and self.normalize_topk:
+            weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
+        counts_E = torch.bincount(idx_TK.reshape(-1), minlength=self.num_experts)
+        num_tokens = x_TH.shape[0]
+        if num_tokens == 0:
+            l_aux = logits_TE.sum() * 0.0
+        else:
+            frac_E = counts_E.float() / float(num_tokens * self.k)
+            l_aux = self.num_experts * (frac_E * probs_TE.mean(0)).sum()
+            if self.z_loss_coef:
+                l_aux = l_aux + self.z_loss_coef * torch.logsumexp(logits_TE, -1).pow(2).mean()
+        return GateOutput(idx_TK=idx_TK, weights_TK=weights_TK, l_aux=l_aux, counts_E=counts_E)
+
+    def accumulate_load(self, load_E: torch.Tensor) -> None:
+        """Add the global assignments per expert of one forward (bias balancing only)."""
+        if self.pending_load is not None:
+            self.pending_load += load_E.to(self.pending_load)
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """DeepSeek-V3 rule, once per optimizer step: raise the bias of under-loaded experts by the
+        update rate and lower it for over-loaded ones, from the loads accumulated since the last
+        update (global counts, so every rank moves its bias identically)."""
+        if self.expert_bias is None:
+            return
+        load_E = self.pending_load
+        if float(load_E.sum()) > 0:
+            self.expert_bias += self.bias_update_rate * torch.sign(load_E.mean() - load_E).float()
+        load_E.zero_()

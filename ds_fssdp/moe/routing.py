@@ -1,0 +1,67 @@
+"""Local index math for one MoE dispatch (no communication): from this rank's routing and the
+global dispatch plan to the orders of the rows it sends, receives and computes.
+
+Legend: T tokens, K top-k, A = T * K assignments, E experts, D ranks, S local compute slots.
+
+Send order: destination rank, then expert, then token order. Receive order: source rank, then
+expert. Compute order: local slot (an expert held here), then source rank. Every rank derives the
+same plan, so a sender's order and the receiver's agree without exchanging indices.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Route:
+    send_token: torch.Tensor  # long [n_send]: token of each sent row
+    send_splits: list  # [D]
+    unsend: torch.Tensor  # long [A]: position, in send order, of each assignment t * K + k
+    recv_splits: list  # [D]
+    group_perm: torch.Tensor  # long [n_recv]: compute order <- receive order
+    ungroup_perm: torch.Tensor  # long [n_recv]: receive order <- compute order
+    group_sizes: list  # [S] rows per local slot
+
+
+def route(idx_TK: torch.Tensor, plan_EDD: torch.Tensor, rank: int, local_E: torch.Tensor) -> Route:
+    idx_TK = idx_TK.to("cpu", torch.long)
+    num_experts, num_ranks, _ = plan_EDD.shape
+    K = idx_TK.shape[1]
+    e_A = idx_TK.reshape(-1)
+    mine_ED = plan_EDD[:, rank, :]
+    counts_E = torch.bincount(e_A, minlength=num_experts)
+    if not torch.equal(counts_E, mine_ED.sum(1)):
+        raise RuntimeError(f"rank {rank}: routed counts {counts_E.tolist()} disagree with the dispatch plan "
+                           f"{mine_ED.sum(1).tolist()}")
+
+    # Sort assignments by expert (stable: token order inside an expert), then cut each expert's
+    # block into consecutive runs per destination, in destination order.
+    by_expert = torch.sort(e_A, stable=True).indices
+    e_sorted = e_A[by_expert]
+    start_E = torch.cumsum(counts_E, 0) - counts_E
+    pos = torch.arange(e_A.numel()) - start_E[e_sorted]
+    cum_ED = torch.cumsum(mine_ED, 1)
+    dest = torch.searchsorted(cum_ED[e_sorted], pos.unsqueeze(1), right=True).squeeze(1)
+    send_perm = torch.sort(dest * num_experts + e_sorted, stable=True).indices
+    send_assign = by_expert[send_perm]
+    unsend = torch.empty_like(send_assign)
+    unsend[send_assign] = torch.arange(send_assign.numel())
+
+    recv_DE = plan_EDD[:, :, rank].t()  # rows from each source, per expert
+    slot_E = torch.full((num_experts,), -1, dtype=torch.long)
+    slot_E[local_E] = torch.arange(local_E.numel())
+    held = slot_E >= 0
+    if bool(recv_DE[:, ~held].any()):
+        missing = torch.nonzero(recv_DE[:, ~held].sum(0)).flatten()
+        raise RuntimeError(f"rank {rank} is sent tokens for experts it does not hold: "
+                           f"{torch.arange(num_experts)[~held][missing].tolist()}")
+    key_DE = slot_E.unsqueeze(0) * num_ranks + torch.arange(num_ranks).unsqueeze(1)
+    row_key = torch.repeat_interleave(key_DE.reshape(-1), recv_DE.reshape(-1))
+    group_perm = torch.sort(row_key, stable=True).indices
+    ungroup_perm = torch.empty_like(group_perm)
+    ungroup_perm[group_perm] = torch.arange(group_perm.numel())
+    return Route(send_token=send_assign // K, send_splits=torch.bincount(dest, minlength=num_ranks).tolist(),
+                 unsend=unsend, recv_splits=recv_DE.sum(1).tolist(), group_perm=group_perm,
+                 ungroup_perm=ungroup_perm, group_sizes=recv_DE.sum(0)[local_E].tolist())

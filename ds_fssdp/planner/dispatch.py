@@ -1,0 +1,66 @@
+"""Algorithm 3, topology-aware token dispatching: which holder computes which tokens.
+
+Legend: E experts, D ranks (source d, destination d2).
+
+``plan_EDD[e, d, d2]`` is the number of rank d's tokens for expert e that rank d2 computes. A
+token stays local if its rank holds the expert; otherwise it is split evenly over the holders in
+its node, and only if its node holds none, evenly over all holders. Integer split: the remainder
+goes to the holders that follow the source rank cyclically, so remainders from different sources
+land on different holders. Deterministic: every rank computes the same plan from the same
+all-gathered ``tokens_ED``.
+"""
+from __future__ import annotations
+
+import torch
+
+from ds_fssdp.topology import Topology
+
+
+def dispatch(placement_ED: torch.Tensor, tokens_ED: torch.Tensor, topology: Topology) -> torch.Tensor:
+    """Return plan_EDD (long [E, D, D]); sums over d2 give back ``tokens_ED``."""
+    placement_ED = placement_ED.to("cpu", torch.bool)
+    tokens_ED = tokens_ED.to("cpu", torch.long)
+    num_experts, num_ranks = placement_ED.shape
+    if tokens_ED.shape != placement_ED.shape:
+        raise ValueError(f"tokens_ED {tuple(tokens_ED.shape)} and placement_ED {tuple(placement_ED.shape)} differ")
+    if not bool(placement_ED.any(1).all()):
+        raise ValueError("every expert needs at least one holder in placement_ED")
+    same_node_DD = topology.same_node_DD()
+    plan_EDD = torch.zeros(num_experts, num_ranks, num_ranks, dtype=torch.long)
+    ranks = torch.arange(num_ranks)
+    for e in range(num_experts):
+        holds_D = placement_ED[e]
+        # Local first.
+        plan_EDD[e, ranks[holds_D], ranks[holds_D]] = tokens_ED[e, holds_D]
+        for d in torch.nonzero(~holds_D & (tokens_ED[e] > 0)).flatten().tolist():
+            targets_D = holds_D & same_node_DD[d]
+            if not bool(targets_D.any()):
+                targets_D = holds_D
+            plan_EDD[e, d] = even_split(int(tokens_ED[e, d]), targets_D, start=d)
+    return plan_EDD
+
+
+def even_split(count: int, targets_D: torch.Tensor, *, start: int) -> torch.Tensor:
+    """Split ``count`` over the True ranks of ``targets_D``; the remainder goes to the targets
+    that follow rank ``start`` cyclically."""
+    targets = torch.nonzero(targets_D).flatten()
+    n = targets.numel()
+    q, r = divmod(count, n)
+    out_D = torch.zeros(targets_D.numel(), dtype=torch.long)
+    out_D[targets] = q
+    if r:
+        first = int((targets >= start).long().argmax()) if bool((targets >= start).any()) else 0
+        out_D[targets[(first + torch.arange(r)) % n]] += 1
+    return out_D
+
+
+def rows_per_rank(plan_EDD: torch.Tensor) -> torch.Tensor:
+    """Rows each rank computes (long [D])."""
+    return plan_EDD.sum((0, 1))
+
+
+def straggler_factor(plan_EDD: torch.Tensor) -> float:
+    """max / mean rows computed per rank (1.0 is perfect balance)."""
+    rows_D = rows_per_rank(plan_EDD).double()
+    mean = float(rows_D.mean())
+    return float(rows_D.max()) / mean if mean > 0 else 1.0

@@ -1,0 +1,139 @@
+"""``ds_fssdp.initialize``: ``deepspeed.initialize`` plus the FSSDP stage for the experts.
+
+Same signature and return value as ``deepspeed.initialize``. The ``"fssdp"`` section is read from
+the same config DeepSpeed gets and validated before any collective runs. Expert parameters leave
+the module before DeepSpeed sees it (DeepSpeed trains the dense rest as usual); the returned
+engine is DeepSpeed's own, with ``backward`` and ``step`` extended to reduce, clip and step the
+experts, so the user's ``engine.backward(loss); engine.step()`` loop is unchanged.
+"""
+from __future__ import annotations
+
+import deepspeed
+import torch
+from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
+from deepspeed.runtime.pipe.module import PipelineModule
+from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+from deepspeed.utils import logger
+
+from ds_fssdp.config import FSSDPConfig, FSSDPConfigError
+from ds_fssdp.moe.layer import FSSDPMoE
+from ds_fssdp.runtime.stage import FSSDPStage
+from ds_fssdp.topology import Topology
+
+
+def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_parameters=None, training_data=None,
+               lr_scheduler=None, distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT, mpu=None,
+               dist_init_required=None, collate_fn=None, config=None, mesh_param=None, config_params=None):
+    """Drop-in for ``deepspeed.initialize``; returns ``(engine, optimizer, dataloader, lr_scheduler)``."""
+    ds_config = _read_config(args, config, config_params)
+    fcfg = FSSDPConfig.from_ds_config(ds_config)
+    layers = [m for m in model.modules() if isinstance(m, FSSDPMoE)] if model is not None else []
+    ds_kwargs = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                     training_data=training_data, lr_scheduler=lr_scheduler, distributed_port=distributed_port,
+                     mpu=mpu, dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
+                     mesh_param=mesh_param, config_params=config_params)
+    if not fcfg.enabled or not layers:
+        if fcfg.enabled:
+            logger.warning("fssdp: the model has no FSSDPMoE layers; initializing plain DeepSpeed")
+        return deepspeed.initialize(**ds_kwargs)
+    check_supported(ds_config, model=model, mpu=mpu)
+
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                               distributed_port=distributed_port, dist_init_required=dist_init_required)
+    world = dist.get_world_size()
+    topology = Topology(num_ranks=world, ranks_per_node=fcfg.resolve_ranks_per_node(world))
+    if any(l.sharded is not None for l in layers):
+        raise FSSDPConfigError("fssdp: the model's FSSDPMoE layers are already sharded (initialize called twice?)")
+
+    expert_ids = {id(p) for layer in layers for p in layer.expert_parameters()}
+    stage = FSSDPStage(layers, fcfg, topology, group=None)
+    ds_kwargs["model_parameters"] = _without(model_parameters, expert_ids)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        _strip_params(optimizer, expert_ids)
+
+    engine, ds_optimizer, dataloader, scheduler = deepspeed.initialize(**ds_kwargs)
+    engine.__class__ = _fssdp_engine_class(type(engine))
+    engine.fssdp = stage
+    stage.attach(engine)
+    return engine, ds_optimizer, dataloader, scheduler
+
+
+def check_supported(ds_config: dict, *, model, mpu) -> None:
+    """Refuse combinations FSSDP does not handle, before any collective."""
+    stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+    if stage >= 3:
+        raise FSSDPConfigError(f"zero_optimization.stage ({stage}) is not supported with fssdp: experts are "
+                               "already sharded by owner; use ZeRO stage 0, 1 or 2 for the dense parameters")
+    if isinstance(model, PipelineModule):
+        raise FSSDPConfigError("fssdp does not support pipeline parallelism (the model is a PipelineModule)")
+    if mpu is not None:
+        raise FSSDPConfigError("fssdp does not support model/tensor parallelism (an mpu was passed); experts "
+                               "are never split inside an expert")
+
+
+def _read_config(args, config, config_params) -> dict:
+    cfg = config if config is not None else config_params
+    if cfg is None and getattr(args, "deepspeed_config", None) is not None:
+        cfg = args.deepspeed_config
+    if cfg is None:
+        return {}
+    return dict(load_ds_config(cfg))
+
+
+def _without(params, drop_ids: set):
+    if params is None:
+        return None
+    kept = []
+    for item in params:
+        if isinstance(item, dict):
+            group = dict(item)
+            group["params"] = [p for p in group["params"] if id(p) not in drop_ids]
+            kept.append(group)
+        elif id(item) not in drop_ids:
+            kept.append(item)
+    return kept
+
+
+def _strip_params(optimizer: torch.optim.Optimizer, drop_ids: set) -> None:
+    removed = 0
+    for group in optimizer.param_groups:
+        before = len(group["params"])
+        group["params"] = [p for p in group["params"] if id(p) not in drop_ids]
+        removed += before - len(group["params"])
+    for p in list(optimizer.state):
+        if id(p) in drop_ids:
+            del optimizer.state[p]
+    if removed:
+        logger.info(f"fssdp: moved {removed} expert parameters from the client optimizer to the FSSDP stage")
+
+
+class FSSDPEngineMixin:
+    """Extends DeepSpeed's engine (``engine.fssdp`` is the stage)."""
+
+    def backward(self, loss, *args, **kwargs):
+        out = super().backward(loss, *args, **kwargs)
+        self.fssdp.after_backward()
+        return out
+
+    def step(self, *args, **kwargs):
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
+            self.fssdp.before_step(self)
+        out = super().step(*args, **kwargs)
+        if boundary:
+            self.fssdp.after_step(self)
+        return out
+
+    def clip_fp32_gradients(self):
+        self.fssdp.norm.clip_dense_fp32(self)
+
+
+_ENGINE_CLASSES = {}
+
+
+def _fssdp_engine_class(base: type) -> type:
+    if base not in _ENGINE_CLASSES:
+        _ENGINE_CLASSES[base] = type(f"FSSDP{base.__name__}", (FSSDPEngineMixin, base), {})
+    return _ENGINE_CLASSES[base]

@@ -1,0 +1,140 @@
+"""One global gradient norm over dense and expert gradients, inside DeepSpeed's own clipping.
+
+DeepSpeed computes the norm of the dense gradients and scales them by one factor (loss-scale
+unscale and clip). The expert gradients live outside its optimizer, on their owners, so their
+squared norm (summed over the group, each expert counted once) is folded into the norm that
+DeepSpeed computes, and the expert gradients are then scaled by the same factor. Where DeepSpeed
+computes that norm depends on its optimizer wrapper; this module hooks each supported one:
+
+* plain torch optimizer (ZeRO 0, fp32): the engine's ``clip_fp32_gradients`` (overridden by the
+  FSSDP engine to call :meth:`ExpertNorm.clip_dense_fp32`);
+* ``DeepSpeedZeroOptimizer`` (ZeRO 1 and 2, any precision): ``scaled_global_norm``;
+* ``FP16_Optimizer`` / ``FP16_UnfusedOptimizer`` (ZeRO 0, bf16 or fp16): ``unscale_and_clip_grads``
+  and the overflow check.
+
+Any other wrapper with ``gradient_clipping > 0`` is refused at initialize.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+from deepspeed.runtime.utils import combine_grad_norm_groups
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+from ds_fssdp.config import FSSDPConfigError
+
+
+class ExpertNorm:
+    """Carries the experts' squared norm into DeepSpeed's step and the resulting factor out."""
+
+    def __init__(self, clip: float):
+        self.clip = float(clip)
+        self.expert_sq = None  # float tensor: sum over the group of squared expert gradients
+        self.factor = 1.0  # multiply the expert gradients by this before their step
+        self.global_norm = None  # dense + expert, unscaled
+
+    def arm(self, expert_sq: torch.Tensor, loss_scale: float) -> None:
+        self.expert_sq = expert_sq
+        self.factor = 1.0 / loss_scale
+        self.global_norm = None
+
+    def disarm(self) -> float:
+        self.expert_sq = None
+        return self.factor
+
+    def _set(self, combined: float, loss_scale: float) -> None:
+        """DeepSpeed's rule: divide by loss_scale * max(1, (norm / loss_scale + 1e-6) / clip)."""
+        scale = loss_scale
+        if self.clip > 0 and math.isfinite(combined):
+            c = (combined / loss_scale + 1e-6) / self.clip
+            if c > 1:
+                scale = c * loss_scale
+        self.factor = 1.0 / scale
+        self.global_norm = combined / loss_scale
+
+    def clip_dense_fp32(self, engine) -> None:
+        """ZeRO 0 fp32: clip dense gradients (already all-reduced, equal on every rank) on the
+        combined norm, as DeepSpeed's ``clip_grad_norm_`` would on the dense ones alone."""
+        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+        dense_sq = sum((g.detach().float().pow(2).sum() for g in grads), torch.zeros(()))
+        combined = float((dense_sq.cpu() + self.expert_sq.cpu()).sqrt())
+        coef = min(1.0, self.clip / (combined + 1e-6))
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        self.factor = coef
+        self.global_norm = combined
+        engine._global_grad_norm = combined
+
+
+def install_expert_norm(engine) -> ExpertNorm:
+    opt = engine.optimizer
+    clip = engine.gradient_clipping()
+    hook = ExpertNorm(clip)
+    if isinstance(opt, DeepSpeedZeroOptimizer):
+        _wrap_zero(opt, hook)
+    elif isinstance(opt, (FP16_Optimizer, FP16_UnfusedOptimizer)):
+        _wrap_fp16(opt, hook)
+    elif isinstance(opt, BF16_Optimizer) or not isinstance(opt, torch.optim.Optimizer):
+        if clip > 0:
+            raise FSSDPConfigError(f"gradient_clipping ({clip}) with DeepSpeed's {type(opt).__name__} is not "
+                                   "supported by fssdp (use ZeRO 0/1/2 without grad_accum_dtype fp32, or "
+                                   "gradient_clipping 0)")
+    return hook
+
+
+def loss_scale_of(opt) -> float:
+    if isinstance(opt, DeepSpeedZeroOptimizer):
+        return float(opt.loss_scale)
+    if isinstance(opt, (FP16_Optimizer, FP16_UnfusedOptimizer)):
+        return float(opt.loss_scale_config.cur_scale)
+    return 1.0
+
+
+def _wrap_zero(opt, hook: ExpertNorm) -> None:
+    orig = opt.scaled_global_norm
+
+    def scaled_global_norm(norm_type=2):
+        dense = orig(norm_type)
+        if hook.expert_sq is None:
+            return dense
+        combined = combine_grad_norm_groups([dense, hook.expert_sq.to(dense.device, torch.float32).sqrt()])
+        hook._set(float(combined), float(opt.loss_scale))
+        return combined
+
+    opt.scaled_global_norm = scaled_global_norm
+
+
+def _wrap_fp16(opt, hook: ExpertNorm) -> None:
+    orig_unscale = opt.unscale_and_clip_grads
+    norm_pos = 0 if isinstance(opt, FP16_UnfusedOptimizer) else 1
+
+    def unscale_and_clip_grads(*args, **kwargs):
+        args = list(args)
+        if hook.expert_sq is not None:
+            dense = float(args[norm_pos])
+            combined = math.sqrt(dense * dense + float(hook.expert_sq))
+            args[norm_pos] = combined
+            opt._global_grad_norm = combined
+            hook._set(combined, float(opt.loss_scale_config.cur_scale))
+        return orig_unscale(*args, **kwargs)
+
+    opt.unscale_and_clip_grads = unscale_and_clip_grads
+    checker = opt.overflow_checker
+    for name in ("check", "has_overflow", "check_using_norm"):
+        orig_check = getattr(checker, name, None)
+        if orig_check is not None:
+            setattr(checker, name, _or_expert_overflow(orig_check, hook))
+
+
+def _or_expert_overflow(orig_check, hook: ExpertNorm):
+
+    def check(*args, **kwargs):
+        overflow = orig_check(*args, **kwargs)
+        return overflow or (hook.expert_sq is not None and not math.isfinite(float(hook.expert_sq)))
+
+    return check

@@ -1,0 +1,137 @@
+"""The FSSDP stage: expert shards, their owner-only optimizer, and their part of each step.
+
+Legend: E experts, D ranks, S owned rows, P elements per expert.
+
+DeepSpeed keeps the dense parameters (data parallel, ZeRO 0/1/2). The stage keeps every expert's
+parameters, fp32 master and optimizer moments on its owner only. Per micro-step it folds the
+owned gradient and the replicas' reduced gradients into the owner's fp32 gradient; at the
+optimizer step it averages them over ranks like DeepSpeed's data-parallel gradients, folds their
+norm into DeepSpeed's global norm, applies the same unscale/clip factor, and steps them with the
+optimizer type and hyperparameters DeepSpeed built from the same config.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.utils import logger
+
+from ds_fssdp.comm.sparse import scatter_rows
+from ds_fssdp.config import FSSDPConfig, FSSDPConfigError
+from ds_fssdp.moe.layer import FSSDPMoE
+from ds_fssdp.moe.sharded import ShardedExperts
+from ds_fssdp.planner import LoadPredictor, homogeneous_owner
+from ds_fssdp.runtime.grad_norm import install_expert_norm, loss_scale_of
+from ds_fssdp.topology import Topology
+
+# Hyperparameters an LR/momentum schedule changes on DeepSpeed's optimizer; mirrored every step.
+_SCHEDULED = ("lr", "betas", "momentum")
+
+
+class FSSDPStage:
+
+    def __init__(self, layers: list, config: FSSDPConfig, topology: Topology, group, *, src_rank: int = 0):
+        self.layers = list(layers)
+        self.config = config
+        self.topology = topology
+        self.group = group
+        self.world = dist.get_world_size(group=group)
+        self.predictor = LoadPredictor([l.num_experts for l in self.layers], window=config.load_window)
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, FSSDPMoE):
+                raise TypeError(f"FSSDPStage takes FSSDPMoE layers, got {type(layer).__name__}")
+            owner_E = homogeneous_owner(layer.num_experts, self.world)
+            full_EP = layer.spec.flatten(layer.export_experts())
+            # Every owner starts from rank src_rank's initial values, as DeepSpeed broadcasts
+            # the dense ones from rank 0.
+            rows_SP = scatter_rows(full_EP, owner_E, src=src_rank, group=group)
+            layer.attach_sharded(ShardedExperts(spec=layer.spec, layer_index=i, owner_E=owner_E, rows_SP=rows_SP,
+                                                topology=topology, group=group, policy=config.policy,
+                                                overlap_degree=config.overlap_degree,
+                                                budget=config.materialization_budget, predictor=self.predictor))
+        self.optimizer = None
+        self.norm = None
+        self.last_step = {}
+
+    @property
+    def shards(self) -> list:
+        return [layer.sharded for layer in self.layers]
+
+    def masters(self) -> list:
+        return [s.master for s in self.shards]
+
+    def attach(self, engine) -> None:
+        """Adopt the engine's precision and device, its optimizer type and its clipping."""
+        dtype = torch.float32
+        if engine.bfloat16_enabled():
+            dtype = torch.bfloat16
+        elif engine.fp16_enabled():
+            dtype = torch.float16
+        for shard in self.shards:
+            shard.use_precision(dtype, engine.device)
+        self.optimizer = build_expert_optimizer(engine.basic_optimizer, self.masters())
+        self.norm = install_expert_norm(engine)
+        logger.info(f"fssdp: {len(self.layers)} MoE layers, policy={self.config.policy}, "
+                    f"{self.topology.num_ranks} ranks in {self.topology.num_nodes} nodes, expert optimizer "
+                    f"{type(self.optimizer).__name__}, expert dtype {dtype}")
+
+    # -- per micro-step -------------------------------------------------------------------------
+    def after_backward(self) -> None:
+        for shard in self.shards:
+            shard.accumulate_grads()
+
+    # -- per optimizer step ---------------------------------------------------------------------
+    @torch.no_grad()
+    def before_step(self, engine) -> None:
+        """Average the expert gradients over ranks and arm DeepSpeed's norm with theirs."""
+        sq = torch.zeros((), dtype=torch.float32, device=engine.device)
+        for master in self.masters():
+            if master.grad is None:
+                master.grad = torch.zeros_like(master)
+            master.grad.mul_(1.0 / self.world)
+            sq += master.grad.float().pow(2).sum()
+        dist.all_reduce(sq, group=self.group)
+        self.norm.arm(sq, loss_scale_of(engine.optimizer))
+        group0 = engine.basic_optimizer.param_groups[0]
+        self._scheduled = {k: group0[k] for k in _SCHEDULED if k in group0}
+
+    @torch.no_grad()
+    def after_step(self, engine) -> None:
+        applied = not getattr(engine.optimizer, "overflow", False)
+        factor = self.norm.disarm()
+        if applied:
+            for group in self.optimizer.param_groups:
+                group.update({k: v for k, v in self._scheduled.items() if k in group})
+            if factor != 1.0:
+                for master in self.masters():
+                    master.grad.mul_(factor)
+            self.optimizer.step()
+            for shard in self.shards:
+                shard.copy_master_to_rows()
+            for layer in self.layers:
+                layer.update_routing_bias()
+        for master in self.masters():
+            master.grad = None
+        self.last_step = {"applied": applied, "expert_grad_factor": factor, "global_grad_norm": self.norm.global_norm}
+
+
+def build_expert_optimizer(basic_optimizer, params: list):
+    """The dense optimizer's type and constructor hyperparameters, over the expert masters."""
+    cls = type(basic_optimizer)
+    allowed = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+    extra = {}
+    try:
+        from deepspeed.ops.adam import FusedAdam
+        allowed += (FusedAdam, )
+        if isinstance(basic_optimizer, FusedAdam):
+            extra["adam_w_mode"] = basic_optimizer.adam_w_mode
+    except ImportError:
+        pass
+    if cls not in allowed:
+        raise FSSDPConfigError(f"optimizer {cls.__name__} is not supported for fssdp experts; use Adam, AdamW "
+                               "or SGD (DeepSpeed config optimizer.type, with torch_adam true on CPU)")
+    accepted = inspect.signature(cls.__init__).parameters
+    kwargs = {k: v for k, v in basic_optimizer.defaults.items() if k in accepted}
+    kwargs.update(extra)
+    return cls(params, **kwargs)

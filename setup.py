@@ -1,0 +1,32 @@
+"""ds-fssdp: Fully Sharded Sparse Data Parallelism for Mixture-of-Experts training, as a DeepSpeed
+engine extension. The top-level folder ``ops/`` installs as ``ds_fssdp.ops``."""
+from setuptools import find_packages, setup
+
+packages = find_packages(include=["ds_fssdp", "ds_fssdp.*"])
+ops_packages = ["ds_fssdp.ops"] + ["ds_fssdp.ops." + p for p in find_packages(where="ops")]
+
+setup(
+    name="ds-fssdp",
+    version="0.1.0",
+    description="Fully Sharded Sparse Data Parallelism (FSSDP) for MoE training on DeepSpeed",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=packages + ops_packages,
+    package_dir={"ds_fssdp.ops": "ops"},
+    install_requires=[
+        # torch is required but not pinned: a GPU user keeps their CUDA build; CPU machines pass
+        # constraints/cpu.txt (see README) so pip takes the CPU wheel.
+        "torch>=2.4",
+        "deepspeed>=0.19.8",
+        "hjson",
+        "numpy",
+        "packaging",
+        "tqdm",
+    ],
+    extras_require={
+        "triton": ["triton>=3.0"],
+        "test": ["pytest>=8", "pytest-timeout"],
+        "hf": ["transformers>=5.20", "accelerate>=1.10"],
+    },
+)

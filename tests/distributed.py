@@ -1,0 +1,59 @@
+"""Spawn gloo CPU ranks that run one function and return its results to the test.
+
+Every rank imports torch and deepspeed (several seconds), so tests group many checks per spawn.
+DeepSpeed's shared-memory inference all-reduce is never used in training; its first-use JIT build
+(about a minute) is skipped in the spawned ranks.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import tempfile
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(world_size: int, fn, *args, local_size: int | None = None, **kwargs) -> list:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; return each
+    rank's result (in rank order). An exception on any rank fails the call with its traceback."""
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_entry, args=(world_size, port, local_size, fn, args, kwargs, tmp), nprocs=world_size, join=True)
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def _entry(rank, world_size, port, local_size, fn, args, kwargs, tmp):
+    os.environ.update({
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank % (local_size or world_size)),
+        "LOCAL_SIZE": str(local_size or world_size),
+        "OMP_NUM_THREADS": "1",
+    })
+    torch.set_num_threads(1)
+    init_gloo()
+    try:
+        result = fn(rank, world_size, *args, **kwargs)
+    except Exception:
+        traceback.print_exc()
+        sys.stderr.flush()
+        raise
+    torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
+
+
+def init_gloo() -> None:
+    import deepspeed
+    import deepspeed.comm.torch  # noqa: F401
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo")

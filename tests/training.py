@@ -1,0 +1,95 @@
+"""Shared pieces of the training-equivalence tests: a tiny GPT-MoE, its data, DeepSpeed configs, the
+distributed worker and the single-process reference it is compared with."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from ds_fssdp.models import GPTMoE, GPTMoEConfig
+
+MODEL = GPTMoEConfig(vocab_size=64, seq_len=16, d_model=16, n_heads=2, n_layers=2, ffn_hidden=24, num_experts=8,
+                     k=2, aux_loss_coef=0.01, z_loss_coef=0.001, init_std=0.2)
+MICRO = 2  # sequences per rank per micro-step
+
+
+def batch(step: int, micro: int, rank: int, cfg: GPTMoEConfig = MODEL):
+    gen = torch.Generator().manual_seed(100_000 * step + 1000 * micro + rank)
+    # A skewed token distribution, so that routing is skewed too and replicas matter.
+    probs = torch.arange(cfg.vocab_size, 0, -1, dtype=torch.float).pow(2)
+    seq = torch.multinomial(probs, MICRO * (cfg.seq_len + 1), replacement=True, generator=gen)
+    seq = seq.view(MICRO, cfg.seq_len + 1)
+    return seq[:, :-1], seq[:, 1:]
+
+
+def ds_config(*, world, zero=0, gas=2, policy="fssdp", optimizer=None, clip=0.3, bf16=False, fssdp=None):
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "train_batch_size": MICRO * gas * world,
+        "optimizer": optimizer or {"type": "SGD", "params": {"lr": 0.5, "momentum": 0.9}},
+        "gradient_clipping": clip,
+        "zero_optimization": {"stage": zero},
+        "zero_allow_untested_optimizer": True,  # SGD under ZeRO 1/2
+        "steps_per_print": 10**9,
+        "fssdp": dict({"policy": policy, "materialization_budget": 2, "overlap_degree": 4, "load_window": 2},
+                      **(fssdp or {})),
+    }
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def train_worker(rank, world, runs: dict, steps: int):
+    """Train every run's config on this rank; return losses, final weights and statistics."""
+    import ds_fssdp
+    out = {}
+    for name, cfg in runs.items():
+        torch.manual_seed(0)
+        model = GPTMoE(MODEL)
+        engine, *_ = ds_fssdp.initialize(model=model, config=copy.deepcopy(cfg))
+        gas = cfg["gradient_accumulation_steps"]
+        losses, replicas, factors = [], [], []
+        for step in range(steps):
+            for micro in range(gas):
+                x, y = batch(step, micro, rank)
+                loss = engine(x, y)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+                replicas.append(sum(l.last_stats["replicas"] for l in model.moe_layers()))
+            factors.append(engine.fssdp.last_step["expert_grad_factor"])
+        dense = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+        experts = [{k: v.float() for k, v in l.export_experts().items()} for l in model.moe_layers()]
+        out[name] = dict(losses=losses, dense=dense, experts=experts, replicas=replicas, factors=factors)
+    return out
+
+
+def reference_train(cfg: dict, world: int, steps: int):
+    """One process, the whole model, every rank's micro-batches: DeepSpeed's data-parallel math
+    (loss / (world * gas), global-norm clipping, the same optimizer)."""
+    torch.manual_seed(0)
+    model = GPTMoE(MODEL)
+    opt_cfg = cfg["optimizer"]
+    params = dict(opt_cfg["params"])
+    params.pop("torch_adam", None)
+    cls = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW, "adam": torch.optim.AdamW}[opt_cfg["type"].lower()]
+    opt = cls(model.parameters(), **params)
+    gas = cfg["gradient_accumulation_steps"]
+    losses = {}
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(gas):
+            for rank in range(world):
+                x, y = batch(step, micro, rank)
+                loss = model(x, y)
+                (loss / (world * gas)).backward()
+                losses[(step, micro, rank)] = loss.item()
+        if cfg["gradient_clipping"]:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["gradient_clipping"])
+        opt.step()
+        for layer in model.moe_layers():
+            layer.update_routing_bias()
+    dense = {n: p.detach().clone() for n, p in model.named_parameters()}
+    experts = [l.export_experts() for l in model.moe_layers()]
+    return losses, dense, experts
