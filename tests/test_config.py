@@ -1,0 +1,82 @@
+"""The "fssdp" section: typed, named errors before any collective, accepted next to DeepSpeed's keys."""
+import json
+
+import pytest
+import torch
+import torch.distributed
+
+import ds_fssdp
+from ds_fssdp import FSSDPConfig, FSSDPConfigError, FSSDPMoE
+
+BAD = [
+    ({"materialization_budget": -1}, "fssdp.materialization_budget (-1) must be >= 0"),
+    ({"overlap_degree": -2}, "fssdp.overlap_degree (-2) must be >= 0"),
+    ({"overlap_degree": 2.5}, "fssdp.overlap_degree (2.5)"),
+    ({"policy": "fastest"}, "fssdp.policy ('fastest') must be one of"),
+    ({"reshard_interval": -1}, "fssdp.reshard_interval (-1) must be >= 0"),
+    ({"load_window": 0}, "fssdp.load_window (0) must be >= 1"),
+    ({"enabled": "yes"}, "fssdp.enabled ('yes')"),
+    ({"rematerialize": 1}, "fssdp.rematerialize (1)"),
+    ({"calibration": "no"}, "fssdp.calibration ('no')"),
+    ({"ranks_per_node": 0}, "fssdp.ranks_per_node (0)"),
+    ({"ranks_per_node": "two"}, "fssdp.ranks_per_node ('two') must be \"auto\" or an int >= 1"),
+    ({"materialisation_budget": 2}, "fssdp.materialisation_budget (2) is not a known key"),
+]
+
+
+@pytest.mark.parametrize("section,message", BAD)
+def test_bad_values_name_key_and_value(section, message):
+    with pytest.raises(FSSDPConfigError) as err:
+        FSSDPConfig.from_ds_config({"fssdp": section})
+    assert message in str(err.value)
+    assert isinstance(err.value, ValueError)
+
+
+def test_defaults_and_missing_section():
+    cfg = FSSDPConfig.from_ds_config({"fssdp": {}})
+    assert cfg.enabled and cfg.policy == "fssdp" and cfg.load_window == 5 and cfg.ranks_per_node == "auto"
+    assert not FSSDPConfig.from_ds_config({"train_batch_size": 8}).enabled
+    with pytest.raises(FSSDPConfigError, match="must be an object"):
+        FSSDPConfig.from_ds_config({"fssdp": [1, 2]})
+
+
+def test_ranks_per_node_resolution():
+    cfg = FSSDPConfig.from_ds_config({"fssdp": {"ranks_per_node": "auto"}})
+    assert cfg.resolve_ranks_per_node(8, env={"LOCAL_SIZE": "4"}) == 4
+    assert cfg.resolve_ranks_per_node(8, env={"LOCAL_WORLD_SIZE": "2"}) == 2
+    assert cfg.resolve_ranks_per_node(8, env={}) == 8
+    cfg = FSSDPConfig.from_ds_config({"fssdp": {"ranks_per_node": 3}})
+    with pytest.raises(FSSDPConfigError, match=r"fssdp.ranks_per_node \(3 -> 3\) must divide the world size \(4\)"):
+        cfg.resolve_ranks_per_node(4)
+
+
+def test_deepspeed_accepts_the_section_from_hjson(tmp_path):
+    from deepspeed.runtime.config import DeepSpeedConfig
+    path = tmp_path / "ds.hjson"
+    path.write_text("{\n  train_batch_size: 4\n  # FSSDP lives beside DeepSpeed's keys\n"
+                    "  fssdp: {\n    policy: ep\n    materialization_budget: 3\n  }\n}\n")
+    ds = DeepSpeedConfig(str(path))
+    assert ds._param_dict["fssdp"]["policy"] == "ep"
+    from ds_fssdp.runtime.engine import _read_config
+    cfg = FSSDPConfig.from_ds_config(_read_config(None, str(path), None))
+    assert cfg.policy == "ep" and cfg.materialization_budget == 3
+
+
+def _tiny_model():
+    return torch.nn.Sequential(FSSDPMoE(hidden_size=4, ffn_hidden_size=8, num_experts=4))
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"train_batch_size": 2, "zero_optimization": {"stage": 3}, "fssdp": {}}, r"zero_optimization.stage \(3\)"),
+    ({"train_batch_size": 2, "fssdp": {"load_window": -3}}, r"fssdp.load_window \(-3\)"),
+])
+def test_initialize_refuses_before_any_collective(config, message):
+    with pytest.raises(FSSDPConfigError, match=message):
+        ds_fssdp.initialize(model=_tiny_model(), config=json.loads(json.dumps(config)))
+    assert not torch.distributed.is_initialized()
+
+
+def test_initialize_refuses_model_parallel_and_pipeline():
+    with pytest.raises(FSSDPConfigError, match="model/tensor parallelism"):
+        ds_fssdp.initialize(model=_tiny_model(), config={"train_batch_size": 2, "fssdp": {}}, mpu=object())
+    assert not torch.distributed.is_initialized()

@@ -1,0 +1,154 @@
+"""Planner invariants on many random instances: Algorithm 1 (materialize), Algorithm 3 (dispatch),
+the gather layout, the load predictor; and better balance than EP on skewed loads."""
+import pytest
+import torch
+
+from ds_fssdp import Topology
+from ds_fssdp.planner import (LoadPredictor, dispatch, gather_layout, homogeneous_owner, materialize,
+                              plan_placement, shard_placement, straggler_factor)
+
+SHAPES = [(8, 8, 4), (8, 4, 2), (16, 8, 4), (4, 8, 2), (6, 4, 4), (32, 16, 4), (5, 3, 1), (3, 6, 3)]  # E, D, G
+
+
+def instances(n_per_shape=25):
+    gen = torch.Generator().manual_seed(0)
+    for E, D, G in SHAPES:
+        for i in range(n_per_shape):
+            owner_E = torch.randint(0, D, (E, ), generator=gen) if i % 2 else homogeneous_owner(E, D)
+            skew = torch.rand(E, generator=gen).pow(4 * torch.rand(1, generator=gen).item() + 0.5)
+            load_E = skew / skew.sum() * 1000
+            t = int(torch.randint(0, E + 2, (1, ), generator=gen))
+            m = int(torch.randint(0, 4, (1, ), generator=gen))
+            tokens_ED = torch.distributions.Multinomial(total_count=200, probs=load_E / load_E.sum()).sample(
+                (D, )).t().long()
+            yield E, D, Topology(num_ranks=D, ranks_per_node=G), owner_E, load_E, t, m, tokens_ED
+
+
+def test_materialize_invariants():
+    for E, D, topo, owner_E, load_E, t, m, _ in instances():
+        p = materialize(owner_E, load_E, topo, overlap_degree=t, budget=m)
+        shard = shard_placement(owner_E, D)
+        assert p.dtype == torch.bool and p.shape == (E, D)
+        assert bool(p[shard].all()), "the shard must stay inside the placement"
+        added = p & ~shard
+        assert int(added.sum(0).max()) <= min(m, t, E), "per-rank added replicas exceed the budget"
+        replicated = added.any(1)
+        assert int(replicated.sum()) <= min(t, E), "more distinct replicated experts than the overlap degree"
+        if replicated.any():
+            # Only top-t experts by load are replicated (ties by lower id).
+            top = torch.sort(-load_E.double(), stable=True).indices[:min(t, E)]
+            assert set(torch.nonzero(replicated).flatten().tolist()) <= set(top.tolist())
+        again = materialize(owner_E.clone(), load_E.clone(), topo, overlap_degree=t, budget=m)
+        assert torch.equal(p, again), "not deterministic"
+
+
+def test_materialize_t_le_m_replicates_top_t_everywhere():
+    topo = Topology(num_ranks=4, ranks_per_node=2)
+    owner_E = homogeneous_owner(8, 4)
+    load_E = torch.tensor([1., 9, 2, 3, 8, 1, 1, 1])
+    p = materialize(owner_E, load_E, topo, overlap_degree=2, budget=3)
+    assert bool(p[[1, 4]].all())
+    assert torch.equal(p[[0, 2, 3, 5, 6, 7]], shard_placement(owner_E, 4)[[0, 2, 3, 5, 6, 7]])
+
+
+def test_materialize_prefers_nodes_lacking_the_expert():
+    # Expert 0 lives on node 0 (rank 0) and needs one replica: it must go to node 1.
+    topo = Topology(num_ranks=4, ranks_per_node=2)
+    owner_E = homogeneous_owner(4, 4)
+    p = materialize(owner_E, torch.tensor([30., 10, 10, 10]), topo, overlap_degree=4, budget=1)
+    added_ranks = torch.nonzero(p & ~shard_placement(owner_E, 4))
+    assert added_ranks.tolist() == [[0, 2]]  # expert 0 -> rank 2 (node 1; rank 3 ties, higher id)
+
+
+def test_materialize_no_history_or_no_budget_is_the_shard():
+    topo = Topology(num_ranks=4, ranks_per_node=4)
+    owner_E = homogeneous_owner(8, 4)
+    shard = shard_placement(owner_E, 4)
+    assert torch.equal(plan_placement("fssdp", owner_E, None, topo, overlap_degree=4, budget=2), shard)
+    assert torch.equal(plan_placement("ep", owner_E, torch.rand(8), topo, overlap_degree=4, budget=2), shard)
+    assert torch.equal(materialize(owner_E, torch.rand(8), topo, overlap_degree=4, budget=0), shard)
+    with pytest.raises(ValueError, match="policy"):
+        plan_placement("nope", owner_E, None, topo, overlap_degree=1, budget=1)
+
+
+def test_dispatch_invariants():
+    for E, D, topo, owner_E, load_E, t, m, tokens_ED in instances():
+        p = materialize(owner_E, load_E, topo, overlap_degree=t, budget=m)
+        plan = dispatch(p, tokens_ED, topo)
+        assert plan.shape == (E, D, D) and plan.dtype == torch.long and bool((plan >= 0).all())
+        assert torch.equal(plan.sum(2), tokens_ED), "tokens not conserved"
+        assert bool((plan.sum(1)[~p] == 0).all()), "tokens sent to a rank without the expert"
+        same_node = topo.same_node_DD()
+        for e in range(E):
+            for d in range(D):
+                c = int(tokens_ED[e, d])
+                if p[e, d]:
+                    assert int(plan[e, d, d]) == c, "local holder must keep its tokens"
+                    continue
+                local = p[e] & same_node[d]
+                targets = local if local.any() else p[e]
+                assert bool((plan[e, d][~targets] == 0).all()), "same-node holders must be preferred"
+                shares = plan[e, d][targets]
+                assert int(shares.max() - shares.min()) <= 1, "split is not even"
+        assert torch.equal(plan, dispatch(p.clone(), tokens_ED.clone(), topo)), "not deterministic"
+
+
+def test_fssdp_balances_better_than_ep_on_skewed_loads():
+    gen = torch.Generator().manual_seed(1)
+    topo = Topology(num_ranks=8, ranks_per_node=4)
+    owner_E = homogeneous_owner(8, 8)
+    ep, fs = [], []
+    for _ in range(50):
+        share_E = torch.softmax(torch.randn(8, generator=gen) * 1.5, 0)
+        tokens_ED = torch.distributions.Multinomial(total_count=512, probs=share_E).sample((8, )).t().long()
+        load_E = tokens_ED.sum(1).double()
+        ep.append(straggler_factor(dispatch(shard_placement(owner_E, 8), tokens_ED, topo)))
+        placement = materialize(owner_E, load_E, topo, overlap_degree=4, budget=2)
+        fs.append(straggler_factor(dispatch(placement, tokens_ED, topo)))
+    ep_mean, fs_mean = sum(ep) / len(ep), sum(fs) / len(fs)
+    assert fs_mean < 0.8 * ep_mean, (fs_mean, ep_mean)
+    assert all(f <= e + 1e-9 for f, e in zip(fs, ep))
+
+
+def test_gather_layout_is_consistent_across_ranks():
+    for E, D, topo, owner_E, load_E, t, m, _ in instances(8):
+        p = materialize(owner_E, load_E, topo, overlap_degree=t, budget=m)
+        layouts = [gather_layout(owner_E, p, r) for r in range(D)]
+        added = int(p.sum()) - E
+        assert all(l.added_pairs == added for l in layouts)
+        assert sum(sum(l.send_splits) for l in layouts) == added
+        for src in range(D):
+            for dst in range(D):
+                assert layouts[src].send_splits[dst] == layouts[dst].recv_splits[src]
+        for r, l in enumerate(layouts):
+            assert torch.equal(l.owned_E, torch.nonzero(owner_E == r).flatten())
+            held = torch.nonzero(p[:, r]).flatten()
+            assert sorted(l.local_E.tolist()) == held.tolist()
+            # What rank r receives from src, in order, is what src sends to r, in order.
+            offset = 0
+            for src in range(D):
+                n = l.recv_splits[src]
+                src_l = layouts[src]
+                start = sum(src_l.send_splits[:r])
+                sent_E = src_l.owned_E[src_l.send_rows[start:start + n]]
+                assert torch.equal(l.replica_E[offset:offset + n], sent_E)
+                offset += n
+    with pytest.raises(ValueError, match="shard"):
+        gather_layout(torch.tensor([0, 1]), torch.tensor([[False, True], [False, True]]), 0)
+
+
+def test_load_predictor_window_mean():
+    pred = LoadPredictor([3, 2], window=2)
+    assert pred.predict(0) is None and pred.predict_all() is None
+    pred.observe(0, torch.tensor([1, 2, 3]))
+    pred.observe(0, torch.tensor([3, 2, 1]))
+    pred.observe(0, torch.tensor([5, 2, 1]))
+    assert torch.equal(pred.predict(0), torch.tensor([4., 2., 1.], dtype=torch.float64))
+    with pytest.raises(ValueError, match="expected 2"):
+        pred.observe(1, torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="window"):
+        LoadPredictor(4, window=0)
+    state = pred.state_dict()
+    other = LoadPredictor([3, 2], window=2)
+    other.load_state_dict(state)
+    assert torch.equal(other.predict(0), pred.predict(0))
