@@ -52,12 +52,20 @@ def test_materialize_t_le_m_replicates_top_t_everywhere():
 
 
 def test_materialize_prefers_nodes_lacking_the_expert():
-    # Expert 0 lives on node 0 (rank 0) and needs one replica: it must go to node 1.
+    # Expert 0 lives on node 0 (rank 0); t = m = 1 would replicate it everywhere, so use t = 2,
+    # m = 1: 4 slots, expert 0 takes round(4 * 30 / 40) = 3 of them: node 1 first (ranks 2, 3 tie
+    # on free slots and load: lower id), then node 1's other rank and node 0's rank 1.
     topo = Topology(num_ranks=4, ranks_per_node=2)
     owner_E = homogeneous_owner(4, 4)
-    p = materialize(owner_E, torch.tensor([30., 10, 10, 10]), topo, overlap_degree=4, budget=1)
-    added_ranks = torch.nonzero(p & ~shard_placement(owner_E, 4))
-    assert added_ranks.tolist() == [[0, 2]]  # expert 0 -> rank 2 (node 1; rank 3 ties, higher id)
+    p = materialize(owner_E, torch.tensor([30., 10, 0, 0]), topo, overlap_degree=2, budget=1)
+    added = p & ~shard_placement(owner_E, 4)
+    assert added[0].tolist() == [False, True, True, True]
+    assert added[1].tolist() == [True, False, False, False]  # the one slot left is rank 0's
+    p = materialize(owner_E, torch.tensor([30., 30, 0, 0]), topo, overlap_degree=2, budget=1)
+    added = p & ~shard_placement(owner_E, 4)
+    # Two slots each. Expert 0 (rank 0, node 0): node 1 first (rank 2), then the least loaded
+    # rank with a free slot (rank 3). Expert 1: only rank 0 has a slot left.
+    assert torch.nonzero(added).tolist() == [[0, 2], [0, 3], [1, 0]]
 
 
 def test_materialize_no_history_or_no_budget_is_the_shard():

@@ -36,6 +36,6 @@ def all_to_all(x_RH: torch.Tensor, out_splits: list, in_splits: list, group) -> 
 def all_gather_counts(counts_E: torch.Tensor, group) -> torch.Tensor:
     """Every rank's per-expert assignment counts -> tokens_ED (long [E, D], on the host)."""
     world = dist.get_world_size(group=group)
-    out = counts_E.new_empty(world * counts_E.numel())
-    dist.all_gather_into_tensor(out, counts_E.contiguous(), group=group)
-    return out.view(world, -1).t().contiguous().cpu()
+    out_D = [torch.empty_like(counts_E) for _ in range(world)]
+    dist.all_gather(out_D, counts_E.contiguous(), group=group)
+    return torch.stack(out_D, 1).cpu()

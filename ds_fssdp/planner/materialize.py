@@ -8,9 +8,8 @@ P' starts from the shard placement P and adds replicas of the hottest experts:
   the preceding attention computes), at most ``m`` added replicas per rank (the budget);
 * if t <= m every one of the top-t experts is materialized on every rank;
 * otherwise the D * m replica slots are shared among the top-t experts by load, hottest first
-  (longest-processing-time first). ``assign_slots_by_load`` gives an expert its proportional share
-  of the slots left, but never more replicas than it needs to bring each holder down to the mean
-  rank load: a replica beyond that balances nothing and costs a chunk of traffic;
+  (longest-processing-time first): ``assign_slots_by_load`` gives an expert its proportional share
+  of the slots left (slots an expert cannot use flow to the next ones);
 * each replica goes first to a node that does not hold the expert yet (so that node's tokens stay
   inside it), then to the rank with the most free slots, then the least predicted load, then the
   lowest rank id. Deterministic: the same inputs give the same placement on every rank.
@@ -51,14 +50,13 @@ def materialize(owner_E: torch.Tensor, load_E: torch.Tensor, topology: Topology,
     node_D = topology.node_D()
     free_D = torch.full((num_ranks,), m, dtype=torch.long)
     rank_load_D = torch.zeros(num_ranks, dtype=torch.float64).index_add_(0, owner_E, load_E)
-    target = total / num_ranks
     slots_left = num_ranks * m
     load_left = float(load_E[top].sum())
     for e in top.tolist():
         load = float(load_E[e])
         if slots_left == 0 or load_left <= 0:
             break
-        n = assign_slots_by_load(load, load_left, slots_left, target)
+        n = assign_slots_by_load(load, load_left, slots_left)
         load_left -= load
         for _ in range(n):
             d = _pick_rank(placement_ED[e], free_D, rank_load_D, node_D, topology.num_nodes)
@@ -70,11 +68,10 @@ def materialize(owner_E: torch.Tensor, load_E: torch.Tensor, topology: Topology,
     return placement_ED
 
 
-def assign_slots_by_load(load: float, load_left: float, slots_left: int, target: float) -> int:
-    """Replicas for an expert of ``load``: its share of the slots left, capped by need."""
-    share = int(round(slots_left * load / load_left))
-    need = max(0, math.ceil(load / target - 1e-9) - 1) if target > 0 else 0
-    return min(share, need, slots_left)
+def assign_slots_by_load(load: float, load_left: float, slots_left: int) -> int:
+    """Replicas for an expert of ``load``: its share of the slots left (the caller stops when the
+    expert is on every rank or no rank has a free slot)."""
+    return min(slots_left, int(math.floor(slots_left * load / load_left + 0.5)))
 
 
 def _pick_rank(holds_D: torch.Tensor, free_D: torch.Tensor, rank_load_D: torch.Tensor, node_D: torch.Tensor,
