@@ -38,7 +38,7 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
         if fcfg.enabled:
             logger.warning("fssdp: the model has no FSSDPMoE layers; initializing plain DeepSpeed")
         return deepspeed.initialize(**ds_kwargs)
-    check_supported(ds_config, model=model, mpu=mpu)
+    check_supported(ds_config, fcfg, model=model, mpu=mpu)
 
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                distributed_port=distributed_port, dist_init_required=dist_init_required)
@@ -60,8 +60,13 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
     return engine, ds_optimizer, dataloader, scheduler
 
 
-def check_supported(ds_config: dict, *, model, mpu) -> None:
+def check_supported(ds_config: dict, fcfg: FSSDPConfig, *, model, mpu) -> None:
     """Refuse combinations FSSDP does not handle, before any collective."""
+    for key, value, off in (("rematerialize", fcfg.rematerialize, False), ("reshard_interval", fcfg.reshard_interval,
+                                                                          0), ("calibration", fcfg.calibration, False)):
+        if value != off:
+            raise FSSDPConfigError(f"fssdp.{key} ({value!r}) is not supported by this version of ds_fssdp; "
+                                   f"leave it at {off!r}")
     stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
     if stage >= 3:
         raise FSSDPConfigError(f"zero_optimization.stage ({stage}) is not supported with fssdp: experts are "
