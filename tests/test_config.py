@@ -83,3 +83,17 @@ def test_initialize_refuses_model_parallel_and_pipeline():
     with pytest.raises(FSSDPConfigError, match="model/tensor parallelism"):
         ds_fssdp.initialize(model=_tiny_model(), config={"train_batch_size": 2, "fssdp": {}}, mpu=object())
     assert not torch.distributed.is_initialized()
+
+
+def test_expert_optimizer_follows_the_dense_one_and_refuses_others():
+    from ds_fssdp.runtime.stage import build_expert_optimizer
+    dense = [torch.nn.Parameter(torch.zeros(2))]
+    expert = [torch.zeros(3, 4, requires_grad=True)]
+    built = build_expert_optimizer(torch.optim.AdamW(dense, lr=0.1, betas=(0.8, 0.9), weight_decay=0.3), expert)
+    assert type(built) is torch.optim.AdamW
+    assert built.defaults["lr"] == 0.1 and built.defaults["betas"] == (0.8, 0.9)
+    assert built.defaults["weight_decay"] == 0.3
+    assert type(build_expert_optimizer(torch.optim.SGD(dense, lr=0.1, momentum=0.5), expert)) is torch.optim.SGD
+    assert build_expert_optimizer(None, expert) is None
+    with pytest.raises(FSSDPConfigError, match="optimizer Adagrad is not supported"):
+        build_expert_optimizer(torch.optim.Adagrad(dense, lr=0.1), expert)

@@ -5,18 +5,19 @@ import pytest
 import torch
 
 from distributed import spawn
-from training import ds_config, reference_train, train_worker
+from training import WARMUP, ds_config, reference_train, train_worker
 
 WORLD, STEPS = 4, 4
 ADAM = {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1, "torch_adam": True}}
 RUNS = {
     "fssdp-z0": ds_config(world=WORLD, zero=0),
-    "fssdp-z1": ds_config(world=WORLD, zero=1),
+    "fssdp-z1-warmup": ds_config(world=WORLD, zero=1, scheduler=WARMUP),
     "fssdp-z2-2nodes": ds_config(world=WORLD, zero=2, fssdp={"ranks_per_node": 2}),
     "ep-z0": ds_config(world=WORLD, zero=0, policy="ep"),
     "ep-z2": ds_config(world=WORLD, zero=2, policy="ep"),
     "fssdp-z1-adamw": ds_config(world=WORLD, zero=1, optimizer=ADAM, gas=1),
     "fssdp-z2-bf16": ds_config(world=WORLD, zero=2, bf16=True),
+    "fssdp-z0-client-optimizer": ds_config(world=WORLD, zero=0, optimizer="client"),
 }
 # fp32 with SGD: the runs differ from the reference only in summation order (1e-7 relative per
 # step), amplified a little by momentum over the steps.
@@ -40,19 +41,33 @@ def _tol(name):
 @pytest.mark.parametrize("name", list(RUNS))
 def test_training_matches_single_process(trained, name):
     cfg = RUNS[name]
-    ref_losses, ref_dense, ref_experts = reference_train(cfg, WORLD, STEPS)
+    ref_losses, ref_dense, ref_experts, ref_norms = reference_train(cfg, WORLD, STEPS)
     gas = cfg["gradient_accumulation_steps"]
     tol = _tol(name)
     for rank in range(WORLD):
         got = trained[rank][name]
         want = [ref_losses[(s, m, rank)] for s in range(STEPS) for m in range(gas)]
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want), **tol)
+        # One global norm over dense and expert gradients, as the single process computes it.
+        torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(ref_norms), **tol)
         for n, p in got["dense"].items():
             torch.testing.assert_close(p, ref_dense[n].float(), **tol, msg=lambda m: f"{name} {n}: {m}")
         for layer, (g, w) in enumerate(zip(got["experts"], ref_experts)):
             for n in w:
                 torch.testing.assert_close(g[n], w[n].float(), **tol, msg=lambda m: f"{name} layer {layer} {n}: {m}")
     assert set(trained[0][name]["dense"]) == {n for n in ref_dense if not n.split(".")[-1].startswith("w_")}
+
+
+def test_expert_optimizer_state_lives_on_owners_only(trained):
+    """Each rank's expert optimizer holds moments for exactly the rows it owns (no replication)."""
+    total = [0, 0]
+    for rank in range(WORLD):
+        got = trained[rank]["fssdp-z1-adamw"]
+        assert len(got["expert_states"]) == len(got["owned"])  # one flat master per layer
+        for layer, (state, owned) in enumerate(zip(got["expert_states"], got["owned"])):
+            assert state["exp_avg"][0] == state["exp_avg_sq"][0] == owned
+            total[layer] += owned
+    assert total == [8, 8]
 
 
 def test_runs_exercise_replicas_and_clipping(trained):

@@ -22,7 +22,11 @@ def batch(step: int, micro: int, rank: int, cfg: GPTMoEConfig = MODEL):
     return seq[:, :-1], seq[:, 1:]
 
 
-def ds_config(*, world, zero=0, gas=2, policy="fssdp", optimizer=None, clip=0.3, bf16=False, fssdp=None):
+WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.05, "warmup_max_lr": 0.5, "warmup_num_steps": 3}}
+
+
+def ds_config(*, world, zero=0, gas=2, policy="fssdp", optimizer=None, clip=0.3, bf16=False, fssdp=None,
+              scheduler=None):
     cfg = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": gas,
@@ -37,7 +41,13 @@ def ds_config(*, world, zero=0, gas=2, policy="fssdp", optimizer=None, clip=0.3,
     }
     if bf16:
         cfg["bf16"] = {"enabled": True}
+    if scheduler:
+        cfg["scheduler"] = scheduler
     return cfg
+
+
+def client_sgd(params):
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
 
 
 def train_worker(rank, world, runs: dict, steps: int):
@@ -47,9 +57,14 @@ def train_worker(rank, world, runs: dict, steps: int):
     for name, cfg in runs.items():
         torch.manual_seed(0)
         model = GPTMoE(MODEL)
-        engine, *_ = ds_fssdp.initialize(model=model, config=copy.deepcopy(cfg))
+        cfg = copy.deepcopy(cfg)
+        client = None
+        if cfg["optimizer"] == "client":
+            del cfg["optimizer"]
+            client = client_sgd(model.parameters())  # holds the full expert parameters too
+        engine, *_ = ds_fssdp.initialize(model=model, config=cfg, optimizer=client)
         gas = cfg["gradient_accumulation_steps"]
-        losses, replicas, factors = [], [], []
+        losses, replicas, factors, norms = [], [], [], []
         for step in range(steps):
             for micro in range(gas):
                 x, y = batch(step, micro, rank)
@@ -59,9 +74,14 @@ def train_worker(rank, world, runs: dict, steps: int):
                 losses.append(loss.item())
                 replicas.append(sum(l.last_stats["replicas"] for l in model.moe_layers()))
             factors.append(engine.fssdp.last_step["expert_grad_factor"])
+            norms.append(engine.fssdp.last_step["global_grad_norm"])
         dense = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
         experts = [{k: v.float() for k, v in l.export_experts().items()} for l in model.moe_layers()]
-        out[name] = dict(losses=losses, dense=dense, experts=experts, replicas=replicas, factors=factors)
+        states = [{k: tuple(v.shape) for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0}
+                  for st in engine.fssdp.optimizer.state.values()]
+        owned = [int(l.sharded.owned_E.numel()) for l in model.moe_layers()]
+        out[name] = dict(losses=losses, dense=dense, experts=experts, replicas=replicas, factors=factors,
+                         norms=norms, expert_states=states, owned=owned)
     return out
 
 
@@ -71,12 +91,19 @@ def reference_train(cfg: dict, world: int, steps: int):
     torch.manual_seed(0)
     model = GPTMoE(MODEL)
     opt_cfg = cfg["optimizer"]
-    params = dict(opt_cfg["params"])
-    params.pop("torch_adam", None)
-    cls = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW, "adam": torch.optim.AdamW}[opt_cfg["type"].lower()]
-    opt = cls(model.parameters(), **params)
+    if opt_cfg == "client":
+        opt = client_sgd(model.parameters())
+    else:
+        params = dict(opt_cfg["params"])
+        params.pop("torch_adam", None)
+        cls = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW, "adam": torch.optim.AdamW}[opt_cfg["type"].lower()]
+        opt = cls(model.parameters(), **params)
+    scheduler = None
+    if "scheduler" in cfg:
+        from deepspeed.runtime.lr_schedules import WarmupLR
+        scheduler = WarmupLR(opt, **cfg["scheduler"]["params"])
     gas = cfg["gradient_accumulation_steps"]
-    losses = {}
+    losses, norms = {}, []
     for step in range(steps):
         opt.zero_grad()
         for micro in range(gas):
@@ -85,11 +112,12 @@ def reference_train(cfg: dict, world: int, steps: int):
                 loss = model(x, y)
                 (loss / (world * gas)).backward()
                 losses[(step, micro, rank)] = loss.item()
-        if cfg["gradient_clipping"]:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["gradient_clipping"])
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["gradient_clipping"] or 1e30)))
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
         for layer in model.moe_layers():
             layer.update_routing_bias()
     dense = {n: p.detach().clone() for n, p in model.named_parameters()}
     experts = [l.export_experts() for l in model.moe_layers()]
-    return losses, dense, experts
+    return losses, dense, experts, norms

@@ -75,6 +75,8 @@ def install_expert_norm(engine) -> ExpertNorm:
     opt = engine.optimizer
     clip = engine.gradient_clipping()
     hook = ExpertNorm(clip)
+    if opt is None:  # an inference engine: nothing to clip
+        return hook
     if isinstance(opt, DeepSpeedZeroOptimizer):
         _wrap_zero(opt, hook)
     elif isinstance(opt, (FP16_Optimizer, FP16_UnfusedOptimizer)):

@@ -117,7 +117,10 @@ class FSSDPStage:
 
 
 def build_expert_optimizer(basic_optimizer, params: list):
-    """The dense optimizer's type and constructor hyperparameters, over the expert masters."""
+    """The dense optimizer's type and constructor hyperparameters, over the expert masters (None
+    when DeepSpeed has no optimizer: an inference engine)."""
+    if basic_optimizer is None:
+        return None
     cls = type(basic_optimizer)
     allowed = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
     extra = {}
