@@ -20,7 +20,7 @@ ACTIVATIONS = {
 }
 
 
-def expert_mlp(x_RH: torch.Tensor, weights: Mapping[str, torch.Tensor], group_sizes: Sequence[int],
+def expert_mlp(x_RH: torch.Tensor, weights: Mapping[str, torch.Tensor], group_sizes: Sequence[int], *,
                activation: str) -> torch.Tensor:
     if activation == "gelu":
         h_RF = F.gelu(grouped_gemm(x_RH, weights["w_a"], group_sizes))

@@ -85,7 +85,7 @@ def test_aux_free_bias_moves_selection_not_weights():
 def test_empty_input_and_export_import():
     layer = FSSDPMoE(hidden_size=4, ffn_hidden_size=6, num_experts=3, k=2, activation="swiglu")
     out, l_aux, counts = layer(torch.zeros(0, 4))
-    assert out.shape == (0, 4) and float(l_aux) == 0.0 and counts.sum() == 0
+    assert out.shape == (0, 4) and l_aux.item() == 0.0 and counts.sum() == 0
     full = layer.export_experts()
     assert set(full) == {"w_gate", "w_up", "w_down"} and full["w_down"].shape == (3, 6, 4)
     new = {k: torch.randn_like(v) for k, v in full.items()}

@@ -16,16 +16,15 @@ from ds_fssdp.planner.transfers import GatherLayout
 
 
 class _Pending:
+    """An asynchronous collective and the buffer it fills."""
 
-    def __init__(self, work, result, finish=None):
-        self._work, self._result, self._finish = work, result, finish
+    def __init__(self, work, result):
+        self._work, self._result = work, result
 
     def wait(self):
         if self._work is not None:
             self._work.wait()
             self._work = None
-            if self._finish is not None:
-                self._result = self._finish(self._result)
         return self._result
 
 

@@ -29,7 +29,7 @@ class _AllToAll(torch.autograd.Function):
         return grad_in, None, None, None
 
 
-def all_to_all(x_RH: torch.Tensor, out_splits: list, in_splits: list, group) -> torch.Tensor:
+def all_to_all(x_RH: torch.Tensor, out_splits: list, in_splits: list, *, group) -> torch.Tensor:
     return _AllToAll.apply(x_RH, list(out_splits), list(in_splits), group)
 
 

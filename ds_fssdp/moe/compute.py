@@ -21,14 +21,14 @@ def local_exchange(x_RH: torch.Tensor, out_splits: list, in_splits: list) -> tor
     return x_RH
 
 
-def dispatch_compute_combine(x_TH: torch.Tensor, weights_TK: torch.Tensor, route: Route,
+def dispatch_compute_combine(x_TH: torch.Tensor, weights_TK: torch.Tensor, route: Route, *,
                              expert_weights: Mapping[str, torch.Tensor], activation: str,
                              exchange: Exchange) -> torch.Tensor:
     dev = x_TH.device
     send_RH = ops.permute_rows(x_TH, route.send_token.to(dev))
     recv_RH = exchange(send_RH, route.recv_splits, route.send_splits)
     grouped_RH = recv_RH.index_select(0, route.group_perm.to(dev))
-    y_RH = ops.expert_mlp(grouped_RH, expert_weights, route.group_sizes, activation)
+    y_RH = ops.expert_mlp(grouped_RH, expert_weights, route.group_sizes, activation=activation)
     y_recv_RH = y_RH.index_select(0, route.ungroup_perm.to(dev))
     y_sent_RH = exchange(y_recv_RH, route.send_splits, route.recv_splits)
     y_AH = y_sent_RH.index_select(0, route.unsend.to(dev))

@@ -76,12 +76,13 @@ class FSSDPMoE(nn.Module):
 
     def _local_forward(self, x_TH, gate):
         counts_E = gate.counts_E.cpu()
-        r = route(gate.idx_TK, counts_E.view(-1, 1, 1), 0, torch.arange(self.num_experts))
+        r = route(gate.idx_TK, counts_E.view(-1, 1, 1), rank=0, local_E=torch.arange(self.num_experts))
         weights = {name: getattr(self, name) for name in self.spec.names}
         self._local_stats = {"replicas": 0, "expert_bytes": self.spec.numel * self.gate.weight.element_size(),
                              "gather_bytes": 0, "reduce_bytes": 0, "tokens_per_rank": [int(counts_E.sum())],
                              "straggler": 1.0, "ep_straggler": 1.0}
-        return dispatch_compute_combine(x_TH, gate.weights_TK, r, weights, self.activation, local_exchange)
+        return dispatch_compute_combine(x_TH, gate.weights_TK, r, expert_weights=weights, activation=self.activation,
+                                        exchange=local_exchange)
 
     @property
     def last_stats(self) -> dict:

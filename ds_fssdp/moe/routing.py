@@ -25,7 +25,7 @@ class Route:
     group_sizes: list  # [S] rows per local slot
 
 
-def route(idx_TK: torch.Tensor, plan_EDD: torch.Tensor, rank: int, local_E: torch.Tensor) -> Route:
+def route(idx_TK: torch.Tensor, plan_EDD: torch.Tensor, *, rank: int, local_E: torch.Tensor) -> Route:
     idx_TK = idx_TK.to("cpu", torch.long)
     num_experts, num_ranks, _ = plan_EDD.shape
     K = idx_TK.shape[1]

@@ -87,11 +87,11 @@ class ShardedExperts:
         if track:
             replica_RP.requires_grad_(True)
         plan_EDD = dispatch(g.placement_ED, tokens_ED, self.topology)
-        r = route(gate.idx_TK, plan_EDD, self.rank, g.layout.local_E)
+        r = route(gate.idx_TK, plan_EDD, rank=self.rank, local_E=g.layout.local_E)
         local_SP = torch.cat([self.rows, replica_RP]) if replica_RP.shape[0] else self.rows
-        exchange = lambda x, out_splits, in_splits: all_to_all(x, out_splits, in_splits, self.group)
-        out_TH = dispatch_compute_combine(x_TH, gate.weights_TK, r, self.spec.views(local_SP), self.spec.activation,
-                                          exchange)
+        exchange = lambda x, out_splits, in_splits: all_to_all(x, out_splits, in_splits, group=self.group)
+        out_TH = dispatch_compute_combine(x_TH, gate.weights_TK, r, expert_weights=self.spec.views(local_SP),
+                                          activation=self.spec.activation, exchange=exchange)
         if track:
             self._pending.append((replica_RP, g.layout))
         if observe:
