@@ -4,12 +4,14 @@ import os
 import subprocess
 import sys
 
+from distributed import free_port
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_main_job_trains_through_the_deepspeed_launcher(tmp_path):
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    cmd = [launcher, "--num_gpus", "2", "--master_port", "29613", os.path.join(REPO, "examples", "train_gpt_moe.py"),
+    cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()), os.path.join(REPO, "examples", "train_gpt_moe.py"),
            "--steps", "25", "--seq-len", "32", "--d-model", "32", "--layers", "2", "--ffn-hidden", "64", "--out",
            str(tmp_path)]
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -22,6 +22,10 @@ from ds_fssdp.moe.layer import FSSDPMoE
 from ds_fssdp.runtime.stage import FSSDPStage
 from ds_fssdp.topology import Topology
 
+# DeepSpeed's own initialize, captured at import: integrations may route deepspeed.initialize to
+# ds_fssdp.initialize (the HF Trainer looks it up at call time), and this must not recurse.
+_deepspeed_initialize = deepspeed.initialize
+
 
 def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_parameters=None, training_data=None,
                lr_scheduler=None, distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT, mpu=None,
@@ -37,7 +41,7 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
     if not fcfg.enabled or not layers:
         if fcfg.enabled:
             logger.warning("fssdp: the model has no FSSDPMoE layers; initializing plain DeepSpeed")
-        return deepspeed.initialize(**ds_kwargs)
+        return _deepspeed_initialize(**ds_kwargs)
     check_supported(ds_config, fcfg, model=model, mpu=mpu)
 
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
@@ -53,7 +57,7 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
     if isinstance(optimizer, torch.optim.Optimizer):
         _strip_params(optimizer, expert_ids)
 
-    engine, ds_optimizer, dataloader, scheduler = deepspeed.initialize(**ds_kwargs)
+    engine, ds_optimizer, dataloader, scheduler = _deepspeed_initialize(**ds_kwargs)
     engine.__class__ = _fssdp_engine_class(type(engine))
     engine.fssdp = stage
     stage.attach(engine)
