@@ -25,8 +25,11 @@ from ds_fssdp.topology import Topology
 
 
 def materialize(owner_E: torch.Tensor, load_E: torch.Tensor, topology: Topology, *, overlap_degree: int,
-                budget: int) -> torch.Tensor:
-    """Return placement_ED (bool [E, D]) containing the shard placement of ``owner_E``."""
+                budget: int, base_ED: torch.Tensor | None = None) -> torch.Tensor:
+    """Return placement_ED (bool [E, D]) containing the shard placement of ``owner_E``.
+
+    ``base_ED`` (calibration): extend this placement instead of the shard, with what is left of
+    each rank's budget."""
     owner_E = owner_E.to("cpu", torch.long)
     num_experts, num_ranks = owner_E.numel(), topology.num_ranks
     load_E = load_E.to("cpu", torch.float64).reshape(-1)
@@ -34,7 +37,8 @@ def materialize(owner_E: torch.Tensor, load_E: torch.Tensor, topology: Topology,
         raise ValueError(f"load_E has {load_E.numel()} entries, expected {num_experts}")
     if overlap_degree < 0 or budget < 0:
         raise ValueError(f"overlap_degree ({overlap_degree}) and budget ({budget}) must be >= 0")
-    placement_ED = shard_placement(owner_E, num_ranks)
+    shard_ED = shard_placement(owner_E, num_ranks)
+    placement_ED = shard_ED.clone() if base_ED is None else base_ED.to("cpu", torch.bool) | shard_ED
 
     t = min(overlap_degree, num_experts)
     m = min(budget, t)
@@ -43,14 +47,14 @@ def materialize(owner_E: torch.Tensor, load_E: torch.Tensor, topology: Topology,
         return placement_ED
     # Hottest first; ties go to the lower expert id (stable sort).
     top = torch.sort(-load_E, stable=True).indices[:t]
-    if t <= m:
+    if t <= m and base_ED is None:
         placement_ED[top] = True
         return placement_ED
 
     node_D = topology.node_D()
-    free_D = torch.full((num_ranks,), m, dtype=torch.long)
+    free_D = (m - (placement_ED & ~shard_ED).sum(0)).clamp(min=0)
     rank_load_D = torch.zeros(num_ranks, dtype=torch.float64).index_add_(0, owner_E, load_E)
-    slots_left = num_ranks * m
+    slots_left = int(free_D.sum())
     load_left = float(load_E[top].sum())
     for e in top.tolist():
         load = float(load_E[e])
