@@ -23,10 +23,11 @@ setup(
         "numpy",
         "packaging",
         "tqdm",
+        "matplotlib",
     ],
     extras_require={
         "triton": ["triton>=3.0"],
-        "test": ["pytest>=8", "pytest-timeout"],
+        "test": ["pytest>=8", "pytest-timeout", "scipy"],
         "hf": ["transformers>=5.20", "accelerate>=1.10"],
     },
 )
