@@ -43,6 +43,14 @@ class FSSDPConfig(DeepSpeedConfigModel):
     reshard_interval: StrictInt = Field(0, ge=0)
     """Re-plan the owners of all layers every this many optimizer steps (0: never)."""
 
+    placement: Literal["joint", "paper"] = "joint"
+    """How replicas are chosen each iteration: ``joint`` (where the predicted tokens come from,
+    sized for balancing) or ``paper`` (Algorithm 1 on per-expert loads)."""
+
+    dispatch: Literal["balanced", "paper"] = "balanced"
+    """How tokens are split among holders: ``balanced`` (fewest rows on the most loaded rank, then
+    locality) or ``paper`` (Algorithm 3: local, same node, all holders, split evenly)."""
+
     load_window: StrictInt = Field(5, ge=1)
     """w: the load predictor averages the last w iterations."""
 

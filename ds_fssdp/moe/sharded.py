@@ -22,6 +22,7 @@ from ds_fssdp.moe.experts import ExpertSpec
 from ds_fssdp.moe.gate import GateOutput
 from ds_fssdp.moe.routing import route
 from ds_fssdp.planner import GatherLayout, LoadPredictor, dispatch, gather_layout, plan_placement
+from ds_fssdp.planner.joint import joint_materialize
 from ds_fssdp.topology import Topology
 
 
@@ -37,7 +38,7 @@ class ShardedExperts:
 
     def __init__(self, *, spec: ExpertSpec, layer_index: int, owner_E: torch.Tensor, rows_SP: torch.Tensor,
                  topology: Topology, group, policy: str, overlap_degree: int, budget: int,
-                 predictor: LoadPredictor):
+                 predictor: LoadPredictor, placement: str = "joint", dispatch_mode: str = "balanced"):
         self.spec = spec
         self.layer_index = layer_index
         self.topology = topology
@@ -47,6 +48,8 @@ class ShardedExperts:
         self.overlap_degree = overlap_degree
         self.budget = budget
         self.predictor = predictor
+        self.placement = placement
+        self.dispatch_mode = dispatch_mode
         self.owner_E = owner_E.to("cpu", torch.long).clone()
         self.owned_E = torch.nonzero(self.owner_E == self.rank).flatten()
         if rows_SP.shape != (self.owned_E.numel(), spec.numel):
@@ -63,6 +66,11 @@ class ShardedExperts:
         return self.spec.numel * self.rows.element_size()
 
     def plan_placement(self) -> torch.Tensor:
+        if self.policy == "fssdp" and self.placement == "joint":
+            tokens_ED = self.predictor.predict_tokens(self.layer_index)
+            if tokens_ED is not None:
+                return joint_materialize(self.owner_E, tokens_ED, self.topology, overlap_degree=self.overlap_degree,
+                                         budget=self.budget)
         load_E = self.predictor.predict(self.layer_index)
         return plan_placement(self.policy, self.owner_E, load_E, self.topology,
                               overlap_degree=self.overlap_degree, budget=self.budget)
@@ -86,7 +94,7 @@ class ShardedExperts:
         track = torch.is_grad_enabled()
         if track:
             replica_RP.requires_grad_(True)
-        plan_EDD = dispatch(g.placement_ED, tokens_ED, self.topology)
+        plan_EDD = dispatch(g.placement_ED, tokens_ED, self.topology, mode=self.dispatch_mode)
         r = route(gate.idx_TK, plan_EDD, rank=self.rank, local_E=g.layout.local_E)
         local_SP = torch.cat([self.rows, replica_RP]) if replica_RP.shape[0] else self.rows
         exchange = lambda x, out_splits, in_splits: all_to_all(x, out_splits, in_splits, group=self.group)
@@ -95,7 +103,7 @@ class ShardedExperts:
         if track:
             self._pending.append((replica_RP, g.layout))
         if observe:
-            self.predictor.observe(self.layer_index, tokens_ED.sum(1))
+            self.predictor.observe(self.layer_index, tokens_ED)
         rows_D = plan_EDD.sum((0, 1)).double()
         ep_rows_D = torch.zeros_like(rows_D).index_add_(0, self.owner_E, tokens_ED.sum(1).double())
         mean = float(rows_D.mean())

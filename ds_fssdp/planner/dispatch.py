@@ -13,11 +13,23 @@ from __future__ import annotations
 
 import torch
 
+from ds_fssdp.planner.balance import balanced_dispatch
 from ds_fssdp.topology import Topology
 
 
-def dispatch(placement_ED: torch.Tensor, tokens_ED: torch.Tensor, topology: Topology) -> torch.Tensor:
-    """Return plan_EDD (long [E, D, D]); sums over d2 give back ``tokens_ED``."""
+DISPATCH_MODES = ("paper", "balanced")
+
+
+def dispatch(placement_ED: torch.Tensor, tokens_ED: torch.Tensor, topology: Topology, *,
+             mode: str = "paper") -> torch.Tensor:
+    """Return plan_EDD (long [E, D, D]); sums over d2 give back ``tokens_ED``.
+
+    ``mode="paper"``: Algorithm 3 as written (this module). ``mode="balanced"``: minimise the
+    most loaded rank's rows, locality second (``planner.balance``)."""
+    if mode == "balanced":
+        return balanced_dispatch(placement_ED, tokens_ED, topology)
+    if mode != "paper":
+        raise ValueError(f"dispatch mode ({mode!r}) must be one of {DISPATCH_MODES}")
     placement_ED = placement_ED.to("cpu", torch.bool)
     tokens_ED = tokens_ED.to("cpu", torch.long)
     num_experts, num_ranks = placement_ED.shape

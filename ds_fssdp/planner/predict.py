@@ -25,17 +25,29 @@ class LoadPredictor:
         self.window = window
         self._history = [deque(maxlen=window) for _ in range(self.num_layers)]
 
-    def observe(self, layer: int, load_E: torch.Tensor) -> None:
-        load_E = load_E.detach().to("cpu", torch.float64).reshape(-1)
-        if load_E.numel() != self.num_experts_L[layer]:
-            raise ValueError(f"layer {layer}: observed load has {load_E.numel()} experts, expected "
+    def observe(self, layer: int, tokens: torch.Tensor) -> None:
+        """Record one iteration: per-expert loads [E], or the all-gathered ``tokens_ED`` [E, D]
+        (which also lets :meth:`predict_tokens` predict where the tokens come from)."""
+        tokens = tokens.detach().to("cpu", torch.float64)
+        if tokens.dim() == 1:
+            tokens = tokens[:, None]
+        if tokens.dim() != 2 or tokens.shape[0] != self.num_experts_L[layer]:
+            raise ValueError(f"layer {layer}: observed load has {tokens.shape[0]} experts, expected "
                              f"{self.num_experts_L[layer]}")
-        self._history[layer].append(load_E)
+        self._history[layer].append(tokens)
 
     def predict(self, layer: int) -> torch.Tensor | None:
         """Predicted tokens per expert (float64 [E]), or None before the first observation."""
         hist = self._history[layer]
         if not hist:
+            return None
+        return torch.stack([h.sum(1) for h in hist]).mean(0)
+
+    def predict_tokens(self, layer: int) -> torch.Tensor | None:
+        """Predicted ``tokens_ED`` (float64 [E, D]) if the window holds per-rank observations of
+        one shape, else None."""
+        hist = self._history[layer]
+        if not hist or hist[0].shape[1] == 1 or any(h.shape != hist[0].shape for h in hist):
             return None
         return torch.stack(list(hist)).mean(0)
 
@@ -47,11 +59,7 @@ class LoadPredictor:
         return torch.stack(preds)
 
     def state_dict(self) -> dict:
-        return {
-            "window": self.window,
-            "history": [torch.stack(list(h)) if h else torch.zeros(0, e, dtype=torch.float64)
-                        for h, e in zip(self._history, self.num_experts_L)],
-        }
+        return {"window": self.window, "history": [[h.clone() for h in hist] for hist in self._history]}
 
     def load_state_dict(self, state: dict) -> None:
         for layer, rows in enumerate(state["history"]):

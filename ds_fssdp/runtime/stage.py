@@ -49,7 +49,8 @@ class FSSDPStage:
             layer.attach_sharded(ShardedExperts(spec=layer.spec, layer_index=i, owner_E=owner_E, rows_SP=rows_SP,
                                                 topology=topology, group=group, policy=config.policy,
                                                 overlap_degree=config.overlap_degree,
-                                                budget=config.materialization_budget, predictor=self.predictor))
+                                                budget=config.materialization_budget, predictor=self.predictor,
+                                                placement=config.placement, dispatch_mode=config.dispatch))
         self.optimizer = None
         self.norm = None
         self.last_step = {}
