@@ -4,9 +4,10 @@
     engine, optimizer, _, _ = ds_fssdp.initialize(model=model, config="ds_config.json")
 """
 from ds_fssdp.config import FSSDPConfig, FSSDPConfigError
+from ds_fssdp.integrations.deepspeed_moe import MoE  # drop-in for deepspeed.moe.layer.MoE
 from ds_fssdp.moe.layer import FSSDPMoE
 from ds_fssdp.runtime.engine import initialize
 from ds_fssdp.topology import Topology
 
 __version__ = "0.1.0"
-__all__ = ["FSSDPConfig", "FSSDPConfigError", "FSSDPMoE", "initialize", "Topology", "__version__"]
+__all__ = ["FSSDPConfig", "FSSDPConfigError", "FSSDPMoE", "MoE", "initialize", "Topology", "__version__"]

@@ -1,0 +1,97 @@
+"""Train a Hugging Face MoE model with the HF Trainer on FSSDP (a tiny one built from a config).
+
+    deepspeed --num_gpus 2 examples/train_hf_trainer.py                  # Mixtral, 2 CPU or GPU ranks
+    torchrun --nproc_per_node 2 examples/train_hf_trainer.py --model-type qwen2_moe
+
+The FSSDP-specific parts are two: ``fssdp_hf.convert(model)`` before building the Trainer, and
+``ds_configs/hf_fssdp.json`` (DeepSpeed's keys, "auto" where the Trainer fills them, plus the
+``"fssdp"`` section). After training, ``unconvert`` gathers the experts back into the HF layout
+(every rank) and the model saves with ``save_pretrained`` as usual.
+
+Data: byte-level windows of CPython's standard library (no download). ``--out DIR`` saves the
+trained model there.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import transformers
+
+import ds_fssdp.integrations.hf as fssdp_hf
+from ds_fssdp.data import load_corpus
+from ds_fssdp.runtime.cpu import skip_shm_comm_build
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-type", default="mixtral", choices=fssdp_hf.SUPPORTED_MODEL_TYPES)
+    p.add_argument("--deepspeed_config", default=os.path.join(REPO, "ds_configs", "hf_fssdp.json"))
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--out", default=None, help="save the trained model (HF layout) here")
+    p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    args, _ = p.parse_known_args()
+    return args
+
+
+def tiny_config(model_type: str):
+    common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=256, output_router_logits=True, router_aux_loss_coef=0.01,
+                  bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    if model_type == "mixtral":
+        return transformers.MixtralConfig(intermediate_size=128, num_local_experts=8, num_experts_per_tok=2, **common)
+    if model_type == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(intermediate_size=128, moe_intermediate_size=64,
+                                           shared_expert_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
+                                           **common)
+    if model_type == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=64, num_experts=8,
+                                           num_experts_per_tok=2, head_dim=16, **common)
+    return transformers.OlmoeConfig(intermediate_size=64, num_experts=8, num_experts_per_tok=2, **common)
+
+
+class ByteWindows(torch.utils.data.Dataset):
+
+    def __init__(self, corpus_N: torch.Tensor, seq_len: int):
+        self.corpus_N, self.seq_len = corpus_N, seq_len
+
+    def __len__(self):
+        return (self.corpus_N.numel() - 1) // self.seq_len
+
+    def __getitem__(self, i):
+        ids = self.corpus_N[i * self.seq_len:(i + 1) * self.seq_len].long()
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def main():
+    args = parse_args()
+    use_cpu = not torch.cuda.is_available()
+    if use_cpu:
+        skip_shm_comm_build()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(args.model_type))
+    model = fssdp_hf.convert(model)  # the one line FSSDP adds
+    training = transformers.TrainingArguments(
+        output_dir=args.out or "/tmp/fssdp_hf_trainer", use_cpu=use_cpu, deepspeed=args.deepspeed_config,
+        per_device_train_batch_size=4, max_steps=args.steps, learning_rate=args.lr, lr_scheduler_type="constant",
+        logging_steps=5, save_strategy="no", report_to=[], disable_tqdm=True, seed=0)
+    trainer = transformers.Trainer(model=model, args=training,
+                                   train_dataset=ByteWindows(load_corpus(1 << 20), args.seq_len))
+    result = trainer.train()
+    engine = trainer.model_wrapped
+    if trainer.is_world_process_zero():
+        stats = [b.moe.last_stats for _, b in fssdp_hf.converted_blocks(model)]
+        print(f"engine {type(engine).__name__}; final train loss {result.training_loss:.3f}; replicas per layer "
+              f"{[s['replicas'] for s in stats]}")
+    fssdp_hf.unconvert(model)  # collective: the experts come back from their owners
+    if args.out:
+        trainer.save_model(args.out)
+
+
+if __name__ == "__main__":
+    main()
