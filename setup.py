@@ -18,7 +18,8 @@ setup(
         # torch is required but not pinned: a GPU user keeps their CUDA build; CPU machines pass
         # constraints/cpu.txt (see README) so pip takes the CPU wheel.
         "torch>=2.4",
-        "deepspeed>=0.19.8",
+        # The FSSDP engine hooks DeepSpeed's optimizer wrappers (global norm): tested on 0.19.x.
+        "deepspeed>=0.19.8,<0.20",
         "hjson",
         "numpy",
         "packaging",
@@ -28,6 +29,6 @@ setup(
     extras_require={
         "triton": ["triton>=3.0"],
         "test": ["pytest>=8", "pytest-timeout", "scipy"],
-        "hf": ["transformers>=5.20", "accelerate>=1.10"],
+        "hf": ["transformers>=5.20,<6", "accelerate>=1.10"],
     },
 )

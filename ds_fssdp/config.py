@@ -57,9 +57,10 @@ class FSSDPConfig(DeepSpeedConfigModel):
     calibration: StrictBool = False
     """After gating, add replicas for the actual loads when the modelled gain exceeds the cost."""
 
-    ranks_per_node: Union[Literal["auto"], StrictInt] = "auto"
-    """Ranks per node: "auto" (the launcher's local world size) or an int dividing the world size;
-    an int smaller than the real node makes logical nodes on one machine."""
+    ranks_per_node: Union[Literal["auto"], StrictInt, None] = "auto"
+    """Ranks per node: "auto" or null (the launcher's local world size) or an int dividing the world
+    size; an int smaller than the real node makes logical nodes on one machine. (The HF Trainer
+    treats any "auto" string in a DeepSpeed config as its own placeholder: use null there.)"""
 
     def __init__(self, **data):
         # strict=True keeps DeepSpeedConfigModel from silently dropping "auto" values.
@@ -84,7 +85,7 @@ class FSSDPConfig(DeepSpeedConfigModel):
     def resolve_ranks_per_node(self, world_size: int, env: Mapping[str, str] | None = None) -> int:
         """Ranks per node for this world; "auto" reads the launcher's local world size."""
         env = os.environ if env is None else env
-        if self.ranks_per_node == "auto":
+        if self.ranks_per_node in ("auto", None):
             local = env.get("LOCAL_SIZE") or env.get("LOCAL_WORLD_SIZE")
             g = int(local) if local else world_size
         else:
@@ -104,7 +105,7 @@ def _format_errors(err: ValidationError, section: Mapping[str, Any]) -> str:
         value = section.get(key, e.get("input"))
         kind, ctx = e["type"], e.get("ctx", {})
         if key == "ranks_per_node":
-            lines.append(f"{SECTION}.{key} ({value!r}) must be \"auto\" or an int >= 1")
+            lines.append(f"{SECTION}.{key} ({value!r}) must be \"auto\", null or an int >= 1")
         elif kind == "extra_forbidden":
             lines.append(f"{SECTION}.{key} ({value!r}) is not a known key; known keys: {known}")
         elif kind == "greater_than_equal":

@@ -19,7 +19,7 @@ BAD = [
     ({"rematerialize": 1}, "fssdp.rematerialize (1)"),
     ({"calibration": "no"}, "fssdp.calibration ('no')"),
     ({"ranks_per_node": 0}, "fssdp.ranks_per_node (0)"),
-    ({"ranks_per_node": "two"}, "fssdp.ranks_per_node ('two') must be \"auto\" or an int >= 1"),
+    ({"ranks_per_node": "two"}, "fssdp.ranks_per_node ('two') must be \"auto\", null or an int >= 1"),
     ({"materialisation_budget": 2}, "fssdp.materialisation_budget (2) is not a known key"),
 ]
 
@@ -45,6 +45,8 @@ def test_ranks_per_node_resolution():
     assert cfg.resolve_ranks_per_node(8, env={"LOCAL_SIZE": "4"}) == 4
     assert cfg.resolve_ranks_per_node(8, env={"LOCAL_WORLD_SIZE": "2"}) == 2
     assert cfg.resolve_ranks_per_node(8, env={}) == 8
+    cfg = FSSDPConfig.from_ds_config({"fssdp": {"ranks_per_node": None}})
+    assert cfg.resolve_ranks_per_node(8, env={"LOCAL_SIZE": "4"}) == 4
     cfg = FSSDPConfig.from_ds_config({"fssdp": {"ranks_per_node": 3}})
     with pytest.raises(FSSDPConfigError, match=r"fssdp.ranks_per_node \(3 -> 3\) must divide the world size \(4\)"):
         cfg.resolve_ranks_per_node(4)
