@@ -1,6 +1,6 @@
 """ds-fssdp: Fully Sharded Sparse Data Parallelism for Mixture-of-Experts training, as a DeepSpeed
 engine extension. The top-level folder ``ops/`` installs as ``ds_fssdp.ops``."""
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 packages = find_packages(include=["ds_fssdp", "ds_fssdp.*"])
 ops_packages = ["ds_fssdp.ops"] + ["ds_fssdp.ops." + p for p in find_packages(where="ops")]
@@ -14,6 +14,8 @@ setup(
     python_requires=">=3.10",
     packages=packages + ops_packages,
     package_dir={"ds_fssdp.ops": "ops"},
+    # The planner's per-iteration hot paths (pure Python references beside them).
+    ext_modules=[Extension("ds_fssdp.planner._fastplan", ["ds_fssdp/planner/_fastplan.c"], extra_compile_args=["-O2"])],
     install_requires=[
         # torch is required but not pinned: a GPU user keeps their CUDA build; CPU machines pass
         # constraints/cpu.txt (see README) so pip takes the CPU wheel.

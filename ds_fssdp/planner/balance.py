@@ -32,13 +32,27 @@ from collections import deque
 import numpy as np
 import torch
 
+from ds_fssdp.planner import fast
 from ds_fssdp.topology import Topology
 
 _EXACT_SETS = 10  # enumerate all subsets of replicated experts up to this many
 
 
 def balanced_dispatch(placement_ED: torch.Tensor, tokens_ED: torch.Tensor, topology: Topology) -> torch.Tensor:
-    """Return plan_EDD (long [E, D, D]) minimising the most loaded rank's rows, locality second."""
+    """Return plan_EDD (long [E, D, D]) minimising the most loaded rank's rows, locality second;
+    in C when the extension is built (same result as the reference)."""
+    if fast.AVAILABLE:
+        if tuple(tokens_ED.shape) != tuple(placement_ED.shape):
+            raise ValueError(f"tokens_ED {tuple(tokens_ED.shape)} and placement_ED {tuple(placement_ED.shape)} differ")
+        if not bool(placement_ED.any(1).all()):
+            raise ValueError("every expert needs at least one holder in placement_ED")
+        return fast.dispatch_balanced(placement_ED, tokens_ED, topology)
+    return balanced_dispatch_reference(placement_ED, tokens_ED, topology)
+
+
+def balanced_dispatch_reference(placement_ED: torch.Tensor, tokens_ED: torch.Tensor,
+                                topology: Topology) -> torch.Tensor:
+    """The Python specification the C version is tested against."""
     P = placement_ED.to("cpu", torch.bool).numpy()
     T = tokens_ED.to("cpu", torch.long).numpy().astype(np.int64)
     E, D = P.shape

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ds_fssdp.planner import fast
 from ds_fssdp.planner.balance import balanced_dispatch
 from ds_fssdp.topology import Topology
 
@@ -30,6 +31,21 @@ def dispatch(placement_ED: torch.Tensor, tokens_ED: torch.Tensor, topology: Topo
         return balanced_dispatch(placement_ED, tokens_ED, topology)
     if mode != "paper":
         raise ValueError(f"dispatch mode ({mode!r}) must be one of {DISPATCH_MODES}")
+    _check(placement_ED, tokens_ED)
+    if fast.AVAILABLE:
+        return fast.dispatch_paper(placement_ED, tokens_ED, topology)
+    return paper_dispatch_reference(placement_ED, tokens_ED, topology)
+
+
+def _check(placement_ED: torch.Tensor, tokens_ED: torch.Tensor) -> None:
+    if tuple(tokens_ED.shape) != tuple(placement_ED.shape):
+        raise ValueError(f"tokens_ED {tuple(tokens_ED.shape)} and placement_ED {tuple(placement_ED.shape)} differ")
+    if not bool(placement_ED.any(1).all()):
+        raise ValueError("every expert needs at least one holder in placement_ED")
+
+
+def paper_dispatch_reference(placement_ED: torch.Tensor, tokens_ED: torch.Tensor, topology: Topology) -> torch.Tensor:
+    """Algorithm 3 in Python: the specification the C version is tested against."""
     placement_ED = placement_ED.to("cpu", torch.bool)
     tokens_ED = tokens_ED.to("cpu", torch.long)
     num_experts, num_ranks = placement_ED.shape

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from ds_fssdp.planner import fast
 from ds_fssdp.planner.shard import shard_placement
 from ds_fssdp.topology import Topology
 
@@ -35,6 +36,22 @@ STOP = 0.25
 
 def joint_materialize(owner_E: torch.Tensor, tokens_ED: torch.Tensor, topology: Topology, *, overlap_degree: int,
                       budget: int, base_ED: torch.Tensor | None = None) -> torch.Tensor:
+    """Return placement_ED (bool [E, D]); in C when the extension is built (same result)."""
+    if base_ED is None and fast.AVAILABLE:
+        if owner_E.numel() != tokens_ED.shape[0] or tokens_ED.shape[1] != topology.num_ranks:
+            raise ValueError(f"tokens_ED {tuple(tokens_ED.shape)} does not match {owner_E.numel()} experts on "
+                             f"{topology.num_ranks} ranks")
+        if overlap_degree < 0 or budget < 0:
+            raise ValueError(f"overlap_degree ({overlap_degree}) and budget ({budget}) must be >= 0")
+        return fast.materialize_joint(owner_E, tokens_ED, topology, overlap_degree=overlap_degree, budget=budget,
+                                      stop=STOP)
+    return joint_materialize_reference(owner_E, tokens_ED, topology, overlap_degree=overlap_degree, budget=budget,
+                                       base_ED=base_ED)
+
+
+def joint_materialize_reference(owner_E: torch.Tensor, tokens_ED: torch.Tensor, topology: Topology, *,
+                                overlap_degree: int, budget: int, base_ED: torch.Tensor | None = None) -> torch.Tensor:
+    """The Python specification the C version is tested against."""
     owner_E = owner_E.to("cpu", torch.long)
     tokens_ED = tokens_ED.to("cpu", torch.float64)
     E, D = tokens_ED.shape

@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from ds_fssdp.planner import fast
 from ds_fssdp.planner.shard import shard_placement
 from ds_fssdp.topology import Topology
 
@@ -29,7 +30,24 @@ def materialize(owner_E: torch.Tensor, load_E: torch.Tensor, topology: Topology,
     """Return placement_ED (bool [E, D]) containing the shard placement of ``owner_E``.
 
     ``base_ED`` (calibration): extend this placement instead of the shard, with what is left of
-    each rank's budget."""
+    each rank's budget. Runs in C when the extension is built (same result as the reference)."""
+    if base_ED is None and fast.AVAILABLE:
+        _check(owner_E, load_E, overlap_degree, budget)
+        return fast.materialize_alg1(owner_E, load_E, topology, overlap_degree=overlap_degree, budget=budget)
+    return materialize_reference(owner_E, load_E, topology, overlap_degree=overlap_degree, budget=budget,
+                                 base_ED=base_ED)
+
+
+def _check(owner_E, load_E, overlap_degree, budget) -> None:
+    if load_E.numel() != owner_E.numel():
+        raise ValueError(f"load_E has {load_E.numel()} entries, expected {owner_E.numel()}")
+    if overlap_degree < 0 or budget < 0:
+        raise ValueError(f"overlap_degree ({overlap_degree}) and budget ({budget}) must be >= 0")
+
+
+def materialize_reference(owner_E: torch.Tensor, load_E: torch.Tensor, topology: Topology, *, overlap_degree: int,
+                          budget: int, base_ED: torch.Tensor | None = None) -> torch.Tensor:
+    """Algorithm 1 in Python: the specification the C version is tested against."""
     owner_E = owner_E.to("cpu", torch.long)
     num_experts, num_ranks = owner_E.numel(), topology.num_ranks
     load_E = load_E.to("cpu", torch.float64).reshape(-1)

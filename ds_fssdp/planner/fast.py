@@ -1,0 +1,70 @@
+"""The C versions of the planner's per-iteration steps (``_fastplan``, built at install).
+
+Legend: E experts, D ranks.
+
+Each function mirrors its Python reference step for step (tests compare them); the public
+planner functions call these when the extension is built, and say once, at INFO, when it is not.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from deepspeed.utils import logger
+
+from ds_fssdp.topology import Topology
+
+try:
+    from ds_fssdp.planner import _fastplan
+except ImportError:  # a source tree used without `pip install`
+    _fastplan = None
+    logger.info("ds_fssdp: the planner's C extension is not built; planning uses the Python reference "
+                "(correct, but milliseconds per layer). `pip install -e .` builds it.")
+
+AVAILABLE = _fastplan is not None
+
+
+def _np(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+    if t.dtype != dtype or t.device.type != "cpu":
+        t = t.to("cpu", dtype)
+    return np.ascontiguousarray(t.detach().numpy())
+
+
+def _shard(owner: np.ndarray, num_ranks: int) -> np.ndarray:
+    shard = np.zeros((owner.size, num_ranks), dtype=np.bool_)
+    shard[np.arange(owner.size), owner] = True
+    return shard
+
+
+def materialize_alg1(owner_E, load_E, topology: Topology, *, overlap_degree: int, budget: int) -> torch.Tensor:
+    owner = _np(owner_E, torch.long)
+    D = topology.num_ranks
+    placement = _shard(owner, D)
+    _fastplan.materialize_alg1(owner, _np(load_E, torch.float64).reshape(-1), topology.node_np, placement,
+                               owner.size, D, topology.num_nodes, overlap_degree, budget)
+    return torch.from_numpy(placement)
+
+
+def materialize_joint(owner_E, tokens_ED, topology: Topology, *, overlap_degree: int, budget: int,
+                      stop: float) -> torch.Tensor:
+    owner = _np(owner_E, torch.long)
+    D = topology.num_ranks
+    shard = _shard(owner, D)
+    placement = shard.copy()
+    _fastplan.materialize_joint(owner, _np(tokens_ED, torch.float64), topology.node_np, placement, shard, owner.size,
+                                D, topology.num_nodes, overlap_degree, budget, stop)
+    return torch.from_numpy(placement)
+
+
+def _dispatch(fn, placement_ED, tokens_ED, topology: Topology) -> torch.Tensor:
+    E, D = placement_ED.shape
+    plan = np.zeros((E, D, D), dtype=np.int64)
+    fn(_np(placement_ED, torch.bool), _np(tokens_ED, torch.long), topology.node_np, plan, E, D)
+    return torch.from_numpy(plan)
+
+
+def dispatch_paper(placement_ED, tokens_ED, topology: Topology) -> torch.Tensor:
+    return _dispatch(_fastplan.dispatch_paper, placement_ED, tokens_ED, topology)
+
+
+def dispatch_balanced(placement_ED, tokens_ED, topology: Topology) -> torch.Tensor:
+    return _dispatch(_fastplan.dispatch_balanced, placement_ED, tokens_ED, topology)
