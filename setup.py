@@ -30,7 +30,7 @@ setup(
     ],
     extras_require={
         "triton": ["triton>=3.0"],
-        "test": ["pytest>=8", "pytest-timeout", "scipy"],
+        "test": ["pytest>=8", "pytest-timeout", "scipy", "triton>=3.0"],
         "hf": ["transformers>=5.20,<6", "accelerate>=1.10"],
     },
 )

@@ -1,10 +1,15 @@
 """Expert compute and token permutation ops (installed as ``ds_fssdp.ops``).
 
-Torch reference implementations; they are pure tensor functions with autograd and never talk to
-other ranks.
+Pure tensor functions with autograd that never talk to other ranks. Each runs the Triton kernels
+on CUDA tensors and the torch reference elsewhere, chosen once per device type and logged
+(``ds_fssdp.ops.dispatch``); triton is imported only when a kernel is about to run.
 """
 from ds_fssdp.ops.expert_mlp import ACTIVATIONS, expert_mlp
+from ds_fssdp.ops.group_sizes import GroupSizes
 from ds_fssdp.ops.grouped_gemm import grouped_gemm
-from ds_fssdp.ops.permute import combine_topk, permute_rows
+from ds_fssdp.ops.permute import combine_topk, permute_rows, permute_tokens, unpermute_combine
+from ds_fssdp.ops.permute_layout import PermuteLayout, assignment_dest, expert_counts, permute_layout
 
-__all__ = ["ACTIVATIONS", "expert_mlp", "grouped_gemm", "combine_topk", "permute_rows"]
+__all__ = ["ACTIVATIONS", "expert_mlp", "GroupSizes", "grouped_gemm", "combine_topk", "permute_rows",
+           "permute_tokens", "unpermute_combine", "PermuteLayout", "assignment_dest", "expert_counts",
+           "permute_layout"]

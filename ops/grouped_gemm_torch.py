@@ -1,0 +1,61 @@
+"""Torch reference of the grouped GEMM products (no autograd; ``grouped_gemm`` wraps them).
+
+Legend: R rows, G groups, H in features, F out features.
+
+Equal group sizes (balanced routing) run as one ``torch.bmm`` over [G, R / G, H] views: on the
+CPU that is within a few percent of one dense matmul of the same FLOPs, where a Python loop of
+small matmuls pays a thread fork/join per group (measured in benchmarks/kernels.py). Other sizes
+loop, each ``torch.mm`` written straight into its slice of a preallocated output (``out=``, no
+concatenation copy).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def gemm(x_RH: torch.Tensor, w_GHF: torch.Tensor, sizes: Sequence[int], *, trans_w: bool) -> torch.Tensor:
+    """y_RF[rows of g] = x_RH[rows of g] @ w[g] (``w_GFH[g].T`` if ``trans_w``)."""
+    out_features = w_GHF.shape[1] if trans_w else w_GHF.shape[2]
+    y_RF = x_RH.new_empty(x_RH.shape[0], out_features)
+    if _equal(sizes):
+        G, n = len(sizes), sizes[0]
+        w = w_GHF.transpose(1, 2) if trans_w else w_GHF
+        torch.bmm(x_RH.reshape(G, n, -1), w, out=y_RF.view(G, n, out_features))
+        return y_RF
+    start = 0
+    for g, n in enumerate(sizes):
+        if n:
+            w = w_GHF[g].t() if trans_w else w_GHF[g]
+            torch.mm(x_RH[start:start + n], w, out=y_RF[start:start + n])
+        start += n
+    return y_RF
+
+
+def wgrad(x_RH: torch.Tensor, dy_RF: torch.Tensor, sizes: Sequence[int], *, trans_w: bool) -> torch.Tensor:
+    """dw[g] = x_g.T @ dy_g  ([G, H, F]); with ``trans_w`` dy_g.T @ x_g ([G, F, H]). Empty groups
+    get zeros."""
+    H, F = x_RH.shape[1], dy_RF.shape[1]
+    dw = x_RH.new_empty((len(sizes), F, H) if trans_w else (len(sizes), H, F))
+    if _equal(sizes):
+        G, n = len(sizes), sizes[0]
+        x_GnH, dy_GnF = x_RH.reshape(G, n, H), dy_RF.reshape(G, n, F)
+        if trans_w:
+            return torch.bmm(dy_GnF.transpose(1, 2), x_GnH, out=dw)
+        return torch.bmm(x_GnH.transpose(1, 2), dy_GnF, out=dw)
+    start = 0
+    for g, n in enumerate(sizes):
+        x_gH, dy_gF = x_RH[start:start + n], dy_RF[start:start + n]
+        if n == 0:
+            dw[g].zero_()
+        elif trans_w:
+            torch.mm(dy_gF.t(), x_gH, out=dw[g])
+        else:
+            torch.mm(x_gH.t(), dy_gF, out=dw[g])
+        start += n
+    return dw
+
+
+def _equal(sizes: Sequence[int]) -> bool:
+    return len(sizes) > 1 and sizes[0] > 0 and all(n == sizes[0] for n in sizes)

@@ -1,0 +1,262 @@
+"""The torch reference ops (what CPU tensors run) against naive loops, the send layout against the
+runtime's routing, the autograd wiring of the new ops, and the device choice.
+
+Tolerances: fp32 results against float64 loops from the same inputs, max error <= 2e-5 of the
+largest magnitude (summation order only); bf16 at 3e-2 of it (its rounding noise, ~8e-3 per
+rounded value, plus rounded intermediates).
+"""
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ds_fssdp import ops
+from ds_fssdp.moe.routing import route
+from ds_fssdp.ops import dispatch, permute_torch
+from test_ops_triton_interpret import GEMM_CASES, MLP_CASES, PERMUTE_CASES, check_gemm, check_mlp, check_permute
+
+
+@pytest.fixture(autouse=True)
+def torch_backend(monkeypatch):
+    """These tests run the torch reference whatever the environment says."""
+    monkeypatch.setenv(dispatch.ENV, "torch")
+    dispatch.reset_choices()
+    yield
+    dispatch.reset_choices()
+
+
+# ---------------------------------------------------------------- grouped GEMM and expert MLP
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("trans_w", [False, True], ids=["w", "w_T"])
+@pytest.mark.parametrize("edge", list(GEMM_CASES))
+def test_grouped_gemm_edge_cases(edge, trans_w, dtype):
+    check_gemm(GEMM_CASES[edge], "cpu", dtype, trans_w=trans_w)
+
+
+@pytest.mark.parametrize("sizes", [[4, 0, 19], [0, 0, 0]], ids=["some-rows", "no-rows"])
+def test_grouped_gemm_tensor_sizes(sizes):
+    check_gemm(sizes, "cpu", torch.float32, trans_w=False, sizes_as_tensor=True)
+
+
+@pytest.mark.parametrize("name", list(MLP_CASES))
+def test_expert_mlp(name):
+    check_mlp(MLP_CASES[name]["sizes"], "cpu", torch.float32, activation=MLP_CASES[name]["activation"])
+
+
+@pytest.mark.parametrize("sizes", [[2, 7, 0], [3, 3, 3]], ids=["uneven", "balanced"])
+def test_expert_mlp_on_views_of_flat_rows(sizes):
+    """The runtime slices expert weights out of one flat row per expert (non-contiguous views)."""
+    torch.manual_seed(4)
+    G, H, Fh = 3, 5, 7
+    rows = torch.randn(G, 2 * H * Fh, requires_grad=True)
+    w_a = rows[:, :H * Fh].reshape(G, H, Fh)
+    w_b = rows[:, H * Fh:].reshape(G, Fh, H)
+    assert not w_a.is_contiguous()
+    x = torch.randn(9, H)
+    y = ops.expert_mlp(x, {"w_a": w_a, "w_b": w_b}, sizes, activation="gelu")
+    want = torch.cat([F.gelu(x[s - n:s] @ w_a[g]) @ w_b[g]
+                      for g, (n, s) in enumerate(zip(sizes, torch.tensor(sizes).cumsum(0).tolist()))])
+    torch.testing.assert_close(y, want)
+    (g,) = torch.autograd.grad(y.square().sum(), [rows])
+    (wg,) = torch.autograd.grad(want.square().sum(), [rows])
+    torch.testing.assert_close(g, wg)
+
+
+class Probe(torch.autograd.Function):
+    """Identity that counts its backward calls (stands in for a distributed exchange)."""
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        Probe.calls += 1
+        return g
+
+
+@pytest.mark.parametrize("groups", [3, 0], ids=["empty-groups", "no-groups"])
+def test_no_rows_still_reach_the_producer_in_backward(groups):
+    leaf = torch.zeros(0, 4, requires_grad=True)
+    w = torch.randn(groups, 4, 6, requires_grad=True)
+    Probe.calls = 0
+    y = ops.grouped_gemm(Probe.apply(leaf), w, [0] * groups)
+    assert y.shape == (0, 6) and y.requires_grad
+    (y.sum() + w.sum()).backward()
+    assert Probe.calls == 1
+    torch.testing.assert_close(w.grad, torch.ones_like(w))
+    Probe.calls = 0
+    weights = {"w_gate": torch.randn(groups, 4, 6), "w_up": torch.randn(groups, 4, 6),
+               "w_down": torch.randn(groups, 6, 4)}
+    ops.expert_mlp(Probe.apply(leaf), weights, [0] * groups, activation="swiglu").sum().backward()
+    assert Probe.calls == 1
+
+
+@pytest.mark.parametrize("sizes,message", [
+    ([1, 1], "group sizes sum to 2, but x has 3 rows"),
+    ([1, 1, 1], "3 group sizes for 2 weights"),
+    ([4, -1], "must be >= 0"),
+    (torch.tensor([[1, 2]]), "1-D int32/int64 tensor"),
+    (torch.tensor([1.0, 2.0]), "1-D int32/int64 tensor"),
+], ids=["sum", "count", "negative", "2-D", "float"])
+def test_grouped_gemm_rejects_bad_sizes(sizes, message):
+    with pytest.raises(ValueError, match=message):
+        ops.grouped_gemm(torch.zeros(3, 2), torch.zeros(2, 2, 2), sizes)
+
+
+def test_grouped_gemm_rejects_mismatched_operands():
+    with pytest.raises(ValueError, match="x has 3 features"):
+        ops.grouped_gemm(torch.zeros(2, 3), torch.zeros(1, 2, 2), [2])
+    with pytest.raises(ValueError, match="differ"):
+        ops.grouped_gemm(torch.zeros(2, 2), torch.zeros(1, 2, 2, dtype=torch.float64), [2])
+    with pytest.raises(ValueError, match="activation"):
+        ops.expert_mlp(torch.zeros(2, 2), {}, [2], activation="relu")
+
+
+# ---------------------------------------------------------------- permutation
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("edge", list(PERMUTE_CASES))
+def test_permute_and_combine(edge, dtype):
+    check_permute(PERMUTE_CASES[edge], "cpu", dtype)
+
+
+def test_permute_ops_pass_gradcheck():
+    torch.manual_seed(6)
+    idx = torch.tensor([[0, 2], [1, 2], [2, 0]])
+    dest = torch.tensor([[0, 1], [1, 1], [1, 0]])
+    layout = ops.permute_layout(idx, dest, num_dests=2, num_experts=3, dedup=True)
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: ops.permute_tokens(x, layout), (x,))
+    y = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(3, 2, dtype=torch.float64, requires_grad=True)
+    rows = torch.tensor([[5, 0], [-1, 3], [1, 2]])
+    assert torch.autograd.gradcheck(lambda y, w: ops.unpermute_combine(y, rows, w), (y, w))
+
+
+def test_unpermute_combine_matches_combine_topk():
+    """Without dedup, row_TK inverts the send order: fused == index_select + combine_topk."""
+    torch.manual_seed(7)
+    y = torch.randn(12, 5)
+    w = torch.rand(6, 2)
+    perm = torch.randperm(12)
+    rows_TK = perm.reshape(6, 2)
+    torch.testing.assert_close(ops.unpermute_combine(y, rows_TK, w), ops.combine_topk(y[perm], w))
+
+
+def test_primitives_worked_examples():
+    src = torch.tensor([[1.0, 2], [3, 4], [5, 6]])
+    torch.testing.assert_close(permute_torch.gather(src, torch.tensor([2, 0, -1, 2])),
+                               torch.tensor([[5.0, 6], [1, 2], [0, 0], [5, 6]]))
+    src = torch.tensor([[1.0, 1], [2, 2], [4, 4]])
+    out = permute_torch.combine(src, torch.tensor([[2, 0], [1, -1]]), torch.tensor([[0.5, 1], [3, 9]]))
+    torch.testing.assert_close(out, torch.tensor([[3.0, 3], [6, 6]]))
+    gy, gw = permute_torch.combine_backward(torch.tensor([[1.0, 2]]), torch.tensor([[1.0, 1], [3, 0]]),
+                                            torch.tensor([1, 0]), weights_A=torch.tensor([0.5, 2]), K=2)
+    torch.testing.assert_close(gy, torch.tensor([[2.0, 4], [0.5, 1]]))
+    torch.testing.assert_close(gw, torch.tensor([3.0, 3]))
+    assert permute_torch.invert_rows(torch.tensor([[2, -1], [0, 3]]), 5).tolist() == [2, -1, 0, 3, -1]
+
+
+def random_routing(seed, *, T, K, E, D):
+    gen = torch.Generator().manual_seed(seed)
+    idx_TK = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    counts_E = torch.bincount(idx_TK.reshape(-1), minlength=E)
+    plan_ED = torch.zeros(E, D, dtype=torch.long)
+    for e in range(E):  # a random split of each expert's count over the ranks
+        cuts = torch.sort(torch.randint(0, int(counts_E[e]) + 1, (D - 1,), generator=gen)).values
+        plan_ED[e] = torch.diff(torch.cat([torch.tensor([0]), cuts, counts_E[e:e + 1]]))
+    return idx_TK, plan_ED
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_layout_without_dedup_is_the_routing_send_order(seed):
+    T, K, E, D = 13, 3, 6, 4
+    idx_TK, plan_ED = random_routing(seed, T=T, K=K, E=E, D=D)
+    plan_EDD = torch.zeros(E, D, D, dtype=torch.long)
+    plan_EDD[:, 1] = plan_ED
+    want = route(idx_TK, plan_EDD, rank=1, local_E=torch.arange(E))
+    dest_TK = ops.assignment_dest(idx_TK, plan_ED)
+    layout = ops.permute_layout(idx_TK, dest_TK, num_dests=D, num_experts=E, dedup=False)
+    assert torch.equal(layout.token_S, want.send_token)
+    assert torch.equal(layout.row_TK.reshape(-1), want.unsend)
+    assert torch.equal(layout.first_TK, layout.row_TK)
+    assert layout.splits_D.tolist() == want.send_splits
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_layout_with_dedup_sends_each_token_once_per_destination(seed):
+    T, K, E, D = 17, 4, 8, 3
+    idx_TK, plan_ED = random_routing(seed, T=T, K=K, E=E, D=D)
+    dest_TK = ops.assignment_dest(idx_TK, plan_ED)
+    layout = ops.permute_layout(idx_TK, dest_TK, num_dests=D, num_experts=E, dedup=True)
+    pairs = sorted({(t, int(dest_TK[t, k])) for t in range(T) for k in range(K)})
+    S = layout.token_S.numel()
+    assert S == len(pairs)
+    dest_of_row = torch.repeat_interleave(torch.arange(D), layout.splits_D)
+    assert sorted(zip(layout.token_S.tolist(), dest_of_row.tolist())) == pairs
+    # Every assignment's row carries its token to its destination; first_TK lists each row once.
+    assert torch.equal(layout.token_S[layout.row_TK], torch.arange(T).unsqueeze(1).expand(T, K))
+    assert torch.equal(dest_of_row[layout.row_TK], dest_TK)
+    firsts = layout.first_TK[layout.first_TK >= 0]
+    assert sorted(firsts.tolist()) == list(range(S))
+    # Order: destination, then the smallest expert the token has there, then token.
+    min_e = {(t, d): min(int(idx_TK[t, k]) for k in range(K) if int(dest_TK[t, k]) == d) for t, d in pairs}
+    keys = [(d, min_e[(t, d)], t) for t, d in zip(layout.token_S.tolist(), dest_of_row.tolist())]
+    assert keys == sorted(keys)
+
+
+def test_layout_worked_example():
+    layout = ops.permute_layout(torch.tensor([[1, 2], [0, 2]]), torch.tensor([[1, 1], [0, 1]]), num_dests=2,
+                                num_experts=3)
+    assert layout.token_S.tolist() == [1, 0, 1] and layout.splits_D.tolist() == [1, 2]
+    assert layout.row_TK.tolist() == [[1, 1], [0, 2]] and layout.first_TK.tolist() == [[1, -1], [0, 2]]
+
+
+def test_assignment_dest_checks_the_plan():
+    idx = torch.tensor([[0], [0], [1]])
+    assert ops.assignment_dest(idx, torch.tensor([[1, 1], [0, 1]])).tolist() == [[0], [1], [1]]
+    with pytest.raises(ValueError, match="disagree with the plan"):
+        ops.assignment_dest(idx, torch.tensor([[1, 0], [0, 1]]))
+
+
+def test_expert_counts():
+    counts, offsets = ops.expert_counts(torch.tensor([[2, 0], [2, 2]]), 3)
+    assert counts.tolist() == [1, 0, 3] and offsets.tolist() == [0, 1, 1]
+    counts, offsets = ops.expert_counts(torch.zeros(0, 2, dtype=torch.long), 2)
+    assert counts.tolist() == [0, 0] and offsets.tolist() == [0, 0]
+
+
+# ---------------------------------------------------------------- device choice
+
+def test_choice_is_made_once_and_logged(monkeypatch, caplog):
+    monkeypatch.setenv(dispatch.ENV, "auto")
+    dispatch.reset_choices()
+    with caplog.at_level(logging.INFO, logger="ds_fssdp.ops.dispatch"):
+        ops.grouped_gemm(torch.randn(2, 3), torch.randn(1, 3, 2), [2])
+        ops.grouped_gemm(torch.randn(2, 3), torch.randn(1, 3, 2), [2])
+    lines = [r.getMessage() for r in caplog.records if r.name == "ds_fssdp.ops.dispatch"]
+    assert lines == ["ds_fssdp.ops: cpu tensors use the torch implementation "
+                     "(the Triton kernels run on CUDA tensors only)"]
+
+
+def test_choice_errors(monkeypatch):
+    monkeypatch.setenv(dispatch.ENV, "fast")
+    dispatch.reset_choices()
+    with pytest.raises(ValueError, match="DS_FSSDP_OPS_BACKEND \\('fast'\\) must be one of"):
+        dispatch.backend_for(torch.device("cpu"))
+    monkeypatch.setenv(dispatch.ENV, "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    dispatch.reset_choices()
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1|triton is not installed"):
+        dispatch.backend_for(torch.device("cpu"))
+
+
+def test_auto_on_cuda_without_triton_picks_torch_and_says_why(monkeypatch):
+    monkeypatch.setenv(dispatch.ENV, "auto")
+    monkeypatch.setattr(dispatch, "_triton_problem", lambda: "triton is not installed")
+    dispatch.reset_choices()
+    assert dispatch.backend_for(torch.device("cuda")) == "torch"

@@ -1,0 +1,243 @@
+"""The Triton kernels against torch references, on a named table of edge cases.
+
+On the CPU the kernels run under the Triton interpreter in a subprocess: TRITON_INTERPRET=1 must
+be set before the kernel modules are imported, and setting it in this process would change every
+other test of the run. fp32 only here (the interpreter mis-computes bf16 arithmetic);
+tests/test_ops_gpu.py runs the same table on CUDA in fp32, fp16 and bf16.
+
+References are plain torch compositions in float64 on the CPU, from the same (rounded) inputs.
+Tolerance: max |got - want| <= TOL[dtype] * max |want|. fp32 is tight (summation order only);
+fp16 and bf16 sit at their rounding noise (half and bf16 eps ~ 1e-3 and 8e-3, plus rounded
+intermediates in the expert MLP).
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+# Group sizes. H 24 and F 20 are not multiples of the interpreter's 16-wide tiles; groups of 17
+# and 33 rows leave partial row tiles; a group of 16 fills one exactly.
+GEMM_CASES = {
+    "leading-empty": [0, 17, 5],
+    "middle-empty": [9, 0, 20],
+    "trailing-empty": [18, 3, 0],
+    "one-row": [0, 1, 0],
+    "all-in-one": [0, 0, 37],
+    "odd-sizes": [1, 15, 16, 17, 33],
+    "single-group": [13],
+    "balanced": [6, 6, 6],  # the torch path's single-bmm case
+    "all-empty": [0, 0, 0],
+    "no-groups": [],
+}
+GEMM_H, GEMM_F = 24, 20
+
+# Permutation: tokens T, top-k K, experts E, destinations D, how destinations are drawn, dedup.
+PERMUTE_CASES = {
+    "no-tokens": dict(T=0, K=2, E=4, D=2, dest="random", dedup=True),
+    "one-token": dict(T=1, K=2, E=4, D=2, dest="random", dedup=True),
+    "top-1": dict(T=7, K=1, E=4, D=2, dest="random", dedup=True),
+    "all-one-destination": dict(T=6, K=3, E=5, D=3, dest="zero", dedup=True),
+    "spread-dedup": dict(T=11, K=3, E=6, D=3, dest="random", dedup=True),
+    "spread-no-dedup": dict(T=11, K=3, E=6, D=3, dest="random", dedup=False),
+    "dropped-assignments": dict(T=9, K=2, E=4, D=2, dest="random", dedup=False, drop=0.3),
+    "all-dropped": dict(T=5, K=2, E=4, D=2, dest="random", dedup=False, drop=1.0),
+}
+PERMUTE_H = 40  # several 16-wide blocks under the interpreter, the last one partial
+
+MLP_CASES = {
+    "gelu": dict(sizes=[0, 7, 20], activation="gelu"),
+    "swiglu": dict(sizes=[5, 0, 18], activation="swiglu"),
+}
+
+ALL_CASES = ([f"gemm/{n}" for n in GEMM_CASES] + [f"gemm/{n}/trans_w" for n in GEMM_CASES]
+             + ["gemm/tensor-sizes"] + [f"permute/{n}" for n in PERMUTE_CASES]
+             + [f"mlp/{n}" for n in MLP_CASES] + ["counts/skewed", "backend"])
+
+
+def assert_close_scaled(got, want, dtype, *, what):
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    if want.numel() == 0:
+        return
+    err = (got.detach().double().cpu() - want.detach().double().cpu()).abs().max().item()
+    scale = want.abs().max().item()
+    assert err <= TOL[dtype] * scale + 1e-300, f"{what}: max error {err:.3g} > {TOL[dtype]} * {scale:.3g}"
+
+
+def _leaf(t, device, dtype):
+    """(leaf on the device in dtype, float64 CPU leaf of the same rounded values)."""
+    t = t.to(dtype)
+    return t.to(device).requires_grad_(), t.double().requires_grad_()
+
+
+def check_gemm(sizes, device, dtype, *, trans_w, sizes_as_tensor=False):
+    from ds_fssdp import ops
+
+    gen = torch.Generator().manual_seed(len(sizes) * 7 + sum(sizes))
+    G, R = len(sizes), sum(sizes)
+    x, x64 = _leaf(torch.randn(R, GEMM_H, generator=gen), device, dtype)
+    w_shape = (G, GEMM_F, GEMM_H) if trans_w else (G, GEMM_H, GEMM_F)
+    w, w64 = _leaf(torch.randn(w_shape, generator=gen), device, dtype)
+    dy = torch.randn(R, GEMM_F, generator=gen).to(dtype)
+    group_sizes = torch.tensor(sizes, dtype=torch.long, device=device) if sizes_as_tensor else sizes
+    y = ops.grouped_gemm(x, w, group_sizes, trans_w=trans_w)
+    assert y.requires_grad, "the result must stay tied to x and w in autograd"
+    parts = [x64[s - n:s] @ (w64[g].t() if trans_w else w64[g])
+             for g, (n, s) in enumerate(zip(sizes, torch.tensor(sizes, dtype=torch.long).cumsum(0).tolist()))]
+    want = torch.cat(parts) if parts else x64 @ x64.new_zeros(GEMM_H, GEMM_F)
+    assert_close_scaled(y, want, dtype, what="y")
+    gx, gw = torch.autograd.grad(y, [x, w], dy.to(device))
+    wx, ww = torch.autograd.grad(want, [x64, w64], dy.double(), allow_unused=True)
+    assert_close_scaled(gx, wx, dtype, what="dx")
+    assert_close_scaled(gw, torch.zeros_like(w64) if ww is None else ww, dtype, what="dw")
+
+
+def check_mlp(sizes, device, dtype, *, activation):
+    from ds_fssdp import ops
+
+    gen = torch.Generator().manual_seed(5)
+    G, R, H, Fh = len(sizes), sum(sizes), GEMM_H, 32  # K = 32 in the down projection: EVEN_K
+    x, x64 = _leaf(torch.randn(R, H, generator=gen), device, dtype)
+    names = ops.ACTIVATIONS[activation]
+    pairs = {n: _leaf(0.3 * torch.randn((G, H, Fh) if side == "in" else (G, Fh, H), generator=gen), device, dtype)
+             for n, side in names}
+    y = ops.expert_mlp(x, {n: p[0] for n, p in pairs.items()}, sizes, activation=activation)
+    w64 = {n: p[1] for n, p in pairs.items()}
+    outs, start = [], 0
+    for g, n in enumerate(sizes):
+        xg = x64[start:start + n]
+        if activation == "gelu":
+            outs.append(F.gelu(xg @ w64["w_a"][g]) @ w64["w_b"][g])
+        else:
+            outs.append((F.silu(xg @ w64["w_gate"][g]) * (xg @ w64["w_up"][g])) @ w64["w_down"][g])
+        start += n
+    want = torch.cat(outs)
+    assert_close_scaled(y, want, dtype, what="y")
+    dy = torch.randn(R, H, generator=gen).to(dtype)
+    got = torch.autograd.grad(y, [x] + [p[0] for p in pairs.values()], dy.to(device))
+    ref = torch.autograd.grad(want, [x64] + [p[1] for p in pairs.values()], dy.double())
+    for name, a, b in zip(["dx"] + list(pairs), got, ref):
+        assert_close_scaled(a, b, dtype, what=name)
+
+
+def check_permute(spec, device, dtype):
+    from ds_fssdp import ops
+
+    T, K, E, D = spec["T"], spec["K"], spec["E"], spec["D"]
+    gen = torch.Generator().manual_seed(T * 31 + K)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]) if T else torch.zeros(0, K).long()
+    dest = torch.randint(0, D, (T, K), generator=gen) if spec["dest"] == "random" else torch.zeros(T, K).long()
+    layout = ops.permute_layout(idx.to(device), dest.to(device), num_dests=D, num_experts=E, dedup=spec["dedup"])
+    S = layout.token_S.numel()
+    token_S = layout.token_S.cpu()
+
+    # permute_tokens: exact gather; backward sums each token's rows.
+    x, x64 = _leaf(torch.randn(T, PERMUTE_H, generator=gen), device, dtype)
+    rows = ops.permute_tokens(x, layout)
+    assert rows.requires_grad and rows.shape == (S, PERMUTE_H)
+    assert torch.equal(rows.detach().cpu(), x.detach().cpu()[token_S]), "gather must copy rows exactly"
+    g = torch.randn(S, PERMUTE_H, generator=gen).to(dtype)
+    (gx,) = torch.autograd.grad(rows, [x], g.to(device))
+    (wx,) = torch.autograd.grad(x64.index_select(0, token_S), [x64], g.double())
+    assert_close_scaled(gx, wx, dtype, what="permute_tokens dx")
+
+    # unpermute_combine: one row per assignment (row_TK without dedup) with gate weights, or one
+    # row per (token, destination) (first_TK) summed without weights.
+    rows_TK = layout.row_TK.cpu() if not spec["dedup"] else layout.first_TK.cpu()
+    if spec.get("drop"):
+        rows_TK = torch.where(torch.rand(T, K, generator=gen) < spec["drop"], -1, rows_TK)
+    weighted = not spec["dedup"]
+    y, y64 = _leaf(torch.randn(S, PERMUTE_H, generator=gen), device, dtype)
+    w, w64 = _leaf(torch.rand(T, K, generator=gen), device, torch.float32) if weighted else (None, None)
+    out = ops.unpermute_combine(y, rows_TK.to(device), w)
+    want = x64.new_zeros(T, PERMUTE_H)
+    for k in range(K):
+        part = y64.index_select(0, rows_TK[:, k].clamp(min=0)) * (rows_TK[:, k] >= 0).unsqueeze(1)
+        want = want + (part * w64[:, k:k + 1] if weighted else part)
+    assert out.dtype == dtype
+    assert_close_scaled(out, want, dtype, what="unpermute_combine")
+    gout = torch.randn(T, PERMUTE_H, generator=gen).to(dtype)
+    leaves, leaves64 = ([y, w], [y64, w64]) if weighted else ([y], [y64])
+    got = torch.autograd.grad(out, leaves, gout.to(device))
+    ref = torch.autograd.grad(want, leaves64, gout.double(), allow_unused=True)
+    for name, a, b in zip(["dy", "dweights"], got, ref):
+        assert_close_scaled(a, torch.zeros_like(leaves64[0]) if b is None else b,
+                            dtype if name == "dy" else torch.float32, what=f"unpermute_combine {name}")
+
+    counts, offsets = ops.expert_counts(idx.to(device), E)
+    want_counts = torch.bincount(idx.reshape(-1), minlength=E)
+    assert torch.equal(counts.cpu(), want_counts)
+    assert torch.equal(offsets.cpu(), want_counts.cumsum(0) - want_counts)
+
+
+def check_counts(device):
+    from ds_fssdp import ops
+
+    gen = torch.Generator().manual_seed(9)
+    # Experts 0 and 5 empty, expert 3 takes most; 37 ids span several blocks of the count kernel.
+    idx = torch.cat([torch.full((25,), 3), torch.randint(1, 5, (12,), generator=gen)]).reshape(-1, 1)
+    counts, offsets = ops.expert_counts(idx.to(device), 6)
+    want = torch.bincount(idx.reshape(-1), minlength=6)
+    assert torch.equal(counts.cpu(), want) and torch.equal(offsets.cpu(), want.cumsum(0) - want)
+
+
+def run_case(name, device, dtype):
+    """Raise AssertionError if case ``name`` fails on ``device`` in ``dtype``."""
+    kind, _, rest = name.partition("/")
+    if kind == "gemm":
+        if rest == "tensor-sizes":
+            return check_gemm([4, 0, 19], device, dtype, trans_w=False, sizes_as_tensor=True)
+        edge, _, trans = rest.partition("/")
+        return check_gemm(GEMM_CASES[edge], device, dtype, trans_w=bool(trans))
+    if kind == "permute":
+        return check_permute(PERMUTE_CASES[rest], device, dtype)
+    if kind == "mlp":
+        return check_mlp(MLP_CASES[rest]["sizes"], device, dtype, activation=MLP_CASES[rest]["activation"])
+    if kind == "counts":
+        return check_counts(device)
+    if kind == "backend":
+        from ds_fssdp.ops.dispatch import backend_for
+        assert backend_for(torch.device(device)) == "triton", "these cases must run the Triton kernels"
+        return None
+    raise KeyError(name)
+
+
+@pytest.fixture(scope="module")
+def interpreter_results(tmp_path_factory):
+    pytest.importorskip("triton", reason="the Triton interpreter tests need triton (pip install triton)")
+    out = tmp_path_factory.mktemp("triton_interpret") / "results.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", DS_FSSDP_OPS_BACKEND="triton")
+    proc = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and out.exists(), f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("name", ALL_CASES)
+def test_triton_kernel_under_interpreter(interpreter_results, name):
+    result = interpreter_results["cases"][name]
+    assert result == "ok", result
+
+
+def _worker(out_path):
+    assert os.environ.get("TRITON_INTERPRET") == "1", "the worker runs the kernels under the interpreter"
+    results, started = {}, time.perf_counter()
+    for name in ALL_CASES:
+        try:
+            run_case(name, "cpu", torch.float32)
+            results[name] = "ok"
+        except Exception:  # reported per case to the parent test, not swallowed
+            results[name] = traceback.format_exc()
+    with open(out_path, "w") as f:
+        json.dump({"cases": results, "seconds": time.perf_counter() - started}, f)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])
