@@ -38,7 +38,12 @@ class FSSDPConfig(DeepSpeedConfigModel):
     """t: at most this many distinct experts are replicated per layer per iteration."""
 
     rematerialize: StrictBool = False
-    """Free replicas after the forward and gather them again for the backward."""
+    """Free replicas after the forward and gather them again for the backward (the expert MLP is
+    recomputed in the backward): replica memory is about one layer's worth instead of all layers'."""
+
+    topology_aware: StrictBool = True
+    """Sparse collectives cross the inter-node link once per (expert, node) and are forwarded inside
+    the node; gradients are summed inside a node before one partial sum leaves it."""
 
     reshard_interval: StrictInt = Field(0, ge=0)
     """Re-plan the owners of all layers every this many optimizer steps (0: never)."""

@@ -18,6 +18,10 @@ RUNS = {
     "fssdp-z1-adamw": ds_config(world=WORLD, zero=1, optimizer=ADAM, gas=1),
     "fssdp-z2-bf16": ds_config(world=WORLD, zero=2, bf16=True),
     "fssdp-z0-client-optimizer": ds_config(world=WORLD, zero=0, optimizer="client"),
+    "fssdp-z1-rematerialize": ds_config(world=WORLD, zero=1, fssdp={"rematerialize": True}),
+    "fssdp-z0-2nodes-flat": ds_config(world=WORLD, zero=0, fssdp={"ranks_per_node": 2, "topology_aware": False}),
+    "fssdp-z0-2nodes-paper": ds_config(world=WORLD, zero=0, fssdp={"ranks_per_node": 2, "placement": "paper",
+                                                                   "dispatch": "paper"}),
 }
 # fp32 with SGD: the runs differ from the reference only in summation order (1e-7 relative per
 # step), amplified a little by momentum over the steps.
@@ -68,6 +72,20 @@ def test_expert_optimizer_state_lives_on_owners_only(trained):
             assert state["exp_avg"][0] == state["exp_avg_sq"][0] == owned
             total[layer] += owned
     assert total == [8, 8]
+
+
+def test_rematerialization_keeps_one_layer_of_replicas(trained):
+    """Per micro-step: without RM every layer's replicas are alive at once (peak = their sum);
+    with RM one layer's at a time (peak = the largest layer's)."""
+    checked = 0
+    for rank in range(WORLD):
+        plain, rm = trained[rank]["fssdp-z0"], trained[rank]["fssdp-z1-rematerialize"]
+        for peak, layers in zip(plain["replica_peaks"], plain["replica_bytes_local"]):
+            assert peak == sum(layers)
+        for peak, layers in zip(rm["replica_peaks"], rm["replica_bytes_local"]):
+            assert peak == max(layers)
+            checked += sum(1 for b in layers if b > 0) > 1
+    assert checked > 0, "no micro-step had replicas in more than one layer"
 
 
 def test_runs_exercise_replicas_and_clipping(trained):

@@ -118,29 +118,50 @@ def test_fssdp_balances_better_than_ep_on_skewed_loads():
     assert all(f <= e + 1e-9 for f, e in zip(fs, ep))
 
 
-def test_gather_layout_is_consistent_across_ranks():
+def simulate_gather(owner_E, layouts):
+    """Run every rank's phases on expert ids instead of rows: what lands in each replica row."""
+    D = len(layouts)
+    replicas = [torch.full((l.replica_E.numel(), ), -1) for l in layouts]
+    for p in range(len(layouts[0].phases)):
+        sent = {}
+        for src, l in enumerate(layouts):
+            ph = l.phases[p]
+            rows = (replicas[src] if ph.from_replicas else l.owned_E)[ph.send_rows]
+            offs = 0
+            for dst in range(D):
+                sent[(src, dst)] = rows[offs:offs + ph.send_splits[dst]]
+                offs += ph.send_splits[dst]
+        for dst, l in enumerate(layouts):
+            ph = l.phases[p]
+            got = torch.cat([sent[(src, dst)] for src in range(D)])
+            assert got.numel() == sum(ph.recv_splits)
+            replicas[dst][ph.recv_rows] = got
+    return replicas
+
+
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_gather_layout_delivers_every_replica_once(hierarchical):
     for E, D, topo, owner_E, load_E, t, m, _ in instances(8):
         p = materialize(owner_E, load_E, topo, overlap_degree=t, budget=m)
-        layouts = [gather_layout(owner_E, p, r) for r in range(D)]
+        layouts = [gather_layout(owner_E, p, r, topology=topo, hierarchical=hierarchical) for r in range(D)]
         added = int(p.sum()) - E
         assert all(l.added_pairs == added for l in layouts)
-        assert sum(sum(l.send_splits) for l in layouts) == added
-        for src in range(D):
-            for dst in range(D):
-                assert layouts[src].send_splits[dst] == layouts[dst].recv_splits[src]
-        for r, l in enumerate(layouts):
-            assert torch.equal(l.owned_E, torch.nonzero(owner_E == r).flatten())
-            held = torch.nonzero(p[:, r]).flatten()
-            assert sorted(l.local_E.tolist()) == held.tolist()
-            # What rank r receives from src, in order, is what src sends to r, in order.
-            offset = 0
+        sends = sum(sum(ph.send_splits) for l in layouts for ph in l.phases)
+        assert sends == added, "each added replica receives its chunk exactly once (Eq. 4)"
+        for ph in range(len(layouts[0].phases)):
             for src in range(D):
-                n = l.recv_splits[src]
-                src_l = layouts[src]
-                start = sum(src_l.send_splits[:r])
-                sent_E = src_l.owned_E[src_l.send_rows[start:start + n]]
-                assert torch.equal(l.replica_E[offset:offset + n], sent_E)
-                offset += n
+                for dst in range(D):
+                    assert layouts[src].phases[ph].send_splits[dst] == layouts[dst].phases[ph].recv_splits[src]
+        for r, (l, got) in enumerate(zip(layouts, simulate_gather(owner_E, layouts))):
+            assert torch.equal(l.owned_E, torch.nonzero(owner_E == r).flatten())
+            assert torch.equal(got, l.replica_E), "a replica row holds the wrong expert"
+            assert sorted(l.local_E.tolist()) == torch.nonzero(p[:, r]).flatten().tolist()
+        if hierarchical and topo.num_nodes > 1:
+            # Inter-node transfers: one per (expert, node it newly enters).
+            node = topo.node_D()
+            entered = sum(len({int(node[d]) for d in torch.nonzero(p[e]).flatten().tolist()} - {int(node[owner_E[e]])})
+                          for e in range(E))
+            assert layouts[0].inter_pairs == entered
     with pytest.raises(ValueError, match="shard"):
         gather_layout(torch.tensor([0, 1]), torch.tensor([[False, True], [False, True]]), 0)
 

@@ -64,12 +64,15 @@ def train_worker(rank, world, runs: dict, steps: int):
             client = client_sgd(model.parameters())  # holds the full expert parameters too
         engine, *_ = ds_fssdp.initialize(model=model, config=cfg, optimizer=client)
         gas = cfg["gradient_accumulation_steps"]
-        losses, replicas, factors, norms = [], [], [], []
+        losses, replicas, factors, norms, peaks, local_bytes = [], [], [], [], [], []
         for step in range(steps):
             for micro in range(gas):
                 x, y = batch(step, micro, rank)
                 loss = engine(x, y)
                 engine.backward(loss)
+                peaks.append(engine.fssdp.memory.peak)
+                engine.fssdp.memory.reset_peak()
+                local_bytes.append([l.last_stats["replica_bytes_local"] for l in model.moe_layers()])
                 engine.step()
                 losses.append(loss.item())
                 replicas.append(sum(l.last_stats["replicas"] for l in model.moe_layers()))
@@ -81,7 +84,8 @@ def train_worker(rank, world, runs: dict, steps: int):
                   for st in engine.fssdp.optimizer.state.values()]
         owned = [int(l.sharded.owned_E.numel()) for l in model.moe_layers()]
         out[name] = dict(losses=losses, dense=dense, experts=experts, replicas=replicas, factors=factors,
-                         norms=norms, expert_states=states, owned=owned)
+                         norms=norms, expert_states=states, owned=owned, replica_peaks=peaks,
+                         replica_bytes_local=local_bytes)
     return out
 
 

@@ -1,11 +1,13 @@
 """SparseAllGather and SparseReduceScatter over deepspeed.comm (paper section 3.2).
 
-Legend: S rows owned here, R replica rows received here, P elements per expert row.
+Legend: S rows owned here, R replica rows held here, P elements per expert row.
 
-Both run as one all-to-all with splits laid out by ``planner.gather_layout``: only the placement
-delta moves, one row per added (expert, rank) pair, so each collective moves exactly
-|P' \\ P| * Psi bytes over the group (Eq. 4). Handles are asynchronous; ``wait()`` returns the
-result.
+Each phase of a ``planner.GatherLayout`` is one all-to-all with splits: only the placement delta
+moves, one row per transfer. ``start()`` issues the first phase asynchronously; ``finish()``
+(called where the result is needed) waits for it and runs the second, intra-node phase if the
+layout is hierarchical. Both are called from the main thread in program order, so every rank
+issues the collectives of a process group in the same order. Byte counters split the traffic into
+intra-node and inter-node.
 """
 from __future__ import annotations
 
@@ -15,40 +17,113 @@ from deepspeed import comm as dist
 from ds_fssdp.planner.transfers import GatherLayout
 
 
-class _Pending:
-    """An asynchronous collective and the buffer it fills."""
+def _exchange(send, recv, phase_send, phase_recv, group, async_op):
+    return dist.all_to_all_single(recv, send, output_split_sizes=phase_recv, input_split_sizes=phase_send,
+                                  group=group, async_op=async_op)
 
-    def __init__(self, work, result):
-        self._work, self._result = work, result
 
-    def wait(self):
+class Traffic:
+    """Bytes this rank sent, split by whether the peer shares its node."""
+
+    def __init__(self, node_D: torch.Tensor, rank: int):
+        self._same_D = (node_D == node_D[rank]).tolist()
+        self.intra = 0
+        self.inter = 0
+
+    def count(self, splits: list, row_bytes: int) -> None:
+        for peer, n in enumerate(splits):
+            if self._same_D[peer]:
+                self.intra += n * row_bytes
+            else:
+                self.inter += n * row_bytes
+
+    @property
+    def total(self) -> int:
+        return self.intra + self.inter
+
+
+class SparseAllGather:
+    """Materialize this rank's replica rows (ordered like ``layout.replica_E``)."""
+
+    def __init__(self, rows_SP: torch.Tensor, layout: GatherLayout, group, traffic: Traffic):
+        self.layout, self.group, self.traffic = layout, group, traffic
+        self.replica_RP = rows_SP.new_empty(layout.replica_E.numel(), rows_SP.shape[1])
+        self._rows_SP = rows_SP.detach()
+        self._work = None
+        self._recv = None
+        self.sent = 0  # bytes this rank sent for this collective
+
+    def start(self) -> "SparseAllGather":
+        if self.layout.phases:
+            self._work, self._recv = self._issue(self.layout.phases[0], self._rows_SP, async_op=True)
+        return self
+
+    def finish(self) -> torch.Tensor:
+        phases = self.layout.phases
+        if phases:
+            self._land(phases[0])
+        for phase in phases[1:]:
+            self._work, self._recv = self._issue(phase, self.replica_RP, async_op=False)
+            self._land(phase)
+        return self.replica_RP
+
+    def _issue(self, phase, source, *, async_op):
+        send = source.index_select(0, phase.send_rows.to(source.device))
+        recv = source.new_empty(sum(phase.recv_splits), source.shape[1])
+        self.traffic.count(phase.send_splits, source.shape[1] * source.element_size())
+        self.sent += send.numel() * send.element_size()
+        return _exchange(send, recv, phase.send_splits, phase.recv_splits, self.group, async_op), recv
+
+    def _land(self, phase) -> None:
         if self._work is not None:
             self._work.wait()
             self._work = None
-        return self._result
+        self.replica_RP.index_copy_(0, phase.recv_rows.to(self.replica_RP.device), self._recv)
 
 
-def sparse_all_gather(rows_SP: torch.Tensor, layout: GatherLayout, group, *, async_op: bool = True):
-    """Deliver this rank's replica rows (ordered like ``layout.replica_E``). Returns (handle,
-    bytes sent by this rank)."""
-    send = rows_SP.detach().index_select(0, layout.send_rows.to(rows_SP.device))
-    recv = rows_SP.new_empty(sum(layout.recv_splits), rows_SP.shape[1])
-    work = dist.all_to_all_single(recv, send, output_split_sizes=layout.recv_splits,
-                                  input_split_sizes=layout.send_splits, group=group, async_op=async_op)
-    handle = _Pending(work if async_op else None, recv)
-    return handle, send.numel() * send.element_size()
+class SparseReduceScatter:
+    """Return every replica's gradient to the owner of its expert, summed per node on the way.
 
+    ``finish()`` returns (owned row indices, gradients) to be summed into the owned rows'
+    gradient with ``index_add_`` (in the caller's precision)."""
 
-def sparse_reduce_scatter(replica_grad_RP: torch.Tensor, layout: GatherLayout, group, *, async_op: bool = True):
-    """Send each replica's gradient to its owner. The handle's ``wait()`` returns (rows, grads):
-    owned row indices and the gradients to add into them (sum with ``index_add_``). Returns
-    (handle, bytes sent by this rank)."""
-    recv = replica_grad_RP.new_empty(sum(layout.send_splits), replica_grad_RP.shape[1])
-    work = dist.all_to_all_single(recv, replica_grad_RP.contiguous(), output_split_sizes=layout.send_splits,
-                                  input_split_sizes=layout.recv_splits, group=group, async_op=async_op)
-    rows = layout.send_rows.to(recv.device)
-    handle = _Pending(work if async_op else None, (rows, recv))
-    return handle, replica_grad_RP.numel() * replica_grad_RP.element_size()
+    def __init__(self, replica_grad_RP: torch.Tensor, layout: GatherLayout, group, traffic: Traffic):
+        self.layout, self.group, self.traffic = layout, group, traffic
+        self.grad_RP = replica_grad_RP.detach().clone() if len(layout.phases) > 1 else replica_grad_RP.detach()
+        self._work = None
+        self._recv = None
+        self.sent = 0
+
+    def start(self) -> "SparseReduceScatter":
+        phases = self.layout.phases
+        if phases:
+            self._work, self._recv = self._issue(phases[-1], async_op=True)
+        return self
+
+    def finish(self) -> tuple:
+        phases = self.layout.phases
+        if not phases:
+            return torch.zeros(0, dtype=torch.long), self.grad_RP[:0]
+        self._wait()
+        if len(phases) > 1:
+            # Relays add the node's partial sums into their own replica gradient, then send on.
+            last = phases[-1]
+            self.grad_RP.index_add_(0, last.send_rows.to(self.grad_RP.device), self._recv)
+            self._work, self._recv = self._issue(phases[0], async_op=False)
+        return phases[0].send_rows.to(self._recv.device), self._recv
+
+    def _issue(self, phase, *, async_op):
+        # Reversed: what was received is sent back, what was sent comes back.
+        send = self.grad_RP.index_select(0, phase.recv_rows.to(self.grad_RP.device))
+        recv = self.grad_RP.new_empty(sum(phase.send_splits), self.grad_RP.shape[1])
+        self.traffic.count(phase.recv_splits, self.grad_RP.shape[1] * self.grad_RP.element_size())
+        self.sent += send.numel() * send.element_size()
+        return _exchange(send, recv, phase.recv_splits, phase.send_splits, self.group, async_op), recv
+
+    def _wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
 
 
 @torch.no_grad()

@@ -15,20 +15,24 @@ from ds_fssdp import ops
 from ds_fssdp.moe.routing import Route
 
 Exchange = Callable[[torch.Tensor, list, list], torch.Tensor]
+ExpertFn = Callable[[torch.Tensor, list], torch.Tensor]  # (rows grouped by local expert, group sizes) -> rows
+
+
+def mlp_fn(expert_weights: Mapping[str, torch.Tensor], activation: str) -> ExpertFn:
+    return lambda x_RH, group_sizes: ops.expert_mlp(x_RH, expert_weights, group_sizes, activation=activation)
 
 
 def local_exchange(x_RH: torch.Tensor, out_splits: list, in_splits: list) -> torch.Tensor:
     return x_RH
 
 
-def dispatch_compute_combine(x_TH: torch.Tensor, weights_TK: torch.Tensor, route: Route, *,
-                             expert_weights: Mapping[str, torch.Tensor], activation: str,
+def dispatch_compute_combine(x_TH: torch.Tensor, weights_TK: torch.Tensor, route: Route, *, expert_fn: ExpertFn,
                              exchange: Exchange) -> torch.Tensor:
     dev = x_TH.device
     send_RH = ops.permute_rows(x_TH, route.send_token.to(dev))
     recv_RH = exchange(send_RH, route.recv_splits, route.send_splits)
     grouped_RH = recv_RH.index_select(0, route.group_perm.to(dev))
-    y_RH = ops.expert_mlp(grouped_RH, expert_weights, route.group_sizes, activation=activation)
+    y_RH = expert_fn(grouped_RH, route.group_sizes)
     y_recv_RH = y_RH.index_select(0, route.ungroup_perm.to(dev))
     y_sent_RH = exchange(y_recv_RH, route.send_splits, route.recv_splits)
     y_AH = y_sent_RH.index_select(0, route.unsend.to(dev))

@@ -18,7 +18,7 @@ from typing import Mapping
 import torch
 import torch.nn as nn
 
-from ds_fssdp.moe.compute import dispatch_compute_combine, local_exchange
+from ds_fssdp.moe.compute import dispatch_compute_combine, local_exchange, mlp_fn
 from ds_fssdp.moe.experts import ExpertSpec
 from ds_fssdp.moe.gate import TopKGate
 from ds_fssdp.moe.routing import route
@@ -81,7 +81,7 @@ class FSSDPMoE(nn.Module):
         self._local_stats = {"replicas": 0, "expert_bytes": self.spec.numel * self.gate.weight.element_size(),
                              "gather_bytes": 0, "reduce_bytes": 0, "tokens_per_rank": [int(counts_E.sum())],
                              "straggler": 1.0, "ep_straggler": 1.0}
-        return dispatch_compute_combine(x_TH, gate.weights_TK, r, expert_weights=weights, activation=self.activation,
+        return dispatch_compute_combine(x_TH, gate.weights_TK, r, expert_fn=mlp_fn(weights, self.activation),
                                         exchange=local_exchange)
 
     @property

@@ -3,53 +3,87 @@ sparse collectives that move them.
 
 Legend: E experts, D ranks, S owned rows, R replica rows, P elements per expert, T tokens, H hidden.
 
-Per forward: plan the placement from the predicted loads (every rank plans the same one), start
-the SparseAllGather of the added replicas, all-gather the gate's counts (``tokens_ED``), wait for
-the replicas, plan the dispatch, exchange tokens, compute owned + replica experts, exchange back.
-After the backward, ``drain_replica_grads`` runs the SparseReduceScatter that returns every
-replica's gradient to the owner of its expert.
+Per iteration:
+
+* ``prefetch()`` (called before the attention that precedes this layer: by the model's forward
+  pre-hook for the first layer, at the end of the previous MoE layer's forward for the others):
+  plan the placement from the predicted loads (every rank plans the same one) and start the
+  SparseAllGather of the added replicas;
+* ``forward()``: all-gather the gate's counts (``tokens_ED``), wait for the replicas (the exposed
+  part of the gather is timed), plan the dispatch, exchange tokens, compute owned + replica
+  experts, exchange back, start the next layer's gather;
+* backward: when the replicas' gradient exists (a post-accumulate-grad hook, or the
+  re-materializing expert Function), the SparseReduceScatter starts asynchronously;
+  ``accumulate_grads()`` (after the engine's backward) finishes it and folds everything into the
+  owner's fp32 gradient.
+
+Re-materialization: the replicas of every layer but the last are freed after its forward and
+gathered again (asynchronously) when the following layer's expert backward is done, so they
+arrive during the backward of the attention in between.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 from deepspeed import comm as dist
 
-from ds_fssdp.comm import all_gather_counts, all_to_all, sparse_all_gather, sparse_reduce_scatter
-from ds_fssdp.moe.compute import dispatch_compute_combine
+from ds_fssdp.comm import all_gather_counts, all_to_all
+from ds_fssdp.comm.sparse import SparseAllGather, SparseReduceScatter, Traffic
+from ds_fssdp.moe.compute import dispatch_compute_combine, mlp_fn
 from ds_fssdp.moe.experts import ExpertSpec
 from ds_fssdp.moe.gate import GateOutput
+from ds_fssdp.moe.remat import RematExpertMLP
 from ds_fssdp.moe.routing import route
-from ds_fssdp.planner import GatherLayout, LoadPredictor, dispatch, gather_layout, plan_placement
+from ds_fssdp.planner import LoadPredictor, dispatch, gather_layout, plan_placement
 from ds_fssdp.planner.joint import joint_materialize
 from ds_fssdp.topology import Topology
 
 
-@dataclass
-class _Gather:
-    placement_ED: torch.Tensor
-    layout: GatherLayout
-    handle: object
-    bytes_sent: int
+@dataclass(frozen=True)
+class ShardOptions:
+    policy: str = "fssdp"
+    overlap_degree: int = 4
+    budget: int = 2
+    placement: str = "joint"  # "joint" | "paper"
+    dispatch_mode: str = "balanced"  # "balanced" | "paper"
+    rematerialize: bool = False
+    hierarchical: bool = True  # topology-aware (two-phase) sparse collectives across nodes
+
+
+class ReplicaMemory:
+    """Bytes of replica rows alive on this rank (all layers), and the peak since the last reset."""
+
+    def __init__(self):
+        self.current = 0
+        self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+    def release(self, nbytes: int) -> None:
+        self.current -= nbytes
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
 
 
 class ShardedExperts:
 
     def __init__(self, *, spec: ExpertSpec, layer_index: int, owner_E: torch.Tensor, rows_SP: torch.Tensor,
-                 topology: Topology, group, policy: str, overlap_degree: int, budget: int,
-                 predictor: LoadPredictor, placement: str = "joint", dispatch_mode: str = "balanced"):
+                 topology: Topology, group, param_group=None, predictor: LoadPredictor,
+                 options: ShardOptions = ShardOptions(), memory: ReplicaMemory | None = None):
         self.spec = spec
         self.layer_index = layer_index
         self.topology = topology
         self.group = group
+        self.param_group = group if param_group is None else param_group
         self.rank = dist.get_rank(group=group)
-        self.policy = policy
-        self.overlap_degree = overlap_degree
-        self.budget = budget
+        self.options = options
         self.predictor = predictor
-        self.placement = placement
-        self.dispatch_mode = dispatch_mode
+        self.memory = memory if memory is not None else ReplicaMemory()
         self.owner_E = owner_E.to("cpu", torch.long).clone()
         self.owned_E = torch.nonzero(self.owner_E == self.rank).flatten()
         if rows_SP.shape != (self.owned_E.numel(), spec.numel):
@@ -57,94 +91,119 @@ class ShardedExperts:
                              f"of {spec.numel} elements")
         self.rows = rows_SP.detach().requires_grad_(True)
         self.master = self.rows  # the optimizer's copy; fp32 beside low-precision rows
-        self._gather = None
-        self._pending = []  # (replica leaf, layout) of forwards whose gradients are not reduced yet
+        self.next = None  # the following MoE layer (prefetch chain), set by the stage
+        self.prev = None
+        self.is_last = True
+        self.traffic = Traffic(topology.node_D(), self.rank)
+        self._gather = None  # (placement_ED, layout, SparseAllGather) started for the next forward
+        self._pending = []  # SparseReduceScatters started, not finished
+        self._remat = None  # (layout, SparseAllGather or None) for the backward under RM
+        self._remat_buffer = None
+        self._live = {}  # id -> bytes of replica buffers counted in ``memory``
         self.stats = {}
 
     @property
     def expert_bytes(self) -> int:
         return self.spec.numel * self.rows.element_size()
 
+    # -- placement -----------------------------------------------------------------------------
     def plan_placement(self) -> torch.Tensor:
-        if self.policy == "fssdp" and self.placement == "joint":
+        o = self.options
+        if o.policy == "fssdp" and o.placement == "joint":
             tokens_ED = self.predictor.predict_tokens(self.layer_index)
             if tokens_ED is not None:
-                return joint_materialize(self.owner_E, tokens_ED, self.topology, overlap_degree=self.overlap_degree,
-                                         budget=self.budget)
+                return joint_materialize(self.owner_E, tokens_ED, self.topology, overlap_degree=o.overlap_degree,
+                                         budget=o.budget)
         load_E = self.predictor.predict(self.layer_index)
-        return plan_placement(self.policy, self.owner_E, load_E, self.topology,
-                              overlap_degree=self.overlap_degree, budget=self.budget)
+        return plan_placement(o.policy, self.owner_E, load_E, self.topology, overlap_degree=o.overlap_degree,
+                              budget=o.budget)
+
+    def _layout(self, placement_ED):
+        return gather_layout(self.owner_E, placement_ED, self.rank, topology=self.topology,
+                             hierarchical=self.options.hierarchical)
+
+    def _start_gather(self, layout) -> SparseAllGather:
+        g = SparseAllGather(self.rows, layout, self.param_group, self.traffic).start()
+        self._count(g.replica_RP)
+        return g
 
     def prefetch(self) -> None:
         """Plan this iteration's placement and start its SparseAllGather (asynchronous)."""
+        if self._gather is not None:
+            return
         placement_ED = self.plan_placement()
-        layout = gather_layout(self.owner_E, placement_ED, self.rank)
-        handle, sent = sparse_all_gather(self.rows, layout, self.group)
-        self._gather = _Gather(placement_ED, layout, handle, sent)
+        layout = self._layout(placement_ED)
+        self._gather = (placement_ED, layout, self._start_gather(layout))
 
+    # -- forward -------------------------------------------------------------------------------
     def forward(self, x_TH: torch.Tensor, gate: GateOutput, *, observe: bool = True) -> tuple:
         """Returns (out_TH, tokens_ED). ``observe``: feed this iteration's loads to the predictor."""
-        if self._gather is None:
-            self.prefetch()
-        g, self._gather = self._gather, None
+        self.prefetch()
+        (placement_ED, layout, gather), self._gather = self._gather, None
         tokens_ED = all_gather_counts(gate.counts_E, self.group)
-        replica_RP = g.handle.wait()
-        # Every rank joins every SparseReduceScatter, so a forward is tracked even where this rank
-        # received no replica.
-        track = torch.is_grad_enabled()
-        if track:
-            replica_RP.requires_grad_(True)
-        plan_EDD = dispatch(g.placement_ED, tokens_ED, self.topology, mode=self.dispatch_mode)
-        r = route(gate.idx_TK, plan_EDD, rank=self.rank, local_E=g.layout.local_E)
-        local_SP = torch.cat([self.rows, replica_RP]) if replica_RP.shape[0] else self.rows
+        t0 = time.perf_counter()
+        replica_RP = gather.finish()
+        gather_exposed = time.perf_counter() - t0
+        plan_EDD = dispatch(placement_ED, tokens_ED, self.topology, mode=self.options.dispatch_mode)
+        r = route(gate.idx_TK, plan_EDD, rank=self.rank, local_E=layout.local_E)
+        train = torch.is_grad_enabled()
+        remat = train and self.options.rematerialize and not self.is_last
+        if remat:
+            rows, spec = self.rows, self.spec
+            expert_fn = lambda xg, sizes: RematExpertMLP.apply(xg, rows, replica_RP, self, spec, sizes)
+            self._remat = (layout, None)
+        else:
+            if train:
+                # Every rank joins every reduce, so the replicas stay in the graph even when empty.
+                replica_RP.requires_grad_(True)
+                replica_RP.register_post_accumulate_grad_hook(lambda t, lay=layout: self._replica_backward_done(t, lay))
+            expert_fn = mlp_fn(self.spec.views(torch.cat([self.rows, replica_RP])), self.spec.activation)
         exchange = lambda x, out_splits, in_splits: all_to_all(x, out_splits, in_splits, group=self.group)
-        out_TH = dispatch_compute_combine(x_TH, gate.weights_TK, r, expert_weights=self.spec.views(local_SP),
-                                          activation=self.spec.activation, exchange=exchange)
-        if track:
-            self._pending.append((replica_RP, g.layout))
+        out_TH = dispatch_compute_combine(x_TH, gate.weights_TK, r, expert_fn=expert_fn, exchange=exchange)
+        if not train or remat:
+            self._uncount(replica_RP)  # freed with this frame (RM: not saved for backward)
+        if self.next is not None:
+            self.next.prefetch()
         if observe:
             self.predictor.observe(self.layer_index, tokens_ED)
-        rows_D = plan_EDD.sum((0, 1)).double()
-        ep_rows_D = torch.zeros_like(rows_D).index_add_(0, self.owner_E, tokens_ED.sum(1).double())
-        mean = float(rows_D.mean())
-        self.stats = {
-            "replicas": g.layout.added_pairs,
-            "expert_bytes": self.expert_bytes,
-            "gather_bytes": g.layout.added_pairs * self.expert_bytes,
-            "gather_bytes_sent_local": g.bytes_sent,
-            "reduce_bytes": 0,
-            "reduce_bytes_sent_local": 0,
-            "tokens_per_rank": rows_D.long().tolist(),
-            "straggler": float(rows_D.max()) / mean if mean > 0 else 1.0,
-            "ep_straggler": float(ep_rows_D.max()) / mean if mean > 0 else 1.0,
-        }
+        self._record(placement_ED, layout, plan_EDD, tokens_ED, gather_exposed, gather.sent)
         return out_TH, tokens_ED
 
-    def drain_replica_grads(self) -> list:
-        """SparseReduceScatter of every pending forward's replica gradients.
+    # -- backward ------------------------------------------------------------------------------
+    def _replica_backward_done(self, replica_RP, layout) -> None:
+        self._uncount(replica_RP)  # the backward no longer needs the weights, only their gradient
+        self._reduce_start(replica_RP.grad, layout)
 
-        Returns [(owned row indices, gradients)] to be summed into the owned rows' gradient. A
-        replica that received no tokens contributes zeros (the exchange is collective, so every
-        rank takes part in every pending one)."""
-        results, sent, volume = [], 0, 0
-        for replica_RP, layout in self._pending:
-            volume += layout.added_pairs * self.expert_bytes
-            grad_RP = replica_RP.grad if replica_RP.grad is not None else torch.zeros_like(replica_RP)
-            handle, nbytes = sparse_reduce_scatter(grad_RP.detach(), layout, self.group)
-            results.append(handle)
-            sent += nbytes
-        self._pending = []
-        out = [h.wait() for h in results]
-        if results:
-            self.stats["reduce_bytes"] = volume
-            self.stats["reduce_bytes_sent_local"] = sent
-        return out
+    def _reduce_start(self, grad_RP, layout) -> None:
+        """This layer's expert backward is done: start its SparseReduceScatter and, under RM, the
+        previous layer's re-gather (it overlaps the attention backward in between)."""
+        self._pending.append(SparseReduceScatter(grad_RP, layout, self.param_group, self.traffic).start())
+        if self.options.rematerialize and self.prev is not None:
+            self.prev.start_rematerialize()
 
-    def use_precision(self, dtype: torch.dtype, device) -> None:
-        """Compute with ``dtype`` rows on ``device``; keep an fp32 master when ``dtype`` is lower."""
-        fp32 = self.master.detach().to(device=device, dtype=torch.float32)
-        self.rows = fp32.to(dtype).requires_grad_(True) if dtype != torch.float32 else fp32.requires_grad_(True)
-        self.master = self.rows if dtype == torch.float32 else fp32.clone().requires_grad_(True)
+    def replica_grad_ready(self, grad_RP) -> None:
+        """Called by the re-materializing expert Function once the replicas' gradient exists."""
+        layout, _ = self._remat
+        self._remat = None
+        self._uncount(self._remat_buffer)
+        self._remat_buffer = None
+        self._reduce_start(grad_RP, layout)
+
+    def start_rematerialize(self) -> None:
+        """Start gathering this layer's replicas again for its backward (RM)."""
+        if self._remat is None or self._remat[1] is not None:
+            return
+        layout, _ = self._remat
+        self._remat = (layout, self._start_gather(layout))
+
+    def rematerialized(self) -> torch.Tensor:
+        layout, pending = self._remat
+        if pending is None:  # nobody started it (e.g. no following layer in the backward)
+            pending = self._start_gather(layout)
+        t0 = time.perf_counter()
+        replica_RP = self._remat_buffer = pending.finish()
+        self.stats["regather_exposed_s"] = self.stats.get("regather_exposed_s", 0.0) + time.perf_counter() - t0
+        return replica_RP
 
     @torch.no_grad()
     def accumulate_grads(self) -> None:
@@ -156,8 +215,59 @@ class ShardedExperts:
         if self.master is not self.rows and self.rows.grad is not None:
             acc_SP += self.rows.grad.to(acc_SP.dtype)
             self.rows.grad = None
-        for rows_S, grad_SP in self.drain_replica_grads():
+        t0 = time.perf_counter()
+        for reducer in self._pending:
+            rows_S, grad_SP = reducer.finish()
             acc_SP.index_add_(0, rows_S, grad_SP.to(acc_SP.dtype))
+        self.stats["reduce_exposed_s"] = time.perf_counter() - t0
+        if self._pending:
+            self.stats["reduce_bytes"] = sum(r.layout.added_pairs for r in self._pending) * self.expert_bytes
+            self.stats["reduce_bytes_sent_local"] = sum(r.sent for r in self._pending)
+        self._pending = []
+        self._remat = None
+        for nbytes in self._live.values():
+            self.memory.release(nbytes)
+        self._live = {}
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def _count(self, replica_RP) -> None:
+        nbytes = replica_RP.numel() * replica_RP.element_size()
+        self.memory.add(nbytes)
+        self._live[id(replica_RP)] = nbytes
+
+    def _uncount(self, replica_RP) -> None:
+        nbytes = self._live.pop(id(replica_RP), None)
+        if nbytes is not None:
+            self.memory.release(nbytes)
+
+    def _record(self, placement_ED, layout, plan_EDD, tokens_ED, gather_exposed, gather_sent) -> None:
+        rows_D = plan_EDD.sum((0, 1)).double()
+        ep_rows_D = torch.zeros_like(rows_D).index_add_(0, self.owner_E, tokens_ED.sum(1).double())
+        mean = float(rows_D.mean())
+        self.stats = {
+            "replicas": layout.added_pairs,
+            "expert_bytes": self.expert_bytes,
+            "gather_bytes": layout.added_pairs * self.expert_bytes,
+            "gather_bytes_intra": layout.intra_pairs * self.expert_bytes,
+            "gather_bytes_inter": layout.inter_pairs * self.expert_bytes,
+            "gather_bytes_sent_local": gather_sent,
+            "gather_exposed_s": gather_exposed,
+            "reduce_bytes": 0,
+            "reduce_bytes_sent_local": 0,
+            "reduce_exposed_s": 0.0,
+            "tokens_per_rank": rows_D.long().tolist(),
+            "straggler": float(rows_D.max()) / mean if mean > 0 else 1.0,
+            "ep_straggler": float(ep_rows_D.max()) / mean if mean > 0 else 1.0,
+            "replica_bytes_local": layout.replica_E.numel() * self.expert_bytes,
+            "replica_bytes_peak": self.memory.peak,
+        }
+
+    # -- state -----------------------------------------------------------------------------------
+    def use_precision(self, dtype: torch.dtype, device) -> None:
+        """Compute with ``dtype`` rows on ``device``; keep an fp32 master when ``dtype`` is lower."""
+        fp32 = self.master.detach().to(device=device, dtype=torch.float32)
+        self.rows = fp32.to(dtype).requires_grad_(True) if dtype != torch.float32 else fp32.requires_grad_(True)
+        self.master = self.rows if dtype == torch.float32 else fp32.clone().requires_grad_(True)
 
     @torch.no_grad()
     def copy_master_to_rows(self) -> None:

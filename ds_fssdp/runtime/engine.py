@@ -52,7 +52,10 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
         raise FSSDPConfigError("fssdp: the model's FSSDPMoE layers are already sharded (initialize called twice?)")
 
     expert_ids = {id(p) for layer in layers for p in layer.expert_parameters()}
-    stage = FSSDPStage(layers, fcfg, topology, group=None)
+    # The sparse collectives get their own process group, so an asynchronous gather or reduce
+    # never queues behind (or in front of) the token exchanges of the default group.
+    param_group = dist.new_group(ranks=list(range(world)))
+    stage = FSSDPStage(layers, fcfg, topology, group=None, param_group=param_group)
     ds_kwargs["model_parameters"] = _without(model_parameters, expert_ids)
     if isinstance(optimizer, torch.optim.Optimizer):
         _strip_params(optimizer, expert_ids)
@@ -66,8 +69,7 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
 
 def check_supported(ds_config: dict, fcfg: FSSDPConfig, *, model, mpu) -> None:
     """Refuse combinations FSSDP does not handle, before any collective."""
-    for key, value, off in (("rematerialize", fcfg.rematerialize, False), ("reshard_interval", fcfg.reshard_interval,
-                                                                          0), ("calibration", fcfg.calibration, False)):
+    for key, value, off in (("reshard_interval", fcfg.reshard_interval, 0), ("calibration", fcfg.calibration, False)):
         if value != off:
             raise FSSDPConfigError(f"fssdp.{key} ({value!r}) is not supported by this version of ds_fssdp; "
                                    f"leave it at {off!r}")

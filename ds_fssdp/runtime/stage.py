@@ -20,7 +20,7 @@ from deepspeed.utils import logger
 from ds_fssdp.comm.sparse import scatter_rows
 from ds_fssdp.config import FSSDPConfig, FSSDPConfigError
 from ds_fssdp.moe.layer import FSSDPMoE
-from ds_fssdp.moe.sharded import ShardedExperts
+from ds_fssdp.moe.sharded import ReplicaMemory, ShardedExperts, ShardOptions
 from ds_fssdp.planner import LoadPredictor, homogeneous_owner
 from ds_fssdp.runtime.grad_norm import install_expert_norm, loss_scale_of
 from ds_fssdp.topology import Topology
@@ -31,13 +31,20 @@ _SCHEDULED = ("lr", "betas", "momentum")
 
 class FSSDPStage:
 
-    def __init__(self, layers: list, config: FSSDPConfig, topology: Topology, group, *, src_rank: int = 0):
+    def __init__(self, layers: list, config: FSSDPConfig, topology: Topology, group, *, param_group=None,
+                 src_rank: int = 0):
         self.layers = list(layers)
         self.config = config
         self.topology = topology
         self.group = group
+        self.param_group = group if param_group is None else param_group
         self.world = dist.get_world_size(group=group)
         self.predictor = LoadPredictor([l.num_experts for l in self.layers], window=config.load_window)
+        self.memory = ReplicaMemory()
+        options = ShardOptions(policy=config.policy, overlap_degree=config.overlap_degree,
+                               budget=config.materialization_budget, placement=config.placement,
+                               dispatch_mode=config.dispatch, rematerialize=config.rematerialize,
+                               hierarchical=config.topology_aware)
         for i, layer in enumerate(self.layers):
             if not isinstance(layer, FSSDPMoE):
                 raise TypeError(f"FSSDPStage takes FSSDPMoE layers, got {type(layer).__name__}")
@@ -47,10 +54,12 @@ class FSSDPStage:
             # the dense ones from rank 0.
             rows_SP = scatter_rows(full_EP, owner_E, src=src_rank, group=group)
             layer.attach_sharded(ShardedExperts(spec=layer.spec, layer_index=i, owner_E=owner_E, rows_SP=rows_SP,
-                                                topology=topology, group=group, policy=config.policy,
-                                                overlap_degree=config.overlap_degree,
-                                                budget=config.materialization_budget, predictor=self.predictor,
-                                                placement=config.placement, dispatch_mode=config.dispatch))
+                                                topology=topology, group=group, param_group=self.param_group,
+                                                predictor=self.predictor, options=options, memory=self.memory))
+        # The prefetch chain: each layer starts the next one's gather when its forward is done.
+        for prev, nxt in zip(self.shards, self.shards[1:]):
+            prev.next, nxt.prev = nxt, prev
+            prev.is_last = False
         self.optimizer = None
         self.norm = None
         self.last_step = {}
@@ -73,6 +82,8 @@ class FSSDPStage:
             shard.use_precision(dtype, engine.device)
         self.optimizer = build_expert_optimizer(engine.basic_optimizer, self.masters())
         self.norm = install_expert_norm(engine)
+        # The first layer's gather starts with the model's forward, before the first attention.
+        engine.module.register_forward_pre_hook(lambda module, args: self.shards[0].prefetch())
         logger.info(f"fssdp: {len(self.layers)} MoE layers, policy={self.config.policy}, "
                     f"{self.topology.num_ranks} ranks in {self.topology.num_nodes} nodes, expert optimizer "
                     f"{type(self.optimizer).__name__}, expert dtype {dtype}")
@@ -114,7 +125,9 @@ class FSSDPStage:
                 layer.update_routing_bias()
         for master in self.masters():
             master.grad = None
-        self.last_step = {"applied": applied, "expert_grad_factor": factor, "global_grad_norm": self.norm.global_norm}
+        self.last_step = {"applied": applied, "expert_grad_factor": factor, "global_grad_norm": self.norm.global_norm,
+                          "replica_bytes_peak": self.memory.peak}
+        self.memory.reset_peak()
 
 
 def build_expert_optimizer(basic_optimizer, params: list):
