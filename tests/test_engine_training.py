@@ -20,6 +20,8 @@ RUNS = {
     "fssdp-z0-client-optimizer": ds_config(world=WORLD, zero=0, optimizer="client"),
     "fssdp-z1-rematerialize": ds_config(world=WORLD, zero=1, fssdp={"rematerialize": True}),
     "fssdp-z0-2nodes-flat": ds_config(world=WORLD, zero=0, fssdp={"ranks_per_node": 2, "topology_aware": False}),
+    "fssdp-z0-reshard": ds_config(world=WORLD, zero=0, fssdp={"reshard_interval": 1, "ranks_per_node": 2}),
+    "fssdp-z1-adamw-reshard": ds_config(world=WORLD, zero=1, optimizer=ADAM, gas=1, fssdp={"reshard_interval": 2}),
     "fssdp-z0-2nodes-paper": ds_config(world=WORLD, zero=0, fssdp={"ranks_per_node": 2, "placement": "paper",
                                                                    "dispatch": "paper"}),
 }
@@ -86,6 +88,21 @@ def test_rematerialization_keeps_one_layer_of_replicas(trained):
             assert peak == max(layers)
             checked += sum(1 for b in layers if b > 0) > 1
     assert checked > 0, "no micro-step had replicas in more than one layer"
+
+
+@pytest.mark.parametrize("name", ["fssdp-z0-reshard", "fssdp-z1-adamw-reshard"])
+def test_resharding_moved_state(trained, name):
+    """The re-shard runs (equal to the reference above) really moved experts: owners are no longer
+    the even split, state bytes travelled, and each rank's optimizer holds exactly its rows."""
+    from ds_fssdp.planner import homogeneous_owner
+    assert sum(sum(trained[r][name]["migrated"]) for r in range(WORLD)) > 0
+    owners = trained[0][name]["owners"]
+    assert any(not torch.equal(o, homogeneous_owner(o.numel(), WORLD)) for o in owners)
+    for rank in range(WORLD):
+        got = trained[rank][name]
+        assert all(torch.equal(o, p) for o, p in zip(got["owners"], owners)), "ranks disagree on owners"
+        for state, owned in zip(got["expert_states"], got["owned"]):
+            assert all(shape[0] == owned for shape in state.values())
 
 
 def test_runs_exercise_replicas_and_clipping(trained):

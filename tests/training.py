@@ -64,7 +64,7 @@ def train_worker(rank, world, runs: dict, steps: int):
             client = client_sgd(model.parameters())  # holds the full expert parameters too
         engine, *_ = ds_fssdp.initialize(model=model, config=cfg, optimizer=client)
         gas = cfg["gradient_accumulation_steps"]
-        losses, replicas, factors, norms, peaks, local_bytes = [], [], [], [], [], []
+        losses, replicas, factors, norms, peaks, local_bytes, migrated = [], [], [], [], [], [], []
         for step in range(steps):
             for micro in range(gas):
                 x, y = batch(step, micro, rank)
@@ -78,6 +78,7 @@ def train_worker(rank, world, runs: dict, steps: int):
                 replicas.append(sum(l.last_stats["replicas"] for l in model.moe_layers()))
             factors.append(engine.fssdp.last_step["expert_grad_factor"])
             norms.append(engine.fssdp.last_step["global_grad_norm"])
+            migrated.append(engine.fssdp.last_step["reshard_bytes_sent"])
         dense = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
         experts = [{k: v.float() for k, v in l.export_experts().items()} for l in model.moe_layers()]
         states = [{k: tuple(v.shape) for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0}
@@ -85,7 +86,8 @@ def train_worker(rank, world, runs: dict, steps: int):
         owned = [int(l.sharded.owned_E.numel()) for l in model.moe_layers()]
         out[name] = dict(losses=losses, dense=dense, experts=experts, replicas=replicas, factors=factors,
                          norms=norms, expert_states=states, owned=owned, replica_peaks=peaks,
-                         replica_bytes_local=local_bytes)
+                         replica_bytes_local=local_bytes, migrated=migrated,
+                         owners=[l.sharded.owner_E.clone() for l in model.moe_layers()])
     return out
 
 

@@ -263,6 +263,14 @@ class ShardedExperts:
         }
 
     # -- state -----------------------------------------------------------------------------------
+    def set_owners(self, owner_E: torch.Tensor, *, rows: torch.Tensor, master: torch.Tensor) -> None:
+        """Adopt new owners (after a migration moved the rows): between iterations only."""
+        if self._gather is not None or self._pending or self._remat is not None:
+            raise RuntimeError("owners can change only between iterations (a collective is still pending)")
+        self.owner_E = owner_E.to("cpu", torch.long).clone()
+        self.owned_E = torch.nonzero(self.owner_E == self.rank).flatten()
+        self.rows, self.master = rows, master
+
     def use_precision(self, dtype: torch.dtype, device) -> None:
         """Compute with ``dtype`` rows on ``device``; keep an fp32 master when ``dtype`` is lower."""
         fp32 = self.master.detach().to(device=device, dtype=torch.float32)

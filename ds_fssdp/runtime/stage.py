@@ -21,8 +21,9 @@ from ds_fssdp.comm.sparse import scatter_rows
 from ds_fssdp.config import FSSDPConfig, FSSDPConfigError
 from ds_fssdp.moe.layer import FSSDPMoE
 from ds_fssdp.moe.sharded import ReplicaMemory, ShardedExperts, ShardOptions
-from ds_fssdp.planner import LoadPredictor, homogeneous_owner
+from ds_fssdp.planner import LoadPredictor, heterogeneous_sharding, homogeneous_owner
 from ds_fssdp.runtime.grad_norm import install_expert_norm, loss_scale_of
+from ds_fssdp.runtime.reshard import migrate_shard
 from ds_fssdp.topology import Topology
 
 # Hyperparameters an LR/momentum schedule changes on DeepSpeed's optimizer; mirrored every step.
@@ -63,6 +64,10 @@ class FSSDPStage:
         self.optimizer = None
         self.norm = None
         self.last_step = {}
+        self.steps = 0
+        if config.reshard_interval and len({l.num_experts for l in self.layers}) > 1:
+            raise FSSDPConfigError(f"fssdp.reshard_interval ({config.reshard_interval}) needs the same number of "
+                                   f"experts in every MoE layer, got {[l.num_experts for l in self.layers]}")
 
     @property
     def shards(self) -> list:
@@ -123,11 +128,27 @@ class FSSDPStage:
                 shard.copy_master_to_rows()
             for layer in self.layers:
                 layer.update_routing_bias()
+            self.steps += 1
         for master in self.masters():
             master.grad = None
+        resharded = 0
+        if applied and self.config.reshard_interval and self.steps % self.config.reshard_interval == 0:
+            resharded = self.reshard()
         self.last_step = {"applied": applied, "expert_grad_factor": factor, "global_grad_norm": self.norm.global_norm,
-                          "replica_bytes_peak": self.memory.peak}
+                          "replica_bytes_peak": self.memory.peak, "reshard_bytes_sent": resharded}
         self.memory.reset_peak()
+
+
+    def reshard(self) -> int:
+        """Algorithm 2 on the predicted loads of all layers; migrate every moved expert's state.
+        Returns the bytes this rank sent (0 if there is no load history yet)."""
+        load_LE = self.predictor.predict_all()
+        if load_LE is None:
+            return 0
+        owner_LE = heterogeneous_sharding(load_LE, self.topology, overlap_degree=self.config.overlap_degree)
+        sent = sum(migrate_shard(s, owner_LE[i], self.optimizer, self.param_group) for i, s in enumerate(self.shards))
+        logger.info(f"fssdp: re-sharded {len(self.shards)} layers at step {self.steps} ({sent} bytes sent by this rank)")
+        return sent
 
 
 def build_expert_optimizer(basic_optimizer, params: list):
