@@ -8,17 +8,38 @@ world size in :meth:`FSSDPConfig.resolve_ranks_per_node`.
 from __future__ import annotations
 
 import os
-from typing import Any, Literal, Mapping, Union
+from typing import Annotated, Any, Literal, Mapping, Optional, Union
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import Field, StrictBool, StrictInt, ValidationError
+from pydantic import Field, StrictBool, StrictFloat, StrictInt, ValidationError
 
 SECTION = "fssdp"
-POLICIES = ("fssdp", "ep")
+POLICIES = ("fssdp", "ep", "uniform", "fastermoe", "smartmoe")
+_AUTO_KEYS = ("materialization_budget", "overlap_degree")
+NonNegInt = Annotated[StrictInt, Field(ge=0)]
 
 
 class FSSDPConfigError(ValueError):
     """A bad value in the ``"fssdp"`` section (or a combination FSSDP refuses)."""
+
+
+class HardwareConfig(DeepSpeedConfigModel):
+    """Per-rank speeds for the cost model (``fssdp.hardware``)."""
+
+    flops: Annotated[Union[StrictFloat, StrictInt], Field(gt=0)]
+    """Achievable FLOP/s of the expert GEMMs."""
+
+    intra_bw: Annotated[Union[StrictFloat, StrictInt], Field(gt=0)]
+    """Bytes/s per rank inside a node."""
+
+    inter_bw: Annotated[Union[StrictFloat, StrictInt], Field(gt=0)]
+    """Bytes/s per node between nodes."""
+
+    latency: Annotated[Union[StrictFloat, StrictInt], Field(ge=0)] = 1e-5
+    """Seconds per collective phase."""
+
+    def __init__(self, **data):
+        super().__init__(strict=True, **data)
 
 
 class FSSDPConfig(DeepSpeedConfigModel):
@@ -28,14 +49,35 @@ class FSSDPConfig(DeepSpeedConfigModel):
     """Shard experts with FSSDP. ``false`` leaves FSSDPMoE layers as ordinary modules, so DeepSpeed
     trains every expert data-parallel (all experts replicated on all ranks)."""
 
-    policy: Literal["fssdp", "ep"] = "fssdp"
-    """``fssdp``: per-iteration ephemeral replicas. ``ep``: static expert parallelism (no replicas)."""
+    policy: Literal["fssdp", "ep", "uniform", "fastermoe", "smartmoe"] = "fssdp"
+    """``fssdp``: per-iteration ephemeral replicas. ``ep``: static expert parallelism (no replicas).
+    Baselines, run for real for comparison: ``uniform`` (a gate that spreads tokens evenly over
+    the experts: the no-straggler speed reference; it changes what the model computes),
+    ``fastermoe`` (after gating, broadcast the experts worth it to every rank, on the critical
+    path), ``smartmoe`` (every ``smartmoe_interval`` steps permute experts between ranks from the
+    load history, moving their optimizer state)."""
 
-    materialization_budget: StrictInt = Field(2, ge=0)
-    """m: extra expert replicas each rank may hold per MoE layer per iteration."""
+    materialization_budget: Union[Literal["auto"], NonNegInt] = 2
+    """m: extra expert replicas each rank may hold per MoE layer per iteration; "auto": as many as
+    ``replica_memory_bytes`` holds (per layer with re-materialization)."""
 
-    overlap_degree: StrictInt = Field(4, ge=0)
-    """t: at most this many distinct experts are replicated per layer per iteration."""
+    replica_memory_bytes: Optional[NonNegInt] = None
+    """Per-rank memory for replicas (parameters and their gradients), for budget "auto"."""
+
+    overlap_degree: Union[Literal["auto"], NonNegInt] = 4
+    """t: at most this many distinct experts are replicated per layer per iteration; "auto": the
+    expert chunks the measured link bandwidth moves during each layer's measured attention window."""
+
+    smartmoe_interval: StrictInt = Field(25, ge=1)
+    """Policy ``smartmoe``: re-permute experts every this many optimizer steps."""
+
+    hardware: Optional[HardwareConfig] = None
+    """The cost model's hardware for calibration and ``fastermoe`` (and the link bandwidth of
+    "auto" t); null: measured at initialize (a short all-to-all and an expert GEMM)."""
+
+    calibration_latency_budget: Optional[Annotated[Union[StrictFloat, StrictInt], Field(ge=0)]] = None
+    """Seconds a calibration gather may add to the critical path; null: the layer's measured
+    attention window."""
 
     rematerialize: StrictBool = False
     """Free replicas after the forward and gather them again for the backward (the expert MLP is
@@ -85,6 +127,9 @@ class FSSDPConfig(DeepSpeedConfigModel):
             raise FSSDPConfigError(_format_errors(err, section)) from None
         if isinstance(cfg.ranks_per_node, int) and cfg.ranks_per_node < 1:
             raise FSSDPConfigError(f"{SECTION}.ranks_per_node ({cfg.ranks_per_node}) must be >= 1 or \"auto\"")
+        if cfg.materialization_budget == "auto" and cfg.replica_memory_bytes is None:
+            raise FSSDPConfigError(f"{SECTION}.materialization_budget (\"auto\") needs {SECTION}.replica_memory_bytes "
+                                   "(per-rank bytes for replicas)")
         return cfg
 
     def resolve_ranks_per_node(self, world_size: int, env: Mapping[str, str] | None = None) -> int:
@@ -109,7 +154,9 @@ def _format_errors(err: ValidationError, section: Mapping[str, Any]) -> str:
         key = key or "?"
         value = section.get(key, e.get("input"))
         kind, ctx = e["type"], e.get("ctx", {})
-        if key == "ranks_per_node":
+        if key in _AUTO_KEYS:
+            lines.append(f"{SECTION}.{key} ({value!r}) must be \"auto\" or an int >= 0")
+        elif key == "ranks_per_node":
             lines.append(f"{SECTION}.{key} ({value!r}) must be \"auto\", null or an int >= 1")
         elif kind == "extra_forbidden":
             lines.append(f"{SECTION}.{key} ({value!r}) is not a known key; known keys: {known}")

@@ -9,8 +9,14 @@ import ds_fssdp
 from ds_fssdp import FSSDPConfig, FSSDPConfigError, FSSDPMoE
 
 BAD = [
-    ({"materialization_budget": -1}, "fssdp.materialization_budget (-1) must be >= 0"),
-    ({"overlap_degree": -2}, "fssdp.overlap_degree (-2) must be >= 0"),
+    ({"materialization_budget": -1}, "fssdp.materialization_budget (-1) must be \"auto\" or an int >= 0"),
+    ({"overlap_degree": -2}, "fssdp.overlap_degree (-2) must be \"auto\" or an int >= 0"),
+    ({"overlap_degree": "max"}, "fssdp.overlap_degree ('max') must be \"auto\" or an int >= 0"),
+    ({"materialization_budget": "auto"}, "fssdp.materialization_budget (\"auto\") needs fssdp.replica_memory_bytes"),
+    ({"replica_memory_bytes": -5}, "fssdp.replica_memory_bytes (-5)"),
+    ({"smartmoe_interval": 0}, "fssdp.smartmoe_interval (0) must be >= 1"),
+    ({"calibration_latency_budget": -1.0}, "fssdp.calibration_latency_budget (-1.0)"),
+    ({"hardware": {"flops": 1e12}}, "fssdp.hardware"),
     ({"overlap_degree": 2.5}, "fssdp.overlap_degree (2.5)"),
     ({"policy": "fastest"}, "fssdp.policy ('fastest') must be one of"),
     ({"reshard_interval": -1}, "fssdp.reshard_interval (-1) must be >= 0"),
@@ -71,7 +77,6 @@ def _tiny_model():
 @pytest.mark.parametrize("config,message", [
     ({"train_batch_size": 2, "zero_optimization": {"stage": 3}, "fssdp": {}}, r"zero_optimization.stage \(3\)"),
     ({"train_batch_size": 2, "fssdp": {"load_window": -3}}, r"fssdp.load_window \(-3\)"),
-    ({"train_batch_size": 2, "fssdp": {"calibration": True}}, r"fssdp.calibration \(True\) is not supported"),
 ])
 def test_initialize_refuses_before_any_collective(config, message):
     with pytest.raises(FSSDPConfigError, match=message):

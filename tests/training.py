@@ -64,7 +64,7 @@ def train_worker(rank, world, runs: dict, steps: int):
             client = client_sgd(model.parameters())  # holds the full expert parameters too
         engine, *_ = ds_fssdp.initialize(model=model, config=cfg, optimizer=client)
         gas = cfg["gradient_accumulation_steps"]
-        losses, replicas, factors, norms, peaks, local_bytes, migrated = [], [], [], [], [], [], []
+        losses, replicas, factors, norms, peaks, local_bytes, migrated, layer_stats = [], [], [], [], [], [], [], []
         for step in range(steps):
             for micro in range(gas):
                 x, y = batch(step, micro, rank)
@@ -73,6 +73,8 @@ def train_worker(rank, world, runs: dict, steps: int):
                 peaks.append(engine.fssdp.memory.peak)
                 engine.fssdp.memory.reset_peak()
                 local_bytes.append([l.last_stats["replica_bytes_local"] for l in model.moe_layers()])
+                layer_stats.append([{k: l.last_stats.get(k) for k in ("shadowed", "calibration", "overlap_degree",
+                                                                        "straggler")} for l in model.moe_layers()])
                 engine.step()
                 losses.append(loss.item())
                 replicas.append(sum(l.last_stats["replicas"] for l in model.moe_layers()))
@@ -86,9 +88,24 @@ def train_worker(rank, world, runs: dict, steps: int):
         owned = [int(l.sharded.owned_E.numel()) for l in model.moe_layers()]
         out[name] = dict(losses=losses, dense=dense, experts=experts, replicas=replicas, factors=factors,
                          norms=norms, expert_states=states, owned=owned, replica_peaks=peaks,
-                         replica_bytes_local=local_bytes, migrated=migrated,
+                         replica_bytes_local=local_bytes, migrated=migrated, layer_stats=layer_stats,
+                         budget=engine.fssdp.shards[0].options.budget,
                          owners=[l.sharded.owner_E.clone() for l in model.moe_layers()])
     return out
+
+
+def _uniform_gates(model, current):
+    """The ``uniform`` policy's routing in the reference: rank r's tokens are assigned round robin
+    starting at r * (its assignments), as each rank does."""
+    from ds_fssdp.moe.gate import uniform_assignment
+    for layer in model.moe_layers():
+        gate, forward = layer.gate, layer.gate.forward
+
+        def patched(x_TH, gate=gate, forward=forward):
+            out = forward(x_TH)
+            return uniform_assignment(out, gate.num_experts, offset=current["rank"] * out.idx_TK.numel())
+
+        gate.forward = patched
 
 
 def reference_train(cfg: dict, world: int, steps: int):
@@ -96,6 +113,9 @@ def reference_train(cfg: dict, world: int, steps: int):
     (loss / (world * gas), global-norm clipping, the same optimizer)."""
     torch.manual_seed(0)
     model = GPTMoE(MODEL)
+    current = {"rank": 0}
+    if cfg["fssdp"].get("policy") == "uniform":
+        _uniform_gates(model, current)
     opt_cfg = cfg["optimizer"]
     if opt_cfg == "client":
         opt = client_sgd(model.parameters())
@@ -114,6 +134,7 @@ def reference_train(cfg: dict, world: int, steps: int):
         opt.zero_grad()
         for micro in range(gas):
             for rank in range(world):
+                current["rank"] = rank
                 x, y = batch(step, micro, rank)
                 loss = model(x, y)
                 (loss / (world * gas)).backward()

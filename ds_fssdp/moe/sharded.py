@@ -33,7 +33,7 @@ from ds_fssdp.comm import all_gather_counts, all_to_all
 from ds_fssdp.comm.sparse import SparseAllGather, SparseReduceScatter, Traffic
 from ds_fssdp.moe.compute import dispatch_compute_combine, mlp_fn
 from ds_fssdp.moe.experts import ExpertSpec
-from ds_fssdp.moe.gate import GateOutput
+from ds_fssdp.moe.gate import GateOutput, uniform_assignment
 from ds_fssdp.moe.remat import RematExpertMLP
 from ds_fssdp.moe.routing import route
 from ds_fssdp.planner import LoadPredictor, dispatch, gather_layout, plan_placement
@@ -44,7 +44,7 @@ from ds_fssdp.topology import Topology
 @dataclass(frozen=True)
 class ShardOptions:
     policy: str = "fssdp"
-    overlap_degree: int = 4
+    overlap_degree: int | str = 4  # or "auto": floor(measured window * link_bandwidth / expert bytes)
     budget: int = 2
     placement: str = "joint"  # "joint" | "paper"
     dispatch_mode: str = "balanced"  # "balanced" | "paper"
@@ -101,22 +101,42 @@ class ShardedExperts:
         self._remat_buffer = None
         self._live = {}  # id -> bytes of replica buffers counted in ``memory``
         self.stats = {}
+        self.post_gating = None  # callable (shard, placement_ED, tokens_ED) -> extra_ED | None
+        self.post_gating_info = {}  # what the last post-gating decision reports (into ``stats``)
+        self.link_bandwidth = None  # bytes/s, measured (for overlap_degree "auto")
+        self.window_s = None  # the overlap window every rank agreed on at the last step (seconds)
+        self.measured_window_s = None  # this rank's moving average of prefetch -> forward
+        self._prefetch_t = None
 
     @property
     def expert_bytes(self) -> int:
         return self.spec.numel * self.rows.element_size()
 
     # -- placement -----------------------------------------------------------------------------
+    @property
+    def overlap_degree(self) -> int:
+        """t. "auto": the expert chunks the link moves during the measured window (section 4.2);
+        0 until the ranks have agreed on a window (after the first optimizer step)."""
+        t = self.options.overlap_degree
+        if t != "auto":
+            return t
+        if self.window_s is None or not self.link_bandwidth:
+            return 0
+        if self.link_bandwidth == float("inf"):
+            return self.owner_E.numel()
+        return int(self.window_s * self.link_bandwidth // self.expert_bytes)
+
     def plan_placement(self) -> torch.Tensor:
         o = self.options
+        if o.policy not in ("fssdp", "ep"):  # the baselines gather nothing before gating
+            return plan_placement("ep", self.owner_E, None, self.topology, overlap_degree=0, budget=0)
+        t = self.overlap_degree
         if o.policy == "fssdp" and o.placement == "joint":
             tokens_ED = self.predictor.predict_tokens(self.layer_index)
             if tokens_ED is not None:
-                return joint_materialize(self.owner_E, tokens_ED, self.topology, overlap_degree=o.overlap_degree,
-                                         budget=o.budget)
+                return joint_materialize(self.owner_E, tokens_ED, self.topology, overlap_degree=t, budget=o.budget)
         load_E = self.predictor.predict(self.layer_index)
-        return plan_placement(o.policy, self.owner_E, load_E, self.topology, overlap_degree=o.overlap_degree,
-                              budget=o.budget)
+        return plan_placement(o.policy, self.owner_E, load_E, self.topology, overlap_degree=t, budget=o.budget)
 
     def _layout(self, placement_ED):
         return gather_layout(self.owner_E, placement_ED, self.rank, topology=self.topology,
@@ -131,6 +151,7 @@ class ShardedExperts:
         """Plan this iteration's placement and start its SparseAllGather (asynchronous)."""
         if self._gather is not None:
             return
+        self._prefetch_t = time.perf_counter()
         placement_ED = self.plan_placement()
         layout = self._layout(placement_ED)
         self._gather = (placement_ED, layout, self._start_gather(layout))
@@ -138,12 +159,25 @@ class ShardedExperts:
     # -- forward -------------------------------------------------------------------------------
     def forward(self, x_TH: torch.Tensor, gate: GateOutput, *, observe: bool = True) -> tuple:
         """Returns (out_TH, tokens_ED). ``observe``: feed this iteration's loads to the predictor."""
+        if self.options.policy == "uniform":
+            gate = uniform_assignment(gate, self.owner_E.numel(), offset=self.rank * gate.idx_TK.numel())
         self.prefetch()
+        window = time.perf_counter() - self._prefetch_t
+        m = self.measured_window_s
+        self.measured_window_s = window if m is None else 0.9 * m + 0.1 * window
         (placement_ED, layout, gather), self._gather = self._gather, None
         tokens_ED = all_gather_counts(gate.counts_E, self.group)
         t0 = time.perf_counter()
         replica_RP = gather.finish()
         gather_exposed = time.perf_counter() - t0
+        gather_sent = gather.sent
+        extra_ED = self.post_gating(self, placement_ED, tokens_ED) if self.post_gating is not None else None
+        critical_s = 0.0
+        if extra_ED is not None:
+            t1 = time.perf_counter()
+            placement_ED, layout, replica_RP, extra_sent = self._gather_extra(placement_ED, layout, replica_RP, extra_ED)
+            critical_s = time.perf_counter() - t1
+            gather_sent += extra_sent
         plan_EDD = dispatch(placement_ED, tokens_ED, self.topology, mode=self.options.dispatch_mode)
         r = route(gate.idx_TK, plan_EDD, rank=self.rank, local_E=layout.local_E)
         train = torch.is_grad_enabled()
@@ -166,8 +200,31 @@ class ShardedExperts:
             self.next.prefetch()
         if observe:
             self.predictor.observe(self.layer_index, tokens_ED)
-        self._record(placement_ED, layout, plan_EDD, tokens_ED, gather_exposed, gather.sent)
+        self._record(placement_ED, layout, plan_EDD, tokens_ED, gather_exposed + critical_s, gather_sent)
+        self.stats["post_gating_gather_s"] = critical_s
+        self.stats.update(self.post_gating_info)
+        self.stats["window_s"] = window
+        self.stats["overlap_degree"] = self.overlap_degree
         return out_TH, tokens_ED
+
+    def _gather_extra(self, placement_ED, layout, replica_RP, extra_ED):
+        """Gather ``extra_ED`` now (critical path) and merge it with the replicas already here
+        into one buffer laid out for the final placement (one reduce, one RM re-gather)."""
+        from ds_fssdp.planner import shard_placement
+        shard_ED = shard_placement(self.owner_E, self.topology.num_ranks)
+        delta = self._layout(shard_ED | extra_ED)
+        extra = self._start_gather(delta)
+        extra_RP = extra.finish()
+        placement_ED = placement_ED | extra_ED
+        merged = self._layout(placement_ED)
+        out_RP = replica_RP.new_empty(merged.replica_E.numel(), replica_RP.shape[1])
+        self._count(out_RP)
+        for part_RP, part_E in ((replica_RP, layout.replica_E), (extra_RP, delta.replica_E)):
+            if part_E.numel():
+                pos = torch.searchsorted(merged.replica_E, part_E).to(out_RP.device)
+                out_RP.index_copy_(0, pos, part_RP)
+            self._uncount(part_RP)
+        return placement_ED, merged, out_RP, extra.sent
 
     # -- backward ------------------------------------------------------------------------------
     def _replica_backward_done(self, replica_RP, layout) -> None:

@@ -69,10 +69,6 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
 
 def check_supported(ds_config: dict, fcfg: FSSDPConfig, *, model, mpu) -> None:
     """Refuse combinations FSSDP does not handle, before any collective."""
-    for key, value, off in (("calibration", fcfg.calibration, False), ):
-        if value != off:
-            raise FSSDPConfigError(f"fssdp.{key} ({value!r}) is not supported by this version of ds_fssdp; "
-                                   f"leave it at {off!r}")
     stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
     if stage >= 3:
         raise FSSDPConfigError(f"zero_optimization.stage ({stage}) is not supported with fssdp: experts are "

@@ -11,6 +11,7 @@ optimizer type and hyperparameters DeepSpeed built from the same config.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import torch
@@ -21,8 +22,12 @@ from ds_fssdp.comm.sparse import scatter_rows
 from ds_fssdp.config import FSSDPConfig, FSSDPConfigError
 from ds_fssdp.moe.layer import FSSDPMoE
 from ds_fssdp.moe.sharded import ReplicaMemory, ShardedExperts, ShardOptions
-from ds_fssdp.planner import LoadPredictor, heterogeneous_sharding, homogeneous_owner
+from ds_fssdp.planner import (CostModel, ExpertShape, Hardware, LoadPredictor, auto_materialization_budget,
+                              heterogeneous_sharding, homogeneous_owner)
+from ds_fssdp.planner.baselines import PolicyConfig, make_policy
 from ds_fssdp.runtime.grad_norm import install_expert_norm, loss_scale_of
+from ds_fssdp.runtime.post_gating import Calibration, Shadowing
+from ds_fssdp.runtime.profile import measure_expert_flops, measure_link_bandwidth
 from ds_fssdp.runtime.reshard import migrate_shard
 from ds_fssdp.topology import Topology
 
@@ -42,8 +47,9 @@ class FSSDPStage:
         self.world = dist.get_world_size(group=group)
         self.predictor = LoadPredictor([l.num_experts for l in self.layers], window=config.load_window)
         self.memory = ReplicaMemory()
-        options = ShardOptions(policy=config.policy, overlap_degree=config.overlap_degree,
-                               budget=config.materialization_budget, placement=config.placement,
+        budget = 0 if config.materialization_budget == "auto" else config.materialization_budget  # set in attach
+        options = ShardOptions(policy=config.policy, overlap_degree=config.overlap_degree, budget=budget,
+                               placement=config.placement,
                                dispatch_mode=config.dispatch, rematerialize=config.rematerialize,
                                hierarchical=config.topology_aware)
         for i, layer in enumerate(self.layers):
@@ -65,9 +71,15 @@ class FSSDPStage:
         self.norm = None
         self.last_step = {}
         self.steps = 0
-        if config.reshard_interval and len({l.num_experts for l in self.layers}) > 1:
+        self.baseline = None  # the planner's policy object for fastermoe / smartmoe
+        self.profile = {}
+        same_E = len({l.num_experts for l in self.layers}) == 1
+        if config.reshard_interval and not same_E:
             raise FSSDPConfigError(f"fssdp.reshard_interval ({config.reshard_interval}) needs the same number of "
                                    f"experts in every MoE layer, got {[l.num_experts for l in self.layers]}")
+        if config.policy in ("fastermoe", "smartmoe") and not same_E:
+            raise FSSDPConfigError(f"fssdp.policy ({config.policy!r}) needs the same number of experts in every MoE "
+                                   f"layer, got {[l.num_experts for l in self.layers]}")
 
     @property
     def shards(self) -> list:
@@ -87,6 +99,7 @@ class FSSDPStage:
             shard.use_precision(dtype, engine.device)
         self.optimizer = build_expert_optimizer(engine.basic_optimizer, self.masters())
         self.norm = install_expert_norm(engine)
+        self._configure_auto_and_policies(dtype, engine.device)
         # The first layer's gather starts with the model's forward, before the first attention.
         engine.module.register_forward_pre_hook(lambda module, args: self.shards[0].prefetch())
         logger.info(f"fssdp: {len(self.layers)} MoE layers, policy={self.config.policy}, "
@@ -131,13 +144,95 @@ class FSSDPStage:
             self.steps += 1
         for master in self.masters():
             master.grad = None
+        self._agree_on_windows(engine.device)
         resharded = 0
         if applied and self.config.reshard_interval and self.steps % self.config.reshard_interval == 0:
             resharded = self.reshard()
+        if applied and self.config.policy == "smartmoe":
+            resharded = self.smartmoe_permute()
         self.last_step = {"applied": applied, "expert_grad_factor": factor, "global_grad_norm": self.norm.global_norm,
                           "replica_bytes_peak": self.memory.peak, "reshard_bytes_sent": resharded}
         self.memory.reset_peak()
 
+
+    def _configure_auto_and_policies(self, dtype, device) -> None:
+        """Measure what the "auto" knobs, calibration and FasterMoE need; report the values."""
+        cfg = self.config
+        psi = self.shards[0].expert_bytes
+        if cfg.materialization_budget == "auto":
+            m = auto_materialization_budget(memory_bytes=cfg.replica_memory_bytes, expert_bytes=psi,
+                                            num_layers=len(self.layers), rematerialize=cfg.rematerialize)
+            for s in self.shards:
+                s.options = dataclasses.replace(s.options, budget=m)
+            self.profile["materialization_budget"] = m
+            logger.info(f"fssdp: materialization_budget auto -> m = {m} ({cfg.replica_memory_bytes} bytes for "
+                        f"replicas, {psi} bytes per expert, {len(self.layers)} layers, rematerialize="
+                        f"{cfg.rematerialize})")
+        need_cost = cfg.calibration or cfg.policy == "fastermoe"
+        if cfg.overlap_degree == "auto" or need_cost:
+            bw = (cfg.hardware.intra_bw if cfg.hardware is not None else
+                  measure_link_bandwidth(group=self.param_group, chunk_bytes=psi, device=device))
+            self.profile["link_bandwidth"] = bw
+            for s in self.shards:
+                s.link_bandwidth = bw
+            logger.info(f"fssdp: measured link bandwidth {bw / 1e9:.2f} GB/s per rank; overlap_degree "
+                        f"{cfg.overlap_degree!r} (auto: per layer from its measured attention window)")
+        layer = self.layers[0]
+        if cfg.policy == "smartmoe":
+            self.baseline = make_policy(cfg.policy, PolicyConfig(
+                num_experts=layer.num_experts, num_layers=len(self.layers), topology=self.topology,
+                smartmoe_interval=cfg.smartmoe_interval))
+        if not need_cost:
+            return
+        if cfg.hardware is not None:
+            h = cfg.hardware
+            hw = Hardware(flops=float(h.flops), intra_bw=float(h.intra_bw), inter_bw=float(h.inter_bw),
+                          latency=float(h.latency))
+        else:
+            # Every rank must plan with the same numbers (the decisions decide the collectives).
+            flops_t = torch.tensor([measure_expert_flops(layer.spec, dtype=dtype, device=device)],
+                                   dtype=torch.float64, device=device)
+            dist.all_reduce(flops_t, op=dist.ReduceOp.MIN, group=self.param_group)
+            bw = self.profile["link_bandwidth"]
+            bw = bw if bw != float("inf") else 1e15
+            hw = Hardware(flops=float(flops_t), intra_bw=bw, inter_bw=bw)
+        self.profile["hardware"] = dataclasses.asdict(hw)
+        shape = ExpertShape(hidden=layer.hidden_size, ffn=layer.ffn_hidden_size, matrices=len(layer.spec.names),
+                            param_bytes=torch.tensor([], dtype=dtype).element_size())
+        cost = CostModel(hw, shape, self.topology)
+        if cfg.calibration:
+            for s in self.shards:
+                s.post_gating = Calibration(cost, latency_budget=cfg.calibration_latency_budget)
+        if cfg.policy == "fastermoe":
+            self.baseline = make_policy(cfg.policy, PolicyConfig(
+                num_experts=layer.num_experts, num_layers=len(self.layers), topology=self.topology, cost=cost))
+            for s in self.shards:
+                s.post_gating = Shadowing(self.baseline)
+
+    def _agree_on_windows(self, device) -> None:
+        """Decisions that use the measured attention windows ("auto" t, calibration's budget) must
+        be the same on every rank: once per step, all ranks adopt the largest measured window."""
+        if self.config.overlap_degree != "auto" and not (self.config.calibration and
+                                                          self.config.calibration_latency_budget is None):
+            return
+        w = torch.tensor([s.measured_window_s or 0.0 for s in self.shards], dtype=torch.float64, device=device)
+        dist.all_reduce(w, op=dist.ReduceOp.MAX, group=self.param_group)
+        first = self.shards[0].window_s is None
+        for s, v in zip(self.shards, w.tolist()):
+            s.window_s = v
+        if first and self.config.overlap_degree == "auto":
+            logger.info(f"fssdp: overlap_degree auto -> t = {[s.overlap_degree for s in self.shards]} per layer "
+                        f"(windows {[round(v * 1e3, 3) for v in w.tolist()]} ms)")
+
+    def smartmoe_permute(self) -> int:
+        """SmartMoE: every ``smartmoe_interval`` steps, the planner permutes experts between slots
+        from the load history and their state moves (same migration as re-sharding)."""
+        owner_LE = torch.stack([s.owner_E for s in self.shards])
+        plan = self.baseline.reshard(self.steps, self.predictor.predict_all(), owner_LE=owner_LE)
+        if plan is None:
+            return 0
+        return sum(migrate_shard(s, plan.owner_LE[i], self.optimizer, self.param_group)
+                   for i, s in enumerate(self.shards))
 
     def reshard(self) -> int:
         """Algorithm 2 on the predicted loads of all layers; migrate every moved expert's state.
