@@ -1,4 +1,5 @@
 """Pure, deterministic planning: no torch.distributed, no GPU. Same inputs, same plan on every rank."""
+from ds_fssdp.planner.baselines import (POLICY_NAMES, LayerPlan, Policy, PolicyConfig, Reshard, make_policy)
 from ds_fssdp.planner.calibrate import Calibration, calibrate
 from ds_fssdp.planner.cost import CostModel, ExpertShape, Hardware
 from ds_fssdp.planner.dispatch import dispatch, rows_per_rank, straggler_factor
@@ -13,5 +14,5 @@ __all__ = [
     "Calibration", "calibrate", "CostModel", "ExpertShape", "Hardware", "dispatch", "rows_per_rank",
     "straggler_factor", "auto_materialization_budget", "auto_overlap_degree", "materialize", "POLICIES",
     "plan_placement", "LoadPredictor", "heterogeneous_sharding", "homogeneous_owner", "shard_placement",
-    "GatherLayout", "gather_layout"
+    "GatherLayout", "gather_layout", "POLICY_NAMES", "LayerPlan", "Policy", "PolicyConfig", "Reshard", "make_policy"
 ]

@@ -118,6 +118,90 @@ class CostModel:
         intra = float(rank_in.max()) / self.hw.intra_bw
         return self.hw.latency + max(inter, intra)
 
+    def sparse_collective_time(self, owner_E: torch.Tensor, placement_ED: torch.Tensor, *, relay: bool = True) -> float:
+        """SparseAllGather of ``placement_ED`` (or its mirror SparseReduceScatter, or a broadcast of
+        whole experts when a row of ``placement_ED`` is all True).
+
+        ``relay=False`` is :meth:`gather_time`: the owner's node sends one copy to every node the
+        chunk newly enters. ``relay=True`` lets any node that already holds a chunk forward it
+        (section 3.3: "any device holding a chunk's current replica can supply it"; NCCL's
+        pipelined ring broadcast does this), so a node sends each chunk it owns at most once and
+        the inter-node bound is max(chunks a node receives, distinct chunks a node must send out)."""
+        if not relay:
+            return self.gather_time(owner_E, placement_ED)
+        owner_E = owner_E.to("cpu", torch.long)
+        placement_ED = placement_ED.to("cpu", torch.bool)
+        num_experts = owner_E.numel()
+        experts = torch.arange(num_experts)
+        added_ED = placement_ED.clone()
+        added_ED[experts, owner_E] = False
+        if not bool(added_ED.any()):
+            return 0.0
+        psi = float(self.shape.expert_bytes)
+        N = self.topology.num_nodes
+        intra = float(added_ED.sum(0).max()) * psi / self.hw.intra_bw
+        inter = 0.0
+        if N > 1:
+            node_has_EN = torch.zeros(num_experts, N, dtype=torch.long).index_add_(
+                1, self._node_D, placement_ED.long()) > 0
+            owner_node_E = self._node_D[owner_E]
+            entered_EN = node_has_EN.clone()
+            entered_EN[experts, owner_node_E] = False
+            node_in = entered_EN.sum(0).double()
+            leaves_E = entered_EN.any(1).double()
+            node_out = torch.zeros(N, dtype=torch.float64).index_add_(0, owner_node_E, leaves_E)
+            inter = float(torch.maximum(node_in, node_out).max()) * psi / self.hw.inter_bw
+        return self.hw.latency + max(inter, intra)
+
+    def transfer_time(self, traffic_DD: torch.Tensor) -> float:
+        """Point-to-point transfers of ``traffic_DD[s, d]`` bytes from rank s to rank d, all at once
+        (expert migration, FlexMoE expansion): the slowest rank link or node link decides."""
+        traffic_DD = traffic_DD.to("cpu", torch.float64).clone()
+        traffic_DD.fill_diagonal_(0)
+        return self._exchange_time(traffic_DD)
+
+    def allreduce_time(self, groups_KD: torch.Tensor, bytes_K: torch.Tensor) -> float:
+        """K all-reduces issued together; group k (bool row of ``groups_KD``) sums ``bytes_K[k]`` bytes.
+
+        Ring all-reduce: each member sends and receives 2 (n - 1) / n of the message over its own
+        link; a ring that spans several nodes, ordered by node, enters and leaves each of its
+        nodes once, so that node's inter-node link carries the same 2 (n - 1) / n (Eq. 5 per rank).
+        Groups of one rank cost nothing. One latency for the batch (bucketed into one call)."""
+        groups_KD = groups_KD.to("cpu", torch.bool)
+        bytes_K = bytes_K.to("cpu", torch.float64).reshape(-1)
+        size_K = groups_KD.sum(1).double()
+        active_K = size_K > 1
+        if not bool(active_K.any()):
+            return 0.0
+        groups_KD, bytes_K, size_K = groups_KD[active_K], bytes_K[active_K], size_K[active_K]
+        per_member_K = 2.0 * (size_K - 1) / size_K * bytes_K
+        rank_D = (groups_KD.double() * per_member_K[:, None]).sum(0)
+        N = self.topology.num_nodes
+        inter = 0.0
+        if N > 1:
+            nodes_KN = torch.zeros(groups_KD.shape[0], N, dtype=torch.long).index_add_(
+                1, self._node_D, groups_KD.long()) > 0
+            spans_K = nodes_KN.sum(1) > 1
+            node_N = (nodes_KN.double() * (per_member_K * spans_K.double())[:, None]).sum(0)
+            inter = float(node_N.max()) / self.hw.inter_bw
+        return self.hw.latency + max(float(rank_D.max()) / self.hw.intra_bw, inter)
+
+    def flow_layer_times(self, flow_XDD: torch.Tensor) -> torch.Tensor:
+        """:meth:`layer_time` of X candidate plans at once, each given as its rank-to-rank flow
+        ``flow_XDD[x, d, d2]`` = rows rank d sends rank d2 (``plan_EDD.sum(0)``; float64 [X])."""
+        flow_XDD = flow_XDD.to("cpu", torch.float64)
+        X, D = flow_XDD.shape[0], flow_XDD.shape[1]
+        compute_X = flow_XDD.sum(1).amax(1) * (3.0 * self.shape.row_flops / self.hw.flops)
+        traffic_XDD = flow_XDD * float(self.shape.token_bytes) * (1.0 - torch.eye(D, dtype=torch.float64))
+        intra_XDD = traffic_XDD * self._same_DD
+        inter_XDD = traffic_XDD - intra_XDD
+        rank_X = torch.maximum(intra_XDD.sum(2), intra_XDD.sum(1)).amax(1) / self.hw.intra_bw
+        onehot_DN = torch.nn.functional.one_hot(self._node_D, self.topology.num_nodes).double()
+        node_X = torch.maximum(inter_XDD.sum(2) @ onehot_DN, inter_XDD.sum(1) @ onehot_DN).amax(1) / self.hw.inter_bw
+        exchange_X = torch.where(traffic_XDD.sum((1, 2)) > 0, self.hw.latency + torch.maximum(rank_X, node_X),
+                                 torch.zeros(X, dtype=torch.float64))
+        return compute_X + 4.0 * exchange_X
+
     # -- one layer ------------------------------------------------------------------------------
     def layer_time(self, plan_EDD: torch.Tensor) -> float:
         """Critical path of the MoE part of one layer (forward + backward): the slowest rank's

@@ -1,0 +1,87 @@
+"""FSSDP (Themis) as a policy: ephemeral replicas every iteration, re-sharding every few hundred.
+
+Legend: L layers, E experts, D ranks.
+
+* reshard: Algorithm 2 (heterogeneous sharding) on the predicted loads of all layers every
+  ``reshard_interval`` iterations (not at step 0: layers start homogeneous, section 4.3). Ranks are
+  renamed (nodes permuted, ranks permuted inside nodes, which Algorithm 2 cannot tell apart) to
+  keep as many experts as possible in place; the ones that move carry their optimizer state.
+* pre_gating: Algorithm 1 on the predicted loads, gathered under the preceding attention.
+* post_gating: calibration (optional) with the actual loads and the budget left; it may add
+  replicas of experts beyond the top-t, as many distinct ones as the binding link absorbs within
+  ``calibration_latency_budget`` (its gather is on the critical path).
+* ``fssdp-rm``: the same with re-materialization: replicas are freed after the forward and
+  gathered again before the backward. The caller gives it the larger per-layer budget
+  (:func:`ds_fssdp.planner.knobs.auto_materialization_budget` with ``rematerialize=True``).
+"""
+from __future__ import annotations
+
+import torch
+
+from ds_fssdp.planner.baselines.base import LayerPlan, Policy, Reshard
+from ds_fssdp.planner.baselines.relabel import moved_copies, relabel_owner
+from ds_fssdp.planner.knobs import auto_overlap_degree
+from ds_fssdp.planner.shard import heterogeneous_sharding, shard_placement
+
+
+class FSSDPPolicy(Policy):
+    name = "fssdp"
+
+    def reshard(self, step: int, history_load_LE: torch.Tensor | None, *, owner_LE: torch.Tensor) -> Reshard | None:
+        interval = self.config.reshard_interval
+        if history_load_LE is None or interval == 0 or step == 0 or step % interval:
+            return None
+        new_LE = heterogeneous_sharding(history_load_LE, self.topology, overlap_degree=self.config.overlap_degree)
+        new_LE = relabel_owner(owner_LE, new_LE, self.topology, keep_nodes=True)
+        return Reshard(owner_LE=new_LE, copies_M4=moved_copies(owner_LE, new_LE))
+
+    def pre_gating(self, layer: int, owner_E: torch.Tensor, predicted_load_E: torch.Tensor | None) -> torch.Tensor:
+        if predicted_load_E is None:
+            return shard_placement(owner_E.to("cpu", torch.long), self.topology.num_ranks)
+        return self.materializer(owner_E, predicted_load_E, self.topology, overlap_degree=self.config.overlap_degree,
+                                 budget=self.config.budget)
+
+    def post_gating(self, layer: int, owner_E: torch.Tensor, placement_ED: torch.Tensor, *,
+                    tokens_ED: torch.Tensor) -> LayerPlan:
+        cfg = self.config
+        if not cfg.calibration:
+            return self._plan(owner_E, placement_ED)
+        if cfg.cost is None:
+            raise ValueError(f"{self.name}: calibration needs PolicyConfig.cost")
+        placement_ED = placement_ED.to("cpu", torch.bool)
+        merged_ED = self.calibrate(owner_E, placement_ED, tokens_ED)
+        return self._plan(owner_E, merged_ED, calibrated_ED=merged_ED & ~placement_ED)
+
+    def calibrate(self, owner_E: torch.Tensor, placement_ED: torch.Tensor, tokens_ED: torch.Tensor) -> torch.Tensor:
+        """:func:`ds_fssdp.planner.calibrate` (same decision, tested equal) with this policy's
+        materializer and the calibration overlap degree; returns the placement to use."""
+        cfg = self.config
+        merged_ED = self.materializer(owner_E, tokens_ED.sum(1), self.topology,
+                                      overlap_degree=self.calibration_overlap_degree(), budget=cfg.budget,
+                                      base_ED=placement_ED)
+        new_ED = merged_ED & ~placement_ED
+        if not bool(new_ED.any()):
+            return placement_ED
+        before = cfg.cost.layer_time(self.dispatcher(placement_ED, tokens_ED, self.topology))
+        after = cfg.cost.layer_time(self.dispatcher(merged_ED, tokens_ED, self.topology))
+        extra = cfg.cost.gather_time(owner_E, shard_placement(owner_E.to("cpu", torch.long), self.topology.num_ranks)
+                                     | new_ED)
+        accepted = before - after > extra and extra <= cfg.calibration_latency_budget
+        return merged_ED if accepted else placement_ED
+
+    def calibration_overlap_degree(self) -> int:
+        """Distinct experts calibration may replicate: the t of the hidden gather plus what the
+        binding link absorbs within the calibration latency budget (the calibration gather is on
+        the critical path, so the attention window does not bound it; its budget does)."""
+        cfg, E = self.config, self.config.num_experts
+        if cfg.calibration_latency_budget == float("inf"):
+            return E
+        hw, psi = cfg.cost.hw, cfg.cost.shape.expert_bytes
+        bw = hw.inter_bw if self.topology.num_nodes > 1 else hw.intra_bw
+        extra = auto_overlap_degree(attention_seconds=cfg.calibration_latency_budget, bandwidth=bw, expert_bytes=psi)
+        return min(E, cfg.overlap_degree + extra)
+
+
+class FSSDPRematerializePolicy(FSSDPPolicy):
+    name = "fssdp-rm"
+    rematerialize = True

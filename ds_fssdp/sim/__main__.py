@@ -1,0 +1,99 @@
+"""python -m ds_fssdp.sim --trace FILE|synthetic --cluster a --model gpt-s-moe --gpus 32 [--json]
+
+Replays the trace through each policy on the cost model of the chosen cluster and model, prints a
+table (time per iteration, speedup over EP and FasterMoE, Figure 11's breakdown, Figure 12's
+model-state memory) and writes a PNG bar chart. ``--json`` prints the same as JSON instead.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from ds_fssdp.planner.baselines import POLICY_NAMES
+from ds_fssdp.sim.plot import plot_results
+from ds_fssdp.sim.presets import CLUSTERS, MODELS, cluster_preset, model_preset
+from ds_fssdp.sim.report import format_table, to_json
+from ds_fssdp.sim.setup import build_setup
+from ds_fssdp.sim.simulate import simulate
+from ds_fssdp.sim.traces import save_trace
+from ds_fssdp.sim.workload import trace_for_setup
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m ds_fssdp.sim", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", required=True, help="trace .npz (docs/traces.md), or 'synthetic'")
+    p.add_argument("--cluster", default="a", choices=sorted(CLUSTERS))
+    p.add_argument("--model", default="gpt-s-moe", choices=sorted(MODELS))
+    p.add_argument("--gpus", type=int, default=32)
+    p.add_argument("--policies", default=",".join(POLICY_NAMES), help=f"comma-separated, of {','.join(POLICY_NAMES)}")
+    p.add_argument("--steps", type=int, default=None, help="steps to replay (default: all of a recorded trace, 200 "
+                   "synthetic)")
+    p.add_argument("--start", type=int, default=0, help="first step of a recorded trace")
+    p.add_argument("--target-std", type=float, default=0.04, help="synthetic: std of expert load share")
+    p.add_argument("--drift", type=float, default=None, help="synthetic: 1 - step correlation of the preferences")
+    p.add_argument("--jitter", type=float, default=None, help="synthetic: fraction of fresh noise per step")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--split-concentration", type=float, default=None,
+                   help="remap: Dirichlet alpha splitting a recorded expert into several (default: equal split)")
+    p.add_argument("--tokens-per-gpu", type=int, default=None)
+    p.add_argument("--replica-memory-gb", type=float, default=None)
+    p.add_argument("--overlap-degree", type=int, default=None, help="t (default: from the attention window)")
+    p.add_argument("--budget", type=int, default=None, help="m for fssdp (default: from replica memory)")
+    p.add_argument("--budget-rm", type=int, default=None, help="m for fssdp-rm (default: from replica memory)")
+    p.add_argument("--flexmoe-slots", type=int, default=None)
+    p.add_argument("--flexmoe-threshold", type=float, default=1.2)
+    p.add_argument("--flexmoe-interval", type=int, default=1)
+    p.add_argument("--smartmoe-interval", type=int, default=25)
+    p.add_argument("--reshard-interval", type=int, default=100)
+    p.add_argument("--no-calibration", action="store_true")
+    p.add_argument("--calibration-budget", type=float, default=1.0, help="in attention forward times")
+    p.add_argument("--png", default=None, help="chart path (default sim_<cluster>_<model>_<gpus>.png)")
+    p.add_argument("--no-png", action="store_true")
+    p.add_argument("--save-trace", default=None, help="also write the replayed (remapped/synthetic) trace here")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)  # small tensors: threads cost more than they give
+    policies = [p for p in args.policies.split(",") if p]
+    unknown = [p for p in policies if p not in POLICY_NAMES]
+    if unknown:
+        raise SystemExit(f"--policies: unknown {unknown}; known: {', '.join(POLICY_NAMES)}")
+    cluster, model = cluster_preset(args.cluster), model_preset(args.model)
+    memory = None if args.replica_memory_gb is None else args.replica_memory_gb * 1e9
+    setup = build_setup(cluster, model, args.gpus, tokens_per_gpu=args.tokens_per_gpu, replica_memory_bytes=memory,
+                        overlap_degree=args.overlap_degree, budget=args.budget, budget_rm=args.budget_rm,
+                        flexmoe_slots=args.flexmoe_slots, reshard_interval=args.reshard_interval,
+                        smartmoe_interval=args.smartmoe_interval, flexmoe_threshold=args.flexmoe_threshold,
+                        flexmoe_interval=args.flexmoe_interval, calibration=not args.no_calibration,
+                        calibration_budget=args.calibration_budget)
+    synth = {k: v for k, v in (("drift", args.drift), ("jitter", args.jitter)) if v is not None}
+    trace, trace_summary = trace_for_setup(setup, args.trace, top_k=model.top_k, steps=args.steps, start=args.start,
+                                           target_std=args.target_std, seed=args.seed,
+                                           split_concentration=args.split_concentration, **synth)
+    if args.save_trace:
+        save_trace(args.save_trace, trace)
+    results = simulate(setup, trace.tokens_SLED, policies)
+    summary = setup.summary()
+    if not args.no_png:
+        png = args.png or f"sim_{cluster.name}_{model.name}_{args.gpus}.png"
+        plot_results(png, results, title=f"{summary['label']}; {trace_summary.get('description', '')}")
+        summary["png"] = png
+    if args.json:
+        json.dump(to_json(summary, trace_summary, results), sys.stdout, indent=1)
+        print()
+    else:
+        print(format_table(summary, trace_summary, results))
+        if "png" in summary:
+            print(f"chart: {summary['png']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

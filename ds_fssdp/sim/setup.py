@@ -1,0 +1,124 @@
+"""Everything a simulation needs besides the trace: cluster, model, derived knobs.
+
+Legend: L layers, E experts, D ranks.
+
+Knobs derived as the runtime's "auto" settings would (ds_fssdp.planner.knobs):
+
+* overlap degree t = floor(T_attn * bw / Psi), T_attn the attention forward time of one layer on
+  the rank's tokens and bw the node's inter-node bandwidth (the binding link when nodes > 1; the
+  rank's intra-node bandwidth on one node);
+* budget m from ``replica_memory_bytes``: a replica holds 2 Psi (parameters + gradient); without
+  re-materialization all L layers' replicas are alive at the forward/backward turn; with it, two
+  layers' (fssdp-rm's larger budget);
+* FlexMoE's reserved slots from the same memory at 8 Psi per slot (parameters, gradient and the
+  fp32 master + Adam moments: 2 + 2 + 12 bytes per parameter), at least one.
+* FSSDP calibration's latency budget (the paper's "profiled latency budget", no number given):
+  ``calibration_budget`` attention forwards (1.0).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ds_fssdp.planner.cost import ExpertShape, Hardware
+from ds_fssdp.planner.knobs import auto_materialization_budget, auto_overlap_degree
+from ds_fssdp.sim.presets import ClusterPreset, ModelPreset
+from ds_fssdp.topology import Topology
+
+# Mixed-precision Adam, bytes per parameter.
+PARAM_BYTES = 2  # bf16 parameters
+GRAD_BYTES = 2  # bf16 gradients
+OPT_BYTES = 12  # fp32 master, Adam m and v
+MIGRATE_BYTES = PARAM_BYTES + OPT_BYTES  # a moved expert carries parameters and optimizer state
+OPT_TRAFFIC_BYTES = 28  # optimizer step: read grad 2, read+write master 8, m 8, v 8, write param 2
+
+
+@dataclass(frozen=True)
+class Setup:
+    topology: Topology
+    hw: Hardware
+    shape: ExpertShape
+    num_layers: int
+    num_experts: int
+    tokens_per_gpu: int
+    attention_flops_per_token: float
+    dense_params: int  # per rank, all layers (data parallel)
+    overlap_degree: int
+    budget: int
+    budget_rm: int
+    flexmoe_slots: int
+    reshard_interval: int = 100
+    smartmoe_interval: int = 25
+    flexmoe_threshold: float = 1.2
+    flexmoe_interval: int = 1
+    calibration: bool = True
+    calibration_budget: float = 1.0  # calibration's critical-path latency budget, in attention forwards
+    load_window: int = 5
+    label: str = ""
+
+    @property
+    def attention_fwd_s(self) -> float:
+        return self.tokens_per_gpu * self.attention_flops_per_token / self.hw.flops
+
+    def with_hardware(self, hw: Hardware, *, rederive_overlap: bool = True) -> "Setup":
+        """Same setup on other hardware; t follows the new bandwidth unless told otherwise."""
+        t = self.overlap_degree
+        if rederive_overlap:
+            t = derive_overlap_degree(hw, self.topology, self.shape,
+                                      attention_s=self.tokens_per_gpu * self.attention_flops_per_token / hw.flops)
+        return replace(self, hw=hw, overlap_degree=t)
+
+    def summary(self) -> dict:
+        return {
+            "label": self.label, "gpus": self.topology.num_ranks, "ranks_per_node": self.topology.ranks_per_node,
+            "num_layers": self.num_layers, "num_experts": self.num_experts, "tokens_per_gpu": self.tokens_per_gpu,
+            "expert_bytes": self.shape.expert_bytes, "attention_fwd_ms": 1e3 * self.attention_fwd_s,
+            "overlap_degree": self.overlap_degree, "budget": self.budget, "budget_rm": self.budget_rm,
+            "flexmoe_slots": self.flexmoe_slots, "reshard_interval": self.reshard_interval,
+            "smartmoe_interval": self.smartmoe_interval, "flexmoe_threshold": self.flexmoe_threshold,
+            "calibration": self.calibration, "calibration_budget_attn": self.calibration_budget, "hardware": {
+                "flops": self.hw.flops, "intra_bw": self.hw.intra_bw, "inter_bw": self.hw.inter_bw,
+                "latency": self.hw.latency, "hbm_bw": self.hw.hbm_bw
+            }
+        }
+
+
+def derive_overlap_degree(hw: Hardware, topology: Topology, shape: ExpertShape, *, attention_s: float) -> int:
+    bw = hw.inter_bw if topology.num_nodes > 1 else hw.intra_bw
+    return auto_overlap_degree(attention_seconds=attention_s, bandwidth=bw, expert_bytes=shape.expert_bytes)
+
+
+def build_setup(cluster: ClusterPreset, model: ModelPreset, gpus: int, *, tokens_per_gpu: int | None = None,
+                replica_memory_bytes: float | None = None, overlap_degree: int | None = None,
+                budget: int | None = None, budget_rm: int | None = None, flexmoe_slots: int | None = None,
+                **options) -> Setup:
+    """A :class:`Setup` from presets; ``options`` are the remaining :class:`Setup` fields."""
+    G = cluster.ranks_per_node
+    if gpus < 1 or (gpus > G and gpus % G):
+        raise ValueError(f"gpus ({gpus}) must be >= 1 and, beyond one node, a multiple of {G} GPUs per node")
+    topology = Topology(num_ranks=gpus, ranks_per_node=min(G, gpus))
+    hw = cluster.hardware()
+    shape = model.expert_shape()
+    L = model.num_layers(cluster.name)
+    E = model.num_experts(gpus)
+    tokens = model.tokens_per_gpu(cluster) if tokens_per_gpu is None else tokens_per_gpu
+    if tokens < 1:
+        raise ValueError(f"tokens_per_gpu ({tokens}) must be >= 1")
+    memory = cluster.replica_memory_bytes if replica_memory_bytes is None else replica_memory_bytes
+    if memory < 0:
+        raise ValueError(f"replica_memory_bytes ({memory}) must be >= 0")
+    attention_s = tokens * model.attention_flops_per_token() / hw.flops
+    psi = shape.expert_bytes
+    t = overlap_degree
+    if t is None:
+        t = derive_overlap_degree(hw, topology, shape, attention_s=attention_s)
+    m = budget if budget is not None else auto_materialization_budget(
+        memory_bytes=int(memory), expert_bytes=psi, num_layers=L, rematerialize=False)
+    m_rm = budget_rm if budget_rm is not None else auto_materialization_budget(
+        memory_bytes=int(memory), expert_bytes=psi, num_layers=L, rematerialize=True)
+    full_state = (PARAM_BYTES + GRAD_BYTES + OPT_BYTES) * shape.params
+    slots = flexmoe_slots if flexmoe_slots is not None else max(1, int(memory // (full_state * L)))
+    label = options.pop("label", f"cluster {cluster.name.upper()}, {model.name}, {gpus} GPUs")
+    return Setup(topology=topology, hw=hw, shape=shape, num_layers=L, num_experts=E, tokens_per_gpu=tokens,
+                 attention_flops_per_token=model.attention_flops_per_token(),
+                 dense_params=L * model.dense_params_per_layer(E), overlap_degree=t, budget=m, budget_rm=m_rm,
+                 flexmoe_slots=slots, label=label, **options)

@@ -1,0 +1,224 @@
+"""Replay a routing trace through each policy and charge every iteration's critical path.
+
+Legend: S steps, L layers, E experts, D ranks.
+
+Per iteration, in the runtime's order: ``reshard`` (migration), then per layer ``pre_gating``
+(placement from the sliding-window prediction), ``route``, ``post_gating``, the policy's
+dispatcher, and the predictor observes the routed loads. What is charged (seconds; Figure 11's
+categories in brackets):
+
+per layer
+* [comp] attention forward T_attn = tokens x (8 d^2 + 2 S d) / FLOP/s and backward 2 T_attn (same
+  on every rank); the MoE compute of the slowest rank, rows x 2 x params x 3 / FLOP/s (forward and
+  a backward of twice the forward).
+* [a2a] four token exchanges (dispatch and combine, forward and backward), each decided by the
+  busiest rank link or node link (:meth:`CostModel.a2a_time`); the straggler's waiting shows up
+  here and in the compute. No system overlaps them with compute (as in the paper).
+* [spag] the SparseAllGather of the hidden replicas minus the attention forward it hides under;
+  the SparseReduceScatter (and fssdp-rm's second SparseAllGather) minus the attention backward;
+  calibration's extra gather, all of it (critical path). Collectives are relayed
+  (:meth:`CostModel.sparse_collective_time`).
+* [rearr] FasterMoE's broadcast of shadowed experts (critical path, relayed like the gather).
+* [ar] FasterMoE's reduce of the shadows' gradients (same time as the broadcast) and FlexMoE's
+  all-reduce of replicated experts' gradients (ring, :meth:`CostModel.allreduce_time`), both
+  exposed: the baselines issue them after the backward (paper Figure 1b).
+
+per iteration
+* [rearr] the reshard's copies (SmartMoE's permutation, FlexMoE's expansions, FSSDP's Algorithm 2):
+  parameters + optimizer state, 14 bytes per parameter, all at once (:meth:`CostModel.transfer_time`).
+* [ar] the dense data-parallel all-reduce of the non-expert gradients (bf16, ring over all ranks),
+  minus the backward compute it overlaps (all layers' backward but the last one to run).
+* [opt] the optimizer step of the busiest rank: memory bound, 28 bytes of HBM traffic per
+  parameter it updates (dense + owned experts + FlexMoE's replicas) over the HBM bandwidth.
+
+Not modelled: contention between overlapped collectives and the token exchanges or the dense
+all-reduce, the gate, norms and element-wise work (same for every policy), planning time.
+
+Memory per rank (Figure 12; bytes): parameters 2, gradients 2 and optimizer state 12 per
+parameter for the dense part and the owned experts; FlexMoE's reserved slots with full state
+whether used or not; ephemeral replicas (FSSDP's, FasterMoE's shadows) with parameters and
+gradients: all layers' at once (alive from their gather to their reduce), or with
+re-materialization the largest two consecutive layers'. Reported at the rank and iteration where
+the total peaks. Activations are not counted.
+
+Averages are over the steps after the predictor's first full window (s >= w): steady state, so
+what a policy does while its history fills (FlexMoE's first expansions) is not charged. The
+predictor observes the routed loads (Uniform's even ones for Uniform).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ds_fssdp.planner.baselines import PolicyConfig, make_policy
+from ds_fssdp.planner.cost import CostModel
+from ds_fssdp.planner.predict import LoadPredictor
+from ds_fssdp.planner.shard import shard_placement
+from ds_fssdp.sim.setup import GRAD_BYTES, MIGRATE_BYTES, OPT_BYTES, OPT_TRAFFIC_BYTES, PARAM_BYTES, Setup
+from ds_fssdp.sim.vector_dispatch import vector_dispatch
+from ds_fssdp.sim.vector_materialize import vector_materialize
+
+CATEGORIES = ("comp", "a2a", "spag", "rearr", "ar", "opt")
+
+
+class RelayedCostModel(CostModel):
+    """The simulator's cost model: every sparse collective is relayed (see
+    :meth:`CostModel.sparse_collective_time`), including the gathers the policies price
+    themselves (FSSDP's calibration calls :meth:`gather_time`)."""
+
+    def gather_time(self, owner_E: torch.Tensor, placement_ED: torch.Tensor) -> float:
+        return self.sparse_collective_time(owner_E, placement_ED, relay=True)
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    iteration_s: float
+    breakdown_s: dict  # CATEGORIES -> mean seconds per iteration
+    memory_bytes: dict  # param, grad, opt at the peak rank and iteration
+    straggler: float  # mean over layers and steps of max / mean rows per rank
+    inter_node_gb: float  # token bytes crossing nodes per iteration (4 exchanges, all layers)
+    replicas_per_layer: float  # mean pairs beyond the shard (ephemeral + persistent)
+    migrated_experts: int  # expert states copied by reshards over the whole run
+    budget: int
+    step_s: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "policy": self.policy, "iteration_ms": 1e3 * self.iteration_s,
+            "breakdown_ms": {k: 1e3 * v for k, v in self.breakdown_s.items()},
+            "memory_gb": {k: v / 1e9 for k, v in self.memory_bytes.items()}, "straggler": self.straggler,
+            "inter_node_gb": self.inter_node_gb, "replicas_per_layer": self.replicas_per_layer,
+            "migrated_experts": self.migrated_experts, "budget": self.budget
+        }
+
+
+def simulate(setup: Setup, tokens_SLED: np.ndarray, policies, *, dispatcher=vector_dispatch,
+             materializer=vector_materialize) -> list:
+    """One :class:`PolicyResult` per policy name, in order."""
+    tokens_SLED = np.asarray(tokens_SLED)
+    S, L, E, D = tokens_SLED.shape
+    if (L, E, D) != (setup.num_layers, setup.num_experts, setup.topology.num_ranks):
+        raise ValueError(f"trace is [steps, {L} layers, {E} experts, {D} ranks] but the setup has "
+                         f"{setup.num_layers} layers, {setup.num_experts} experts, {setup.topology.num_ranks} ranks")
+    if S <= setup.load_window:
+        raise ValueError(f"the trace has {S} steps; the simulation needs more than the load window "
+                         f"({setup.load_window})")
+    return [simulate_policy(name, setup, tokens_SLED, dispatcher=dispatcher, materializer=materializer)
+            for name in policies]
+
+
+def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatcher=vector_dispatch,
+                    materializer=vector_materialize) -> PolicyResult:
+    """``dispatcher`` / ``materializer``: Algorithms 3 and 1; the defaults are the simulator's
+    vectorized versions of the planner's (same results, tested), so runs take seconds."""
+    S, L, E, D = tokens_SLED.shape
+    topo, hw, shape = setup.topology, setup.hw, setup.shape
+    cost = RelayedCostModel(hw, shape, topo)
+    rm = name == "fssdp-rm"
+    budget = setup.budget_rm if rm else setup.budget
+    attn_f = setup.attention_fwd_s
+    attn_b = 2.0 * attn_f
+    config = PolicyConfig(num_experts=E, num_layers=L, topology=topo, budget=budget,
+                          overlap_degree=setup.overlap_degree, cost=cost, reshard_interval=setup.reshard_interval,
+                          calibration=setup.calibration,
+                          calibration_latency_budget=setup.calibration_budget * attn_f,
+                          smartmoe_interval=setup.smartmoe_interval, flexmoe_threshold=setup.flexmoe_threshold,
+                          flexmoe_slots=setup.flexmoe_slots, flexmoe_interval=setup.flexmoe_interval)
+    policy = make_policy(name, config, dispatcher=dispatcher, materializer=materializer)
+    predictor = LoadPredictor([E] * L, window=setup.load_window)
+    owner_LE = policy.initial_owner()
+    P, psi = shape.params, float(shape.expert_bytes)
+    dense_ar_s = cost.allreduce_time(torch.ones(1, D, dtype=torch.bool),
+                                     torch.tensor([float(setup.dense_params * GRAD_BYTES)]))
+    reserved = policy.reserved_slots * L * P
+    totals = dict.fromkeys(CATEGORIES, 0.0)
+    step_s, straggler, inter_bytes, replicas = [], [], 0.0, 0.0
+    migrated = 0
+    peak_total, peak_memory = -1.0, {}
+    counted = 0
+    for s in range(S):
+        br = dict.fromkeys(CATEGORIES, 0.0)
+        reshard = policy.reshard(s, predictor.predict_all(), owner_LE=owner_LE)
+        if reshard is not None:
+            copies = reshard.copies_M4
+            if copies.shape[0]:
+                traffic_DD = torch.zeros(D * D, dtype=torch.float64).index_add_(
+                    0, copies[:, 2] * D + copies[:, 3],
+                    torch.full((copies.shape[0], ), float(MIGRATE_BYTES * P), dtype=torch.float64)).view(D, D)
+                br["rearr"] += cost.transfer_time(traffic_DD)
+                migrated += copies.shape[0]
+            owner_LE = reshard.owner_LE
+        ephemeral_LD = torch.zeros(L, D, dtype=torch.float64)
+        persistent_D = torch.zeros(D, dtype=torch.float64)
+        backward_L = []
+        for l in range(L):
+            owner_E = owner_LE[l]
+            placement_ED = policy.pre_gating(l, owner_E, predictor.predict(l))
+            tokens_ED = policy.route(torch.from_numpy(tokens_SLED[s, l].astype(np.int64)))
+            lp = policy.post_gating(l, owner_E, placement_ED, tokens_ED=tokens_ED)
+            plan_EDD = policy.dispatch(lp, tokens_ED)
+            predictor.observe(l, tokens_ED.sum(1))
+
+            rows_D = plan_EDD.sum((0, 1))
+            moe_s = float(cost.compute_time_D(rows_D).max())
+            br["comp"] += attn_f + attn_b + moe_s
+            backward_L.append(attn_b + moe_s * 2.0 / 3.0)
+            br["a2a"] += 4.0 * cost.a2a_time(plan_EDD)
+            shard_ED = shard_placement(owner_E, D)
+            if bool(lp.hidden_ED.any()):
+                gather = cost.sparse_collective_time(owner_E, shard_ED | lp.hidden_ED)
+                br["spag"] += max(0.0, gather - attn_f)
+            if bool((lp.hidden_ED | lp.calibrated_ED).any()):
+                reduce = cost.sparse_collective_time(owner_E, shard_ED | lp.hidden_ED | lp.calibrated_ED)
+                br["spag"] += max(0.0, reduce * (2.0 if lp.rematerialize else 1.0) - attn_b)
+            if bool(lp.calibrated_ED.any()):
+                br["spag"] += cost.sparse_collective_time(owner_E, shard_ED | lp.calibrated_ED)
+            if bool(lp.shadow_ED.any()):
+                bcast = cost.sparse_collective_time(owner_E, shard_ED | lp.shadow_ED)
+                br["rearr"] += bcast
+                br["ar"] += bcast
+            if bool(lp.persistent_ED.any()):
+                holders_ED = shard_ED | lp.persistent_ED
+                groups_KD = holders_ED[holders_ED.sum(1) > 1]
+                br["ar"] += cost.allreduce_time(groups_KD, torch.full((groups_KD.shape[0], ), psi))
+                persistent_D += lp.persistent_ED.sum(0).double()
+            ephemeral_LD[l] = lp.ephemeral_ED.sum(0).double()
+            if s >= setup.load_window:
+                mean_rows = float(rows_D.double().mean())
+                straggler.append(float(rows_D.max()) / mean_rows if mean_rows > 0 else 1.0)
+                inter_bytes += 4.0 * cost.a2a_bytes(plan_EDD)[1]
+                replicas += float(lp.ephemeral_ED.sum() + lp.persistent_ED.sum()) / L
+
+        # Layer 0's backward runs last: the dense all-reduce can hide under the others'.
+        br["ar"] += max(0.0, dense_ar_s - (sum(backward_L) - backward_L[0]))
+        owned_D = torch.bincount(owner_LE.flatten(), minlength=D).double() * P
+        updated_D = setup.dense_params + owned_D + persistent_D * P
+        br["opt"] += float(updated_D.max()) * OPT_TRAFFIC_BYTES / hw.hbm_bw
+
+        if rm and L > 1:
+            replica_D = (ephemeral_LD[:-1] + ephemeral_LD[1:]).max(0).values * P
+        else:
+            replica_D = ephemeral_LD.sum(0) * P if not rm else ephemeral_LD[0] * P
+        stateful_D = setup.dense_params + owned_D + reserved
+        param_D = PARAM_BYTES * (stateful_D + replica_D)
+        grad_D = GRAD_BYTES * (stateful_D + replica_D)
+        opt_D = OPT_BYTES * stateful_D
+        total_D = param_D + grad_D + opt_D
+        d = int(torch.argmax(total_D))
+        if float(total_D[d]) > peak_total:
+            peak_total = float(total_D[d])
+            peak_memory = {"param": float(param_D[d]), "grad": float(grad_D[d]), "opt": float(opt_D[d])}
+
+        if s >= setup.load_window:
+            counted += 1
+            for k in CATEGORIES:
+                totals[k] += br[k]
+            step_s.append(sum(br.values()))
+    return PolicyResult(policy=name, iteration_s=sum(totals.values()) / counted,
+                        breakdown_s={k: v / counted for k, v in totals.items()}, memory_bytes=peak_memory,
+                        straggler=float(np.mean(straggler)), inter_node_gb=inter_bytes / counted / 1e9,
+                        replicas_per_layer=replicas / counted, migrated_experts=migrated, budget=budget,
+                        step_s=step_s)

@@ -1,0 +1,50 @@
+"""The trace a simulation replays: a recorded one fitted to the setup, or a synthetic one."""
+from __future__ import annotations
+
+from ds_fssdp.sim.prediction import prediction_r2
+from ds_fssdp.sim.remap import remap_trace
+from ds_fssdp.sim.setup import Setup
+from ds_fssdp.sim.synth import synthetic_trace
+from ds_fssdp.sim.traces import Trace, load_trace
+
+SYNTHETIC = "synthetic"
+
+
+def trace_for_setup(setup: Setup, source: str, *, top_k: int, steps: int | None = None, start: int = 0,
+                    target_std: float = 0.04, seed: int = 0, split_concentration: float | None = None,
+                    **synthetic_options) -> tuple:
+    """(trace shaped [steps, L, E, D] for ``setup``, summary dict).
+
+    ``source`` is a trace path or ``"synthetic"``. A recorded trace whose layers, experts or ranks
+    differ from the setup is remapped (:func:`remap_trace`) to the setup's shape with the model's
+    assignments per rank (tokens per GPU x top-k); steps ``[start, start + steps)`` are used."""
+    L, E, D = setup.num_layers, setup.num_experts, setup.topology.num_ranks
+    assignments = setup.tokens_per_gpu * top_k
+    window = setup.load_window
+    if source == SYNTHETIC:
+        n = 200 if steps is None else steps
+        trace = synthetic_trace(steps=n, num_layers=L, num_experts=E, num_ranks=D, assignments_per_rank=assignments,
+                                target_std=target_std, top_k=top_k, seed=seed, **synthetic_options)
+        desc = f"synthetic, target skew {target_std}, seed {seed}"
+        return trace, _summary(trace, window, description=desc, source=SYNTHETIC)
+    recorded = load_trace(source)
+    recorded = recorded.slice(start, steps)
+    src_summary = {"steps": recorded.steps, "layers": recorded.num_layers, "experts": recorded.num_experts,
+                   "ranks": recorded.num_ranks, "share_std": recorded.share_std(),
+                   "r2": prediction_r2(recorded.load_SLE(), window) if recorded.steps > window else None}
+    if (recorded.num_layers, recorded.num_experts, recorded.num_ranks) == (L, E, D):
+        return recorded, _summary(recorded, window, description=f"{source} steps [{start}, {start + recorded.steps})",
+                                  source=source, recorded=src_summary)
+    if E % recorded.num_experts:
+        raise ValueError(f"trace {source!r} has {recorded.num_experts} experts; the setup's {E} must be a multiple "
+                         f"of it to remap")
+    trace = remap_trace(recorded, num_ranks=D, assignments_per_rank=assignments, num_experts=E, num_layers=L,
+                        split_concentration=split_concentration, seed=seed)
+    desc = (f"{source} steps [{start}, {start + recorded.steps}) remapped {recorded.num_layers}x{recorded.num_experts}"
+            f"x{recorded.num_ranks} -> {L}x{E}x{D} (layers x experts x ranks)")
+    return trace, _summary(trace, window, description=desc, source=source, recorded=src_summary)
+
+
+def _summary(trace: Trace, window: int, **extra) -> dict:
+    return {"steps": trace.steps, "share_std": trace.share_std(), "r2": prediction_r2(trace.load_SLE(), window),
+            "window": window, **extra}
