@@ -75,6 +75,10 @@ class FSSDPConfig(DeepSpeedConfigModel):
     """The cost model's hardware for calibration and ``fastermoe`` (and the link bandwidth of
     "auto" t); null: measured at initialize (a short all-to-all and an expert GEMM)."""
 
+    trace_path: Optional[str] = None
+    """Record every training iteration's all-gathered ``tokens_ED`` of every layer to this trace
+    (``docs/traces.md``; rank 0 writes, atomically, every 50 iterations and at exit)."""
+
     calibration_latency_budget: Optional[Annotated[Union[StrictFloat, StrictInt], Field(ge=0)]] = None
     """Seconds a calibration gather may add to the critical path; null: the layer's measured
     attention window."""

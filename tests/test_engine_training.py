@@ -1,6 +1,10 @@
 """Training through ds_fssdp.initialize on 4 gloo ranks equals single-process training on the
 concatenated batch: per-step losses and final weights, for fssdp and ep, ZeRO 0/1/2, with gradient
 clipping (active) and gradient accumulation."""
+import os
+import tempfile
+
+import numpy as np
 import pytest
 import torch
 
@@ -8,12 +12,13 @@ from distributed import spawn
 from training import WARMUP, ds_config, reference_train, train_worker
 
 WORLD, STEPS = 4, 4
+TRACE = os.path.join(tempfile.mkdtemp(prefix="fssdp-trace-"), "ep.npz")
 ADAM = {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1, "torch_adam": True}}
 RUNS = {
     "fssdp-z0": ds_config(world=WORLD, zero=0),
     "fssdp-z1-warmup": ds_config(world=WORLD, zero=1, scheduler=WARMUP),
     "fssdp-z2-2nodes": ds_config(world=WORLD, zero=2, fssdp={"ranks_per_node": 2}),
-    "ep-z0": ds_config(world=WORLD, zero=0, policy="ep"),
+    "ep-z0": ds_config(world=WORLD, zero=0, policy="ep", fssdp={"trace_path": TRACE}),
     "ep-z2": ds_config(world=WORLD, zero=2, policy="ep"),
     "fssdp-z1-adamw": ds_config(world=WORLD, zero=1, optimizer=ADAM, gas=1),
     "fssdp-z2-bf16": ds_config(world=WORLD, zero=2, bf16=True),
@@ -125,6 +130,17 @@ def test_runtime_policies_did_their_thing(trained):
     assert any(s["calibration"] is not None for s in auto), "calibration never ran"
     assert any((s["overlap_degree"] or 0) > 0 for s in auto), "the auto overlap degree stayed 0"
     assert trained[0]["fssdp-z0-calibrated-auto"]["budget"] == 2
+
+
+def test_trace_records_every_iteration(trained):
+    from ds_fssdp.sim.traces import load_trace
+    from training import MICRO, MODEL
+    trace = load_trace(TRACE)
+    tokens = trace.tokens_SLED
+    gas = RUNS["ep-z0"]["gradient_accumulation_steps"]
+    assert tokens.shape == (STEPS * gas, MODEL.n_layers, MODEL.num_experts, WORLD)
+    assert (tokens.sum(2) == MICRO * MODEL.seq_len * MODEL.k).all(), "every rank's assignments, dropless"
+    assert np.isfinite(trace.arrays["loss"]).all()
 
 
 def test_runs_exercise_replicas_and_clipping(trained):

@@ -81,6 +81,7 @@ def train_worker(rank, world, runs: dict, steps: int):
             factors.append(engine.fssdp.last_step["expert_grad_factor"])
             norms.append(engine.fssdp.last_step["global_grad_norm"])
             migrated.append(engine.fssdp.last_step["reshard_bytes_sent"])
+        engine.fssdp.close()
         dense = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
         experts = [{k: v.float() for k, v in l.export_experts().items()} for l in model.moe_layers()]
         states = [{k: tuple(v.shape) for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0}

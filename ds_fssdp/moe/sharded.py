@@ -107,6 +107,8 @@ class ShardedExperts:
         self.window_s = None  # the overlap window every rank agreed on at the last step (seconds)
         self.measured_window_s = None  # this rank's moving average of prefetch -> forward
         self._prefetch_t = None
+        self.timers = None  # DeepSpeed's SynchronizedWallClockTimer (set by the stage) for exposed waits
+        self.last_tokens_ED = None  # the last training forward's all-gathered counts (trace recording)
 
     @property
     def expert_bytes(self) -> int:
@@ -168,7 +170,9 @@ class ShardedExperts:
         (placement_ED, layout, gather), self._gather = self._gather, None
         tokens_ED = all_gather_counts(gate.counts_E, self.group)
         t0 = time.perf_counter()
+        self._timer("fssdp_gather_wait", True)
         replica_RP = gather.finish()
+        self._timer("fssdp_gather_wait", False)
         gather_exposed = time.perf_counter() - t0
         gather_sent = gather.sent
         extra_ED = self.post_gating(self, placement_ED, tokens_ED) if self.post_gating is not None else None
@@ -200,6 +204,7 @@ class ShardedExperts:
             self.next.prefetch()
         if observe:
             self.predictor.observe(self.layer_index, tokens_ED)
+            self.last_tokens_ED = tokens_ED
         self._record(placement_ED, layout, plan_EDD, tokens_ED, gather_exposed + critical_s, gather_sent)
         self.stats["post_gating_gather_s"] = critical_s
         self.stats.update(self.post_gating_info)
@@ -273,9 +278,11 @@ class ShardedExperts:
             acc_SP += self.rows.grad.to(acc_SP.dtype)
             self.rows.grad = None
         t0 = time.perf_counter()
+        self._timer("fssdp_reduce_wait", True)
         for reducer in self._pending:
             rows_S, grad_SP = reducer.finish()
             acc_SP.index_add_(0, rows_S, grad_SP.to(acc_SP.dtype))
+        self._timer("fssdp_reduce_wait", False)
         self.stats["reduce_exposed_s"] = time.perf_counter() - t0
         if self._pending:
             self.stats["reduce_bytes"] = sum(r.layout.added_pairs for r in self._pending) * self.expert_bytes
@@ -287,6 +294,10 @@ class ShardedExperts:
         self._live = {}
 
     # -- bookkeeping ---------------------------------------------------------------------------
+    def _timer(self, name: str, start: bool) -> None:
+        if self.timers is not None:
+            self.timers(name).start() if start else self.timers(name).stop()
+
     def _count(self, replica_RP) -> None:
         nbytes = replica_RP.numel() * replica_RP.element_size()
         self.memory.add(nbytes)

@@ -121,7 +121,7 @@ class FSSDPEngineMixin:
 
     def backward(self, loss, *args, **kwargs):
         out = super().backward(loss, *args, **kwargs)
-        self.fssdp.after_backward()
+        self.fssdp.after_backward(loss.detach() if self.fssdp.trace is not None else None)
         return out
 
     def step(self, *args, **kwargs):

@@ -11,6 +11,7 @@ optimizer type and hyperparameters DeepSpeed built from the same config.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import inspect
 
@@ -73,10 +74,14 @@ class FSSDPStage:
         self.steps = 0
         self.baseline = None  # the planner's policy object for fastermoe / smartmoe
         self.profile = {}
+        self.trace = None
         same_E = len({l.num_experts for l in self.layers}) == 1
         if config.reshard_interval and not same_E:
             raise FSSDPConfigError(f"fssdp.reshard_interval ({config.reshard_interval}) needs the same number of "
                                    f"experts in every MoE layer, got {[l.num_experts for l in self.layers]}")
+        if config.trace_path and not same_E:
+            raise FSSDPConfigError(f"fssdp.trace_path ({config.trace_path!r}) needs the same number of experts in "
+                                   f"every MoE layer, got {[l.num_experts for l in self.layers]}")
         if config.policy in ("fastermoe", "smartmoe") and not same_E:
             raise FSSDPConfigError(f"fssdp.policy ({config.policy!r}) needs the same number of experts in every MoE "
                                    f"layer, got {[l.num_experts for l in self.layers]}")
@@ -100,6 +105,15 @@ class FSSDPStage:
         self.optimizer = build_expert_optimizer(engine.basic_optimizer, self.masters())
         self.norm = install_expert_norm(engine)
         self._configure_auto_and_policies(dtype, engine.device)
+        if engine.wall_clock_breakdown():
+            for s in self.shards:
+                s.timers = engine.timers
+        if self.config.trace_path and dist.get_rank() == 0:
+            from ds_fssdp.sim.traces import TraceWriter
+            self.trace = TraceWriter(self.config.trace_path, meta={
+                "top_k": self.layers[0].k, "ranks_per_node": self.topology.ranks_per_node,
+                "policy": self.config.policy, "source": "ds_fssdp runtime (fssdp.trace_path)"})
+            atexit.register(self.trace.close)
         # The first layer's gather starts with the model's forward, before the first attention.
         engine.module.register_forward_pre_hook(lambda module, args: self.shards[0].prefetch())
         logger.info(f"fssdp: {len(self.layers)} MoE layers, policy={self.config.policy}, "
@@ -107,9 +121,14 @@ class FSSDPStage:
                     f"{type(self.optimizer).__name__}, expert dtype {dtype}")
 
     # -- per micro-step -------------------------------------------------------------------------
-    def after_backward(self) -> None:
+    def after_backward(self, loss=None) -> None:
         for shard in self.shards:
             shard.accumulate_grads()
+        if getattr(self, "trace", None) is not None and all(s.last_tokens_ED is not None for s in self.shards):
+            self.trace.append(torch.stack([s.last_tokens_ED for s in self.shards]),
+                              loss=float(loss) if loss is not None else float("nan"))
+            for s in self.shards:
+                s.last_tokens_ED = None
 
     # -- per optimizer step ---------------------------------------------------------------------
     @torch.no_grad()
@@ -150,10 +169,17 @@ class FSSDPStage:
             resharded = self.reshard()
         if applied and self.config.policy == "smartmoe":
             resharded = self.smartmoe_permute()
+        if engine.wall_clock_breakdown() and engine.global_steps % engine.steps_per_print() == 0:
+            engine.timers.log(["fssdp_gather_wait", "fssdp_reduce_wait"])
         self.last_step = {"applied": applied, "expert_grad_factor": factor, "global_grad_norm": self.norm.global_norm,
                           "replica_bytes_peak": self.memory.peak, "reshard_bytes_sent": resharded}
         self.memory.reset_peak()
 
+
+    def close(self) -> None:
+        """Write what is pending (the trace). Also runs at interpreter exit."""
+        if self.trace is not None:
+            self.trace.close()
 
     def _configure_auto_and_policies(self, dtype, device) -> None:
         """Measure what the "auto" knobs, calibration and FasterMoE need; report the values."""
