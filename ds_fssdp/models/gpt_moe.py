@@ -27,6 +27,8 @@ class GPTMoEConfig:
     aux_loss_coef: float = 0.001
     z_loss_coef: float = 0.0
     init_std: float = 0.02
+    aux_free_bias: bool = False
+    bias_update_rate: float = 1e-3
 
 
 class CausalSelfAttention(nn.Module):
@@ -54,7 +56,8 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.moe = FSSDPMoE(hidden_size=cfg.d_model, ffn_hidden_size=cfg.ffn_hidden, num_experts=cfg.num_experts,
-                            k=cfg.k, activation=cfg.activation, z_loss_coef=cfg.z_loss_coef, init_std=cfg.init_std)
+                            k=cfg.k, activation=cfg.activation, z_loss_coef=cfg.z_loss_coef, init_std=cfg.init_std,
+                            aux_free_bias=cfg.aux_free_bias, bias_update_rate=cfg.bias_update_rate)
 
     def forward(self, x_BSH):
         x_BSH = x_BSH + self.attn(self.ln1(x_BSH))

@@ -205,7 +205,8 @@ class ShardedExperts:
         if observe:
             self.predictor.observe(self.layer_index, tokens_ED)
             self.last_tokens_ED = tokens_ED
-        self._record(placement_ED, layout, plan_EDD, tokens_ED, gather_exposed + critical_s, gather_sent)
+        self._record(placement_ED, layout, plan_EDD, tokens_ED, gather_exposed + critical_s, gather_sent,
+                     token_bytes=x_TH.shape[1] * x_TH.element_size())
         self.stats["post_gating_gather_s"] = critical_s
         self.stats.update(self.post_gating_info)
         self.stats["window_s"] = window
@@ -308,8 +309,12 @@ class ShardedExperts:
         if nbytes is not None:
             self.memory.release(nbytes)
 
-    def _record(self, placement_ED, layout, plan_EDD, tokens_ED, gather_exposed, gather_sent) -> None:
+    def _record(self, placement_ED, layout, plan_EDD, tokens_ED, gather_exposed, gather_sent, *,
+                token_bytes) -> None:
         rows_D = plan_EDD.sum((0, 1)).double()
+        moved_DD = plan_EDD.sum(0).double()
+        moved_DD.fill_diagonal_(0)
+        same_DD = self.topology.same_node_DD()
         ep_rows_D = torch.zeros_like(rows_D).index_add_(0, self.owner_E, tokens_ED.sum(1).double())
         mean = float(rows_D.mean())
         self.stats = {
@@ -323,6 +328,9 @@ class ShardedExperts:
             "reduce_bytes": 0,
             "reduce_bytes_sent_local": 0,
             "reduce_exposed_s": 0.0,
+            # Forward token exchanges of the whole group (dispatch and combine), by link.
+            "a2a_bytes_intra": int(moved_DD[same_DD].sum()) * token_bytes * 2,
+            "a2a_bytes_inter": int(moved_DD[~same_DD].sum()) * token_bytes * 2,
             "tokens_per_rank": rows_D.long().tolist(),
             "straggler": float(rows_D.max()) / mean if mean > 0 else 1.0,
             "ep_straggler": float(ep_rows_D.max()) / mean if mean > 0 else 1.0,
