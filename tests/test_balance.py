@@ -133,3 +133,23 @@ def test_joint_placement_needs_less_inter_node_traffic_to_balance():
             stats[name][1] += float(plan.sum(0)[~same].sum()) / float(T.sum()) / 30
     assert stats["joint"][0] <= stats["paper"][0] * 1.02
     assert stats["joint"][1] < 0.8 * stats["paper"][1], stats
+
+
+def test_time_balanced_is_never_slower_in_the_model():
+    from ds_fssdp.planner import CostModel, ExpertShape, Hardware
+    gen = torch.Generator().manual_seed(6)
+    topo = Topology(num_ranks=8, ranks_per_node=4)
+    cost = CostModel(Hardware(flops=50e12, intra_bw=300e9, inter_bw=12e9), ExpertShape(hidden=1024, ffn=2048), topo)
+    owner = homogeneous_owner(8, 8)
+    picked_other = 0
+    for _ in range(20):
+        share = torch.softmax(torch.randn(8, generator=gen) * 1.2, 0)
+        T = torch.distributions.Multinomial(total_count=4096, probs=share).sample((8, )).t().long()
+        p = joint_materialize(owner, T.double(), topo, overlap_degree=8, budget=2)
+        chosen = dispatch(p, T, topo, mode="balanced-time", cost=cost)
+        rows_opt, paper = balanced_dispatch(p, T, topo), dispatch(p, T, topo, mode="paper")
+        assert cost.layer_time(chosen) <= min(cost.layer_time(rows_opt), cost.layer_time(paper)) + 1e-15
+        assert torch.equal(chosen.sum(2), T)
+        picked_other += not torch.equal(chosen, rows_opt)
+    with pytest.raises(ValueError, match="needs a cost model"):
+        dispatch(p, T, topo, mode="balanced-time")

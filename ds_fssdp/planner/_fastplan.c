@@ -470,7 +470,8 @@ static double row_bound(const uint8_t *P, const int64_t *rep, int64_t X, const i
 static PyObject *dispatch_balanced(PyObject *self, PyObject *args) {
     Py_buffer place, tokens, node, plan;
     long long E, D;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*LL", &place, &tokens, &node, &plan, &E, &D)) return NULL;
+    double slack = 0.0;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*LL|d", &place, &tokens, &node, &plan, &E, &D, &slack)) return NULL;
     const uint8_t *P = place.buf;
     const int64_t *T = tokens.buf, *node_D = node.buf;
     int64_t *R = plan.buf;
@@ -506,7 +507,7 @@ static PyObject *dispatch_balanced(PyObject *self, PyObject *args) {
                 if (P[e * D + d]) f.holders[x][f.nholders[x]++] = d;
             }
         }
-        f.cap = (int64_t)ceil(row_bound(P, rep, X, load_X, base_D, D) - 1e-9);
+        f.cap = (int64_t)ceil(row_bound(P, rep, X, load_X, base_D, D) * (1.0 + slack) - 1e-9);
         /* order: fewest holders, then most tokens, then id */
         int64_t *order = malloc(sizeof(int64_t) * (size_t)X);
         for (int64_t x = 0; x < X; x++) order[x] = x;

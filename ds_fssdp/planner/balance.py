@@ -38,20 +38,24 @@ from ds_fssdp.topology import Topology
 _EXACT_SETS = 10  # enumerate all subsets of replicated experts up to this many
 
 
-def balanced_dispatch(placement_ED: torch.Tensor, tokens_ED: torch.Tensor, topology: Topology) -> torch.Tensor:
+def balanced_dispatch(placement_ED: torch.Tensor, tokens_ED: torch.Tensor, topology: Topology, *,
+                      slack: float = 0.0) -> torch.Tensor:
     """Return plan_EDD (long [E, D, D]) minimising the most loaded rank's rows, locality second;
-    in C when the extension is built (same result as the reference)."""
+    in C when the extension is built (same result as the reference). ``slack``: allow the row
+    cap ``slack`` above the bound (fewer tokens move to reach it)."""
+    if slack < 0:
+        raise ValueError(f"slack ({slack}) must be >= 0")
     if fast.AVAILABLE:
         if tuple(tokens_ED.shape) != tuple(placement_ED.shape):
             raise ValueError(f"tokens_ED {tuple(tokens_ED.shape)} and placement_ED {tuple(placement_ED.shape)} differ")
         if not bool(placement_ED.any(1).all()):
             raise ValueError("every expert needs at least one holder in placement_ED")
-        return fast.dispatch_balanced(placement_ED, tokens_ED, topology)
-    return balanced_dispatch_reference(placement_ED, tokens_ED, topology)
+        return fast.dispatch_balanced(placement_ED, tokens_ED, topology, slack)
+    return balanced_dispatch_reference(placement_ED, tokens_ED, topology, slack=slack)
 
 
-def balanced_dispatch_reference(placement_ED: torch.Tensor, tokens_ED: torch.Tensor,
-                                topology: Topology) -> torch.Tensor:
+def balanced_dispatch_reference(placement_ED: torch.Tensor, tokens_ED: torch.Tensor, topology: Topology, *,
+                                slack: float = 0.0) -> torch.Tensor:
     """The Python specification the C version is tested against."""
     P = placement_ED.to("cpu", torch.bool).numpy()
     T = tokens_ED.to("cpu", torch.long).numpy().astype(np.int64)
@@ -70,7 +74,7 @@ def balanced_dispatch_reference(placement_ED: torch.Tensor, tokens_ED: torch.Ten
     np.add.at(base_D, owner_single, T[single].sum(1))
     rep = np.nonzero(holders_E > 1)[0]
     if rep.size:
-        cap = int(math.ceil(row_bound(P[rep], T[rep].sum(1), base_D) - 1e-9))
+        cap = int(math.ceil(row_bound(P[rep], T[rep].sum(1), base_D) * (1.0 + slack) - 1e-9))
         plan[rep] = _FlowFill(P[rep], T[rep], base_D, node_D, cap).run()
     return torch.from_numpy(plan)
 
@@ -188,3 +192,19 @@ class _FlowFill:
             self.move(x, d, h, k)
         self.rem[x0, d0] -= k
         return True
+
+
+TIME_SLACKS = (0.0, 0.02, 0.05, 0.1, 0.2)
+
+
+def time_balanced_dispatch(placement_ED: torch.Tensor, tokens_ED: torch.Tensor, topology: Topology, *,
+                           cost, slacks=TIME_SLACKS) -> torch.Tensor:
+    """Balance modelled rank *time* (expert compute + token exchange over intra- and inter-node
+    links, ``planner.cost``), not only rows: among the row-balanced plans with the cap ``slacks``
+    above the bound (a looser cap moves fewer tokens, across nodes last) and Algorithm 3's
+    locality-first plan, return the one with the least modelled layer time (ties: the first)."""
+    from ds_fssdp.planner.dispatch import paper_dispatch
+    candidates = [balanced_dispatch(placement_ED, tokens_ED, topology, slack=s) for s in slacks]
+    candidates.append(paper_dispatch(placement_ED, tokens_ED, topology))
+    times = [cost.layer_time(plan) for plan in candidates]
+    return candidates[min(range(len(times)), key=times.__getitem__)]

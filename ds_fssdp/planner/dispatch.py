@@ -14,23 +14,33 @@ from __future__ import annotations
 import torch
 
 from ds_fssdp.planner import fast
-from ds_fssdp.planner.balance import balanced_dispatch
+from ds_fssdp.planner.balance import balanced_dispatch, time_balanced_dispatch
 from ds_fssdp.topology import Topology
 
 
-DISPATCH_MODES = ("paper", "balanced")
+DISPATCH_MODES = ("paper", "balanced", "balanced-time")
 
 
-def dispatch(placement_ED: torch.Tensor, tokens_ED: torch.Tensor, topology: Topology, *,
-             mode: str = "paper") -> torch.Tensor:
+def dispatch(placement_ED: torch.Tensor, tokens_ED: torch.Tensor, topology: Topology, *, mode: str = "paper",
+             cost=None) -> torch.Tensor:
     """Return plan_EDD (long [E, D, D]); sums over d2 give back ``tokens_ED``.
 
     ``mode="paper"``: Algorithm 3 as written (this module). ``mode="balanced"``: minimise the
-    most loaded rank's rows, locality second (``planner.balance``)."""
+    most loaded rank's rows, locality second (``planner.balance``). ``mode="balanced-time"``: the
+    plan with the least modelled layer time (needs ``cost``, a ``planner.CostModel``)."""
     if mode == "balanced":
         return balanced_dispatch(placement_ED, tokens_ED, topology)
+    if mode == "balanced-time":
+        if cost is None:
+            raise ValueError("dispatch mode 'balanced-time' needs a cost model (cost=...)")
+        return time_balanced_dispatch(placement_ED, tokens_ED, topology, cost=cost)
     if mode != "paper":
         raise ValueError(f"dispatch mode ({mode!r}) must be one of {DISPATCH_MODES}")
+    return paper_dispatch(placement_ED, tokens_ED, topology)
+
+
+def paper_dispatch(placement_ED: torch.Tensor, tokens_ED: torch.Tensor, topology: Topology) -> torch.Tensor:
+    """Algorithm 3 (in C when the extension is built)."""
     _check(placement_ED, tokens_ED)
     if fast.AVAILABLE:
         return fast.dispatch_paper(placement_ED, tokens_ED, topology)

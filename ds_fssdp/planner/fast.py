@@ -55,10 +55,10 @@ def materialize_joint(owner_E, tokens_ED, topology: Topology, *, overlap_degree:
     return torch.from_numpy(placement)
 
 
-def _dispatch(fn, placement_ED, tokens_ED, topology: Topology) -> torch.Tensor:
+def _dispatch(fn, placement_ED, tokens_ED, topology: Topology, *extra) -> torch.Tensor:
     E, D = placement_ED.shape
     plan = np.zeros((E, D, D), dtype=np.int64)
-    fn(_np(placement_ED, torch.bool), _np(tokens_ED, torch.long), topology.node_np, plan, E, D)
+    fn(_np(placement_ED, torch.bool), _np(tokens_ED, torch.long), topology.node_np, plan, E, D, *extra)
     return torch.from_numpy(plan)
 
 
@@ -66,5 +66,5 @@ def dispatch_paper(placement_ED, tokens_ED, topology: Topology) -> torch.Tensor:
     return _dispatch(_fastplan.dispatch_paper, placement_ED, tokens_ED, topology)
 
 
-def dispatch_balanced(placement_ED, tokens_ED, topology: Topology) -> torch.Tensor:
-    return _dispatch(_fastplan.dispatch_balanced, placement_ED, tokens_ED, topology)
+def dispatch_balanced(placement_ED, tokens_ED, topology: Topology, slack: float = 0.0) -> torch.Tensor:
+    return _dispatch(_fastplan.dispatch_balanced, placement_ED, tokens_ED, topology, float(slack))
