@@ -1,12 +1,18 @@
-"""Replay routing traces through the planner: straggler factor and inter-node traffic of EP, the
-paper's dispatch (Algorithm 3) and the balancing dispatch, against the best the placement allows.
+"""Replay routing traces through the planner: straggler factor, inter-node traffic and modelled
+time of EP, the paper's planner (Algorithm 1 + Algorithm 3), the balancing dispatcher on
+Algorithm 1's placements, and ours (joint placement + balancing dispatch), against the best each
+placement allows.
 
-    python benchmarks/dispatch.py [--trace ../shared/data/trace_e8.npz] [--ranks-per-node 4]
+    python benchmarks/dispatch.py [--trace ../shared/data/trace_e8.npz ...] [--ranks-per-node 4]
                                   [--budget 2] [--overlap-degree 8] [--window 5] [--json out.json]
 
-Per step and layer: loads predicted from the previous ``window`` steps, the placement from
-Algorithm 1 (``materialize``), then each dispatcher on the actual tokens. ``bound`` is the exact
-lower bound on the most loaded rank's rows for that placement (fractional, all expert subsets).
+Per step and layer: loads (and, for joint placement, tokens_ED) predicted from the previous
+``window`` steps, a placement, then each dispatcher on the actual tokens. ``bound``: the exact
+lower bound on the most loaded rank's rows for that placement (fractional, all replicated-expert
+subsets). Modelled time: ``planner.CostModel`` with cluster A's hardware (A100, 300 GB/s per GPU
+in a node, 50 GB/s per node between nodes) and GPT-S-MoE experts (768 x 3072), the trace's rows
+as tokens: the slowest rank's expert compute plus four token exchanges. Traces recorded by the
+main job (``fssdp.trace_path``) work too.
 """
 from __future__ import annotations
 
@@ -21,69 +27,63 @@ import numpy as np
 import torch
 
 from ds_fssdp import Topology
-from ds_fssdp.planner import LoadPredictor, dispatch, homogeneous_owner, materialize, shard_placement
-from ds_fssdp.planner.balance import balanced_dispatch, row_bound
+from ds_fssdp.planner import (CostModel, ExpertShape, Hardware, dispatch, homogeneous_owner, materialize,
+                              shard_placement)
+from ds_fssdp.planner.balance import row_bound
+from ds_fssdp.planner.joint import joint_materialize
+from ds_fssdp.sim.traces import load_trace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ARMS = ("ep", "paper", "alg1+balanced", "joint+balanced")
 
 
-def load_trace(path):
-    with np.load(path) as f:
-        return torch.from_numpy(f["tokens"].astype(np.int64))  # [steps, L, E, D]
+def bound(P: np.ndarray, T: np.ndarray) -> float:
+    hold = P.sum(1)
+    single = np.nonzero(hold == 1)[0]
+    base = np.zeros(P.shape[1])
+    np.add.at(base, P[single].argmax(1), T[single].sum(1))
+    rep = np.nonzero(hold > 1)[0]
+    return row_bound(P[rep], T[rep].sum(1), base)
 
 
-def inter_node_fraction(plan_EDD, topo):
-    same = topo.same_node_DD()
-    moved = plan_EDD.sum(0).double()
-    total = float(moved.sum())
-    return float(moved[~same].sum()) / total if total else 0.0
-
-
-def straggler(plan_EDD):
-    rows = plan_EDD.sum((0, 1)).double()
-    return float(rows.max() / rows.mean())
-
-
-def replay(tokens, *, ranks_per_node, budget, overlap_degree, window):
-    steps, L, E, D = tokens.shape
+def replay(tokens_SLED: torch.Tensor, *, ranks_per_node, budget, overlap_degree, window):
+    steps, L, E, D = tokens_SLED.shape
     topo = Topology(num_ranks=D, ranks_per_node=ranks_per_node)
+    cost = CostModel(Hardware(flops=150e12, intra_bw=300e9, inter_bw=50e9), ExpertShape(hidden=768, ffn=3072), topo)
     owner = homogeneous_owner(E, D)
     shard = shard_placement(owner, D)
-    pred = LoadPredictor([E] * L, window=window)
-    out = {k: [] for k in ("ep", "paper", "balanced", "bound")}
-    inter = {k: [] for k in ("ep", "paper", "balanced")}
-    times = {"materialize": [], "paper": [], "balanced": []}
+    same = topo.same_node_DD()
+    hist = [[] for _ in range(L)]
+    out = {arm: {"straggler": [], "inter": [], "time": [], "bound": []} for arm in ARMS}
+    plan_us = {"paper": [], "joint+balanced": []}
     for s in range(steps):
         for l in range(L):
-            t_ED = tokens[s, l]
-            load = pred.predict(l)
-            if load is not None:
+            T = tokens_SLED[s, l]
+            if hist[l]:
+                pred = torch.stack(hist[l][-window:]).double().mean(0)
                 t0 = time.perf_counter()
-                p = materialize(owner, load, topo, overlap_degree=overlap_degree, budget=budget)
-                times["materialize"].append(time.perf_counter() - t0)
-                plans = {"ep": dispatch(shard, t_ED, topo)}
-                t0 = time.perf_counter()
-                plans["paper"] = dispatch(p, t_ED, topo)
-                times["paper"].append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                plans["balanced"] = balanced_dispatch(p, t_ED, topo)
-                times["balanced"].append(time.perf_counter() - t0)
-                for k, plan in plans.items():
-                    out[k].append(straggler(plan))
-                    inter[k].append(inter_node_fraction(plan, topo))
-                rows_mean = float(t_ED.sum()) / D
-                P = p.numpy()
-                hold = P.sum(1)
-                base = np.zeros(D)
-                single = np.nonzero(hold == 1)[0]
-                np.add.at(base, P[single].argmax(1), t_ED.numpy()[single].sum(1))
-                rep = np.nonzero(hold > 1)[0]
-                out["bound"].append(row_bound(P[rep], t_ED.numpy()[rep].sum(1), base) / rows_mean)
-            pred.observe(l, t_ED.sum(1))
-    summary = {k: statistics.fmean(v) for k, v in out.items()}
-    summary.update({f"inter_node_{k}": statistics.fmean(v) for k, v in inter.items()})
-    summary.update({f"median_us_{k}": statistics.median(v) * 1e6 for k, v in times.items()})
-    summary["samples"] = len(out["ep"])
+                p1 = materialize(owner, pred.sum(1), topo, overlap_degree=overlap_degree, budget=budget)
+                paper = dispatch(p1, T, topo, mode="paper")
+                t1 = time.perf_counter()
+                pj = joint_materialize(owner, pred, topo, overlap_degree=overlap_degree, budget=budget)
+                ours = dispatch(pj, T, topo, mode="balanced")
+                t2 = time.perf_counter()
+                plan_us["paper"].append((t1 - t0) * 1e6)
+                plan_us["joint+balanced"].append((t2 - t1) * 1e6)
+                plans = {"ep": (shard, dispatch(shard, T, topo)), "paper": (p1, paper),
+                         "alg1+balanced": (p1, dispatch(p1, T, topo, mode="balanced")), "joint+balanced": (pj, ours)}
+                mean_rows = float(T.sum()) / D
+                ep_time = cost.layer_time(plans["ep"][1])
+                for arm, (p, plan) in plans.items():
+                    rows = plan.sum((0, 1)).double()
+                    out[arm]["straggler"].append(float(rows.max()) / mean_rows)
+                    out[arm]["inter"].append(float(plan.sum(0)[~same].sum()) / float(T.sum()))
+                    out[arm]["time"].append(cost.layer_time(plan) / ep_time)
+                    out[arm]["bound"].append(bound(p.numpy(), T.numpy()) / mean_rows)
+            hist[l].append(T)
+    summary = {arm: {k: statistics.fmean(v) for k, v in d.items()} for arm, d in out.items()}
+    summary["plan_us_median"] = {k: statistics.median(v) for k, v in plan_us.items()}
+    summary["samples"] = len(out["ep"]["straggler"])
     return summary
 
 
@@ -97,17 +97,20 @@ def main():
     p.add_argument("--json", default=None)
     args = p.parse_args()
     traces = args.trace or [os.path.join(HERE, "..", "..", "shared", "data", "trace_e8.npz")]
-    results = {"machine": platform.processor() or platform.machine(), "args": vars(args), "traces": {}}
+    results = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "args": vars(args), "traces": {}}
     for path in traces:
-        tokens = load_trace(path)
-        r = replay(tokens, ranks_per_node=args.ranks_per_node, budget=args.budget,
-                   overlap_degree=args.overlap_degree, window=args.window)
+        tokens = torch.from_numpy(load_trace(path).tokens_SLED.astype(np.int64))
+        rpn = args.ranks_per_node if tokens.shape[3] % args.ranks_per_node == 0 else tokens.shape[3]
+        r = replay(tokens, ranks_per_node=rpn, budget=args.budget, overlap_degree=args.overlap_degree,
+                   window=args.window)
         results["traces"][os.path.basename(path)] = r
-        print(f"{os.path.basename(path)} {tuple(tokens.shape)}: straggler EP {r['ep']:.3f}  paper {r['paper']:.3f}  "
-              f"balanced {r['balanced']:.3f}  bound {r['bound']:.3f} | inter-node tokens EP {r['inter_node_ep']:.3f} "
-              f"paper {r['inter_node_paper']:.3f} balanced {r['inter_node_balanced']:.3f} | median us: materialize "
-              f"{r['median_us_materialize']:.0f} paper {r['median_us_paper']:.0f} balanced "
-              f"{r['median_us_balanced']:.0f}")
+        print(f"\n{os.path.basename(path)} {tuple(tokens.shape)} (steps, layers, experts, ranks), {rpn} ranks per node")
+        print(f"{'arm':>15} {'straggler':>9} {'bound':>6} {'inter-node':>10} {'time/EP':>8}")
+        for arm in ARMS:
+            a = r[arm]
+            print(f"{arm:>15} {a['straggler']:>9.3f} {a['bound']:>6.3f} {a['inter']:>10.4f} {a['time']:>8.3f}")
+        print(f"median planning time per layer (materialize + dispatch, this machine): "
+              + ", ".join(f"{k} {v:.0f} us" for k, v in r["plan_us_median"].items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
