@@ -140,27 +140,27 @@ static PyObject *materialize_joint(PyObject *self, PyObject *args) {
     double total = 0;
     if (t > E) t = E;
     if (D > MAX_D) goto done;
-    for (int64_t e = 0; e < E; e++) {
-        double row = 0;
-        for (int64_t d = 0; d < D; d++) { F[e * N + node_D[d]] += T[e * D + d]; row += T[e * D + d]; }
-        total += row;
-    }
-    if (t == 0 || m == 0 || D == 1 || total <= 0) goto done;
-    double tau = total / D;
     for (int64_t d = 0; d < D; d++) { free_D[d] = m; owned_D[d] = 0; }
     int64_t n_repl = 0;
     for (int64_t e = 0; e < E; e++) {
         double row = 0;
-        for (int64_t d = 0; d < D; d++) row += T[e * D + d];
-        owned_D[owner_E[e]] += row;
+        const double *Te = T + e * D;
+        const uint8_t *Pe = P + e * D, *Se = S + e * D;
+        double *Fe = F + e * N, *he = h + e * N;
         for (int64_t d = 0; d < D; d++) {
-            if (P[e * D + d]) {
-                h[e * N + node_D[d]] += 1;
-                if (!S[e * D + d]) { free_D[d] -= 1; repl[e] = 1; }
+            Fe[node_D[d]] += Te[d];
+            row += Te[d];
+            if (Pe[d]) {
+                he[node_D[d]] += 1;
+                if (!Se[d]) { free_D[d] -= 1; repl[e] = 1; }
             }
         }
+        total += row;
+        owned_D[owner_E[e]] += row;
         if (repl[e]) n_repl++;
     }
+    if (t == 0 || m == 0 || D == 1 || total <= 0) goto done;
+    double tau = total / D;
     for (int64_t d = 0; d < D; d++) if (free_D[d] < 0) free_D[d] = 0;
     /* open[e, n]: ranks of node n that lack e and have a free slot (kept up to date) */
     int64_t *open = calloc((size_t)(E * N + 1), sizeof(int64_t));
@@ -220,27 +220,6 @@ done:
  * Algorithm 3 (paper dispatch): local, same node, all holders, even split with the remainder to
  * the holders following the source cyclically.
  */
-static void even_split(int64_t count, const uint8_t *targets, int64_t D, int64_t start, int64_t *out) {
-    int64_t n = 0;
-    for (int64_t d = 0; d < D; d++) n += targets[d];
-    int64_t q = count / n, r = count % n;
-    int64_t first = -1, idx = 0, first_idx = 0;
-    for (int64_t d = 0; d < D; d++) {
-        if (!targets[d]) continue;
-        out[d] = q;
-        if (first < 0 && d >= start) { first = d; first_idx = idx; }
-        idx++;
-    }
-    if (first < 0) first_idx = 0;
-    if (r) {
-        /* the r targets after position first_idx, cyclically */
-        int64_t k = 0, pos = 0;
-        int64_t list[MAX_D];
-        for (int64_t d = 0; d < D; d++) if (targets[d]) list[pos++] = d;
-        for (k = 0; k < r; k++) out[list[(first_idx + k) % n]] += 1;
-    }
-}
-
 static PyObject *dispatch_paper(PyObject *self, PyObject *args) {
     Py_buffer place, tokens, node, plan;
     long long E, D;
@@ -248,21 +227,26 @@ static PyObject *dispatch_paper(PyObject *self, PyObject *args) {
     const uint8_t *P = place.buf;
     const int64_t *T = tokens.buf, *node_D = node.buf;
     int64_t *R = plan.buf;
-    uint8_t targets[MAX_D];
+    int64_t all[MAX_D], local[MAX_D];
     for (int64_t e = 0; e < E && D <= MAX_D; e++) {
         const uint8_t *hold = P + e * D;
+        int64_t n_all = 0;
+        for (int64_t d = 0; d < D; d++) if (hold[d]) all[n_all++] = d;
         for (int64_t d = 0; d < D; d++) {
             int64_t c = T[e * D + d];
             int64_t *row = R + (e * D + d) * D;
             if (hold[d]) { row[d] = c; continue; }
             if (c == 0) continue;
-            int any = 0;
-            for (int64_t d2 = 0; d2 < D; d2++) {
-                targets[d2] = hold[d2] && node_D[d2] == node_D[d];
-                any |= targets[d2];
-            }
-            if (!any) memcpy(targets, hold, (size_t)D);
-            even_split(c, targets, D, d, row);
+            /* targets: holders in d's node (ascending), else all holders */
+            int64_t n = 0;
+            for (int64_t i = 0; i < n_all; i++) if (node_D[all[i]] == node_D[d]) local[n++] = all[i];
+            const int64_t *targets = n ? local : all;
+            if (!n) n = n_all;
+            int64_t q = c / n, r = c % n, first = 0;
+            while (first < n && targets[first] < d) first++;
+            if (first == n) first = 0;
+            for (int64_t i = 0; i < n; i++) row[targets[i]] = q;
+            for (int64_t k = 0; k < r; k++) row[targets[(first + k) % n]] += 1;
         }
     }
     PyBuffer_Release(&place); PyBuffer_Release(&tokens); PyBuffer_Release(&node); PyBuffer_Release(&plan);
@@ -280,7 +264,8 @@ typedef struct {
     const int64_t *node_D;
     int64_t *rows;           /* [D] */
     int64_t cap;
-    int64_t *flow;           /* [X*D*D] (x, source d, holder h) */
+    int64_t *flow;           /* [X*D*D] flows of replicated expert x into holder h from source d */
+    int64_t *inflow;         /* [X*D] sources with a positive flow of x into h */
     int64_t *rem;            /* [X*D] */
     int64_t **holders;       /* per x: holder list */
     int64_t *nholders;
@@ -288,8 +273,13 @@ typedef struct {
 
 static inline int64_t room(const Fill *f, int64_t h) { return f->cap - f->rows[h]; }
 
+/* Holder-major, so a search scanning the sources that send into holder h reads one row. */
+#define FLOW(f, x, d, h) ((f)->flow[((x) * (f)->D + (h)) * (f)->D + (d)])
+
 static void fill_move(Fill *f, int64_t x, int64_t d, int64_t h, int64_t k) {
-    f->flow[(x * f->D + d) * f->D + h] += k;
+    int64_t *cell = &FLOW(f, x, d, h);
+    f->inflow[x * f->D + h] += (*cell == 0 && k > 0) - (*cell > 0 && *cell + k == 0);
+    *cell += k;
     f->rows[h] += k;
 }
 
@@ -362,7 +352,7 @@ static int fill_augment(Fill *f, int cross, int64_t *prev_x, int64_t *prev_d, in
                 int64_t b = prev_h[cur];
                 if (b < 0) { x0 = prev_x[cur]; d0 = prev_d[cur]; }
                 else {
-                    int64_t fl = f->flow[(prev_x[cur] * D + prev_d[cur]) * D + b];
+                    int64_t fl = FLOW(f, prev_x[cur], prev_d[cur], b);
                     if (fl < k) k = fl;
                 }
                 cur = b;
@@ -371,7 +361,7 @@ static int fill_augment(Fill *f, int cross, int64_t *prev_x, int64_t *prev_d, in
             cur = end;
             while (cur >= 0) {
                 int64_t b = prev_h[cur], x = prev_x[cur], d = prev_d[cur];
-                if (b >= 0) { f->flow[(x * D + d) * D + b] -= k; f->rows[b] -= k; }
+                if (b >= 0) fill_move(f, x, d, b, -k);
                 fill_move(f, x, d, cur, k);
                 cur = b;
             }
@@ -379,9 +369,11 @@ static int fill_augment(Fill *f, int cross, int64_t *prev_x, int64_t *prev_d, in
             return 1;
         }
         for (int64_t x = 0; x < X; x++) {
-            if (!unseen_X[x]) continue; /* every holder of x is reached already */
+            /* skip x if every holder of x is reached already, or nothing of x is on h */
+            if (!unseen_X[x] || !f->inflow[x * D + h]) continue;
+            const int64_t *in = &FLOW(f, x, 0, h);
             for (int64_t d = 0; d < D && unseen_X[x]; d++) {
-                if (!f->flow[(x * D + d) * D + h]) continue;
+                if (!in[d]) continue;
                 for (int tier = 0; tier < tiers; tier++) {
                     int same = tier == 0;
                     for (int64_t i = 0; i < f->nholders[x]; i++) {
@@ -395,6 +387,27 @@ static int fill_augment(Fill *f, int cross, int64_t *prev_x, int64_t *prev_d, in
         }
     }
     return 0;
+}
+
+/* Tokens left go straight to the holder with the most room, in any node (one-edge paths). */
+static void fill_direct_cross(Fill *f) {
+    int64_t D = f->D;
+    for (int64_t x = 0; x < f->X; x++) {
+        int64_t *H = f->holders[x], nh = f->nholders[x];
+        for (int64_t d = 0; d < D; d++) {
+            while (f->rem[x * D + d]) {
+                int64_t best = -1, best_room = 0;
+                for (int64_t i = 0; i < nh; i++) {
+                    int64_t r = room(f, H[i]);
+                    if (best < 0 || r > best_room) { best = H[i]; best_room = r; }
+                }
+                if (best < 0 || best_room <= 0) break;
+                int64_t k = f->rem[x * D + d] < best_room ? f->rem[x * D + d] : best_room;
+                fill_move(f, x, d, best, k);
+                f->rem[x * D + d] -= k;
+            }
+        }
+    }
 }
 
 static int any_rem(const Fill *f) {
@@ -495,6 +508,7 @@ static PyObject *dispatch_balanced(PyObject *self, PyObject *args) {
         f.rows = malloc(sizeof(int64_t) * (size_t)D);
         memcpy(f.rows, base_D, sizeof(int64_t) * (size_t)D);
         f.flow = calloc((size_t)(X * D * D), sizeof(int64_t));
+        f.inflow = calloc((size_t)(X * D), sizeof(int64_t));
         f.rem = malloc(sizeof(int64_t) * (size_t)(X * D));
         f.holders = malloc(sizeof(int64_t *) * (size_t)X);
         f.nholders = calloc((size_t)X, sizeof(int64_t));
@@ -528,6 +542,7 @@ static PyObject *dispatch_balanced(PyObject *self, PyObject *args) {
         uint8_t *seen = malloc((size_t)D);
         int64_t *unseen_X = malloc(sizeof(int64_t) * (size_t)X);
         while (any_rem(&f) && fill_augment(&f, 0, prev_x, prev_d, prev_h, queue, seen, unseen_X)) {}
+        fill_direct_cross(&f);
         while (any_rem(&f)) {
             if (!fill_augment(&f, 1, prev_x, prev_d, prev_h, queue, seen, unseen_X)) {
                 int64_t grown = (int64_t)ceil((double)f.cap * 1.01);
@@ -535,12 +550,16 @@ static PyObject *dispatch_balanced(PyObject *self, PyObject *args) {
             }
         }
         for (int64_t x = 0; x < X; x++) {
-            int64_t e = rep[x];
-            memcpy(R + e * D * D, f.flow + x * D * D, sizeof(int64_t) * (size_t)(D * D));
+            int64_t *Re = R + rep[x] * D * D;
+            for (int64_t h = 0; h < D; h++) {
+                const int64_t *in = &FLOW(&f, x, 0, h);
+                if (f.inflow[x * D + h])
+                    for (int64_t d = 0; d < D; d++) Re[d * D + h] = in[d];
+            }
             free(f.holders[x]);
         }
         free(prev_x); free(prev_d); free(prev_h); free(queue); free(seen); free(unseen_X); free(order);
-        free(f.rows); free(f.flow); free(f.rem); free(f.holders); free(f.nholders); free(load_X);
+        free(f.rows); free(f.flow); free(f.inflow); free(f.rem); free(f.holders); free(f.nholders); free(load_X);
     }
     free(rep);
     PyBuffer_Release(&place); PyBuffer_Release(&tokens); PyBuffer_Release(&node); PyBuffer_Release(&plan);

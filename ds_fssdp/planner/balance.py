@@ -18,7 +18,8 @@ Here:
    in the source's node take the rest, the one with the most room first.
 4. What does not fit travels along augmenting paths (a max-flow from the greedy start: a path may
    move another source's tokens off a full holder to make room): first paths that keep every token
-   in its node, then paths that may cross nodes (same-node edges still explored first).
+   in its node, then straight to any holder with room, then paths that may cross nodes (same-node
+   edges still explored first).
    Integer capacities give integer flows, so if the bound is reached fractionally it is reached
    here. If nothing fits (the bound was not exact), C grows by 1% and the search continues.
 
@@ -122,6 +123,7 @@ class _FlowFill:
         self._greedy()
         while self.rem.any() and self._augment(cross=False):
             pass
+        self._direct_cross()
         while self.rem.any():
             if not self._augment(cross=True):
                 self.cap = max(self.cap + 1, int(math.ceil(self.cap * 1.01)))
@@ -146,6 +148,20 @@ class _FlowFill:
                     k = int(min(self.rem[x, d], rooms[best]))
                     self.move(x, d, local[best], k)
                     self.rem[x, d] -= k
+
+    def _direct_cross(self):
+        """What is left after the same-node paths goes straight to a holder with room in another
+        node, the one with the most room first (a one-edge augmenting path, without a search)."""
+        for x, d in zip(*np.nonzero(self.rem)):
+            holders = self.holders[x]
+            while self.rem[x, d]:
+                rooms = self.cap - self.rows[holders]
+                best = int(np.argmax(rooms))
+                if rooms[best] <= 0:
+                    break
+                k = int(min(self.rem[x, d], rooms[best]))
+                self.move(x, d, holders[best], k)
+                self.rem[x, d] -= k
 
     def _augment(self, *, cross: bool) -> bool:
         """One augmenting path from a source with tokens left to a holder with room. Breadth
