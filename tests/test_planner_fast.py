@@ -39,3 +39,25 @@ def test_c_matches_reference():
             slack = (0.0, 0.03, 0.1)[i % 3]
             assert torch.equal(balanced_dispatch(placement, T, topo, slack=slack),
                                balanced_dispatch_reference(placement, T, topo, slack=slack))
+
+
+def test_compact_plan_equals_the_dense_one():
+    from ds_fssdp.planner.dispatch import dispatch_plan
+    from ds_fssdp.planner.plan import DispatchPlan
+    gen = torch.Generator().manual_seed(2)
+    for i in range(60):
+        E, D, G = SHAPES[i % len(SHAPES)]
+        topo = Topology(num_ranks=D, ranks_per_node=G)
+        owner = homogeneous_owner(E, D)
+        T = torch.distributions.Multinomial(total_count=500, probs=torch.softmax(torch.randn(E, generator=gen), 0)
+                                            ).sample((D, )).t().long()
+        p = joint_materialize(owner, T.double(), topo, overlap_degree=E, budget=2)
+        for mode in ("paper", "balanced"):
+            dense = dispatch(p, T, topo, mode=mode, slack=0.03)
+            for plan in (dispatch_plan(p, T, topo, mode=mode, slack=0.03), DispatchPlan.from_dense(p, dense)):
+                assert torch.equal(plan.dense(), dense)
+                assert torch.equal(plan.rows_D(), dense.sum((0, 1)))
+                assert torch.equal(plan.traffic_DD(), dense.sum(0))
+                for r in range(D):
+                    assert torch.equal(plan.sent(r), dense[:, r, :])
+                    assert torch.equal(plan.received(r), dense[:, :, r])

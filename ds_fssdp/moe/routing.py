@@ -25,12 +25,14 @@ class Route:
     group_sizes: list  # [S] rows per local slot
 
 
-def route(idx_TK: torch.Tensor, plan_EDD: torch.Tensor, *, rank: int, local_E: torch.Tensor) -> Route:
+def route(idx_TK: torch.Tensor, plan_EDD, *, rank: int, local_E: torch.Tensor) -> Route:
+    """``plan_EDD``: the dense plan, or a :class:`~ds_fssdp.planner.plan.DispatchPlan`."""
     idx_TK = idx_TK.to("cpu", torch.long)
     num_experts, num_ranks, _ = plan_EDD.shape
     K = idx_TK.shape[1]
     e_A = idx_TK.reshape(-1)
-    mine_ED = plan_EDD[:, rank, :]
+    dense = isinstance(plan_EDD, torch.Tensor)
+    mine_ED = plan_EDD[:, rank, :] if dense else plan_EDD.sent(rank)
     counts_E = torch.bincount(e_A, minlength=num_experts)
     if not torch.equal(counts_E, mine_ED.sum(1)):
         raise RuntimeError(f"rank {rank}: routed counts {counts_E.tolist()} disagree with the dispatch plan "
@@ -49,7 +51,7 @@ def route(idx_TK: torch.Tensor, plan_EDD: torch.Tensor, *, rank: int, local_E: t
     unsend = torch.empty_like(send_assign)
     unsend[send_assign] = torch.arange(send_assign.numel())
 
-    recv_DE = plan_EDD[:, :, rank].t()  # rows from each source, per expert
+    recv_DE = (plan_EDD[:, :, rank] if dense else plan_EDD.received(rank)).t()  # rows from each source, per expert
     slot_E = torch.full((num_experts,), -1, dtype=torch.long)
     slot_E[local_E] = torch.arange(local_E.numel())
     held = slot_E >= 0

@@ -88,131 +88,99 @@ done:
     Py_RETURN_NONE;
 }
 
-typedef struct { double value; int64_t index; } HeapItem;
-
-static inline int heap_before(HeapItem a, HeapItem b) {
-    return a.value > b.value || (a.value == b.value && a.index < b.index);
-}
-
-static void heap_push(HeapItem *heap, int64_t *n, double value, int64_t index) {
-    int64_t i = (*n)++;
-    heap[i].value = value; heap[i].index = index;
-    while (i > 0) {
-        int64_t p = (i - 1) / 2;
-        if (!heap_before(heap[i], heap[p])) break;
-        HeapItem tmp = heap[i]; heap[i] = heap[p]; heap[p] = tmp;
-        i = p;
-    }
-}
-
-static void heap_pop(HeapItem *heap, int64_t *n) {
-    heap[0] = heap[--(*n)];
-    int64_t i = 0;
-    for (;;) {
-        int64_t l = 2 * i + 1, r = l + 1, b = i;
-        if (l < *n && heap_before(heap[l], heap[b])) b = l;
-        if (r < *n && heap_before(heap[r], heap[b])) b = r;
-        if (b == i) break;
-        HeapItem tmp = heap[i]; heap[i] = heap[b]; heap[b] = tmp;
-        i = b;
-    }
-}
-
 /* ---------------------------------------------------------------------------------------------
  * Joint materialization (joint.py). placement comes in as shard (| base); extended in place.
  */
+/* best_n[e] / best_v[e]: the open node with the largest v[e, n] (ties: lowest n), -1 if none. */
+static void joint_best(int64_t e, int64_t N, const double *v, const int64_t *open, int64_t *best_n, double *best_v) {
+    best_n[e] = -1;
+    best_v[e] = -1.0;
+    for (int64_t n = 0; n < N; n++)
+        if (open[e * N + n] && v[e * N + n] > best_v[e]) { best_v[e] = v[e * N + n]; best_n[e] = n; }
+}
+
 static PyObject *materialize_joint(PyObject *self, PyObject *args) {
-    Py_buffer owner, tokens, node, place, shard;
+    Py_buffer owner, tokens, node, place;
     long long E, D, N, t, m;
     double stop;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*y*LLLLLd", &owner, &tokens, &node, &place, &shard, &E, &D, &N, &t, &m,
-                          &stop))
+    /* place: zeroed uint8 [E*D]; the shard is written here, then extended */
+    if (!PyArg_ParseTuple(args, "y*y*y*w*LLLLLd", &owner, &tokens, &node, &place, &E, &D, &N, &t, &m, &stop))
         return NULL;
     const int64_t *owner_E = owner.buf, *node_D = node.buf;
     const double *T = tokens.buf;
     uint8_t *P = place.buf;
-    const uint8_t *S = shard.buf;
     double *F = calloc((size_t)(E * N + 1), sizeof(double));
     double *h = calloc((size_t)(E * N + 1), sizeof(double));
+    int64_t *open = calloc((size_t)(E * N + 1), sizeof(int64_t));
+    double *v = malloc(sizeof(double) * (size_t)(E * N + 1));
+    int64_t *best_n = malloc(sizeof(int64_t) * (size_t)(E + 1));
+    double *best_v = malloc(sizeof(double) * (size_t)(E + 1));
     uint8_t *repl = calloc((size_t)(E + 1), 1);
     int64_t free_D[MAX_D];
     double owned_D[MAX_D];
     double total = 0;
     if (t > E) t = E;
     if (D > MAX_D) goto done;
+    for (int64_t e = 0; e < E; e++) P[e * D + owner_E[e]] = 1;
     for (int64_t d = 0; d < D; d++) { free_D[d] = m; owned_D[d] = 0; }
-    int64_t n_repl = 0;
+    /* nodes are contiguous blocks of G ranks (Topology: node of d = d // G) */
+    int64_t G = D / N;
     for (int64_t e = 0; e < E; e++) {
         double row = 0;
         const double *Te = T + e * D;
-        const uint8_t *Pe = P + e * D, *Se = S + e * D;
-        double *Fe = F + e * N, *he = h + e * N;
-        for (int64_t d = 0; d < D; d++) {
-            Fe[node_D[d]] += Te[d];
-            row += Te[d];
-            if (Pe[d]) {
-                he[node_D[d]] += 1;
-                if (!Se[d]) { free_D[d] -= 1; repl[e] = 1; }
-            }
+        for (int64_t n = 0; n < N; n++) {
+            double fn = 0;
+            for (int64_t g = 0; g < G; g++) fn += Te[n * G + g];
+            F[e * N + n] = fn;
         }
+        for (int64_t d = 0; d < D; d++) row += Te[d];
+        h[e * N + node_D[owner_E[e]]] = 1;
         total += row;
         owned_D[owner_E[e]] += row;
-        if (repl[e]) n_repl++;
+        /* every rank has all m slots free, so a node is open for e at all its ranks but the owner */
+        for (int64_t n = 0; n < N; n++) open[e * N + n] = G - (node_D[owner_E[e]] == n);
     }
     if (t == 0 || m == 0 || D == 1 || total <= 0) goto done;
     double tau = total / D;
-    for (int64_t d = 0; d < D; d++) if (free_D[d] < 0) free_D[d] = 0;
-    /* open[e, n]: ranks of node n that lack e and have a free slot (kept up to date) */
-    int64_t *open = calloc((size_t)(E * N + 1), sizeof(int64_t));
-    for (int64_t e = 0; e < E; e++)
-        for (int64_t d = 0; d < D; d++)
-            if (!P[e * D + d] && free_D[d] > 0) open[e * N + node_D[d]]++;
-    /* v[e, n]: per-holder load (+ total while node n lacks e). A max-heap of (v, e*N + n) with
-       lazy deletion finds the best open entry; the order (v descending, then index ascending)
-       is the reference's argmax (first maximum). */
-    double *v = malloc(sizeof(double) * (size_t)(E * N + 1));
-    int64_t cap_heap = E * N + D * m + 8, hn = 0;
-    HeapItem *heap = malloc(sizeof(HeapItem) * (size_t)cap_heap);
+    int64_t n_repl = 0;
+    /* v[e, n]: per-holder load, plus total while node n lacks e (cover first) */
     for (int64_t i = 0; i < E * N; i++) {
         double hh = h[i], f = F[i];
         v[i] = f / (hh < 1.0 ? 1.0 : hh) + ((hh == 0 && f > 0) ? total : 0.0);
-        heap_push(heap, &hn, v[i], i);
     }
+    for (int64_t e = 0; e < E; e++) joint_best(e, N, v, open, best_n, best_v);
     for (;;) {
-        int64_t best_e = -1, best_n = -1;
+        /* the reference's argmax over (e, n), e-major: the first largest */
+        int64_t be = -1;
         double best = -1.0;
         int limit = n_repl >= t;
-        while (hn > 0) {
-            HeapItem top = heap[0];
-            int64_t i = top.index, e = i / N;
-            if (top.value != v[i] || !open[i] || (limit && !repl[e])) { heap_pop(heap, &hn); continue; }
-            best = top.value; best_e = e; best_n = i % N;
-            break;
+        for (int64_t e = 0; e < E; e++) {
+            if (best_n[e] < 0 || (limit && !repl[e])) continue;
+            if (best_v[e] > best) { best = best_v[e]; be = e; }
         }
-        if (best_e < 0 || best < stop * tau) break;
-        int64_t d_best = -1;
-        for (int64_t d = 0; d < D; d++) {
-            if (node_D[d] != best_n || P[best_e * D + d] || free_D[d] <= 0) continue;
+        if (be < 0 || best < stop * tau) break;
+        int64_t bn = best_n[be], d_best = -1;
+        for (int64_t d = bn * G; d < (bn + 1) * G; d++) {
+            if (P[be * D + d] || free_D[d] <= 0) continue;
             if (d_best < 0 || free_D[d] > free_D[d_best] ||
                 (free_D[d] == free_D[d_best] && owned_D[d] < owned_D[d_best]))
                 d_best = d;
         }
-        P[best_e * D + d_best] = 1;
-        open[best_e * N + best_n]--;
+        P[be * D + d_best] = 1;
+        open[be * N + bn]--;
+        h[be * N + bn] += 1;
+        v[be * N + bn] = F[be * N + bn] / h[be * N + bn];
         free_D[d_best] -= 1;
         if (free_D[d_best] == 0)
             for (int64_t e = 0; e < E; e++)
-                if (!P[e * D + d_best]) open[e * N + best_n]--;
-        h[best_e * N + best_n] += 1;
-        v[best_e * N + best_n] = F[best_e * N + best_n] / h[best_e * N + best_n];
-        heap_push(heap, &hn, v[best_e * N + best_n], best_e * N + best_n);
-        if (!repl[best_e]) { repl[best_e] = 1; n_repl++; }
+                if (!P[e * D + d_best] && --open[e * N + bn] == 0 && best_n[e] == bn)
+                    joint_best(e, N, v, open, best_n, best_v);
+        joint_best(be, N, v, open, best_n, best_v);
+        if (!repl[be]) { repl[be] = 1; n_repl++; }
     }
-    free(open); free(v); free(heap);
 done:
-    free(F); free(h); free(repl);
+    free(F); free(h); free(open); free(v); free(best_n); free(best_v); free(repl);
     PyBuffer_Release(&owner); PyBuffer_Release(&tokens); PyBuffer_Release(&node); PyBuffer_Release(&place);
-    PyBuffer_Release(&shard);
     Py_RETURN_NONE;
 }
 
@@ -220,22 +188,24 @@ done:
  * Algorithm 3 (paper dispatch): local, same node, all holders, even split with the remainder to
  * the holders following the source cyclically.
  */
-static PyObject *dispatch_paper(PyObject *self, PyObject *args) {
-    Py_buffer place, tokens, node, plan;
-    long long E, D;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*LL", &place, &tokens, &node, &plan, &E, &D)) return NULL;
-    const uint8_t *P = place.buf;
-    const int64_t *T = tokens.buf, *node_D = node.buf;
-    int64_t *R = plan.buf;
+/* Output layouts. Dense: plan [E*D*D] (expert, source, holder), zeroed by the caller. Compact:
+ * flows [X*D*D] of the experts with more than one holder, ascending (expert, holder, source);
+ * single-holder experts are implied by the placement (all their tokens go to the holder). */
+#define OUT(e, x, d, h) (compact ? &R[((x) * D + (h)) * D + (d)] : &R[((e) * D + (d)) * D + (h)])
+
+static void paper_core(const uint8_t *P, const int64_t *T, const int64_t *node_D, int64_t *R, int64_t E, int64_t D,
+                       int compact) {
     int64_t all[MAX_D], local[MAX_D];
+    int64_t x = -1;
     for (int64_t e = 0; e < E && D <= MAX_D; e++) {
         const uint8_t *hold = P + e * D;
         int64_t n_all = 0;
         for (int64_t d = 0; d < D; d++) if (hold[d]) all[n_all++] = d;
+        if (n_all > 1) x++;
+        else if (compact) continue;
         for (int64_t d = 0; d < D; d++) {
             int64_t c = T[e * D + d];
-            int64_t *row = R + (e * D + d) * D;
-            if (hold[d]) { row[d] = c; continue; }
+            if (hold[d]) { *OUT(e, x, d, d) = c; continue; }
             if (c == 0) continue;
             /* targets: holders in d's node (ascending), else all holders */
             int64_t n = 0;
@@ -245,10 +215,18 @@ static PyObject *dispatch_paper(PyObject *self, PyObject *args) {
             int64_t q = c / n, r = c % n, first = 0;
             while (first < n && targets[first] < d) first++;
             if (first == n) first = 0;
-            for (int64_t i = 0; i < n; i++) row[targets[i]] = q;
-            for (int64_t k = 0; k < r; k++) row[targets[(first + k) % n]] += 1;
+            for (int64_t i = 0; i < n; i++) *OUT(e, x, d, targets[i]) = q;
+            for (int64_t k = 0; k < r; k++) *OUT(e, x, d, targets[(first + k) % n]) += 1;
         }
     }
+}
+
+static PyObject *dispatch_paper(PyObject *self, PyObject *args) {
+    Py_buffer place, tokens, node, plan;
+    long long E, D;
+    int compact = 0;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*LL|p", &place, &tokens, &node, &plan, &E, &D, &compact)) return NULL;
+    paper_core(place.buf, tokens.buf, node.buf, plan.buf, E, D, compact);
     PyBuffer_Release(&place); PyBuffer_Release(&tokens); PyBuffer_Release(&node); PyBuffer_Release(&plan);
     Py_RETURN_NONE;
 }
@@ -480,14 +458,8 @@ static double row_bound(const uint8_t *P, const int64_t *rep, int64_t X, const i
     return bound;
 }
 
-static PyObject *dispatch_balanced(PyObject *self, PyObject *args) {
-    Py_buffer place, tokens, node, plan;
-    long long E, D;
-    double slack = 0.0;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*LL|d", &place, &tokens, &node, &plan, &E, &D, &slack)) return NULL;
-    const uint8_t *P = place.buf;
-    const int64_t *T = tokens.buf, *node_D = node.buf;
-    int64_t *R = plan.buf;
+static void balanced_core(const uint8_t *P, const int64_t *T, const int64_t *node_D, int64_t *R, int64_t E,
+                          int64_t D, double slack, int compact) {
     int64_t base_D[MAX_D];
     memset(base_D, 0, sizeof(int64_t) * (size_t)D);
     int64_t *rep = malloc(sizeof(int64_t) * (size_t)(E + 1));
@@ -496,7 +468,10 @@ static PyObject *dispatch_balanced(PyObject *self, PyObject *args) {
         int64_t nh = 0, owner = -1;
         for (int64_t d = 0; d < D; d++) if (P[e * D + d]) { nh++; owner = d; }
         if (nh == 1) {
-            for (int64_t d = 0; d < D; d++) { R[(e * D + d) * D + owner] = T[e * D + d]; base_D[owner] += T[e * D + d]; }
+            for (int64_t d = 0; d < D; d++) {
+                if (!compact) R[(e * D + d) * D + owner] = T[e * D + d];
+                base_D[owner] += T[e * D + d];
+            }
         } else if (nh > 1) {
             rep[X++] = e;
         }
@@ -549,9 +524,10 @@ static PyObject *dispatch_balanced(PyObject *self, PyObject *args) {
                 f.cap = grown > f.cap + 1 ? grown : f.cap + 1;
             }
         }
+        if (compact) memcpy(R, f.flow, sizeof(int64_t) * (size_t)(X * D * D));
         for (int64_t x = 0; x < X; x++) {
             int64_t *Re = R + rep[x] * D * D;
-            for (int64_t h = 0; h < D; h++) {
+            for (int64_t h = 0; h < D && !compact; h++) {
                 const int64_t *in = &FLOW(&f, x, 0, h);
                 if (f.inflow[x * D + h])
                     for (int64_t d = 0; d < D; d++) Re[d * D + h] = in[d];
@@ -562,8 +538,58 @@ static PyObject *dispatch_balanced(PyObject *self, PyObject *args) {
         free(f.rows); free(f.flow); free(f.inflow); free(f.rem); free(f.holders); free(f.nholders); free(load_X);
     }
     free(rep);
+}
+
+static PyObject *dispatch_balanced(PyObject *self, PyObject *args) {
+    Py_buffer place, tokens, node, plan;
+    long long E, D;
+    double slack = 0.0;
+    int compact = 0;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*LL|dp", &place, &tokens, &node, &plan, &E, &D, &slack, &compact))
+        return NULL;
+    balanced_core(place.buf, tokens.buf, node.buf, plan.buf, E, D, slack, compact);
     PyBuffer_Release(&place); PyBuffer_Release(&tokens); PyBuffer_Release(&node); PyBuffer_Release(&plan);
     Py_RETURN_NONE;
+}
+
+/* The compact plan in one call: (holder_E, rep_X, flows_XHD) as bytes (int64). */
+static PyObject *dispatch_compact(PyObject *self, PyObject *args) {
+    Py_buffer place, tokens, node;
+    long long E, D;
+    double slack = 0.0;
+    int balanced = 1;
+    if (!PyArg_ParseTuple(args, "y*y*y*LLdp", &place, &tokens, &node, &E, &D, &slack, &balanced)) return NULL;
+    const uint8_t *P = place.buf;
+    PyObject *holder = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(sizeof(int64_t) * (size_t)E));
+    int64_t *H = holder ? (int64_t *)PyBytes_AS_STRING(holder) : NULL;
+    int64_t X = 0, missing = -1;
+    for (int64_t e = 0; H && e < E; e++) {
+        int64_t nh = 0, last = -1;
+        for (int64_t d = 0; d < D; d++) if (P[e * D + d]) { nh++; last = d; }
+        if (nh == 0 && missing < 0) missing = e;
+        H[e] = nh == 1 ? last : -1;
+        X += nh > 1;
+    }
+    PyObject *rep = NULL, *flows = NULL, *out = NULL;
+    if (!holder) goto fail;
+    if (missing >= 0) {
+        PyErr_Format(PyExc_ValueError, "every expert needs at least one holder in placement_ED (expert %lld has none)",
+                     (long long)missing);
+        goto fail;
+    }
+    rep = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(sizeof(int64_t) * (size_t)X));
+    flows = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(sizeof(int64_t) * (size_t)(X * D * D)));
+    if (!rep || !flows) goto fail;
+    int64_t *RX = (int64_t *)PyBytes_AS_STRING(rep), *FL = (int64_t *)PyBytes_AS_STRING(flows);
+    for (int64_t e = 0, x = 0; e < E; e++) if (H[e] < 0) RX[x++] = e;
+    memset(FL, 0, sizeof(int64_t) * (size_t)(X * D * D));
+    if (balanced) balanced_core(P, tokens.buf, node.buf, FL, E, D, slack, 1);
+    else paper_core(P, tokens.buf, node.buf, FL, E, D, 1);
+    out = PyTuple_Pack(3, holder, rep, flows);
+fail:
+    Py_XDECREF(holder); Py_XDECREF(rep); Py_XDECREF(flows);
+    PyBuffer_Release(&place); PyBuffer_Release(&tokens); PyBuffer_Release(&node);
+    return out;
 }
 
 static PyMethodDef methods[] = {
@@ -571,6 +597,7 @@ static PyMethodDef methods[] = {
     {"materialize_joint", materialize_joint, METH_VARARGS, "Joint materialization in place."},
     {"dispatch_paper", dispatch_paper, METH_VARARGS, "Algorithm 3 into a zeroed plan."},
     {"dispatch_balanced", dispatch_balanced, METH_VARARGS, "Balancing dispatch into a zeroed plan."},
+    {"dispatch_compact", dispatch_compact, METH_VARARGS, "Either dispatch as (holder_E, rep_X, flows_XHD) bytes."},
     {NULL, NULL, 0, NULL},
 };
 

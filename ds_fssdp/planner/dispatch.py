@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ds_fssdp.planner import fast
+from ds_fssdp.planner.plan import DispatchPlan
 from ds_fssdp.planner.balance import balanced_dispatch, time_balanced_dispatch
 from ds_fssdp.topology import Topology
 
@@ -22,14 +23,16 @@ DISPATCH_MODES = ("paper", "balanced", "balanced-time")
 
 
 def dispatch(placement_ED: torch.Tensor, tokens_ED: torch.Tensor, topology: Topology, *, mode: str = "paper",
-             cost=None) -> torch.Tensor:
+             cost=None, slack: float = 0.0) -> torch.Tensor:
     """Return plan_EDD (long [E, D, D]); sums over d2 give back ``tokens_ED``.
 
     ``mode="paper"``: Algorithm 3 as written (this module). ``mode="balanced"``: minimise the
     most loaded rank's rows, locality second (``planner.balance``). ``mode="balanced-time"``: the
-    plan with the least modelled layer time (needs ``cost``, a ``planner.CostModel``)."""
+    plan with the least modelled layer time (needs ``cost``, a ``planner.CostModel``). ``slack``
+    (balanced): the row cap may exceed the bound by this fraction, so fewer tokens leave their
+    node."""
     if mode == "balanced":
-        return balanced_dispatch(placement_ED, tokens_ED, topology)
+        return balanced_dispatch(placement_ED, tokens_ED, topology, slack=slack)
     if mode == "balanced-time":
         if cost is None:
             raise ValueError("dispatch mode 'balanced-time' needs a cost model (cost=...)")
@@ -37,6 +40,19 @@ def dispatch(placement_ED: torch.Tensor, tokens_ED: torch.Tensor, topology: Topo
     if mode != "paper":
         raise ValueError(f"dispatch mode ({mode!r}) must be one of {DISPATCH_MODES}")
     return paper_dispatch(placement_ED, tokens_ED, topology)
+
+
+def dispatch_plan(placement_ED: torch.Tensor, tokens_ED: torch.Tensor, topology: Topology, *, mode: str = "paper",
+                  cost=None, slack: float = 0.0):
+    """The same plan as :func:`dispatch`, as a compact :class:`DispatchPlan` (what the runtime
+    uses every iteration: no dense [E, D, D] tensor)."""
+    if fast.AVAILABLE and (mode == "balanced" or mode == "paper"):
+        if tokens_ED.shape != placement_ED.shape or slack < 0:
+            raise ValueError(f"tokens_ED {tuple(tokens_ED.shape)} must match placement_ED "
+                             f"{tuple(placement_ED.shape)} and slack ({slack}) must be >= 0")
+        return fast.dispatch_compact(placement_ED, tokens_ED, topology, balanced=mode == "balanced", slack=slack)
+    return DispatchPlan.from_dense(placement_ED, dispatch(placement_ED, tokens_ED, topology, mode=mode, cost=cost,
+                                                          slack=slack))
 
 
 def paper_dispatch(placement_ED: torch.Tensor, tokens_ED: torch.Tensor, topology: Topology) -> torch.Tensor:

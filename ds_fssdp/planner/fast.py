@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from deepspeed.utils import logger
 
+from ds_fssdp.planner.plan import DispatchPlan
 from ds_fssdp.topology import Topology
 
 try:
@@ -24,9 +25,10 @@ AVAILABLE = _fastplan is not None
 
 
 def _np(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
-    if t.dtype != dtype or t.device.type != "cpu":
+    if t.dtype != dtype or t.is_cuda:
         t = t.to("cpu", dtype)
-    return np.ascontiguousarray(t.detach().numpy())
+    a = t.detach().numpy()
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
 def _shard(owner: np.ndarray, num_ranks: int) -> np.ndarray:
@@ -48,10 +50,9 @@ def materialize_joint(owner_E, tokens_ED, topology: Topology, *, overlap_degree:
                       stop: float) -> torch.Tensor:
     owner = _np(owner_E, torch.long)
     D = topology.num_ranks
-    shard = _shard(owner, D)
-    placement = shard.copy()
-    _fastplan.materialize_joint(owner, _np(tokens_ED, torch.float64), topology.node_np, placement, shard, owner.size,
-                                D, topology.num_nodes, overlap_degree, budget, stop)
+    placement = np.zeros((owner.size, D), dtype=np.bool_)
+    _fastplan.materialize_joint(owner, _np(tokens_ED, torch.float64), topology.node_np, placement, owner.size, D,
+                                topology.num_nodes, overlap_degree, budget, stop)
     return torch.from_numpy(placement)
 
 
@@ -60,6 +61,17 @@ def _dispatch(fn, placement_ED, tokens_ED, topology: Topology, *extra) -> torch.
     plan = np.zeros((E, D, D), dtype=np.int64)
     fn(_np(placement_ED, torch.bool), _np(tokens_ED, torch.long), topology.node_np, plan, E, D, *extra)
     return torch.from_numpy(plan)
+
+
+def dispatch_compact(placement_ED, tokens_ED, topology: Topology, *, balanced: bool, slack: float = 0.0):
+    """The plan as :class:`~ds_fssdp.planner.plan.DispatchPlan` (no dense [E, D, D] tensor)."""
+    P = _np(placement_ED, torch.bool)
+    T = _np(tokens_ED, torch.long)
+    E, D = P.shape
+    holder, rep, flows = _fastplan.dispatch_compact(P, T, topology.node_np, E, D, float(slack), balanced)
+    rep_X = np.frombuffer(rep, dtype=np.int64)
+    return DispatchPlan(tokens_ED=T, holder_E=np.frombuffer(holder, dtype=np.int64), rep_X=rep_X,
+                        flows_XHD=np.frombuffer(flows, dtype=np.int64).reshape(rep_X.size, D, D))
 
 
 def dispatch_paper(placement_ED, tokens_ED, topology: Topology) -> torch.Tensor:

@@ -1,0 +1,84 @@
+"""A dispatch plan without the dense [E, D, D] tensor.
+
+Legend: E experts, D ranks (source d, holder h), X experts with more than one holder.
+
+Most experts have a single holder, and all their tokens go to it: the placement says where. Only
+the X replicated experts need flows. At E = 64, D = 32 the dense plan is 65k int64 entries (half
+a megabyte to zero every layer, every iteration); this keeps ``tokens_ED``, the single holders and
+the flows [X, h, d] (holder-major, as the C planner fills them), and answers what the runtime
+asks: what this rank sends, what it receives, rows per rank, rank-to-rank traffic.
+``dense()`` gives ``plan_EDD`` for everything else.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class DispatchPlan:
+    tokens_ED: np.ndarray  # int64 [E, D]
+    holder_E: np.ndarray  # int64 [E]: the holder of a single-holder expert, -1 if replicated
+    rep_X: np.ndarray  # int64 [X]: the replicated experts, ascending
+    flows_XHD: np.ndarray  # int64 [X, D, D]: tokens of rep_X[x] that holder h takes from source d
+
+    @property
+    def shape(self) -> tuple:
+        E, D = self.tokens_ED.shape
+        return (E, D, D)
+
+    def sent(self, rank: int) -> torch.Tensor:
+        """plan_EDD[:, rank, :]: this rank's tokens per expert and destination (long [E, D])."""
+        E, D = self.tokens_ED.shape
+        out = np.zeros((E, D), dtype=np.int64)
+        single = np.flatnonzero(self.holder_E >= 0)
+        out[single, self.holder_E[single]] = self.tokens_ED[single, rank]
+        out[self.rep_X] = self.flows_XHD[:, :, rank]
+        return torch.from_numpy(out)
+
+    def received(self, rank: int) -> torch.Tensor:
+        """plan_EDD[:, :, rank]: tokens this rank computes per expert and source (long [E, D])."""
+        E, D = self.tokens_ED.shape
+        out = np.zeros((E, D), dtype=np.int64)
+        mine = np.flatnonzero(self.holder_E == rank)
+        out[mine] = self.tokens_ED[mine]
+        out[self.rep_X] = self.flows_XHD[:, rank, :]
+        return torch.from_numpy(out)
+
+    def rows_D(self) -> torch.Tensor:
+        """Rows each rank computes (long [D])."""
+        D = self.tokens_ED.shape[1]
+        single = self.holder_E >= 0
+        rows = np.bincount(self.holder_E[single], weights=self.tokens_ED[single].sum(1), minlength=D)
+        return torch.from_numpy(rows.astype(np.int64) + self.flows_XHD.sum(axis=(0, 2)))
+
+    def traffic_DD(self) -> torch.Tensor:
+        """traffic[d, h]: tokens rank d sends to rank h over all experts (long [D, D], diagonal
+        included: the tokens that stay)."""
+        E, D = self.tokens_ED.shape
+        single = np.flatnonzero(self.holder_E >= 0)
+        onehot = np.zeros((single.size, D), dtype=np.int64)
+        onehot[np.arange(single.size), self.holder_E[single]] = 1
+        traffic = self.tokens_ED[single].T @ onehot  # [d, h]
+        return torch.from_numpy(traffic + self.flows_XHD.sum(0).T)
+
+    def dense(self) -> torch.Tensor:
+        """plan_EDD (long [E, D, D])."""
+        E, D = self.tokens_ED.shape
+        plan = np.zeros((E, D, D), dtype=np.int64)
+        single = np.flatnonzero(self.holder_E >= 0)
+        plan[single, :, self.holder_E[single]] = self.tokens_ED[single]
+        plan[self.rep_X] = self.flows_XHD.transpose(0, 2, 1)
+        return torch.from_numpy(plan)
+
+    @classmethod
+    def from_dense(cls, placement_ED: torch.Tensor, plan_EDD: torch.Tensor) -> "DispatchPlan":
+        P = placement_ED.to("cpu", torch.bool).numpy()
+        plan = plan_EDD.to("cpu", torch.long).numpy()
+        holders = P.sum(1)
+        holder_E = np.where(holders == 1, P.argmax(1), -1).astype(np.int64)
+        rep_X = np.flatnonzero(holders > 1).astype(np.int64)
+        return cls(tokens_ED=plan.sum(2), holder_E=holder_E, rep_X=rep_X,
+                   flows_XHD=np.ascontiguousarray(plan[rep_X].transpose(0, 2, 1)))
