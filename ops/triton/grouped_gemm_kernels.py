@@ -157,10 +157,12 @@ if not INTERPRET:
 
 
 def _launcher(kind: str, dtype: torch.dtype, macs: int) -> tuple:
-    """(kernel, launch meta): fixed configs under the interpreter, for fp32 and small problems."""
+    """(kernel, launch meta): fixed configs under the interpreter, for fp32 and small problems, and
+    under torch's deterministic mode (the autotuner picks tiles and warps by timing, so the kernel
+    a run uses may differ from the last run's; one fixed config is one summation order)."""
     if INTERPRET:
         return (_mm_plain, INTERPRET_MM) if kind == "mm" else (_wgrad_plain, INTERPRET_WGRAD)
-    if dtype == torch.float32 or macs < TUNE_MACS:
+    if dtype == torch.float32 or macs < TUNE_MACS or torch.are_deterministic_algorithms_enabled():
         return (_mm_plain, FIXED_MM) if kind == "mm" else (_wgrad_plain, FIXED_WGRAD)
     return (_mm_tuned, {}) if kind == "mm" else (_wgrad_tuned, {})
 
