@@ -6,12 +6,24 @@
 On a CPU-only machine the ``deepspeed`` launcher starts the ranks as CPU processes (gloo). The
 config is ``ds_configs/gpt_moe_fssdp.json`` (DeepSpeed's keys plus the ``"fssdp"`` section).
 Rank 0 shows a progress bar (loss, tokens/s, straggler factor per MoE layer) and ends with a
-summary table; ``--out DIR`` also writes it as JSON.
+table (loss, tokens/s, straggler factor and bytes moved per layer). Everything goes into the run
+directory (``--out``, default ``runs/gpt_moe_<policy>``):
+
+    summary.json        the closing table's numbers
+    metrics.csv         per optimizer step, per layer: straggler, replicas, bytes, exposed time, ...
+    trace.npz/.json     every iteration's routing counts tokens_ED (docs/traces.md)
+    load_heatmap.png    expert share of tokens over iterations per layer
+    placement.png       owners and replicas per rank, rows per rank against static EP
+    metrics.png         the CSV over steps
+
+Run it once per policy and the second run's table ends with a comparison to the first.
 """
 from __future__ import annotations
 
 import argparse
+import glob
 import json
+import math
 import os
 import time
 
@@ -21,6 +33,7 @@ from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 
 import ds_fssdp
+from ds_fssdp.config import POLICIES
 from ds_fssdp.data import load_corpus, sample_batch, split
 from ds_fssdp.models import GPTMoE, GPTMoEConfig
 from ds_fssdp.runtime.cpu import skip_shm_comm_build
@@ -31,7 +44,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--deepspeed_config", default=os.path.join(REPO, "ds_configs", "gpt_moe_fssdp.json"))
-    p.add_argument("--policy", choices=["fssdp", "ep"], help="override fssdp.policy of the config")
+    p.add_argument("--policy", choices=POLICIES, help="override fssdp.policy of the config")
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--d-model", type=int, default=128)
@@ -39,7 +52,8 @@ def parse_args():
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--ffn-hidden", type=int, default=512)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--out", default=None, help="directory for summary.json (rank 0)")
+    p.add_argument("--out", default=None, help="run directory (default: runs/gpt_moe_<policy>)")
+    p.add_argument("--no-report", action="store_true", help="skip the PNGs")
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     args, _ = p.parse_known_args()
     return args
@@ -47,6 +61,7 @@ def parse_args():
 
 def main():
     args = parse_args()
+    t_start = time.perf_counter()
     if get_accelerator().device_name() == "cpu":
         skip_shm_comm_build()
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_SIZE", "1"))))
@@ -55,8 +70,14 @@ def main():
 
     with open(args.deepspeed_config) as f:
         config = json.load(f)
+    fssdp_cfg = config.setdefault("fssdp", {})
     if args.policy:
-        config.setdefault("fssdp", {})["policy"] = args.policy
+        fssdp_cfg["policy"] = args.policy
+    policy = fssdp_cfg.get("policy", "fssdp")
+    out = args.out or os.path.join("runs", f"gpt_moe_{policy}")
+    fssdp_cfg["trace_path"] = os.path.join(out, "trace.npz")
+    fssdp_cfg["metrics_csv"] = os.path.join(out, "metrics.csv")
+
     train_N, val_N = split(load_corpus())
     torch.manual_seed(args.seed)
     cfg = GPTMoEConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, num_experts=args.experts,
@@ -67,12 +88,13 @@ def main():
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     gen = torch.Generator().manual_seed(args.seed + 1 + rank)
     tokens_per_step = world * micro * gas * args.seq_len
+    topology = engine.fssdp.topology
 
     bar = None
     if rank == 0:
         from tqdm import tqdm
-        policy = config.get("fssdp", {}).get("policy", "fssdp")
-        bar = tqdm(total=args.steps, desc=f"{policy} {world} ranks", dynamic_ncols=True)
+        nodes = f" in {topology.num_nodes} nodes" if topology.num_nodes > 1 else ""
+        bar = tqdm(total=args.steps, desc=f"{policy} {world} ranks{nodes}", dynamic_ncols=True)
     history = []
     for step in range(args.steps):
         t0 = time.perf_counter()
@@ -97,13 +119,23 @@ def main():
         bar.close()
 
     val_loss = evaluate(engine, val_N, micro, args.seq_len, device)
+    engine.fssdp.close()  # the trace on disk is complete before the report reads it
+    engine.fssdp_monitor.close()
     if rank == 0:
         summary = summarize(history, tokens_per_step, val_loss, world, config)
+        summary.update(nodes=topology.num_nodes, ranks_per_node=topology.ranks_per_node, run_dir=out)
+        os.makedirs(out, exist_ok=True)
+        files = []
+        if not args.no_report:
+            from ds_fssdp.report import render
+            files = render(out)["files"]
+        summary["wall_s"] = time.perf_counter() - t_start
+        with open(os.path.join(out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
         print_table(summary)
-        if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "summary.json"), "w") as f:
-                json.dump(summary, f, indent=2)
+        print(f"run directory {out}: summary.json, metrics.csv, trace.npz" +
+              "".join(f", {os.path.basename(p)}" for p in files))
+        print_comparison(summary, out)
 
 
 @torch.no_grad()
@@ -124,6 +156,8 @@ def summarize(history, tokens_per_step, val_loss, world, config):
     warm = history[min(5, len(history) - 1):]  # skip start-up steps in the speed figures
     layers = len(history[-1]["layers"])
     mean = lambda xs: sum(xs) / max(1, len(xs))
+    nanmean = lambda xs: mean([x for x in xs if not math.isnan(x)]) if any(not math.isnan(x) for x in xs) else None
+    mib = lambda key, l: sum(h["layers"][l].get(key, 0) for h in history) / 2**20
     return {
         "policy": config.get("fssdp", {}).get("policy", "fssdp"),
         "ranks": world,
@@ -136,19 +170,54 @@ def summarize(history, tokens_per_step, val_loss, world, config):
             "straggler": mean([h["layers"][l]["straggler"] for h in warm]),
             "ep_straggler": mean([h["layers"][l]["ep_straggler"] for h in warm]),
             "replicas": mean([h["layers"][l]["replicas"] for h in warm]),
-            "gather_MB": sum(h["layers"][l]["gather_bytes"] for h in history) / 2**20,
-            "reduce_MB": sum(h["layers"][l]["reduce_bytes"] for h in history) / 2**20,
+            "gather_MB": mib("gather_bytes", l),
+            "reduce_MB": mib("reduce_bytes", l),
+            "gather_inter_MB": mib("gather_bytes_inter", l),
+            "a2a_MB": mib("a2a_bytes_intra", l) + mib("a2a_bytes_inter", l),
+            "exposed_ms": 1e3 * mean([h["layers"][l].get("gather_exposed_s", 0.0) +
+                                      h["layers"][l].get("reduce_exposed_s", 0.0) for h in warm]),
+            "prediction_error": nanmean([h["layers"][l].get("load_prediction_error", math.nan) for h in history]),
         } for l in range(layers)],
     }
 
 
 def print_table(s):
-    print(f"\n{s['policy']} on {s['ranks']} ranks, {s['steps']} steps: loss {s['first_loss']:.3f} -> "
-          f"{s['final_loss']:.3f} (validation {s['val_loss']:.3f}), {s['tokens_per_s']:,.0f} tokens/s")
-    print(f"{'layer':>5} {'straggler':>9} {'EP would be':>11} {'replicas':>8} {'gathered MB':>11} {'reduced MB':>10}")
+    nodes = f" in {s['nodes']} nodes" if s.get("nodes", 1) > 1 else ""
+    print(f"\n{s['policy']} on {s['ranks']} ranks{nodes}, {s['steps']} steps in {s['wall_s']:.0f} s: loss "
+          f"{s['first_loss']:.3f} -> {s['final_loss']:.3f} (validation {s['val_loss']:.3f}), "
+          f"{s['tokens_per_s']:,.0f} tokens/s")
+    print(f"{'layer':>5} {'straggler':>9} {'EP would be':>11} {'replicas':>8} {'gathered MB':>11} {'reduced MB':>10} "
+          f"{'inter-node MB':>13} {'tokens MB':>9} {'exposed ms':>10} {'pred. err':>9}")
     for i, l in enumerate(s["layers"]):
+        err = "-" if l["prediction_error"] is None else f"{l['prediction_error']:.3f}"
         print(f"{i:>5} {l['straggler']:>9.3f} {l['ep_straggler']:>11.3f} {l['replicas']:>8.2f} "
-              f"{l['gather_MB']:>11.1f} {l['reduce_MB']:>10.1f}")
+              f"{l['gather_MB']:>11.1f} {l['reduce_MB']:>10.1f} {l['gather_inter_MB']:>13.1f} {l['a2a_MB']:>9.1f} "
+              f"{l['exposed_ms']:>10.2f} {err:>9}")
+    print("straggler: max/mean rows computed per rank (1 = balanced), mean over steps after 5; EP would be: the "
+          "same with owners only; MB: whole run, all ranks; tokens MB: token all-to-all; exposed ms: rank 0's "
+          "wait for replicas and reduced gradients per step; pred. err: sum|predicted - actual| / sum actual")
+
+
+def print_comparison(s, out):
+    """The other policies' runs beside this one (``runs/gpt_moe_*``), if they were run."""
+    others = []
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(out)), "*", "summary.json"))):
+        if os.path.dirname(path) == os.path.abspath(out):
+            continue
+        with open(path) as f:
+            other = json.load(f)
+        if other.get("ranks") == s["ranks"] and other.get("steps") == s["steps"]:
+            others.append((os.path.dirname(path), other))
+    if not others:
+        return
+    strag = lambda r: sum(l["straggler"] for l in r["layers"]) / len(r["layers"])
+    moved = lambda r: sum(l["gather_MB"] + l["reduce_MB"] for l in r["layers"])
+    print(f"\n{'run':<28} {'policy':<9} {'tokens/s':>9} {'vs this':>7} {'final loss':>10} {'val loss':>8} "
+          f"{'straggler':>9} {'replica MB':>10}")
+    for path, r in [(os.path.abspath(out), s)] + others:
+        print(f"{os.path.relpath(path):<28} {r['policy']:<9} {r['tokens_per_s']:>9,.0f} "
+              f"{r['tokens_per_s'] / s['tokens_per_s']:>6.2f}x {r['final_loss']:>10.3f} {r['val_loss']:>8.3f} "
+              f"{strag(r):>9.3f} {moved(r):>10.1f}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,46 @@
+"""``python -m ds_fssdp.report RUN_DIR``: PNGs of a run from its recorded trace (and metrics CSV).
+
+RUN_DIR is a directory holding the trace (``trace.npz`` + ``trace.json``, written when the DeepSpeed
+config has ``"fssdp": {"trace_path": ...}``; the main job writes it into its run directory), or a
+trace file itself (e.g. /work/shared/data/trace_e8.npz). The placement picture replays the planner
+with the settings the runtime recorded in the trace's sidecar; flags override them (for a trace
+recorded elsewhere, or to see what another budget would have placed).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ds_fssdp.config import POLICIES
+from ds_fssdp.report.render import render
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ds_fssdp.report", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run", help="run directory (or a trace .npz)")
+    p.add_argument("--trace", default=None, help="trace file (default: RUN/trace.npz or the only .npz in RUN)")
+    p.add_argument("--metrics", default=None, help="metrics CSV (default: RUN/metrics.csv if present)")
+    p.add_argument("--out", default=None, help="where the PNGs go (default: the run directory)")
+    p.add_argument("--policy", choices=POLICIES, default=None, help="replay this policy (default: the trace's)")
+    p.add_argument("--budget", type=int, default=None, help="materialization budget m for the replay")
+    p.add_argument("--overlap-degree", type=int, default=None, help="overlap degree t for the replay")
+    p.add_argument("--window", type=int, default=None, help="load predictor window for the replay")
+    p.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node for the replay")
+    args = p.parse_args(argv)
+    try:
+        result = render(args.run, out=args.out, trace_path=args.trace, metrics_path=args.metrics, policy=args.policy,
+                        budget=args.budget, overlap_degree=args.overlap_degree, window=args.window,
+                        ranks_per_node=args.ranks_per_node)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"ds_fssdp.report: {err}", file=sys.stderr)
+        return 2
+    for line in result["summary"]:
+        print(line)
+    for path in result["files"]:
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Per-step FSSDP metrics: a CSV file by default, and DeepSpeed's monitor (TensorBoard, W&B, CSV,
+Comet) whenever the DeepSpeed config enables one.
+
+Legend: L MoE layers.
+
+After every optimizer step (the engine's ``step`` at the accumulation boundary) rank 0 writes, per
+MoE layer, the values of that layer's last training iteration (with gradient accumulation: the
+last micro-step), plus a few per-step values of the stage. Byte counts are totals over the group;
+exposed seconds are rank 0's own waits. Names (docs/observability.md):
+
+* CSV (``fssdp.metrics_csv``, default ``fssdp_metrics.csv``): one row per step, columns ``step``,
+  ``samples``, ``layer{l}/{metric}`` for every layer and :data:`LAYER_METRICS`, then
+  :data:`STEP_METRICS`. Each row is flushed, so the file can be read while training runs.
+* DeepSpeed's monitor: events ``FSSDP/layer{l}/{metric}`` and ``FSSDP/{metric}`` at
+  ``engine.global_samples``, the x axis of DeepSpeed's own ``Train/Samples/*`` events.
+"""
+from __future__ import annotations
+
+import atexit
+import csv
+import math
+import os
+
+from deepspeed import comm as dist
+from deepspeed.utils import logger
+
+# Per MoE layer, from ``FSSDPMoE.last_stats`` (ShardedExperts.stats).
+LAYER_METRICS = (
+    "straggler",  # max / mean rows computed per rank
+    "ep_straggler",  # the same for the shard placement alone (what static EP would have had)
+    "replicas",  # replica (expert, rank) pairs beyond the shard
+    "gather_bytes",  # SparseAllGather, group total
+    "gather_bytes_inter",  # ... of which crossed nodes
+    "reduce_bytes",  # SparseReduceScatter, group total
+    "a2a_bytes_intra",  # token dispatch + combine inside nodes
+    "a2a_bytes_inter",  # ... across nodes
+    "gather_exposed_s",  # rank 0's wait for the replicas (not hidden behind the attention)
+    "reduce_exposed_s",  # rank 0's wait for the reduced gradients after the backward
+    "load_prediction_error",  # sum |predicted - actual| / sum actual over experts (NaN at first)
+    "overlap_degree",  # t in force (varies with "auto")
+)
+# Per optimizer step, from ``FSSDPStage.last_step``.
+STEP_METRICS = ("global_grad_norm", "replica_bytes_peak", "reshard_bytes_sent")
+
+
+class StageMonitor:
+    """Writes the metrics of every optimizer step on rank 0; a no-op on other ranks."""
+
+    def __init__(self, num_layers: int, *, csv_path: str | None, ds_monitor=None, rank: int = 0):
+        self.num_layers = num_layers
+        self.rank = rank
+        self.ds_monitor = ds_monitor if rank == 0 else None
+        self.csv_path = csv_path if rank == 0 else None
+        self.columns = (["step", "samples"] +
+                        [f"layer{l}/{m}" for l in range(num_layers) for m in LAYER_METRICS] + list(STEP_METRICS))
+        self._file = None
+        self._writer = None
+        if self.csv_path:
+            directory = os.path.dirname(os.path.abspath(self.csv_path))
+            os.makedirs(directory, exist_ok=True)
+            self._file = open(self.csv_path, "w", newline="", encoding="utf-8")
+            self._writer = csv.writer(self._file)
+            self._writer.writerow(self.columns)
+            self._file.flush()
+            atexit.register(self.close)
+
+    @classmethod
+    def for_engine(cls, stage, engine) -> "StageMonitor":
+        """The stage's config decides the CSV; the engine's ``monitor`` the DeepSpeed backends."""
+        rank = dist.get_rank()
+        ds_monitor = getattr(engine, "monitor", None)
+        if ds_monitor is not None and not ds_monitor.enabled:
+            ds_monitor = None
+        monitor = cls(len(stage.layers), csv_path=stage.config.metrics_csv, ds_monitor=ds_monitor, rank=rank)
+        if rank == 0:
+            where = [f"CSV {os.path.abspath(monitor.csv_path)}"] if monitor.csv_path else []
+            where += ["DeepSpeed's monitor"] if ds_monitor is not None else []
+            none = "nowhere (fssdp.metrics_csv is null and no DeepSpeed monitor is enabled)"
+            logger.info(f"fssdp: per-step metrics -> {' and '.join(where) or none}")
+        return monitor
+
+    def values(self, stage) -> dict:
+        """This step's metrics by name (``layer{l}/{metric}`` and the step metrics)."""
+        out = {}
+        for l, layer in enumerate(stage.layers):
+            stats = layer.last_stats
+            for m in LAYER_METRICS:
+                out[f"layer{l}/{m}"] = _number(stats.get(m))
+        for m in STEP_METRICS:
+            out[m] = _number(stage.last_step.get(m))
+        return out
+
+    def after_step(self, engine) -> None:
+        if self.rank != 0 or (self._writer is None and self.ds_monitor is None):
+            return
+        values = self.values(engine.fssdp)
+        if self._writer is not None:
+            self._writer.writerow([engine.global_steps, engine.global_samples] + [values[c] for c in self.columns[2:]])
+            self._file.flush()
+        if self.ds_monitor is not None:
+            self.ds_monitor.write_events([(f"FSSDP/{name}", value, engine.global_samples)
+                                          for name, value in values.items() if not math.isnan(value)])
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = self._writer = None
+
+
+def _number(value) -> float | int:
+    """A number for the CSV and the monitors: tensors become Python numbers, counts stay ints,
+    missing values are NaN."""
+    if value is None:
+        return float("nan")
+    if hasattr(value, "item"):
+        value = value.item()
+    return value if isinstance(value, int) and not isinstance(value, bool) else float(value)
