@@ -79,6 +79,13 @@ class FSSDPConfig(DeepSpeedConfigModel):
     """Record every training iteration's all-gathered ``tokens_ED`` of every layer to this trace
     (``docs/traces.md``; rank 0 writes, atomically, every 50 iterations and at exit)."""
 
+    metrics_csv: Optional[str] = "fssdp_metrics.csv"
+    """Rank 0 writes one row per optimizer step to this CSV file (relative paths from the working
+    directory; truncated at initialize): per MoE layer the straggler factor, replicas, bytes
+    gathered, reduced and exchanged, exposed gather/reduce seconds and the load-prediction error
+    (docs/observability.md); null: no CSV. The same metrics also go to DeepSpeed's monitor
+    (TensorBoard, W&B, CSV, Comet) whenever the DeepSpeed config enables one."""
+
     calibration_latency_budget: Optional[Annotated[Union[StrictFloat, StrictInt], Field(ge=0)]] = None
     """Seconds a calibration gather may add to the critical path; null: the layer's measured
     attention window."""
@@ -98,9 +105,17 @@ class FSSDPConfig(DeepSpeedConfigModel):
     """How replicas are chosen each iteration: ``joint`` (where the predicted tokens come from,
     sized for balancing) or ``paper`` (Algorithm 1 on per-expert loads)."""
 
-    dispatch: Literal["balanced", "paper"] = "balanced"
+    dispatch: Literal["balanced", "balanced-time", "paper"] = "balanced"
     """How tokens are split among holders: ``balanced`` (fewest rows on the most loaded rank, then
-    locality) or ``paper`` (Algorithm 3: local, same node, all holders, split evenly)."""
+    locality), ``balanced-time`` (the plan with the least modelled time: compute plus token
+    exchange over the links, from ``hardware`` or measured), or ``paper`` (Algorithm 3: local,
+    same node, all holders, split evenly)."""
+
+    dispatch_slack: Annotated[Union[StrictFloat, StrictInt], Field(ge=0)] = 0.03
+    """``balanced`` dispatch: the busiest rank may compute this fraction more rows than the best
+    possible, so fewer tokens leave their node. On the shared trace (8 ranks, 2 nodes, m = 2):
+    slack 0 gives straggler 1.002 and 1.9% of tokens across nodes, 0.03 gives 1.033 and 0.9%
+    (Algorithm 3: 1.351 and 1.2%)."""
 
     load_window: StrictInt = Field(5, ge=1)
     """w: the load predictor averages the last w iterations."""
@@ -112,6 +127,21 @@ class FSSDPConfig(DeepSpeedConfigModel):
     """Ranks per node: "auto" or null (the launcher's local world size) or an int dividing the world
     size; an int smaller than the real node makes logical nodes on one machine. (The HF Trainer
     treats any "auto" string in a DeepSpeed config as its own placeholder: use null there.)"""
+
+    # -- robustness (runtime/health.py, runtime/checkpoint.py, docs/determinism.md) --
+    collective_timeout_s: Optional[Annotated[Union[StrictFloat, StrictInt], Field(gt=0)]] = None
+    """Seconds a collective may wait for a peer before every waiting rank raises (a dead or hung
+    rank), on the default process group and FSSDP's own; null: DeepSpeed's default
+    (``DEEPSPEED_TIMEOUT`` minutes, 10)."""
+
+    nonfinite: Literal["skip", "raise"] = "skip"
+    """A step whose loss (on any rank) or expert gradients are NaN/Inf: ``skip`` (no dense or expert
+    optimizer state changes, ``engine.skipped_steps`` counts it, a warning names the step and the
+    ranks) or ``raise`` (``FloatingPointError`` on every rank before anything is updated)."""
+
+    deterministic: StrictBool = False
+    """Bitwise-reproducible runs on GPU too: torch's deterministic algorithms, cuDNN without
+    autotuning, and no decision taken from measured timings (docs/determinism.md)."""
 
     def __init__(self, **data):
         # strict=True keeps DeepSpeedConfigModel from silently dropping "auto" values.
@@ -134,6 +164,7 @@ class FSSDPConfig(DeepSpeedConfigModel):
         if cfg.materialization_budget == "auto" and cfg.replica_memory_bytes is None:
             raise FSSDPConfigError(f"{SECTION}.materialization_budget (\"auto\") needs {SECTION}.replica_memory_bytes "
                                    "(per-rank bytes for replicas)")
+        _check_deterministic(cfg)
         return cfg
 
     def resolve_ranks_per_node(self, world_size: int, env: Mapping[str, str] | None = None) -> int:
@@ -150,11 +181,30 @@ class FSSDPConfig(DeepSpeedConfigModel):
         return g
 
 
+def _check_deterministic(cfg: FSSDPConfig) -> None:
+    """``deterministic: true`` refuses the knobs whose decisions follow measured timings: they change
+    the replicas, hence the summation order, from run to run."""
+    if not cfg.deterministic:
+        return
+    timed = []
+    if cfg.overlap_degree == "auto":
+        timed.append(f"{SECTION}.overlap_degree (\"auto\"): set an int")
+    if cfg.calibration and cfg.calibration_latency_budget is None:
+        timed.append(f"{SECTION}.calibration_latency_budget (None) with calibration: set seconds")
+    needs_cost = cfg.calibration or cfg.policy == "fastermoe" or cfg.dispatch == "balanced-time"
+    if needs_cost and cfg.hardware is None:
+        timed.append(f"{SECTION}.hardware (None) with a cost model (calibration, fastermoe or balanced-time "
+                     "dispatch): give flops and bandwidths")
+    if timed:
+        raise FSSDPConfigError(f"{SECTION}.deterministic (true) refuses decisions taken from measured timings: " +
+                               "; ".join(timed))
+
+
 def _format_errors(err: ValidationError, section: Mapping[str, Any]) -> str:
     known = ", ".join(FSSDPConfig.model_fields)
     lines = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"] if not str(p).startswith(("literal[", "int", "bool")))
+        key = ".".join(str(p) for p in e["loc"] if not str(p).startswith(("literal[", "int", "float", "bool")))
         key = key or "?"
         value = section.get(key, e.get("input"))
         kind, ctx = e["type"], e.get("ctx", {})

@@ -36,6 +36,7 @@ RUNS = {
         "calibration": True, "overlap_degree": "auto", "materialization_budget": "auto",
         # 2 replicas x (parameters + gradient) x 2 layers of a 16x24 gelu expert in fp32 (3072 bytes).
         "replica_memory_bytes": 2 * (2 * 3072) * 2 + 100}),
+    "fssdp-z0-2nodes-time": ds_config(world=WORLD, zero=0, fssdp={"ranks_per_node": 2, "dispatch": "balanced-time"}),
     "fssdp-z0-2nodes-paper": ds_config(world=WORLD, zero=0, fssdp={"ranks_per_node": 2, "placement": "paper",
                                                                    "dispatch": "paper"}),
 }

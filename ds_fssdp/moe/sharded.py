@@ -36,8 +36,10 @@ from ds_fssdp.moe.experts import ExpertSpec
 from ds_fssdp.moe.gate import GateOutput, uniform_assignment
 from ds_fssdp.moe.remat import RematExpertMLP
 from ds_fssdp.moe.routing import route
-from ds_fssdp.planner import LoadPredictor, dispatch, gather_layout, plan_placement
+from ds_fssdp.planner import LoadPredictor, gather_layout, plan_placement
+from ds_fssdp.planner.dispatch import dispatch_plan
 from ds_fssdp.planner.joint import joint_materialize
+from ds_fssdp.planner.predict import relative_l1_error
 from ds_fssdp.topology import Topology
 
 
@@ -47,7 +49,8 @@ class ShardOptions:
     overlap_degree: int | str = 4  # or "auto": floor(measured window * link_bandwidth / expert bytes)
     budget: int = 2
     placement: str = "joint"  # "joint" | "paper"
-    dispatch_mode: str = "balanced"  # "balanced" | "paper"
+    dispatch_mode: str = "balanced"  # "balanced" | "balanced-time" | "paper"
+    dispatch_slack: float = 0.0
     rematerialize: bool = False
     hierarchical: bool = True  # topology-aware (two-phase) sparse collectives across nodes
 
@@ -104,6 +107,7 @@ class ShardedExperts:
         self.post_gating = None  # callable (shard, placement_ED, tokens_ED) -> extra_ED | None
         self.post_gating_info = {}  # what the last post-gating decision reports (into ``stats``)
         self.link_bandwidth = None  # bytes/s, measured (for overlap_degree "auto")
+        self.cost = None  # planner.CostModel (dispatch "balanced-time"), set by the stage
         self.window_s = None  # the overlap window every rank agreed on at the last step (seconds)
         self.measured_window_s = None  # this rank's moving average of prefetch -> forward
         self._prefetch_t = None
@@ -182,8 +186,9 @@ class ShardedExperts:
             placement_ED, layout, replica_RP, extra_sent = self._gather_extra(placement_ED, layout, replica_RP, extra_ED)
             critical_s = time.perf_counter() - t1
             gather_sent += extra_sent
-        plan_EDD = dispatch(placement_ED, tokens_ED, self.topology, mode=self.options.dispatch_mode)
-        r = route(gate.idx_TK, plan_EDD, rank=self.rank, local_E=layout.local_E)
+        plan = dispatch_plan(placement_ED, tokens_ED, self.topology, mode=self.options.dispatch_mode,
+                                 cost=self.cost, slack=self.options.dispatch_slack)
+        r = route(gate.idx_TK, plan, rank=self.rank, local_E=layout.local_E)
         train = torch.is_grad_enabled()
         remat = train and self.options.rematerialize and not self.is_last
         if remat:
@@ -202,12 +207,14 @@ class ShardedExperts:
             self._uncount(replica_RP)  # freed with this frame (RM: not saved for backward)
         if self.next is not None:
             self.next.prefetch()
+        predicted_E = self.predictor.predict(self.layer_index) if observe else None  # what the plan assumed
         if observe:
             self.predictor.observe(self.layer_index, tokens_ED)
             self.last_tokens_ED = tokens_ED
-        self._record(placement_ED, layout, plan_EDD, tokens_ED, gather_exposed + critical_s, gather_sent,
+        self._record(placement_ED, layout, plan, tokens_ED, gather_exposed + critical_s, gather_sent,
                      token_bytes=x_TH.shape[1] * x_TH.element_size())
         self.stats["post_gating_gather_s"] = critical_s
+        self.stats["load_prediction_error"] = relative_l1_error(predicted_E, tokens_ED.sum(1))
         self.stats.update(self.post_gating_info)
         self.stats["window_s"] = window
         self.stats["overlap_degree"] = self.overlap_degree
@@ -309,10 +316,10 @@ class ShardedExperts:
         if nbytes is not None:
             self.memory.release(nbytes)
 
-    def _record(self, placement_ED, layout, plan_EDD, tokens_ED, gather_exposed, gather_sent, *,
+    def _record(self, placement_ED, layout, plan, tokens_ED, gather_exposed, gather_sent, *,
                 token_bytes) -> None:
-        rows_D = plan_EDD.sum((0, 1)).double()
-        moved_DD = plan_EDD.sum(0).double()
+        rows_D = plan.rows_D().double()
+        moved_DD = plan.traffic_DD().double()
         moved_DD.fill_diagonal_(0)
         same_DD = self.topology.same_node_DD()
         ep_rows_D = torch.zeros_like(rows_D).index_add_(0, self.owner_E, tokens_ED.sum(1).double())

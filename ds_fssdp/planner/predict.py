@@ -66,3 +66,14 @@ class LoadPredictor:
             self._history[layer].clear()
             for row in rows:
                 self._history[layer].append(row.to(torch.float64))
+
+
+def relative_l1_error(predicted_E: torch.Tensor | None, actual_E: torch.Tensor) -> float:
+    """Load-prediction error of one iteration: sum |predicted - actual| / sum actual over experts
+    (0: perfect; half of it is the fraction of assignments the prediction put on the wrong
+    experts). NaN without a prediction (the first iteration) or without assignments."""
+    actual_E = actual_E.detach().to("cpu", torch.float64)
+    total = float(actual_E.sum())
+    if predicted_E is None or total <= 0:
+        return float("nan")
+    return float((predicted_E.to("cpu", torch.float64) - actual_E).abs().sum()) / total

@@ -19,6 +19,8 @@ from deepspeed.utils import logger
 
 from ds_fssdp.config import FSSDPConfig, FSSDPConfigError
 from ds_fssdp.moe.layer import FSSDPMoE
+from ds_fssdp.runtime.monitor import StageMonitor
+from ds_fssdp.runtime.health import apply_run_settings, check_combinations, skipped_optimizer_step
 from ds_fssdp.runtime.stage import FSSDPStage
 from ds_fssdp.topology import Topology
 
@@ -55,6 +57,7 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
     # The sparse collectives get their own process group, so an asynchronous gather or reduce
     # never queues behind (or in front of) the token exchanges of the default group.
     param_group = dist.new_group(ranks=list(range(world)))
+    apply_run_settings(fcfg, groups=[None, param_group])  # collective timeout, deterministic mode
     stage = FSSDPStage(layers, fcfg, topology, group=None, param_group=param_group)
     ds_kwargs["model_parameters"] = _without(model_parameters, expert_ids)
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -64,6 +67,7 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
     engine.__class__ = _fssdp_engine_class(type(engine))
     engine.fssdp = stage
     stage.attach(engine)
+    engine.fssdp_monitor = StageMonitor.for_engine(stage, engine)
     return engine, ds_optimizer, dataloader, scheduler
 
 
@@ -78,6 +82,7 @@ def check_supported(ds_config: dict, fcfg: FSSDPConfig, *, model, mpu) -> None:
     if mpu is not None:
         raise FSSDPConfigError("fssdp does not support model/tensor parallelism (an mpu was passed); experts "
                                "are never split inside an expert")
+    check_combinations(ds_config, fcfg, model=model)
 
 
 def _read_config(args, config, config_params) -> dict:
@@ -121,6 +126,7 @@ class FSSDPEngineMixin:
 
     def backward(self, loss, *args, **kwargs):
         out = super().backward(loss, *args, **kwargs)
+        self.fssdp.health.observe_loss(loss)
         self.fssdp.after_backward(loss.detach() if self.fssdp.trace is not None else None)
         return out
 
@@ -131,10 +137,44 @@ class FSSDPEngineMixin:
         out = super().step(*args, **kwargs)
         if boundary:
             self.fssdp.after_step(self)
+            self.fssdp_monitor.after_step(self)
         return out
 
     def clip_fp32_gradients(self):
         self.fssdp.norm.clip_dense_fp32(self)
+
+    # -- robustness: non-finite steps and checkpoints (runtime/health.py, runtime/checkpoint.py) --
+    def _take_model_step(self, lr_kwargs, *args, **kwargs):
+        """DeepSpeed's optimizer step, or its overflow path when the loss or gradients are not
+        finite on some rank (every rank agrees: the decision uses the all-reduced norm)."""
+        norm = self.fssdp.norm
+        skip = self.fssdp.health.decide(norm.expert_sq if norm is not None else None, step=self.global_steps + 1,
+                                        rank=dist.get_rank(), shards=self.fssdp.shards)
+        if not skip:
+            return super()._take_model_step(lr_kwargs, *args, **kwargs)
+        with skipped_optimizer_step(self.optimizer):
+            return super()._take_model_step(lr_kwargs, *args, **kwargs)
+
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+        """DeepSpeed's checkpoint plus every expert's state keyed by (layer, expert), written
+        atomically (``latest`` moves only once the whole checkpoint is complete)."""
+        from ds_fssdp.runtime import checkpoint
+        return checkpoint.save(self, save_dir, tag, client_state=client_state, save_latest=save_latest,
+                               exclude_frozen_parameters=exclude_frozen_parameters, ds_save=super().save_checkpoint)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None, *,
+                        load_expert_optimizer_states=None, verify=True):
+        """DeepSpeed's ``load_checkpoint`` (same arguments and return value) plus the experts,
+        under this engine's world size and owners; every file is checked against the manifest
+        and read with ``weights_only=True``. ``load_expert_optimizer_states`` (default: as
+        ``load_optimizer_states``); ``verify``: check sha256 digests, not only sizes."""
+        from ds_fssdp.runtime import checkpoint
+        return checkpoint.load(self, load_dir, tag, ds_load=super().load_checkpoint,
+                               load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                               custom_load_fn=custom_load_fn, load_expert_optimizer_states=load_expert_optimizer_states,
+                               verify=verify)
 
 
 _ENGINE_CLASSES = {}

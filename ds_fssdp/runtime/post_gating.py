@@ -32,7 +32,7 @@ class Calibration:
         cal = calibrate(shard.owner_E, placement_ED, tokens_ED, shard.topology, self.cost,
                         overlap_degree=shard.overlap_degree, budget=shard.options.budget,
                         latency_budget=budget if budget is not None else math.inf,
-                        dispatcher=lambda p, t, topo: dispatch(p, t, topo, mode=mode))
+                        dispatcher=lambda p, t, topo: dispatch(p, t, topo, mode=mode, cost=shard.cost))
         shard.post_gating_info = {"calibration": {"accepted": cal.accepted, "added_pairs": cal.added_pairs,
                                                   "saved_s": cal.saved_s, "extra_s": cal.extra_s}}
         return cal.placement_ED & ~placement_ED if cal.accepted else None

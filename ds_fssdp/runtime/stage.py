@@ -27,6 +27,7 @@ from ds_fssdp.planner import (CostModel, ExpertShape, Hardware, LoadPredictor, a
                               heterogeneous_sharding, homogeneous_owner)
 from ds_fssdp.planner.baselines import PolicyConfig, make_policy
 from ds_fssdp.runtime.grad_norm import install_expert_norm, loss_scale_of
+from ds_fssdp.runtime.health import NonFiniteGuard
 from ds_fssdp.runtime.post_gating import Calibration, Shadowing
 from ds_fssdp.runtime.profile import measure_expert_flops, measure_link_bandwidth
 from ds_fssdp.runtime.reshard import migrate_shard
@@ -52,7 +53,7 @@ class FSSDPStage:
         options = ShardOptions(policy=config.policy, overlap_degree=config.overlap_degree, budget=budget,
                                placement=config.placement,
                                dispatch_mode=config.dispatch, rematerialize=config.rematerialize,
-                               hierarchical=config.topology_aware)
+                               hierarchical=config.topology_aware, dispatch_slack=float(config.dispatch_slack))
         for i, layer in enumerate(self.layers):
             if not isinstance(layer, FSSDPMoE):
                 raise TypeError(f"FSSDPStage takes FSSDPMoE layers, got {type(layer).__name__}")
@@ -75,6 +76,7 @@ class FSSDPStage:
         self.baseline = None  # the planner's policy object for fastermoe / smartmoe
         self.profile = {}
         self.trace = None
+        self.health = NonFiniteGuard(config.nonfinite)  # non-finite losses/gradients (runtime/health.py)
         same_E = len({l.num_experts for l in self.layers}) == 1
         if config.reshard_interval and not same_E:
             raise FSSDPConfigError(f"fssdp.reshard_interval ({config.reshard_interval}) needs the same number of "
@@ -112,7 +114,12 @@ class FSSDPStage:
             from ds_fssdp.sim.traces import TraceWriter
             self.trace = TraceWriter(self.config.trace_path, meta={
                 "top_k": self.layers[0].k, "ranks_per_node": self.topology.ranks_per_node,
-                "policy": self.config.policy, "source": "ds_fssdp runtime (fssdp.trace_path)"})
+                "policy": self.config.policy, "source": "ds_fssdp runtime (fssdp.trace_path)",
+                # What ds_fssdp.report needs to replay the placements from the recorded loads.
+                "materialization_budget": self.shards[0].options.budget, "overlap_degree": self.config.overlap_degree,
+                "load_window": self.config.load_window, "placement": self.config.placement,
+                "dispatch": self.config.dispatch, "dispatch_slack": float(self.config.dispatch_slack),
+                "reshard_interval": self.config.reshard_interval, "calibration": self.config.calibration})
             atexit.register(self.trace.close)
         # The first layer's gather starts with the model's forward, before the first attention.
         engine.module.register_forward_pre_hook(lambda module, args: self.shards[0].prefetch())
@@ -140,6 +147,7 @@ class FSSDPStage:
                 master.grad = torch.zeros_like(master)
             master.grad.mul_(1.0 / self.world)
             sq += master.grad.float().pow(2).sum()
+        sq += self.health.loss_flag(sq)  # +inf where this rank's loss was not finite: all ranks learn it
         dist.all_reduce(sq, group=self.group)
         self.norm.arm(sq, loss_scale_of(engine.optimizer))
         group0 = engine.basic_optimizer.param_groups[0]
@@ -147,7 +155,7 @@ class FSSDPStage:
 
     @torch.no_grad()
     def after_step(self, engine) -> None:
-        applied = not getattr(engine.optimizer, "overflow", False)
+        applied = not getattr(engine.optimizer, "overflow", False) and not self.health.skip
         factor = self.norm.disarm()
         if applied:
             for group in self.optimizer.param_groups:
@@ -194,7 +202,7 @@ class FSSDPStage:
             logger.info(f"fssdp: materialization_budget auto -> m = {m} ({cfg.replica_memory_bytes} bytes for "
                         f"replicas, {psi} bytes per expert, {len(self.layers)} layers, rematerialize="
                         f"{cfg.rematerialize})")
-        need_cost = cfg.calibration or cfg.policy == "fastermoe"
+        need_cost = cfg.calibration or cfg.policy == "fastermoe" or cfg.dispatch == "balanced-time"
         if cfg.overlap_degree == "auto" or need_cost:
             bw = (cfg.hardware.intra_bw if cfg.hardware is not None else
                   measure_link_bandwidth(group=self.param_group, chunk_bytes=psi, device=device))
@@ -226,6 +234,8 @@ class FSSDPStage:
         shape = ExpertShape(hidden=layer.hidden_size, ffn=layer.ffn_hidden_size, matrices=len(layer.spec.names),
                             param_bytes=torch.tensor([], dtype=dtype).element_size())
         cost = CostModel(hw, shape, self.topology)
+        for s in self.shards:
+            s.cost = cost
         if cfg.calibration:
             for s in self.shards:
                 s.post_gating = Calibration(cost, latency_budget=cfg.calibration_latency_budget)
