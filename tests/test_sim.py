@@ -17,41 +17,10 @@ from ds_fssdp.sim.presets import cluster_preset, model_preset
 from ds_fssdp.sim.setup import Setup, build_setup, derive_overlap_degree
 from ds_fssdp.sim.simulate import simulate
 from ds_fssdp.sim.synth import synthetic_trace
-from ds_fssdp.sim.vector_dispatch import vector_dispatch
-from ds_fssdp.sim.vector_materialize import vector_materialize
 
 SHAPES = [(8, 8, 4), (8, 4, 2), (16, 8, 4), (4, 8, 2), (6, 4, 4), (32, 16, 4), (5, 3, 1), (3, 6, 3)]  # E, D, G
 HW = Hardware(flops=100e12, intra_bw=200e9, inter_bw=25e9, latency=10e-6, hbm_bw=2e12)
 SHAPE = ExpertShape(hidden=512, ffn=2048)
-
-
-def test_vector_dispatch_equals_planner_dispatch():
-    gen = torch.Generator().manual_seed(0)
-    for E, D, G in SHAPES:
-        topo = Topology(num_ranks=D, ranks_per_node=G)
-        for _ in range(20):
-            p = torch.rand(E, D, generator=gen) < float(torch.rand(1, generator=gen)) * 0.6
-            p[torch.arange(E), torch.randint(0, D, (E, ), generator=gen)] = True
-            tokens = torch.randint(0, 40, (E, D), generator=gen) * (torch.rand(E, D, generator=gen) < 0.8)
-            assert torch.equal(vector_dispatch(p, tokens, topo), dispatch(p, tokens, topo))
-
-
-def test_vector_materialize_equals_planner_materialize():
-    gen = torch.Generator().manual_seed(1)
-    for E, D, G in SHAPES + [(64, 32, 8)]:
-        topo = Topology(num_ranks=D, ranks_per_node=G)
-        for i in range(15):
-            owner = torch.randint(0, D, (E, ), generator=gen) if i % 2 else homogeneous_owner(E, D)
-            load = torch.rand(E, generator=gen).pow(4 * float(torch.rand(1, generator=gen)) + 0.5) * 1000
-            if i % 5 == 0:
-                load[::3] = 0
-            t, m = int(torch.randint(0, E + 2, (1, ), generator=gen)), int(torch.randint(0, 6, (1, ), generator=gen))
-            base = None
-            if i % 3:
-                base = materialize(owner, torch.rand(E, generator=gen), topo, overlap_degree=max(1, t // 2),
-                                   budget=max(1, m // 2))
-            want = materialize(owner, load, topo, overlap_degree=t, budget=m, base_ED=base)
-            assert torch.equal(vector_materialize(owner, load, topo, overlap_degree=t, budget=m, base_ED=base), want)
 
 
 def test_cost_model_additions():
@@ -86,7 +55,7 @@ def test_cost_model_additions():
     traffic[0, 5] = 7 * psi
     assert cost.transfer_time(traffic) == pytest.approx(HW.latency + 7 * psi / HW.inter_bw)
     # Batched layer times equal layer_time.
-    plans = [vector_dispatch(shard | (torch.rand(8, 8, generator=gen) < 0.2),
+    plans = [dispatch(shard | (torch.rand(8, 8, generator=gen) < 0.2),
                              torch.randint(0, 100, (8, 8), generator=gen), topo) for _ in range(6)]
     plans.append(torch.zeros(8, 8, 8, dtype=torch.long))
     want = torch.tensor([cost.layer_time(pl) for pl in plans], dtype=torch.float64)

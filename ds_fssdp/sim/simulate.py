@@ -57,8 +57,8 @@ from ds_fssdp.planner.cost import CostModel
 from ds_fssdp.planner.predict import LoadPredictor
 from ds_fssdp.planner.shard import shard_placement
 from ds_fssdp.sim.setup import GRAD_BYTES, MIGRATE_BYTES, OPT_BYTES, OPT_TRAFFIC_BYTES, PARAM_BYTES, Setup
-from ds_fssdp.sim.vector_dispatch import vector_dispatch
-from ds_fssdp.sim.vector_materialize import vector_materialize
+from ds_fssdp.planner.dispatch import dispatch as planner_dispatch
+from ds_fssdp.planner.materialize import materialize as planner_materialize
 
 CATEGORIES = ("comp", "a2a", "spag", "rearr", "ar", "opt")
 
@@ -95,8 +95,8 @@ class PolicyResult:
         }
 
 
-def simulate(setup: Setup, tokens_SLED: np.ndarray, policies, *, dispatcher=vector_dispatch,
-             materializer=vector_materialize) -> list:
+def simulate(setup: Setup, tokens_SLED: np.ndarray, policies, *, dispatcher=planner_dispatch,
+             materializer=planner_materialize) -> list:
     """One :class:`PolicyResult` per policy name, in order."""
     tokens_SLED = np.asarray(tokens_SLED)
     S, L, E, D = tokens_SLED.shape
@@ -110,10 +110,10 @@ def simulate(setup: Setup, tokens_SLED: np.ndarray, policies, *, dispatcher=vect
             for name in policies]
 
 
-def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatcher=vector_dispatch,
-                    materializer=vector_materialize) -> PolicyResult:
-    """``dispatcher`` / ``materializer``: Algorithms 3 and 1; the defaults are the simulator's
-    vectorized versions of the planner's (same results, tested), so runs take seconds."""
+def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatcher=planner_dispatch,
+                    materializer=planner_materialize) -> PolicyResult:
+    """``dispatcher`` / ``materializer``: Algorithms 3 and 1 by default (the planner's, in C when
+    built); pass others (e.g. the balancing dispatcher) to compare."""
     S, L, E, D = tokens_SLED.shape
     topo, hw, shape = setup.topology, setup.hw, setup.shape
     cost = RelayedCostModel(hw, shape, topo)
