@@ -111,7 +111,8 @@ def main():
         for arm in ARMS:
             a = r[arm]
             print(f"{arm:>15} {a['straggler']:>9.3f} {a['bound']:>6.3f} {a['inter']:>10.4f} {a['time']:>8.3f}")
-        print(f"median planning time per layer (materialize + dispatch, this machine): "
+        print(f"median planning time per layer in this replay (dense [E, D, D] plans and the load sum "
+              f"included; the runtime's compact path is timed by benchmarks/planning.py): "
               + ", ".join(f"{k} {v:.0f} us" for k, v in r["plan_us_median"].items()))
     if args.json:
         with open(args.json, "w") as f:

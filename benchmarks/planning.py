@@ -46,13 +46,17 @@ def main():
     instances = []
     for _ in range(64):
         share = torch.softmax(torch.randn(E, generator=gen) * args.skew, 0)
-        T = torch.distributions.Multinomial(total_count=args.tokens, probs=share).sample((D, )).t()
+        # [E, D] contiguous, as the runtime's all-gathered counts and predictions are.
+        T = torch.distributions.Multinomial(total_count=args.tokens, probs=share).sample((D, )).t().contiguous()
         instances.append((T.double(), T.long()))
+    # The predictor hands the planner tokens_ED (joint) or per-expert loads (Algorithm 1): both
+    # are inputs here, not part of the timed planning.
+    loads = {id(Tf): Tf.sum(1) for Tf, _ in instances}
     t, m = args.overlap_degree, args.budget
     arms = {
         "joint+balanced": lambda Tf, T: dispatch(joint_materialize(owner, Tf, topo, overlap_degree=t, budget=m), T,
                                                  topo, mode="balanced", slack=0.03),
-        "paper": lambda Tf, T: dispatch(materialize(owner, Tf.sum(1), topo, overlap_degree=t, budget=m), T, topo),
+        "paper": lambda Tf, T: dispatch(materialize(owner, loads[id(Tf)], topo, overlap_degree=t, budget=m), T, topo),
         "joint_materialize": lambda Tf, T: joint_materialize(owner, Tf, topo, overlap_degree=t, budget=m),
         "balanced_dispatch": None,  # filled below (needs a placement)
     }

@@ -61,3 +61,47 @@ def test_compact_plan_equals_the_dense_one():
                 for r in range(D):
                     assert torch.equal(plan.sent(r), dense[:, r, :])
                     assert torch.equal(plan.received(r), dense[:, :, r])
+
+
+def test_c_paths_reject_values_that_would_index_out_of_bounds():
+    """The C planner reads raw buffers: an owner id outside [0, D) or a negative count is a
+    ValueError naming it, never a read or write out of bounds."""
+    import pytest
+    from ds_fssdp.planner.dispatch import dispatch_plan
+    topo = Topology(num_ranks=4, ranks_per_node=2)
+    owner = homogeneous_owner(8, 4)
+    tokens = torch.ones(8, 4, dtype=torch.float64)
+    for bad in (4, -1):
+        owner_bad = owner.clone()
+        owner_bad[3] = bad
+        with pytest.raises(ValueError, match=rf"owner_E\[3\] = {bad}"):
+            joint_materialize(owner_bad, tokens, topo, overlap_degree=2, budget=1)
+        with pytest.raises(ValueError, match=rf"owner_E\[3\] = {bad}"):
+            materialize(owner_bad, tokens.sum(1), topo, overlap_degree=2, budget=1)
+    placement = joint_materialize(owner, tokens, topo, overlap_degree=2, budget=1)
+    T = tokens.long()
+    T[5, 2] = -3
+    for mode in ("paper", "balanced"):
+        with pytest.raises(ValueError, match=r"tokens_ED\[5, 2\] = -3"):
+            dispatch_plan(placement, T, topo, mode=mode)
+        with pytest.raises(ValueError, match=r"tokens_ED\[5, 2\] = -3"):
+            dispatch(placement, T, topo, mode=mode)
+    empty = placement.clone()
+    empty[6] = False
+    with pytest.raises(ValueError, match="expert 6 has none"):
+        dispatch_plan(empty, tokens.long(), topo, mode="balanced")
+
+
+def test_c_paths_take_any_layout_and_dtype():
+    """Non-contiguous, other-dtype and numpy inputs are converted, with the same result."""
+    topo = Topology(num_ranks=8, ranks_per_node=4)
+    owner = homogeneous_owner(16, 8)
+    gen = torch.Generator().manual_seed(3)
+    T = torch.randint(0, 50, (8, 16), generator=gen).t()  # [E, D], transposed: not contiguous
+    want = joint_materialize(owner, T.contiguous().double(), topo, overlap_degree=4, budget=2)
+    assert torch.equal(joint_materialize(owner, T.float(), topo, overlap_degree=4, budget=2), want)
+    assert torch.equal(joint_materialize(owner.int(), T.double(), topo, overlap_degree=4, budget=2), want)
+    from ds_fssdp.planner.dispatch import dispatch_plan
+    dense = dispatch(want, T.contiguous(), topo, mode="balanced")
+    assert torch.equal(dispatch_plan(want, T, topo, mode="balanced").dense(), dense)
+    assert torch.equal(dispatch_plan(want.numpy(), T.numpy(), topo, mode="balanced").dense(), dense)

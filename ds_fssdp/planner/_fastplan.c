@@ -3,8 +3,11 @@
  * instances). Planning runs every iteration for every MoE layer; the Python versions take
  * milliseconds at E=64, D=32, these take microseconds.
  *
- * Legend: E experts, D ranks, N nodes, X replicated experts. Arrays are row-major, passed as
- * buffers: placement uint8 [E*D], tokens int64 or float64 [E*D], plan int64 [E*D*D].
+ * Legend: E experts, D ranks, N nodes, X replicated experts. Arrays are row-major: placement
+ * uint8 [E*D], tokens int64 or float64 [E*D], plan int64 [E*D*D]. Inputs arrive as addresses of
+ * C-contiguous CPU tensors whose dtype and shape ds_fssdp/planner/fast.py has checked (and keeps
+ * alive for the call); outputs as writable buffers. Values that could index out of bounds (owner
+ * ids, token counts) are checked here and raise ValueError.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -14,43 +17,55 @@
 #include <string.h>
 
 #define MAX_D 4096
+#define PTR(type, addr) ((type *)(uintptr_t)(addr))
 
-/* ---------------------------------------------------------------------------------------------
- * Algorithm 1 (paper): materialize(owner, load, t, m) -> placement (in place, starts as shard).
- */
-static int pick_rank_alg1(const uint8_t *holds_D, const int64_t *free_D, const double *rank_load_D,
-                          const int64_t *node_D, int64_t D, int64_t N) {
-    uint8_t node_holds[MAX_D];
-    memset(node_holds, 0, (size_t)N);
-    for (int64_t d = 0; d < D; d++)
-        if (holds_D[d]) node_holds[node_D[d]] = 1;
-    int best = -1;
-    for (int64_t d = 0; d < D; d++) {
-        if (holds_D[d] || free_D[d] <= 0) continue;
-        if (best < 0) { best = (int)d; continue; }
-        int a = node_holds[node_D[d]], b = node_holds[node_D[best]];
-        if (a != b) { if (a < b) best = (int)d; continue; }
-        if (free_D[d] != free_D[best]) { if (free_D[d] > free_D[best]) best = (int)d; continue; }
-        if (rank_load_D[d] != rank_load_D[best]) { if (rank_load_D[d] < rank_load_D[best]) best = (int)d; continue; }
+static int check_owner(const int64_t *owner_E, int64_t E, int64_t D) {
+    for (int64_t e = 0; e < E; e++)
+        if (owner_E[e] < 0 || owner_E[e] >= D) {
+            PyErr_Format(PyExc_ValueError, "owner_E[%lld] = %lld is not a rank in [0, %lld)", (long long)e,
+                         (long long)owner_E[e], (long long)D);
+            return -1;
+        }
+    if (D > MAX_D) {
+        PyErr_Format(PyExc_ValueError, "the C planner supports up to %d ranks, got %lld", MAX_D, (long long)D);
+        return -1;
     }
-    return best;
+    return 0;
 }
 
-static PyObject *materialize_alg1(PyObject *self, PyObject *args) {
-    Py_buffer owner, load, node, place;
-    long long E, D, N, t, m;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*LLLLL", &owner, &load, &node, &place, &E, &D, &N, &t, &m)) return NULL;
-    const int64_t *owner_E = owner.buf, *node_D = node.buf;
-    const double *load_E = load.buf;
-    uint8_t *P = place.buf;
+/* ---------------------------------------------------------------------------------------------
+ * Algorithm 1 (paper): placement (zeroed) gets the shard, then the replicas.
+ */
+/* The rank for the next replica of an expert: among ranks lacking it with a free slot, a node
+ * without it first, then the most free slots, then the least owned load, then the lowest id.
+ * One branch-free pass over the ranks. */
+static int64_t pick_rank_alg1(const uint8_t *holds_D, const int64_t *free_D, const double *rank_load_D,
+                              const int64_t *node_D, const uint8_t *node_holds, int64_t D, int64_t m) {
+    const int64_t none = INT64_MAX;
+    int64_t best = -1, best_key = none;
+    double best_load = INFINITY;
+    for (int64_t d = 0; d < D; d++) {
+        int64_t key = node_holds[node_D[d]] * (m + 1) + (m - free_D[d]); /* smaller is better */
+        key = (!holds_D[d] && free_D[d] > 0) ? key : none;
+        double load = rank_load_D[d];
+        int win = (key < best_key) | ((key == best_key) & (load < best_load));
+        best_key = win ? key : best_key;
+        best_load = win ? load : best_load;
+        best = win ? d : best;
+    }
+    return best_key == none ? -1 : best;
+}
+
+static void alg1_core(const int64_t *owner_E, const double *load_E, const int64_t *node_D, uint8_t *P, int64_t E,
+                      int64_t D, int64_t N, int64_t t, int64_t m, int64_t *top) {
     int64_t free_D[MAX_D];
     double rank_load_D[MAX_D];
-    int64_t *top = malloc(sizeof(int64_t) * (size_t)(E > 0 ? E : 1));
+    uint8_t node_holds[MAX_D];
     double total = 0;
-    for (int64_t e = 0; e < E; e++) total += load_E[e];
+    for (int64_t e = 0; e < E; e++) { P[e * D + owner_E[e]] = 1; total += load_E[e]; }
     if (t > E) t = E;
     if (m > t) m = t;
-    if (t == 0 || m == 0 || D == 1 || total <= 0 || D > MAX_D) goto done;
+    if (t == 0 || m == 0 || D == 1 || total <= 0) return;
     /* top-t by load, ties to the lower id (stable insertion order) */
     for (int64_t e = 0; e < E; e++) top[e] = e;
     for (int64_t i = 1; i < E; i++) {
@@ -60,7 +75,7 @@ static PyObject *materialize_alg1(PyObject *self, PyObject *args) {
     }
     if (t <= m) {
         for (int64_t i = 0; i < t; i++) memset(P + top[i] * D, 1, (size_t)D);
-        goto done;
+        return;
     }
     for (int64_t d = 0; d < D; d++) { free_D[d] = m; rank_load_D[d] = 0; }
     for (int64_t e = 0; e < E; e++) rank_load_D[owner_E[e]] += load_E[e];
@@ -74,73 +89,104 @@ static PyObject *materialize_alg1(PyObject *self, PyObject *args) {
         int64_t n = (int64_t)floor(slots_left * l / load_left + 0.5);
         if (n > slots_left) n = slots_left;
         load_left -= l;
+        memset(node_holds, 0, (size_t)N);
+        for (int64_t d = 0; d < D; d++) node_holds[node_D[d]] |= P[e * D + d];
         for (int64_t k = 0; k < n; k++) {
-            int d = pick_rank_alg1(P + e * D, free_D, rank_load_D, node_D, D, N);
+            int64_t d = pick_rank_alg1(P + e * D, free_D, rank_load_D, node_D, node_holds, D, m);
             if (d < 0) break;
             P[e * D + d] = 1;
+            node_holds[node_D[d]] = 1;
             free_D[d] -= 1;
             slots_left -= 1;
         }
     }
+}
+
+static PyObject *materialize_alg1(PyObject *self, PyObject *args) {
+    unsigned long long owner, load;
+    Py_buffer node, place;
+    long long E, D, N, t, m;
+    if (!PyArg_ParseTuple(args, "KKy*w*LLLLL", &owner, &load, &node, &place, &E, &D, &N, &t, &m)) return NULL;
+    PyObject *out = NULL;
+    int64_t *top = malloc(sizeof(int64_t) * (size_t)(E + 1));
+    if (!top) { PyErr_NoMemory(); goto done; }
+    if (check_owner(PTR(int64_t, owner), E, D)) goto done;
+    alg1_core(PTR(int64_t, owner), PTR(double, load), node.buf, place.buf, E, D, N, t, m, top);
+    out = Py_None;
+    Py_INCREF(out);
 done:
     free(top);
-    PyBuffer_Release(&owner); PyBuffer_Release(&load); PyBuffer_Release(&node); PyBuffer_Release(&place);
-    Py_RETURN_NONE;
+    PyBuffer_Release(&node); PyBuffer_Release(&place);
+    return out;
 }
 
 /* ---------------------------------------------------------------------------------------------
- * Joint materialization (joint.py). placement comes in as shard (| base); extended in place.
+ * Joint materialization (joint.py): placement (zeroed) gets the shard, then the replicas.
  */
-/* best_n[e] / best_v[e]: the open node with the largest v[e, n] (ties: lowest n), -1 if none. */
-static void joint_best(int64_t e, int64_t N, const double *v, const int64_t *open, int64_t *best_n, double *best_v) {
-    best_n[e] = -1;
-    best_v[e] = -1.0;
+/* Open ranks of e in node n: those with a free slot (nfree[n]) less those already holding e
+ * (hf[e, n]). */
+#define OPEN(e, n) (nfree[n] - hf[(e) * N + (n)])
+
+/* best_n[e] / best_v[e]: the open node with the largest v[e, n] (ties: lowest n); -1 / -1.0 if
+ * none. */
+static inline void joint_best(int64_t e, int64_t N, const double *v, const int64_t *nfree, const int64_t *hf,
+                              int64_t *best_n, double *best_v) {
+    int64_t bn = -1;
+    double bv = -1.0;
     for (int64_t n = 0; n < N; n++)
-        if (open[e * N + n] && v[e * N + n] > best_v[e]) { best_v[e] = v[e * N + n]; best_n[e] = n; }
+        if (OPEN(e, n) > 0 && v[e * N + n] > bv) { bv = v[e * N + n]; bn = n; }
+    best_n[e] = bn;
+    best_v[e] = bv;
 }
 
-static PyObject *materialize_joint(PyObject *self, PyObject *args) {
-    Py_buffer owner, tokens, node, place;
-    long long E, D, N, t, m;
-    double stop;
-    /* place: zeroed uint8 [E*D]; the shard is written here, then extended */
-    if (!PyArg_ParseTuple(args, "y*y*y*w*LLLLLd", &owner, &tokens, &node, &place, &E, &D, &N, &t, &m, &stop))
-        return NULL;
-    const int64_t *owner_E = owner.buf, *node_D = node.buf;
-    const double *T = tokens.buf;
-    uint8_t *P = place.buf;
-    double *F = calloc((size_t)(E * N + 1), sizeof(double));
-    double *h = calloc((size_t)(E * N + 1), sizeof(double));
-    int64_t *open = calloc((size_t)(E * N + 1), sizeof(int64_t));
-    double *v = malloc(sizeof(double) * (size_t)(E * N + 1));
-    int64_t *best_n = malloc(sizeof(int64_t) * (size_t)(E + 1));
-    double *best_v = malloc(sizeof(double) * (size_t)(E + 1));
-    uint8_t *repl = calloc((size_t)(E + 1), 1);
+/* Bytes of scratch joint_core needs. */
+static size_t joint_scratch(int64_t E, int64_t D, int64_t N, int64_t m) {
+    return sizeof(int64_t) * (size_t)(4 * E * N + 4 * E + N + 2 * D + 1 + D * m) + (size_t)E + 8;
+}
+
+/* The eager greedy keeps best_n[e] the argmax over e's open nodes at all times. Here best_v[e] is
+ * refreshed lazily: a node only closes (its last free rank lacking e fills), so a stored best_v
+ * is never below the true one, and the first largest stored value, once fresh, is the eager
+ * choice (ties included: a stale equal value on a lower e is refreshed first). */
+static void joint_core(const int64_t *owner_E, const double *T, const int64_t *node_D, uint8_t *P, int64_t E,
+                       int64_t D, int64_t N, int64_t t, int64_t m, double stop, char *scratch) {
+    double *F = (double *)scratch, *h = F + E * N, *v = h + E * N, *best_v = v + E * N;
+    int64_t *hf = (int64_t *)(best_v + E), *best_n = hf + E * N, *repl_list = best_n + E;
+    int64_t *own = repl_list + E, *own_start = own + E, *nfree = own_start + D + 1, *reps = nfree + N;
+    uint8_t *repl = (uint8_t *)(reps + D * m);
     int64_t free_D[MAX_D];
     double owned_D[MAX_D];
     double total = 0;
     if (t > E) t = E;
-    if (D > MAX_D) goto done;
+    memset(h, 0, sizeof(double) * (size_t)(E * N));
+    memset(F, 0, sizeof(double) * (size_t)(E * N));
+    memset(hf, 0, sizeof(int64_t) * (size_t)(E * N));
+    memset(repl, 0, (size_t)E);
     for (int64_t e = 0; e < E; e++) P[e * D + owner_E[e]] = 1;
     for (int64_t d = 0; d < D; d++) { free_D[d] = m; owned_D[d] = 0; }
     /* nodes are contiguous blocks of G ranks (Topology: node of d = d // G) */
     int64_t G = D / N;
     for (int64_t e = 0; e < E; e++) {
-        double row = 0;
         const double *Te = T + e * D;
-        for (int64_t n = 0; n < N; n++) {
-            double fn = 0;
-            for (int64_t g = 0; g < G; g++) fn += Te[n * G + g];
-            F[e * N + n] = fn;
-        }
-        for (int64_t d = 0; d < D; d++) row += Te[d];
-        h[e * N + node_D[owner_E[e]]] = 1;
+        double *Fe = F + e * N, row = 0;
+        for (int64_t g = 0; g < G; g++) /* the N sums side by side, each in rank order */
+            for (int64_t n = 0; n < N; n++) Fe[n] += Te[n * G + g];
+        for (int64_t n = 0; n < N; n++) row += Fe[n];
+        int64_t on = node_D[owner_E[e]];
+        h[e * N + on] = 1;
+        hf[e * N + on] = 1; /* every rank has all m slots free */
         total += row;
         owned_D[owner_E[e]] += row;
-        /* every rank has all m slots free, so a node is open for e at all its ranks but the owner */
-        for (int64_t n = 0; n < N; n++) open[e * N + n] = G - (node_D[owner_E[e]] == n);
     }
-    if (t == 0 || m == 0 || D == 1 || total <= 0) goto done;
+    if (t == 0 || m == 0 || D == 1 || total <= 0) return;
+    for (int64_t n = 0; n < N; n++) nfree[n] = G;
+    /* the experts each rank owns (CSR), ascending */
+    memset(own_start, 0, sizeof(int64_t) * (size_t)(D + 1));
+    for (int64_t e = 0; e < E; e++) own_start[owner_E[e] + 1]++;
+    for (int64_t d = 0; d < D; d++) own_start[d + 1] += own_start[d];
+    for (int64_t d = 0; d < D; d++) free_D[d] = own_start[d]; /* a cursor for the fill, reset below */
+    for (int64_t e = 0; e < E; e++) own[free_D[owner_E[e]]++] = e;
+    for (int64_t d = 0; d < D; d++) free_D[d] = m;
     double tau = total / D;
     int64_t n_repl = 0;
     /* v[e, n]: per-holder load, plus total while node n lacks e (cover first) */
@@ -148,15 +194,25 @@ static PyObject *materialize_joint(PyObject *self, PyObject *args) {
         double hh = h[i], f = F[i];
         v[i] = f / (hh < 1.0 ? 1.0 : hh) + ((hh == 0 && f > 0) ? total : 0.0);
     }
-    for (int64_t e = 0; e < E; e++) joint_best(e, N, v, open, best_n, best_v);
+    for (int64_t e = 0; e < E; e++) joint_best(e, N, v, nfree, hf, best_n, best_v);
     for (;;) {
-        /* the reference's argmax over (e, n), e-major: the first largest */
-        int64_t be = -1;
-        double best = -1.0;
-        int limit = n_repl >= t;
-        for (int64_t e = 0; e < E; e++) {
-            if (best_n[e] < 0 || (limit && !repl[e])) continue;
-            if (best_v[e] > best) { best = best_v[e]; be = e; }
+        /* the reference's argmax over (e, n), e-major: the first largest. Once t experts are
+           replicated only they can take holders: scan their (ascending) list. (best_v[e] is -1
+           exactly when e has no open node, so it never wins.) */
+        int64_t be;
+        double best;
+        for (;;) {
+            be = -1;
+            best = -1.0;
+            int64_t count = n_repl >= t ? n_repl : E;
+            for (int64_t i = 0; i < count; i++) {
+                int64_t e = n_repl >= t ? repl_list[i] : i;
+                int win = best_v[e] > best;
+                best = win ? best_v[e] : best;
+                be = win ? e : be;
+            }
+            if (be < 0 || OPEN(be, best_n[be]) > 0) break;
+            joint_best(be, N, v, nfree, hf, best_n, best_v); /* stale: its best node closed */
         }
         if (be < 0 || best < stop * tau) break;
         int64_t bn = best_n[be], d_best = -1;
@@ -167,68 +223,116 @@ static PyObject *materialize_joint(PyObject *self, PyObject *args) {
                 d_best = d;
         }
         P[be * D + d_best] = 1;
-        open[be * N + bn]--;
         h[be * N + bn] += 1;
         v[be * N + bn] = F[be * N + bn] / h[be * N + bn];
         free_D[d_best] -= 1;
-        if (free_D[d_best] == 0)
-            for (int64_t e = 0; e < E; e++)
-                if (!P[e * D + d_best] && --open[e * N + bn] == 0 && best_n[e] == bn)
-                    joint_best(e, N, v, open, best_n, best_v);
-        joint_best(be, N, v, open, best_n, best_v);
-        if (!repl[be]) { repl[be] = 1; n_repl++; }
+        reps[d_best * m + (m - 1 - free_D[d_best])] = be;
+        if (free_D[d_best] > 0) {
+            hf[be * N + bn] += 1;
+        } else { /* d_best is full: no longer an open rank of node bn for anything */
+            nfree[bn] -= 1;
+            for (int64_t i = own_start[d_best]; i < own_start[d_best + 1]; i++) hf[own[i] * N + bn] -= 1;
+            for (int64_t i = 0; i < m - 1; i++) hf[reps[d_best * m + i] * N + bn] -= 1;
+        }
+        joint_best(be, N, v, nfree, hf, best_n, best_v);
+        if (!repl[be]) {
+            repl[be] = 1;
+            if (++n_repl == t) /* the list, ascending */
+                for (int64_t e = 0, i = 0; e < E; e++) if (repl[e]) repl_list[i++] = e;
+        }
     }
+}
+
+static PyObject *materialize_joint(PyObject *self, PyObject *args) {
+    unsigned long long owner, tokens;
+    Py_buffer node, place;
+    long long E, D, N, t, m;
+    double stop;
+    if (!PyArg_ParseTuple(args, "KKy*w*LLLLLd", &owner, &tokens, &node, &place, &E, &D, &N, &t, &m, &stop))
+        return NULL;
+    PyObject *out = NULL;
+    char *scratch = malloc(joint_scratch(E, D, N, m < 0 ? 0 : m));
+    if (!scratch) { PyErr_NoMemory(); goto done; }
+    if (check_owner(PTR(int64_t, owner), E, D)) goto done;
+    joint_core(PTR(int64_t, owner), PTR(double, tokens), node.buf, place.buf, E, D, N, t, m, stop, scratch);
+    out = Py_None;
+    Py_INCREF(out);
 done:
-    free(F); free(h); free(open); free(v); free(best_n); free(best_v); free(repl);
-    PyBuffer_Release(&owner); PyBuffer_Release(&tokens); PyBuffer_Release(&node); PyBuffer_Release(&place);
-    Py_RETURN_NONE;
+    free(scratch);
+    PyBuffer_Release(&node); PyBuffer_Release(&place);
+    return out;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Who holds what: holder_E[e] = the single holder, or -1 for the X replicated experts (rep,
+ * ascending). Raises if an expert has no holder or a count is negative.
+ */
+static int64_t holders(const uint8_t *P, const int64_t *T, int64_t E, int64_t D, int64_t *holder_E, int64_t *rep) {
+    int64_t X = 0, any = 0;
+    for (int64_t i = 0; i < E * D; i++) any |= T[i];
+    if (any < 0)
+        for (int64_t i = 0; i < E * D; i++)
+            if (T[i] < 0) {
+                PyErr_Format(PyExc_ValueError, "tokens_ED[%lld, %lld] = %lld is negative", (long long)(i / D),
+                             (long long)(i % D), (long long)T[i]);
+                return -1;
+            }
+    for (int64_t e = 0; e < E; e++) {
+        int64_t nh = 0, last = -1;
+        const uint8_t *p = P + e * D;
+        for (int64_t d = 0; d < D; d++) nh += p[d] != 0;
+        if (nh == 1) { /* the one rank with p[d] set */
+            last = 0;
+            for (int64_t d = 0; d < D; d++) last += d * (p[d] != 0);
+        }
+        if (nh == 0) {
+            PyErr_Format(PyExc_ValueError, "every expert needs at least one holder in placement_ED (expert %lld has "
+                         "none)", (long long)e);
+            return -1;
+        }
+        holder_E[e] = nh == 1 ? last : -1;
+        if (nh > 1) rep[X++] = e;
+    }
+    return X;
 }
 
 /* ---------------------------------------------------------------------------------------------
  * Algorithm 3 (paper dispatch): local, same node, all holders, even split with the remainder to
  * the holders following the source cyclically.
  */
-/* Output layouts. Dense: plan [E*D*D] (expert, source, holder), zeroed by the caller. Compact:
- * flows [X*D*D] of the experts with more than one holder, ascending (expert, holder, source);
- * single-holder experts are implied by the placement (all their tokens go to the holder). */
-#define OUT(e, x, d, h) (compact ? &R[((x) * D + (h)) * D + (d)] : &R[((e) * D + (d)) * D + (h)])
-
-static void paper_core(const uint8_t *P, const int64_t *T, const int64_t *node_D, int64_t *R, int64_t E, int64_t D,
-                       int compact) {
-    int64_t all[MAX_D], local[MAX_D];
-    int64_t x = -1;
-    for (int64_t e = 0; e < E && D <= MAX_D; e++) {
+/* flows [X*D*D] (the compact layout: replicated expert, holder, source), zeroed by the caller;
+ * single-holder experts need none (all their tokens go to the holder). */
+static void paper_core(const uint8_t *P, const int64_t *T, const int64_t *node_D, const int64_t *rep, int64_t X,
+                       int64_t *flows, int64_t D) {
+    int64_t all[MAX_D], lo[MAX_D + 1];
+    int64_t N = node_D[D - 1] + 1;
+#define FLOWC(x, d, h) flows[((x) * D + (h)) * D + (d)]
+    for (int64_t x = 0; x < X; x++) {
+        int64_t e = rep[x];
         const uint8_t *hold = P + e * D;
         int64_t n_all = 0;
-        for (int64_t d = 0; d < D; d++) if (hold[d]) all[n_all++] = d;
-        if (n_all > 1) x++;
-        else if (compact) continue;
+        for (int64_t d = 0; d < D; d++) { all[n_all] = d; n_all += hold[d] != 0; }
+        /* holders of node n: all[lo[n] : lo[n + 1]] (ascending ranks, contiguous nodes) */
+        for (int64_t n = 0, i = 0; n <= N; n++) {
+            while (i < n_all && node_D[all[i]] < n) i++;
+            lo[n] = i;
+        }
         for (int64_t d = 0; d < D; d++) {
             int64_t c = T[e * D + d];
-            if (hold[d]) { *OUT(e, x, d, d) = c; continue; }
+            if (hold[d]) { FLOWC(x, d, d) = c; continue; }
             if (c == 0) continue;
             /* targets: holders in d's node (ascending), else all holders */
-            int64_t n = 0;
-            for (int64_t i = 0; i < n_all; i++) if (node_D[all[i]] == node_D[d]) local[n++] = all[i];
-            const int64_t *targets = n ? local : all;
+            int64_t nd = node_D[d], n = lo[nd + 1] - lo[nd];
+            const int64_t *targets = n ? all + lo[nd] : all;
             if (!n) n = n_all;
             int64_t q = c / n, r = c % n, first = 0;
             while (first < n && targets[first] < d) first++;
             if (first == n) first = 0;
-            for (int64_t i = 0; i < n; i++) *OUT(e, x, d, targets[i]) = q;
-            for (int64_t k = 0; k < r; k++) *OUT(e, x, d, targets[(first + k) % n]) += 1;
+            for (int64_t i = 0; i < n; i++) FLOWC(x, d, targets[i]) = q;
+            for (int64_t k = 0; k < r; k++) FLOWC(x, d, targets[(first + k) % n]) += 1;
         }
     }
-}
-
-static PyObject *dispatch_paper(PyObject *self, PyObject *args) {
-    Py_buffer place, tokens, node, plan;
-    long long E, D;
-    int compact = 0;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*LL|p", &place, &tokens, &node, &plan, &E, &D, &compact)) return NULL;
-    paper_core(place.buf, tokens.buf, node.buf, plan.buf, E, D, compact);
-    PyBuffer_Release(&place); PyBuffer_Release(&tokens); PyBuffer_Release(&node); PyBuffer_Release(&plan);
-    Py_RETURN_NONE;
+#undef FLOWC
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -236,7 +340,7 @@ static PyObject *dispatch_paper(PyObject *self, PyObject *args) {
  * under the cap, then augmenting paths (same node first), growing the cap if needed.
  */
 typedef struct {
-    int64_t X, D;
+    int64_t X, D, G;         /* G ranks per node: nodes are contiguous blocks (Topology) */
     const int64_t *rep;      /* [X] expert ids */
     const uint8_t *P;        /* [E*D] */
     const int64_t *node_D;
@@ -245,16 +349,21 @@ typedef struct {
     int64_t *flow;           /* [X*D*D] flows of replicated expert x into holder h from source d */
     int64_t *inflow;         /* [X*D] sources with a positive flow of x into h */
     int64_t *rem;            /* [X*D] */
-    int64_t **holders;       /* per x: holder list */
-    int64_t *nholders;
+    int64_t *holders;        /* [X*D]: row x lists the holders of x, ascending */
+    int64_t *nholders;       /* [X] */
+    int64_t *hs;             /* [X*(N+1)]: holders of x in node n are holders[x][hs[x, n] : hs[x, n + 1]] */
+    int64_t N;
+    int64_t rem_total;       /* sum of rem */
 } Fill;
 
 static inline int64_t room(const Fill *f, int64_t h) { return f->cap - f->rows[h]; }
 
 /* Holder-major, so a search scanning the sources that send into holder h reads one row. */
 #define FLOW(f, x, d, h) ((f)->flow[((x) * (f)->D + (h)) * (f)->D + (d)])
+#define HOLDERS(f, x) ((f)->holders + (x) * (f)->D)
+#define HS(f, x, n) ((f)->hs[(x) * ((f)->N + 1) + (n)])
 
-static void fill_move(Fill *f, int64_t x, int64_t d, int64_t h, int64_t k) {
+static inline void fill_move(Fill *f, int64_t x, int64_t d, int64_t h, int64_t k) {
     int64_t *cell = &FLOW(f, x, d, h);
     f->inflow[x * f->D + h] += (*cell == 0 && k > 0) - (*cell > 0 && *cell + k == 0);
     *cell += k;
@@ -265,113 +374,141 @@ static void fill_greedy(Fill *f, const int64_t *order) {
     int64_t D = f->D;
     for (int64_t oi = 0; oi < f->X; oi++) {
         int64_t x = order[oi];
-        int64_t *H = f->holders[x], nh = f->nholders[x];
+        int64_t *H = HOLDERS(f, x), nh = f->nholders[x];
         for (int64_t i = 0; i < nh; i++) {
             int64_t h = H[i];
             int64_t r = room(f, h);
             int64_t k = f->rem[x * D + h];
             if (r < 0) r = 0;
             if (k > r) k = r;
-            if (k) { fill_move(f, x, h, h, k); f->rem[x * D + h] -= k; }
+            if (k) { fill_move(f, x, h, h, k); f->rem[x * D + h] -= k; f->rem_total -= k; }
         }
         for (int64_t d = 0; d < D; d++) {
+            int64_t lo = HS(f, x, f->node_D[d]), hi = HS(f, x, f->node_D[d] + 1);
             while (f->rem[x * D + d]) {
                 int64_t best = -1, best_room = 0;
-                for (int64_t i = 0; i < nh; i++) {
-                    int64_t h = H[i];
-                    if (f->node_D[h] != f->node_D[d]) continue;
-                    int64_t r = room(f, h);
-                    if (best < 0 || r > best_room) { best = h; best_room = r; }
+                for (int64_t i = lo; i < hi; i++) {
+                    int64_t r = room(f, H[i]);
+                    if (best < 0 || r > best_room) { best = H[i]; best_room = r; }
                 }
                 if (best < 0 || best_room <= 0) break;
                 int64_t k = f->rem[x * D + d] < best_room ? f->rem[x * D + d] : best_room;
                 fill_move(f, x, d, best, k);
                 f->rem[x * D + d] -= k;
+                f->rem_total -= k;
             }
         }
     }
 }
 
-/* One augmenting path; returns 1 if found and pushed. */
-static void mark_seen(Fill *f, uint8_t *seen, int64_t *unseen_X, int64_t h) {
-    seen[h] = 1;
-    for (int64_t x = 0; x < f->X; x++)
-        if (f->P[f->rep[x] * f->D + h]) unseen_X[x]--;
+typedef struct {
+    int64_t *prev_x, *prev_d, *prev_h, *queue, *unseen_X, *unseen_XN, qt; /* unseen holders of x (in node n) */
+    uint8_t *seen;
+} Search;
+
+static inline void reach(Fill *f, Search *s, int64_t h, int64_t x, int64_t d, int64_t from) {
+    s->seen[h] = 1;
+    int64_t n = f->node_D[h];
+    for (int64_t y = 0; y < f->X; y++) {
+        int64_t p = f->P[f->rep[y] * f->D + h];
+        s->unseen_X[y] -= p;
+        s->unseen_XN[y * f->N + n] -= p;
+    }
+    s->prev_x[h] = x; s->prev_d[h] = d; s->prev_h[h] = from;
+    s->queue[s->qt++] = h;
 }
 
-static int fill_augment(Fill *f, int cross, int64_t *prev_x, int64_t *prev_d, int64_t *prev_h, int64_t *queue,
-                        uint8_t *seen, int64_t *unseen_X) {
-    int64_t D = f->D, X = f->X;
-    int64_t qh = 0, qt = 0;
-    memset(seen, 0, (size_t)D);
-    for (int64_t x = 0; x < X; x++) unseen_X[x] = f->nholders[x];
+/* Enqueue the unseen holders of x reached through source d (from holder `from`, or -1 for a
+ * start): those in d's node, then (cross) the others, each ascending. */
+static inline void reach_holders(Fill *f, Search *s, int64_t x, int64_t d, int64_t from, int tier) {
+    const int64_t *H = HOLDERS(f, x);
+    int64_t n = f->node_D[d], lo = HS(f, x, n), hi = HS(f, x, n + 1);
+    if (tier == 0) {
+        for (int64_t i = lo; i < hi; i++) if (!s->seen[H[i]]) reach(f, s, H[i], x, d, from);
+    } else {
+        for (int64_t i = 0; i < lo; i++) if (!s->seen[H[i]]) reach(f, s, H[i], x, d, from);
+        for (int64_t i = hi; i < f->nholders[x]; i++) if (!s->seen[H[i]]) reach(f, s, H[i], x, d, from);
+    }
+}
+
+/* Augmenting paths, breadth first over holders (same-node edges first; `cross` = 0: only
+ * same-node edges). Every holder with room the search reaches ends a path (it is not searched
+ * past): the path is pushed with its bottleneck, if earlier pushes in this search left it one.
+ * Returns 1 if anything was pushed. */
+static int fill_augment(Fill *f, int cross, Search *s) {
+    int64_t D = f->D, X = f->X, G = f->G;
+    int64_t qh = 0;
+    int pushed = 0;
+    s->qt = 0;
+    memset(s->seen, 0, (size_t)D);
+    for (int64_t x = 0; x < X; x++) {
+        s->unseen_X[x] = f->nholders[x];
+        for (int64_t n = 0; n < f->N; n++) s->unseen_XN[x * f->N + n] = HS(f, x, n + 1) - HS(f, x, n);
+    }
     int tiers = cross ? 2 : 1;
-    for (int tier = 0; tier < tiers; tier++) {
-        int same = tier == 0;
-        for (int64_t x = 0; x < X; x++) {
-            for (int64_t d = 0; d < D; d++) {
-                if (!f->rem[x * D + d]) continue;
-                for (int64_t i = 0; i < f->nholders[x]; i++) {
-                    int64_t h = f->holders[x][i];
-                    if (seen[h] || ((f->node_D[h] == f->node_D[d]) != same)) continue;
-                    mark_seen(f, seen, unseen_X, h); prev_x[h] = x; prev_d[h] = d; prev_h[h] = -1;
-                    queue[qt++] = h;
-                }
-            }
-        }
-    }
-    while (qh < qt) {
-        int64_t h = queue[qh++];
+    for (int tier = 0; tier < tiers; tier++)
+        for (int64_t x = 0; x < X; x++)
+            for (int64_t d = 0; d < D; d++)
+                if (f->rem[x * D + d]) reach_holders(f, s, x, d, -1, tier);
+    while (qh < s->qt) {
+        int64_t h = s->queue[qh++];
         if (room(f, h) > 0) {
             /* walk back: find the start, then the bottleneck */
             int64_t end = h, cur = h, x0 = -1, d0 = -1;
             int64_t k = room(f, end);
             while (cur >= 0) {
-                int64_t b = prev_h[cur];
-                if (b < 0) { x0 = prev_x[cur]; d0 = prev_d[cur]; }
+                int64_t b = s->prev_h[cur];
+                if (b < 0) { x0 = s->prev_x[cur]; d0 = s->prev_d[cur]; }
                 else {
-                    int64_t fl = FLOW(f, prev_x[cur], prev_d[cur], b);
+                    int64_t fl = FLOW(f, s->prev_x[cur], s->prev_d[cur], b);
                     if (fl < k) k = fl;
                 }
                 cur = b;
             }
             if (f->rem[x0 * D + d0] < k) k = f->rem[x0 * D + d0];
+            if (k <= 0) continue;
             cur = end;
             while (cur >= 0) {
-                int64_t b = prev_h[cur], x = prev_x[cur], d = prev_d[cur];
+                int64_t b = s->prev_h[cur], x = s->prev_x[cur], d = s->prev_d[cur];
                 if (b >= 0) fill_move(f, x, d, b, -k);
                 fill_move(f, x, d, cur, k);
                 cur = b;
             }
             f->rem[x0 * D + d0] -= k;
-            return 1;
+            f->rem_total -= k;
+            pushed = 1;
+            if (!f->rem_total) return 1;
+            continue;
         }
+        /* Tokens of x on h from source d may move to another holder of x: sources ascending,
+           each reaching its node's holders, then (cross) the rest. With cross, the first source
+           reaches every holder of x; without, the first source of each node reaches all the
+           holders that node can. */
         for (int64_t x = 0; x < X; x++) {
-            /* skip x if every holder of x is reached already, or nothing of x is on h */
-            if (!unseen_X[x] || !f->inflow[x * D + h]) continue;
+            if (!s->unseen_X[x] || !f->inflow[x * D + h]) continue;
             const int64_t *in = &FLOW(f, x, 0, h);
-            for (int64_t d = 0; d < D && unseen_X[x]; d++) {
-                if (!in[d]) continue;
-                for (int tier = 0; tier < tiers; tier++) {
-                    int same = tier == 0;
-                    for (int64_t i = 0; i < f->nholders[x]; i++) {
-                        int64_t h2 = f->holders[x][i];
-                        if (seen[h2] || ((f->node_D[h2] == f->node_D[d]) != same)) continue;
-                        mark_seen(f, seen, unseen_X, h2); prev_x[h2] = x; prev_d[h2] = d; prev_h[h2] = h;
-                        queue[qt++] = h2;
-                    }
-                }
+            if (cross) {
+                int64_t d = 0;
+                while (!in[d]) d++;
+                reach_holders(f, s, x, d, h, 0);
+                reach_holders(f, s, x, d, h, 1);
+                continue;
+            }
+            for (int64_t n = 0; n < f->N && s->unseen_X[x]; n++) {
+                if (!s->unseen_XN[x * f->N + n]) continue;
+                for (int64_t d = n * G; d < (n + 1) * G; d++)
+                    if (in[d]) { reach_holders(f, s, x, d, h, 0); break; }
             }
         }
     }
-    return 0;
+    return pushed;
 }
 
 /* Tokens left go straight to the holder with the most room, in any node (one-edge paths). */
 static void fill_direct_cross(Fill *f) {
     int64_t D = f->D;
     for (int64_t x = 0; x < f->X; x++) {
-        int64_t *H = f->holders[x], nh = f->nholders[x];
+        int64_t *H = HOLDERS(f, x), nh = f->nholders[x];
         for (int64_t d = 0; d < D; d++) {
             while (f->rem[x * D + d]) {
                 int64_t best = -1, best_room = 0;
@@ -383,221 +520,250 @@ static void fill_direct_cross(Fill *f) {
                 int64_t k = f->rem[x * D + d] < best_room ? f->rem[x * D + d] : best_room;
                 fill_move(f, x, d, best, k);
                 f->rem[x * D + d] -= k;
+                f->rem_total -= k;
             }
         }
     }
 }
 
-static int any_rem(const Fill *f) {
-    for (int64_t i = 0; i < f->X * f->D; i++) if (f->rem[i]) return 1;
-    return 0;
-}
+static inline int any_rem(const Fill *f) { return f->rem_total > 0; }
 
-static double row_bound(const uint8_t *P, const int64_t *rep, int64_t X, const int64_t *load_X,
-                        const int64_t *base_D, int64_t D) {
+#define EXACT_SETS 10 /* all subsets of the replicated experts up to this many */
+
+/* Lower bound on the most loaded rank's rows (balance.row_bound). Integer sums, one division
+ * per set, as the reference. */
+static double row_bound(const Fill *f, const int64_t *load_X, const int64_t *base_D, char *scratch) {
+    int64_t X = f->X, D = f->D;
     double bound = 0, sum = 0;
     for (int64_t d = 0; d < D; d++) { if (base_D[d] > bound) bound = (double)base_D[d]; sum += (double)base_D[d]; }
     for (int64_t x = 0; x < X; x++) sum += (double)load_X[x];
     if (sum / D > bound) bound = sum / D;
     if (X == 0) return bound;
-    if (X <= 10) {
-        /* reach[mask] (holder bitsets, W words) and load[mask] built from mask without its
-           lowest bit; the numerator adds the base of every reached rank. */
+    if (X <= EXACT_SETS) {
+        /* Each set = a smaller set (without its lowest expert) + that expert: its holders are the
+           smaller set's plus the expert's, its numerator the smaller set's plus the expert's load
+           plus the base of the holders that are new. */
         int64_t W = (D + 63) / 64, M = (int64_t)1 << X;
-        uint64_t *reach = calloc((size_t)(M * W), sizeof(uint64_t));
-        uint64_t *hb = calloc((size_t)(X * W), sizeof(uint64_t));
-        int64_t *lsum = calloc((size_t)M, sizeof(int64_t));
+        uint64_t *reach = (uint64_t *)scratch, *hb = reach + M * W;
+        int64_t *num = (int64_t *)(hb + X * W), *cnt = num + M;
+        memset(hb, 0, sizeof(uint64_t) * (size_t)(X * W));
+        memset(reach, 0, sizeof(uint64_t) * (size_t)W);
+        num[0] = cnt[0] = 0;
+        int64_t best_n = 0, best_c = 1; /* the largest n / c, compared without dividing */
         for (int64_t x = 0; x < X; x++)
-            for (int64_t d = 0; d < D; d++)
-                if (P[rep[x] * D + d]) hb[x * W + d / 64] |= (uint64_t)1 << (d % 64);
+            for (int64_t i = 0; i < f->nholders[x]; i++) {
+                int64_t d = HOLDERS(f, x)[i];
+                hb[x * W + d / 64] |= (uint64_t)1 << (d % 64);
+            }
         for (int64_t mask = 1; mask < M; mask++) {
             int64_t low = __builtin_ctzll((unsigned long long)mask), rest = mask & (mask - 1);
-            lsum[mask] = lsum[rest] + load_X[low];
-            double num = (double)lsum[mask];
-            int64_t cnt = 0;
+            int64_t n = num[rest] + load_X[low], c = cnt[rest];
             for (int64_t w = 0; w < W; w++) {
-                uint64_t bits = reach[rest * W + w] | hb[low * W + w];
-                reach[mask * W + w] = bits;
-                cnt += __builtin_popcountll(bits);
-                while (bits) {
-                    int b = __builtin_ctzll(bits);
-                    num += (double)base_D[w * 64 + b];
-                    bits &= bits - 1;
-                }
+                uint64_t old = reach[rest * W + w], add = hb[low * W + w] & ~old;
+                reach[mask * W + w] = old | add;
+                for (; add; add &= add - 1, c++) n += base_D[w * 64 + __builtin_ctzll(add)];
             }
-            if (num / cnt > bound) bound = num / cnt;
+            num[mask] = n;
+            cnt[mask] = c;
+            if ((__int128)n * best_c > (__int128)best_n * c) { best_n = n; best_c = c; }
         }
-        free(reach); free(hb); free(lsum);
+        if ((double)best_n / (double)best_c > bound) bound = (double)best_n / (double)best_c;
     } else {
         /* singletons and the hottest prefixes (stable order by load, descending) */
-        int64_t *order = malloc(sizeof(int64_t) * (size_t)X);
+        int64_t *order = (int64_t *)scratch;
+        uint8_t *in = (uint8_t *)(order + X);
         for (int64_t x = 0; x < X; x++) order[x] = x;
         for (int64_t i = 1; i < X; i++) {
             int64_t v = order[i], j = i - 1;
             while (j >= 0 && load_X[order[j]] < load_X[v]) { order[j + 1] = order[j]; j--; }
             order[j + 1] = v;
         }
-        uint8_t *in = calloc((size_t)X, 1);
+        memset(in, 0, (size_t)X);
         for (int pass = 0; pass < 2; pass++) {
             for (int64_t i = 0; i < X; i++) {
                 if (pass == 0) { memset(in, 0, (size_t)X); in[i] = 1; } else in[order[i]] = 1;
-                double num = 0;
-                int64_t cnt = 0;
-                for (int64_t x = 0; x < X; x++) if (in[x]) num += (double)load_X[x];
+                int64_t num = 0, cnt = 0;
+                for (int64_t x = 0; x < X; x++) if (in[x]) num += load_X[x];
                 for (int64_t d = 0; d < D; d++) {
                     int reach = 0;
-                    for (int64_t x = 0; x < X && !reach; x++) if (in[x] && P[rep[x] * D + d]) reach = 1;
-                    if (reach) { num += (double)base_D[d]; cnt++; }
+                    for (int64_t x = 0; x < X && !reach; x++) if (in[x] && f->P[f->rep[x] * D + d]) reach = 1;
+                    if (reach) { num += base_D[d]; cnt++; }
                 }
-                if (num / cnt > bound) bound = num / cnt;
+                if ((double)num / (double)cnt > bound) bound = (double)num / (double)cnt;
             }
             memset(in, 0, (size_t)X);
         }
-        free(in); free(order);
     }
     return bound;
 }
 
-static void balanced_core(const uint8_t *P, const int64_t *T, const int64_t *node_D, int64_t *R, int64_t E,
-                          int64_t D, double slack, int compact) {
-    int64_t base_D[MAX_D];
+static size_t bound_scratch(int64_t X, int64_t D) {
+    int64_t W = (D + 63) / 64;
+    if (X <= EXACT_SETS) return sizeof(int64_t) * (size_t)(((int64_t)1 << X) * (W + 2) + X * W);
+    return sizeof(int64_t) * (size_t)X + (size_t)X;
+}
+
+/* holder_E / rep / X from holders(). flows: [X*D*D] zeroed, holder-major (the compact layout).
+ * Returns 0, or -1 with MemoryError set. */
+static int balanced_core(const uint8_t *P, const int64_t *T, const int64_t *node_D, const int64_t *holder_E,
+                         const int64_t *rep, int64_t X, int64_t *flows, int64_t E, int64_t D, double slack) {
+    if (X == 0) return 0;
+    int64_t base_D[MAX_D], rows[MAX_D];
     memset(base_D, 0, sizeof(int64_t) * (size_t)D);
-    int64_t *rep = malloc(sizeof(int64_t) * (size_t)(E + 1));
-    int64_t X = 0;
     for (int64_t e = 0; e < E; e++) {
-        int64_t nh = 0, owner = -1;
-        for (int64_t d = 0; d < D; d++) if (P[e * D + d]) { nh++; owner = d; }
-        if (nh == 1) {
-            for (int64_t d = 0; d < D; d++) {
-                if (!compact) R[(e * D + d) * D + owner] = T[e * D + d];
-                base_D[owner] += T[e * D + d];
+        int64_t h = holder_E[e];
+        if (h < 0) continue;
+        int64_t s = 0;
+        for (int64_t d = 0; d < D; d++) s += T[e * D + d];
+        base_D[h] += s;
+    }
+    int64_t N = node_D[D - 1] + 1;
+    size_t ints = (size_t)(X + X * D + X * D + X * D + X + X + 4 * D + X + X * (N + 1) + X * N);
+    size_t bytes = sizeof(int64_t) * ints + (size_t)D + 8 + bound_scratch(X, D);
+    char *mem = calloc(1, bytes);
+    if (!mem) { PyErr_NoMemory(); return -1; }
+    int64_t *load_X = (int64_t *)mem, *inflow = load_X + X, *rem = inflow + X * D, *hold = rem + X * D;
+    int64_t *nhold = hold + X * D, *order = nhold + X, *hs = order + X;
+    Search s;
+    s.prev_x = hs + X * (N + 1); s.prev_d = s.prev_x + D; s.prev_h = s.prev_d + D; s.queue = s.prev_h + D;
+    s.unseen_X = s.queue + D;
+    s.unseen_XN = s.unseen_X + X;
+    s.seen = (uint8_t *)(s.unseen_XN + X * N);
+    char *bound_mem = (char *)(s.seen + D);
+    bound_mem += (8 - ((uintptr_t)bound_mem & 7)) & 7; /* aligned: the + 8 above */
+    Fill f;
+    f.X = X; f.D = D; f.N = N; f.G = D / N; f.rep = rep; f.P = P; f.node_D = node_D;
+    memcpy(rows, base_D, sizeof(int64_t) * (size_t)D);
+    f.rows = rows; f.flow = flows; f.inflow = inflow; f.rem = rem; f.holders = hold; f.nholders = nhold; f.hs = hs;
+    for (int64_t x = 0; x < X; x++) {
+        int64_t e = rep[x], n = 0;
+        for (int64_t d = 0; d < D; d++) {
+            rem[x * D + d] = T[e * D + d];
+            load_X[x] += T[e * D + d];
+            if (P[e * D + d]) {
+                while (n <= node_D[d]) hs[x * (N + 1) + n++] = nhold[x];
+                hold[x * D + nhold[x]++] = d;
             }
-        } else if (nh > 1) {
-            rep[X++] = e;
+        }
+        while (n <= N) hs[x * (N + 1) + n++] = nhold[x];
+    }
+    f.cap = (int64_t)ceil(row_bound(&f, load_X, base_D, bound_mem) * (1.0 + slack) - 1e-9);
+    f.rem_total = 0;
+    for (int64_t x = 0; x < X; x++) f.rem_total += load_X[x];
+    /* order: fewest holders, then most tokens, then id */
+    for (int64_t x = 0; x < X; x++) order[x] = x;
+    for (int64_t i = 1; i < X; i++) {
+        int64_t v = order[i], j = i - 1;
+        while (j >= 0) {
+            int64_t u = order[j];
+            int later = nhold[u] > nhold[v] || (nhold[u] == nhold[v] && load_X[u] < load_X[v]);
+            if (!later) break;
+            order[j + 1] = u; j--;
+        }
+        order[j + 1] = v;
+    }
+    fill_greedy(&f, order);
+    while (any_rem(&f) && fill_augment(&f, 0, &s)) {}
+    fill_direct_cross(&f);
+    while (any_rem(&f)) {
+        if (!fill_augment(&f, 1, &s)) {
+            int64_t grown = (int64_t)ceil((double)f.cap * 1.01);
+            f.cap = grown > f.cap + 1 ? grown : f.cap + 1;
         }
     }
-    if (X > 0) {
-        int64_t *load_X = calloc((size_t)X, sizeof(int64_t));
-        Fill f;
-        f.X = X; f.D = D; f.rep = rep; f.P = P; f.node_D = node_D;
-        f.rows = malloc(sizeof(int64_t) * (size_t)D);
-        memcpy(f.rows, base_D, sizeof(int64_t) * (size_t)D);
-        f.flow = calloc((size_t)(X * D * D), sizeof(int64_t));
-        f.inflow = calloc((size_t)(X * D), sizeof(int64_t));
-        f.rem = malloc(sizeof(int64_t) * (size_t)(X * D));
-        f.holders = malloc(sizeof(int64_t *) * (size_t)X);
-        f.nholders = calloc((size_t)X, sizeof(int64_t));
-        for (int64_t x = 0; x < X; x++) {
-            int64_t e = rep[x];
-            f.holders[x] = malloc(sizeof(int64_t) * (size_t)D);
-            for (int64_t d = 0; d < D; d++) {
-                f.rem[x * D + d] = T[e * D + d];
-                load_X[x] += T[e * D + d];
-                if (P[e * D + d]) f.holders[x][f.nholders[x]++] = d;
-            }
-        }
-        f.cap = (int64_t)ceil(row_bound(P, rep, X, load_X, base_D, D) * (1.0 + slack) - 1e-9);
-        /* order: fewest holders, then most tokens, then id */
-        int64_t *order = malloc(sizeof(int64_t) * (size_t)X);
-        for (int64_t x = 0; x < X; x++) order[x] = x;
-        for (int64_t i = 1; i < X; i++) {
-            int64_t v = order[i], j = i - 1;
-            while (j >= 0) {
-                int64_t u = order[j];
-                int later = f.nholders[u] > f.nholders[v] ||
-                            (f.nholders[u] == f.nholders[v] && load_X[u] < load_X[v]);
-                if (!later) break;
-                order[j + 1] = u; j--;
-            }
-            order[j + 1] = v;
-        }
-        fill_greedy(&f, order);
-        int64_t *prev_x = malloc(sizeof(int64_t) * (size_t)D), *prev_d = malloc(sizeof(int64_t) * (size_t)D);
-        int64_t *prev_h = malloc(sizeof(int64_t) * (size_t)D), *queue = malloc(sizeof(int64_t) * (size_t)D);
-        uint8_t *seen = malloc((size_t)D);
-        int64_t *unseen_X = malloc(sizeof(int64_t) * (size_t)X);
-        while (any_rem(&f) && fill_augment(&f, 0, prev_x, prev_d, prev_h, queue, seen, unseen_X)) {}
-        fill_direct_cross(&f);
-        while (any_rem(&f)) {
-            if (!fill_augment(&f, 1, prev_x, prev_d, prev_h, queue, seen, unseen_X)) {
-                int64_t grown = (int64_t)ceil((double)f.cap * 1.01);
-                f.cap = grown > f.cap + 1 ? grown : f.cap + 1;
-            }
-        }
-        if (compact) memcpy(R, f.flow, sizeof(int64_t) * (size_t)(X * D * D));
-        for (int64_t x = 0; x < X; x++) {
-            int64_t *Re = R + rep[x] * D * D;
-            for (int64_t h = 0; h < D && !compact; h++) {
-                const int64_t *in = &FLOW(&f, x, 0, h);
-                if (f.inflow[x * D + h])
-                    for (int64_t d = 0; d < D; d++) Re[d * D + h] = in[d];
-            }
-            free(f.holders[x]);
-        }
-        free(prev_x); free(prev_d); free(prev_h); free(queue); free(seen); free(unseen_X); free(order);
-        free(f.rows); free(f.flow); free(f.inflow); free(f.rem); free(f.holders); free(f.nholders); free(load_X);
-    }
-    free(rep);
+    free(mem);
+    return 0;
 }
 
-static PyObject *dispatch_balanced(PyObject *self, PyObject *args) {
-    Py_buffer place, tokens, node, plan;
+/* ---------------------------------------------------------------------------------------------
+ * Entry points.
+ */
+static int check_len(Py_buffer *b, int64_t want, const char *what) {
+    if (b->len < want) {
+        PyErr_Format(PyExc_ValueError, "%s buffer has %zd bytes, needs %lld", what, b->len, (long long)want);
+        return -1;
+    }
+    return 0;
+}
+
+/* dispatch_dense(P, T, node, plan, E, D, slack, balanced): plan [E*D*D] zeroed, filled. */
+static PyObject *dispatch_dense(PyObject *self, PyObject *args) {
+    unsigned long long place, tokens;
+    Py_buffer node, plan;
     long long E, D;
-    double slack = 0.0;
-    int compact = 0;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*LL|dp", &place, &tokens, &node, &plan, &E, &D, &slack, &compact))
-        return NULL;
-    balanced_core(place.buf, tokens.buf, node.buf, plan.buf, E, D, slack, compact);
-    PyBuffer_Release(&place); PyBuffer_Release(&tokens); PyBuffer_Release(&node); PyBuffer_Release(&plan);
-    Py_RETURN_NONE;
+    double slack;
+    int balanced;
+    if (!PyArg_ParseTuple(args, "KKy*w*LLdp", &place, &tokens, &node, &plan, &E, &D, &slack, &balanced)) return NULL;
+    const uint8_t *P = PTR(uint8_t, place);
+    const int64_t *T = PTR(int64_t, tokens);
+    int64_t *R = plan.buf, *flows = NULL;
+    PyObject *out = NULL;
+    int64_t *holder_E = malloc(sizeof(int64_t) * (size_t)(2 * E + 1)), *rep = holder_E + E;
+    if (!holder_E) { PyErr_NoMemory(); goto done; }
+    if (D > MAX_D) { PyErr_Format(PyExc_ValueError, "the C planner supports up to %d ranks", MAX_D); goto done; }
+    if (check_len(&plan, (int64_t)sizeof(int64_t) * E * D * D, "plan")) goto done;
+    int64_t X = holders(P, T, E, D, holder_E, rep);
+    if (X < 0) goto done;
+    for (int64_t e = 0; e < E; e++)
+        if (holder_E[e] >= 0)
+            for (int64_t d = 0; d < D; d++) R[(e * D + d) * D + holder_E[e]] = T[e * D + d];
+    flows = calloc((size_t)(X * D * D + 1), sizeof(int64_t));
+    if (!flows) { PyErr_NoMemory(); goto done; }
+    if (balanced) {
+        if (balanced_core(P, T, node.buf, holder_E, rep, X, flows, E, D, slack)) goto done;
+    } else {
+        paper_core(P, T, node.buf, rep, X, flows, D);
+    }
+    for (int64_t x = 0; x < X; x++)
+        for (int64_t h = 0; h < D; h++)
+            for (int64_t d = 0; d < D; d++) R[(rep[x] * D + d) * D + h] = flows[(x * D + h) * D + d];
+    out = Py_None;
+    Py_INCREF(out);
+done:
+    free(holder_E); free(flows);
+    PyBuffer_Release(&node); PyBuffer_Release(&plan);
+    return out;
 }
 
-/* The compact plan in one call: (holder_E, rep_X, flows_XHD) as bytes (int64). */
+/* dispatch_compact(P, T, node, E, D, slack, balanced) -> bytes, int64:
+ * [X, holder_E (E), rep_X (X), tokens_ED (E*D), flows_XHD (X*D*D)] (the plan's arrays in one
+ * buffer, so Python makes views of it and copies nothing). */
 static PyObject *dispatch_compact(PyObject *self, PyObject *args) {
-    Py_buffer place, tokens, node;
+    unsigned long long place, tokens;
+    Py_buffer node;
     long long E, D;
-    double slack = 0.0;
-    int balanced = 1;
-    if (!PyArg_ParseTuple(args, "y*y*y*LLdp", &place, &tokens, &node, &E, &D, &slack, &balanced)) return NULL;
-    const uint8_t *P = place.buf;
-    PyObject *holder = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(sizeof(int64_t) * (size_t)E));
-    int64_t *H = holder ? (int64_t *)PyBytes_AS_STRING(holder) : NULL;
-    int64_t X = 0, missing = -1;
-    for (int64_t e = 0; H && e < E; e++) {
-        int64_t nh = 0, last = -1;
-        for (int64_t d = 0; d < D; d++) if (P[e * D + d]) { nh++; last = d; }
-        if (nh == 0 && missing < 0) missing = e;
-        H[e] = nh == 1 ? last : -1;
-        X += nh > 1;
-    }
-    PyObject *rep = NULL, *flows = NULL, *out = NULL;
-    if (!holder) goto fail;
-    if (missing >= 0) {
-        PyErr_Format(PyExc_ValueError, "every expert needs at least one holder in placement_ED (expert %lld has none)",
-                     (long long)missing);
-        goto fail;
-    }
-    rep = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(sizeof(int64_t) * (size_t)X));
-    flows = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(sizeof(int64_t) * (size_t)(X * D * D)));
-    if (!rep || !flows) goto fail;
-    int64_t *RX = (int64_t *)PyBytes_AS_STRING(rep), *FL = (int64_t *)PyBytes_AS_STRING(flows);
-    for (int64_t e = 0, x = 0; e < E; e++) if (H[e] < 0) RX[x++] = e;
-    memset(FL, 0, sizeof(int64_t) * (size_t)(X * D * D));
-    if (balanced) balanced_core(P, tokens.buf, node.buf, FL, E, D, slack, 1);
-    else paper_core(P, tokens.buf, node.buf, FL, E, D, 1);
-    out = PyTuple_Pack(3, holder, rep, flows);
-fail:
-    Py_XDECREF(holder); Py_XDECREF(rep); Py_XDECREF(flows);
-    PyBuffer_Release(&place); PyBuffer_Release(&tokens); PyBuffer_Release(&node);
+    double slack;
+    int balanced;
+    if (!PyArg_ParseTuple(args, "KKy*LLdp", &place, &tokens, &node, &E, &D, &slack, &balanced)) return NULL;
+    const uint8_t *P = PTR(uint8_t, place);
+    const int64_t *T = PTR(int64_t, tokens);
+    PyObject *out = NULL;
+    int64_t *holder_E = malloc(sizeof(int64_t) * (size_t)(2 * E + 1)), *rep = holder_E + E;
+    if (!holder_E) { PyErr_NoMemory(); goto done; }
+    if (D > MAX_D) { PyErr_Format(PyExc_ValueError, "the C planner supports up to %d ranks", MAX_D); goto done; }
+    int64_t X = holders(P, T, E, D, holder_E, rep);
+    if (X < 0) goto done;
+    out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(sizeof(int64_t) * (size_t)(1 + E + X + E * D + X * D * D)));
+    if (!out) goto done;
+    int64_t *o = (int64_t *)PyBytes_AS_STRING(out), *flows = o + 1 + E + X + E * D;
+    o[0] = X;
+    memcpy(o + 1, holder_E, sizeof(int64_t) * (size_t)E);
+    memcpy(o + 1 + E, rep, sizeof(int64_t) * (size_t)X);
+    memcpy(o + 1 + E + X, T, sizeof(int64_t) * (size_t)(E * D));
+    memset(flows, 0, sizeof(int64_t) * (size_t)(X * D * D));
+    if (balanced ? balanced_core(P, T, node.buf, holder_E, rep, X, flows, E, D, slack) : (paper_core(P, T, node.buf, rep, X, flows, D), 0))
+        Py_CLEAR(out);
+done:
+    free(holder_E);
+    PyBuffer_Release(&node);
     return out;
 }
 
 static PyMethodDef methods[] = {
-    {"materialize_alg1", materialize_alg1, METH_VARARGS, "Algorithm 1 in place."},
-    {"materialize_joint", materialize_joint, METH_VARARGS, "Joint materialization in place."},
-    {"dispatch_paper", dispatch_paper, METH_VARARGS, "Algorithm 3 into a zeroed plan."},
-    {"dispatch_balanced", dispatch_balanced, METH_VARARGS, "Balancing dispatch into a zeroed plan."},
-    {"dispatch_compact", dispatch_compact, METH_VARARGS, "Either dispatch as (holder_E, rep_X, flows_XHD) bytes."},
+    {"materialize_alg1", materialize_alg1, METH_VARARGS, "Algorithm 1 into a zeroed placement."},
+    {"materialize_joint", materialize_joint, METH_VARARGS, "Joint materialization into a zeroed placement."},
+    {"dispatch_dense", dispatch_dense, METH_VARARGS, "Either dispatch into a zeroed dense plan."},
+    {"dispatch_compact", dispatch_compact, METH_VARARGS, "Either dispatch as bytes [X, holder_E, rep_X, flows_XHD]."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -164,9 +164,11 @@ class _FlowFill:
                 self.rem[x, d] -= k
 
     def _augment(self, *, cross: bool) -> bool:
-        """One augmenting path from a source with tokens left to a holder with room. Breadth
-        first over holders, same-node edges before others; ``cross=False`` never moves a token
-        out of its node. Returns False if no path exists."""
+        """Augmenting paths from sources with tokens left to holders with room. Breadth first
+        over holders, same-node edges before others; ``cross=False`` never moves a token out of
+        its node. Every holder with room the search reaches ends a path (it is not searched
+        past), pushed with its bottleneck if earlier pushes of this search left one. Returns
+        False if nothing was pushed."""
         prev = {}  # holder -> (x, source d, previous holder or None)
         queue = deque()
         starts = [(x, d) for x, d in zip(*np.nonzero(self.rem))]
@@ -177,10 +179,15 @@ class _FlowFill:
                     if h not in prev and (self.node[h] == self.node[d]) == same:
                         prev[h] = (x, d, None)
                         queue.append(h)
+        pushed = False
         while queue:
             h = queue.popleft()
             if self.room(h) > 0:
-                return self._push(h, prev)
+                if self._push(h, prev):
+                    pushed = True
+                    if not self.rem.any():
+                        return True
+                continue
             # Tokens currently on h that could go to another holder of their expert.
             for x, d in zip(*np.nonzero(self.flow[:, :, h])):
                 for same in tiers:
@@ -188,7 +195,7 @@ class _FlowFill:
                         if h2 not in prev and (self.node[h2] == self.node[d]) == same:
                             prev[h2] = (x, d, h)
                             queue.append(h2)
-        return False
+        return pushed
 
     def _push(self, end, prev):
         path, h = [], end
@@ -201,6 +208,8 @@ class _FlowFill:
         k = min(int(self.rem[x0, d0]), self.room(end))
         for x, d, before, h in path[1:]:
             k = min(k, int(self.flow[x, d, before]))
+        if k <= 0:
+            return False
         for x, d, before, h in path:
             if before is not None:
                 self.flow[x, d, before] -= k

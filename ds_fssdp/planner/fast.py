@@ -1,9 +1,14 @@
 """The C versions of the planner's per-iteration steps (``_fastplan``, built at install).
 
-Legend: E experts, D ranks.
+Legend: E experts, D ranks, X replicated experts.
 
 Each function mirrors its Python reference step for step (tests compare them); the public
 planner functions call these when the extension is built, and say once, at INFO, when it is not.
+
+Planning runs for every MoE layer every iteration, so the glue is kept thin: inputs go to C as
+addresses of C-contiguous CPU tensors of the right dtype (converted only when they are not, and
+kept alive by this frame for the call); the callers check shapes, C checks the values that
+could index out of bounds (owner ids, negative counts) and raises ValueError.
 """
 from __future__ import annotations
 
@@ -24,59 +29,57 @@ except ImportError:  # a source tree used without `pip install`
 AVAILABLE = _fastplan is not None
 
 
-def _np(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
-    if t.dtype != dtype or t.is_cuda:
-        t = t.to("cpu", dtype)
-    a = t.detach().numpy()
-    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
-
-
-def _shard(owner: np.ndarray, num_ranks: int) -> np.ndarray:
-    shard = np.zeros((owner.size, num_ranks), dtype=np.bool_)
-    shard[np.arange(owner.size), owner] = True
-    return shard
+def _c(t, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` as a C-contiguous CPU tensor of ``dtype`` (itself when it already is one)."""
+    if not isinstance(t, torch.Tensor):
+        t = torch.as_tensor(np.asarray(t))
+    if t.dtype is not dtype or not t.is_cpu or not t.is_contiguous():
+        t = t.to("cpu", dtype).contiguous()
+    return t
 
 
 def materialize_alg1(owner_E, load_E, topology: Topology, *, overlap_degree: int, budget: int) -> torch.Tensor:
-    owner = _np(owner_E, torch.long)
-    D = topology.num_ranks
-    placement = _shard(owner, D)
-    _fastplan.materialize_alg1(owner, _np(load_E, torch.float64).reshape(-1), topology.node_np, placement,
-                               owner.size, D, topology.num_nodes, overlap_degree, budget)
+    owner, load = _c(owner_E, torch.long), _c(load_E, torch.float64)
+    E, D = owner.numel(), topology.num_ranks
+    placement = np.zeros((E, D), dtype=np.bool_)
+    _fastplan.materialize_alg1(owner.data_ptr(), load.data_ptr(), topology.node_np, placement, E, D,
+                               topology.num_nodes, overlap_degree, budget)
     return torch.from_numpy(placement)
 
 
 def materialize_joint(owner_E, tokens_ED, topology: Topology, *, overlap_degree: int, budget: int,
                       stop: float) -> torch.Tensor:
-    owner = _np(owner_E, torch.long)
-    D = topology.num_ranks
-    placement = np.zeros((owner.size, D), dtype=np.bool_)
-    _fastplan.materialize_joint(owner, _np(tokens_ED, torch.float64), topology.node_np, placement, owner.size, D,
+    owner, tokens = _c(owner_E, torch.long), _c(tokens_ED, torch.float64)
+    E, D = owner.numel(), topology.num_ranks
+    placement = np.zeros((E, D), dtype=np.bool_)
+    _fastplan.materialize_joint(owner.data_ptr(), tokens.data_ptr(), topology.node_np, placement, E, D,
                                 topology.num_nodes, overlap_degree, budget, stop)
     return torch.from_numpy(placement)
 
 
-def _dispatch(fn, placement_ED, tokens_ED, topology: Topology, *extra) -> torch.Tensor:
-    E, D = placement_ED.shape
+def dispatch_compact(placement_ED, tokens_ED, topology: Topology, *, balanced: bool, slack: float = 0.0):
+    """The plan as :class:`~ds_fssdp.planner.plan.DispatchPlan` (no dense [E, D, D] tensor)."""
+    P, T = _c(placement_ED, torch.bool), _c(tokens_ED, torch.long)
+    E, D = P.shape
+    out = np.frombuffer(_fastplan.dispatch_compact(P.data_ptr(), T.data_ptr(), topology.node_np, E, D, float(slack),
+                                                   balanced), dtype=np.int64)
+    X = int(out[0])
+    a = 1 + E + X
+    return DispatchPlan(tokens_ED=out[a:a + E * D].reshape(E, D), holder_E=out[1:1 + E], rep_X=out[1 + E:a],
+                        flows_XHD=out[a + E * D:].reshape(X, D, D))
+
+
+def _dense(placement_ED, tokens_ED, topology: Topology, *, balanced: bool, slack: float = 0.0) -> torch.Tensor:
+    P, T = _c(placement_ED, torch.bool), _c(tokens_ED, torch.long)
+    E, D = P.shape
     plan = np.zeros((E, D, D), dtype=np.int64)
-    fn(_np(placement_ED, torch.bool), _np(tokens_ED, torch.long), topology.node_np, plan, E, D, *extra)
+    _fastplan.dispatch_dense(P.data_ptr(), T.data_ptr(), topology.node_np, plan, E, D, float(slack), balanced)
     return torch.from_numpy(plan)
 
 
-def dispatch_compact(placement_ED, tokens_ED, topology: Topology, *, balanced: bool, slack: float = 0.0):
-    """The plan as :class:`~ds_fssdp.planner.plan.DispatchPlan` (no dense [E, D, D] tensor)."""
-    P = _np(placement_ED, torch.bool)
-    T = _np(tokens_ED, torch.long)
-    E, D = P.shape
-    holder, rep, flows = _fastplan.dispatch_compact(P, T, topology.node_np, E, D, float(slack), balanced)
-    rep_X = np.frombuffer(rep, dtype=np.int64)
-    return DispatchPlan(tokens_ED=T, holder_E=np.frombuffer(holder, dtype=np.int64), rep_X=rep_X,
-                        flows_XHD=np.frombuffer(flows, dtype=np.int64).reshape(rep_X.size, D, D))
-
-
 def dispatch_paper(placement_ED, tokens_ED, topology: Topology) -> torch.Tensor:
-    return _dispatch(_fastplan.dispatch_paper, placement_ED, tokens_ED, topology)
+    return _dense(placement_ED, tokens_ED, topology, balanced=False)
 
 
 def dispatch_balanced(placement_ED, tokens_ED, topology: Topology, slack: float = 0.0) -> torch.Tensor:
-    return _dispatch(_fastplan.dispatch_balanced, placement_ED, tokens_ED, topology, float(slack))
+    return _dense(placement_ED, tokens_ED, topology, balanced=True, slack=slack)

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 
-@dataclass(frozen=True)
-class DispatchPlan:
+@dataclass(slots=True)
+class DispatchPlan:  # read-only by convention (slots, not frozen: built every layer, every iteration)
     tokens_ED: np.ndarray  # int64 [E, D]
     holder_E: np.ndarray  # int64 [E]: the holder of a single-holder expert, -1 if replicated
     rep_X: np.ndarray  # int64 [X]: the replicated experts, ascending
