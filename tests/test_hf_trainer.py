@@ -53,7 +53,7 @@ class Data(torch.utils.data.Dataset):
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
-def make_trainer(model, ds_config, out_dir, *, steps, gas, lr, max_grad_norm):
+def make_trainer(model, ds_config, out_dir, *, steps, gas, lr, max_grad_norm, **training_args):
     class RecordingTrainer(transformers.Trainer):
 
         def compute_loss(self, model, inputs, *args, **kwargs):
@@ -64,8 +64,8 @@ def make_trainer(model, ds_config, out_dir, *, steps, gas, lr, max_grad_norm):
     args = transformers.TrainingArguments(
         output_dir=out_dir, use_cpu=True, deepspeed=copy.deepcopy(ds_config), per_device_train_batch_size=MICRO,
         gradient_accumulation_steps=gas, max_steps=steps, learning_rate=lr, lr_scheduler_type="constant",
-        weight_decay=0.0, max_grad_norm=max_grad_norm, save_strategy="no", report_to=[], logging_steps=1,
-        disable_tqdm=True, seed=0, dataloader_num_workers=0)
+        weight_decay=0.0, max_grad_norm=max_grad_norm, report_to=[], logging_steps=1, disable_tqdm=True, seed=0,
+        dataloader_num_workers=0, **{"save_strategy": "no", **training_args})
     trainer = RecordingTrainer(model=model, args=args, train_dataset=Data())
     trainer.losses = []
     return trainer
