@@ -3,16 +3,22 @@
 Replays the trace through each policy on the cost model of the chosen cluster and model, prints a
 table (time per iteration, speedup over EP and FasterMoE, Figure 11's breakdown, Figure 12's
 model-state memory) and writes a PNG bar chart. ``--json`` prints the same as JSON instead.
+
+``--dispatch paper`` (default) models Themis as published: every policy's token dispatch is the
+paper's Algorithm 3. ``--dispatch balanced`` gives every policy the runtime's default balancing
+dispatcher instead (``dispatch_slack`` 3%): what FSSDP here does beyond the paper.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
 import torch
 
 from ds_fssdp.planner.baselines import POLICY_NAMES
+from ds_fssdp.planner.dispatch import dispatch as planner_dispatch
 from ds_fssdp.sim.plot import plot_results
 from ds_fssdp.sim.presets import CLUSTERS, MODELS, cluster_preset, model_preset
 from ds_fssdp.sim.report import format_table, to_json
@@ -49,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--flexmoe-interval", type=int, default=1)
     p.add_argument("--smartmoe-interval", type=int, default=25)
     p.add_argument("--reshard-interval", type=int, default=100)
+    p.add_argument("--dispatch", default="paper", choices=["paper", "balanced"],
+                   help="token dispatch of every policy: the paper's Algorithm 3 or the balancing dispatcher")
     p.add_argument("--no-calibration", action="store_true")
     p.add_argument("--calibration-budget", type=float, default=1.0, help="in attention forward times")
     p.add_argument("--png", default=None, help="chart path (default sim_<cluster>_<model>_<gpus>.png)")
@@ -79,8 +87,10 @@ def main(argv=None) -> int:
                                            split_concentration=args.split_concentration, **synth)
     if args.save_trace:
         save_trace(args.save_trace, trace)
-    results = simulate(setup, trace.tokens_SLED, policies)
+    dispatcher = functools.partial(planner_dispatch, mode=args.dispatch, slack=0.03 if args.dispatch == "balanced" else 0.0)
+    results = simulate(setup, trace.tokens_SLED, policies, dispatcher=dispatcher)
     summary = setup.summary()
+    summary["dispatch"] = args.dispatch
     if not args.no_png:
         png = args.png or f"sim_{cluster.name}_{model.name}_{args.gpus}.png"
         plot_results(png, results, title=f"{summary['label']}; {trace_summary.get('description', '')}")
