@@ -19,6 +19,22 @@
 #define MAX_D 4096
 #define PTR(type, addr) ((type *)(uintptr_t)(addr))
 
+static int check_ranks(int64_t D) {
+    if (D > MAX_D) {
+        PyErr_Format(PyExc_ValueError, "the C planner supports up to %d ranks, got %lld", MAX_D, (long long)D);
+        return -1;
+    }
+    return 0;
+}
+
+static int check_len(Py_buffer *b, int64_t want, const char *what) {
+    if (b->len < want) {
+        PyErr_Format(PyExc_ValueError, "%s buffer has %zd bytes, needs %lld", what, b->len, (long long)want);
+        return -1;
+    }
+    return 0;
+}
+
 static int check_owner(const int64_t *owner_E, int64_t E, int64_t D) {
     for (int64_t e = 0; e < E; e++)
         if (owner_E[e] < 0 || owner_E[e] >= D) {
@@ -26,11 +42,20 @@ static int check_owner(const int64_t *owner_E, int64_t E, int64_t D) {
                          (long long)owner_E[e], (long long)D);
             return -1;
         }
-    if (D > MAX_D) {
-        PyErr_Format(PyExc_ValueError, "the C planner supports up to %d ranks, got %lld", MAX_D, (long long)D);
-        return -1;
+    return check_ranks(D);
+}
+
+/* The holders of placement row p, ascending, into H; those in node n are H[lo[n] : lo[n + 1]]
+ * (nodes are contiguous blocks of ranks). Returns how many. */
+static int64_t holders_by_node(const uint8_t *p, const int64_t *node_D, int64_t D, int64_t N, int64_t *H,
+                               int64_t *lo) {
+    int64_t nh = 0;
+    for (int64_t d = 0; d < D; d++) { H[nh] = d; nh += p[d] != 0; }
+    for (int64_t n = 0, i = 0; n <= N; n++) {
+        while (i < nh && node_D[H[i]] < n) i++;
+        lo[n] = i;
     }
-    return 0;
+    return nh;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -110,7 +135,7 @@ static PyObject *materialize_alg1(PyObject *self, PyObject *args) {
     PyObject *out = NULL;
     int64_t *top = malloc(sizeof(int64_t) * (size_t)(E + 1));
     if (!top) { PyErr_NoMemory(); goto done; }
-    if (check_owner(PTR(int64_t, owner), E, D)) goto done;
+    if (check_owner(PTR(int64_t, owner), E, D) || check_len(&place, E * D, "placement")) goto done;
     alg1_core(PTR(int64_t, owner), PTR(double, load), node.buf, place.buf, E, D, N, t, m, top);
     out = Py_None;
     Py_INCREF(out);
@@ -253,7 +278,7 @@ static PyObject *materialize_joint(PyObject *self, PyObject *args) {
     PyObject *out = NULL;
     char *scratch = malloc(joint_scratch(E, D, N, m < 0 ? 0 : m));
     if (!scratch) { PyErr_NoMemory(); goto done; }
-    if (check_owner(PTR(int64_t, owner), E, D)) goto done;
+    if (check_owner(PTR(int64_t, owner), E, D) || check_len(&place, E * D, "placement")) goto done;
     joint_core(PTR(int64_t, owner), PTR(double, tokens), node.buf, place.buf, E, D, N, t, m, stop, scratch);
     out = Py_None;
     Py_INCREF(out);
@@ -278,19 +303,15 @@ static int64_t holders(const uint8_t *P, const int64_t *T, int64_t E, int64_t D,
                 return -1;
             }
     for (int64_t e = 0; e < E; e++) {
-        int64_t nh = 0, last = -1;
+        int64_t nh = 0, at = 0; /* at: the holder's rank when there is one */
         const uint8_t *p = P + e * D;
-        for (int64_t d = 0; d < D; d++) nh += p[d] != 0;
-        if (nh == 1) { /* the one rank with p[d] set */
-            last = 0;
-            for (int64_t d = 0; d < D; d++) last += d * (p[d] != 0);
-        }
+        for (int64_t d = 0; d < D; d++) { nh += p[d] != 0; at += d * (p[d] != 0); }
         if (nh == 0) {
             PyErr_Format(PyExc_ValueError, "every expert needs at least one holder in placement_ED (expert %lld has "
                          "none)", (long long)e);
             return -1;
         }
-        holder_E[e] = nh == 1 ? last : -1;
+        holder_E[e] = nh == 1 ? at : -1;
         if (nh > 1) rep[X++] = e;
     }
     return X;
@@ -310,13 +331,7 @@ static void paper_core(const uint8_t *P, const int64_t *T, const int64_t *node_D
     for (int64_t x = 0; x < X; x++) {
         int64_t e = rep[x];
         const uint8_t *hold = P + e * D;
-        int64_t n_all = 0;
-        for (int64_t d = 0; d < D; d++) { all[n_all] = d; n_all += hold[d] != 0; }
-        /* holders of node n: all[lo[n] : lo[n + 1]] (ascending ranks, contiguous nodes) */
-        for (int64_t n = 0, i = 0; n <= N; n++) {
-            while (i < n_all && node_D[all[i]] < n) i++;
-            lo[n] = i;
-        }
+        int64_t n_all = holders_by_node(hold, node_D, D, N, all, lo);
         for (int64_t d = 0; d < D; d++) {
             int64_t c = T[e * D + d];
             if (hold[d]) { FLOWC(x, d, d) = c; continue; }
@@ -370,34 +385,42 @@ static inline void fill_move(Fill *f, int64_t x, int64_t d, int64_t h, int64_t k
     f->rows[h] += k;
 }
 
+/* k of source d's tokens of x left to place go to holder h. */
+static inline void fill_take(Fill *f, int64_t x, int64_t d, int64_t h, int64_t k) {
+    fill_move(f, x, d, h, k);
+    f->rem[x * f->D + d] -= k;
+    f->rem_total -= k;
+}
+
+/* Source d's tokens of x left to place go to holders H[lo : hi] of x, the one with the most room
+ * first, while any has room. */
+static void fill_most_room(Fill *f, int64_t x, int64_t d, int64_t lo, int64_t hi) {
+    const int64_t *H = HOLDERS(f, x);
+    int64_t *left = &f->rem[x * f->D + d];
+    while (*left) {
+        int64_t best = -1, best_room = 0;
+        for (int64_t i = lo; i < hi; i++) {
+            int64_t r = room(f, H[i]);
+            if (best < 0 || r > best_room) { best = H[i]; best_room = r; }
+        }
+        if (best < 0 || best_room <= 0) break;
+        fill_take(f, x, d, best, *left < best_room ? *left : best_room);
+    }
+}
+
 static void fill_greedy(Fill *f, const int64_t *order) {
     int64_t D = f->D;
     for (int64_t oi = 0; oi < f->X; oi++) {
         int64_t x = order[oi];
-        int64_t *H = HOLDERS(f, x), nh = f->nholders[x];
-        for (int64_t i = 0; i < nh; i++) {
-            int64_t h = H[i];
-            int64_t r = room(f, h);
-            int64_t k = f->rem[x * D + h];
+        const int64_t *H = HOLDERS(f, x);
+        for (int64_t i = 0; i < f->nholders[x]; i++) { /* a holder keeps its own tokens */
+            int64_t h = H[i], r = room(f, h), k = f->rem[x * D + h];
             if (r < 0) r = 0;
             if (k > r) k = r;
-            if (k) { fill_move(f, x, h, h, k); f->rem[x * D + h] -= k; f->rem_total -= k; }
+            if (k) fill_take(f, x, h, h, k);
         }
-        for (int64_t d = 0; d < D; d++) {
-            int64_t lo = HS(f, x, f->node_D[d]), hi = HS(f, x, f->node_D[d] + 1);
-            while (f->rem[x * D + d]) {
-                int64_t best = -1, best_room = 0;
-                for (int64_t i = lo; i < hi; i++) {
-                    int64_t r = room(f, H[i]);
-                    if (best < 0 || r > best_room) { best = H[i]; best_room = r; }
-                }
-                if (best < 0 || best_room <= 0) break;
-                int64_t k = f->rem[x * D + d] < best_room ? f->rem[x * D + d] : best_room;
-                fill_move(f, x, d, best, k);
-                f->rem[x * D + d] -= k;
-                f->rem_total -= k;
-            }
-        }
+        for (int64_t d = 0; d < D; d++) /* then the holders in the source's node */
+            fill_most_room(f, x, d, HS(f, x, f->node_D[d]), HS(f, x, f->node_D[d] + 1));
     }
 }
 
@@ -467,15 +490,12 @@ static int fill_augment(Fill *f, int cross, Search *s) {
             }
             if (f->rem[x0 * D + d0] < k) k = f->rem[x0 * D + d0];
             if (k <= 0) continue;
-            cur = end;
-            while (cur >= 0) {
+            for (cur = end; s->prev_h[cur] >= 0; cur = s->prev_h[cur]) { /* each edge moves k along */
                 int64_t b = s->prev_h[cur], x = s->prev_x[cur], d = s->prev_d[cur];
-                if (b >= 0) fill_move(f, x, d, b, -k);
+                fill_move(f, x, d, b, -k);
                 fill_move(f, x, d, cur, k);
-                cur = b;
             }
-            f->rem[x0 * D + d0] -= k;
-            f->rem_total -= k;
+            fill_take(f, x0, d0, cur, k); /* and the start places k more */
             pushed = 1;
             if (!f->rem_total) return 1;
             continue;
@@ -506,27 +526,9 @@ static int fill_augment(Fill *f, int cross, Search *s) {
 
 /* Tokens left go straight to the holder with the most room, in any node (one-edge paths). */
 static void fill_direct_cross(Fill *f) {
-    int64_t D = f->D;
-    for (int64_t x = 0; x < f->X; x++) {
-        int64_t *H = HOLDERS(f, x), nh = f->nholders[x];
-        for (int64_t d = 0; d < D; d++) {
-            while (f->rem[x * D + d]) {
-                int64_t best = -1, best_room = 0;
-                for (int64_t i = 0; i < nh; i++) {
-                    int64_t r = room(f, H[i]);
-                    if (best < 0 || r > best_room) { best = H[i]; best_room = r; }
-                }
-                if (best < 0 || best_room <= 0) break;
-                int64_t k = f->rem[x * D + d] < best_room ? f->rem[x * D + d] : best_room;
-                fill_move(f, x, d, best, k);
-                f->rem[x * D + d] -= k;
-                f->rem_total -= k;
-            }
-        }
-    }
+    for (int64_t x = 0; x < f->X; x++)
+        for (int64_t d = 0; d < f->D; d++) fill_most_room(f, x, d, 0, f->nholders[x]);
 }
-
-static inline int any_rem(const Fill *f) { return f->rem_total > 0; }
 
 #define EXACT_SETS 10 /* all subsets of the replicated experts up to this many */
 
@@ -608,14 +610,14 @@ static size_t bound_scratch(int64_t X, int64_t D) {
 static int balanced_core(const uint8_t *P, const int64_t *T, const int64_t *node_D, const int64_t *holder_E,
                          const int64_t *rep, int64_t X, int64_t *flows, int64_t E, int64_t D, double slack) {
     if (X == 0) return 0;
-    int64_t base_D[MAX_D], rows[MAX_D];
-    memset(base_D, 0, sizeof(int64_t) * (size_t)D);
+    int64_t rows[MAX_D]; /* rows per rank: the single-holder experts' (the base) until the fill */
+    memset(rows, 0, sizeof(int64_t) * (size_t)D);
     for (int64_t e = 0; e < E; e++) {
         int64_t h = holder_E[e];
         if (h < 0) continue;
         int64_t s = 0;
         for (int64_t d = 0; d < D; d++) s += T[e * D + d];
-        base_D[h] += s;
+        rows[h] += s;
     }
     int64_t N = node_D[D - 1] + 1;
     size_t ints = (size_t)(X + X * D + X * D + X * D + X + X + 4 * D + X + X * (N + 1) + X * N);
@@ -633,23 +635,18 @@ static int balanced_core(const uint8_t *P, const int64_t *T, const int64_t *node
     bound_mem += (8 - ((uintptr_t)bound_mem & 7)) & 7; /* aligned: the + 8 above */
     Fill f;
     f.X = X; f.D = D; f.N = N; f.G = D / N; f.rep = rep; f.P = P; f.node_D = node_D;
-    memcpy(rows, base_D, sizeof(int64_t) * (size_t)D);
     f.rows = rows; f.flow = flows; f.inflow = inflow; f.rem = rem; f.holders = hold; f.nholders = nhold; f.hs = hs;
+    f.rem_total = 0;
     for (int64_t x = 0; x < X; x++) {
-        int64_t e = rep[x], n = 0;
+        int64_t e = rep[x];
         for (int64_t d = 0; d < D; d++) {
             rem[x * D + d] = T[e * D + d];
             load_X[x] += T[e * D + d];
-            if (P[e * D + d]) {
-                while (n <= node_D[d]) hs[x * (N + 1) + n++] = nhold[x];
-                hold[x * D + nhold[x]++] = d;
-            }
         }
-        while (n <= N) hs[x * (N + 1) + n++] = nhold[x];
+        f.rem_total += load_X[x];
+        nhold[x] = holders_by_node(P + e * D, node_D, D, N, hold + x * D, hs + x * (N + 1));
     }
-    f.cap = (int64_t)ceil(row_bound(&f, load_X, base_D, bound_mem) * (1.0 + slack) - 1e-9);
-    f.rem_total = 0;
-    for (int64_t x = 0; x < X; x++) f.rem_total += load_X[x];
+    f.cap = (int64_t)ceil(row_bound(&f, load_X, rows, bound_mem) * (1.0 + slack) - 1e-9);
     /* order: fewest holders, then most tokens, then id */
     for (int64_t x = 0; x < X; x++) order[x] = x;
     for (int64_t i = 1; i < X; i++) {
@@ -663,9 +660,9 @@ static int balanced_core(const uint8_t *P, const int64_t *T, const int64_t *node
         order[j + 1] = v;
     }
     fill_greedy(&f, order);
-    while (any_rem(&f) && fill_augment(&f, 0, &s)) {}
+    while (f.rem_total && fill_augment(&f, 0, &s)) {}
     fill_direct_cross(&f);
-    while (any_rem(&f)) {
+    while (f.rem_total) {
         if (!fill_augment(&f, 1, &s)) {
             int64_t grown = (int64_t)ceil((double)f.cap * 1.01);
             f.cap = grown > f.cap + 1 ? grown : f.cap + 1;
@@ -678,11 +675,13 @@ static int balanced_core(const uint8_t *P, const int64_t *T, const int64_t *node
 /* ---------------------------------------------------------------------------------------------
  * Entry points.
  */
-static int check_len(Py_buffer *b, int64_t want, const char *what) {
-    if (b->len < want) {
-        PyErr_Format(PyExc_ValueError, "%s buffer has %zd bytes, needs %lld", what, b->len, (long long)want);
-        return -1;
-    }
+
+/* Either dispatch into flows (zeroed, compact layout). Returns 0, or -1 with an error set. */
+static int dispatch_flows(const uint8_t *P, const int64_t *T, const int64_t *node_D, const int64_t *holder_E,
+                          const int64_t *rep, int64_t X, int64_t *flows, int64_t E, int64_t D, double slack,
+                          int balanced) {
+    if (balanced) return balanced_core(P, T, node_D, holder_E, rep, X, flows, E, D, slack);
+    paper_core(P, T, node_D, rep, X, flows, D);
     return 0;
 }
 
@@ -700,7 +699,7 @@ static PyObject *dispatch_dense(PyObject *self, PyObject *args) {
     PyObject *out = NULL;
     int64_t *holder_E = malloc(sizeof(int64_t) * (size_t)(2 * E + 1)), *rep = holder_E + E;
     if (!holder_E) { PyErr_NoMemory(); goto done; }
-    if (D > MAX_D) { PyErr_Format(PyExc_ValueError, "the C planner supports up to %d ranks", MAX_D); goto done; }
+    if (check_ranks(D)) goto done;
     if (check_len(&plan, (int64_t)sizeof(int64_t) * E * D * D, "plan")) goto done;
     int64_t X = holders(P, T, E, D, holder_E, rep);
     if (X < 0) goto done;
@@ -709,11 +708,7 @@ static PyObject *dispatch_dense(PyObject *self, PyObject *args) {
             for (int64_t d = 0; d < D; d++) R[(e * D + d) * D + holder_E[e]] = T[e * D + d];
     flows = calloc((size_t)(X * D * D + 1), sizeof(int64_t));
     if (!flows) { PyErr_NoMemory(); goto done; }
-    if (balanced) {
-        if (balanced_core(P, T, node.buf, holder_E, rep, X, flows, E, D, slack)) goto done;
-    } else {
-        paper_core(P, T, node.buf, rep, X, flows, D);
-    }
+    if (dispatch_flows(P, T, node.buf, holder_E, rep, X, flows, E, D, slack, balanced)) goto done;
     for (int64_t x = 0; x < X; x++)
         for (int64_t h = 0; h < D; h++)
             for (int64_t d = 0; d < D; d++) R[(rep[x] * D + d) * D + h] = flows[(x * D + h) * D + d];
@@ -740,7 +735,7 @@ static PyObject *dispatch_compact(PyObject *self, PyObject *args) {
     PyObject *out = NULL;
     int64_t *holder_E = malloc(sizeof(int64_t) * (size_t)(2 * E + 1)), *rep = holder_E + E;
     if (!holder_E) { PyErr_NoMemory(); goto done; }
-    if (D > MAX_D) { PyErr_Format(PyExc_ValueError, "the C planner supports up to %d ranks", MAX_D); goto done; }
+    if (check_ranks(D)) goto done;
     int64_t X = holders(P, T, E, D, holder_E, rep);
     if (X < 0) goto done;
     out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(sizeof(int64_t) * (size_t)(1 + E + X + E * D + X * D * D)));
@@ -751,8 +746,7 @@ static PyObject *dispatch_compact(PyObject *self, PyObject *args) {
     memcpy(o + 1 + E, rep, sizeof(int64_t) * (size_t)X);
     memcpy(o + 1 + E + X, T, sizeof(int64_t) * (size_t)(E * D));
     memset(flows, 0, sizeof(int64_t) * (size_t)(X * D * D));
-    if (balanced ? balanced_core(P, T, node.buf, holder_E, rep, X, flows, E, D, slack) : (paper_core(P, T, node.buf, rep, X, flows, D), 0))
-        Py_CLEAR(out);
+    if (dispatch_flows(P, T, node.buf, holder_E, rep, X, flows, E, D, slack, balanced)) Py_CLEAR(out);
 done:
     free(holder_E);
     PyBuffer_Release(&node);
@@ -763,7 +757,7 @@ static PyMethodDef methods[] = {
     {"materialize_alg1", materialize_alg1, METH_VARARGS, "Algorithm 1 into a zeroed placement."},
     {"materialize_joint", materialize_joint, METH_VARARGS, "Joint materialization into a zeroed placement."},
     {"dispatch_dense", dispatch_dense, METH_VARARGS, "Either dispatch into a zeroed dense plan."},
-    {"dispatch_compact", dispatch_compact, METH_VARARGS, "Either dispatch as bytes [X, holder_E, rep_X, flows_XHD]."},
+    {"dispatch_compact", dispatch_compact, METH_VARARGS, "Either dispatch as bytes [X, holder_E, rep_X, tokens_ED, flows_XHD]."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -139,29 +139,25 @@ class _FlowFill:
                     self.move(x, h, h, k)
                     self.rem[x, h] -= k
             for d in np.nonzero(self.rem[x])[0]:  # then holders in the source's node
-                local = self.holders[x][self.node[self.holders[x]] == self.node[d]]
-                while self.rem[x, d] and local.size:
-                    rooms = self.cap - self.rows[local]
-                    best = int(np.argmax(rooms))
-                    if rooms[best] <= 0:
-                        break
-                    k = int(min(self.rem[x, d], rooms[best]))
-                    self.move(x, d, local[best], k)
-                    self.rem[x, d] -= k
+                self._fill_most_room(x, d, self.holders[x][self.node[self.holders[x]] == self.node[d]])
 
     def _direct_cross(self):
         """What is left after the same-node paths goes straight to a holder with room in another
         node, the one with the most room first (a one-edge augmenting path, without a search)."""
         for x, d in zip(*np.nonzero(self.rem)):
-            holders = self.holders[x]
-            while self.rem[x, d]:
-                rooms = self.cap - self.rows[holders]
-                best = int(np.argmax(rooms))
-                if rooms[best] <= 0:
-                    break
-                k = int(min(self.rem[x, d], rooms[best]))
-                self.move(x, d, holders[best], k)
-                self.rem[x, d] -= k
+            self._fill_most_room(x, d, self.holders[x])
+
+    def _fill_most_room(self, x, d, candidates):
+        """Source d's tokens of x left to place go to ``candidates`` (holders of x), the one with
+        the most room first, while any has room."""
+        while self.rem[x, d] and candidates.size:
+            rooms = self.cap - self.rows[candidates]
+            best = int(np.argmax(rooms))
+            if rooms[best] <= 0:
+                break
+            k = int(min(self.rem[x, d], rooms[best]))
+            self.move(x, d, candidates[best], k)
+            self.rem[x, d] -= k
 
     def _augment(self, *, cross: bool) -> bool:
         """Augmenting paths from sources with tokens left to holders with room. Breadth first

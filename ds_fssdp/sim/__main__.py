@@ -6,7 +6,8 @@ model-state memory) and writes a PNG bar chart. ``--json`` prints the same as JS
 
 ``--dispatch paper`` (default) models Themis as published: every policy's token dispatch is the
 paper's Algorithm 3. ``--dispatch balanced`` gives every policy the runtime's default balancing
-dispatcher instead (``dispatch_slack`` 3%): what FSSDP here does beyond the paper.
+dispatcher instead (with the config's default ``dispatch_slack``): what FSSDP here does beyond the
+paper.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import sys
 
 import torch
 
+from ds_fssdp.config import FSSDPConfig
 from ds_fssdp.planner.baselines import POLICY_NAMES
 from ds_fssdp.planner.dispatch import dispatch as planner_dispatch
 from ds_fssdp.sim.plot import plot_results
@@ -87,7 +89,7 @@ def main(argv=None) -> int:
                                            split_concentration=args.split_concentration, **synth)
     if args.save_trace:
         save_trace(args.save_trace, trace)
-    dispatcher = functools.partial(planner_dispatch, mode=args.dispatch, slack=0.03 if args.dispatch == "balanced" else 0.0)
+    dispatcher = functools.partial(planner_dispatch, mode=args.dispatch, slack=FSSDPConfig().dispatch_slack)
     results = simulate(setup, trace.tokens_SLED, policies, dispatcher=dispatcher)
     summary = setup.summary()
     summary["dispatch"] = args.dispatch
