@@ -5,9 +5,7 @@ Legend: D ranks, N nodes, G = ranks per node; the node of rank d is d // G.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
-import numpy as np
 import torch
 
 
@@ -32,13 +30,6 @@ class Topology:
 
     def ranks_of(self, node: int) -> range:
         return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
-
-    @cached_property
-    def node_np(self) -> np.ndarray:
-        """Node id of every rank as a read-only int64 array (for the planner's C paths)."""
-        node = np.arange(self.num_ranks, dtype=np.int64) // self.ranks_per_node
-        node.flags.writeable = False
-        return node
 
     def node_D(self) -> torch.Tensor:
         """Node id of every rank, long [D]."""

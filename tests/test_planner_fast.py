@@ -106,3 +106,40 @@ def test_c_paths_take_any_layout_and_dtype():
     dense = dispatch(want, T.contiguous(), topo, mode="balanced")
     assert torch.equal(dispatch_plan(want, T, topo, mode="balanced").dense(), dense)
     assert torch.equal(dispatch_plan(want.numpy(), T.numpy(), topo, mode="balanced").dense(), dense)
+
+
+def test_c_matches_reference_past_64_ranks_and_on_huge_counts():
+    """More than 64 ranks (the Hall bound's multi-word path) and counts near 2^56 (its 128-bit
+    comparisons) give the reference's plans too."""
+    gen = torch.Generator().manual_seed(4)
+    for E, D, G, scale in ((24, 72, 8, 1), (16, 66, 6, 1), (16, 8, 4, 2 ** 45), (12, 6, 2, 2 ** 47)):
+        topo = Topology(num_ranks=D, ranks_per_node=G)
+        owner = homogeneous_owner(E, D)
+        share = torch.softmax(torch.randn(E, generator=gen) * 1.5, 0)
+        T = torch.distributions.Multinomial(total_count=40 * D, probs=share).sample((D, )).t().long() * scale
+        for m in (1, 2, 3):
+            placement = joint_materialize(owner, T.double(), topo, overlap_degree=8, budget=m)
+            assert torch.equal(placement, joint_materialize_reference(owner, T.double(), topo, overlap_degree=8,
+                                                                      budget=m))
+            assert int((placement.sum(1) > 1).sum()) > 1  # replicated experts: the bound and fill run
+            for slack in (0.0, 0.03):
+                assert torch.equal(balanced_dispatch(placement, T, topo, slack=slack),
+                                   balanced_dispatch_reference(placement, T, topo, slack=slack))
+            assert torch.equal(dispatch(placement, T, topo), paper_dispatch_reference(placement, T, topo))
+
+
+def test_non_finite_predictions_and_a_wrong_topology_are_value_errors():
+    import pytest
+    from ds_fssdp.planner.dispatch import dispatch_plan
+    topo = Topology(num_ranks=4, ranks_per_node=2)
+    owner = homogeneous_owner(8, 4)
+    for bad in (float("nan"), float("inf")):
+        tokens = torch.ones(8, 4, dtype=torch.float64)
+        tokens[5, 2] = bad
+        for fn in (joint_materialize, joint_materialize_reference):
+            with pytest.raises(ValueError, match=rf"tokens_ED\[5, 2\] = {bad} is not finite"):
+                fn(owner, tokens, topo, overlap_degree=2, budget=1)
+    placement = joint_materialize(owner, torch.ones(8, 4, dtype=torch.float64), topo, overlap_degree=2, budget=1)
+    with pytest.raises(ValueError, match="placement_ED has 4 ranks, the topology 8"):
+        dispatch_plan(placement, torch.ones(8, 4, dtype=torch.long), Topology(num_ranks=8, ranks_per_node=2),
+                      mode="balanced")

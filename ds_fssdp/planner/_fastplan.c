@@ -3,11 +3,13 @@
  * instances). Planning runs every iteration for every MoE layer; the Python versions take
  * milliseconds at E=64, D=32, these take microseconds.
  *
- * Legend: E experts, D ranks, N nodes, X replicated experts. Arrays are row-major: placement
- * uint8 [E*D], tokens int64 or float64 [E*D], plan int64 [E*D*D]. Inputs arrive as addresses of
- * C-contiguous CPU tensors whose dtype and shape ds_fssdp/planner/fast.py has checked (and keeps
- * alive for the call); outputs as writable buffers. Values that could index out of bounds (owner
- * ids, token counts) are checked here and raise ValueError.
+ * Legend: E experts, D ranks, N nodes of G ranks (node of d = d / G), X replicated experts, F
+ * flows that carry tokens. Arrays are row-major: placement uint8 [E*D], tokens int64 or float64
+ * [E*D], dense plan int64 [E*D*D]. Inputs arrive as addresses of C-contiguous CPU tensors whose
+ * dtype and shape ds_fssdp/planner/fast.py has checked (and keeps alive for the call); outputs as
+ * writable buffers or a new bytes object. Values that could index out of bounds or make the
+ * comparisons moot (owner ids, G, negative counts, non-finite predictions) are checked here and
+ * raise ValueError.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -19,11 +21,66 @@
 #define MAX_D 4096
 #define PTR(type, addr) ((type *)(uintptr_t)(addr))
 
+
+/* Scratch memory kept between calls, one buffer per use (the GIL is held throughout, so there is
+ * one caller at a time): planning runs for every layer every iteration, and fresh allocations of
+ * these sizes page-fault on first touch. NULL with MemoryError set if it cannot grow. */
+enum { SCRATCH_ENTRY, SCRATCH_CORE, SCRATCH_TOUCHED, SCRATCH_FLOWS, SCRATCH_DENSE, SCRATCH_SLOTS };
+static char *scratch_buf[SCRATCH_SLOTS];
+static size_t scratch_size[SCRATCH_SLOTS];
+static void *scratch_get(int slot, size_t bytes) {
+    if (bytes > scratch_size[slot]) {
+        char *p = realloc(scratch_buf[slot], bytes); /* keeps the contents */
+        if (!p) { PyErr_NoMemory(); return NULL; }
+        scratch_buf[slot] = p;
+        scratch_size[slot] = bytes;
+    }
+    return scratch_buf[slot];
+}
+
+/* SCRATCH_DENSE is all zeros between calls (its users clear what they set): a dense array that
+ * is not cleared in full every call. */
+static void *scratch_zeroed(size_t bytes) {
+    size_t had = scratch_size[SCRATCH_DENSE];
+    char *p = scratch_get(SCRATCH_DENSE, bytes);
+    if (p && bytes > had) memset(p + had, 0, bytes - had);
+    return p;
+}
+
+/* The flows of a dispatch that carry tokens, (x, h, d, k) each: k tokens of replicated expert
+ * rep[x] that holder h computes for source rank d. Kept in SCRATCH_FLOWS, grown as needed. */
+typedef struct {
+    int64_t *xhdk, n, cap;
+} Flows;
+
+static int flows_push(Flows *fl, int64_t x, int64_t h, int64_t d, int64_t k) {
+    if (fl->n == fl->cap) {
+        int64_t cap = fl->cap ? 2 * fl->cap : 1024;
+        int64_t *p = scratch_get(SCRATCH_FLOWS, sizeof(int64_t) * 4 * (size_t)cap);
+        if (!p) return -1;
+        fl->xhdk = p;
+        fl->cap = cap;
+    }
+    int64_t *o = fl->xhdk + 4 * fl->n++;
+    o[0] = x; o[1] = h; o[2] = d; o[3] = k;
+    return 0;
+}
+
 static int check_ranks(int64_t D) {
     if (D > MAX_D) {
         PyErr_Format(PyExc_ValueError, "the C planner supports up to %d ranks, got %lld", MAX_D, (long long)D);
         return -1;
     }
+    return 0;
+}
+
+/* node_D[d] = d / G: nodes are contiguous blocks of G ranks (Topology). Raises unless G divides D. */
+static int node_ids(int64_t *node_D, int64_t D, int64_t G) {
+    if (G < 1 || D < 1 || D % G) {
+        PyErr_Format(PyExc_ValueError, "ranks_per_node (%lld) must divide the %lld ranks", (long long)G, (long long)D);
+        return -1;
+    }
+    for (int64_t d = 0; d < D; d++) node_D[d] = d / G;
     return 0;
 }
 
@@ -129,19 +186,21 @@ static void alg1_core(const int64_t *owner_E, const double *load_E, const int64_
 
 static PyObject *materialize_alg1(PyObject *self, PyObject *args) {
     unsigned long long owner, load;
-    Py_buffer node, place;
-    long long E, D, N, t, m;
-    if (!PyArg_ParseTuple(args, "KKy*w*LLLLL", &owner, &load, &node, &place, &E, &D, &N, &t, &m)) return NULL;
+    Py_buffer place;
+    long long E, D, G, t, m;
+    if (!PyArg_ParseTuple(args, "KKw*LLLLL", &owner, &load, &place, &E, &D, &G, &t, &m)) return NULL;
     PyObject *out = NULL;
-    int64_t *top = malloc(sizeof(int64_t) * (size_t)(E + 1));
-    if (!top) { PyErr_NoMemory(); goto done; }
-    if (check_owner(PTR(int64_t, owner), E, D) || check_len(&place, E * D, "placement")) goto done;
-    alg1_core(PTR(int64_t, owner), PTR(double, load), node.buf, place.buf, E, D, N, t, m, top);
+    int64_t node_D[MAX_D];
+    int64_t *top = scratch_get(SCRATCH_CORE, sizeof(int64_t) * (size_t)(E + 1));
+    if (!top) goto done;
+    if (check_owner(PTR(int64_t, owner), E, D) || node_ids(node_D, D, G) || check_len(&place, E * D, "placement"))
+        goto done;
+    memset(place.buf, 0, (size_t)(E * D));
+    alg1_core(PTR(int64_t, owner), PTR(double, load), node_D, place.buf, E, D, D / G, t, m, top);
     out = Py_None;
     Py_INCREF(out);
 done:
-    free(top);
-    PyBuffer_Release(&node); PyBuffer_Release(&place);
+    PyBuffer_Release(&place);
     return out;
 }
 
@@ -166,19 +225,20 @@ static inline void joint_best(int64_t e, int64_t N, const double *v, const int64
 
 /* Bytes of scratch joint_core needs. */
 static size_t joint_scratch(int64_t E, int64_t D, int64_t N, int64_t m) {
-    return sizeof(int64_t) * (size_t)(4 * E * N + 4 * E + N + 2 * D + 1 + D * m) + (size_t)E + 8;
+    return sizeof(int64_t) * (size_t)(4 * E * N + 4 * E + N + 3 * D + 1 + D * m) + (size_t)E + 8;
 }
 
 /* The eager greedy keeps best_n[e] the argmax over e's open nodes at all times. Here best_v[e] is
  * refreshed lazily: a node only closes (its last free rank lacking e fills), so a stored best_v
  * is never below the true one, and the first largest stored value, once fresh, is the eager
  * choice (ties included: a stale equal value on a lower e is refreshed first). */
-static void joint_core(const int64_t *owner_E, const double *T, const int64_t *node_D, uint8_t *P, int64_t E,
-                       int64_t D, int64_t N, int64_t t, int64_t m, double stop, char *scratch) {
+static int joint_core(const int64_t *owner_E, const double *T, const int64_t *node_D, uint8_t *P, int64_t E,
+                      int64_t D, int64_t N, int64_t t, int64_t m, double stop, char *scratch) {
     double *F = (double *)scratch, *h = F + E * N, *v = h + E * N, *best_v = v + E * N;
     int64_t *hf = (int64_t *)(best_v + E), *best_n = hf + E * N, *repl_list = best_n + E;
     int64_t *own = repl_list + E, *own_start = own + E, *nfree = own_start + D + 1, *reps = nfree + N;
-    uint8_t *repl = (uint8_t *)(reps + D * m);
+    int64_t *by_owned = reps + D * m;
+    uint8_t *repl = (uint8_t *)(by_owned + D);
     int64_t free_D[MAX_D];
     double owned_D[MAX_D];
     double total = 0;
@@ -203,7 +263,27 @@ static void joint_core(const int64_t *owner_E, const double *T, const int64_t *n
         total += row;
         owned_D[owner_E[e]] += row;
     }
-    if (t == 0 || m == 0 || D == 1 || total <= 0) return;
+    if (!isfinite(total)) /* NaN or infinite counts would make every comparison below moot */
+        for (int64_t i = 0; i < E * D; i++)
+            if (!isfinite(T[i])) {
+                PyObject *v = PyFloat_FromDouble(T[i]);
+                if (v) {
+                    PyErr_Format(PyExc_ValueError, "tokens_ED[%lld, %lld] = %R is not finite", (long long)(i / D),
+                                 (long long)(i % D), v);
+                    Py_DECREF(v);
+                }
+                return -1;
+            }
+    if (t == 0 || m == 0 || D == 1 || total <= 0) return 0;
+    /* each node's ranks by owned load, then id: the order ties on free slots are broken in */
+    for (int64_t n = 0; n < N; n++) {
+        int64_t *o = by_owned + n * (D / N);
+        for (int64_t i = 0; i < D / N; i++) {
+            int64_t d = n * (D / N) + i, j = i - 1;
+            while (j >= 0 && owned_D[o[j]] > owned_D[d]) { o[j + 1] = o[j]; j--; }
+            o[j + 1] = d;
+        }
+    }
     for (int64_t n = 0; n < N; n++) nfree[n] = G;
     /* the experts each rank owns (CSR), ascending */
     memset(own_start, 0, sizeof(int64_t) * (size_t)(D + 1));
@@ -229,23 +309,38 @@ static void joint_core(const int64_t *owner_E, const double *T, const int64_t *n
         for (;;) {
             be = -1;
             best = -1.0;
-            int64_t count = n_repl >= t ? n_repl : E;
-            for (int64_t i = 0; i < count; i++) {
-                int64_t e = n_repl >= t ? repl_list[i] : i;
-                int win = best_v[e] > best;
-                best = win ? best_v[e] : best;
-                be = win ? e : be;
+            if (n_repl < t) { /* the largest value in four lanes, then its first expert */
+                double b4[4] = {-1.0, -1.0, -1.0, -1.0};
+                int64_t e = 0;
+                for (; e + 4 <= E; e += 4)
+                    for (int k = 0; k < 4; k++) b4[k] = best_v[e + k] > b4[k] ? best_v[e + k] : b4[k];
+                for (; e < E; e++) b4[0] = best_v[e] > b4[0] ? best_v[e] : b4[0];
+                for (int k = 1; k < 4; k++) best = b4[k] > best ? b4[k] : best;
+                best = b4[0] > best ? b4[0] : best;
+                if (best > -1.0) for (e = 0; best_v[e] != best; e++) {}
+                be = best > -1.0 ? e : -1;
+            } else {
+                for (int64_t i = 0; i < n_repl; i++) {
+                    int64_t e = repl_list[i];
+                    int win = best_v[e] > best;
+                    best = win ? best_v[e] : best;
+                    be = win ? e : be;
+                }
             }
             if (be < 0 || OPEN(be, best_n[be]) > 0) break;
             joint_best(be, N, v, nfree, hf, best_n, best_v); /* stale: its best node closed */
         }
         if (be < 0 || best < stop * tau) break;
-        int64_t bn = best_n[be], d_best = -1;
-        for (int64_t d = bn * G; d < (bn + 1) * G; d++) {
-            if (P[be * D + d] || free_D[d] <= 0) continue;
-            if (d_best < 0 || free_D[d] > free_D[d_best] ||
-                (free_D[d] == free_D[d_best] && owned_D[d] < owned_D[d_best]))
+        /* the open rank of node bn with the most free slots, then the least owned load, then
+           the lowest id: the first with the most in by_owned order (all m: none can beat it) */
+        int64_t bn = best_n[be], d_best = -1, b_free = 0;
+        for (int64_t i = bn * G; i < (bn + 1) * G; i++) {
+            int64_t d = by_owned[i], fd = P[be * D + d] ? 0 : free_D[d];
+            if (fd > b_free) {
+                b_free = fd;
                 d_best = d;
+                if (fd == m) break;
+            }
         }
         P[be * D + d_best] = 1;
         h[be * N + bn] += 1;
@@ -266,25 +361,28 @@ static void joint_core(const int64_t *owner_E, const double *T, const int64_t *n
                 for (int64_t e = 0, i = 0; e < E; e++) if (repl[e]) repl_list[i++] = e;
         }
     }
+    return 0;
 }
 
 static PyObject *materialize_joint(PyObject *self, PyObject *args) {
     unsigned long long owner, tokens;
-    Py_buffer node, place;
-    long long E, D, N, t, m;
+    Py_buffer place;
+    long long E, D, G, t, m;
     double stop;
-    if (!PyArg_ParseTuple(args, "KKy*w*LLLLLd", &owner, &tokens, &node, &place, &E, &D, &N, &t, &m, &stop))
-        return NULL;
+    if (!PyArg_ParseTuple(args, "KKw*LLLLLd", &owner, &tokens, &place, &E, &D, &G, &t, &m, &stop)) return NULL;
     PyObject *out = NULL;
-    char *scratch = malloc(joint_scratch(E, D, N, m < 0 ? 0 : m));
-    if (!scratch) { PyErr_NoMemory(); goto done; }
-    if (check_owner(PTR(int64_t, owner), E, D) || check_len(&place, E * D, "placement")) goto done;
-    joint_core(PTR(int64_t, owner), PTR(double, tokens), node.buf, place.buf, E, D, N, t, m, stop, scratch);
+    int64_t node_D[MAX_D];
+    if (check_owner(PTR(int64_t, owner), E, D) || node_ids(node_D, D, G) || check_len(&place, E * D, "placement"))
+        goto done;
+    char *scratch = scratch_get(SCRATCH_CORE, joint_scratch(E, D, D / G, m < 0 ? 0 : m));
+    if (!scratch) goto done;
+    memset(place.buf, 0, (size_t)(E * D));
+    if (joint_core(PTR(int64_t, owner), PTR(double, tokens), node_D, place.buf, E, D, D / G, t, m, stop, scratch))
+        goto done;
     out = Py_None;
     Py_INCREF(out);
 done:
-    free(scratch);
-    PyBuffer_Release(&node); PyBuffer_Release(&place);
+    PyBuffer_Release(&place);
     return out;
 }
 
@@ -303,9 +401,17 @@ static int64_t holders(const uint8_t *P, const int64_t *T, int64_t E, int64_t D,
                 return -1;
             }
     for (int64_t e = 0; e < E; e++) {
-        int64_t nh = 0, at = 0; /* at: the holder's rank when there is one */
+        int64_t nh = 0, at = -1; /* at: the first holder's rank */
         const uint8_t *p = P + e * D;
-        for (int64_t d = 0; d < D; d++) { nh += p[d] != 0; at += d * (p[d] != 0); }
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8) { /* 8 ranks at a time: the bytes that are not 0 */
+            uint64_t w;
+            memcpy(&w, p + d, 8);
+            uint64_t nz = ((((w & 0x7f7f7f7f7f7f7f7fULL) + 0x7f7f7f7f7f7f7f7fULL) | w) & 0x8080808080808080ULL);
+            nh += (int64_t)(((nz >> 7) * 0x0101010101010101ULL) >> 56); /* one bit per nonzero byte */
+            if (at < 0 && nz) at = d + __builtin_ctzll(nz) / 8;
+        }
+        for (; d < D; d++) { if (p[d] && at < 0) at = d; nh += p[d] != 0; }
         if (nh == 0) {
             PyErr_Format(PyExc_ValueError, "every expert needs at least one holder in placement_ED (expert %lld has "
                          "none)", (long long)e);
@@ -321,33 +427,38 @@ static int64_t holders(const uint8_t *P, const int64_t *T, int64_t E, int64_t D,
  * Algorithm 3 (paper dispatch): local, same node, all holders, even split with the remainder to
  * the holders following the source cyclically.
  */
-/* flows [X*D*D] (the compact layout: replicated expert, holder, source), zeroed by the caller;
- * single-holder experts need none (all their tokens go to the holder). */
-static void paper_core(const uint8_t *P, const int64_t *T, const int64_t *node_D, const int64_t *rep, int64_t X,
-                       int64_t *flows, int64_t D) {
+/* The flows of the replicated experts into fl (single-holder experts need none: all their tokens
+ * go to the holder). Returns 0, or -1 with MemoryError set. */
+static int paper_core(const uint8_t *P, const int64_t *T, const int64_t *node_D, const int64_t *rep, int64_t X,
+                      int64_t D, Flows *fl) {
     int64_t all[MAX_D], lo[MAX_D + 1];
     int64_t N = node_D[D - 1] + 1;
-#define FLOWC(x, d, h) flows[((x) * D + (h)) * D + (d)]
     for (int64_t x = 0; x < X; x++) {
         int64_t e = rep[x];
         const uint8_t *hold = P + e * D;
         int64_t n_all = holders_by_node(hold, node_D, D, N, all, lo);
         for (int64_t d = 0; d < D; d++) {
             int64_t c = T[e * D + d];
-            if (hold[d]) { FLOWC(x, d, d) = c; continue; }
             if (c == 0) continue;
-            /* targets: holders in d's node (ascending), else all holders */
+            if (hold[d]) {
+                if (flows_push(fl, x, d, d, c)) return -1;
+                continue;
+            }
+            /* targets: holders in d's node (ascending), else all holders; q each, and one more
+               for the r that follow d cyclically */
             int64_t nd = node_D[d], n = lo[nd + 1] - lo[nd];
             const int64_t *targets = n ? all + lo[nd] : all;
             if (!n) n = n_all;
             int64_t q = c / n, r = c % n, first = 0;
             while (first < n && targets[first] < d) first++;
             if (first == n) first = 0;
-            for (int64_t i = 0; i < n; i++) FLOWC(x, d, targets[i]) = q;
-            for (int64_t k = 0; k < r; k++) FLOWC(x, d, targets[(first + k) % n]) += 1;
+            for (int64_t i = 0; i < n; i++) {
+                int64_t k = q + ((i - first + n) % n < r);
+                if (k && flows_push(fl, x, targets[i], d, k)) return -1;
+            }
         }
     }
-#undef FLOWC
+    return 0;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -369,6 +480,8 @@ typedef struct {
     int64_t *hs;             /* [X*(N+1)]: holders of x in node n are holders[x][hs[x, n] : hs[x, n + 1]] */
     int64_t N;
     int64_t rem_total;       /* sum of rem */
+    int64_t *touched, ntouched, touched_cap; /* (x, h, d) of cells of flow that became positive
+                                                 (maybe again), packed: x << 32 | h << 16 | d */
 } Fill;
 
 static inline int64_t room(const Fill *f, int64_t h) { return f->cap - f->rows[h]; }
@@ -378,9 +491,24 @@ static inline int64_t room(const Fill *f, int64_t h) { return f->cap - f->rows[h
 #define HOLDERS(f, x) ((f)->holders + (x) * (f)->D)
 #define HS(f, x, n) ((f)->hs[(x) * ((f)->N + 1) + (n)])
 
+/* Rebuild the touched list from the positive cells (when it is full: a cell went to 0 and back
+ * more often than there are cells). */
+static void fill_retouch(Fill *f) {
+    f->ntouched = 0;
+    for (int64_t x = 0; x < f->X; x++)
+        for (int64_t h = 0; h < f->D; h++)
+            for (int64_t d = 0; d < f->D; d++)
+                if (FLOW(f, x, d, h)) f->touched[f->ntouched++] = x << 32 | h << 16 | d;
+}
+
 static inline void fill_move(Fill *f, int64_t x, int64_t d, int64_t h, int64_t k) {
     int64_t *cell = &FLOW(f, x, d, h);
-    f->inflow[x * f->D + h] += (*cell == 0 && k > 0) - (*cell > 0 && *cell + k == 0);
+    int fresh = *cell == 0 && k > 0;
+    f->inflow[x * f->D + h] += fresh - (*cell > 0 && *cell + k == 0);
+    if (fresh) {
+        if (f->ntouched == f->touched_cap) fill_retouch(f);
+        f->touched[f->ntouched++] = x << 32 | h << 16 | d;
+    }
     *cell += k;
     f->rows[h] += k;
 }
@@ -398,10 +526,12 @@ static void fill_most_room(Fill *f, int64_t x, int64_t d, int64_t lo, int64_t hi
     const int64_t *H = HOLDERS(f, x);
     int64_t *left = &f->rem[x * f->D + d];
     while (*left) {
-        int64_t best = -1, best_room = 0;
-        for (int64_t i = lo; i < hi; i++) {
+        int64_t best = -1, best_room = INT64_MIN;
+        for (int64_t i = lo; i < hi; i++) { /* branch-free: the first with the most room */
             int64_t r = room(f, H[i]);
-            if (best < 0 || r > best_room) { best = H[i]; best_room = r; }
+            int win = r > best_room;
+            best = win ? H[i] : best;
+            best_room = win ? r : best_room;
         }
         if (best < 0 || best_room <= 0) break;
         fill_take(f, x, d, best, *left < best_room ? *left : best_room);
@@ -470,9 +600,12 @@ static int fill_augment(Fill *f, int cross, Search *s) {
     }
     int tiers = cross ? 2 : 1;
     for (int tier = 0; tier < tiers; tier++)
-        for (int64_t x = 0; x < X; x++)
-            for (int64_t d = 0; d < D; d++)
-                if (f->rem[x * D + d]) reach_holders(f, s, x, d, -1, tier);
+        for (int64_t i = 0; i < X * D; i += 4) { /* most sources are done: skip them 4 at a time */
+            const int64_t *r = f->rem + i;
+            int64_t n = X * D - i < 4 ? X * D - i : 4;
+            if (n == 4 && !(r[0] | r[1] | r[2] | r[3])) continue;
+            for (int64_t j = i; j < i + n; j++) if (f->rem[j]) reach_holders(f, s, j / D, j % D, -1, tier);
+        }
     while (qh < s->qt) {
         int64_t h = s->queue[qh++];
         if (room(f, h) > 0) {
@@ -557,6 +690,32 @@ static double row_bound(const Fill *f, const int64_t *load_X, const int64_t *bas
                 int64_t d = HOLDERS(f, x)[i];
                 hb[x * W + d / 64] |= (uint64_t)1 << (d % 64);
             }
+        if (W == 1 && sum < 0x1p50) { /* (so 128 * base sums and n * c below fit in int64) */
+            /* D <= 64: the base of a holder set and its size as 16 lookups of 4-bit nibbles,
+               branch-free. tab[j][b]: 128 * (base of the ranks 4j + bits of b) + their number. */
+            int64_t tab[16][16];
+            int64_t J = (D + 3) / 4;
+            for (int64_t j = 0; j < J; j++) {
+                tab[j][0] = 0;
+                for (int64_t b = 1; b < 16; b++) {
+                    int64_t d = 4 * j + __builtin_ctzll((unsigned long long)b);
+                    tab[j][b] = tab[j][b & (b - 1)] + (d < D ? base_D[d] * 128 + 1 : 0);
+                }
+            }
+            for (int64_t mask = 1; mask < M; mask++) {
+                int64_t low = __builtin_ctzll((unsigned long long)mask), rest = mask & (mask - 1);
+                uint64_t r = reach[rest] | hb[low];
+                int64_t n = num[rest] + load_X[low], b = 0;
+                reach[mask] = r;
+                num[mask] = n;
+                for (int64_t j = 0; j < J; j++) b += tab[j][(r >> (4 * j)) & 15];
+                int64_t c = b & 127; /* the holders, counted in the low bits */
+                n += b >> 7;
+                if (n * best_c > best_n * c) { best_n = n; best_c = c; }
+            }
+            if ((double)best_n / (double)best_c > bound) bound = (double)best_n / (double)best_c;
+            return bound;
+        }
         for (int64_t mask = 1; mask < M; mask++) {
             int64_t low = __builtin_ctzll((unsigned long long)mask), rest = mask & (mask - 1);
             int64_t n = num[rest] + load_X[low], c = cnt[rest];
@@ -608,7 +767,7 @@ static size_t bound_scratch(int64_t X, int64_t D) {
 /* holder_E / rep / X from holders(). flows: [X*D*D] zeroed, holder-major (the compact layout).
  * Returns 0, or -1 with MemoryError set. */
 static int balanced_core(const uint8_t *P, const int64_t *T, const int64_t *node_D, const int64_t *holder_E,
-                         const int64_t *rep, int64_t X, int64_t *flows, int64_t E, int64_t D, double slack) {
+                         const int64_t *rep, int64_t X, int64_t E, int64_t D, double slack, Flows *fl) {
     if (X == 0) return 0;
     int64_t rows[MAX_D]; /* rows per rank: the single-holder experts' (the base) until the fill */
     memset(rows, 0, sizeof(int64_t) * (size_t)D);
@@ -620,10 +779,14 @@ static int balanced_core(const uint8_t *P, const int64_t *T, const int64_t *node
         rows[h] += s;
     }
     int64_t N = node_D[D - 1] + 1;
+    int64_t cells = X * D * D, touched_cap = 2 * cells;
     size_t ints = (size_t)(X + X * D + X * D + X * D + X + X + 4 * D + X + X * (N + 1) + X * N);
     size_t bytes = sizeof(int64_t) * ints + (size_t)D + 8 + bound_scratch(X, D);
-    char *mem = calloc(1, bytes);
-    if (!mem) { PyErr_NoMemory(); return -1; }
+    char *mem = scratch_get(SCRATCH_CORE, bytes);
+    int64_t *touched = scratch_get(SCRATCH_TOUCHED, sizeof(int64_t) * (size_t)touched_cap);
+    int64_t *flows = scratch_zeroed(sizeof(int64_t) * (size_t)cells); /* [x, holder h, source d] */
+    if (!mem || !touched || !flows) return -1;
+    memset(mem, 0, bytes);
     int64_t *load_X = (int64_t *)mem, *inflow = load_X + X, *rem = inflow + X * D, *hold = rem + X * D;
     int64_t *nhold = hold + X * D, *order = nhold + X, *hs = order + X;
     Search s;
@@ -637,6 +800,7 @@ static int balanced_core(const uint8_t *P, const int64_t *T, const int64_t *node
     f.X = X; f.D = D; f.N = N; f.G = D / N; f.rep = rep; f.P = P; f.node_D = node_D;
     f.rows = rows; f.flow = flows; f.inflow = inflow; f.rem = rem; f.holders = hold; f.nholders = nhold; f.hs = hs;
     f.rem_total = 0;
+    f.touched = touched; f.ntouched = 0; f.touched_cap = touched_cap;
     for (int64_t x = 0; x < X; x++) {
         int64_t e = rep[x];
         for (int64_t d = 0; d < D; d++) {
@@ -668,8 +832,17 @@ static int balanced_core(const uint8_t *P, const int64_t *T, const int64_t *node
             f.cap = grown > f.cap + 1 ? grown : f.cap + 1;
         }
     }
-    free(mem);
-    return 0;
+    /* The positive cells out (each once: a cell is cleared as it is read, so a repeat in the
+       list finds 0), which leaves the dense array zero for the next call. */
+    int failed = 0;
+    for (int64_t i = 0; i < f.ntouched; i++) {
+        int64_t x = touched[i] >> 32, h = touched[i] >> 16 & 0xffff, d = touched[i] & 0xffff;
+        int64_t *cell = &FLOW(&f, x, d, h), k = *cell;
+        if (!k) continue;
+        *cell = 0;
+        if (!failed) failed = flows_push(fl, x, h, d, k);
+    }
+    return failed ? -1 : 0;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -677,87 +850,94 @@ static int balanced_core(const uint8_t *P, const int64_t *T, const int64_t *node
  */
 
 /* Either dispatch into flows (zeroed, compact layout). Returns 0, or -1 with an error set. */
+/* Either dispatch: the flows with tokens into fl (fl->n = 0 first). Returns 0, or -1 with an
+ * error set. */
 static int dispatch_flows(const uint8_t *P, const int64_t *T, const int64_t *node_D, const int64_t *holder_E,
-                          const int64_t *rep, int64_t X, int64_t *flows, int64_t E, int64_t D, double slack,
-                          int balanced) {
-    if (balanced) return balanced_core(P, T, node_D, holder_E, rep, X, flows, E, D, slack);
-    paper_core(P, T, node_D, rep, X, flows, D);
-    return 0;
+                          const int64_t *rep, int64_t X, int64_t E, int64_t D, double slack, int balanced,
+                          Flows *fl) {
+    fl->n = 0;
+    fl->cap = (int64_t)(scratch_size[SCRATCH_FLOWS] / (4 * sizeof(int64_t)));
+    fl->xhdk = (int64_t *)scratch_buf[SCRATCH_FLOWS];
+    if (balanced) return balanced_core(P, T, node_D, holder_E, rep, X, E, D, slack, fl);
+    return paper_core(P, T, node_D, rep, X, D, fl);
 }
 
-/* dispatch_dense(P, T, node, plan, E, D, slack, balanced): plan [E*D*D] zeroed, filled. */
+/* dispatch_dense(P, T, plan, E, D, G, slack, balanced): plan [E*D*D] zeroed, filled. */
 static PyObject *dispatch_dense(PyObject *self, PyObject *args) {
     unsigned long long place, tokens;
-    Py_buffer node, plan;
-    long long E, D;
+    Py_buffer plan;
+    long long E, D, G;
     double slack;
     int balanced;
-    if (!PyArg_ParseTuple(args, "KKy*w*LLdp", &place, &tokens, &node, &plan, &E, &D, &slack, &balanced)) return NULL;
+    int64_t node_D[MAX_D];
+    if (!PyArg_ParseTuple(args, "KKw*LLLdp", &place, &tokens, &plan, &E, &D, &G, &slack, &balanced)) return NULL;
     const uint8_t *P = PTR(uint8_t, place);
     const int64_t *T = PTR(int64_t, tokens);
-    int64_t *R = plan.buf, *flows = NULL;
+    int64_t *R = plan.buf;
     PyObject *out = NULL;
-    int64_t *holder_E = malloc(sizeof(int64_t) * (size_t)(2 * E + 1)), *rep = holder_E + E;
-    if (!holder_E) { PyErr_NoMemory(); goto done; }
-    if (check_ranks(D)) goto done;
+    Flows fl;
+    int64_t *holder_E = scratch_get(SCRATCH_ENTRY, sizeof(int64_t) * (size_t)(2 * E + 1)), *rep = holder_E + E;
+    if (!holder_E) goto done;
+    if (check_ranks(D) || node_ids(node_D, D, G)) goto done;
     if (check_len(&plan, (int64_t)sizeof(int64_t) * E * D * D, "plan")) goto done;
     int64_t X = holders(P, T, E, D, holder_E, rep);
     if (X < 0) goto done;
     for (int64_t e = 0; e < E; e++)
         if (holder_E[e] >= 0)
             for (int64_t d = 0; d < D; d++) R[(e * D + d) * D + holder_E[e]] = T[e * D + d];
-    flows = calloc((size_t)(X * D * D + 1), sizeof(int64_t));
-    if (!flows) { PyErr_NoMemory(); goto done; }
-    if (dispatch_flows(P, T, node.buf, holder_E, rep, X, flows, E, D, slack, balanced)) goto done;
-    for (int64_t x = 0; x < X; x++)
-        for (int64_t h = 0; h < D; h++)
-            for (int64_t d = 0; d < D; d++) R[(rep[x] * D + d) * D + h] = flows[(x * D + h) * D + d];
+    if (dispatch_flows(P, T, node_D, holder_E, rep, X, E, D, slack, balanced, &fl)) goto done;
+    for (int64_t i = 0; i < fl.n; i++) {
+        const int64_t *q = fl.xhdk + 4 * i;
+        R[(rep[q[0]] * D + q[2]) * D + q[1]] = q[3];
+    }
     out = Py_None;
     Py_INCREF(out);
 done:
-    free(holder_E); free(flows);
-    PyBuffer_Release(&node); PyBuffer_Release(&plan);
+    PyBuffer_Release(&plan);
     return out;
 }
 
-/* dispatch_compact(P, T, node, E, D, slack, balanced) -> bytes, int64:
- * [X, holder_E (E), rep_X (X), tokens_ED (E*D), flows_XHD (X*D*D)] (the plan's arrays in one
- * buffer, so Python makes views of it and copies nothing). */
+/* dispatch_compact(P, T, E, D, G, slack, balanced) -> bytes, int64:
+ * [X, F, holder_E (E), rep_X (X), tokens_ED (E*D), flows_4F (4*F): rows x, h, d, k] (the plan's
+ * arrays in one buffer, so Python makes views of it and copies nothing). */
 static PyObject *dispatch_compact(PyObject *self, PyObject *args) {
     unsigned long long place, tokens;
-    Py_buffer node;
-    long long E, D;
+    long long E, D, G;
     double slack;
     int balanced;
-    if (!PyArg_ParseTuple(args, "KKy*LLdp", &place, &tokens, &node, &E, &D, &slack, &balanced)) return NULL;
+    int64_t node_D[MAX_D];
+    if (!PyArg_ParseTuple(args, "KKLLLdp", &place, &tokens, &E, &D, &G, &slack, &balanced)) return NULL;
     const uint8_t *P = PTR(uint8_t, place);
     const int64_t *T = PTR(int64_t, tokens);
     PyObject *out = NULL;
-    int64_t *holder_E = malloc(sizeof(int64_t) * (size_t)(2 * E + 1)), *rep = holder_E + E;
-    if (!holder_E) { PyErr_NoMemory(); goto done; }
-    if (check_ranks(D)) goto done;
+    Flows fl;
+    int64_t *holder_E = scratch_get(SCRATCH_ENTRY, sizeof(int64_t) * (size_t)(2 * E + 1)), *rep = holder_E + E;
+    if (!holder_E) goto done;
+    if (check_ranks(D) || node_ids(node_D, D, G)) goto done;
     int64_t X = holders(P, T, E, D, holder_E, rep);
     if (X < 0) goto done;
-    out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(sizeof(int64_t) * (size_t)(1 + E + X + E * D + X * D * D)));
+    if (dispatch_flows(P, T, node_D, holder_E, rep, X, E, D, slack, balanced, &fl)) goto done;
+    int64_t F = fl.n;
+    out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(sizeof(int64_t) * (size_t)(2 + E + X + E * D + 4 * F)));
     if (!out) goto done;
-    int64_t *o = (int64_t *)PyBytes_AS_STRING(out), *flows = o + 1 + E + X + E * D;
+    int64_t *o = (int64_t *)PyBytes_AS_STRING(out), *xs = o + 2 + E + X + E * D;
     o[0] = X;
-    memcpy(o + 1, holder_E, sizeof(int64_t) * (size_t)E);
-    memcpy(o + 1 + E, rep, sizeof(int64_t) * (size_t)X);
-    memcpy(o + 1 + E + X, T, sizeof(int64_t) * (size_t)(E * D));
-    memset(flows, 0, sizeof(int64_t) * (size_t)(X * D * D));
-    if (dispatch_flows(P, T, node.buf, holder_E, rep, X, flows, E, D, slack, balanced)) Py_CLEAR(out);
+    o[1] = F;
+    memcpy(o + 2, holder_E, sizeof(int64_t) * (size_t)E);
+    memcpy(o + 2 + E, rep, sizeof(int64_t) * (size_t)X);
+    memcpy(o + 2 + E + X, T, sizeof(int64_t) * (size_t)(E * D));
+    for (int64_t i = 0; i < F; i++)
+        for (int j = 0; j < 4; j++) xs[j * F + i] = fl.xhdk[4 * i + j];
 done:
-    free(holder_E);
-    PyBuffer_Release(&node);
     return out;
 }
 
 static PyMethodDef methods[] = {
-    {"materialize_alg1", materialize_alg1, METH_VARARGS, "Algorithm 1 into a zeroed placement."},
-    {"materialize_joint", materialize_joint, METH_VARARGS, "Joint materialization into a zeroed placement."},
+    {"materialize_alg1", materialize_alg1, METH_VARARGS, "Algorithm 1 into a placement."},
+    {"materialize_joint", materialize_joint, METH_VARARGS, "Joint materialization into a placement."},
     {"dispatch_dense", dispatch_dense, METH_VARARGS, "Either dispatch into a zeroed dense plan."},
-    {"dispatch_compact", dispatch_compact, METH_VARARGS, "Either dispatch as bytes [X, holder_E, rep_X, tokens_ED, flows_XHD]."},
+    {"dispatch_compact", dispatch_compact, METH_VARARGS,
+     "Either dispatch as bytes [X, F, holder_E, rep_X, tokens_ED, flows_4F]."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -40,40 +40,45 @@ def _c(t, dtype: torch.dtype) -> torch.Tensor:
 
 def materialize_alg1(owner_E, load_E, topology: Topology, *, overlap_degree: int, budget: int) -> torch.Tensor:
     owner, load = _c(owner_E, torch.long), _c(load_E, torch.float64)
-    E, D = owner.numel(), topology.num_ranks
-    placement = np.zeros((E, D), dtype=np.bool_)
-    _fastplan.materialize_alg1(owner.data_ptr(), load.data_ptr(), topology.node_np, placement, E, D,
-                               topology.num_nodes, overlap_degree, budget)
+    E = owner.numel()
+    placement = np.empty((E, topology.num_ranks), dtype=np.bool_)  # zeroed in C
+    _fastplan.materialize_alg1(owner.data_ptr(), load.data_ptr(), placement, E, topology.num_ranks,
+                               topology.ranks_per_node, overlap_degree, budget)
     return torch.from_numpy(placement)
 
 
 def materialize_joint(owner_E, tokens_ED, topology: Topology, *, overlap_degree: int, budget: int,
                       stop: float) -> torch.Tensor:
     owner, tokens = _c(owner_E, torch.long), _c(tokens_ED, torch.float64)
-    E, D = owner.numel(), topology.num_ranks
-    placement = np.zeros((E, D), dtype=np.bool_)
-    _fastplan.materialize_joint(owner.data_ptr(), tokens.data_ptr(), topology.node_np, placement, E, D,
-                                topology.num_nodes, overlap_degree, budget, stop)
+    E = owner.numel()
+    placement = np.empty((E, topology.num_ranks), dtype=np.bool_)  # zeroed in C
+    _fastplan.materialize_joint(owner.data_ptr(), tokens.data_ptr(), placement, E, topology.num_ranks,
+                                topology.ranks_per_node, overlap_degree, budget, stop)
     return torch.from_numpy(placement)
 
 
 def dispatch_compact(placement_ED, tokens_ED, topology: Topology, *, balanced: bool, slack: float = 0.0):
-    """The plan as :class:`~ds_fssdp.planner.plan.DispatchPlan` (no dense [E, D, D] tensor)."""
+    """The plan as :class:`~ds_fssdp.planner.plan.DispatchPlan` (no dense [E, D, D] tensor); the
+    caller has checked that the shapes match."""
     P, T = _c(placement_ED, torch.bool), _c(tokens_ED, torch.long)
     E, D = P.shape
-    out = np.frombuffer(_fastplan.dispatch_compact(P.data_ptr(), T.data_ptr(), topology.node_np, E, D, float(slack),
+    if D != topology.num_ranks:
+        raise ValueError(f"placement_ED has {D} ranks, the topology {topology.num_ranks}")
+    out = np.frombuffer(_fastplan.dispatch_compact(P.data_ptr(), T.data_ptr(), E, D, topology.ranks_per_node, slack,
                                                    balanced), dtype=np.int64)
-    X = int(out[0])
-    a = 1 + E + X
-    return DispatchPlan(tokens_ED=out[a:a + E * D].reshape(E, D), holder_E=out[1:1 + E], rep_X=out[1 + E:a],
-                        flows_XHD=out[a + E * D:].reshape(X, D, D))
+    X, F = out[:2].tolist()
+    a = 2 + E + X
+    return DispatchPlan(tokens_ED=out[a:a + E * D].reshape(E, D), holder_E=out[2:2 + E], rep_X=out[2 + E:a],
+                        flows_4F=out[a + E * D:].reshape(4, F))
 
 
 def _dense(placement_ED, tokens_ED, topology: Topology, *, balanced: bool, slack: float = 0.0) -> torch.Tensor:
     P, T = _c(placement_ED, torch.bool), _c(tokens_ED, torch.long)
     E, D = P.shape
+    if D != topology.num_ranks:
+        raise ValueError(f"placement_ED has {D} ranks, the topology {topology.num_ranks}")
     plan = np.zeros((E, D, D), dtype=np.int64)
-    _fastplan.dispatch_dense(P.data_ptr(), T.data_ptr(), topology.node_np, plan, E, D, float(slack), balanced)
+    _fastplan.dispatch_dense(P.data_ptr(), T.data_ptr(), plan, E, D, topology.ranks_per_node, float(slack), balanced)
     return torch.from_numpy(plan)
 
 

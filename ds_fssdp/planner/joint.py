@@ -38,7 +38,7 @@ def joint_materialize(owner_E: torch.Tensor, tokens_ED: torch.Tensor, topology: 
                       budget: int, base_ED: torch.Tensor | None = None) -> torch.Tensor:
     """Return placement_ED (bool [E, D]); in C when the extension is built (same result)."""
     if base_ED is None and fast.AVAILABLE:
-        if owner_E.numel() != tokens_ED.shape[0] or tokens_ED.shape[1] != topology.num_ranks:
+        if tokens_ED.shape != (owner_E.numel(), topology.num_ranks):
             raise ValueError(f"tokens_ED {tuple(tokens_ED.shape)} does not match {owner_E.numel()} experts on "
                              f"{topology.num_ranks} ranks")
         if overlap_degree < 0 or budget < 0:
@@ -60,6 +60,10 @@ def joint_materialize_reference(owner_E: torch.Tensor, tokens_ED: torch.Tensor, 
                          f"{topology.num_ranks} ranks")
     if overlap_degree < 0 or budget < 0:
         raise ValueError(f"overlap_degree ({overlap_degree}) and budget ({budget}) must be >= 0")
+    finite_ED = torch.isfinite(tokens_ED)
+    if not bool(finite_ED.all()):
+        e, d = (int(i) for i in torch.nonzero(~finite_ED)[0])
+        raise ValueError(f"tokens_ED[{e}, {d}] = {float(tokens_ED[e, d])!r} is not finite")
     shard_ED = shard_placement(owner_E, D)
     placement_ED = shard_ED.clone() if base_ED is None else base_ED.to("cpu", torch.bool) | shard_ED
     total = float(tokens_ED.sum())

@@ -1,13 +1,14 @@
 """A dispatch plan without the dense [E, D, D] tensor.
 
-Legend: E experts, D ranks (source d, holder h), X experts with more than one holder.
+Legend: E experts, D ranks (source d, holder h), X experts with more than one holder, F flows
+that carry tokens.
 
 Most experts have a single holder, and all their tokens go to it: the placement says where. Only
-the X replicated experts need flows. At E = 64, D = 32 the dense plan is 65k int64 entries (half
-a megabyte to zero every layer, every iteration); this keeps ``tokens_ED``, the single holders and
-the flows [X, h, d] (holder-major, as the C planner fills them), and answers what the runtime
-asks: what this rank sends, what it receives, rows per rank, rank-to-rank traffic.
-``dense()`` gives ``plan_EDD`` for everything else.
+the X replicated experts need flows, and of their X * D * D (source, holder) pairs only the F that
+carry tokens are kept. At E = 64, D = 32 the dense plan is 65k int64 entries (half a megabyte to
+zero every layer, every iteration); this keeps ``tokens_ED``, the single holders and the F flows
+as rows (x, h, d, k), and answers what the runtime asks: what this rank sends, what it receives,
+rows per rank, rank-to-rank traffic. ``dense()`` gives ``plan_EDD`` for everything else.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ class DispatchPlan:  # read-only by convention (slots, not frozen: built every l
     tokens_ED: np.ndarray  # int64 [E, D]
     holder_E: np.ndarray  # int64 [E]: the holder of a single-holder expert, -1 if replicated
     rep_X: np.ndarray  # int64 [X]: the replicated experts, ascending
-    flows_XHD: np.ndarray  # int64 [X, D, D]: tokens of rep_X[x] that holder h takes from source d
+    flows_4F: np.ndarray  # int64 [4, F]: rows x, h, d, k: holder h takes k > 0 tokens of rep_X[x] from source d
 
     @property
     def shape(self) -> tuple:
@@ -35,7 +36,9 @@ class DispatchPlan:  # read-only by convention (slots, not frozen: built every l
         out = np.zeros((E, D), dtype=np.int64)
         single = np.flatnonzero(self.holder_E >= 0)
         out[single, self.holder_E[single]] = self.tokens_ED[single, rank]
-        out[self.rep_X] = self.flows_XHD[:, :, rank]
+        x, h, d, k = self.flows_4F
+        mine = d == rank
+        out[self.rep_X[x[mine]], h[mine]] = k[mine]
         return torch.from_numpy(out)
 
     def received(self, rank: int) -> torch.Tensor:
@@ -44,15 +47,19 @@ class DispatchPlan:  # read-only by convention (slots, not frozen: built every l
         out = np.zeros((E, D), dtype=np.int64)
         mine = np.flatnonzero(self.holder_E == rank)
         out[mine] = self.tokens_ED[mine]
-        out[self.rep_X] = self.flows_XHD[:, rank, :]
+        x, h, d, k = self.flows_4F
+        here = h == rank
+        out[self.rep_X[x[here]], d[here]] = k[here]
         return torch.from_numpy(out)
 
     def rows_D(self) -> torch.Tensor:
         """Rows each rank computes (long [D])."""
         D = self.tokens_ED.shape[1]
+        rows = np.zeros(D, dtype=np.int64)
         single = self.holder_E >= 0
-        rows = np.bincount(self.holder_E[single], weights=self.tokens_ED[single].sum(1), minlength=D)
-        return torch.from_numpy(rows.astype(np.int64) + self.flows_XHD.sum(axis=(0, 2)))
+        np.add.at(rows, self.holder_E[single], self.tokens_ED[single].sum(1))
+        np.add.at(rows, self.flows_4F[1], self.flows_4F[3])
+        return torch.from_numpy(rows)
 
     def traffic_DD(self) -> torch.Tensor:
         """traffic[d, h]: tokens rank d sends to rank h over all experts (long [D, D], diagonal
@@ -62,7 +69,9 @@ class DispatchPlan:  # read-only by convention (slots, not frozen: built every l
         onehot = np.zeros((single.size, D), dtype=np.int64)
         onehot[np.arange(single.size), self.holder_E[single]] = 1
         traffic = self.tokens_ED[single].T @ onehot  # [d, h]
-        return torch.from_numpy(traffic + self.flows_XHD.sum(0).T)
+        _, h, d, k = self.flows_4F
+        np.add.at(traffic, (d, h), k)
+        return torch.from_numpy(traffic)
 
     def dense(self) -> torch.Tensor:
         """plan_EDD (long [E, D, D])."""
@@ -70,7 +79,8 @@ class DispatchPlan:  # read-only by convention (slots, not frozen: built every l
         plan = np.zeros((E, D, D), dtype=np.int64)
         single = np.flatnonzero(self.holder_E >= 0)
         plan[single, :, self.holder_E[single]] = self.tokens_ED[single]
-        plan[self.rep_X] = self.flows_XHD.transpose(0, 2, 1)
+        x, h, d, k = self.flows_4F
+        plan[self.rep_X[x], d, h] = k
         return torch.from_numpy(plan)
 
     @classmethod
@@ -80,5 +90,6 @@ class DispatchPlan:  # read-only by convention (slots, not frozen: built every l
         holders = P.sum(1)
         holder_E = np.where(holders == 1, P.argmax(1), -1).astype(np.int64)
         rep_X = np.flatnonzero(holders > 1).astype(np.int64)
-        return cls(tokens_ED=plan.sum(2), holder_E=holder_E, rep_X=rep_X,
-                   flows_XHD=np.ascontiguousarray(plan[rep_X].transpose(0, 2, 1)))
+        x, d, h = np.nonzero(plan[rep_X])
+        flows_4F = np.stack([x, h, d, plan[rep_X][x, d, h]]).astype(np.int64)
+        return cls(tokens_ED=plan.sum(2), holder_E=holder_E, rep_X=rep_X, flows_4F=flows_4F)
