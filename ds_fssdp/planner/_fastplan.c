@@ -675,58 +675,37 @@ static double row_bound(const Fill *f, const int64_t *load_X, const int64_t *bas
     if (sum / D > bound) bound = sum / D;
     if (X == 0) return bound;
     if (X <= EXACT_SETS) {
-        /* Each set = a smaller set (without its lowest expert) + that expert: its holders are the
-           smaller set's plus the expert's, its numerator the smaller set's plus the expert's load
-           plus the base of the holders that are new. */
-        int64_t W = (D + 63) / 64, M = (int64_t)1 << X;
-        uint64_t *reach = (uint64_t *)scratch, *hb = reach + M * W;
-        int64_t *num = (int64_t *)(hb + X * W), *cnt = num + M;
-        memset(hb, 0, sizeof(uint64_t) * (size_t)(X * W));
-        memset(reach, 0, sizeof(uint64_t) * (size_t)W);
-        num[0] = cnt[0] = 0;
-        int64_t best_n = 0, best_c = 1; /* the largest n / c, compared without dividing */
+        /* A rank is a holder of set S unless the replicated experts it holds (mask_d) avoid S:
+           with g[T] = base (and number) of the ranks whose mask_d lies inside T (a subset-sum
+           transform over the 2^X masks), S's holders carry base total - g[~S] and number
+           D - cnt[~S]. Load sums grow one expert at a time (a set = a smaller set + its lowest
+           expert). */
+        int64_t M = (int64_t)1 << X, full = M - 1;
+        int64_t *g = (int64_t *)scratch, *cnt = g + M, *num = cnt + M, *mask_D = num + M;
+        memset(g, 0, sizeof(int64_t) * (size_t)(2 * M));
+        memset(mask_D, 0, sizeof(int64_t) * (size_t)D);
         for (int64_t x = 0; x < X; x++)
-            for (int64_t i = 0; i < f->nholders[x]; i++) {
-                int64_t d = HOLDERS(f, x)[i];
-                hb[x * W + d / 64] |= (uint64_t)1 << (d % 64);
-            }
-        if (W == 1 && sum < 0x1p50) { /* (so 128 * base sums and n * c below fit in int64) */
-            /* D <= 64: the base of a holder set and its size as 16 lookups of 4-bit nibbles,
-               branch-free. tab[j][b]: 128 * (base of the ranks 4j + bits of b) + their number. */
-            int64_t tab[16][16];
-            int64_t J = (D + 3) / 4;
-            for (int64_t j = 0; j < J; j++) {
-                tab[j][0] = 0;
-                for (int64_t b = 1; b < 16; b++) {
-                    int64_t d = 4 * j + __builtin_ctzll((unsigned long long)b);
-                    tab[j][b] = tab[j][b & (b - 1)] + (d < D ? base_D[d] * 128 + 1 : 0);
-                }
-            }
-            for (int64_t mask = 1; mask < M; mask++) {
-                int64_t low = __builtin_ctzll((unsigned long long)mask), rest = mask & (mask - 1);
-                uint64_t r = reach[rest] | hb[low];
-                int64_t n = num[rest] + load_X[low], b = 0;
-                reach[mask] = r;
-                num[mask] = n;
-                for (int64_t j = 0; j < J; j++) b += tab[j][(r >> (4 * j)) & 15];
-                int64_t c = b & 127; /* the holders, counted in the low bits */
-                n += b >> 7;
-                if (n * best_c > best_n * c) { best_n = n; best_c = c; }
-            }
-            if ((double)best_n / (double)best_c > bound) bound = (double)best_n / (double)best_c;
-            return bound;
+            for (int64_t i = 0; i < f->nholders[x]; i++) mask_D[HOLDERS(f, x)[i]] |= (int64_t)1 << x;
+        int64_t base_total = 0;
+        for (int64_t d = 0; d < D; d++) {
+            g[mask_D[d]] += base_D[d];
+            cnt[mask_D[d]] += 1;
+            base_total += base_D[d];
         }
-        for (int64_t mask = 1; mask < M; mask++) {
-            int64_t low = __builtin_ctzll((unsigned long long)mask), rest = mask & (mask - 1);
-            int64_t n = num[rest] + load_X[low], c = cnt[rest];
-            for (int64_t w = 0; w < W; w++) {
-                uint64_t old = reach[rest * W + w], add = hb[low * W + w] & ~old;
-                reach[mask * W + w] = old | add;
-                for (; add; add &= add - 1, c++) n += base_D[w * 64 + __builtin_ctzll(add)];
-            }
-            num[mask] = n;
-            cnt[mask] = c;
-            if ((__int128)n * best_c > (__int128)best_n * c) { best_n = n; best_c = c; }
+        for (int64_t b = 1; b < M; b <<= 1) /* each T with bit b gains T without it */
+            for (int64_t T = 0; T < M; T += 2 * b)
+                for (int64_t j = T; j < T + b; j++) { g[j + b] += g[j]; cnt[j + b] += cnt[j]; }
+        int64_t best_n = 0, best_c = 1; /* the largest n / c, compared without dividing */
+        int small = sum < 0x1p50; /* then n * c fits in int64 (c <= MAX_D) */
+        num[0] = 0;
+        for (int64_t S = 1; S < M; S++) {
+            int64_t low = __builtin_ctzll((unsigned long long)S), rest = S & (S - 1);
+            int64_t l = num[rest] + load_X[low];
+            num[S] = l;
+            int64_t n = l + base_total - g[full ^ S], c = D - cnt[full ^ S];
+            int win = small ? n * best_c > best_n * c : (__int128)n * best_c > (__int128)best_n * c;
+            best_n = win ? n : best_n;
+            best_c = win ? c : best_c;
         }
         if ((double)best_n / (double)best_c > bound) bound = (double)best_n / (double)best_c;
     } else {
@@ -759,8 +738,7 @@ static double row_bound(const Fill *f, const int64_t *load_X, const int64_t *bas
 }
 
 static size_t bound_scratch(int64_t X, int64_t D) {
-    int64_t W = (D + 63) / 64;
-    if (X <= EXACT_SETS) return sizeof(int64_t) * (size_t)(((int64_t)1 << X) * (W + 2) + X * W);
+    if (X <= EXACT_SETS) return sizeof(int64_t) * (size_t)(((int64_t)1 << X) * 3 + D);
     return sizeof(int64_t) * (size_t)X + (size_t)X;
 }
 
