@@ -140,6 +140,6 @@ def test_non_finite_predictions_and_a_wrong_topology_are_value_errors():
             with pytest.raises(ValueError, match=rf"tokens_ED\[5, 2\] = {bad} is not finite"):
                 fn(owner, tokens, topo, overlap_degree=2, budget=1)
     placement = joint_materialize(owner, torch.ones(8, 4, dtype=torch.float64), topo, overlap_degree=2, budget=1)
-    with pytest.raises(ValueError, match="placement_ED has 4 ranks, the topology 8"):
+    with pytest.raises(ValueError, match=r"placement_ED \(8, 4\) on 8 ranks"):
         dispatch_plan(placement, torch.ones(8, 4, dtype=torch.long), Topology(num_ranks=8, ranks_per_node=2),
                       mode="balanced")

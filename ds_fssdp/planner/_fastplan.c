@@ -875,9 +875,9 @@ done:
     return out;
 }
 
-/* dispatch_compact(P, T, E, D, G, slack, balanced) -> bytes, int64:
- * [X, F, holder_E (E), rep_X (X), tokens_ED (E*D), flows_4F (4*F): rows x, h, d, k] (the plan's
- * arrays in one buffer, so Python makes views of it and copies nothing). */
+/* dispatch_compact(P, T, E, D, G, slack, balanced) -> (X, F, bytes), the bytes int64:
+ * [holder_E (E), rep_X (X), tokens_ED (E*D), flows_4F (4*F): rows x, h, d, k] (the plan's arrays
+ * in one buffer, so Python makes views of it and copies nothing). */
 static PyObject *dispatch_compact(PyObject *self, PyObject *args) {
     unsigned long long place, tokens;
     long long E, D, G;
@@ -896,16 +896,15 @@ static PyObject *dispatch_compact(PyObject *self, PyObject *args) {
     if (X < 0) goto done;
     if (dispatch_flows(P, T, node_D, holder_E, rep, X, E, D, slack, balanced, &fl)) goto done;
     int64_t F = fl.n;
-    out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(sizeof(int64_t) * (size_t)(2 + E + X + E * D + 4 * F)));
-    if (!out) goto done;
-    int64_t *o = (int64_t *)PyBytes_AS_STRING(out), *xs = o + 2 + E + X + E * D;
-    o[0] = X;
-    o[1] = F;
-    memcpy(o + 2, holder_E, sizeof(int64_t) * (size_t)E);
-    memcpy(o + 2 + E, rep, sizeof(int64_t) * (size_t)X);
-    memcpy(o + 2 + E + X, T, sizeof(int64_t) * (size_t)(E * D));
+    PyObject *buf = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(sizeof(int64_t) * (size_t)(E + X + E * D + 4 * F)));
+    if (!buf) goto done;
+    int64_t *o = (int64_t *)PyBytes_AS_STRING(buf), *xs = o + E + X + E * D;
+    memcpy(o, holder_E, sizeof(int64_t) * (size_t)E);
+    memcpy(o + E, rep, sizeof(int64_t) * (size_t)X);
+    memcpy(o + E + X, T, sizeof(int64_t) * (size_t)(E * D));
     for (int64_t i = 0; i < F; i++)
         for (int j = 0; j < 4; j++) xs[j * F + i] = fl.xhdk[4 * i + j];
+    out = Py_BuildValue("LLN", (long long)X, (long long)F, buf); /* N: the tuple takes buf */
 done:
     return out;
 }
@@ -915,7 +914,7 @@ static PyMethodDef methods[] = {
     {"materialize_joint", materialize_joint, METH_VARARGS, "Joint materialization into a placement."},
     {"dispatch_dense", dispatch_dense, METH_VARARGS, "Either dispatch into a zeroed dense plan."},
     {"dispatch_compact", dispatch_compact, METH_VARARGS,
-     "Either dispatch as bytes [X, F, holder_E, rep_X, tokens_ED, flows_4F]."},
+     "Either dispatch as (X, F, bytes [holder_E, rep_X, tokens_ED, flows_4F])."},
     {NULL, NULL, 0, NULL},
 };
 

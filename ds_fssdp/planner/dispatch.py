@@ -47,10 +47,7 @@ def dispatch_plan(placement_ED: torch.Tensor, tokens_ED: torch.Tensor, topology:
     """The same plan as :func:`dispatch`, as a compact :class:`DispatchPlan` (what the runtime
     uses every iteration: no dense [E, D, D] tensor)."""
     if fast.AVAILABLE and (mode == "balanced" or mode == "paper"):
-        if tokens_ED.shape != placement_ED.shape or slack < 0:
-            raise ValueError(f"tokens_ED {tuple(tokens_ED.shape)} must match placement_ED "
-                             f"{tuple(placement_ED.shape)} and slack ({slack}) must be >= 0")
-        return fast.dispatch_compact(placement_ED, tokens_ED, topology, balanced=mode == "balanced", slack=slack)
+        return fast.dispatch_compact(placement_ED, tokens_ED, topology, mode == "balanced", slack)  # checks shapes
     return DispatchPlan.from_dense(placement_ED, dispatch(placement_ED, tokens_ED, topology, mode=mode, cost=cost,
                                                           slack=slack))
 

@@ -50,25 +50,30 @@ def materialize_alg1(owner_E, load_E, topology: Topology, *, overlap_degree: int
 def materialize_joint(owner_E, tokens_ED, topology: Topology, *, overlap_degree: int, budget: int,
                       stop: float) -> torch.Tensor:
     owner, tokens = _c(owner_E, torch.long), _c(tokens_ED, torch.float64)
-    E = owner.numel()
-    placement = np.empty((E, topology.num_ranks), dtype=np.bool_)  # zeroed in C
-    _fastplan.materialize_joint(owner.data_ptr(), tokens.data_ptr(), placement, E, topology.num_ranks,
-                                topology.ranks_per_node, overlap_degree, budget, stop)
+    E, D = owner.numel(), topology.num_ranks
+    if tokens.shape != (E, D):
+        raise ValueError(f"tokens_ED {tuple(tokens.shape)} does not match {E} experts on {D} ranks")
+    placement = np.empty((E, D), dtype=np.bool_)  # zeroed in C
+    _fastplan.materialize_joint(owner.data_ptr(), tokens.data_ptr(), placement, E, D, topology.ranks_per_node,
+                                overlap_degree, budget, stop)
     return torch.from_numpy(placement)
 
 
-def dispatch_compact(placement_ED, tokens_ED, topology: Topology, *, balanced: bool, slack: float = 0.0):
-    """The plan as :class:`~ds_fssdp.planner.plan.DispatchPlan` (no dense [E, D, D] tensor); the
-    caller has checked that the shapes match."""
+_I64 = np.dtype(np.int64)
+
+
+def dispatch_compact(placement_ED, tokens_ED, topology: Topology, balanced: bool, slack: float) -> DispatchPlan:
+    """The plan as :class:`~ds_fssdp.planner.plan.DispatchPlan` (no dense [E, D, D] tensor)."""
     P, T = _c(placement_ED, torch.bool), _c(tokens_ED, torch.long)
-    E, D = P.shape
-    if D != topology.num_ranks:
-        raise ValueError(f"placement_ED has {D} ranks, the topology {topology.num_ranks}")
-    out = np.frombuffer(_fastplan.dispatch_compact(P.data_ptr(), T.data_ptr(), E, D, topology.ranks_per_node, slack,
-                                                   balanced), dtype=np.int64)
-    X, F = out[:2].tolist()
-    a = 2 + E + X
-    return DispatchPlan(tokens_ED=out[a:a + E * D].reshape(E, D), holder_E=out[2:2 + E], rep_X=out[2 + E:a],
+    shape = P.shape
+    if T.shape != shape or shape[1] != topology.num_ranks or slack < 0:
+        raise ValueError(f"tokens_ED {tuple(T.shape)} must match placement_ED {tuple(shape)} on "
+                         f"{topology.num_ranks} ranks, and slack ({slack}) must be >= 0")
+    E, D = shape
+    X, F, buf = _fastplan.dispatch_compact(P.data_ptr(), T.data_ptr(), E, D, topology.ranks_per_node, slack, balanced)
+    out = np.frombuffer(buf, _I64)
+    a = E + X
+    return DispatchPlan(tokens_ED=out[a:a + E * D].reshape(E, D), holder_E=out[:E], rep_X=out[E:a],
                         flows_4F=out[a + E * D:].reshape(4, F))
 
 

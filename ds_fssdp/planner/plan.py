@@ -36,9 +36,9 @@ class DispatchPlan:  # read-only by convention (slots, not frozen: built every l
         out = np.zeros((E, D), dtype=np.int64)
         single = np.flatnonzero(self.holder_E >= 0)
         out[single, self.holder_E[single]] = self.tokens_ED[single, rank]
-        x, h, d, k = self.flows_4F
-        mine = d == rank
-        out[self.rep_X[x[mine]], h[mine]] = k[mine]
+        fl = self.flows_4F
+        mine = fl[2] == rank
+        out[self.rep_X[fl[0, mine]], fl[1, mine]] = fl[3, mine]
         return torch.from_numpy(out)
 
     def received(self, rank: int) -> torch.Tensor:
@@ -47,9 +47,9 @@ class DispatchPlan:  # read-only by convention (slots, not frozen: built every l
         out = np.zeros((E, D), dtype=np.int64)
         mine = np.flatnonzero(self.holder_E == rank)
         out[mine] = self.tokens_ED[mine]
-        x, h, d, k = self.flows_4F
-        here = h == rank
-        out[self.rep_X[x[here]], d[here]] = k[here]
+        fl = self.flows_4F
+        here = fl[1] == rank
+        out[self.rep_X[fl[0, here]], fl[2, here]] = fl[3, here]
         return torch.from_numpy(out)
 
     def rows_D(self) -> torch.Tensor:
