@@ -478,6 +478,8 @@ typedef struct {
     int64_t *holders;        /* [X*D]: row x lists the holders of x, ascending */
     int64_t *nholders;       /* [X] */
     int64_t *hs;             /* [X*(N+1)]: holders of x in node n are holders[x][hs[x, n] : hs[x, n + 1]] */
+    int64_t *held, *held_start; /* the replicated experts rank h holds, ascending: held[held_start[h] :
+                                   held_start[h + 1]] */
     int64_t N;
     int64_t rem_total;       /* sum of rem */
     int64_t *touched, ntouched, touched_cap; /* (x, h, d) of cells of flow that became positive
@@ -562,10 +564,10 @@ typedef struct {
 static inline void reach(Fill *f, Search *s, int64_t h, int64_t x, int64_t d, int64_t from) {
     s->seen[h] = 1;
     int64_t n = f->node_D[h];
-    for (int64_t y = 0; y < f->X; y++) {
-        int64_t p = f->P[f->rep[y] * f->D + h];
-        s->unseen_X[y] -= p;
-        s->unseen_XN[y * f->N + n] -= p;
+    for (int64_t i = f->held_start[h]; i < f->held_start[h + 1]; i++) {
+        int64_t y = f->held[i];
+        s->unseen_X[y] -= 1;
+        s->unseen_XN[y * f->N + n] -= 1;
     }
     s->prev_x[h] = x; s->prev_d[h] = d; s->prev_h[h] = from;
     s->queue[s->qt++] = h;
@@ -637,7 +639,8 @@ static int fill_augment(Fill *f, int cross, Search *s) {
            each reaching its node's holders, then (cross) the rest. With cross, the first source
            reaches every holder of x; without, the first source of each node reaches all the
            holders that node can. */
-        for (int64_t x = 0; x < X; x++) {
+        for (int64_t i = f->held_start[h]; i < f->held_start[h + 1]; i++) { /* x held by h */
+            int64_t x = f->held[i];
             if (!s->unseen_X[x] || !f->inflow[x * D + h]) continue;
             const int64_t *in = &FLOW(f, x, 0, h);
             if (cross) {
@@ -665,8 +668,25 @@ static void fill_direct_cross(Fill *f) {
 
 #define EXACT_SETS 10 /* all subsets of the replicated experts up to this many */
 
-/* Lower bound on the most loaded rank's rows (balance.row_bound). Integer sums, one division
- * per set, as the reference. */
+/* a[T] becomes the sum of a over the subsets of T (M = 2^bits entries). */
+static void subset_sums(int64_t *a, int64_t M) {
+    int64_t b = 1;
+    if (M >= 4) { /* the two lowest bits by blocks of 4 */
+        for (int64_t j = 0; j < M; j += 4) {
+            int64_t a0 = a[j], a1 = a[j + 1], a2 = a[j + 2], a3 = a[j + 3];
+            a[j + 1] = a0 + a1;
+            a[j + 2] = a0 + a2;
+            a[j + 3] = a0 + a1 + a2 + a3;
+        }
+        b = 4;
+    }
+    for (; b < M; b <<= 1) /* each T with bit b gains T without it */
+        for (int64_t T = 0; T < M; T += 2 * b)
+            for (int64_t j = T; j < T + b; j++) a[j + b] += a[j];
+}
+
+/* Lower bound on the most loaded rank's rows (balance.row_bound): integer sums, one division
+ * per set in doubles, as the reference. */
 static double row_bound(const Fill *f, const int64_t *load_X, const int64_t *base_D, char *scratch) {
     int64_t X = f->X, D = f->D;
     double bound = 0, sum = 0;
@@ -679,35 +699,34 @@ static double row_bound(const Fill *f, const int64_t *load_X, const int64_t *bas
            with g[T] = base (and number) of the ranks whose mask_d lies inside T (a subset-sum
            transform over the 2^X masks), S's holders carry base total - g[~S] and number
            D - cnt[~S]. Load sums grow one expert at a time (a set = a smaller set + its lowest
-           expert). */
+           expert). Each set's ratio is divided in doubles, as the reference divides. */
         int64_t M = (int64_t)1 << X, full = M - 1;
-        int64_t *g = (int64_t *)scratch, *cnt = g + M, *num = cnt + M, *mask_D = num + M;
+        int64_t *g = (int64_t *)scratch, *cnt = g + M, *lsum = cnt + M, *mask_D = lsum + M;
         memset(g, 0, sizeof(int64_t) * (size_t)(2 * M));
         memset(mask_D, 0, sizeof(int64_t) * (size_t)D);
         for (int64_t x = 0; x < X; x++)
             for (int64_t i = 0; i < f->nholders[x]; i++) mask_D[HOLDERS(f, x)[i]] |= (int64_t)1 << x;
         int64_t base_total = 0;
+        for (int64_t d = 0; d < D; d++) base_total += base_D[d];
+        /* base and number in one word when they fit (number < 2^13 as D <= MAX_D) */
+        int packed = base_total < ((int64_t)1 << 49);
         for (int64_t d = 0; d < D; d++) {
-            g[mask_D[d]] += base_D[d];
+            g[mask_D[d]] += packed ? (base_D[d] << 13) + 1 : base_D[d];
             cnt[mask_D[d]] += 1;
-            base_total += base_D[d];
         }
-        for (int64_t b = 1; b < M; b <<= 1) /* each T with bit b gains T without it */
-            for (int64_t T = 0; T < M; T += 2 * b)
-                for (int64_t j = T; j < T + b; j++) { g[j + b] += g[j]; cnt[j + b] += cnt[j]; }
-        int64_t best_n = 0, best_c = 1; /* the largest n / c, compared without dividing */
-        int small = sum < 0x1p50; /* then n * c fits in int64 (c <= MAX_D) */
-        num[0] = 0;
+        subset_sums(g, M);
+        if (!packed) subset_sums(cnt, M);
+        double best = 0;
+        lsum[0] = 0;
         for (int64_t S = 1; S < M; S++) {
-            int64_t low = __builtin_ctzll((unsigned long long)S), rest = S & (S - 1);
-            int64_t l = num[rest] + load_X[low];
-            num[S] = l;
-            int64_t n = l + base_total - g[full ^ S], c = D - cnt[full ^ S];
-            int win = small ? n * best_c > best_n * c : (__int128)n * best_c > (__int128)best_n * c;
-            best_n = win ? n : best_n;
-            best_c = win ? c : best_c;
+            int64_t low = __builtin_ctzll((unsigned long long)S), gs = g[full ^ S];
+            int64_t l = lsum[S & (S - 1)] + load_X[low];
+            lsum[S] = l;
+            int64_t base = packed ? gs >> 13 : gs, c = packed ? gs & 8191 : cnt[full ^ S];
+            double r = (double)(l + base_total - base) / (double)(D - c);
+            best = r > best ? r : best;
         }
-        if ((double)best_n / (double)best_c > bound) bound = (double)best_n / (double)best_c;
+        if (best > bound) bound = best;
     } else {
         /* singletons and the hottest prefixes (stable order by load, descending) */
         int64_t *order = (int64_t *)scratch;
@@ -758,22 +777,26 @@ static int balanced_core(const uint8_t *P, const int64_t *T, const int64_t *node
     }
     int64_t N = node_D[D - 1] + 1;
     int64_t cells = X * D * D, touched_cap = 2 * cells;
-    size_t ints = (size_t)(X + X * D + X * D + X * D + X + X + 4 * D + X + X * (N + 1) + X * N);
+    size_t ints = (size_t)(X + X * D + X * D + X * D + X + X + 4 * D + X + X * (N + 1) + X * N + X * D + D + 1);
     size_t bytes = sizeof(int64_t) * ints + (size_t)D + 8 + bound_scratch(X, D);
     char *mem = scratch_get(SCRATCH_CORE, bytes);
     int64_t *touched = scratch_get(SCRATCH_TOUCHED, sizeof(int64_t) * (size_t)touched_cap);
     int64_t *flows = scratch_zeroed(sizeof(int64_t) * (size_t)cells); /* [x, holder h, source d] */
     if (!mem || !touched || !flows) return -1;
-    memset(mem, 0, bytes);
     int64_t *load_X = (int64_t *)mem, *inflow = load_X + X, *rem = inflow + X * D, *hold = rem + X * D;
     int64_t *nhold = hold + X * D, *order = nhold + X, *hs = order + X;
     Search s;
     s.prev_x = hs + X * (N + 1); s.prev_d = s.prev_x + D; s.prev_h = s.prev_d + D; s.queue = s.prev_h + D;
     s.unseen_X = s.queue + D;
     s.unseen_XN = s.unseen_X + X;
-    s.seen = (uint8_t *)(s.unseen_XN + X * N);
+    int64_t *held = s.unseen_XN + X * N, *held_start = held + X * D;
+    s.seen = (uint8_t *)(held_start + D + 1);
     char *bound_mem = (char *)(s.seen + D);
     bound_mem += (8 - ((uintptr_t)bound_mem & 7)) & 7; /* aligned: the + 8 above */
+    /* zero what is summed into (the rest is written before it is read) */
+    memset(load_X, 0, sizeof(int64_t) * (size_t)(X + X * D)); /* load_X, inflow */
+    memset(held_start, 0, sizeof(int64_t) * (size_t)(D + 1));
+    memset(s.queue, 0, sizeof(int64_t) * (size_t)D);
     Fill f;
     f.X = X; f.D = D; f.N = N; f.G = D / N; f.rep = rep; f.P = P; f.node_D = node_D;
     f.rows = rows; f.flow = flows; f.inflow = inflow; f.rem = rem; f.holders = hold; f.nholders = nhold; f.hs = hs;
@@ -787,7 +810,15 @@ static int balanced_core(const uint8_t *P, const int64_t *T, const int64_t *node
         }
         f.rem_total += load_X[x];
         nhold[x] = holders_by_node(P + e * D, node_D, D, N, hold + x * D, hs + x * (N + 1));
+        for (int64_t i = 0; i < nhold[x]; i++) held_start[hold[x * D + i] + 1]++;
     }
+    for (int64_t d = 0; d < D; d++) held_start[d + 1] += held_start[d];
+    for (int64_t x = 0; x < X; x++) /* x ascending, so each rank's list is too */
+        for (int64_t i = 0; i < nhold[x]; i++) {
+            int64_t d = hold[x * D + i];
+            held[held_start[d] + s.queue[d]++] = x; /* queue: a per-rank cursor until the searches */
+        }
+    f.held = held; f.held_start = held_start;
     f.cap = (int64_t)ceil(row_bound(&f, load_X, rows, bound_mem) * (1.0 + slack) - 1e-9);
     /* order: fewest holders, then most tokens, then id */
     for (int64_t x = 0; x < X; x++) order[x] = x;
