@@ -244,7 +244,6 @@ static int joint_core(const int64_t *owner_E, const double *T, const int64_t *no
     double total = 0;
     if (t > E) t = E;
     memset(h, 0, sizeof(double) * (size_t)(E * N));
-    memset(F, 0, sizeof(double) * (size_t)(E * N));
     memset(hf, 0, sizeof(int64_t) * (size_t)(E * N));
     memset(repl, 0, (size_t)E);
     for (int64_t e = 0; e < E; e++) P[e * D + owner_E[e]] = 1;
@@ -254,8 +253,11 @@ static int joint_core(const int64_t *owner_E, const double *T, const int64_t *no
     for (int64_t e = 0; e < E; e++) {
         const double *Te = T + e * D;
         double *Fe = F + e * N, row = 0;
-        for (int64_t g = 0; g < G; g++) /* the N sums side by side, each in rank order */
-            for (int64_t n = 0; n < N; n++) Fe[n] += Te[n * G + g];
+        for (int64_t n = 0; n < N; n++) { /* each node's sum in rank order, in a register */
+            double sum = 0;
+            for (int64_t g = 0; g < G; g++) sum += Te[n * G + g];
+            Fe[n] = sum;
+        }
         for (int64_t n = 0; n < N; n++) row += Fe[n];
         int64_t on = node_D[owner_E[e]];
         h[e * N + on] = 1;
