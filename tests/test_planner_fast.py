@@ -143,3 +143,21 @@ def test_non_finite_predictions_and_a_wrong_topology_are_value_errors():
     with pytest.raises(ValueError, match=r"placement_ED \(8, 4\) on 8 ranks"):
         dispatch_plan(placement, torch.ones(8, 4, dtype=torch.long), Topology(num_ranks=8, ranks_per_node=2),
                       mode="balanced")
+
+
+def test_a_very_large_layer_frees_its_scratch_and_plans_the_same_again():
+    """At 256 ranks the balancing dispatch's scratch passes the size the C planner keeps between
+    calls: it is freed and rebuilt (zeroed) for the next call, which plans the same."""
+    from ds_fssdp.planner.dispatch import dispatch_plan
+    gen = torch.Generator().manual_seed(5)
+    E, D = 32, 256
+    topo = Topology(num_ranks=D, ranks_per_node=32)
+    owner = homogeneous_owner(E, D)
+    share = torch.softmax(torch.randn(E, generator=gen) * 1.5, 0)
+    T = torch.distributions.Multinomial(total_count=20 * D, probs=share).sample((D, )).t().long()
+    placement = joint_materialize(owner, T.double(), topo, overlap_degree=16, budget=1)
+    assert int((placement.sum(1) > 1).sum()) == 16  # 16 * 256 * 256 cells: 8 MB of flows, 16 MB of touched list
+    want = balanced_dispatch_reference(placement, T, topo, slack=0.03)
+    for _ in range(2):
+        assert torch.equal(balanced_dispatch(placement, T, topo, slack=0.03), want)
+        assert torch.equal(dispatch_plan(placement, T, topo, mode="balanced", slack=0.03).dense(), want)

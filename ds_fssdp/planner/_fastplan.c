@@ -38,6 +38,18 @@ static void *scratch_get(int slot, size_t bytes) {
     return scratch_buf[slot];
 }
 
+/* Entry points call this last: a buffer past SCRATCH_KEEP bytes (a very large layer) is freed
+ * rather than held between calls. */
+#define SCRATCH_KEEP ((size_t)8 << 20)
+static void scratch_trim(void) {
+    for (int i = 0; i < SCRATCH_SLOTS; i++)
+        if (scratch_size[i] > SCRATCH_KEEP) {
+            free(scratch_buf[i]);
+            scratch_buf[i] = NULL;
+            scratch_size[i] = 0;
+        }
+}
+
 /* SCRATCH_DENSE is all zeros between calls (its users clear what they set): a dense array that
  * is not cleared in full every call. */
 static void *scratch_zeroed(size_t bytes) {
@@ -200,6 +212,7 @@ static PyObject *materialize_alg1(PyObject *self, PyObject *args) {
     out = Py_None;
     Py_INCREF(out);
 done:
+    scratch_trim();
     PyBuffer_Release(&place);
     return out;
 }
@@ -384,6 +397,7 @@ static PyObject *materialize_joint(PyObject *self, PyObject *args) {
     out = Py_None;
     Py_INCREF(out);
 done:
+    scratch_trim();
     PyBuffer_Release(&place);
     return out;
 }
@@ -904,6 +918,7 @@ static PyObject *dispatch_dense(PyObject *self, PyObject *args) {
     out = Py_None;
     Py_INCREF(out);
 done:
+    scratch_trim();
     PyBuffer_Release(&plan);
     return out;
 }
@@ -939,6 +954,7 @@ static PyObject *dispatch_compact(PyObject *self, PyObject *args) {
         for (int j = 0; j < 4; j++) xs[j * F + i] = fl.xhdk[4 * i + j];
     out = Py_BuildValue("LLN", (long long)X, (long long)F, buf); /* N: the tuple takes buf */
 done:
+    scratch_trim();
     return out;
 }
 
