@@ -1,10 +1,11 @@
 """Planning time of one MoE layer per iteration (placement + dispatch), as the runtime calls it.
 
-    python benchmarks/planning.py [--experts 64 --ranks 32 --nodes 4] [--json out.json]
+    python benchmarks/planning.py [--experts 64 --ranks 32 --nodes 4] [--runs 16] [--json out.json]
 
 Instances: skewed loads (softmax of Gaussian logits, scale ``--skew``) of ``--tokens`` rows per
 rank, fresh each repetition; warm-up first; median and 95th percentile in microseconds, single
-thread. The dispatch is ``dispatch_plan`` (the compact plan the runtime uses). Arms: ``joint+balanced`` (the fssdp default: joint_materialize + balancing dispatch with
+thread. ``--runs N`` measures every arm N times in turn and reports each run's median and the
+median over runs (on a shared machine whose speed drifts, one run is one stretch of time). The dispatch is ``dispatch_plan`` (the compact plan the runtime uses). Arms: ``joint+balanced`` (the fssdp default: joint_materialize + balancing dispatch with
 the default 3% slack),
 ``paper`` (Algorithm 1 + Algorithm 3), and each half alone. The paper reports 24-51 us median
 (67 us p95) per layer; the target here is <= 51 us median for joint+balanced.
@@ -37,6 +38,7 @@ def main():
     p.add_argument("--budget", type=int, default=2)
     p.add_argument("--overlap-degree", type=int, default=8)
     p.add_argument("--repeats", type=int, default=2000)
+    p.add_argument("--runs", type=int, default=1)
     p.add_argument("--json", default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -61,22 +63,31 @@ def main():
         "joint_materialize": lambda Tf, T, L, P: joint_materialize(owner, Tf, topo, overlap_degree=t, budget=m),
         "balanced_dispatch": lambda Tf, T, L, P: dispatch(P, T, topo, mode="balanced", slack=slack),
     }
-    results = {}
-    for name, fn in arms.items():
-        for i in range(50):  # warm-up
-            fn(*instances[i % len(instances)])
-        times = []
-        for i in range(args.repeats):
-            instance = instances[i % len(instances)]
-            t0 = time.perf_counter()
-            fn(*instance)
-            times.append((time.perf_counter() - t0) * 1e6)
-        times.sort()
-        results[name] = {"median_us": statistics.median(times), "p95_us": times[int(0.95 * len(times))]}
+    runs = {name: [] for name in arms}
+    for _ in range(args.runs):
+        for name, fn in arms.items():
+            for i in range(50):  # warm-up
+                fn(*instances[i % len(instances)])
+            times = []
+            for i in range(args.repeats):
+                instance = instances[i % len(instances)]
+                t0 = time.perf_counter()
+                fn(*instance)
+                times.append((time.perf_counter() - t0) * 1e6)
+            times.sort()
+            runs[name].append({"median_us": statistics.median(times), "p95_us": times[int(0.95 * len(times))]})
+    results = {name: {"median_us": statistics.median(r["median_us"] for r in rs),
+                      "p95_us": statistics.median(r["p95_us"] for r in rs),
+                      "run_medians_us": [round(r["median_us"], 1) for r in rs]} for name, rs in runs.items()}
     print(f"E={E} D={D} nodes={args.nodes} t={t} m={m}, C planner: {fast.AVAILABLE}, "
           f"load average {os.getloadavg()[0]:.2f}")
     for name, r in results.items():
-        print(f"{name:>18}: median {r['median_us']:7.1f} us   p95 {r['p95_us']:7.1f} us")
+        line = f"{name:>18}: median {r['median_us']:7.1f} us   p95 {r['p95_us']:7.1f} us"
+        if args.runs > 1:
+            line += f"   (median over {args.runs} runs; runs {min(r['run_medians_us'])}-{max(r['run_medians_us'])})"
+        print(line)
+        if args.runs > 1:
+            print(f"{'':>20}run medians: {' '.join(str(v) for v in r['run_medians_us'])}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": f"{platform.machine()} {os.cpu_count()} cores", "args": vars(args),
