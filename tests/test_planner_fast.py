@@ -109,8 +109,8 @@ def test_c_paths_take_any_layout_and_dtype():
 
 
 def test_c_matches_reference_past_64_ranks_and_on_huge_counts():
-    """More than 64 ranks (the Hall bound's multi-word path) and counts near 2^56 (its 128-bit
-    comparisons) give the reference's plans too."""
+    """More than 64 ranks and counts near 2^56 (the Hall bound's unpacked base and count) give
+    the reference's plans too."""
     gen = torch.Generator().manual_seed(4)
     for E, D, G, scale in ((24, 72, 8, 1), (16, 66, 6, 1), (16, 8, 4, 2 ** 45), (12, 6, 2, 2 ** 47)):
         topo = Topology(num_ranks=D, ranks_per_node=G)

@@ -21,7 +21,6 @@
 #define MAX_D 4096
 #define PTR(type, addr) ((type *)(uintptr_t)(addr))
 
-
 /* Scratch memory kept between calls, one buffer per use (the GIL is held throughout, so there is
  * one caller at a time): planning runs for every layer every iteration, and fresh allocations of
  * these sizes page-fault on first touch. NULL with MemoryError set if it cannot grow. */
@@ -292,9 +291,9 @@ static int joint_core(const int64_t *owner_E, const double *T, const int64_t *no
     if (t == 0 || m == 0 || D == 1 || total <= 0) return 0;
     /* each node's ranks by owned load, then id: the order ties on free slots are broken in */
     for (int64_t n = 0; n < N; n++) {
-        int64_t *o = by_owned + n * (D / N);
-        for (int64_t i = 0; i < D / N; i++) {
-            int64_t d = n * (D / N) + i, j = i - 1;
+        int64_t *o = by_owned + n * G;
+        for (int64_t i = 0; i < G; i++) {
+            int64_t d = n * G + i, j = i - 1;
             while (j >= 0 && owned_D[o[j]] > owned_D[d]) { o[j + 1] = o[j]; j--; }
             o[j + 1] = d;
         }
@@ -728,7 +727,7 @@ static double row_bound(const Fill *f, const int64_t *load_X, const int64_t *bas
         int packed = base_total < ((int64_t)1 << 49);
         for (int64_t d = 0; d < D; d++) {
             g[mask_D[d]] += packed ? (base_D[d] << 13) + 1 : base_D[d];
-            cnt[mask_D[d]] += 1;
+            if (!packed) cnt[mask_D[d]] += 1;
         }
         subset_sums(g, M);
         if (!packed) subset_sums(cnt, M);
@@ -777,8 +776,8 @@ static size_t bound_scratch(int64_t X, int64_t D) {
     return sizeof(int64_t) * (size_t)X + (size_t)X;
 }
 
-/* holder_E / rep / X from holders(). flows: [X*D*D] zeroed, holder-major (the compact layout).
- * Returns 0, or -1 with MemoryError set. */
+/* holder_E / rep / X from holders(); the flows with tokens into fl. Returns 0, or -1 with
+ * MemoryError set. */
 static int balanced_core(const uint8_t *P, const int64_t *T, const int64_t *node_D, const int64_t *holder_E,
                          const int64_t *rep, int64_t X, int64_t E, int64_t D, double slack, Flows *fl) {
     if (X == 0) return 0;
@@ -874,17 +873,22 @@ static int balanced_core(const uint8_t *P, const int64_t *T, const int64_t *node
  * Entry points.
  */
 
-/* Either dispatch into flows (zeroed, compact layout). Returns 0, or -1 with an error set. */
-/* Either dispatch: the flows with tokens into fl (fl->n = 0 first). Returns 0, or -1 with an
- * error set. */
-static int dispatch_flows(const uint8_t *P, const int64_t *T, const int64_t *node_D, const int64_t *holder_E,
-                          const int64_t *rep, int64_t X, int64_t E, int64_t D, double slack, int balanced,
-                          Flows *fl) {
+/* Either dispatch, as both entries run it: the holders (holder_E, rep: scratch of 2E + 1), then
+ * the flows with tokens into fl. Returns X, or -1 with an error set. */
+static int64_t dispatch_flows(const uint8_t *P, const int64_t *T, int64_t E, int64_t D, int64_t G, double slack,
+                              int balanced, int64_t **holder_E, Flows *fl) {
+    int64_t node_D[MAX_D];
+    *holder_E = scratch_get(SCRATCH_ENTRY, sizeof(int64_t) * (size_t)(2 * E + 1));
+    if (!*holder_E || check_ranks(D) || node_ids(node_D, D, G)) return -1;
+    const int64_t *rep = *holder_E + E;
+    int64_t X = holders(P, T, E, D, *holder_E, *holder_E + E);
+    if (X < 0) return -1;
     fl->n = 0;
     fl->cap = (int64_t)(scratch_size[SCRATCH_FLOWS] / (4 * sizeof(int64_t)));
     fl->xhdk = (int64_t *)scratch_buf[SCRATCH_FLOWS];
-    if (balanced) return balanced_core(P, T, node_D, holder_E, rep, X, E, D, slack, fl);
-    return paper_core(P, T, node_D, rep, X, D, fl);
+    int failed = balanced ? balanced_core(P, T, node_D, *holder_E, rep, X, E, D, slack, fl)
+                          : paper_core(P, T, node_D, rep, X, D, fl);
+    return failed ? -1 : X;
 }
 
 /* dispatch_dense(P, T, plan, E, D, G, slack, balanced): plan [E*D*D] zeroed, filled. */
@@ -894,23 +898,17 @@ static PyObject *dispatch_dense(PyObject *self, PyObject *args) {
     long long E, D, G;
     double slack;
     int balanced;
-    int64_t node_D[MAX_D];
     if (!PyArg_ParseTuple(args, "KKw*LLLdp", &place, &tokens, &plan, &E, &D, &G, &slack, &balanced)) return NULL;
-    const uint8_t *P = PTR(uint8_t, place);
     const int64_t *T = PTR(int64_t, tokens);
-    int64_t *R = plan.buf;
+    int64_t *R = plan.buf, *holder_E;
     PyObject *out = NULL;
     Flows fl;
-    int64_t *holder_E = scratch_get(SCRATCH_ENTRY, sizeof(int64_t) * (size_t)(2 * E + 1)), *rep = holder_E + E;
-    if (!holder_E) goto done;
-    if (check_ranks(D) || node_ids(node_D, D, G)) goto done;
     if (check_len(&plan, (int64_t)sizeof(int64_t) * E * D * D, "plan")) goto done;
-    int64_t X = holders(P, T, E, D, holder_E, rep);
-    if (X < 0) goto done;
+    if (dispatch_flows(PTR(uint8_t, place), T, E, D, G, slack, balanced, &holder_E, &fl) < 0) goto done;
+    const int64_t *rep = holder_E + E;
     for (int64_t e = 0; e < E; e++)
         if (holder_E[e] >= 0)
             for (int64_t d = 0; d < D; d++) R[(e * D + d) * D + holder_E[e]] = T[e * D + d];
-    if (dispatch_flows(P, T, node_D, holder_E, rep, X, E, D, slack, balanced, &fl)) goto done;
     for (int64_t i = 0; i < fl.n; i++) {
         const int64_t *q = fl.xhdk + 4 * i;
         R[(rep[q[0]] * D + q[2]) * D + q[1]] = q[3];
@@ -931,18 +929,14 @@ static PyObject *dispatch_compact(PyObject *self, PyObject *args) {
     long long E, D, G;
     double slack;
     int balanced;
-    int64_t node_D[MAX_D];
     if (!PyArg_ParseTuple(args, "KKLLLdp", &place, &tokens, &E, &D, &G, &slack, &balanced)) return NULL;
-    const uint8_t *P = PTR(uint8_t, place);
     const int64_t *T = PTR(int64_t, tokens);
+    int64_t *holder_E;
     PyObject *out = NULL;
     Flows fl;
-    int64_t *holder_E = scratch_get(SCRATCH_ENTRY, sizeof(int64_t) * (size_t)(2 * E + 1)), *rep = holder_E + E;
-    if (!holder_E) goto done;
-    if (check_ranks(D) || node_ids(node_D, D, G)) goto done;
-    int64_t X = holders(P, T, E, D, holder_E, rep);
+    int64_t X = dispatch_flows(PTR(uint8_t, place), T, E, D, G, slack, balanced, &holder_E, &fl);
     if (X < 0) goto done;
-    if (dispatch_flows(P, T, node_D, holder_E, rep, X, E, D, slack, balanced, &fl)) goto done;
+    const int64_t *rep = holder_E + E;
     int64_t F = fl.n;
     PyObject *buf = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(sizeof(int64_t) * (size_t)(E + X + E * D + 4 * F)));
     if (!buf) goto done;

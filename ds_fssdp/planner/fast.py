@@ -62,14 +62,19 @@ def materialize_joint(owner_E, tokens_ED, topology: Topology, *, overlap_degree:
 _I64 = np.dtype(np.int64)
 
 
-def dispatch_compact(placement_ED, tokens_ED, topology: Topology, balanced: bool, slack: float) -> DispatchPlan:
-    """The plan as :class:`~ds_fssdp.planner.plan.DispatchPlan` (no dense [E, D, D] tensor)."""
+def _dispatch_inputs(placement_ED, tokens_ED, topology: Topology, slack: float):
+    """(P, T, E, D): the dispatch inputs as C-contiguous CPU tensors, shapes, ranks and slack checked."""
     P, T = _c(placement_ED, torch.bool), _c(tokens_ED, torch.long)
     shape = P.shape
     if T.shape != shape or shape[1] != topology.num_ranks or slack < 0:
         raise ValueError(f"tokens_ED {tuple(T.shape)} must match placement_ED {tuple(shape)} on "
                          f"{topology.num_ranks} ranks, and slack ({slack}) must be >= 0")
-    E, D = shape
+    return P, T, shape[0], shape[1]
+
+
+def dispatch_compact(placement_ED, tokens_ED, topology: Topology, balanced: bool, slack: float) -> DispatchPlan:
+    """The plan as :class:`~ds_fssdp.planner.plan.DispatchPlan` (no dense [E, D, D] tensor)."""
+    P, T, E, D = _dispatch_inputs(placement_ED, tokens_ED, topology, slack)
     X, F, buf = _fastplan.dispatch_compact(P.data_ptr(), T.data_ptr(), E, D, topology.ranks_per_node, slack, balanced)
     out = np.frombuffer(buf, _I64)
     a = E + X
@@ -78,10 +83,7 @@ def dispatch_compact(placement_ED, tokens_ED, topology: Topology, balanced: bool
 
 
 def _dense(placement_ED, tokens_ED, topology: Topology, *, balanced: bool, slack: float = 0.0) -> torch.Tensor:
-    P, T = _c(placement_ED, torch.bool), _c(tokens_ED, torch.long)
-    E, D = P.shape
-    if D != topology.num_ranks:
-        raise ValueError(f"placement_ED has {D} ranks, the topology {topology.num_ranks}")
+    P, T, E, D = _dispatch_inputs(placement_ED, tokens_ED, topology, slack)
     plan = np.zeros((E, D, D), dtype=np.int64)
     _fastplan.dispatch_dense(P.data_ptr(), T.data_ptr(), plan, E, D, topology.ranks_per_node, float(slack), balanced)
     return torch.from_numpy(plan)

@@ -90,6 +90,7 @@ class DispatchPlan:  # read-only by convention (slots, not frozen: built every l
         holders = P.sum(1)
         holder_E = np.where(holders == 1, P.argmax(1), -1).astype(np.int64)
         rep_X = np.flatnonzero(holders > 1).astype(np.int64)
-        x, d, h = np.nonzero(plan[rep_X])
-        flows_4F = np.stack([x, h, d, plan[rep_X][x, d, h]]).astype(np.int64)
+        rep_XDD = plan[rep_X]
+        x, d, h = np.nonzero(rep_XDD)
+        flows_4F = np.stack([x, h, d, rep_XDD[x, d, h]]).astype(np.int64)
         return cls(tokens_ED=plan.sum(2), holder_E=holder_E, rep_X=rep_X, flows_4F=flows_4F)
