@@ -21,6 +21,10 @@
 #define MAX_D 4096
 #define PTR(type, addr) ((type *)(uintptr_t)(addr))
 
+/* c ? a : b without a branch (a select that depends on the data mispredicts half the time, and
+ * compilers may turn ?: into a branch). */
+static inline int64_t sel_i(int c, int64_t a, int64_t b) { return b ^ ((a ^ b) & -(int64_t)c); }
+
 /* Scratch memory kept between calls, one buffer per use (the GIL is held throughout, so there is
  * one caller at a time): planning runs for every layer every iteration, and fresh allocations of
  * these sizes page-fault on first touch. NULL with MemoryError set if it cannot grow. */
@@ -59,21 +63,37 @@ static void *scratch_zeroed(size_t bytes) {
 }
 
 /* The flows of a dispatch that carry tokens, (x, h, d, k) each: k tokens of replicated expert
- * rep[x] that holder h computes for source rank d. Kept in SCRATCH_FLOWS, grown as needed. */
+ * rep[x] that holder h computes for source rank d. Kept in SCRATCH_FLOWS as four columns of cap
+ * entries (x, h, d, k: the rows of flows_4F), grown as needed. */
 typedef struct {
-    int64_t *xhdk, n, cap;
+    int64_t *col[4], n, cap;
 } Flows;
 
-static int flows_push(Flows *fl, int64_t x, int64_t h, int64_t d, int64_t k) {
-    if (fl->n == fl->cap) {
-        int64_t cap = fl->cap ? 2 * fl->cap : 1024;
-        int64_t *p = scratch_get(SCRATCH_FLOWS, sizeof(int64_t) * 4 * (size_t)cap);
-        if (!p) return -1;
-        fl->xhdk = p;
-        fl->cap = cap;
+static void flows_start(Flows *fl) {
+    fl->n = 0;
+    fl->cap = (int64_t)(scratch_size[SCRATCH_FLOWS] / (4 * sizeof(int64_t)));
+    for (int j = 0; j < 4; j++) fl->col[j] = (int64_t *)scratch_buf[SCRATCH_FLOWS] + j * fl->cap;
+}
+
+/* Room for `need` flows. Returns 0, or -1 with MemoryError set. */
+static int flows_reserve(Flows *fl, int64_t need) {
+    if (need <= fl->cap) return 0;
+    int64_t cap = fl->cap ? 2 * fl->cap : 1024;
+    if (cap < need) cap = need;
+    int64_t *p = scratch_get(SCRATCH_FLOWS, sizeof(int64_t) * 4 * (size_t)cap);
+    if (!p) return -1;
+    for (int j = 3; j >= 0; j--) { /* the columns to their new offsets, the last first */
+        memmove(p + j * cap, p + j * fl->cap, sizeof(int64_t) * (size_t)fl->n);
+        fl->col[j] = p + j * cap;
     }
-    int64_t *o = fl->xhdk + 4 * fl->n++;
-    o[0] = x; o[1] = h; o[2] = d; o[3] = k;
+    fl->cap = cap;
+    return 0;
+}
+
+static inline int flows_push(Flows *fl, int64_t x, int64_t h, int64_t d, int64_t k) {
+    if (fl->n == fl->cap && flows_reserve(fl, fl->n + 1)) return -1;
+    int64_t i = fl->n++;
+    fl->col[0][i] = x; fl->col[1][i] = h; fl->col[2][i] = d; fl->col[3][i] = k;
     return 0;
 }
 
@@ -114,15 +134,14 @@ static int check_owner(const int64_t *owner_E, int64_t E, int64_t D) {
 }
 
 /* The holders of placement row p, ascending, into H; those in node n are H[lo[n] : lo[n + 1]]
- * (nodes are contiguous blocks of ranks). Returns how many. */
-static int64_t holders_by_node(const uint8_t *p, const int64_t *node_D, int64_t D, int64_t N, int64_t *H,
-                               int64_t *lo) {
-    int64_t nh = 0;
-    for (int64_t d = 0; d < D; d++) { H[nh] = d; nh += p[d] != 0; }
-    for (int64_t n = 0, i = 0; n <= N; n++) {
-        while (i < nh && node_D[H[i]] < n) i++;
-        lo[n] = i;
+ * (nodes are contiguous blocks of D / N ranks). Returns how many. */
+static int64_t holders_by_node(const uint8_t *p, int64_t D, int64_t N, int64_t *H, int64_t *lo) {
+    int64_t nh = 0, G = D / N;
+    for (int64_t n = 0; n < N; n++) {
+        lo[n] = nh;
+        for (int64_t d = n * G; d < (n + 1) * G; d++) { H[nh] = d; nh += p[d] != 0; }
     }
+    lo[N] = nh;
     return nh;
 }
 
@@ -229,26 +248,56 @@ static inline void joint_best(int64_t e, int64_t N, const double *v, const int64
                               int64_t *best_n, double *best_v) {
     int64_t bn = -1;
     double bv = -1.0;
-    for (int64_t n = 0; n < N; n++)
-        if (OPEN(e, n) > 0 && v[e * N + n] > bv) { bv = v[e * N + n]; bn = n; }
+    for (int64_t n = 0; n < N; n++) {
+        int win = (OPEN(e, n) > 0) & (v[e * N + n] > bv);
+        bv = win ? v[e * N + n] : bv;
+        bn = win ? n : bn;
+    }
     best_n[e] = bn;
     best_v[e] = bv;
 }
 
+/* The argmax over best_v kept by groups of 8 experts: group_v[g] / group_e[g] are the largest
+ * value in experts [8g, 8g + 8) and its first expert (best_v is padded with -inf to a multiple of
+ * 8). After best_v[e] changes only e's group is redone; the first largest over all experts is
+ * the first largest group's. */
+#define JOINT_GROUP 8
+/* The first index of the largest of a[0 : n]; *largest gets it. */
+static inline int64_t first_max(const double *a, int64_t n, double *largest) {
+    double bv = a[0];
+    int64_t bi = 0;
+    for (int64_t i = 1; i < n; i++) {
+        int win = a[i] > bv;
+        bv = win ? a[i] : bv;
+        bi = win ? i : bi;
+    }
+    *largest = bv;
+    return bi;
+}
+
+static inline void group_redo(const double *best_v, double *group_v, int64_t *group_e, int64_t g) {
+    group_e[g] = g * JOINT_GROUP + first_max(best_v + g * JOINT_GROUP, JOINT_GROUP, group_v + g);
+}
+
 /* Bytes of scratch joint_core needs. */
 static size_t joint_scratch(int64_t E, int64_t D, int64_t N, int64_t m) {
-    return sizeof(int64_t) * (size_t)(4 * E * N + 4 * E + N + 3 * D + 1 + D * m) + (size_t)E + 8;
+    int64_t groups = (E + JOINT_GROUP - 1) / JOINT_GROUP;
+    return sizeof(int64_t) * (size_t)(4 * E * N + 2 * E + groups * (JOINT_GROUP + 2) + N + 3 * D + 1 + D * m) +
+           (size_t)E + 8;
 }
 
 /* The eager greedy keeps best_n[e] the argmax over e's open nodes at all times. Here best_v[e] is
  * refreshed lazily: a node only closes (its last free rank lacking e fills), so a stored best_v
  * is never below the true one, and the first largest stored value, once fresh, is the eager
- * choice (ties included: a stale equal value on a lower e is refreshed first). */
+ * choice (ties included: a stale equal value on a lower e is refreshed first). Experts that may
+ * not take holders (once t are replicated, the others) are -inf in best_v. */
 static int joint_core(const int64_t *owner_E, const double *T, const int64_t *node_D, uint8_t *P, int64_t E,
                       int64_t D, int64_t N, int64_t t, int64_t m, double stop, char *scratch) {
+    int64_t groups = (E + JOINT_GROUP - 1) / JOINT_GROUP;
     double *F = (double *)scratch, *h = F + E * N, *v = h + E * N, *best_v = v + E * N;
-    int64_t *hf = (int64_t *)(best_v + E), *best_n = hf + E * N, *repl_list = best_n + E;
-    int64_t *own = repl_list + E, *own_start = own + E, *nfree = own_start + D + 1, *reps = nfree + N;
+    double *group_v = best_v + groups * JOINT_GROUP;
+    int64_t *hf = (int64_t *)(group_v + groups), *best_n = hf + E * N, *group_e = best_n + E;
+    int64_t *own = group_e + groups, *own_start = own + E, *nfree = own_start + D + 1, *reps = nfree + N;
     int64_t *by_owned = reps + D * m;
     uint8_t *repl = (uint8_t *)(by_owned + D);
     int64_t free_D[MAX_D];
@@ -261,15 +310,22 @@ static int joint_core(const int64_t *owner_E, const double *T, const int64_t *no
     for (int64_t e = 0; e < E; e++) P[e * D + owner_E[e]] = 1;
     for (int64_t d = 0; d < D; d++) { free_D[d] = m; owned_D[d] = 0; }
     /* nodes are contiguous blocks of G ranks (Topology: node of d = d // G) */
-    int64_t G = D / N;
-    for (int64_t e = 0; e < E; e++) {
-        const double *Te = T + e * D;
-        double *Fe = F + e * N, row = 0;
-        for (int64_t n = 0; n < N; n++) { /* each node's sum in rank order, in a register */
-            double sum = 0;
-            for (int64_t g = 0; g < G; g++) sum += Te[n * G + g];
-            Fe[n] = sum;
+    int64_t G = D / N, e4 = E - E % 4;
+    for (int64_t e = 0; e < e4; e += 4) /* each node's sum in rank order, four experts at a time */
+        for (int64_t n = 0; n < N; n++) {
+            const double *t0 = T + e * D + n * G;
+            double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+            for (int64_t g = 0; g < G; g++) { s0 += t0[g]; s1 += t0[D + g]; s2 += t0[2 * D + g]; s3 += t0[3 * D + g]; }
+            F[e * N + n] = s0; F[(e + 1) * N + n] = s1; F[(e + 2) * N + n] = s2; F[(e + 3) * N + n] = s3;
         }
+    for (int64_t e = e4; e < E; e++)
+        for (int64_t n = 0; n < N; n++) {
+            double sum = 0;
+            for (int64_t g = 0; g < G; g++) sum += T[e * D + n * G + g];
+            F[e * N + n] = sum;
+        }
+    for (int64_t e = 0; e < E; e++) {
+        double *Fe = F + e * N, row = 0;
         for (int64_t n = 0; n < N; n++) row += Fe[n];
         int64_t on = node_D[owner_E[e]];
         h[e * N + on] = 1;
@@ -309,52 +365,32 @@ static int joint_core(const int64_t *owner_E, const double *T, const int64_t *no
     double tau = total / D;
     int64_t n_repl = 0;
     /* v[e, n]: per-holder load, plus total while node n lacks e (cover first) */
-    for (int64_t i = 0; i < E * N; i++) {
-        double hh = h[i], f = F[i];
-        v[i] = f / (hh < 1.0 ? 1.0 : hh) + ((hh == 0 && f > 0) ? total : 0.0);
-    }
+    for (int64_t i = 0; i < E * N; i++) v[i] = F[i] + ((h[i] == 0 && F[i] > 0) ? total : 0.0); /* h: 0 or 1 */
     for (int64_t e = 0; e < E; e++) joint_best(e, N, v, nfree, hf, best_n, best_v);
+    for (int64_t e = E; e < groups * JOINT_GROUP; e++) best_v[e] = -INFINITY;
+    for (int64_t g = 0; g < groups; g++) group_redo(best_v, group_v, group_e, g);
     for (;;) {
-        /* the reference's argmax over (e, n), e-major: the first largest. Once t experts are
-           replicated only they can take holders: scan their (ascending) list. (best_v[e] is -1
+        /* the reference's argmax over (e, n), e-major: the first largest. (best_v[e] is -1
            exactly when e has no open node, so it never wins.) */
         int64_t be;
         double best;
         for (;;) {
-            be = -1;
-            best = -1.0;
-            if (n_repl < t) { /* the largest value in four lanes, then its first expert */
-                double b4[4] = {-1.0, -1.0, -1.0, -1.0};
-                int64_t e = 0;
-                for (; e + 4 <= E; e += 4)
-                    for (int k = 0; k < 4; k++) b4[k] = best_v[e + k] > b4[k] ? best_v[e + k] : b4[k];
-                for (; e < E; e++) b4[0] = best_v[e] > b4[0] ? best_v[e] : b4[0];
-                for (int k = 1; k < 4; k++) best = b4[k] > best ? b4[k] : best;
-                best = b4[0] > best ? b4[0] : best;
-                if (best > -1.0) for (e = 0; best_v[e] != best; e++) {}
-                be = best > -1.0 ? e : -1;
-            } else {
-                for (int64_t i = 0; i < n_repl; i++) {
-                    int64_t e = repl_list[i];
-                    int win = best_v[e] > best;
-                    best = win ? best_v[e] : best;
-                    be = win ? e : be;
-                }
-            }
-            if (be < 0 || OPEN(be, best_n[be]) > 0) break;
+            be = group_e[first_max(group_v, groups, &best)];
+            if (!(best > -1.0)) { be = -1; break; }
+            if (OPEN(be, best_n[be]) > 0) break;
             joint_best(be, N, v, nfree, hf, best_n, best_v); /* stale: its best node closed */
+            group_redo(best_v, group_v, group_e, be / JOINT_GROUP);
         }
         if (be < 0 || best < stop * tau) break;
         /* the open rank of node bn with the most free slots, then the least owned load, then
-           the lowest id: the first with the most in by_owned order (all m: none can beat it) */
+           the lowest id: the first with the most in by_owned order (branch-free) */
         int64_t bn = best_n[be], d_best = -1, b_free = 0;
+        const uint8_t *Pe = P + be * D;
         for (int64_t i = bn * G; i < (bn + 1) * G; i++) {
-            int64_t d = by_owned[i], fd = P[be * D + d] ? 0 : free_D[d];
-            if (fd > b_free) {
-                b_free = fd;
-                d_best = d;
-                if (fd == m) break;
-            }
+            int64_t d = by_owned[i], fd = sel_i(Pe[d] == 0, free_D[d], 0);
+            int win = fd > b_free;
+            b_free = sel_i(win, fd, b_free);
+            d_best = sel_i(win, d, d_best);
         }
         P[be * D + d_best] = 1;
         h[be * N + bn] += 1;
@@ -369,10 +405,13 @@ static int joint_core(const int64_t *owner_E, const double *T, const int64_t *no
             for (int64_t i = 0; i < m - 1; i++) hf[reps[d_best * m + i] * N + bn] -= 1;
         }
         joint_best(be, N, v, nfree, hf, best_n, best_v);
+        group_redo(best_v, group_v, group_e, be / JOINT_GROUP);
         if (!repl[be]) {
             repl[be] = 1;
-            if (++n_repl == t) /* the list, ascending */
-                for (int64_t e = 0, i = 0; e < E; e++) if (repl[e]) repl_list[i++] = e;
+            if (++n_repl == t) { /* from now on only the replicated experts take holders */
+                for (int64_t e = 0; e < E; e++) if (!repl[e]) best_v[e] = -INFINITY;
+                for (int64_t g = 0; g < groups; g++) group_redo(best_v, group_v, group_e, g);
+            }
         }
     }
     return 0;
@@ -403,11 +442,18 @@ done:
 
 /* ---------------------------------------------------------------------------------------------
  * Who holds what: holder_E[e] = the single holder, or -1 for the X replicated experts (rep,
- * ascending). Raises if an expert has no holder or a count is negative.
+ * ascending); sum_E[e] = expert e's tokens. Raises if an expert has no holder or a count is
+ * negative.
  */
-static int64_t holders(const uint8_t *P, const int64_t *T, int64_t E, int64_t D, int64_t *holder_E, int64_t *rep) {
+static int64_t holders(const uint8_t *P, const int64_t *T, int64_t E, int64_t D, int64_t *holder_E, int64_t *rep,
+                       int64_t *sum_E) {
     int64_t X = 0, any = 0;
-    for (int64_t i = 0; i < E * D; i++) any |= T[i];
+    for (int64_t e = 0; e < E; e++) { /* one pass over the tokens: each row's sum, any sign bit */
+        int64_t sum = 0, or = 0;
+        for (int64_t d = 0; d < D; d++) { sum += T[e * D + d]; or |= T[e * D + d]; }
+        sum_E[e] = sum;
+        any |= or;
+    }
     if (any < 0)
         for (int64_t i = 0; i < E * D; i++)
             if (T[i] < 0) {
@@ -424,7 +470,7 @@ static int64_t holders(const uint8_t *P, const int64_t *T, int64_t E, int64_t D,
             memcpy(&w, p + d, 8);
             uint64_t nz = ((((w & 0x7f7f7f7f7f7f7f7fULL) + 0x7f7f7f7f7f7f7f7fULL) | w) & 0x8080808080808080ULL);
             nh += (int64_t)(((nz >> 7) * 0x0101010101010101ULL) >> 56); /* one bit per nonzero byte */
-            if (at < 0 && nz) at = d + __builtin_ctzll(nz) / 8;
+            at = sel_i((at < 0) & (nz != 0), d + __builtin_ctzll(nz | 1ULL << 63) / 8, at);
         }
         for (; d < D; d++) { if (p[d] && at < 0) at = d; nh += p[d] != 0; }
         if (nh == 0) {
@@ -451,7 +497,7 @@ static int paper_core(const uint8_t *P, const int64_t *T, const int64_t *node_D,
     for (int64_t x = 0; x < X; x++) {
         int64_t e = rep[x];
         const uint8_t *hold = P + e * D;
-        int64_t n_all = holders_by_node(hold, node_D, D, N, all, lo);
+        int64_t n_all = holders_by_node(hold, D, N, all, lo);
         for (int64_t d = 0; d < D; d++) {
             int64_t c = T[e * D + d];
             if (c == 0) continue;
@@ -555,6 +601,13 @@ static void fill_most_room(Fill *f, int64_t x, int64_t d, int64_t lo, int64_t hi
     }
 }
 
+/* Bit i set where a[i] != 0, for i < n <= 64 (the work left, found without a branch per entry). */
+static inline uint64_t nonzero_bits(const int64_t *a, int64_t n) {
+    uint64_t bits = 0;
+    for (int64_t i = 0; i < n; i++) bits |= (uint64_t)(a[i] != 0) << i;
+    return bits;
+}
+
 static void fill_greedy(Fill *f, const int64_t *order) {
     int64_t D = f->D;
     for (int64_t oi = 0; oi < f->X; oi++) {
@@ -566,8 +619,22 @@ static void fill_greedy(Fill *f, const int64_t *order) {
             if (k > r) k = r;
             if (k) fill_take(f, x, h, h, k);
         }
-        for (int64_t d = 0; d < D; d++) /* then the holders in the source's node */
-            fill_most_room(f, x, d, HS(f, x, f->node_D[d]), HS(f, x, f->node_D[d] + 1));
+        for (int64_t n = 0; n < f->N; n++) { /* then the holders in the source's node (nodes apart) */
+            int64_t lo = HS(f, x, n), hi = HS(f, x, n + 1), end = (n + 1) * f->G;
+            if (hi == lo) continue;
+            for (int64_t b = n * f->G; b < end; b += 64) /* the sources with tokens left, ascending */
+                for (uint64_t live = nonzero_bits(f->rem + x * D + b, end - b < 64 ? end - b : 64); live;
+                     live &= live - 1) {
+                    int64_t d = b + __builtin_ctzll(live);
+                    if (hi - lo == 1) { /* one holder: up to its room */
+                        int64_t h = H[lo], k = f->rem[x * D + d], r = room(f, h);
+                        if (k > r) k = r;
+                        if (k > 0) fill_take(f, x, d, h, k);
+                    } else {
+                        fill_most_room(f, x, d, lo, hi);
+                    }
+                }
+        }
     }
 }
 
@@ -779,16 +846,14 @@ static size_t bound_scratch(int64_t X, int64_t D) {
 /* holder_E / rep / X from holders(); the flows with tokens into fl. Returns 0, or -1 with
  * MemoryError set. */
 static int balanced_core(const uint8_t *P, const int64_t *T, const int64_t *node_D, const int64_t *holder_E,
-                         const int64_t *rep, int64_t X, int64_t E, int64_t D, double slack, Flows *fl) {
+                         const int64_t *rep, const int64_t *sum_E, int64_t X, int64_t E, int64_t D, double slack,
+                         Flows *fl) {
     if (X == 0) return 0;
-    int64_t rows[MAX_D]; /* rows per rank: the single-holder experts' (the base) until the fill */
-    memset(rows, 0, sizeof(int64_t) * (size_t)D);
-    for (int64_t e = 0; e < E; e++) {
+    int64_t rows[MAX_D + 1]; /* rows per rank: the single-holder experts' (the base) until the fill */
+    memset(rows, 0, sizeof(int64_t) * (size_t)(D + 1));
+    for (int64_t e = 0; e < E; e++) { /* branch-free: a replicated expert's sum lands in rows[D] */
         int64_t h = holder_E[e];
-        if (h < 0) continue;
-        int64_t s = 0;
-        for (int64_t d = 0; d < D; d++) s += T[e * D + d];
-        rows[h] += s;
+        rows[h < 0 ? D : h] += sum_E[e];
     }
     int64_t N = node_D[D - 1] + 1;
     int64_t cells = X * D * D, touched_cap = 2 * cells;
@@ -809,7 +874,7 @@ static int balanced_core(const uint8_t *P, const int64_t *T, const int64_t *node
     char *bound_mem = (char *)(s.seen + D);
     bound_mem += (8 - ((uintptr_t)bound_mem & 7)) & 7; /* aligned: the + 8 above */
     /* zero what is summed into (the rest is written before it is read) */
-    memset(load_X, 0, sizeof(int64_t) * (size_t)(X + X * D)); /* load_X, inflow */
+    memset(inflow, 0, sizeof(int64_t) * (size_t)(X * D));
     memset(held_start, 0, sizeof(int64_t) * (size_t)(D + 1));
     memset(s.queue, 0, sizeof(int64_t) * (size_t)D);
     Fill f;
@@ -819,12 +884,10 @@ static int balanced_core(const uint8_t *P, const int64_t *T, const int64_t *node
     f.touched = touched; f.ntouched = 0; f.touched_cap = touched_cap;
     for (int64_t x = 0; x < X; x++) {
         int64_t e = rep[x];
-        for (int64_t d = 0; d < D; d++) {
-            rem[x * D + d] = T[e * D + d];
-            load_X[x] += T[e * D + d];
-        }
+        memcpy(rem + x * D, T + e * D, sizeof(int64_t) * (size_t)D);
+        load_X[x] = sum_E[e];
         f.rem_total += load_X[x];
-        nhold[x] = holders_by_node(P + e * D, node_D, D, N, hold + x * D, hs + x * (N + 1));
+        nhold[x] = holders_by_node(P + e * D, D, N, hold + x * D, hs + x * (N + 1));
         for (int64_t i = 0; i < nhold[x]; i++) held_start[hold[x * D + i] + 1]++;
     }
     for (int64_t d = 0; d < D; d++) held_start[d + 1] += held_start[d];
@@ -857,15 +920,19 @@ static int balanced_core(const uint8_t *P, const int64_t *T, const int64_t *node
         }
     }
     /* The positive cells out (each once: a cell is cleared as it is read, so a repeat in the
-       list finds 0), which leaves the dense array zero for the next call. */
-    int failed = 0;
+       list finds 0), which leaves the dense array zero for the next call, even if the flows
+       cannot grow. Each cell is written at n and kept (n advances) when positive. */
+    int failed = flows_reserve(fl, fl->n + f.ntouched);
+    int64_t n = fl->n;
     for (int64_t i = 0; i < f.ntouched; i++) {
         int64_t x = touched[i] >> 32, h = touched[i] >> 16 & 0xffff, d = touched[i] & 0xffff;
         int64_t *cell = &FLOW(&f, x, d, h), k = *cell;
-        if (!k) continue;
         *cell = 0;
-        if (!failed) failed = flows_push(fl, x, h, d, k);
+        if (failed) continue;
+        fl->col[0][n] = x; fl->col[1][n] = h; fl->col[2][n] = d; fl->col[3][n] = k;
+        n += k != 0;
     }
+    if (!failed) fl->n = n;
     return failed ? -1 : 0;
 }
 
@@ -873,20 +940,18 @@ static int balanced_core(const uint8_t *P, const int64_t *T, const int64_t *node
  * Entry points.
  */
 
-/* Either dispatch, as both entries run it: the holders (holder_E, rep: scratch of 2E + 1), then
- * the flows with tokens into fl. Returns X, or -1 with an error set. */
+/* Either dispatch, as both entries run it: the holders (holder_E, rep, sum_E: scratch of 3E + 1),
+ * then the flows with tokens into fl. Returns X, or -1 with an error set. */
 static int64_t dispatch_flows(const uint8_t *P, const int64_t *T, int64_t E, int64_t D, int64_t G, double slack,
                               int balanced, int64_t **holder_E, Flows *fl) {
     int64_t node_D[MAX_D];
-    *holder_E = scratch_get(SCRATCH_ENTRY, sizeof(int64_t) * (size_t)(2 * E + 1));
+    *holder_E = scratch_get(SCRATCH_ENTRY, sizeof(int64_t) * (size_t)(3 * E + 1));
     if (!*holder_E || check_ranks(D) || node_ids(node_D, D, G)) return -1;
-    const int64_t *rep = *holder_E + E;
-    int64_t X = holders(P, T, E, D, *holder_E, *holder_E + E);
+    int64_t *rep = *holder_E + E, *sum_E = rep + E + 1;
+    int64_t X = holders(P, T, E, D, *holder_E, rep, sum_E);
     if (X < 0) return -1;
-    fl->n = 0;
-    fl->cap = (int64_t)(scratch_size[SCRATCH_FLOWS] / (4 * sizeof(int64_t)));
-    fl->xhdk = (int64_t *)scratch_buf[SCRATCH_FLOWS];
-    int failed = balanced ? balanced_core(P, T, node_D, *holder_E, rep, X, E, D, slack, fl)
+    flows_start(fl);
+    int failed = balanced ? balanced_core(P, T, node_D, *holder_E, rep, sum_E, X, E, D, slack, fl)
                           : paper_core(P, T, node_D, rep, X, D, fl);
     return failed ? -1 : X;
 }
@@ -909,10 +974,7 @@ static PyObject *dispatch_dense(PyObject *self, PyObject *args) {
     for (int64_t e = 0; e < E; e++)
         if (holder_E[e] >= 0)
             for (int64_t d = 0; d < D; d++) R[(e * D + d) * D + holder_E[e]] = T[e * D + d];
-    for (int64_t i = 0; i < fl.n; i++) {
-        const int64_t *q = fl.xhdk + 4 * i;
-        R[(rep[q[0]] * D + q[2]) * D + q[1]] = q[3];
-    }
+    for (int64_t i = 0; i < fl.n; i++) R[(rep[fl.col[0][i]] * D + fl.col[2][i]) * D + fl.col[1][i]] = fl.col[3][i];
     out = Py_None;
     Py_INCREF(out);
 done:
@@ -944,8 +1006,7 @@ static PyObject *dispatch_compact(PyObject *self, PyObject *args) {
     memcpy(o, holder_E, sizeof(int64_t) * (size_t)E);
     memcpy(o + E, rep, sizeof(int64_t) * (size_t)X);
     memcpy(o + E + X, T, sizeof(int64_t) * (size_t)(E * D));
-    for (int64_t i = 0; i < F; i++)
-        for (int j = 0; j < 4; j++) xs[j * F + i] = fl.xhdk[4 * i + j];
+    for (int j = 0; j < 4; j++) memcpy(xs + j * F, fl.col[j], sizeof(int64_t) * (size_t)F);
     out = Py_BuildValue("LLN", (long long)X, (long long)F, buf); /* N: the tuple takes buf */
 done:
     scratch_trim();
