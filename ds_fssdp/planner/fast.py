@@ -29,17 +29,21 @@ except ImportError:  # a source tree used without `pip install`
 AVAILABLE = _fastplan is not None
 
 
+_Tensor, _LONG, _F64, _BOOL = torch.Tensor, torch.long, torch.float64, torch.bool
+_I64 = np.dtype(np.int64)
+
+
 def _c(t, dtype: torch.dtype) -> torch.Tensor:
     """``t`` as a C-contiguous CPU tensor of ``dtype`` (itself when it already is one)."""
-    if not isinstance(t, torch.Tensor):
+    if not isinstance(t, _Tensor):
         t = torch.as_tensor(np.asarray(t))
     if t.dtype is not dtype or not t.is_cpu or not t.is_contiguous():
         t = t.to("cpu", dtype).contiguous()
     return t
 
 
-def materialize_alg1(owner_E, load_E, topology: Topology, *, overlap_degree: int, budget: int) -> torch.Tensor:
-    owner, load = _c(owner_E, torch.long), _c(load_E, torch.float64)
+def materialize_alg1(owner_E, load_E, topology: Topology, overlap_degree: int, budget: int) -> torch.Tensor:
+    owner, load = _c(owner_E, _LONG), _c(load_E, _F64)
     E = owner.numel()
     placement = np.empty((E, topology.num_ranks), dtype=np.bool_)  # zeroed in C
     _fastplan.materialize_alg1(owner.data_ptr(), load.data_ptr(), placement, E, topology.num_ranks,
@@ -47,9 +51,10 @@ def materialize_alg1(owner_E, load_E, topology: Topology, *, overlap_degree: int
     return torch.from_numpy(placement)
 
 
-def materialize_joint(owner_E, tokens_ED, topology: Topology, *, overlap_degree: int, budget: int,
+def materialize_joint(owner_E, tokens_ED, topology: Topology, overlap_degree: int, budget: int,
                       stop: float) -> torch.Tensor:
-    owner, tokens = _c(owner_E, torch.long), _c(tokens_ED, torch.float64)
+    """(Arguments by position: this runs for every layer, every iteration.)"""
+    owner, tokens = _c(owner_E, _LONG), _c(tokens_ED, _F64)
     E, D = owner.numel(), topology.num_ranks
     if tokens.shape != (E, D):
         raise ValueError(f"tokens_ED {tuple(tokens.shape)} does not match {E} experts on {D} ranks")
@@ -59,12 +64,9 @@ def materialize_joint(owner_E, tokens_ED, topology: Topology, *, overlap_degree:
     return torch.from_numpy(placement)
 
 
-_I64 = np.dtype(np.int64)
-
-
 def _dispatch_inputs(placement_ED, tokens_ED, topology: Topology, slack: float):
     """(P, T, E, D): the dispatch inputs as C-contiguous CPU tensors, shapes, ranks and slack checked."""
-    P, T = _c(placement_ED, torch.bool), _c(tokens_ED, torch.long)
+    P, T = _c(placement_ED, _BOOL), _c(tokens_ED, _LONG)
     shape = P.shape
     if T.shape != shape or shape[1] != topology.num_ranks or slack < 0:
         raise ValueError(f"tokens_ED {tuple(T.shape)} must match placement_ED {tuple(shape)} on "
@@ -77,9 +79,8 @@ def dispatch_compact(placement_ED, tokens_ED, topology: Topology, balanced: bool
     P, T, E, D = _dispatch_inputs(placement_ED, tokens_ED, topology, slack)
     X, F, buf = _fastplan.dispatch_compact(P.data_ptr(), T.data_ptr(), E, D, topology.ranks_per_node, slack, balanced)
     out = np.frombuffer(buf, _I64)
-    a = E + X
-    return DispatchPlan(tokens_ED=out[a:a + E * D].reshape(E, D), holder_E=out[:E], rep_X=out[E:a],
-                        flows_4F=out[a + E * D:].reshape(4, F))
+    a, b = E + X, E + X + E * D
+    return DispatchPlan(out[a:b].reshape(E, D), out[:E], out[E:a], out[b:].reshape(4, F))  # tokens, holder, rep, flows
 
 
 def _dense(placement_ED, tokens_ED, topology: Topology, *, balanced: bool, slack: float = 0.0) -> torch.Tensor:

@@ -40,8 +40,7 @@ def joint_materialize(owner_E: torch.Tensor, tokens_ED: torch.Tensor, topology: 
     if base_ED is None and fast.AVAILABLE:  # (shapes checked there)
         if overlap_degree < 0 or budget < 0:
             raise ValueError(f"overlap_degree ({overlap_degree}) and budget ({budget}) must be >= 0")
-        return fast.materialize_joint(owner_E, tokens_ED, topology, overlap_degree=overlap_degree, budget=budget,
-                                      stop=STOP)
+        return fast.materialize_joint(owner_E, tokens_ED, topology, overlap_degree, budget, STOP)
     return joint_materialize_reference(owner_E, tokens_ED, topology, overlap_degree=overlap_degree, budget=budget,
                                        base_ED=base_ED)
 

@@ -33,7 +33,7 @@ def materialize(owner_E: torch.Tensor, load_E: torch.Tensor, topology: Topology,
     each rank's budget. Runs in C when the extension is built (same result as the reference)."""
     if base_ED is None and fast.AVAILABLE:
         _check(owner_E, load_E, overlap_degree, budget)
-        return fast.materialize_alg1(owner_E, load_E, topology, overlap_degree=overlap_degree, budget=budget)
+        return fast.materialize_alg1(owner_E, load_E, topology, overlap_degree, budget)
     return materialize_reference(owner_E, load_E, topology, overlap_degree=overlap_degree, budget=budget,
                                  base_ED=base_ED)
 
