@@ -13,16 +13,15 @@ fssdp default: joint_materialize + balancing dispatch with the default 3% slack)
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
 import statistics
 import time
 
+import layer_args
 import torch
 
-from ds_fssdp import Topology
 from ds_fssdp.config import FSSDPConfig
 from ds_fssdp.planner import fast, homogeneous_owner, materialize
 from ds_fssdp.planner.dispatch import dispatch_plan as dispatch
@@ -30,21 +29,14 @@ from ds_fssdp.planner.joint import joint_materialize
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--ranks", type=int, default=32)
-    p.add_argument("--nodes", type=int, default=4)
-    p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--skew", type=float, default=1.5)
+    p = layer_args.parser(__doc__, repeats=2000)
     p.add_argument("--budget", type=int, default=2)
     p.add_argument("--overlap-degree", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=2000)
     p.add_argument("--runs", type=int, default=1)
-    p.add_argument("--json", default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
     E, D = args.experts, args.ranks
-    topo = Topology(num_ranks=D, ranks_per_node=D // args.nodes)
+    topo = layer_args.topology(args)
     owner = homogeneous_owner(E, D)
     gen = torch.Generator().manual_seed(0)
     t, m, slack = args.overlap_degree, args.budget, FSSDPConfig().dispatch_slack
@@ -53,7 +45,7 @@ def main():
     # balanced_dispatch arm dispatches on. Predictions are inputs, not part of the timed planning.
     instances = []
     for _ in range(64):
-        share = torch.softmax(torch.randn(E, generator=gen) * args.skew, 0)
+        share = layer_args.skewed_share(args, gen)
         T = torch.distributions.Multinomial(total_count=args.tokens, probs=share).sample((D, )).t().contiguous()
         Tf = T.double()
         instances.append((Tf, T.long(), Tf.sum(1), joint_materialize(owner, Tf, topo, overlap_degree=t, budget=m)))

@@ -11,16 +11,15 @@ microseconds per call and the ratio, single thread.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
 import statistics
 import time
 
+import layer_args
 import torch
 
-from ds_fssdp import Topology
 from ds_fssdp.moe.routing import route, route_reference
 from ds_fssdp.planner import homogeneous_owner
 from ds_fssdp.planner.dispatch import dispatch_plan
@@ -28,21 +27,14 @@ from ds_fssdp.planner.joint import joint_materialize
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--ranks", type=int, default=32)
-    p.add_argument("--nodes", type=int, default=4)
-    p.add_argument("--tokens", type=int, default=8192)
+    p = layer_args.parser(__doc__, repeats=200)
     p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--skew", type=float, default=1.5)
-    p.add_argument("--repeats", type=int, default=200)
-    p.add_argument("--json", default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
     E, D, K, T, rank = args.experts, args.ranks, args.top_k, args.tokens, 1
-    topo = Topology(num_ranks=D, ranks_per_node=D // args.nodes)
+    topo = layer_args.topology(args)
     gen = torch.Generator().manual_seed(0)
-    share = torch.softmax(torch.randn(E, generator=gen) * args.skew, 0)
+    share = layer_args.skewed_share(args, gen)
     idx_TK = torch.multinomial(share, T * K, replacement=True, generator=gen).reshape(T, K)
     tokens_ED = torch.distributions.Multinomial(total_count=T * K, probs=share).sample((D, )).t().long()
     tokens_ED[:, rank] = torch.bincount(idx_TK.reshape(-1), minlength=E)
