@@ -14,8 +14,9 @@ setup(
     python_requires=">=3.10",
     packages=packages + ops_packages,
     package_dir={"ds_fssdp.ops": "ops"},
-    # The planner's per-iteration hot paths (pure Python references beside them).
-    ext_modules=[Extension("ds_fssdp.planner._fastplan", ["ds_fssdp/planner/_fastplan.c"], extra_compile_args=["-O3"])],
+    # The planner's and the router's per-iteration hot paths (Python references beside them).
+    ext_modules=[Extension("ds_fssdp.planner._fastplan", ["ds_fssdp/planner/_fastplan.c"], extra_compile_args=["-O3"]),
+                 Extension("ds_fssdp.moe._fastroute", ["ds_fssdp/moe/_fastroute.c"], extra_compile_args=["-O3"])],
     install_requires=[
         # torch is required but not pinned: a GPU user keeps their CUDA build; CPU machines pass
         # constraints/cpu.txt (see README) so pip takes the CPU wheel.

@@ -1,4 +1,4 @@
-"""route() (linear time, numpy) gives exactly route_reference()'s orders (key sorts), for compact
+"""route() (linear time, in C) gives exactly route_reference()'s orders (key sorts), for compact
 and dense plans, any order of the local experts, and rejects what the reference rejects."""
 import pytest
 import torch
@@ -11,6 +11,11 @@ from ds_fssdp.planner.joint import joint_materialize
 
 FIELDS = ("send_token", "unsend", "group_perm", "ungroup_perm")
 LISTS = ("send_splits", "recv_splits", "group_sizes")
+
+
+def test_the_c_extension_is_built():
+    from ds_fssdp.moe import routing
+    assert routing._fastroute is not None, "ds_fssdp.moe._fastroute is missing: reinstall with `pip install -e .`"
 
 
 def assert_same(a, b):
@@ -56,6 +61,26 @@ def test_route_single_rank_dense_counts():
     counts = torch.bincount(idx_TK.reshape(-1), minlength=5).view(-1, 1, 1)
     assert_same(route(idx_TK, counts, rank=0, local_E=torch.arange(5)),
                 route_reference(idx_TK, counts, rank=0, local_E=torch.arange(5)))
+
+
+def test_route_rejects_bad_expert_indices_and_repeated_local_experts():
+    idx_TK, plan, local_E = instance(8, 16, 8, 4, 2, 300, 2)
+    for bad in (16, -1):
+        wrong = idx_TK.clone()
+        wrong[3, 1] = bad
+        for fn in (route, route_reference):
+            with pytest.raises(RuntimeError):
+                fn(wrong, plan, rank=2, local_E=local_E)
+    with pytest.raises(ValueError, match="repeats"):
+        route(idx_TK, plan, rank=2, local_E=torch.cat([local_E, local_E[:1]]))
+
+
+def test_route_without_the_extension_is_the_reference(monkeypatch):
+    import ds_fssdp.moe.routing as routing
+    idx_TK, plan, local_E = instance(9, 16, 8, 4, 2, 300, 5)
+    want = route(idx_TK, plan, rank=5, local_E=local_E)
+    monkeypatch.setattr(routing, "_fastroute", None)
+    assert_same(routing.route(idx_TK, plan, rank=5, local_E=local_E), want)
 
 
 def test_route_rejects_what_the_reference_rejects():

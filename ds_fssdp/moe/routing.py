@@ -14,6 +14,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+try:
+    from ds_fssdp.moe import _fastroute
+except ImportError:  # a source tree used without `pip install`: route_reference (slower, same result)
+    _fastroute = None
+
 
 @dataclass
 class Route:
@@ -29,58 +34,37 @@ class Route:
 def route(idx_TK: torch.Tensor, plan_EDD, *, rank: int, local_E: torch.Tensor) -> Route:
     """``plan_EDD``: the dense plan, or a :class:`~ds_fssdp.planner.plan.DispatchPlan`.
 
-    Linear time, in numpy (small index arrays: torch's per-call cost would dominate): one stable
-    sort of the assignments by expert (a radix sort), then every other order is a reordering of
-    runs whose lengths the plan gives. :func:`route_reference` sorts keys instead (same result,
-    several times slower on a CPU)."""
-    e_A = idx_TK.to("cpu", torch.long).reshape(-1).numpy()
+    Linear time in C (``_fastroute``: one pass over the assignments places each at the next row
+    of its (destination, expert) run; the compute order is ranges of the receive order).
+    :func:`route_reference` sorts keys: same result, the fallback when the extension is not
+    built."""
+    if _fastroute is None:
+        return route_reference(idx_TK, plan_EDD, rank=rank, local_E=local_E)
+    e_A = np.ascontiguousarray(idx_TK.to("cpu", torch.long).reshape(-1).numpy())
     num_experts, num_ranks, _ = plan_EDD.shape
     K = idx_TK.shape[1]
     dense = isinstance(plan_EDD, torch.Tensor)
-    mine_ED = (plan_EDD[:, rank, :] if dense else plan_EDD.sent(rank)).numpy()
-    counts_E = np.bincount(e_A, minlength=num_experts)
-    if not np.array_equal(counts_E, mine_ED.sum(1)):
-        raise RuntimeError(f"rank {rank}: routed counts {counts_E.tolist()} disagree with the dispatch plan "
-                           f"{mine_ED.sum(1).tolist()}")
-
-    # Sorted by expert (stable: token order inside an expert), each expert's block is cut into
-    # runs per destination: runs (e, d) of mine_ED[e, d] rows. The send order is the same runs
-    # taken destination-major.
-    by_expert = np.argsort(e_A.astype(np.int16) if num_experts <= 1 << 15 else e_A, kind="stable")  # radix
-    sorted_start_ED = _exclusive_cumsum(mine_ED.ravel()).reshape(mine_ED.shape)
-    send_assign = by_expert[_runs(sorted_start_ED.T.ravel(), mine_ED.T.ravel())]
-
-    # Received: runs (source d, expert e) of recv_DE[d, e] rows; computed: slot-major (the
-    # experts held here, in local_E's order), then source.
-    recv_DE = (plan_EDD[:, :, rank] if dense else plan_EDD.received(rank)).numpy().T
-    local = local_E.to("cpu", torch.long).numpy()
+    mine_ED = np.ascontiguousarray((plan_EDD[:, rank, :] if dense else plan_EDD.sent(rank)).numpy())
+    recv_DE = np.ascontiguousarray((plan_EDD[:, :, rank] if dense else plan_EDD.received(rank)).numpy().T)
+    local = np.ascontiguousarray(local_E.to("cpu", torch.long).numpy())
     recv_E = recv_DE.sum(0)
     held = np.zeros(num_experts, dtype=bool)
     held[local] = True
     if recv_E[~held].any():
         raise RuntimeError(f"rank {rank} is sent tokens for experts it does not hold: "
                            f"{np.flatnonzero(~held & (recv_E > 0)).tolist()}")
-    recv_start_DE = _exclusive_cumsum(recv_DE.ravel()).reshape(recv_DE.shape)
-    group_perm = _runs(recv_start_DE[:, local].T.ravel(), recv_DE[:, local].T.ravel())
-    return Route(send_token=torch.from_numpy(send_assign // K), send_splits=mine_ED.sum(0).tolist(),
-                 unsend=torch.from_numpy(_inverse(send_assign)), recv_splits=recv_DE.sum(1).tolist(),
-                 group_perm=torch.from_numpy(group_perm), ungroup_perm=torch.from_numpy(_inverse(group_perm)),
+    A, R = e_A.size, int(recv_E.sum())
+    out = np.empty(2 * A + 2 * R, dtype=np.int64)
+    if not _fastroute.route_orders(e_A, K, mine_ED, recv_DE, local, out, num_experts, num_ranks):
+        bad = e_A[(e_A < 0) | (e_A >= num_experts)]
+        if bad.size:
+            raise RuntimeError(f"rank {rank}: routed expert indices {bad[:8].tolist()} are not in [0, {num_experts})")
+        raise RuntimeError(f"rank {rank}: routed counts {np.bincount(e_A, minlength=num_experts).tolist()} disagree "
+                           f"with the dispatch plan {mine_ED.sum(1).tolist()}")
+    send_token, unsend, group_perm, ungroup_perm = (torch.from_numpy(v) for v in np.split(out, [A, 2 * A, 2 * A + R]))
+    return Route(send_token=send_token, send_splits=mine_ED.sum(0).tolist(), unsend=unsend,
+                 recv_splits=recv_DE.sum(1).tolist(), group_perm=group_perm, ungroup_perm=ungroup_perm,
                  group_sizes=recv_E[local].tolist())
-
-
-def _exclusive_cumsum(x_R: np.ndarray) -> np.ndarray:
-    return np.cumsum(x_R) - x_R
-
-
-def _runs(start_R: np.ndarray, len_R: np.ndarray) -> np.ndarray:
-    """The ranges [start, start + len) of the runs, concatenated in the order given (int64)."""
-    return np.repeat(start_R - _exclusive_cumsum(len_R), len_R) + np.arange(int(len_R.sum()), dtype=np.int64)
-
-
-def _inverse(perm: np.ndarray) -> np.ndarray:
-    inv = np.empty_like(perm)
-    inv[perm] = np.arange(perm.size, dtype=perm.dtype)
-    return inv
 
 
 def route_reference(idx_TK: torch.Tensor, plan_EDD, *, rank: int, local_E: torch.Tensor) -> Route:
