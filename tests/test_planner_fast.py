@@ -59,6 +59,9 @@ def test_compact_plan_equals_the_dense_one():
                 assert torch.equal(plan.dense(), dense)
                 assert torch.equal(plan.rows_D(), dense.sum((0, 1)))
                 assert torch.equal(plan.traffic_DD(), dense.sum(0))
+                moved_DD = dense.sum(0).fill_diagonal_(0)
+                same_DD = topo.same_node_DD()
+                assert plan.moved(G) == (int(moved_DD[same_DD].sum()), int(moved_DD[~same_DD].sum()))
                 for r in range(D):
                     assert torch.equal(plan.sent(r), dense[:, r, :])
                     assert torch.equal(plan.received(r), dense[:, :, r])

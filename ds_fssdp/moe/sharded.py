@@ -319,9 +319,7 @@ class ShardedExperts:
     def _record(self, placement_ED, layout, plan, tokens_ED, gather_exposed, gather_sent, *,
                 token_bytes) -> None:
         rows_D = plan.rows_D().double()
-        moved_DD = plan.traffic_DD().double()
-        moved_DD.fill_diagonal_(0)
-        same_DD = self.topology.same_node_DD()
+        moved_intra, moved_inter = plan.moved(self.topology.ranks_per_node)
         ep_rows_D = torch.zeros_like(rows_D).index_add_(0, self.owner_E, tokens_ED.sum(1).double())
         mean = float(rows_D.mean())
         self.stats = {
@@ -336,8 +334,8 @@ class ShardedExperts:
             "reduce_bytes_sent_local": 0,
             "reduce_exposed_s": 0.0,
             # Forward token exchanges of the whole group (dispatch and combine), by link.
-            "a2a_bytes_intra": int(moved_DD[same_DD].sum()) * token_bytes * 2,
-            "a2a_bytes_inter": int(moved_DD[~same_DD].sum()) * token_bytes * 2,
+            "a2a_bytes_intra": moved_intra * token_bytes * 2,
+            "a2a_bytes_inter": moved_inter * token_bytes * 2,
             "tokens_per_rank": rows_D.long().tolist(),
             "straggler": float(rows_D.max()) / mean if mean > 0 else 1.0,
             "ep_straggler": float(ep_rows_D.max()) / mean if mean > 0 else 1.0,

@@ -73,6 +73,22 @@ class DispatchPlan:  # read-only by convention (slots, not frozen: built every l
         np.add.at(traffic, (d, h), k)
         return torch.from_numpy(traffic)
 
+    def moved(self, ranks_per_node: int) -> tuple[int, int]:
+        """Tokens that change rank, over all experts: (within a node, between nodes); nodes are
+        blocks of ``ranks_per_node`` ranks. (What traffic_DD off its diagonal sums to, by link,
+        without the [D, D] table.)"""
+        D, G = self.tokens_ED.shape[1], ranks_per_node
+        single = np.flatnonzero(self.holder_E >= 0)
+        h = self.holder_E[single]
+        T = self.tokens_ED[single]
+        in_node = T.reshape(single.size, D // G, G).sum(2)[np.arange(single.size), h // G]  # incl. staying
+        stay = T[np.arange(single.size), h]
+        _, fh, fd, k = self.flows_4F
+        same = fh // G == fd // G
+        intra = int(in_node.sum() - stay.sum() + k[same & (fh != fd)].sum())
+        inter = int(T.sum() - in_node.sum() + k[~same].sum())
+        return intra, inter
+
     def dense(self) -> torch.Tensor:
         """plan_EDD (long [E, D, D])."""
         E, D = self.tokens_ED.shape
