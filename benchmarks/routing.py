@@ -1,5 +1,7 @@
-"""Per-layer index math of one rank's MoE dispatch: ``route`` (linear time) against
-``route_reference`` (key sorts), same inputs, same result (checked).
+"""A rank's per-layer CPU work with the dispatch plan, each against what it replaced (same inputs,
+same result, checked): ``route`` (index math, in C) against ``route_reference`` (key sorts), and
+the layer's link statistics from ``DispatchPlan.moved`` against the [D, D] traffic table masked
+by node.
 
     python benchmarks/routing.py [--experts 64 --ranks 32 --nodes 4 --tokens 8192 --top-k 2]
                                  [--repeats 200] [--json out.json]
@@ -7,7 +9,7 @@
 Input: one rank's top-k routing of ``--tokens`` tokens drawn from a skewed expert distribution
 (softmax of Gaussian logits, scale ``--skew``), the balancing dispatch plan of the joint placement
 for tokens counts of that shape (this rank's column being its routing). Warm-up first; median
-microseconds per call and the ratio, single thread.
+microseconds per call and the ratios, single thread.
 """
 from __future__ import annotations
 
@@ -44,23 +46,38 @@ def main():
     a, b = route(idx_TK, plan, rank=rank, local_E=local_E), route_reference(idx_TK, plan, rank=rank, local_E=local_E)
     for k in ("send_token", "unsend", "group_perm", "ungroup_perm"):
         assert torch.equal(getattr(a, k), getattr(b, k)), k
+    G = topo.ranks_per_node
+
+    def moved_from_table():
+        moved_DD = plan.traffic_DD().double().fill_diagonal_(0)
+        same_DD = topo.same_node_DD()
+        return int(moved_DD[same_DD].sum()), int(moved_DD[~same_DD].sum())
+
+    assert plan.moved(G) == moved_from_table()
+    arms = {"route": lambda: route(idx_TK, plan, rank=rank, local_E=local_E),
+            "route_reference": lambda: route_reference(idx_TK, plan, rank=rank, local_E=local_E),
+            "moved": lambda: plan.moved(G), "moved_from_table": moved_from_table}
     results = {}
-    for name, fn in (("route", route), ("route_reference", route_reference)):
+    for name, fn in arms.items():
         for _ in range(10):  # warm-up
-            fn(idx_TK, plan, rank=rank, local_E=local_E)
+            fn()
         times = []
         for _ in range(args.repeats):
             t0 = time.perf_counter()
-            fn(idx_TK, plan, rank=rank, local_E=local_E)
+            fn()
             times.append((time.perf_counter() - t0) * 1e6)
         results[name] = {"median_us": statistics.median(times)}
-    ratio = results["route_reference"]["median_us"] / results["route"]["median_us"]
-    print(f"E={E} D={D} K={K}, {T} tokens on rank {rank}: route {results['route']['median_us']:.0f} us, "
-          f"route_reference {results['route_reference']['median_us']:.0f} us ({ratio:.1f}x)")
+    us = {name: r["median_us"] for name, r in results.items()}
+    ratios = {"reference_over_route": us["route_reference"] / us["route"],
+              "table_over_moved": us["moved_from_table"] / us["moved"]}
+    print(f"E={E} D={D} K={K}, {T} tokens on rank {rank}: route {us['route']:.0f} us, route_reference "
+          f"{us['route_reference']:.0f} us ({ratios['reference_over_route']:.1f}x); link statistics: moved "
+          f"{us['moved']:.0f} us, from the traffic table {us['moved_from_table']:.0f} us "
+          f"({ratios['table_over_moved']:.1f}x)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": f"{platform.machine()} {os.cpu_count()} cores", "args": vars(args),
-                       "results": results, "reference_over_route": ratio}, f, indent=2)
+                       "results": results, **ratios}, f, indent=2)
 
 
 if __name__ == "__main__":
