@@ -46,16 +46,16 @@ def route(idx_TK: torch.Tensor, plan_EDD, *, rank: int, local_E: torch.Tensor) -
     dense = isinstance(plan_EDD, torch.Tensor)
     mine_ED = np.ascontiguousarray((plan_EDD[:, rank, :] if dense else plan_EDD.sent(rank)).numpy())
     recv_DE = np.ascontiguousarray((plan_EDD[:, :, rank] if dense else plan_EDD.received(rank)).numpy().T)
-    local = np.ascontiguousarray(local_E.to("cpu", torch.long).numpy())
+    local_S = np.ascontiguousarray(local_E.to("cpu", torch.long).numpy())
     recv_E = recv_DE.sum(0)
-    held = np.zeros(num_experts, dtype=bool)
-    held[local] = True
-    if recv_E[~held].any():
+    held_E = np.zeros(num_experts, dtype=bool)
+    held_E[local_S] = True
+    if recv_E[~held_E].any():
         raise RuntimeError(f"rank {rank} is sent tokens for experts it does not hold: "
-                           f"{np.flatnonzero(~held & (recv_E > 0)).tolist()}")
+                           f"{np.flatnonzero(~held_E & (recv_E > 0)).tolist()}")
     A, R = e_A.size, int(recv_E.sum())
     out = np.empty(2 * A + 2 * R, dtype=np.int64)
-    if not _fastroute.route_orders(e_A, K, mine_ED, recv_DE, local, out, num_experts, num_ranks):
+    if not _fastroute.route_orders(e_A, K, mine_ED, recv_DE, local_S, out, num_experts, num_ranks):
         bad = e_A[(e_A < 0) | (e_A >= num_experts)]
         if bad.size:
             raise RuntimeError(f"rank {rank}: routed expert indices {bad[:8].tolist()} are not in [0, {num_experts})")
@@ -64,7 +64,7 @@ def route(idx_TK: torch.Tensor, plan_EDD, *, rank: int, local_E: torch.Tensor) -
     send_token, unsend, group_perm, ungroup_perm = (torch.from_numpy(v) for v in np.split(out, [A, 2 * A, 2 * A + R]))
     return Route(send_token=send_token, send_splits=mine_ED.sum(0).tolist(), unsend=unsend,
                  recv_splits=recv_DE.sum(1).tolist(), group_perm=group_perm, ungroup_perm=ungroup_perm,
-                 group_sizes=recv_E[local].tolist())
+                 group_sizes=recv_E[local_S].tolist())
 
 
 def route_reference(idx_TK: torch.Tensor, plan_EDD, *, rank: int, local_E: torch.Tensor) -> Route:
