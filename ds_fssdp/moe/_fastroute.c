@@ -51,12 +51,12 @@ static PyObject *route_orders(PyObject *self, PyObject *args) {
         R += recv[i];
     }
     if (check(&ob, 2 * A + 2 * R, "out")) goto done;
-    /* count[e] and rowsum[e] (e_A's and the plan's rows per expert), then cursors: run[e] = its
+    /* count[e] (e_A's rows per expert), then cursors: run[e] = its
        current destination, left[e] = rows left in that run, next[e] = its next send row;
        start[d * E + e] = first row of run (d, e); held[e]: e is in local_S */
-    scratch = malloc(sizeof(int64_t) * (size_t)(6 * E + D * E + 1));
+    scratch = malloc(sizeof(int64_t) * (size_t)(5 * E + D * E + 1));
     if (!scratch) { PyErr_NoMemory(); goto done; }
-    int64_t *count = scratch, *run = count + E, *left = run + E, *rowsum = left + E, *held = rowsum + E;
+    int64_t *count = scratch, *run = count + E, *left = run + E, *held = left + E;
     int64_t *next = held + E, *start = next + E, computed = 0;
     memset(held, 0, sizeof(int64_t) * (size_t)E);
     for (int64_t s = 0; s < S; s++) {
@@ -74,16 +74,16 @@ static PyObject *route_orders(PyObject *self, PyObject *args) {
         goto done;
     }
     memset(count, 0, sizeof(int64_t) * (size_t)E);
-    memset(rowsum, 0, sizeof(int64_t) * (size_t)E);
     for (int64_t a = 0; a < A; a++) {
         int64_t e = e_A[a];
         if (e < 0 || e >= E) { result = Py_False; Py_INCREF(result); goto done; }
         count[e]++;
     }
-    for (int64_t e = 0; e < E; e++)
-        for (int64_t d = 0; d < D; d++) rowsum[e] += mine[e * D + d];
-    for (int64_t e = 0; e < E; e++)
-        if (count[e] != rowsum[e]) { result = Py_False; Py_INCREF(result); goto done; }
+    for (int64_t e = 0; e < E; e++) { /* the plan sends each expert's rows */
+        int64_t rows = 0;
+        for (int64_t d = 0; d < D; d++) rows += mine[e * D + d];
+        if (rows != count[e]) { result = Py_False; Py_INCREF(result); goto done; }
+    }
     int64_t *send_token = ob.buf, *unsend = send_token + A, *group_perm = unsend + A, *ungroup_perm = group_perm + R;
     int64_t pos = 0;
     for (int64_t d = 0; d < D; d++)

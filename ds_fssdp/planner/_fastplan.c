@@ -624,16 +624,8 @@ static void fill_greedy(Fill *f, const int64_t *order) {
             if (hi == lo) continue;
             for (int64_t b = n * f->G; b < end; b += 64) /* the sources with tokens left, ascending */
                 for (uint64_t live = nonzero_bits(f->rem + x * D + b, end - b < 64 ? end - b : 64); live;
-                     live &= live - 1) {
-                    int64_t d = b + __builtin_ctzll(live);
-                    if (hi - lo == 1) { /* one holder: up to its room */
-                        int64_t h = H[lo], k = f->rem[x * D + d], r = room(f, h);
-                        if (k > r) k = r;
-                        if (k > 0) fill_take(f, x, d, h, k);
-                    } else {
-                        fill_most_room(f, x, d, lo, hi);
-                    }
-                }
+                     live &= live - 1)
+                    fill_most_room(f, x, b + __builtin_ctzll(live), lo, hi);
         }
     }
 }

@@ -79,10 +79,10 @@ class DispatchPlan:  # read-only by convention (slots, not frozen: built every l
         without the [D, D] table.)"""
         D, G = self.tokens_ED.shape[1], ranks_per_node
         single = np.flatnonzero(self.holder_E >= 0)
-        h = self.holder_E[single]
+        h, i = self.holder_E[single], np.arange(single.size)
         T = self.tokens_ED[single]
-        in_node = T.reshape(single.size, D // G, G).sum(2)[np.arange(single.size), h // G]  # incl. staying
-        stay = T[np.arange(single.size), h]
+        in_node = T.reshape(single.size, D // G, G).sum(2)[i, h // G]  # incl. staying
+        stay = T[i, h]
         _, fh, fd, k = self.flows_4F
         same = fh // G == fd // G
         intra = int(in_node.sum() - stay.sum() + k[same & (fh != fd)].sum())
