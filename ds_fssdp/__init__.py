@@ -5,9 +5,10 @@
 """
 from ds_fssdp.config import FSSDPConfig, FSSDPConfigError
 from ds_fssdp.integrations.deepspeed_moe import MoE  # drop-in for deepspeed.moe.layer.MoE
+from ds_fssdp.moe.experts_module import FSSDPExperts
 from ds_fssdp.moe.layer import FSSDPMoE
 from ds_fssdp.runtime.engine import initialize
 from ds_fssdp.topology import Topology
 
 __version__ = "0.1.0"
-__all__ = ["FSSDPConfig", "FSSDPConfigError", "FSSDPMoE", "MoE", "initialize", "Topology", "__version__"]
+__all__ = ["FSSDPConfig", "FSSDPConfigError", "FSSDPExperts", "FSSDPMoE", "MoE", "initialize", "Topology", "__version__"]

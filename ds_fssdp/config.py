@@ -139,6 +139,12 @@ class FSSDPConfig(DeepSpeedConfigModel):
     optimizer state changes, ``engine.skipped_steps`` counts it, a warning names the step and the
     ranks) or ``raise`` (``FloatingPointError`` on every rank before anything is updated)."""
 
+    router_bias_update_rate: Annotated[Union[StrictFloat, StrictInt], Field(ge=0)] = 0.0
+    """Auxiliary-loss-free balancing for routers with a selection bias (Hugging Face DeepSeek-V3
+    family ``e_score_correction_bias`` and the like, which transformers never updates): after each
+    optimizer step the bias moves by this rate times ``sign(mean load - expert load)``, loads
+    counted over all ranks and micro-steps of the step. 0: off (the bias stays as loaded)."""
+
     deterministic: StrictBool = False
     """Bitwise-reproducible runs on GPU too: torch's deterministic algorithms, cuDNN without
     autotuning, and no decision taken from measured timings (docs/determinism.md)."""

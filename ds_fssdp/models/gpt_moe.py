@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from ds_fssdp.moe.layer import FSSDPMoE
 
@@ -29,6 +30,27 @@ class GPTMoEConfig:
     init_std: float = 0.02
     aux_free_bias: bool = False
     bias_update_rate: float = 1e-3
+    # Activation checkpointing of every block in training: "none", "torch" (non-reentrant
+    # torch.utils.checkpoint), "torch-reentrant", or "deepspeed" (deepspeed.checkpointing).
+    activation_checkpointing: str = "none"
+
+    def __post_init__(self):
+        if self.activation_checkpointing not in CHECKPOINTING:
+            raise ValueError(f"activation_checkpointing ({self.activation_checkpointing!r}) must be one of "
+                             f"{tuple(CHECKPOINTING)}")
+
+
+def _deepspeed_checkpoint(fn, *args):
+    import deepspeed
+    return deepspeed.checkpointing.checkpoint(fn, *args)
+
+
+CHECKPOINTING = {
+    "none": None,
+    "torch": lambda fn, *args: torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False),
+    "torch-reentrant": lambda fn, *args: torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=True),
+    "deepspeed": _deepspeed_checkpoint,
+}
 
 
 class CausalSelfAttention(nn.Module):
@@ -90,8 +112,9 @@ class GPTMoE(nn.Module):
         S = idx_BS.shape[1]
         x = self.tok_emb(idx_BS) + self.pos_emb(torch.arange(S, device=idx_BS.device))
         aux = x.new_zeros((), dtype=torch.float32)
+        checkpoint = CHECKPOINTING[self.cfg.activation_checkpointing] if self.training else None
         for block in self.blocks:
-            x, l_aux = block(x)
+            x, l_aux = block(x) if checkpoint is None or not torch.is_grad_enabled() else checkpoint(block, x)
             aux = aux + l_aux
         logits_BSV = self.head(self.ln_f(x))
         if targets_BS is None:

@@ -55,6 +55,17 @@ class ShardOptions:
     hierarchical: bool = True  # topology-aware (two-phase) sparse collectives across nodes
 
 
+@dataclass
+class _Iteration:
+    """What one forward decided, for an activation-checkpoint recompute to replay."""
+    idx_TK: torch.Tensor  # the routing it was given (a recompute must give the same)
+    route: object
+    layout: object
+    replica_RP: torch.Tensor | None  # None under RM: gathered again for the backward
+    remat: bool
+    hooked: bool  # the replicas' gradient hook is registered (the first pass built a graph)
+
+
 class ReplicaMemory:
     """Bytes of replica rows alive on this rank (all layers), and the peak since the last reset."""
 
@@ -77,7 +88,7 @@ class ShardedExperts:
 
     def __init__(self, *, spec: ExpertSpec, layer_index: int, owner_E: torch.Tensor, rows_SP: torch.Tensor,
                  topology: Topology, group, param_group=None, predictor: LoadPredictor,
-                 options: ShardOptions = ShardOptions(), memory: ReplicaMemory | None = None):
+                 options: ShardOptions = ShardOptions(), memory: ReplicaMemory | None = None, trainable: bool = True):
         self.spec = spec
         self.layer_index = layer_index
         self.topology = topology
@@ -92,7 +103,8 @@ class ShardedExperts:
         if rows_SP.shape != (self.owned_E.numel(), spec.numel):
             raise ValueError(f"rows {tuple(rows_SP.shape)} do not match {self.owned_E.numel()} owned experts "
                              f"of {spec.numel} elements")
-        self.rows = rows_SP.detach().requires_grad_(True)
+        self.trainable = trainable  # False: frozen experts (no gradient, optimizer state or reduce)
+        self.rows = rows_SP.detach().requires_grad_(trainable)
         self.master = self.rows  # the optimizer's copy; fp32 beside low-precision rows
         self.next = None  # the following MoE layer (prefetch chain), set by the stage
         self.prev = None
@@ -113,6 +125,7 @@ class ShardedExperts:
         self._prefetch_t = None
         self.timers = None  # DeepSpeed's SynchronizedWallClockTimer (set by the stage) for exposed waits
         self.last_tokens_ED = None  # the last training forward's all-gathered counts (trace recording)
+        self._iterations = []  # _Iteration per recorded forward of this micro-step (replayed by recomputes)
 
     @property
     def expert_bytes(self) -> int:
@@ -163,16 +176,27 @@ class ShardedExperts:
         self._gather = (placement_ED, layout, self._start_gather(layout))
 
     # -- forward -------------------------------------------------------------------------------
-    def forward(self, x_TH: torch.Tensor, gate: GateOutput, *, observe: bool = True) -> tuple:
-        """Returns (out_TH, tokens_ED). ``observe``: feed this iteration's loads to the predictor."""
+    def forward(self, x_TH: torch.Tensor, idx_TK: torch.Tensor, weights_TK: torch.Tensor, counts_E: torch.Tensor, *,
+                observe: bool = True) -> tuple:
+        """Returns ``(out_TH, tokens_ED)``; ``tokens_ED`` is None for a recompute. ``observe``: feed
+        this iteration's loads to the predictor (a training forward).
+
+        A forward run inside a backward pass (activation checkpointing recomputing its segment)
+        is not a new iteration: it replays the last recorded forward of this layer (same route,
+        same replicas, re-gathered under RM) and plans, observes and prefetches nothing."""
+        if self._iterations and torch._C._current_graph_task_id() != -1:
+            return self._replay(x_TH, idx_TK, weights_TK), None
+        gate_idx_TK = idx_TK
         if self.options.policy == "uniform":
-            gate = uniform_assignment(gate, self.owner_E.numel(), offset=self.rank * gate.idx_TK.numel())
+            g = uniform_assignment(GateOutput(idx_TK, weights_TK, None, counts_E), self.owner_E.numel(),
+                                   offset=self.rank * idx_TK.numel())
+            idx_TK, counts_E = g.idx_TK, g.counts_E
         self.prefetch()
         window = time.perf_counter() - self._prefetch_t
         m = self.measured_window_s
         self.measured_window_s = window if m is None else 0.9 * m + 0.1 * window
         (placement_ED, layout, gather), self._gather = self._gather, None
-        tokens_ED = all_gather_counts(gate.counts_E, self.group)
+        tokens_ED = all_gather_counts(counts_E, self.group)
         t0 = time.perf_counter()
         self._timer("fssdp_gather_wait", True)
         replica_RP = gather.finish()
@@ -188,23 +212,24 @@ class ShardedExperts:
             gather_sent += extra_sent
         plan = dispatch_plan(placement_ED, tokens_ED, self.topology, mode=self.options.dispatch_mode,
                                  cost=self.cost, slack=self.options.dispatch_slack)
-        r = route(gate.idx_TK, plan, rank=self.rank, local_E=layout.local_E)
-        train = torch.is_grad_enabled()
-        remat = train and self.options.rematerialize and not self.is_last
+        r = route(idx_TK, plan, rank=self.rank, local_E=layout.local_E)
+        grad = torch.is_grad_enabled()
+        # A forward that a backward may follow (or recompute, under checkpointing) is recorded.
+        record = grad or observe
+        remat = record and self.options.rematerialize and not self.is_last
+        hooked = False
         if remat:
-            rows, spec = self.rows, self.spec
-            expert_fn = lambda xg, sizes: RematExpertMLP.apply(xg, rows, replica_RP, self, spec, sizes)
             self._remat = (layout, None)
-        else:
-            if train:
-                # Every rank joins every reduce, so the replicas stay in the graph even when empty.
-                replica_RP.requires_grad_(True)
-                replica_RP.register_post_accumulate_grad_hook(lambda t, lay=layout: self._replica_backward_done(t, lay))
-            expert_fn = mlp_fn(self.spec.views(torch.cat([self.rows, replica_RP])), self.spec.activation)
-        exchange = lambda x, out_splits, in_splits: all_to_all(x, out_splits, in_splits, group=self.group)
-        out_TH = dispatch_compute_combine(x_TH, gate.weights_TK, r, expert_fn=expert_fn, exchange=exchange)
-        if not train or remat:
+        elif grad and self.trainable:
+            # Every rank joins every reduce, so the replicas stay in the graph even when empty.
+            self._hook_replicas(replica_RP, layout)
+            hooked = True
+        out_TH = dispatch_compute_combine(x_TH, weights_TK, r, expert_fn=self._expert_fn(replica_RP, remat=remat),
+                                          exchange=self._exchange)
+        if not record or remat:
             self._uncount(replica_RP)  # freed with this frame (RM: not saved for backward)
+        if record:
+            self._iterations.append(_Iteration(gate_idx_TK, r, layout, None if remat else replica_RP, remat, hooked))
         if self.next is not None:
             self.next.prefetch()
         predicted_E = self.predictor.predict(self.layer_index) if observe else None  # what the plan assumed
@@ -219,6 +244,34 @@ class ShardedExperts:
         self.stats["window_s"] = window
         self.stats["overlap_degree"] = self.overlap_degree
         return out_TH, tokens_ED
+
+    def _replay(self, x_TH, idx_TK, weights_TK) -> torch.Tensor:
+        """The recompute of the last recorded forward: same route and replicas, new autograd graph."""
+        it = self._iterations.pop()
+        if not torch.equal(idx_TK.to(it.idx_TK.device), it.idx_TK):
+            raise RuntimeError(f"fssdp layer {self.layer_index}: the recomputed forward routed tokens differently "
+                               "from the original one (a non-deterministic router under activation checkpointing; "
+                               "keep the checkpoint's preserve_rng_state on)")
+        replica_RP = it.replica_RP
+        if it.remat:
+            replica_RP = self.rematerialized()  # the backward of the same Function reuses it
+        elif torch.is_grad_enabled() and self.trainable and not it.hooked:
+            self._hook_replicas(replica_RP, it.layout)  # the first pass ran without a graph (reentrant)
+        return dispatch_compute_combine(x_TH, weights_TK, it.route, expert_fn=self._expert_fn(replica_RP, remat=it.remat),
+                                        exchange=self._exchange)
+
+    def _expert_fn(self, replica_RP, *, remat: bool):
+        if remat:
+            rows, spec = self.rows, self.spec
+            return lambda xg, sizes: RematExpertMLP.apply(xg, rows, replica_RP, self, spec, sizes)
+        return mlp_fn(self.spec.views(torch.cat([self.rows, replica_RP])), self.spec.activation)
+
+    def _exchange(self, x, out_splits, in_splits):
+        return all_to_all(x, out_splits, in_splits, group=self.group)
+
+    def _hook_replicas(self, replica_RP, layout) -> None:
+        replica_RP.requires_grad_(True)
+        replica_RP.register_post_accumulate_grad_hook(lambda t, lay=layout: self._replica_backward_done(t, lay))
 
     def _gather_extra(self, placement_ED, layout, replica_RP, extra_ED):
         """Gather ``extra_ED`` now (critical path) and merge it with the replicas already here
@@ -247,7 +300,8 @@ class ShardedExperts:
     def _reduce_start(self, grad_RP, layout) -> None:
         """This layer's expert backward is done: start its SparseReduceScatter and, under RM, the
         previous layer's re-gather (it overlaps the attention backward in between)."""
-        self._pending.append(SparseReduceScatter(grad_RP, layout, self.param_group, self.traffic).start())
+        if self.trainable:
+            self._pending.append(SparseReduceScatter(grad_RP, layout, self.param_group, self.traffic).start())
         if self.options.rematerialize and self.prev is not None:
             self.prev.start_rematerialize()
 
@@ -267,6 +321,8 @@ class ShardedExperts:
         self._remat = (layout, self._start_gather(layout))
 
     def rematerialized(self) -> torch.Tensor:
+        if self._remat_buffer is not None:  # a checkpoint recompute fetched it for this backward
+            return self._remat_buffer
         layout, pending = self._remat
         if pending is None:  # nobody started it (e.g. no following layer in the backward)
             pending = self._start_gather(layout)
@@ -279,6 +335,9 @@ class ShardedExperts:
     def accumulate_grads(self) -> None:
         """Fold this micro-step's gradients into ``master.grad``: the owned rows' own gradient and
         the replicas' gradients reduced from other ranks (sums, not yet averaged)."""
+        if not self.trainable:
+            self._end_micro_step()
+            return
         acc_SP = self.master.grad
         if acc_SP is None:
             acc_SP = self.master.grad = torch.zeros_like(self.master)
@@ -295,8 +354,12 @@ class ShardedExperts:
         if self._pending:
             self.stats["reduce_bytes"] = sum(r.layout.added_pairs for r in self._pending) * self.expert_bytes
             self.stats["reduce_bytes_sent_local"] = sum(r.sent for r in self._pending)
+        self._end_micro_step()
+
+    def _end_micro_step(self) -> None:
         self._pending = []
         self._remat = None
+        self._iterations = []
         for nbytes in self._live.values():
             self.memory.release(nbytes)
         self._live = {}
@@ -350,13 +413,18 @@ class ShardedExperts:
             raise RuntimeError("owners can change only between iterations (a collective is still pending)")
         self.owner_E = owner_E.to("cpu", torch.long).clone()
         self.owned_E = torch.nonzero(self.owner_E == self.rank).flatten()
+        if not self.trainable:
+            same = master is rows
+            rows = rows.detach()
+            master = rows if same else master.detach()
         self.rows, self.master = rows, master
 
     def use_precision(self, dtype: torch.dtype, device) -> None:
         """Compute with ``dtype`` rows on ``device``; keep an fp32 master when ``dtype`` is lower."""
         fp32 = self.master.detach().to(device=device, dtype=torch.float32)
-        self.rows = fp32.to(dtype).requires_grad_(True) if dtype != torch.float32 else fp32.requires_grad_(True)
-        self.master = self.rows if dtype == torch.float32 else fp32.clone().requires_grad_(True)
+        grad = self.trainable
+        self.rows = fp32.to(dtype).requires_grad_(grad) if dtype != torch.float32 else fp32.requires_grad_(grad)
+        self.master = self.rows if dtype == torch.float32 else fp32.clone().requires_grad_(grad)
 
     @torch.no_grad()
     def copy_master_to_rows(self) -> None:

@@ -18,7 +18,7 @@ from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 from deepspeed.utils import logger
 
 from ds_fssdp.config import FSSDPConfig, FSSDPConfigError
-from ds_fssdp.moe.layer import FSSDPMoE
+from ds_fssdp.moe.experts_module import FSSDPExperts
 from ds_fssdp.runtime.monitor import StageMonitor
 from ds_fssdp.runtime.health import apply_run_settings, check_combinations, skipped_optimizer_step
 from ds_fssdp.runtime.stage import FSSDPStage
@@ -35,14 +35,14 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
     """Drop-in for ``deepspeed.initialize``; returns ``(engine, optimizer, dataloader, lr_scheduler)``."""
     ds_config = _read_config(args, config, config_params)
     fcfg = FSSDPConfig.from_ds_config(ds_config)
-    layers = [m for m in model.modules() if isinstance(m, FSSDPMoE)] if model is not None else []
+    layers = [m for m in model.modules() if isinstance(m, FSSDPExperts)] if model is not None else []
     ds_kwargs = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                      training_data=training_data, lr_scheduler=lr_scheduler, distributed_port=distributed_port,
                      mpu=mpu, dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
                      mesh_param=mesh_param, config_params=config_params)
     if not fcfg.enabled or not layers:
         if fcfg.enabled:
-            logger.warning("fssdp: the model has no FSSDPMoE layers; initializing plain DeepSpeed")
+            logger.warning("fssdp: the model has no FSSDP experts (FSSDPMoE layers or converted HF experts); initializing plain DeepSpeed")
         return _deepspeed_initialize(**ds_kwargs)
     check_supported(ds_config, fcfg, model=model, mpu=mpu)
 

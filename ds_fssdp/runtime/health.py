@@ -37,7 +37,7 @@ def check_combinations(ds_config: dict, fcfg: FSSDPConfig, *, model) -> None:
     over the ranks with at most one slot of difference, which exists for every L, E and D. What
     cannot work is refused here: different expert counts per layer where the plan spans layers.
     """
-    from ds_fssdp.moe.layer import FSSDPMoE
+    from ds_fssdp.moe.experts_module import FSSDPExperts
     tp = ds_config.get("tensor_parallel") or {}
     autotp = tp.get("autotp_size", tp.get("tp_size", 1)) if isinstance(tp, dict) else 1
     if isinstance(autotp, int) and autotp > 1:
@@ -51,7 +51,7 @@ def check_combinations(ds_config: dict, fcfg: FSSDPConfig, *, model) -> None:
     if isinstance(sp, int) and sp > 1:
         raise FSSDPConfigError(f"sequence_parallel_size ({sp}) is not supported with fssdp (the token exchange "
                                "spans the whole data-parallel world)")
-    num_E = [m.num_experts for m in model.modules() if isinstance(m, FSSDPMoE)] if model is not None else []
+    num_E = [m.num_experts for m in model.modules() if isinstance(m, FSSDPExperts)] if model is not None else []
     if len(set(num_E)) > 1:
         for key, value, active in (("reshard_interval", fcfg.reshard_interval, bool(fcfg.reshard_interval)),
                                    ("trace_path", fcfg.trace_path, bool(fcfg.trace_path)),

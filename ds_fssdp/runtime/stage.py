@@ -21,7 +21,7 @@ from deepspeed.utils import logger
 
 from ds_fssdp.comm.sparse import scatter_rows
 from ds_fssdp.config import FSSDPConfig, FSSDPConfigError
-from ds_fssdp.moe.layer import FSSDPMoE
+from ds_fssdp.moe.experts_module import FSSDPExperts
 from ds_fssdp.moe.sharded import ReplicaMemory, ShardedExperts, ShardOptions
 from ds_fssdp.planner import (CostModel, ExpertShape, Hardware, LoadPredictor, auto_materialization_budget,
                               heterogeneous_sharding, homogeneous_owner)
@@ -55,8 +55,10 @@ class FSSDPStage:
                                dispatch_mode=config.dispatch, rematerialize=config.rematerialize,
                                hierarchical=config.topology_aware, dispatch_slack=float(config.dispatch_slack))
         for i, layer in enumerate(self.layers):
-            if not isinstance(layer, FSSDPMoE):
-                raise TypeError(f"FSSDPStage takes FSSDPMoE layers, got {type(layer).__name__}")
+            if not isinstance(layer, FSSDPExperts):
+                raise TypeError(f"FSSDPStage takes FSSDPExperts modules (FSSDPMoE is one), got {type(layer).__name__}")
+            trainable = layer.trainable
+            layer.router_bias_update_rate = float(config.router_bias_update_rate)
             owner_E = homogeneous_owner(layer.num_experts, self.world)
             full_EP = layer.spec.flatten(layer.export_experts())
             # Every owner starts from rank src_rank's initial values, as DeepSpeed broadcasts
@@ -64,7 +66,8 @@ class FSSDPStage:
             rows_SP = scatter_rows(full_EP, owner_E, src=src_rank, group=group)
             layer.attach_sharded(ShardedExperts(spec=layer.spec, layer_index=i, owner_E=owner_E, rows_SP=rows_SP,
                                                 topology=topology, group=group, param_group=self.param_group,
-                                                predictor=self.predictor, options=options, memory=self.memory))
+                                                predictor=self.predictor, options=options, memory=self.memory,
+                                                trainable=trainable))
         # The prefetch chain: each layer starts the next one's gather when its forward is done.
         for prev, nxt in zip(self.shards, self.shards[1:]):
             prev.next, nxt.prev = nxt, prev
@@ -93,7 +96,8 @@ class FSSDPStage:
         return [layer.sharded for layer in self.layers]
 
     def masters(self) -> list:
-        return [s.master for s in self.shards]
+        """The fp32 masters the expert optimizer steps (frozen experts have none)."""
+        return [s.master for s in self.shards if s.trainable]
 
     def attach(self, engine) -> None:
         """Adopt the engine's precision and device, its optimizer type and its clipping."""
@@ -163,7 +167,8 @@ class FSSDPStage:
             if factor != 1.0:
                 for master in self.masters():
                     master.grad.mul_(factor)
-            self.optimizer.step()
+            if self.optimizer is not None:
+                self.optimizer.step()
             for shard in self.shards:
                 shard.copy_master_to_rows()
             for layer in self.layers:
@@ -285,7 +290,7 @@ class FSSDPStage:
 def build_expert_optimizer(basic_optimizer, params: list):
     """The dense optimizer's type and constructor hyperparameters, over the expert masters (None
     when DeepSpeed has no optimizer: an inference engine)."""
-    if basic_optimizer is None:
+    if basic_optimizer is None or not params:
         return None
     cls = type(basic_optimizer)
     allowed = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)

@@ -1,0 +1,165 @@
+"""FSSDPExperts: the experts half of an MoE layer, behind transformers' experts contract.
+
+Legend: T tokens, H hidden, F expert FFN hidden, E experts, K top-k.
+
+``forward(x_TH, idx_TK, weights_TK) -> y_TH`` with ``y_TH[t] = sum_k weights_TK[t, k] *
+expert_{idx_TK[t, k]}(x_TH[t])``: the routing is given (by our gate, or by a Hugging Face
+family's own router), the planner's loads come from ``idx_TK``. Before ``ds_fssdp.initialize``
+(and on one rank) the module is ordinary and holds every expert as a [E, ...] parameter named
+by its :class:`ExpertSpec`; ``initialize`` replaces them by a :class:`ShardedExperts` holding
+only the experts this rank owns.
+
+Frozen experts (every expert tensor ``requires_grad=False``) stay frozen once sharded: no
+gradient, no optimizer state, no reduce.
+
+Routing bias (DeepSeek-V3's auxiliary-loss-free balancing): a router bias handed to
+:meth:`bind_router_bias` moves after every optimizer step by ``router_bias_update_rate`` times
+``sign(mean load - expert load)``, the loads counted over every training forward since the last
+step (global counts once sharded, so every rank moves it identically).
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import torch.nn as nn
+
+from ds_fssdp.moe.compute import dispatch_compute_combine, local_exchange, mlp_fn
+from ds_fssdp.moe.experts import ExpertSpec
+from ds_fssdp.moe.routing import route
+
+
+class FSSDPExperts(nn.Module):
+
+    def __init__(self, *, spec: ExpertSpec, hidden_size: int, ffn_hidden_size: int, num_experts: int, device=None,
+                 dtype=None):
+        super().__init__()
+        if num_experts < 1:
+            raise ValueError(f"num_experts ({num_experts}) must be >= 1")
+        self.spec = spec
+        self.hidden_size = hidden_size
+        self.ffn_hidden_size = ffn_hidden_size
+        self.num_experts = num_experts
+        for name, shape in spec.shapes.items():
+            self.register_parameter(name, nn.Parameter(torch.empty(num_experts, *shape, device=device,
+                                                                   dtype=dtype)))
+        self.k = None  # top-k, when known (the trace records it)
+        self.sharded = None
+        self._local_stats = {}
+        self._router_bias = None  # (tensor [E], where) from bind_router_bias
+        self.router_bias_update_rate = 0.0  # set by the FSSDP stage from the config
+        self.pending_load_E = None  # float64 [E]: loads since the last bias update
+
+    @property
+    def activation(self) -> str:
+        return self.spec.activation
+
+    @property
+    def trainable(self) -> bool:
+        """Whether the experts train: every expert tensor requires grad (or none does)."""
+        if self.sharded is not None:
+            return self.sharded.trainable
+        flags = {getattr(self, n).requires_grad for n in self.spec.names}
+        if len(flags) > 1:
+            raise ValueError(f"{type(self).__name__}: some expert tensors require grad and others do not "
+                             f"({ {n: getattr(self, n).requires_grad for n in self.spec.names} }); an expert's "
+                             "tensors train or freeze together")
+        return flags.pop()
+
+    def forward(self, x_TH: torch.Tensor, idx_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        out_TH, _ = self.route_and_compute(x_TH, idx_TK, weights_TK)
+        return out_TH
+
+    def route_and_compute(self, x_TH, idx_TK, weights_TK, counts_E=None) -> tuple:
+        """``(y_TH, load_E)``: the output and this forward's loads (global once sharded)."""
+        if counts_E is None:
+            counts_E = torch.bincount(idx_TK.reshape(-1), minlength=self.num_experts)
+        if self.sharded is None:
+            out_TH, load_E = self._local_forward(x_TH, idx_TK, weights_TK, counts_E), counts_E
+        else:
+            out_TH, tokens_ED = self.sharded.forward(x_TH, idx_TK, weights_TK, counts_E, observe=self.training)
+            load_E = None if tokens_ED is None else tokens_ED.sum(1)  # None: a recompute (counted once)
+        if self.training and load_E is not None:
+            self.observe_load(load_E)
+        return out_TH, load_E
+
+    def _local_forward(self, x_TH, idx_TK, weights_TK, counts_E):
+        counts_E = counts_E.cpu()
+        r = route(idx_TK, counts_E.view(-1, 1, 1), rank=0, local_E=torch.arange(self.num_experts))
+        weights = {name: getattr(self, name) for name in self.spec.names}
+        self._local_stats = {"replicas": 0, "expert_bytes": self.spec.numel * weights[self.spec.names[0]].element_size(),
+                             "gather_bytes": 0, "reduce_bytes": 0, "tokens_per_rank": [int(counts_E.sum())],
+                             "straggler": 1.0, "ep_straggler": 1.0}
+        return dispatch_compute_combine(x_TH, weights_TK, r, expert_fn=mlp_fn(weights, self.spec.activation),
+                                        exchange=local_exchange)
+
+    @property
+    def last_stats(self) -> dict:
+        """Statistics of the last iteration: ``replicas`` (|P' \\ P|), ``expert_bytes`` (Psi),
+        ``gather_bytes`` / ``reduce_bytes`` (group totals of the sparse collectives),
+        ``tokens_per_rank`` (rows computed per rank), ``straggler`` (max / mean of those rows) and
+        ``ep_straggler`` (the same for the shard placement alone)."""
+        return dict(self.sharded.stats) if self.sharded is not None else dict(self._local_stats)
+
+    # -- sharding --------------------------------------------------------------------------------
+    def attach_sharded(self, sharded) -> None:
+        """Hand the experts to a :class:`ShardedExperts` (called by ``ds_fssdp.initialize``)."""
+        for name in self.spec.names:
+            del self._parameters[name]
+        self.sharded = sharded
+
+    def expert_parameters(self) -> list:
+        """The full expert parameters while the module is not sharded (else [])."""
+        return [] if self.sharded is not None else [getattr(self, n) for n in self.spec.names]
+
+    @torch.no_grad()
+    def export_experts(self) -> dict:
+        """Full expert tensors by name ([E, ...]) on every rank; collective once sharded."""
+        if self.sharded is None:
+            return {name: getattr(self, name).detach().clone() for name in self.spec.names}
+        views = self.spec.views(self.sharded.export_rows())
+        return {name: v.clone() for name, v in views.items()}
+
+    @torch.no_grad()
+    def import_experts(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Load full expert tensors by name; once sharded, each rank keeps the experts it owns."""
+        for name, shape in self.spec.shapes.items():
+            if name not in tensors:
+                raise KeyError(f"import_experts: missing {name!r} (expected {list(self.spec.names)})")
+            if tuple(tensors[name].shape) != (self.num_experts, *shape):
+                raise ValueError(f"import_experts: {name} has shape {tuple(tensors[name].shape)}, expected "
+                                 f"{(self.num_experts, *shape)}")
+        if self.sharded is None:
+            for name in self.spec.names:
+                getattr(self, name).copy_(tensors[name])
+        else:
+            self.sharded.load_rows(self.spec.flatten(tensors))
+
+    # -- routing bias ----------------------------------------------------------------------------
+    def bind_router_bias(self, bias_E: torch.Tensor, *, where: str) -> None:
+        """Let the optimizer step move ``bias_E`` (a router's selection bias, updated in place)."""
+        if tuple(bias_E.shape) != (self.num_experts, ):
+            raise ValueError(f"{where}: router bias of shape {tuple(bias_E.shape)}, expected ({self.num_experts},)")
+        self._router_bias = (bias_E, where)
+
+    @property
+    def router_bias(self):
+        return None if self._router_bias is None else self._router_bias[0]
+
+    def observe_load(self, load_E: torch.Tensor) -> None:
+        if self._router_bias is None or not self.router_bias_update_rate:
+            return
+        if self.pending_load_E is None:
+            self.pending_load_E = torch.zeros(self.num_experts, dtype=torch.float64)
+        self.pending_load_E += load_E.detach().to("cpu", torch.float64)
+
+    @torch.no_grad()
+    def update_routing_bias(self) -> None:
+        """DeepSeek-V3's rule, once per optimizer step (``ds_fssdp``'s engine calls it; a
+        single-process loop calls it after ``optimizer.step()``)."""
+        load_E, self.pending_load_E = self.pending_load_E, None
+        if load_E is None or self._router_bias is None or float(load_E.sum()) <= 0:
+            return
+        bias_E = self._router_bias[0]
+        step_E = self.router_bias_update_rate * torch.sign(load_E.mean() - load_E)
+        bias_E.add_(step_E.to(device=bias_E.device, dtype=bias_E.dtype))
