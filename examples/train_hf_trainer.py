@@ -21,6 +21,7 @@ import transformers
 
 import ds_fssdp.integrations.hf as fssdp_hf
 from ds_fssdp.data import load_corpus
+from ds_fssdp.integrations.hf_tiny import TESTED_FAMILIES, tiny_config
 from ds_fssdp.runtime.cpu import skip_shm_comm_build
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,7 +29,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-type", default="mixtral", choices=fssdp_hf.SUPPORTED_MODEL_TYPES)
+    p.add_argument("--model-type", default="mixtral", choices=TESTED_FAMILIES)
+    p.add_argument("--gradient-checkpointing", action="store_true", help="HF gradient checkpointing (exact under FSSDP)")
     p.add_argument("--deepspeed_config", default=os.path.join(REPO, "ds_configs", "hf_fssdp.json"))
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--seq-len", type=int, default=64)
@@ -37,22 +39,6 @@ def parse_args():
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     args, _ = p.parse_known_args()
     return args
-
-
-def tiny_config(model_type: str):
-    common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=256, output_router_logits=True, router_aux_loss_coef=0.01,
-                  bos_token_id=2, eos_token_id=1, pad_token_id=0)
-    if model_type == "mixtral":
-        return transformers.MixtralConfig(intermediate_size=128, num_local_experts=8, num_experts_per_tok=2, **common)
-    if model_type == "qwen2_moe":
-        return transformers.Qwen2MoeConfig(intermediate_size=128, moe_intermediate_size=64,
-                                           shared_expert_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
-                                           **common)
-    if model_type == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=64, num_experts=8,
-                                           num_experts_per_tok=2, head_dim=16, **common)
-    return transformers.OlmoeConfig(intermediate_size=64, num_experts=8, num_experts_per_tok=2, **common)
 
 
 class ByteWindows(torch.utils.data.Dataset):
@@ -74,18 +60,20 @@ def main():
     if use_cpu:
         skip_shm_comm_build()
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(args.model_type))
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(
+        args.model_type, hidden=64, experts=8, ffn=64, vocab=256, router_aux_loss_coef=0.01))
     model = fssdp_hf.convert(model)  # the one line FSSDP adds
     training = transformers.TrainingArguments(
         output_dir=args.out or "/tmp/fssdp_hf_trainer", use_cpu=use_cpu, deepspeed=args.deepspeed_config,
         per_device_train_batch_size=4, max_steps=args.steps, learning_rate=args.lr, lr_scheduler_type="constant",
-        logging_steps=5, save_strategy="no", report_to=[], disable_tqdm=True, seed=0)
+        logging_steps=5, save_strategy="no", report_to=[], disable_tqdm=True, seed=0,
+        gradient_checkpointing=args.gradient_checkpointing)
     trainer = transformers.Trainer(model=model, args=training,
                                    train_dataset=ByteWindows(load_corpus(1 << 20), args.seq_len))
     result = trainer.train()
     engine = trainer.model_wrapped
     if trainer.is_world_process_zero():
-        stats = [b.moe.last_stats for _, b in fssdp_hf.converted_blocks(model)]
+        stats = [m.last_stats for _, m in fssdp_hf.converted_experts(model)]
         print(f"engine {type(engine).__name__}; final train loss {result.training_loss:.3f}; replicas per layer "
               f"{[s['replicas'] for s in stats]}")
     fssdp_hf.unconvert(model)  # collective: the experts come back from their owners

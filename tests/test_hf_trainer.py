@@ -77,7 +77,7 @@ def trainer_worker(rank, world, out_dir):
 
     import ds_fssdp.integrations.hf as fssdp_hf
     from ds_fssdp.runtime.engine import FSSDPEngineMixin
-    from test_hf_convert import tiny_model
+    from hf_tiny import tiny_model
 
     out = {}
     # (1) + (2): tight, SGD.
@@ -96,9 +96,9 @@ def trainer_worker(rank, world, out_dir):
     trainer.train()
     engine = trainer.model_wrapped
     out["fssdp_engine"] = isinstance(engine, FSSDPEngineMixin)
-    out["sharded"] = [b.moe.sharded is not None for _, b in fssdp_hf.converted_blocks(model)]
-    out["owned"] = [int(b.moe.sharded.owned_E.numel()) for _, b in fssdp_hf.converted_blocks(model)]
-    out["dense_params_have_experts"] = any(".moe.w_" in n for n, _ in engine.module.named_parameters())
+    out["sharded"] = [m.sharded is not None for _, m in fssdp_hf.converted_experts(model)]
+    out["owned"] = [int(m.sharded.owned_E.numel()) for _, m in fssdp_hf.converted_experts(model)]
+    out["dense_params_have_experts"] = any(".experts." in n for n, _ in engine.module.named_parameters())
     out["fssdp_losses"] = trainer.losses
     out["fssdp_state"] = fssdp_hf.hf_state_dict(model)  # collective
     fssdp_hf.unconvert(model)  # collective

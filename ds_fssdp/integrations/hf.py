@@ -1,7 +1,14 @@
 """Train Hugging Face ``transformers`` MoE models with FSSDP: in-place conversion and the HF Trainer.
 
-Supported: Mixtral, Qwen2-MoE (with its shared expert), Qwen3-MoE and OLMoE (transformers 5.x,
-fused 3-D experts). Any other model is refused with :class:`UnsupportedModelError` naming it.
+Every family whose experts module follows transformers' experts contract
+(``@use_experts_implementation``: about 55 causal-LM families in transformers 5.x, among them
+Mixtral, Qwen2/3-MoE, Qwen3.5-MoE, Qwen3-Next, OLMoE, DeepSeek-V2/V3, GLM-4.5, GPT-OSS, MiniMax-M2,
+PhiMoE, GraniteMoE) converts: :func:`convert` replaces each **experts module** by an
+:class:`~ds_fssdp.integrations.hf_experts.FSSDPHFExperts` holding the same weights, and keeps the
+family's block, router, shared experts and scaling exactly as HF wrote them. The expert math is
+read off the module (layout flags, its own ``_apply_gate`` / ``act_fn``); a model without such a
+module, or whose experts compute something ds_fssdp's expert variants do not, is refused with
+:class:`UnsupportedModelError` naming its model type and what is missing.
 
 With the HF Trainer the one line a user adds is the conversion, before building the Trainer::
 
@@ -11,39 +18,34 @@ With the HF Trainer the one line a user adds is the conversion, before building 
     model = fssdp_hf.convert(model)                             # <- the one line
     args = TrainingArguments(..., deepspeed="ds_configs/hf_fssdp.json")   # has an "fssdp" section
     trainer = Trainer(model=model, args=args, ...)
-    trainer.train()
+    trainer.train()                    # checkpoints (save_strategy) and resume_from_checkpoint work
     fssdp_hf.unconvert(model)          # every rank: gather the experts back into the HF layout
     trainer.save_model(out_dir)        # or model.save_pretrained(out_dir) on rank 0
 
 launched as usual (``deepspeed --num_gpus N train.py`` or ``torchrun --nproc_per_node N train.py``).
 ``convert`` routes ``deepspeed.initialize`` (which accelerate looks up at call time) to
-:func:`initialize`, i.e. ``ds_fssdp.initialize``; models without FSSDP layers still get plain
-DeepSpeed from it. Without the Trainer, call ``ds_fssdp.initialize(model=model, config=...)``.
+``ds_fssdp.initialize``; models without FSSDP experts still get plain DeepSpeed from it.
 
-What the conversion keeps exact (fp32, before training the converted model's logits and loss
-equal the original's):
+Exact (fp32): before training, the converted model's logits and loss (router aux loss included:
+HF still records the router logits) equal the original's. Gradient checkpointing
+(``gradient_checkpointing_enable()`` / ``TrainingArguments(gradient_checkpointing=True)``) is
+exact too: a recomputed experts forward replays its iteration's plan, route and replicas.
+Trainer checkpoints go through the engine's ``save_checkpoint`` (DeepSpeed's files plus every
+expert's weights, masters and optimizer moments keyed by (layer, expert)), so ``save_strategy``
+and ``resume_from_checkpoint`` work like with plain DeepSpeed.
 
-* each sparse MoE block becomes a :class:`~ds_fssdp.integrations.hf_blocks.FSSDPSparseMoeBlock`:
-  the HF router module itself (same routing math, same ``gate.weight`` key), the experts mapped
-  exactly into an :class:`~ds_fssdp.FSSDPMoE` (transposes of the fused tensors), Qwen2-MoE's shared
-  expert and its sigmoid gate as ordinary dense modules, Mixtral's router jitter in training;
-* the auxiliary loss: HF still records the router logits and adds
-  ``router_aux_loss_coef * load_balancing_loss_func(...)`` in the model's own forward when
-  ``config.output_router_logits`` is true. As in plain DeepSpeed data parallelism, each rank's aux
-  loss is computed from its own tokens.
+Routers with a selection bias (``e_score_correction_bias``: DeepSeek-V3 family, MiniMax-M2, ...):
+with ``fssdp.router_bias_update_rate`` > 0 the bias is trained with DeepSeek-V3's
+auxiliary-loss-free rule after every optimizer step (transformers never updates it).
 
-Refused: gradient checkpointing of the decoder layers (the recomputed forward would plan the
-experts' placement again; ``ds_fssdp.initialize`` through this module raises), experts modules
-with another layout or activation than silu, ZeRO stage 3 (as for every FSSDP model).
+Frozen experts (``requires_grad_(False)`` on an experts module's tensors before initialize) stay
+frozen: no gradient, no optimizer state, no reduce.
 
-Saving: the state dict of a converted model holds the experts as ``<block>.moe.w_gate`` etc. (or
-not at all once sharded). :func:`unconvert` puts every original HF block back in place with the
-trained weights (a collective: every rank calls it); :func:`hf_state_dict` returns the HF-layout
-state dict without changing the model (also collective), e.g. for
-``model.save_pretrained(out_dir, state_dict=fssdp_hf.hf_state_dict(model))`` mid-training. Both
-round-trip through ``save_pretrained`` / ``from_pretrained``. Trainer checkpoints taken while the
-model is converted (``save_strategy`` other than ``"no"``) do not hold the sharded experts: use
-``save_strategy="no"`` and save after :func:`unconvert`.
+Saving: the state dict of a converted model holds the experts as ``<...>.experts.w_gate`` etc. (or
+not at all once sharded). :func:`unconvert` puts every original HF experts module back in place
+with the trained weights (a collective: every rank calls it); :func:`hf_state_dict` returns the
+HF-layout state dict without changing the model (also collective), e.g. for
+``model.save_pretrained(out_dir, state_dict=fssdp_hf.hf_state_dict(model))`` mid-training.
 """
 from __future__ import annotations
 
@@ -52,52 +54,57 @@ import torch.nn as nn
 from deepspeed.utils import logger
 
 import ds_fssdp.runtime.engine as _engine
-from ds_fssdp.config import FSSDPConfigError
-from ds_fssdp.integrations.hf_blocks import FAMILIES, Family, FSSDPSparseMoeBlock
+from ds_fssdp.integrations.hf_experts import FSSDPHFExperts, UnsupportedExpertsError, is_experts_module
 
-SUPPORTED_MODEL_TYPES = tuple(f.model_type for f in FAMILIES)
+# Where a family keeps the selection bias of its router: on the block or on its router module.
+ROUTER_BIAS = "e_score_correction_bias"
 
 
 class UnsupportedModelError(ValueError):
-    """The model has no sparse MoE block of a supported family."""
+    """The model has no experts module ds_fssdp can map (or one whose math it cannot reproduce)."""
 
 
 def convert(model: nn.Module, *, route_initialize: bool = True) -> nn.Module:
-    """Replace every sparse MoE block of ``model`` in place by an FSSDP block holding the same
-    router and expert weights; returns ``model``. ``route_initialize``: also route
+    """Replace every HF experts module of ``model`` in place by an :class:`FSSDPHFExperts`
+    holding the same weights; returns ``model``. ``route_initialize``: also route
     ``deepspeed.initialize`` to :func:`initialize` (what the HF Trainer needs)."""
-    if converted_blocks(model):
+    if converted_experts(model):
         raise ValueError(f"convert: {type(model).__name__} is already converted")
-    found = 0
-    for family in _available_families():
-        cls = family.block_class()
-        # Exact class: a subclass may change the block's math.
-        targets = [(name, m) for name, m in model.named_modules() if type(m) is cls]
-        for name, block in targets:
-            _set_submodule(model, name, FSSDPSparseMoeBlock(block, family, where=f"{name} ({cls.__name__})"))
-        found += len(targets)
-    if not found:
-        model_type = getattr(getattr(model, "config", None), "model_type", None)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    targets = [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
+    if not targets:
         raise UnsupportedModelError(
-            f"ds_fssdp.integrations.hf.convert: {type(model).__name__} (model_type {model_type!r}) has no sparse "
-            f"MoE block ds_fssdp can map; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    logger.info(f"fssdp: converted {found} sparse MoE blocks of {type(model).__name__}")
+            f"ds_fssdp.integrations.hf.convert: {type(model).__name__} (model_type {model_type!r}) has no experts module "
+            "on transformers' experts contract (@use_experts_implementation with fused [E, ...] expert tensors); "
+            "ds_fssdp converts only those (see the README for the families tested)")
+    top_k = _top_k(model)
+    for name, experts in targets:
+        where = f"{name} ({type(experts).__name__})"
+        try:
+            module = FSSDPHFExperts(experts, model_type=model_type, where=where, top_k=top_k)
+        except UnsupportedExpertsError as err:
+            raise UnsupportedModelError(str(err)) from None
+        _bind_router_bias(model, name, module)
+        _set_submodule(model, name, module)
+    logger.info(f"fssdp: converted {len(targets)} experts modules of {type(model).__name__} ({model_type}): "
+                f"{targets[0][1].__class__.__name__} -> {converted_experts(model)[0][1].extra_repr()}")
     if route_initialize:
         route_deepspeed_initialize()
     return model
 
 
-def converted_blocks(model: nn.Module) -> list:
-    """``[(name, FSSDPSparseMoeBlock)]`` in module order."""
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, FSSDPSparseMoeBlock)]
+def converted_experts(model: nn.Module) -> list:
+    """``[(name, FSSDPHFExperts)]`` in module order."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, FSSDPHFExperts)]
 
 
 def unconvert(model: nn.Module) -> nn.Module:
-    """Put the original HF blocks back with the current weights; returns ``model``. Collective once
-    ``ds_fssdp.initialize`` has sharded the experts: every rank calls it. The FSSDP engine must not
-    train the model afterwards (its expert shards are no longer part of it)."""
-    for name, block in converted_blocks(model):
-        _set_submodule(model, name, block.to_hf_block())
+    """Put the original HF experts modules back with the current weights; returns ``model``.
+    Collective once ``ds_fssdp.initialize`` has sharded the experts: every rank calls it. The FSSDP
+    engine must not train the model afterwards (its expert shards are no longer part of it)."""
+    like = _dense_like(model)
+    for name, module in converted_experts(model):
+        _set_submodule(model, name, module.to_hf_module(like))
     return model
 
 
@@ -105,25 +112,18 @@ def hf_state_dict(model: nn.Module) -> dict:
     """The state dict the unconverted model would have (experts as HF fused tensors), without
     changing the model. Collective once sharded: every rank calls it and gets the full dict."""
     state = model.state_dict()
-    for name, block in converted_blocks(model):
+    like = _dense_like(model)
+    for name, module in converted_experts(model):
         prefix = f"{name}." if name else ""
-        for key in [k for k in state if k.startswith(f"{prefix}moe.")]:
-            del state[key]
-        for key, tensor in block.hf_expert_tensors().items():
-            state[f"{prefix}experts.{key}"] = tensor
+        for key in module.spec.names:
+            state.pop(prefix + key, None)
+        for key, tensor in module.hf_tensors(like).items():
+            state[prefix + key] = tensor
     return state
 
 
 def initialize(*args, **kwargs):
-    """``ds_fssdp.initialize`` with the checks a converted HF model needs (what ``deepspeed.initialize``
-    is routed to)."""
-    model = kwargs.get("model")
-    if model is None and len(args) > 1:
-        model = args[1]
-    if model is not None and converted_blocks(model) and _checkpointing(model):
-        raise FSSDPConfigError("gradient checkpointing (TrainingArguments.gradient_checkpointing / "
-                               "model.gradient_checkpointing_enable) is not supported with fssdp: the recomputed "
-                               "forward would plan the experts again; turn it off")
+    """What ``deepspeed.initialize`` is routed to: ``ds_fssdp.initialize``."""
     return _engine.initialize(*args, **kwargs)
 
 
@@ -140,19 +140,35 @@ def restore_deepspeed_initialize() -> None:
     deepspeed.initialize = _engine._deepspeed_initialize
 
 
-def _checkpointing(model: nn.Module) -> bool:
-    # What PreTrainedModel.is_activation_checkpointing (is_gradient_checkpointing before 5.x) checks.
-    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+def _top_k(model):
+    config = getattr(model, "config", None)
+    config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+    for key in ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"):
+        value = getattr(config, key, None)
+        if isinstance(value, int):
+            return value
+    return None
 
 
-def _available_families():
-    for family in FAMILIES:
-        try:
-            family.block_class()
-        except (ImportError, AttributeError) as err:  # an older transformers without this family
-            logger.info(f"fssdp: transformers has no {family.block} ({err}); skipping {family.model_type}")
-            continue
-        yield family
+def _bind_router_bias(model: nn.Module, experts_name: str, module: FSSDPHFExperts) -> None:
+    """The block's (or its router's) ``e_score_correction_bias`` of [E], if the family has one."""
+    block_name = experts_name.rpartition(".")[0]
+    block = model.get_submodule(block_name) if block_name else model
+    candidates = [(block_name, block)] + [(f"{block_name}.{n}" if block_name else n, c)
+                                          for n, c in block.named_children() if c is not module]
+    for owner_name, owner in candidates:
+        bias = owner._buffers.get(ROUTER_BIAS) if ROUTER_BIAS in owner._buffers else owner._parameters.get(ROUTER_BIAS)
+        if bias is not None and tuple(bias.shape) == (module.num_experts, ):
+            module.bind_router_bias(bias, where=f"{owner_name}.{ROUTER_BIAS}")
+            return
+
+
+def _dense_like(model: nn.Module):
+    """A dense parameter: the device and dtype HF tensors are returned in (bf16 once an engine casts)."""
+    for name, p in model.named_parameters():
+        if p.device.type != "meta":
+            return p
+    return None
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -161,5 +177,5 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(parent, child, module)
 
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "UnsupportedModelError", "Family", "convert", "converted_blocks", "unconvert",
-           "hf_state_dict", "initialize", "route_deepspeed_initialize", "restore_deepspeed_initialize"]
+__all__ = ["UnsupportedModelError", "convert", "converted_experts", "unconvert", "hf_state_dict", "initialize",
+           "route_deepspeed_initialize", "restore_deepspeed_initialize"]

@@ -162,12 +162,11 @@ class FSSDPStage:
         applied = not getattr(engine.optimizer, "overflow", False) and not self.health.skip
         factor = self.norm.disarm()
         if applied:
-            for group in self.optimizer.param_groups:
-                group.update({k: v for k, v in self._scheduled.items() if k in group})
-            if factor != 1.0:
+            if self.optimizer is not None:  # None: every expert is frozen
+                for group in self.optimizer.param_groups:
+                    group.update({k: v for k, v in self._scheduled.items() if k in group})
                 for master in self.masters():
-                    master.grad.mul_(factor)
-            if self.optimizer is not None:
+                    master.grad.mul_(factor) if factor != 1.0 else None
                 self.optimizer.step()
             for shard in self.shards:
                 shard.copy_master_to_rows()

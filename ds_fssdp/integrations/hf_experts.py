@@ -1,0 +1,266 @@
+"""FSSDP behind transformers' experts contract: one HF experts module <-> one FSSDPExperts.
+
+Legend: E experts, H hidden, I expert FFN hidden (HF's ``moe_intermediate_size``), T tokens, K top-k.
+
+transformers 5.x decorates a family's experts module with ``use_experts_implementation``: its
+forward is ``(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]`` with the
+routing weights applied inside, and layout flags on the module say how its fused tensors are
+stored:
+
+* ``has_gate``: ``gate_up_proj`` (gate and up fused) or only ``up_proj``;
+* ``is_transposed``: weights applied as ``x @ W`` ([E, H, 2I], [E, I, H]) instead of ``x @ W^T``
+  ([E, 2I, H], [E, H, I]);
+* ``is_concatenated``: gate rows then up rows, or interleaved (gate0, up0, gate1, ...);
+* ``has_bias``: ``gate_up_proj_bias`` [E, 2I] / ``up_proj_bias`` [E, I] and ``down_proj_bias`` [E, H];
+* ``has_post_expert_norm``: a norm after each expert (not mapped: refused).
+
+The activation is ``_apply_gate`` (gated) or ``act_fn`` (not gated). Rather than a table of
+families, :func:`read_layout` asks the module itself: it runs the module's own ``_apply_gate`` /
+``act_fn`` on probe values (clamps included) and picks the ``ds_fssdp.ops`` expert variant that
+computes the same function, with its constants (``alpha``, ``limit``) read from the module. A
+family whose math is none of them is refused, naming the model type and what is missing.
+
+The mapping into FSSDP's layout (``w_gate``/``w_up`` [E, H, I], ``w_down`` [E, I, H], biases
+``b_gate``/``b_up`` [E, I], ``b_down`` [E, H]; ``w_a``/``w_b`` and ``b_a``/``b_b`` when not gated) is
+exact: transposes, slices and de-interleaving, inverted by :func:`to_hf`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from ds_fssdp import ops
+from ds_fssdp.moe.experts import ExpertSpec
+from ds_fssdp.moe.experts_module import FSSDPExperts
+
+LAYOUT_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
+# Gated expert variants tried against a module's ``_apply_gate``, with the constants each needs.
+GATED = (("swiglu", ()), ("geglu", ()), ("geglu_tanh", ()), ("swiglu_limit", ("limit", )),
+         ("gptoss", ("alpha", "limit")))
+UNGATED = (("gelu", ()), ("gelu_tanh", ()))
+# Where families keep the constants of their clamped activations (module attribute or config key).
+_CONSTANT_NAMES = {"alpha": ("alpha", "swiglu_alpha"), "limit": ("limit", "swiglu_limit")}
+
+
+class UnsupportedExpertsError(ValueError):
+    """An experts module whose math ds_fssdp's expert variants do not reproduce."""
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """Whether ``module`` follows transformers' experts contract (``use_experts_implementation``)."""
+    return all(hasattr(module, f) for f in LAYOUT_FLAGS) and hasattr(type(module), "_apply_gate")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one HF experts module stores its experts, and the FSSDP variant computing them."""
+    num_experts: int
+    hidden: int
+    ffn: int
+    gated: bool
+    transposed: bool
+    concatenated: bool
+    bias: bool
+    activation: str
+    act_params: dict = field(default_factory=dict)
+
+    def spec(self) -> ExpertSpec:
+        extra = {"bias": True} if self.bias else {}
+        if self.act_params:
+            extra["act_params"] = self.act_params
+        return ExpertSpec(self.activation, self.hidden, self.ffn, **extra)
+
+
+def read_layout(experts: nn.Module, *, model_type: str, where: str) -> Layout:
+    """The module's layout and activation; refuses what the mapping cannot reproduce exactly."""
+    if getattr(experts, "has_post_expert_norm", False):
+        raise UnsupportedExpertsError(f"{where}: model_type {model_type!r}: experts with a post-expert norm "
+                                      "(has_post_expert_norm) are not supported by ds_fssdp")
+    if getattr(experts, "_is_expert_parallel", False):
+        raise UnsupportedExpertsError(f"{where}: the experts module is already expert-parallel (transformers' own "
+                                      "tensor/expert parallel plan); load the model without it")
+    gated = bool(experts.has_gate)
+    transposed = bool(experts.is_transposed)
+    up = experts.gate_up_proj if gated else experts.up_proj
+    down = experts.down_proj
+    if up.dim() != 3 or down.dim() != 3:
+        raise UnsupportedExpertsError(f"{where}: model_type {model_type!r}: expert tensors of shapes "
+                                      f"{tuple(up.shape)} and {tuple(down.shape)} are not fused [E, ...] tensors")
+    E = up.shape[0]
+    out_dim, H = (up.shape[2], up.shape[1]) if transposed else (up.shape[1], up.shape[2])
+    I = out_dim // 2 if gated else out_dim
+    want_down = (E, I, H) if transposed else (E, H, I)
+    if (gated and out_dim % 2) or tuple(down.shape) != want_down:
+        raise UnsupportedExpertsError(f"{where}: model_type {model_type!r}: {'gate_up_proj' if gated else 'up_proj'} "
+                                      f"{tuple(up.shape)} and down_proj {tuple(down.shape)} do not fit the flags "
+                                      f"is_transposed={transposed}, has_gate={gated}")
+    activation, params = _probe_activation(experts, gated=gated, concatenated=bool(experts.is_concatenated),
+                                           model_type=model_type, where=where)
+    return Layout(num_experts=E, hidden=H, ffn=I, gated=gated, transposed=transposed,
+                  concatenated=bool(experts.is_concatenated), bias=bool(experts.has_bias), activation=activation,
+                  act_params=params)
+
+
+def _constant(experts: nn.Module, name: str):
+    config = getattr(experts, "config", None)
+    for attr in _CONSTANT_NAMES[name]:
+        for owner in (experts, config):
+            value = getattr(owner, attr, None) if owner is not None else None
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+    return None
+
+
+@torch.no_grad()
+def _probe_activation(experts, *, gated: bool, concatenated: bool, model_type: str, where: str):
+    """Run the module's own activation on probe values and find the variant that matches it."""
+    gen = torch.Generator().manual_seed(0)
+    width = 16
+    # Wide enough to cross every clamp the families use (GPT-OSS: limit 7), and small values.
+    g = torch.cat([torch.linspace(-20, 20, 64), torch.randn(64, generator=gen)]).view(-1, 1).expand(-1, width)
+    u = torch.cat([torch.randn(64, generator=gen) * 10, torch.linspace(-3, 3, 64)]).view(-1, 1).expand(-1, width)
+    g, u = g.contiguous().float(), u.flip(0).contiguous().float()
+    if gated:
+        packed = torch.cat([g, u], -1) if concatenated else torch.stack([g, u], -1).reshape(g.shape[0], -1)
+        want = experts._apply_gate(packed).float()
+        hook = "_apply_gate"
+    else:
+        want = experts.act_fn(g).float()
+        hook = f"act_fn ({type(getattr(experts, 'act_fn', None)).__name__})"
+    tried = []
+    for name, needs in (GATED if gated else UNGATED):
+        if name not in ops.ACTIVATIONS:
+            continue
+        params = {n: _constant(experts, n) for n in needs}
+        if any(v is None for v in params.values()):
+            continue
+        tried.append(name)
+        got = _variant(name, params, g, u if gated else None)
+        if got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5):
+            return name, params
+    raise UnsupportedExpertsError(
+        f"{where}: model_type {model_type!r}: the experts' activation ({type(experts).__name__}.{hook}) matches none "
+        f"of ds_fssdp's expert variants (tried {', '.join(tried)}); ds_fssdp.ops has no expert variant for it")
+
+
+def _variant(name: str, params: dict, g_RI: torch.Tensor, u_RI: torch.Tensor | None) -> torch.Tensor:
+    """One variant's activation through ``ops.expert_mlp`` itself, with identity weights."""
+    R, I = g_RI.shape
+    eye = torch.eye(I)
+    zero = torch.zeros(I, I)
+    if u_RI is None:
+        weights = {"w_a": eye[None], "w_b": eye[None]}
+        x = g_RI
+    else:
+        weights = {"w_gate": torch.cat([eye, zero])[None], "w_up": torch.cat([zero, eye])[None], "w_down": eye[None]}
+        x = torch.cat([g_RI, u_RI], -1)
+    extra = {"act_params": params} if params else {}
+    return ops.expert_mlp(x, weights, [R], activation=name, **extra)
+
+
+def to_fssdp(experts: nn.Module, layout: Layout) -> dict:
+    """HF fused tensors -> FSSDP's named [E, ...] tensors (contiguous copies)."""
+    I = layout.ffn
+    up = (experts.gate_up_proj if layout.gated else experts.up_proj).detach()
+    w_xw = up if layout.transposed else up.transpose(1, 2)  # [E, H, 2I] or [E, H, I], applied as x @ W
+    down = experts.down_proj.detach()
+    w_down = down if layout.transposed else down.transpose(1, 2)  # [E, I, H]
+    out = {}
+    if layout.gated:
+        gate, upw = _split(w_xw, I, layout.concatenated)
+        out.update(w_gate=gate, w_up=upw, w_down=w_down)
+    else:
+        out.update(w_a=w_xw, w_b=w_down)
+    if layout.bias:
+        b_up = (experts.gate_up_proj_bias if layout.gated else experts.up_proj_bias).detach()
+        if layout.gated:
+            out["b_gate"], out["b_up"] = _split(b_up, I, layout.concatenated)
+            out["b_down"] = experts.down_proj_bias.detach()
+        else:
+            out["b_a"], out["b_b"] = b_up, experts.down_proj_bias.detach()
+    return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+def to_hf(tensors: dict, layout: Layout) -> dict:
+    """FSSDP's named tensors -> the HF module's fused tensors by attribute name (the inverse)."""
+    if layout.gated:
+        w_xw = _join(tensors["w_gate"], tensors["w_up"], layout.concatenated)
+        w_down = tensors["w_down"]
+    else:
+        w_xw, w_down = tensors["w_a"], tensors["w_b"]
+    up_name = "gate_up_proj" if layout.gated else "up_proj"
+    out = {up_name: w_xw if layout.transposed else w_xw.transpose(1, 2),
+           "down_proj": w_down if layout.transposed else w_down.transpose(1, 2)}
+    if layout.bias:
+        out[f"{up_name}_bias"] = (_join(tensors["b_gate"], tensors["b_up"], layout.concatenated) if layout.gated
+                                  else tensors["b_a"])
+        out["down_proj_bias"] = tensors["b_down"] if layout.gated else tensors["b_b"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _split(t, I, concatenated):
+    return (t[..., :I], t[..., I:]) if concatenated else (t[..., 0::2], t[..., 1::2])
+
+
+def _join(gate, up, concatenated):
+    return torch.cat([gate, up], -1) if concatenated else torch.stack([gate, up], -1).flatten(-2)
+
+
+class FSSDPHFExperts(FSSDPExperts):
+    """Stands in for one HF experts module: same forward contract, experts trained by FSSDP. The
+    family's block (router, shared experts, scaling) is untouched around it."""
+
+    def __init__(self, experts: nn.Module, *, model_type: str, where: str, top_k: int | None = None):
+        layout = read_layout(experts, model_type=model_type, where=where)
+        hf_params = {n: p for n, p in experts.named_parameters(recurse=False)}
+        first = next(iter(hf_params.values()))
+        # Built on the meta device: the real tensors are the HF ones, mapped below.
+        super().__init__(spec=layout.spec(), hidden_size=layout.hidden, ffn_hidden_size=layout.ffn,
+                         num_experts=layout.num_experts, device="meta", dtype=first.dtype)
+        flags = {p.requires_grad for p in hf_params.values()}
+        if len(flags) > 1:
+            raise ValueError(f"{where}: some expert tensors require grad and others do not "
+                             f"({ {n: p.requires_grad for n, p in hf_params.items()} }); ds_fssdp trains or freezes "
+                             "an expert's tensors together")
+        requires_grad = flags.pop()
+        with torch.no_grad():
+            for name, tensor in to_fssdp(experts, layout).items():
+                setattr(self, name, nn.Parameter(tensor, requires_grad=requires_grad))
+        self.layout = layout
+        self.model_type = model_type
+        self.k = top_k
+        # The HF module is kept outside the module tree for the way back (``to_hf_module``); its
+        # storage is freed (meta tensors of the same shapes).
+        object.__setattr__(self, "_hf_experts", experts)
+        for name, p in hf_params.items():
+            setattr(experts, name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                                requires_grad=p.requires_grad))
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        out_TH = super().forward(hidden_states, top_k_index, top_k_weights)
+        return out_TH.to(hidden_states.dtype)
+
+    @torch.no_grad()
+    def hf_tensors(self, like: torch.Tensor | None = None) -> dict:
+        """The HF module's tensors by attribute name (collective once sharded: every rank calls it,
+        in the same module order). ``like``: the device and dtype to return them in."""
+        tensors = to_hf(self.export_experts(), self.layout)
+        if like is not None:
+            tensors = {k: v.to(device=like.device, dtype=like.dtype) for k, v in tensors.items()}
+        return tensors
+
+    @torch.no_grad()
+    def to_hf_module(self, like: torch.Tensor | None = None) -> nn.Module:
+        """The original HF experts module holding the current weights (collective once sharded)."""
+        experts = self._hf_experts
+        for name, tensor in self.hf_tensors(like).items():
+            old = getattr(experts, name)
+            setattr(experts, name, nn.Parameter(tensor, requires_grad=old.requires_grad))
+        return experts
+
+    def extra_repr(self) -> str:
+        lay = self.layout
+        return (f"model_type={self.model_type}, experts={lay.num_experts}, hidden={lay.hidden}, ffn={lay.ffn}, "
+                f"activation={lay.activation}{lay.act_params or ''}, bias={lay.bias}")

@@ -1,0 +1,35 @@
+"""Tiny Hugging Face MoE models of every tested family (``ds_fssdp.integrations.hf_tiny``), with a
+random selection bias where the family has one (so it matters), and their batches."""
+from __future__ import annotations
+
+import torch
+
+from ds_fssdp.integrations.hf_tiny import BIASED_FAMILIES as BIASED
+from ds_fssdp.integrations.hf_tiny import TESTED_FAMILIES, tiny_config
+
+VOCAB = 64
+FAMILIES = tuple(f for f in TESTED_FAMILIES if f != "gpt_oss")
+
+
+@torch.no_grad()
+def tiny_model(model_type: str, seed: int = 0, **overrides):
+    import transformers
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type, vocab=VOCAB, **overrides))
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name, buf in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buf.copy_(torch.randn(buf.shape, generator=gen) * 0.3)
+    return model
+
+
+def batch(seed: int = 1, *, rows: int = 3, seq: int = 12):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (rows, seq), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding on one row: the aux loss is masked too
+    labels = ids.masked_fill(mask == 0, -100)
+    return dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+__all__ = ["BIASED", "FAMILIES", "VOCAB", "batch", "tiny_config", "tiny_model"]
