@@ -21,7 +21,7 @@ TOL = dict(rtol=2e-5, atol=2e-6)
 
 
 def _runs():
-    runs = {}
+    runs = {("frozen", False): ds_config(world=WORLD, zero=1, fssdp={"ranks_per_node": 1, "_frozen_experts": True})}
     for remat in (False, True):
         for mode in MODES:
             runs[(mode, remat)] = ds_config(world=WORLD, zero=1, fssdp={"ranks_per_node": 1, "rematerialize": remat})
@@ -32,12 +32,12 @@ def _worker(rank, world, runs, steps):
     out = {}
     base = training.MODEL
     for (mode, remat), cfg in runs.items():
-        training.MODEL = dataclasses.replace(base, activation_checkpointing=mode)
+        training.MODEL = dataclasses.replace(base, activation_checkpointing=mode if mode in MODES else "none")
         try:
             res = training.train_worker(rank, world, {"run": cfg}, steps)["run"]
         finally:
             training.MODEL = base
-        out[(mode, remat)] = {k: res[k] for k in ("losses", "dense", "experts", "replicas", "norms")}
+        out[(mode, remat)] = {k: res[k] for k in ("losses", "dense", "experts", "replicas", "norms", "expert_states")}
     return out
 
 
@@ -71,3 +71,24 @@ def test_checkpointed_equals_plain_run_and_reference(trained, reference, mode, r
         want = [ref_losses[(s, m, rank)] for s in range(STEPS) for m in range(gas)]
         torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(want), **TOL)
         torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(ref_norms), **TOL)
+
+
+def test_frozen_fssdp_moe_experts_stay_frozen(trained):
+    """Experts frozen before initialize: unchanged, no optimizer state; gate, attention and the
+    rest train exactly like the single-process reference with the same experts frozen."""
+    cfg = ds_config(world=WORLD, zero=1, fssdp={"_frozen_experts": True})
+    ref_losses, ref_dense, ref_experts, ref_norms = reference_train(cfg, WORLD, STEPS)
+    torch.manual_seed(0)
+    fresh = training.GPTMoE(training.MODEL)
+    initial = [l.export_experts() for l in fresh.moe_layers()]
+    for rank, res in enumerate(trained):
+        run = res[("frozen", False)]
+        assert run["expert_states"] == [] and sum(run["replicas"]) > 0
+        for l, layer in enumerate(run["experts"]):
+            for name, t in layer.items():
+                assert torch.equal(t, initial[l][name].float()), name
+        for name, t in run["dense"].items():
+            torch.testing.assert_close(t, ref_dense[name].float(), **TOL)
+        assert not torch.equal(run["dense"]["blocks.0.moe.gate.weight"], fresh.blocks[0].moe.gate.weight)
+        want = [ref_losses[(s, m, rank)] for s in range(STEPS) for m in range(2)]
+        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(want), **TOL)

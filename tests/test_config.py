@@ -27,6 +27,7 @@ BAD = [
     ({"ranks_per_node": 0}, "fssdp.ranks_per_node (0)"),
     ({"ranks_per_node": "two"}, "fssdp.ranks_per_node ('two') must be \"auto\", null or an int >= 1"),
     ({"materialisation_budget": 2}, "fssdp.materialisation_budget (2) is not a known key"),
+    ({"router_bias_update_rate": -0.1}, "fssdp.router_bias_update_rate (-0.1)"),
 ]
 
 
@@ -77,6 +78,9 @@ def _tiny_model():
 @pytest.mark.parametrize("config,message", [
     ({"train_batch_size": 2, "zero_optimization": {"stage": 3}, "fssdp": {}}, r"zero_optimization.stage \(3\)"),
     ({"train_batch_size": 2, "fssdp": {"load_window": -3}}, r"fssdp.load_window \(-3\)"),
+    # Nothing silently ignored: FSSDPMoE's gate has no router bias for this key to move.
+    ({"train_batch_size": 2, "fssdp": {"router_bias_update_rate": 0.01}},
+     r"fssdp.router_bias_update_rate \(0.01\) is set, but no MoE layer"),
 ])
 def test_initialize_refuses_before_any_collective(config, message):
     with pytest.raises(FSSDPConfigError, match=message):

@@ -50,14 +50,23 @@ def client_sgd(params):
     return torch.optim.SGD(params, lr=0.5, momentum=0.9)
 
 
+def freeze_experts(model) -> None:
+    for layer in model.moe_layers():
+        for p in layer.expert_parameters():
+            p.requires_grad_(False)
+
+
 def train_worker(rank, world, runs: dict, steps: int):
-    """Train every run's config on this rank; return losses, final weights and statistics."""
+    """Train every run's config on this rank; return losses, final weights and statistics. A run
+    whose fssdp section has ``"_frozen_experts": true`` freezes every expert first."""
     import ds_fssdp
     out = {}
     for name, cfg in runs.items():
         torch.manual_seed(0)
         model = GPTMoE(MODEL)
         cfg = copy.deepcopy(cfg)
+        if cfg["fssdp"].pop("_frozen_experts", False):
+            freeze_experts(model)
         client = None
         if cfg["optimizer"] == "client":
             del cfg["optimizer"]
@@ -84,8 +93,9 @@ def train_worker(rank, world, runs: dict, steps: int):
         engine.fssdp.close()
         dense = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
         experts = [{k: v.float() for k, v in l.export_experts().items()} for l in model.moe_layers()]
+        opt = engine.fssdp.optimizer
         states = [{k: tuple(v.shape) for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0}
-                  for st in engine.fssdp.optimizer.state.values()]
+                  for st in (opt.state.values() if opt is not None else [])]
         owned = [int(l.sharded.owned_E.numel()) for l in model.moe_layers()]
         out[name] = dict(losses=losses, dense=dense, experts=experts, replicas=replicas, factors=factors,
                          norms=norms, expert_states=states, owned=owned, replica_peaks=peaks,
@@ -114,17 +124,19 @@ def reference_train(cfg: dict, world: int, steps: int):
     (loss / (world * gas), global-norm clipping, the same optimizer)."""
     torch.manual_seed(0)
     model = GPTMoE(MODEL)
+    if cfg["fssdp"].get("_frozen_experts"):
+        freeze_experts(model)
     current = {"rank": 0}
     if cfg["fssdp"].get("policy") == "uniform":
         _uniform_gates(model, current)
     opt_cfg = cfg["optimizer"]
     if opt_cfg == "client":
-        opt = client_sgd(model.parameters())
+        opt = client_sgd([p for p in model.parameters() if p.requires_grad])
     else:
         params = dict(opt_cfg["params"])
         params.pop("torch_adam", None)
         cls = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW, "adam": torch.optim.AdamW}[opt_cfg["type"].lower()]
-        opt = cls(model.parameters(), **params)
+        opt = cls([p for p in model.parameters() if p.requires_grad], **params)
     scheduler = None
     if "scheduler" in cfg:
         from deepspeed.runtime.lr_schedules import WarmupLR
@@ -140,7 +152,8 @@ def reference_train(cfg: dict, world: int, steps: int):
                 loss = model(x, y)
                 (loss / (world * gas)).backward()
                 losses[(step, micro, rank)] = loss.item()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["gradient_clipping"] or 1e30)))
+        norms.append(float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
+                                                          cfg["gradient_clipping"] or 1e30)))
         opt.step()
         if scheduler is not None:
             scheduler.step()

@@ -51,7 +51,12 @@ def check_combinations(ds_config: dict, fcfg: FSSDPConfig, *, model) -> None:
     if isinstance(sp, int) and sp > 1:
         raise FSSDPConfigError(f"sequence_parallel_size ({sp}) is not supported with fssdp (the token exchange "
                                "spans the whole data-parallel world)")
-    num_E = [m.num_experts for m in model.modules() if isinstance(m, FSSDPExperts)] if model is not None else []
+    experts = [m for m in model.modules() if isinstance(m, FSSDPExperts)] if model is not None else []
+    if fcfg.router_bias_update_rate and experts and not any(m.router_bias is not None for m in experts):
+        raise FSSDPConfigError(f"fssdp.router_bias_update_rate ({fcfg.router_bias_update_rate}) is set, but no MoE "
+                               "layer has a router selection bias to update (e_score_correction_bias of a converted "
+                               "HF model); FSSDPMoE's own gate takes aux_free_bias=True and bias_update_rate instead")
+    num_E = [m.num_experts for m in experts]
     if len(set(num_E)) > 1:
         for key, value, active in (("reshard_interval", fcfg.reshard_interval, bool(fcfg.reshard_interval)),
                                    ("trace_path", fcfg.trace_path, bool(fcfg.trace_path)),
