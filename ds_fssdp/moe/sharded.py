@@ -200,7 +200,8 @@ class ShardedExperts:
                 # Every rank joins every reduce, so the replicas stay in the graph even when empty.
                 replica_RP.requires_grad_(True)
                 replica_RP.register_post_accumulate_grad_hook(lambda t, lay=layout: self._replica_backward_done(t, lay))
-            expert_fn = mlp_fn(self.spec.views(torch.cat([self.rows, replica_RP])), self.spec.activation)
+            expert_fn = mlp_fn(self.spec.views(torch.cat([self.rows, replica_RP])), self.spec.activation,
+                               act_params=self.spec.act_params)
         exchange = lambda x, out_splits, in_splits: all_to_all(x, out_splits, in_splits, group=self.group)
         out_TH = dispatch_compute_combine(x_TH, gate.weights_TK, r, expert_fn=expert_fn, exchange=exchange)
         if not train or remat:
