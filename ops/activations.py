@@ -7,6 +7,7 @@ side, added to that GEMM's output before the activation.
 
 Non-gated (h = x @ w_a + b_a; y = act(h) @ w_b + b_b):
   gelu          gelu(h), exact erf form
+  relu2         relu(h)^2                   (transformers' "relu2", NemotronH's has_gate=False experts)
 Gated (g = x @ w_gate + b_gate, u = x @ w_up + b_up; y = act(g, u) @ w_down + b_down):
   swiglu        silu(g) * u
   geglu         gelu(g) * u, exact erf form
@@ -15,7 +16,7 @@ Gated (g = x @ w_gate + b_gate, u = x @ w_up + b_up; y = act(g, u) @ w_down + b_
   gptoss        g' = min(g, limit); (clamp(u, -limit, limit) + 1) * (g' * sigmoid(g' * alpha))
 
 The gated formulas repeat transformers 5.24's operations in their order (so results match to the
-bit): swiglu / geglu / geglu_tanh are ``integrations/moe.py: _default_apply_gate`` with
+bit): relu2 is ``activations.py: ReLUSquaredActivation``; swiglu / geglu / geglu_tanh are ``integrations/moe.py: _default_apply_gate`` with
 ``ACT2FN["silu" | "gelu" | "gelu_pytorch_tanh"]``; swiglu_limit is
 ``models/deepseek_v4/modeling_deepseek_v4.py: DeepseekV4Experts._apply_gate`` (the same clamps as
 glm5_next, hy_v4, minimax_m3_vl); gptoss is ``models/gpt_oss/modeling_gpt_oss.py:
@@ -53,6 +54,7 @@ def _gptoss(g, u, p):
 
 TABLE = {
     "gelu": Activation(PLAIN, (), lambda h, p: F.gelu(h)),
+    "relu2": Activation(PLAIN, (), lambda h, p: torch.square(F.relu(h))),
     "swiglu": Activation(GATED, (), lambda g, u, p: F.silu(g) * u),
     "geglu": Activation(GATED, (), lambda g, u, p: F.gelu(g) * u),
     "geglu_tanh": Activation(GATED, (), lambda g, u, p: F.gelu(g, approximate="tanh") * u),

@@ -51,8 +51,8 @@ def test_describe_round_trip_and_older_metadata():
 def test_spec_rejects_bad_activation_and_params():
     with pytest.raises(ValueError, match=r"'gptoss' needs act_params \['alpha', 'limit'\]"):
         ExpertSpec("gptoss", H, Fh)
-    with pytest.raises(ValueError, match=r"activation \('relu2'\) must be one of"):
-        ExpertSpec("relu2", H, Fh)
+    with pytest.raises(ValueError, match=r"activation \('relu'\) must be one of"):
+        ExpertSpec("relu", H, Fh)
 
 
 def _mlp_inputs(spec, sizes, seed):

@@ -52,13 +52,14 @@ def test_gated_activations_equal_transformers_bitwise(activation, dtype):
     assert torch.equal(activations.apply(activation, params, *views), hf(gate_up))
 
 
-def test_swiglu_limit_equals_glm5_next_and_gelu_equals_act2fn():
+def test_swiglu_limit_equals_glm5_next_and_plain_activations_equal_act2fn():
     gen = torch.Generator().manual_seed(2)
     g, u = 6 * torch.randn(32, 24, generator=gen), 6 * torch.randn(32, 24, generator=gen)
     gate_up = torch.cat([g, u], dim=-1)
     glm = Glm5NextTextExperts._apply_gate(SimpleNamespace(swiglu_limit=LIMIT), gate_up)
     assert torch.equal(activations.apply("swiglu_limit", {"limit": LIMIT}, *gate_up.chunk(2, dim=-1)), glm)
     assert torch.equal(activations.apply("gelu", {}, g), ACT2FN["gelu"](g))
+    assert torch.equal(activations.apply("relu2", {}, g), ACT2FN["relu2"](g))
 
 
 def test_gpt_oss_experts_module_equals_expert_mlp():

@@ -2,8 +2,9 @@
 
 On the CPU the kernels run under the Triton interpreter in a subprocess: TRITON_INTERPRET=1 must
 be set before the kernel modules are imported, and setting it in this process would change every
-other test of the run. fp32 only here (the interpreter mis-computes bf16 arithmetic);
-tests/test_ops_gpu.py runs the same table on CUDA in fp32, fp16 and bf16.
+other test of the run. fp32 only here (the interpreter mis-computes bf16 arithmetic), and only
+INTERPRET_CASES (the kernel paths; the interpreter is slow); tests/test_ops_gpu.py runs the whole
+table, ALL_CASES, on CUDA in fp32, fp16 and bf16, and tests/test_ops_reference.py the torch one.
 
 References are plain torch compositions in float64 on the CPU, from the same (rounded) inputs.
 Tolerance: max |got - want| <= TOL[dtype] * max |want|. fp32 is tight (summation order only);
@@ -59,6 +60,7 @@ MLP_CASES = {
     "gelu": dict(sizes=[0, 7, 20], activation="gelu"),
     "swiglu": dict(sizes=[5, 0, 18], activation="swiglu"),
     "gelu-bias": dict(sizes=[3, 0, 9], activation="gelu", bias=True),
+    "relu2": dict(sizes=[0, 5, 1], activation="relu2"),
     "swiglu-bias": dict(sizes=[0, 1, 0], activation="swiglu", bias=True),
     "geglu": dict(sizes=[4, 6, 0], activation="geglu"),
     "geglu_tanh-bias": dict(sizes=[0, 0, 11], activation="geglu_tanh", bias=True),
@@ -74,7 +76,9 @@ ALL_CASES = ([f"gemm/{n}" for n in GEMM_CASES] + [f"gemm/{n}/trans_w" for n in G
              + [f"gemm/{n}/bias" for n in GEMM_CASES] + ["gemm/odd-sizes/trans_w/bias", "gemm/tensor-sizes"]
              + [f"permute/{n}" for n in PERMUTE_CASES]
              + [f"mlp/{n}" for n in MLP_CASES] + ["counts/skewed", "backend"])
-INTERPRET_CASES = [c for c in ALL_CASES if not c.startswith("mlp/") or c[4:] in INTERPRET_MLP]
+# The transposed bias case is the same epilogue as the plain one: the GPU and the torch tests run it.
+INTERPRET_CASES = [c for c in ALL_CASES if (not c.startswith("mlp/") or c[4:] in INTERPRET_MLP)
+                   and c != "gemm/odd-sizes/trans_w/bias"]
 
 
 def assert_close_scaled(got, want, dtype, *, what):
@@ -122,6 +126,9 @@ def reference_activation(activation, params, *inputs):
     if activation == "gelu":
         (h,) = inputs
         return 0.5 * h * (1 + torch.erf(h / 2 ** 0.5))
+    if activation == "relu2":
+        (h,) = inputs
+        return torch.where(h > 0, h * h, 0)
     g, u = inputs
     limit = params.get("limit")
     if activation == "swiglu":
@@ -157,7 +164,7 @@ def check_mlp(sizes, device, dtype, *, activation, bias=False, act_params=None):
     outs, gates, ups, start = [], [], [], 0
     for g, n in enumerate(sizes):
         xg = x64[start:start + n]
-        if activation == "gelu":
+        if activation in ("gelu", "relu2"):
             outs.append(lin(reference_activation(activation, {}, lin(xg, "w_a", g)), "w_b", g))
         else:
             gate, up = lin(xg, "w_gate", g), lin(xg, "w_up", g)
