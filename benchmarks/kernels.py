@@ -1,5 +1,6 @@
 """Kernel benchmarks: token permutation against a plain ``copy_`` of the same bytes, and the
-grouped GEMM against ``torch._grouped_mm`` and one dense matmul of the same FLOPs.
+grouped GEMM against ``torch._grouped_mm`` and one dense matmul of the same FLOPs, and with a
+per-group bias (in the GEMM, against adding it afterwards).
 
 Legend: T tokens, K top-k, E experts, D ranks, A = T * K assignments, S sent rows, R rows,
 H hidden, F expert FFN hidden.
@@ -105,6 +106,8 @@ def bench_gemm(family, *, skewed, device, dtype, rounds, target_s, backward):
     x = torch.randn(R, H, generator=gen).to(device, dtype).requires_grad_(backward)
     w = (torch.randn(E, H, F, generator=gen) * H ** -0.5).to(device, dtype).requires_grad_(backward)
     w_dense = w[0].detach().clone().requires_grad_(backward)
+    b = (0.1 * torch.randn(E, F, generator=gen)).to(device, dtype).requires_grad_(backward)
+    group_R = torch.repeat_interleave(torch.arange(E), torch.tensor(sizes)).to(device)
     dy = torch.randn(R, F, generator=gen).to(device, dtype)
     sizes_dev = torch.tensor(sizes, device=device)
     offs = torch.cumsum(sizes_dev, 0).to(torch.int32)
@@ -117,6 +120,9 @@ def bench_gemm(family, *, skewed, device, dtype, rounds, target_s, backward):
     candidates = {
         "grouped_gemm": run(lambda: ops.grouped_gemm(x, w, sizes_dev), [x, w]),
         "dense_matmul": run(lambda: x @ w_dense, [x, w_dense]),
+        # The bias in the GEMM (epilogue / addmm) against the same bias added by a gather after it.
+        "grouped_gemm_bias": run(lambda: ops.grouped_gemm(x, w, sizes_dev, bias=b), [x, w, b]),
+        "grouped_gemm_then_bias": run(lambda: ops.grouped_gemm(x, w, sizes_dev) + b[group_R], [x, w, b]),
     }
     if not backward:  # the torch loops in the forward only: the reference and the old split + cat
         candidates["torch_loop"] = lambda: grouped_gemm_torch.gemm(x, w, sizes, trans_w=False)

@@ -4,7 +4,8 @@ Pure tensor functions with autograd that never talk to other ranks. Each runs th
 on CUDA tensors and the torch reference elsewhere, chosen once per device type and logged
 (``ds_fssdp.ops.dispatch``); triton is imported only when a kernel is about to run.
 """
-from ds_fssdp.ops.expert_mlp import ACTIVATIONS, expert_mlp
+from ds_fssdp.ops.activations import ACTIVATIONS
+from ds_fssdp.ops.expert_mlp import expert_mlp
 from ds_fssdp.ops.group_sizes import GroupSizes
 from ds_fssdp.ops.grouped_gemm import grouped_gemm
 from ds_fssdp.ops.permute import combine_topk, permute_rows, permute_tokens, unpermute_combine

@@ -2,37 +2,43 @@
 
 Legend: R rows, G local experts, H hidden, F expert FFN hidden.
 
-gelu (exact erf form):   y = gelu(x @ w_a[g]) @ w_b[g]                     w_a [G,H,F], w_b [G,F,H]
-swiglu:                  y = (silu(x @ w_gate[g]) * (x @ w_up[g])) @ w_down[g]
+non-gated (gelu):  y = act(x @ w_a[g] + b_a[g]) @ w_b[g] + b_b[g]          w_a [G,H,F], w_b [G,F,H]
+gated (swiglu, geglu, geglu_tanh, swiglu_limit, gptoss):
+                   y = act(x @ w_gate[g] + b_gate[g], x @ w_up[g] + b_up[g]) @ w_down[g] + b_down[g]
+The biases (b_a, b_b / b_gate, b_up, b_down: [G, F] or [G, H]) are optional, each on its own;
+``activations.py`` has the formulas and the transformers code each one matches.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
-import torch.nn.functional as F
 
+from ds_fssdp.ops import activations
 from ds_fssdp.ops.group_sizes import GroupSizes, SizesLike
 from ds_fssdp.ops.grouped_gemm import grouped_gemm
 
-ACTIVATIONS = {
-    "gelu": (("w_a", "in"), ("w_b", "out")),
-    "swiglu": (("w_gate", "in"), ("w_up", "in"), ("w_down", "out")),
-}
-
 
 def expert_mlp(x_RH: torch.Tensor, weights: Mapping[str, torch.Tensor], group_sizes: SizesLike, *,
-               activation: str) -> torch.Tensor:
-    """y_RH for rows grouped by expert (``group_sizes`` as for ``grouped_gemm``). The group sizes
-    are converted once (host ints for torch, device offsets for Triton) and shared by every GEMM
-    here and in the backward."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation ({activation!r}) must be one of {tuple(ACTIVATIONS)}")
-    first = weights[ACTIVATIONS[activation][0][0]]
-    group_sizes = GroupSizes.of(group_sizes, num_groups=first.shape[0], num_rows=x_RH.shape[0])
-    if activation == "gelu":
-        h_RF = F.gelu(grouped_gemm(x_RH, weights["w_a"], group_sizes))
-        return grouped_gemm(h_RF, weights["w_b"], group_sizes)
-    g_RF = grouped_gemm(x_RH, weights["w_gate"], group_sizes)
-    u_RF = grouped_gemm(x_RH, weights["w_up"], group_sizes)
-    return grouped_gemm(F.silu(g_RF) * u_RF, weights["w_down"], group_sizes)
+               activation: str, act_params: Optional[Mapping[str, float]] = None) -> torch.Tensor:
+    """y_RH for rows grouped by expert (``group_sizes`` as for ``grouped_gemm``). ``weights`` holds
+    the activation's weights and any of their biases (``b_*``). The group sizes are converted once
+    (host ints for torch, device offsets for Triton) and shared by every GEMM here and in the
+    backward."""
+    params = activations.check(activation, act_params)
+    names = [n for n, _ in activations.ACTIVATIONS[activation]]
+    known = set(names) | {activations.bias_name(n) for n in names}
+    missing = [n for n in names if n not in weights]
+    unknown = [n for n in weights if n not in known]
+    if missing or unknown:
+        raise ValueError(f"expert_mlp({activation!r}) takes weights {names} and optional biases "
+                         f"{[activations.bias_name(n) for n in names]}; missing {missing}, unknown {unknown}")
+    group_sizes = GroupSizes.of(group_sizes, num_groups=weights[names[0]].shape[0], num_rows=x_RH.shape[0])
+
+    def proj(inp, name):
+        return grouped_gemm(inp, weights[name], group_sizes, bias=weights.get(activations.bias_name(name)))
+
+    if activations.is_gated(activation):
+        h_RF = activations.apply(activation, params, proj(x_RH, "w_gate"), proj(x_RH, "w_up"))
+        return proj(h_RF, "w_down")
+    return proj(activations.apply(activation, params, proj(x_RH, "w_a")), "w_b")

@@ -10,25 +10,34 @@ concatenation copy).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 
-def gemm(x_RH: torch.Tensor, w_GHF: torch.Tensor, sizes: Sequence[int], *, trans_w: bool) -> torch.Tensor:
-    """y_RF[rows of g] = x_RH[rows of g] @ w[g] (``w_GFH[g].T`` if ``trans_w``)."""
+def gemm(x_RH: torch.Tensor, w_GHF: torch.Tensor, sizes: Sequence[int], *, trans_w: bool,
+         bias_GF: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y_RF[rows of g] = x_RH[rows of g] @ w[g] (``w_GFH[g].T`` if ``trans_w``) + bias_GF[g] if
+    given (``baddbmm`` / ``addmm``: the bias is added by the GEMM itself)."""
     out_features = w_GHF.shape[1] if trans_w else w_GHF.shape[2]
     y_RF = x_RH.new_empty(x_RH.shape[0], out_features)
     if _equal(sizes):
         G, n = len(sizes), sizes[0]
         w = w_GHF.transpose(1, 2) if trans_w else w_GHF
-        torch.bmm(x_RH.reshape(G, n, -1), w, out=y_RF.view(G, n, out_features))
+        x_GnH, y_GnF = x_RH.reshape(G, n, -1), y_RF.view(G, n, out_features)
+        if bias_GF is None:
+            torch.bmm(x_GnH, w, out=y_GnF)
+        else:
+            torch.baddbmm(bias_GF.unsqueeze(1), x_GnH, w, out=y_GnF)
         return y_RF
     start = 0
     for g, n in enumerate(sizes):
         if n:
             w = w_GHF[g].t() if trans_w else w_GHF[g]
-            torch.mm(x_RH[start:start + n], w, out=y_RF[start:start + n])
+            if bias_GF is None:
+                torch.mm(x_RH[start:start + n], w, out=y_RF[start:start + n])
+            else:
+                torch.addmm(bias_GF[g], x_RH[start:start + n], w, out=y_RF[start:start + n])
         start += n
     return y_RF
 
@@ -55,6 +64,20 @@ def wgrad(x_RH: torch.Tensor, dy_RF: torch.Tensor, sizes: Sequence[int], *, tran
             torch.mm(x_gH.t(), dy_gF, out=dw[g])
         start += n
     return dw
+
+
+def group_sum(dy_RF: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    """db[g] = the sum of dy's rows of group g ([G, F]); empty groups get zeros."""
+    G, F = len(sizes), dy_RF.shape[1]
+    if _equal(sizes):
+        return dy_RF.reshape(G, sizes[0], F).sum(1)
+    db_GF = dy_RF.new_zeros(G, F)
+    start = 0
+    for g, n in enumerate(sizes):
+        if n:
+            torch.sum(dy_RF[start:start + n], 0, out=db_GF[g])
+        start += n
+    return db_GF
 
 
 def _equal(sizes: Sequence[int]) -> bool:

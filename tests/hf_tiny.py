@@ -8,7 +8,7 @@ from ds_fssdp.integrations.hf_tiny import BIASED_FAMILIES as BIASED
 from ds_fssdp.integrations.hf_tiny import TESTED_FAMILIES, tiny_config
 
 VOCAB = 64
-FAMILIES = tuple(f for f in TESTED_FAMILIES if f != "gpt_oss")
+FAMILIES = TESTED_FAMILIES
 
 
 @torch.no_grad()

@@ -44,9 +44,10 @@ def skewed_sizes(R, G, seed):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
 @pytest.mark.parametrize("trans_w", [False, True], ids=["w", "w_T"])
 @pytest.mark.parametrize("G,R,H,F", [(8, 3000, 512, 1408), (64, 4099, 384, 256)], ids=["few-groups", "many-groups"])
-def test_grouped_gemm_large(G, R, H, F, trans_w, dtype):
+def test_grouped_gemm_large(G, R, H, F, trans_w, bias, dtype):
     from ds_fssdp import ops
 
     dtype = DTYPES[dtype]
@@ -54,18 +55,22 @@ def test_grouped_gemm_large(G, R, H, F, trans_w, dtype):
     sizes = skewed_sizes(R, G, G).cuda()
     x = torch.randn(R, H, generator=gen).to("cuda", dtype).requires_grad_()
     w = (torch.randn((G, F, H) if trans_w else (G, H, F), generator=gen) * H ** -0.5).to("cuda", dtype).requires_grad_()
+    b = torch.randn(G, F, generator=gen).to("cuda", dtype).requires_grad_() if bias else None
     dy = torch.randn(R, F, generator=gen).to("cuda", dtype)
-    y = ops.grouped_gemm(x, w, sizes, trans_w=trans_w)
-    gx, gw = torch.autograd.grad(y, [x, w], dy)
-    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    y = ops.grouped_gemm(x, w, sizes, bias=b, trans_w=trans_w)
+    leaves = [x, w, b] if bias else [x, w]
+    got = torch.autograd.grad(y, leaves, dy)
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    x64, w64 = leaves64[:2]
     parts, start = [], 0
     for g, n in enumerate(sizes.tolist()):
-        parts.append(x64[start:start + n] @ (w64[g].t() if trans_w else w64[g]))
+        parts.append(x64[start:start + n] @ (w64[g].t() if trans_w else w64[g]) + (leaves64[2][g] if bias else 0))
         start += n
     want = torch.cat(parts)
-    wx, ww = torch.autograd.grad(want, [x64, w64], dy.double())
-    for name, got, ref in (("y", y, want), ("dx", gx, wx), ("dw", gw, ww)):
-        assert_close_scaled(got, ref, dtype, what=name)
+    ref = torch.autograd.grad(want, leaves64, dy.double(), allow_unused=True)
+    for name, a, r, leaf64 in zip(["dx", "dw", "dbias"], got, ref, leaves64):
+        assert_close_scaled(a, torch.zeros_like(leaf64) if r is None else r, dtype, what=name)
+    assert_close_scaled(y, want, dtype, what="y")
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -100,11 +105,14 @@ def test_device_path_makes_no_host_sync():
     w = torch.randn(5, 256, 384, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     weights = {"w_gate": w, "w_up": w.detach().clone().requires_grad_(), "w_down": torch.randn(
         5, 384, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)}
+    # Biases too: the epilogue and the per-group row sum read the same device offsets.
+    weights.update({"b_gate": torch.randn(5, 384, device="cuda", dtype=torch.bfloat16, requires_grad=True),
+                    "b_down": torch.randn(5, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)})
     rows_TK = torch.randperm(516, device="cuda").reshape(258, 2)
     gate_TK = torch.rand(258, 2, device="cuda", requires_grad=True)
 
     def step():
-        y = ops.expert_mlp(x, weights, sizes, activation="swiglu")
+        y = ops.expert_mlp(x, weights, sizes, activation="gptoss", act_params={"alpha": 1.702, "limit": 7.0})
         ops.unpermute_combine(y, rows_TK, gate_TK).float().sum().backward()
 
     step()  # autotuning (it times candidates, which syncs) happens on the first call

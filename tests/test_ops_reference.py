@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from ds_fssdp import ops
 from ds_fssdp.moe.routing import route
 from ds_fssdp.ops import dispatch, permute_torch
-from test_ops_triton_interpret import GEMM_CASES, MLP_CASES, PERMUTE_CASES, check_gemm, check_mlp, check_permute
+from test_ops_triton_interpret import ALPHA, GEMM_CASES, LIMIT, MLP_CASES, PERMUTE_CASES, check_gemm, check_mlp, check_permute
 
 
 @pytest.fixture(autouse=True)
@@ -29,10 +29,11 @@ def torch_backend(monkeypatch):
 # ---------------------------------------------------------------- grouped GEMM and expert MLP
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
 @pytest.mark.parametrize("trans_w", [False, True], ids=["w", "w_T"])
 @pytest.mark.parametrize("edge", list(GEMM_CASES))
-def test_grouped_gemm_edge_cases(edge, trans_w, dtype):
-    check_gemm(GEMM_CASES[edge], "cpu", dtype, trans_w=trans_w)
+def test_grouped_gemm_edge_cases(edge, trans_w, bias, dtype):
+    check_gemm(GEMM_CASES[edge], "cpu", dtype, trans_w=trans_w, bias=bias)
 
 
 @pytest.mark.parametrize("sizes", [[4, 0, 19], [0, 0, 0]], ids=["some-rows", "no-rows"])
@@ -42,7 +43,18 @@ def test_grouped_gemm_tensor_sizes(sizes):
 
 @pytest.mark.parametrize("name", list(MLP_CASES))
 def test_expert_mlp(name):
-    check_mlp(MLP_CASES[name]["sizes"], "cpu", torch.float32, activation=MLP_CASES[name]["activation"])
+    case = MLP_CASES[name]
+    check_mlp(case["sizes"], "cpu", torch.float32, activation=case["activation"], bias=case.get("bias", False),
+              act_params=case.get("act_params"))
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "geglu_tanh", "gptoss"])
+@pytest.mark.parametrize("edge", ["leading-empty", "middle-empty", "trailing-empty", "one-row", "all-in-one",
+                                  "balanced"])
+def test_expert_mlp_with_biases_edge_cases(edge, activation):
+    """The bias paths over the grouped GEMM's edge-case table (the balanced case runs baddbmm)."""
+    act_params = {"alpha": ALPHA, "limit": LIMIT} if activation == "gptoss" else None
+    check_mlp(GEMM_CASES[edge], "cpu", torch.float32, activation=activation, bias=True, act_params=act_params)
 
 
 @pytest.mark.parametrize("sizes", [[2, 7, 0], [3, 3, 3]], ids=["uneven", "balanced"])
@@ -114,6 +126,35 @@ def test_grouped_gemm_rejects_mismatched_operands():
         ops.grouped_gemm(torch.zeros(2, 2), torch.zeros(1, 2, 2, dtype=torch.float64), [2])
     with pytest.raises(ValueError, match="activation"):
         ops.expert_mlp(torch.zeros(2, 2), {}, [2], activation="relu")
+    with pytest.raises(ValueError, match=r"bias has shape \(2, 2\), expected \[G, F\] = \[1, 3\]"):
+        ops.grouped_gemm(torch.zeros(2, 2), torch.zeros(1, 2, 3), [2], bias=torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="bias .*differ"):
+        ops.grouped_gemm(torch.zeros(2, 2), torch.zeros(1, 2, 3), [2], bias=torch.zeros(1, 3, dtype=torch.float64))
+
+
+def _swiglu_weights(G=2, H=3, Fh=4):
+    return {"w_gate": torch.randn(G, H, Fh), "w_up": torch.randn(G, H, Fh), "w_down": torch.randn(G, Fh, H)}
+
+
+@pytest.mark.parametrize("activation,act_params,message", [
+    ("swiglu_limit", None, r"'swiglu_limit' needs act_params \['limit'\]; missing \['limit'\]"),
+    ("gptoss", {"limit": 7.0}, r"'gptoss' needs act_params \['alpha', 'limit'\]; missing \['alpha'\]"),
+    ("swiglu", {"limit": 7.0}, r"act_params \['limit'\] are not used by activation 'swiglu'"),
+    ("swiglu_limit", {"limit": float("nan")}, r"act_params\['limit'\] \(nan\) must be a finite number"),
+    ("swiglu_limit", {"limit": "7"}, r"act_params\['limit'\] \('7'\) must be a finite number"),
+    ("geglu_gelu", None, r"activation \('geglu_gelu'\) must be one of"),
+], ids=["missing", "one-missing", "unused", "nan", "string", "unknown"])
+def test_expert_mlp_rejects_bad_activation_params(activation, act_params, message):
+    with pytest.raises(ValueError, match=message):
+        ops.expert_mlp(torch.zeros(2, 3), _swiglu_weights(), [1, 1], activation=activation, act_params=act_params)
+
+
+def test_expert_mlp_rejects_missing_and_unknown_weights():
+    weights = _swiglu_weights()
+    del weights["w_up"]
+    weights["b_a"] = torch.zeros(2, 4)
+    with pytest.raises(ValueError, match=r"missing \['w_up'\], unknown \['b_a'\]"):
+        ops.expert_mlp(torch.zeros(2, 3), weights, [1, 1], activation="swiglu")
 
 
 # ---------------------------------------------------------------- permutation

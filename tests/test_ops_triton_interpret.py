@@ -2,8 +2,9 @@
 
 On the CPU the kernels run under the Triton interpreter in a subprocess: TRITON_INTERPRET=1 must
 be set before the kernel modules are imported, and setting it in this process would change every
-other test of the run. fp32 only here (the interpreter mis-computes bf16 arithmetic);
-tests/test_ops_gpu.py runs the same table on CUDA in fp32, fp16 and bf16.
+other test of the run. fp32 only here (the interpreter mis-computes bf16 arithmetic), and only
+INTERPRET_CASES (the kernel paths; the interpreter is slow); tests/test_ops_gpu.py runs the whole
+table, ALL_CASES, on CUDA in fp32, fp16 and bf16, and tests/test_ops_reference.py the torch one.
 
 References are plain torch compositions in float64 on the CPU, from the same (rounded) inputs.
 Tolerance: max |got - want| <= TOL[dtype] * max |want|. fp32 is tight (summation order only);
@@ -52,14 +53,32 @@ PERMUTE_CASES = {
 }
 PERMUTE_H = 40  # several 16-wide blocks under the interpreter, the last one partial
 
+# Expert MLPs: each activation and the biases, over the same kinds of group sizes. LIMIT is
+# small enough that both clamps of the limited activations cut real values (checked in check_mlp).
+LIMIT, ALPHA = 1.0, 1.702
 MLP_CASES = {
     "gelu": dict(sizes=[0, 7, 20], activation="gelu"),
     "swiglu": dict(sizes=[5, 0, 18], activation="swiglu"),
+    "gelu-bias": dict(sizes=[3, 0, 9], activation="gelu", bias=True),
+    "relu2": dict(sizes=[0, 5, 1], activation="relu2"),
+    "swiglu-bias": dict(sizes=[0, 1, 0], activation="swiglu", bias=True),
+    "geglu": dict(sizes=[4, 6, 0], activation="geglu"),
+    "geglu_tanh-bias": dict(sizes=[0, 0, 11], activation="geglu_tanh", bias=True),
+    "swiglu_limit": dict(sizes=[6, 0, 7], activation="swiglu_limit", act_params={"limit": LIMIT}),
+    "gptoss-bias": dict(sizes=[2, 9, 1], activation="gptoss", bias=True,
+                        act_params={"alpha": ALPHA, "limit": LIMIT}),
 }
+# What the interpreter runs (it is slow per program instance): the activations are torch
+# elementwise ops on every backend, so only the GEMM paths (plain, bias) need the kernels.
+INTERPRET_MLP = ["gelu", "swiglu", "gptoss-bias"]
 
 ALL_CASES = ([f"gemm/{n}" for n in GEMM_CASES] + [f"gemm/{n}/trans_w" for n in GEMM_CASES]
-             + ["gemm/tensor-sizes"] + [f"permute/{n}" for n in PERMUTE_CASES]
+             + [f"gemm/{n}/bias" for n in GEMM_CASES] + ["gemm/odd-sizes/trans_w/bias", "gemm/tensor-sizes"]
+             + [f"permute/{n}" for n in PERMUTE_CASES]
              + [f"mlp/{n}" for n in MLP_CASES] + ["counts/skewed", "backend"])
+# The transposed bias case is the same epilogue as the plain one: the GPU and the torch tests run it.
+INTERPRET_CASES = [c for c in ALL_CASES if (not c.startswith("mlp/") or c[4:] in INTERPRET_MLP)
+                   and c != "gemm/odd-sizes/trans_w/bias"]
 
 
 def assert_close_scaled(got, want, dtype, *, what):
@@ -77,7 +96,7 @@ def _leaf(t, device, dtype):
     return t.to(device).requires_grad_(), t.double().requires_grad_()
 
 
-def check_gemm(sizes, device, dtype, *, trans_w, sizes_as_tensor=False):
+def check_gemm(sizes, device, dtype, *, trans_w, bias=False, sizes_as_tensor=False):
     from ds_fssdp import ops
 
     gen = torch.Generator().manual_seed(len(sizes) * 7 + sum(sizes))
@@ -85,40 +104,78 @@ def check_gemm(sizes, device, dtype, *, trans_w, sizes_as_tensor=False):
     x, x64 = _leaf(torch.randn(R, GEMM_H, generator=gen), device, dtype)
     w_shape = (G, GEMM_F, GEMM_H) if trans_w else (G, GEMM_H, GEMM_F)
     w, w64 = _leaf(torch.randn(w_shape, generator=gen), device, dtype)
+    # A bias of the products' magnitude (~sqrt(H)), so a wrong or missing one shows.
+    b, b64 = _leaf(5 * torch.randn(G, GEMM_F, generator=gen), device, dtype) if bias else (None, None)
     dy = torch.randn(R, GEMM_F, generator=gen).to(dtype)
     group_sizes = torch.tensor(sizes, dtype=torch.long, device=device) if sizes_as_tensor else sizes
-    y = ops.grouped_gemm(x, w, group_sizes, trans_w=trans_w)
+    y = ops.grouped_gemm(x, w, group_sizes, bias=b, trans_w=trans_w)
     assert y.requires_grad, "the result must stay tied to x and w in autograd"
-    parts = [x64[s - n:s] @ (w64[g].t() if trans_w else w64[g])
+    parts = [x64[s - n:s] @ (w64[g].t() if trans_w else w64[g]) + (b64[g] if bias else 0)
              for g, (n, s) in enumerate(zip(sizes, torch.tensor(sizes, dtype=torch.long).cumsum(0).tolist()))]
     want = torch.cat(parts) if parts else x64 @ x64.new_zeros(GEMM_H, GEMM_F)
     assert_close_scaled(y, want, dtype, what="y")
-    gx, gw = torch.autograd.grad(y, [x, w], dy.to(device))
-    wx, ww = torch.autograd.grad(want, [x64, w64], dy.double(), allow_unused=True)
-    assert_close_scaled(gx, wx, dtype, what="dx")
-    assert_close_scaled(gw, torch.zeros_like(w64) if ww is None else ww, dtype, what="dw")
+    leaves, leaves64 = ([x, w, b], [x64, w64, b64]) if bias else ([x, w], [x64, w64])
+    got = torch.autograd.grad(y, leaves, dy.to(device))
+    ref = torch.autograd.grad(want, leaves64, dy.double(), allow_unused=True)
+    for name, a, r, leaf64 in zip(["dx", "dw", "dbias"], got, ref, leaves64):
+        assert_close_scaled(a, torch.zeros_like(leaf64) if r is None else r, dtype, what=name)
 
 
-def check_mlp(sizes, device, dtype, *, activation):
+def reference_activation(activation, params, *inputs):
+    """The formulas written out (float64), apart from the code under test."""
+    if activation == "gelu":
+        (h,) = inputs
+        return 0.5 * h * (1 + torch.erf(h / 2 ** 0.5))
+    if activation == "relu2":
+        (h,) = inputs
+        return torch.where(h > 0, h * h, 0)
+    g, u = inputs
+    limit = params.get("limit")
+    if activation == "swiglu":
+        return g * torch.sigmoid(g) * u
+    if activation == "geglu":
+        return 0.5 * g * (1 + torch.erf(g / 2 ** 0.5)) * u
+    if activation == "geglu_tanh":
+        return 0.5 * g * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (g + 0.044715 * g ** 3))) * u
+    g, u = torch.minimum(g, torch.tensor(limit, dtype=g.dtype)), u.clamp(-limit, limit)
+    if activation == "swiglu_limit":
+        return g * torch.sigmoid(g) * u
+    assert activation == "gptoss"
+    return (u + 1) * g * torch.sigmoid(params["alpha"] * g)
+
+
+def check_mlp(sizes, device, dtype, *, activation, bias=False, act_params=None):
     from ds_fssdp import ops
 
     gen = torch.Generator().manual_seed(5)
     G, R, H, Fh = len(sizes), sum(sizes), GEMM_H, 32  # K = 32 in the down projection: EVEN_K
     x, x64 = _leaf(torch.randn(R, H, generator=gen), device, dtype)
     names = ops.ACTIVATIONS[activation]
-    pairs = {n: _leaf(0.3 * torch.randn((G, H, Fh) if side == "in" else (G, Fh, H), generator=gen), device, dtype)
-             for n, side in names}
-    y = ops.expert_mlp(x, {n: p[0] for n, p in pairs.items()}, sizes, activation=activation)
+    shapes = {n: (G, H, Fh) if side == "in" else (G, Fh, H) for n, side in names}
+    if bias:
+        shapes.update({"b" + n[1:]: (G, s[2]) for n, s in list(shapes.items())})
+    pairs = {n: _leaf(0.3 * torch.randn(s, generator=gen), device, dtype) for n, s in shapes.items()}
+    y = ops.expert_mlp(x, {n: p[0] for n, p in pairs.items()}, sizes, activation=activation, act_params=act_params)
     w64 = {n: p[1] for n, p in pairs.items()}
-    outs, start = [], 0
+
+    def lin(inp, name, g):
+        return inp @ w64[name][g] + (w64["b" + name[1:]][g] if bias else 0)
+
+    outs, gates, ups, start = [], [], [], 0
     for g, n in enumerate(sizes):
         xg = x64[start:start + n]
-        if activation == "gelu":
-            outs.append(F.gelu(xg @ w64["w_a"][g]) @ w64["w_b"][g])
+        if activation in ("gelu", "relu2"):
+            outs.append(lin(reference_activation(activation, {}, lin(xg, "w_a", g)), "w_b", g))
         else:
-            outs.append((F.silu(xg @ w64["w_gate"][g]) * (xg @ w64["w_up"][g])) @ w64["w_down"][g])
+            gate, up = lin(xg, "w_gate", g), lin(xg, "w_up", g)
+            gates.append(gate)
+            ups.append(up)
+            outs.append(lin(reference_activation(activation, act_params or {}, gate, up), "w_down", g))
         start += n
     want = torch.cat(outs)
+    if act_params and "limit" in act_params:  # the case must exercise all three clamps
+        limit, gate, up = act_params["limit"], torch.cat(gates), torch.cat(ups)
+        assert (gate > limit).any() and (up > limit).any() and (up < -limit).any()
     assert_close_scaled(y, want, dtype, what="y")
     dy = torch.randn(R, H, generator=gen).to(dtype)
     got = torch.autograd.grad(y, [x] + [p[0] for p in pairs.values()], dy.to(device))
@@ -194,12 +251,14 @@ def run_case(name, device, dtype):
     if kind == "gemm":
         if rest == "tensor-sizes":
             return check_gemm([4, 0, 19], device, dtype, trans_w=False, sizes_as_tensor=True)
-        edge, _, trans = rest.partition("/")
-        return check_gemm(GEMM_CASES[edge], device, dtype, trans_w=bool(trans))
+        edge, *flags = rest.split("/")
+        return check_gemm(GEMM_CASES[edge], device, dtype, trans_w="trans_w" in flags, bias="bias" in flags)
     if kind == "permute":
         return check_permute(PERMUTE_CASES[rest], device, dtype)
     if kind == "mlp":
-        return check_mlp(MLP_CASES[rest]["sizes"], device, dtype, activation=MLP_CASES[rest]["activation"])
+        case = MLP_CASES[rest]
+        return check_mlp(case["sizes"], device, dtype, activation=case["activation"], bias=case.get("bias", False),
+                         act_params=case.get("act_params"))
     if kind == "counts":
         return check_counts(device)
     if kind == "backend":
@@ -220,7 +279,7 @@ def interpreter_results(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("name", ALL_CASES)
+@pytest.mark.parametrize("name", INTERPRET_CASES)
 def test_triton_kernel_under_interpreter(interpreter_results, name):
     result = interpreter_results["cases"][name]
     assert result == "ok", result
@@ -229,7 +288,7 @@ def test_triton_kernel_under_interpreter(interpreter_results, name):
 def _worker(out_path):
     assert os.environ.get("TRITON_INTERPRET") == "1", "the worker runs the kernels under the interpreter"
     results, started = {}, time.perf_counter()
-    for name in ALL_CASES:
+    for name in INTERPRET_CASES:
         try:
             run_case(name, "cpu", torch.float32)
             results[name] = "ok"

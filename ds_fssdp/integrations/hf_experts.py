@@ -39,7 +39,7 @@ LAYOUT_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has
 # Gated expert variants tried against a module's ``_apply_gate``, with the constants each needs.
 GATED = (("swiglu", ()), ("geglu", ()), ("geglu_tanh", ()), ("swiglu_limit", ("limit", )),
          ("gptoss", ("alpha", "limit")))
-UNGATED = (("gelu", ()), ("gelu_tanh", ()))
+UNGATED = (("gelu", ()), ("gelu_tanh", ()), ("relu2", ()))
 # Where families keep the constants of their clamped activations (module attribute or config key).
 _CONSTANT_NAMES = {"alpha": ("alpha", "swiglu_alpha"), "limit": ("limit", "swiglu_limit")}
 
@@ -67,10 +67,7 @@ class Layout:
     act_params: dict = field(default_factory=dict)
 
     def spec(self) -> ExpertSpec:
-        extra = {"bias": True} if self.bias else {}
-        if self.act_params:
-            extra["act_params"] = self.act_params
-        return ExpertSpec(self.activation, self.hidden, self.ffn, **extra)
+        return ExpertSpec(self.activation, self.hidden, self.ffn, bias=self.bias, act_params=self.act_params or None)
 
 
 def read_layout(experts: nn.Module, *, model_type: str, where: str) -> Layout:
@@ -156,8 +153,7 @@ def _variant(name: str, params: dict, g_RI: torch.Tensor, u_RI: torch.Tensor | N
     else:
         weights = {"w_gate": torch.cat([eye, zero])[None], "w_up": torch.cat([zero, eye])[None], "w_down": eye[None]}
         x = torch.cat([g_RI, u_RI], -1)
-    extra = {"act_params": params} if params else {}
-    return ops.expert_mlp(x, weights, [R], activation=name, **extra)
+    return ops.expert_mlp(x, weights, [R], activation=name, act_params=params or None)
 
 
 def to_fssdp(experts: nn.Module, layout: Layout) -> dict:

@@ -7,7 +7,7 @@ distributed one (the exchange is the uneven all-to-all), so both run the same ex
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Optional
 
 import torch
 
@@ -18,8 +18,10 @@ Exchange = Callable[[torch.Tensor, list, list], torch.Tensor]
 ExpertFn = Callable[[torch.Tensor, list], torch.Tensor]  # (rows grouped by local expert, group sizes) -> rows
 
 
-def mlp_fn(expert_weights: Mapping[str, torch.Tensor], activation: str) -> ExpertFn:
-    return lambda x_RH, group_sizes: ops.expert_mlp(x_RH, expert_weights, group_sizes, activation=activation)
+def mlp_fn(expert_weights: Mapping[str, torch.Tensor], activation: str, *,
+           act_params: Optional[Mapping[str, float]] = None) -> ExpertFn:
+    return lambda x_RH, group_sizes: ops.expert_mlp(x_RH, expert_weights, group_sizes, activation=activation,
+                                                    act_params=act_params)
 
 
 def local_exchange(x_RH: torch.Tensor, out_splits: list, in_splits: list) -> torch.Tensor:

@@ -1,34 +1,58 @@
-"""How one expert's weights are laid out: named 3-D tensors, or one flat row per expert.
+"""How one expert's weights are laid out: named tensors, or one flat row per expert.
 
 Legend: E experts, S rows (experts held), H hidden, F expert FFN hidden, P elements per expert.
 
 A row is the unit of the sparse collectives (one chunk per expert, Psi = P * element size) and of
 the owner's optimizer state, so an expert's parameters, gradients and Adam moments move as rows.
+The row holds the weights in the activation's order, then (``bias=True``) their biases: gated
+activations add ``b_gate`` [F], ``b_up`` [F], ``b_down`` [H], the non-gated gelu ``b_a`` [F],
+``b_b`` [H]. So biases move, reduce and step with their expert. Without biases the row is the
+weights alone (the layout of every spec before biases existed).
 """
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 
-from ds_fssdp.ops import ACTIVATIONS
+from ds_fssdp.ops import activations
 
 
 class ExpertSpec:
 
-    def __init__(self, activation: str, hidden_size: int, ffn_hidden_size: int):
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation ({activation!r}) must be one of {tuple(ACTIVATIONS)}")
+    def __init__(self, activation: str, hidden_size: int, ffn_hidden_size: int, *, bias: bool = False,
+                 act_params: Optional[Mapping[str, float]] = None):
+        self.act_params = activations.check(activation, act_params)
         self.activation = activation
+        self.hidden_size, self.ffn_hidden_size, self.bias = hidden_size, ffn_hidden_size, bool(bias)
         H, F = hidden_size, ffn_hidden_size
-        self.shapes = {name: ((H, F) if side == "in" else (F, H)) for name, side in ACTIVATIONS[activation]}
+        parts = list(activations.ACTIVATIONS[activation])
+        self.shapes = {name: ((H, F) if side == "in" else (F, H)) for name, side in parts}
+        if self.bias:
+            self.shapes.update({name: ((F,) if side == "in" else (H,)) for name, side in activations.biases(activation)})
         self.sizes = [math.prod(s) for s in self.shapes.values()]
         self.numel = sum(self.sizes)
 
     @property
     def names(self):
+        """Weights, then biases (if any), in row order."""
         return tuple(self.shapes)
+
+    def describe(self) -> dict:
+        """What rebuilds this spec (``ExpertSpec.from_description``), e.g. for checkpoint metadata."""
+        return {"activation": self.activation, "hidden_size": self.hidden_size,
+                "ffn_hidden_size": self.ffn_hidden_size, "bias": self.bias, "act_params": dict(self.act_params)}
+
+    @classmethod
+    def from_description(cls, d: Mapping) -> "ExpertSpec":
+        """The inverse of ``describe``; ``bias`` and ``act_params`` may be absent (older metadata)."""
+        return cls(d["activation"], d["hidden_size"], d["ffn_hidden_size"], bias=d.get("bias", False),
+                   act_params=d.get("act_params"))
+
+    def __repr__(self) -> str:
+        return "ExpertSpec({activation!r}, {hidden_size}, {ffn_hidden_size}, bias={bias}, act_params={act_params})" \
+            .format(**self.describe())
 
     def flatten(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Named [S, *shape] tensors -> rows [S, P]."""

@@ -90,8 +90,8 @@ class FSSDPExperts(nn.Module):
         self._local_stats = {"replicas": 0, "expert_bytes": self.spec.numel * weights[self.spec.names[0]].element_size(),
                              "gather_bytes": 0, "reduce_bytes": 0, "tokens_per_rank": [int(counts_E.sum())],
                              "straggler": 1.0, "ep_straggler": 1.0}
-        return dispatch_compute_combine(x_TH, weights_TK, r, expert_fn=mlp_fn(weights, self.spec.activation),
-                                        exchange=local_exchange)
+        expert_fn = mlp_fn(weights, self.spec.activation, act_params=self.spec.act_params)
+        return dispatch_compute_combine(x_TH, weights_TK, r, expert_fn=expert_fn, exchange=local_exchange)
 
     @property
     def last_stats(self) -> dict:

@@ -23,7 +23,8 @@ class RematExpertMLP(torch.autograd.Function):
     def forward(ctx, x_RH, rows_SP, replica_QP, source, spec, group_sizes):
         with torch.no_grad():
             weights = spec.views(torch.cat([rows_SP, replica_QP]))
-            y_RH = ops.expert_mlp(x_RH, weights, group_sizes, activation=spec.activation)
+            y_RH = ops.expert_mlp(x_RH, weights, group_sizes, activation=spec.activation,
+                                  act_params=spec.act_params)
         ctx.save_for_backward(x_RH, rows_SP)
         ctx.source, ctx.spec, ctx.group_sizes = source, spec, group_sizes
         return y_RH
@@ -37,7 +38,8 @@ class RematExpertMLP(torch.autograd.Function):
             rows = rows_SP.detach().requires_grad_(True)
             replica = replica_QP.detach().requires_grad_(True)
             weights = ctx.spec.views(torch.cat([rows, replica]))
-            y = ops.expert_mlp(x, weights, ctx.group_sizes, activation=ctx.spec.activation)
+            y = ops.expert_mlp(x, weights, ctx.group_sizes, activation=ctx.spec.activation,
+                               act_params=ctx.spec.act_params)
             dx, drows, dreplica = torch.autograd.grad(y, [x, rows, replica], dy_RH, allow_unused=True)
         ctx.source.replica_grad_ready(dreplica if dreplica is not None else torch.zeros_like(replica))
         if drows is None:

@@ -264,7 +264,8 @@ class ShardedExperts:
         if remat:
             rows, spec = self.rows, self.spec
             return lambda xg, sizes: RematExpertMLP.apply(xg, rows, replica_RP, self, spec, sizes)
-        return mlp_fn(self.spec.views(torch.cat([self.rows, replica_RP])), self.spec.activation)
+        return mlp_fn(self.spec.views(torch.cat([self.rows, replica_RP])), self.spec.activation,
+                      act_params=self.spec.act_params)
 
     def _exchange(self, x, out_splits, in_splits):
         return all_to_all(x, out_splits, in_splits, group=self.group)

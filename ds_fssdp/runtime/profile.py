@@ -50,7 +50,7 @@ def measure_expert_flops(spec: ExpertSpec, *, dtype: torch.dtype, device, rows: 
     times = []
     for i in range(repeats + 1):
         t0 = time.perf_counter()
-        ops.expert_mlp(x, w, [rows], activation=spec.activation)
+        ops.expert_mlp(x, w, [rows], activation=spec.activation, act_params=spec.act_params)
         if x.is_cuda:
             torch.cuda.synchronize()
         if i:

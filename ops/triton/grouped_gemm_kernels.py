@@ -1,5 +1,6 @@
-"""Triton kernels for the grouped GEMM: the grouped product (forward and input gradient) and the
-per-group weight gradient.
+"""Triton kernels for the grouped GEMM: the grouped product (forward and input gradient, with an
+optional per-group bias in its epilogue), the per-group weight gradient, and the per-group row sum
+(the bias gradient).
 
 Legend: R rows, G groups, K reduction features, N out features, M rows of one dw[g].
 
@@ -14,6 +15,7 @@ Under TRITON_INTERPRET=1 (CPU tests) one small fixed config runs, bf16 tiles are
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 import triton
@@ -23,12 +25,13 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def grouped_mm_kernel(x_ptr, w_ptr, y_ptr, sizes_ptr, offsets_ptr, R, N, K, G,
+def grouped_mm_kernel(x_ptr, w_ptr, y_ptr, bias_ptr, sizes_ptr, offsets_ptr, R, N, K, G,
                       stride_xr, stride_xk, stride_wg, stride_wk, stride_wn, stride_yr, stride_yn,
-                      ROWS_BUCKET, G_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                      UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """y_RN[rows of g] = x_RK[rows of g] @ w_GKN[g].
+                      stride_bg, stride_bn, ROWS_BUCKET, G_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """y_RN[rows of g] = x_RK[rows of g] @ w_GKN[g] (+ bias_GN[g] if HAS_BIAS, added to the fp32
+    accumulator before the one rounding to y's dtype).
 
     sizes_G (int32) rows per group, offsets_G1 (int32) = [0, cumsum(sizes)]. Grid:
     ((cdiv(R, BLOCK_M) + G) * cdiv(N, BLOCK_N),); ROWS_BUCKET is only an autotune key; EVEN_K
@@ -79,6 +82,9 @@ def grouped_mm_kernel(x_ptr, w_ptr, y_ptr, sizes_ptr, offsets_ptr, R, N, K, G,
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
             x_ptrs += BLOCK_K * stride_xk
             w_ptrs += BLOCK_K * stride_wk
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + g.to(tl.int64) * stride_bg + offs_n * stride_bn, mask=mask_n, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
         y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_yr + offs_n[None, :] * stride_yn
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -122,6 +128,29 @@ def grouped_wgrad_kernel(a_ptr, b_ptr, out_ptr, offsets_ptr, R, M, N,
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+@triton.jit
+def group_sum_kernel(dy_ptr, out_ptr, offsets_ptr, R, N, stride_dr, stride_dn, stride_og, stride_on,
+                     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out_GN[g] = the sum of dy_RN's rows of group g (fp32 accumulation); an empty group gets zeros.
+
+    offsets_G1 (int32) = [0, cumsum(sizes)]. Grid: (cdiv(N, BLOCK_N), G).
+    Example: offsets [0, 2, 2, 3] -> out[0] = dy[0] + dy[1], out[1] = 0, out[2] = dy[2].
+    """
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    g = tl.program_id(1)
+    mask_n = offs_n < N
+    row0 = tl.load(offsets_ptr + g)
+    row_end = tl.minimum(tl.load(offsets_ptr + g + 1), R)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for r0 in range(row0, row_end, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        tile = tl.load(dy_ptr + rows.to(tl.int64)[:, None] * stride_dr + offs_n[None, :] * stride_dn,
+                       mask=(rows < row_end)[:, None] & mask_n[None, :], other=0.0)
+        acc += tl.sum(tile.to(tl.float32), 0)
+    tl.store(out_ptr + g.to(tl.int64) * stride_og + offs_n * stride_on, acc.to(out_ptr.dtype.element_ty),
+             mask=mask_n)
+
+
 def _config(bm, bn, bk, warps, stages, **extra):
     return triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **extra), num_warps=warps, num_stages=stages)
 
@@ -148,6 +177,8 @@ FIXED_MM = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_
 FIXED_WGRAD = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3)
 INTERPRET_MM = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2)
 INTERPRET_WGRAD = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)
+# The row sum is memory-bound and small next to the GEMMs: one fixed config, no tuning.
+GROUP_SUM = dict(BLOCK_R=16, BLOCK_N=16) if INTERPRET else dict(BLOCK_R=32, BLOCK_N=128, num_warps=4)
 
 _even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 _mm_plain, _wgrad_plain = _even_k(grouped_mm_kernel), grouped_wgrad_kernel
@@ -180,8 +211,9 @@ def _flags(dtype: torch.dtype) -> dict:
 
 
 def gemm(x_RK: torch.Tensor, w_GKN: torch.Tensor, *, sizes_G: torch.Tensor, offsets_G1: torch.Tensor,
-         trans_w: bool) -> torch.Tensor:
-    """y_RN = grouped x_RK @ w[g] (w given as [G, N, K] and read transposed if ``trans_w``)."""
+         trans_w: bool, bias_GN: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y_RN = grouped x_RK @ w[g] (+ bias_GN[g]) (w given as [G, N, K] and read transposed if
+    ``trans_w``)."""
     R, K = x_RK.shape
     G = w_GKN.shape[0]
     N = w_GKN.shape[1] if trans_w else w_GKN.shape[2]
@@ -189,17 +221,19 @@ def gemm(x_RK: torch.Tensor, w_GKN: torch.Tensor, *, sizes_G: torch.Tensor, offs
     y_RN = x_RK.new_empty(R, N)
     if R == 0 or N == 0 or G == 0:
         return y_RN
-    if K == 0:
+    if K == 0 and bias_GN is None:
         return y_RN.zero_()
     kernel, meta = _launcher("mm", x_RK.dtype, R * N * K)
 
     def grid(META):
         return ((triton.cdiv(R, META["BLOCK_M"]) + G) * triton.cdiv(N, META["BLOCK_N"]),)
 
-    kernel[grid](x_RK, w_GKN, y_RN, sizes_G, offsets_G1, R, N, K, G,
+    # Without a bias, y stands in for its pointer (never read: HAS_BIAS prunes the load).
+    bias, stride_bg, stride_bn = (y_RN, 0, 0) if bias_GN is None else (bias_GN, *bias_GN.stride())
+    kernel[grid](x_RK, w_GKN, y_RN, bias, sizes_G, offsets_G1, R, N, K, G,
                  x_RK.stride(0), x_RK.stride(1), w_GKN.stride(0), stride_wk, stride_wn, y_RN.stride(0),
-                 y_RN.stride(1), min(triton.next_power_of_2(max(R // G, 1)), 4096),
-                 G_POW2=triton.next_power_of_2(G), **_flags(x_RK.dtype), **meta)
+                 y_RN.stride(1), stride_bg, stride_bn, min(triton.next_power_of_2(max(R // G, 1)), 4096),
+                 G_POW2=triton.next_power_of_2(G), HAS_BIAS=bias_GN is not None, **_flags(x_RK.dtype), **meta)
     return y_RN
 
 
@@ -220,3 +254,15 @@ def wgrad(x_RH: torch.Tensor, dy_RF: torch.Tensor, offsets_G1: torch.Tensor, *, 
                  b_RN.stride(1), out_GMN.stride(0), out_GMN.stride(1), out_GMN.stride(2),
                  **_flags(x_RH.dtype), **meta)
     return out_GMN
+
+
+def group_sum(dy_RN: torch.Tensor, offsets_G1: torch.Tensor) -> torch.Tensor:
+    """out_GN[g] = sum of dy_RN's rows of group g (zeros for an empty group)."""
+    G, (R, N) = offsets_G1.numel() - 1, dy_RN.shape
+    out_GN = dy_RN.new_empty(G, N)
+    if G == 0 or N == 0:
+        return out_GN
+    meta = dict(GROUP_SUM)
+    group_sum_kernel[(triton.cdiv(N, meta["BLOCK_N"]), G)](
+        dy_RN, out_GN, offsets_G1, R, N, dy_RN.stride(0), dy_RN.stride(1), out_GN.stride(0), out_GN.stride(1), **meta)
+    return out_GN
