@@ -26,3 +26,17 @@ def test_routing_benchmark_runs(tmp_path):
             tmp_path=tmp_path)
     assert set(r["results"]) == {"route", "route_reference", "moved", "moved_from_table"}
     assert r["reference_over_route"] > 0 and r["table_over_moved"] > 0
+
+
+def test_hf_models_benchmark_runs(tmp_path):
+    """benchmarks/hf_models.py on 2 ranks through the deepspeed launcher, tiny settings: every arm
+    reports tokens/s, and the arms train the same math (SGD: equal losses to fp32 rounding)."""
+    out = tmp_path / "hf.json"
+    subprocess.run(["deepspeed", "--num_gpus", "2", str(ROOT / "benchmarks" / "hf_models.py"), "--families",
+                    "qwen3_moe", "--hidden", "32", "--ffn", "32", "--seq-len", "16", "--micro-batch", "2", "--warmup",
+                    "1", "--rounds", "1", "--steps", "1", "--json", str(out)], check=True, cwd=ROOT, capture_output=True,
+                   timeout=300)
+    r = json.loads(out.read_text())["results"]["qwen3_moe"]
+    assert set(r) == {"plain", "ep", "fssdp"}
+    assert all(a["tokens_per_s"] > 0 and a["max_rel_loss_diff_vs_plain"] < 1e-5 for a in r.values())
+    assert r["fssdp"]["straggler"] >= 1.0 and r["plain"]["straggler"] is None
