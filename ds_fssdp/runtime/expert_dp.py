@@ -76,6 +76,17 @@ class _ExpertState:
         if state:
             self.optimizer.state[new] = state
 
+    def scalars(self, i: int) -> dict:
+        """Layer i's optimizer state that is not per element (Adam's ``step``): the same on every
+        rank that steps the layer (no collective)."""
+        p = self.params()[i]
+        return {k: v for k, v in self._state(p).items() if not _is_row_state(v, p)}
+
+    def row_keys(self, i: int) -> list:
+        """Names of layer i's per-element optimizer state (``exp_avg``, ``momentum_buffer``)."""
+        p = self.params()[i]
+        return sorted(k for k, v in self._state(p).items() if _is_row_state(v, p))
+
     def optimizer_bytes(self) -> int:
         return sum(_nbytes(v) for p in self.params() for v in self._state(p).values() if _is_row_state(v, p))
 
@@ -111,9 +122,8 @@ class ReplicatedExperts(_ExpertState):
     def full_state(self, i: int) -> tuple:
         master = self.shards[i].master
         state = self._state(master)
-        rows = {k: v.detach() for k, v in state.items() if _is_row_state(v, master)}
-        scalars = {k: v for k, v in state.items() if not _is_row_state(v, master)}
-        return master.detach().float(), rows, scalars
+        rows = {k: state[k].detach() for k in self.row_keys(i)}
+        return master.detach().float(), rows, self.scalars(i)
 
     @torch.no_grad()
     def set_state(self, i: int, *, owner_E, master_SP, rows=None, scalars=None) -> None:
@@ -206,10 +216,8 @@ class PartitionedExperts(_ExpertState):
         s, p = self.shards[i], self.slices[i]
         shape = s.rows.shape
         state = self._state(p)
-        rows = {k: self._all_gather(state[k], s.rows.numel()).view(shape)
-                for k in sorted(state) if _is_row_state(state[k], p)}
-        scalars = {k: v for k, v in state.items() if not _is_row_state(v, p)}
-        return self._all_gather(p.detach(), s.rows.numel()).view(shape), rows, scalars
+        rows = {k: self._all_gather(state[k], s.rows.numel()).view(shape) for k in self.row_keys(i)}
+        return self._all_gather(p.detach(), s.rows.numel()).view(shape), rows, self.scalars(i)
 
     @torch.no_grad()
     def set_state(self, i: int, *, owner_E, master_SP, rows=None, scalars=None) -> None:
