@@ -4,9 +4,10 @@ One process: the same seed gives the same initial weights; with the same (distin
 weights and the same RNG state, outputs, ``l_aux``, ``exp_counts`` and every gradient match for
 top-1 (plain, Jitter, RSample), top-2 (with and without DeepSpeed's sampled second expert) and
 top-3, with and without biases, with ``use_residual``. fp32 tolerance: the same products summed in
-another order. Two and four gloo ranks: a small model built with either layer trains to the same losses
-under ``ds_fssdp.initialize`` as DeepSpeed's layer does under ``deepspeed.initialize`` with real
-expert parallelism (``ep_size=2``; on four ranks with expert data parallelism across two groups).
+another order. Two and four gloo ranks: a small model built with either layer trains to the same
+losses under ``ds_fssdp.initialize`` as DeepSpeed's layer does under ``deepspeed.initialize`` with
+real expert parallelism (``ep_size=2``; on four ranks with expert data parallelism across two
+groups).
 """
 import pytest
 import torch
