@@ -144,7 +144,8 @@ def _state(engine, model) -> dict:
     full = [stage.expert_state.full_state(l) for l in range(len(stage.shards))]
     return dict(dense={n: p.detach().clone() for n, p in engine.module.named_parameters()},
                 experts=[{k: v.clone() for k, v in l.export_experts().items()} for l in model.moe_layers()],
-                masters=[m.clone() for m, _, _ in full], rows=[{k: v.clone() for k, v in r.items()} for _, r, _ in full],
+                masters=[m.clone() for m, _, _ in full],
+                rows=[{k: v.clone() for k, v in r.items()} for _, r, _ in full],
                 scalars=[{k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for _, _, s in full],
                 owners=[s.owner_E.clone() for s in stage.shards], steps=stage.steps,
                 predictor=stage.predictor.state_dict(), state_bytes=stage.state_bytes())

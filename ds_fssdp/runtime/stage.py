@@ -150,9 +150,9 @@ class FSSDPStage:
             atexit.register(self.trace.close)
         # The first layer's gather starts with the model's forward, before the first attention.
         engine.module.register_forward_pre_hook(lambda module, args: self.shards[0].prefetch())
-        logger.info(f"fssdp: {len(self.layers)} MoE layers, policy={self.config.policy}, {self.world // self.group_size} "
-                    f"FSSDP groups of {self.topology.num_ranks} ranks in {self.topology.num_nodes} nodes, expert "
-                    f"optimizer {type(self.optimizer).__name__} "
+        logger.info(f"fssdp: {len(self.layers)} MoE layers, policy={self.config.policy}, "
+                    f"{self.world // self.group_size} FSSDP groups of {self.topology.num_ranks} ranks in "
+                    f"{self.topology.num_nodes} nodes, expert optimizer {type(self.optimizer).__name__} "
                     f"({'partitioned' if self.expert_state.partitioned else 'replicated'} over {self.edp_size} "
                     f"EDP ranks), expert dtype {dtype}")
 
