@@ -181,7 +181,8 @@ def meta_state(engine, tag: str) -> dict:
                        "ffn_hidden_size": layer.ffn_hidden_size, "numel": layer.spec.numel,
                        "owner_E": shard.owner_E.tolist(),
                        "optimizer_rows": stage.expert_state.row_keys(l)})
-    return {"format": FORMAT, "version": VERSION, "tag": tag, "world_size": stage.world, "group_size": stage.group_size,
+    return {"format": FORMAT, "version": VERSION, "tag": tag, "world_size": stage.world,
+            "group_size": stage.group_size,
             "ranks_per_node": stage.topology.ranks_per_node, "policy": stage.config.policy, "steps": stage.steps,
             "global_steps": engine.global_steps, "zero_stage": int(engine.zero_optimization_stage()),
             "compute_dtype": str(stage.shards[0].rows.dtype), "optimizer": type(opt).__name__ if opt else None,
