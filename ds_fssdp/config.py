@@ -3,7 +3,7 @@
 The section lives in the same JSON/HJSON file (or dict) that DeepSpeed reads; DeepSpeed ignores
 unknown top-level keys, so it does not choke on it. Everything here is checked before any
 collective runs: static values in :func:`FSSDPConfig.from_ds_config`, values that depend on the
-world size in :meth:`FSSDPConfig.resolve_ranks_per_node`.
+world size in :meth:`FSSDPConfig.resolve_ranks_per_node` and :meth:`FSSDPConfig.resolve_group_size`.
 """
 from __future__ import annotations
 
@@ -128,6 +128,15 @@ class FSSDPConfig(DeepSpeedConfigModel):
     size; an int smaller than the real node makes logical nodes on one machine. (The HF Trainer
     treats any "auto" string in a DeepSpeed config as its own placeholder: use null there.)"""
 
+    group_size: Optional[StrictInt] = None
+    """Ranks per FSSDP group; null: the whole world (one group). Consecutive ranks form a group that
+    holds one complete set of experts (one owner each) and plans, replicates, exchanges tokens and
+    balances inside itself; the ranks at the same position in every group are the
+    expert-data-parallel (EDP) group of the experts they own, whose gradients are averaged over it.
+    Must divide the world size and be a multiple or a divisor of ``ranks_per_node``. With ZeRO stage
+    >= 1 the expert fp32 masters and optimizer moments are partitioned over the EDP group (one copy
+    in the world); with stage 0 they are replicated, as DeepSpeed does for dense parameters."""
+
     # -- robustness (runtime/health.py, runtime/checkpoint.py, docs/determinism.md) --
     collective_timeout_s: Optional[Annotated[Union[StrictFloat, StrictInt], Field(gt=0)]] = None
     """Seconds a collective may wait for a peer before every waiting rank raises (a dead or hung
@@ -167,6 +176,8 @@ class FSSDPConfig(DeepSpeedConfigModel):
             raise FSSDPConfigError(_format_errors(err, section)) from None
         if isinstance(cfg.ranks_per_node, int) and cfg.ranks_per_node < 1:
             raise FSSDPConfigError(f"{SECTION}.ranks_per_node ({cfg.ranks_per_node}) must be >= 1 or \"auto\"")
+        if cfg.group_size is not None and cfg.group_size < 1:
+            raise FSSDPConfigError(f"{SECTION}.group_size ({cfg.group_size}) must be >= 1 or null (the whole world)")
         if cfg.materialization_budget == "auto" and cfg.replica_memory_bytes is None:
             raise FSSDPConfigError(f"{SECTION}.materialization_budget (\"auto\") needs {SECTION}.replica_memory_bytes "
                                    "(per-rank bytes for replicas)")
@@ -184,6 +195,27 @@ class FSSDPConfig(DeepSpeedConfigModel):
         if g < 1 or world_size % g != 0:
             raise FSSDPConfigError(f"{SECTION}.ranks_per_node ({self.ranks_per_node!r} -> {g}) must divide the "
                                    f"world size ({world_size})")
+        return g
+
+    def resolve_group_size(self, world_size: int, ranks_per_node: int, requested: int | None = None,
+                           requested_by: str = "") -> int:
+        """Ranks per FSSDP group for this world (``ranks_per_node`` already resolved). ``requested``:
+        a group size asked for by the model (``ds_fssdp.MoE(ep_size=N)``, named by ``requested_by``);
+        it must agree with ``fssdp.group_size`` when both are given."""
+        g = self.group_size
+        if requested is not None:
+            if g is not None and g != requested:
+                raise FSSDPConfigError(f"{SECTION}.group_size ({g}) conflicts with {requested_by} ({requested}); "
+                                       "give one of them, or the same value")
+            g = requested
+        if g is None:
+            return world_size
+        name = f"{SECTION}.group_size ({g})" if requested is None else f"{requested_by} ({g})"
+        if g < 1 or world_size % g:
+            raise FSSDPConfigError(f"{name} must divide the world size ({world_size})")
+        if g % ranks_per_node and ranks_per_node % g:
+            raise FSSDPConfigError(f"{name} must be a multiple or a divisor of {SECTION}.ranks_per_node "
+                                   f"({ranks_per_node}): an FSSDP group spans whole nodes or lies inside one")
         return g
 
 
@@ -216,6 +248,8 @@ def _format_errors(err: ValidationError, section: Mapping[str, Any]) -> str:
         kind, ctx = e["type"], e.get("ctx", {})
         if key in _AUTO_KEYS:
             lines.append(f"{SECTION}.{key} ({value!r}) must be \"auto\" or an int >= 0")
+        elif key == "group_size":
+            lines.append(f"{SECTION}.{key} ({value!r}) must be null or an int >= 1")
         elif key == "ranks_per_node":
             lines.append(f"{SECTION}.{key} ({value!r}) must be \"auto\", null or an int >= 1")
         elif kind == "extra_forbidden":

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from distributed import spawn
-from training import WARMUP, ds_config, reference_train, train_worker
+from training import WARMUP, assert_matches_reference, ds_config, train_worker
 
 WORLD, STEPS = 4, 4
 TRACE = os.path.join(tempfile.mkdtemp(prefix="fssdp-trace-"), "ep.npz")
@@ -61,21 +61,8 @@ def _tol(name):
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_training_matches_single_process(trained, name):
-    cfg = RUNS[name]
-    ref_losses, ref_dense, ref_experts, ref_norms = reference_train(cfg, WORLD, STEPS)
-    gas = cfg["gradient_accumulation_steps"]
-    tol = _tol(name)
-    for rank in range(WORLD):
-        got = trained[rank][name]
-        want = [ref_losses[(s, m, rank)] for s in range(STEPS) for m in range(gas)]
-        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want), **tol)
-        # One global norm over dense and expert gradients, as the single process computes it.
-        torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(ref_norms), **tol)
-        for n, p in got["dense"].items():
-            torch.testing.assert_close(p, ref_dense[n].float(), **tol, msg=lambda m: f"{name} {n}: {m}")
-        for layer, (g, w) in enumerate(zip(got["experts"], ref_experts)):
-            for n in w:
-                torch.testing.assert_close(g[n], w[n].float(), **tol, msg=lambda m: f"{name} layer {layer} {n}: {m}")
+    ref_dense = assert_matches_reference([r[name] for r in trained], RUNS[name], world=WORLD, steps=STEPS,
+                                         tol=_tol(name), name=name)
     assert set(trained[0][name]["dense"]) == {n for n in ref_dense if not n.split(".")[-1].startswith("w_")}
 
 

@@ -63,6 +63,9 @@ NAN_RUNS = {
     "z2-bf16": dict(zero=2, bf16=True),
     "z0-bf16": dict(zero=0, bf16=True),
     "z0-raise": dict(zero=0, fssdp={"nonfinite": "raise"}),
+    # Two FSSDP groups of one rank: the bad rank's group and the other one skip alike.
+    "z0-groups": dict(zero=0, fssdp={"group_size": 1}),
+    "z1-groups-partitioned": dict(zero=1, fssdp={"group_size": 1}),
 }
 NAN_STEP = 2
 MODEL = dict(num_experts=4, k=2)

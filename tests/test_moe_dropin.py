@@ -4,9 +4,10 @@ One process: the same seed gives the same initial weights; with the same (distin
 weights and the same RNG state, outputs, ``l_aux``, ``exp_counts`` and every gradient match for
 top-1 (plain, Jitter, RSample), top-2 (with and without DeepSpeed's sampled second expert) and
 top-3, with and without biases, with ``use_residual``. fp32 tolerance: the same products summed in
-another order. Two gloo ranks: a small model built with either layer trains to the same losses
-under ``ds_fssdp.initialize`` as DeepSpeed's layer does under ``deepspeed.initialize`` with real
-expert parallelism (``ep_size=2``).
+another order. Two and four gloo ranks: a small model built with either layer trains to the same
+losses under ``ds_fssdp.initialize`` as DeepSpeed's layer does under ``deepspeed.initialize`` with
+real expert parallelism (``ep_size=2``; on four ranks with expert data parallelism across two
+groups).
 """
 import pytest
 import torch
@@ -138,7 +139,8 @@ def test_moot_arguments_are_logged_once(monkeypatch):
     for _ in range(3):
         ds_fssdp.MoE(H, template(), num_experts=E, ep_size=4, capacity_factor=1.25, drop_tokens=True)
     assert len(messages) == 1
-    assert "ep_size=4" in messages[0] and "capacity_factor=1.25" in messages[0] and "drop_tokens=True" in messages[0]
+    assert "capacity_factor=1.25" in messages[0] and "drop_tokens=True" in messages[0]
+    assert "ep_size" not in messages[0]  # not moot: it is the FSSDP group size
 
 
 # -- two ranks: training through the engines --------------------------------------------------------
@@ -197,6 +199,7 @@ def train_worker(rank, world):
             opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
             engine, *_ = ds_fssdp.initialize(model=model, optimizer=opt, config=cfg)
             assert all(m.moe.sharded is not None for m in model.moes)
+            assert engine.fssdp.group_size == 2 and engine.fssdp.edp_size == world // 2  # ep_size=2
         torch.manual_seed(1000 + rank)  # per-rank noise of the sampled second expert, the same in both runs
         losses[which] = []
         for step in range(STEPS):
@@ -208,8 +211,11 @@ def train_worker(rank, world):
     return losses
 
 
-def test_training_matches_deepspeed_expert_parallel():
-    results = spawn(2, train_worker)
+@pytest.mark.parametrize("world", [2, 4])
+def test_training_matches_deepspeed_expert_parallel(world):
+    """ep_size=2: on 2 ranks one expert-parallel group; on 4 ranks two, with DeepSpeed's
+    expert-data-parallel gradient averaging across them (FSSDP groups of 2)."""
+    results = spawn(world, train_worker)
     for rank, r in enumerate(results):
         torch.testing.assert_close(torch.tensor(r["fssdp"]), torch.tensor(r["deepspeed"]), rtol=1e-5, atol=1e-6)
         assert r["deepspeed"][-1] < r["deepspeed"][0], r

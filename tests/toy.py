@@ -86,17 +86,17 @@ def leaks(engine) -> dict:
 
 def expert_rows(engine) -> dict:
     """This rank's experts: (layer, expert) -> master row and every optimizer row, plus the
-    per-layer optimizer scalars under (layer, None)."""
+    per-layer optimizer scalars under (layer, None). Gathered from the EDP slices when the expert
+    state is partitioned (collective: every rank calls it)."""
     out = {}
-    opt = engine.fssdp.optimizer
-    for l, shard in enumerate(engine.fssdp.shards):
-        state = opt.state.get(shard.master, {})
+    stage = engine.fssdp
+    for l, shard in enumerate(stage.shards):
+        master, rows, scalars = stage.expert_state.full_state(l)
         for i, e in enumerate(shard.owned_E.tolist()):
-            row = {"master": shard.master[i].detach().clone()}
-            row.update({k: v[i].clone() for k, v in state.items() if torch.is_tensor(v) and v.dim() == 2})
+            row = {"master": master[i].clone()}
+            row.update({k: v[i].clone() for k, v in rows.items()})
             out[(l, e)] = row
-        out[(l, None)] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in state.items()
-                          if not (torch.is_tensor(v) and v.dim() == 2)}
+        out[(l, None)] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in scalars.items()}
     return out
 
 

@@ -100,7 +100,7 @@ def train_worker(rank, world, runs: dict, steps: int):
         out[name] = dict(losses=losses, dense=dense, experts=experts, replicas=replicas, factors=factors,
                          norms=norms, expert_states=states, owned=owned, replica_peaks=peaks,
                          replica_bytes_local=local_bytes, migrated=migrated, layer_stats=layer_stats,
-                         budget=engine.fssdp.shards[0].options.budget,
+                         budget=engine.fssdp.shards[0].options.budget, state_bytes=engine.fssdp.state_bytes(),
                          owners=[l.sharded.owner_E.clone() for l in model.moe_layers()])
     return out
 
@@ -162,3 +162,21 @@ def reference_train(cfg: dict, world: int, steps: int):
     dense = {n: p.detach().clone() for n, p in model.named_parameters()}
     experts = [l.export_experts() for l in model.moe_layers()]
     return losses, dense, experts, norms
+
+
+def assert_matches_reference(per_rank: list, cfg: dict, *, world: int, steps: int, tol: dict, name: str) -> dict:
+    """Every rank's losses, global norms, dense weights and full expert tensors (``train_worker``'s
+    results of one run, in rank order) equal the single-process reference; returns its dense weights."""
+    ref_losses, ref_dense, ref_experts, ref_norms = reference_train(cfg, world, steps)
+    gas = cfg["gradient_accumulation_steps"]
+    for rank, got in enumerate(per_rank):
+        want = [ref_losses[(s, m, rank)] for s in range(steps) for m in range(gas)]
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want), **tol)
+        # One global norm over dense and expert gradients, as the single process computes it.
+        torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(ref_norms), **tol)
+        for n, p in got["dense"].items():
+            torch.testing.assert_close(p, ref_dense[n].float(), **tol, msg=lambda m: f"{name} {n}: {m}")
+        for layer, (g, w) in enumerate(zip(got["experts"], ref_experts)):
+            for n in w:
+                torch.testing.assert_close(g[n], w[n].float(), **tol, msg=lambda m: f"{name} layer {layer} {n}: {m}")
+    return ref_dense

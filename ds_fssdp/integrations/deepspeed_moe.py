@@ -32,8 +32,13 @@ The gate reproduces ``deepspeed.moe.sharded_moe.TopKGate`` exactly, dropless:
 So with the same weights and the same RNG state the outputs, ``l_aux``, ``exp_counts`` and all
 gradients equal DeepSpeed's layer with ``drop_tokens=False`` (fp32 summation order).
 
-Moot under FSSDP, accepted and logged once: ``ep_size`` (FSSDP places experts itself),
-``capacity_factor``, ``eval_capacity_factor``, ``min_capacity``, ``drop_tokens``, ``use_rts``
+``ep_size=N`` is the FSSDP group size (``fssdp.group_size``): groups of N consecutive ranks each
+hold every expert once, and the ranks at the same position in every group average their experts'
+gradients (DeepSpeed's expert-data-parallel groups). Left out (None), ``fssdp.group_size``
+decides (default: the whole world). Every layer must ask for the same size, and a
+``fssdp.group_size`` that differs is refused, both naming the values.
+
+Moot under FSSDP, accepted and logged once: ``capacity_factor``, ``eval_capacity_factor``, ``min_capacity``, ``drop_tokens``, ``use_rts``
 (FSSDP is dropless; with ``drop_tokens=True`` DeepSpeed would drop tokens beyond capacity, FSSDP
 keeps them), ``use_tutel``, ``enable_expert_tensor_parallelism`` (experts are never split).
 
@@ -140,7 +145,8 @@ class MoE(nn.Module):
     """Drop-in for ``deepspeed.moe.layer.MoE`` (same constructor, same ``forward`` triple)."""
 
     # DeepSpeed's positional order is kept on purpose: callers pass these positionally.
-    def __init__(self, hidden_size: int, expert: nn.Module, num_experts: int = 1, ep_size: int = 1, k: int = 1,
+    def __init__(self, hidden_size: int, expert: nn.Module, num_experts: int = 1, ep_size: Optional[int] = None,
+                 k: int = 1,
                  capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
                  use_residual: bool = False, noisy_gate_policy: Optional[str] = None, drop_tokens: bool = True,
                  use_rts: bool = True, use_tutel: bool = False, enable_expert_tensor_parallelism: bool = False,
@@ -152,11 +158,14 @@ class MoE(nn.Module):
         first, second = parse_expert_template(expert, hidden_size)
         self.hidden_size = hidden_size
         self.num_experts = num_experts
+        if ep_size is not None and (not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1):
+            raise ValueError(f"ds_fssdp.MoE: ep_size ({ep_size!r}) must be an int >= 1 (the FSSDP group size) or None")
         self.ep_size = ep_size
+        self.fssdp_group_size = ep_size  # read by ds_fssdp.initialize (fssdp.group_size)
         self.num_local_experts = num_experts  # every rank can compute every expert under FSSDP
         self.k = k
         self.use_residual = use_residual
-        _log_moot_once(ep_size=ep_size, capacity_factor=capacity_factor, eval_capacity_factor=eval_capacity_factor,
+        _log_moot_once(capacity_factor=capacity_factor, eval_capacity_factor=eval_capacity_factor,
                        min_capacity=min_capacity, drop_tokens=drop_tokens, use_rts=use_rts, use_tutel=use_tutel,
                        enable_expert_tensor_parallelism=enable_expert_tensor_parallelism)
 

@@ -14,7 +14,11 @@ Layout of ``<save_dir>/<tag>/`` (format ``ds_fssdp.checkpoint`` version 1):
                                        hyperparameters and per-layer scalar state (Adam's step)
     fssdp/rankRRRRR.pt                 rank R: per layer the expert ids it owned (ascending), their
                                        fp32 master rows [S, P] and optimizer rows [S, P] (Adam's
-                                       exp_avg / exp_avg_sq, SGD's momentum_buffer); its RNG states
+                                       exp_avg / exp_avg_sq, SGD's momentum_buffer); its RNG states.
+                                       With FSSDP groups only the first group's ranks hold layers
+                                       (every group owns the same experts; state partitioned over
+                                       the EDP group is gathered into full rows first), and every
+                                       rank its group's predictor windows
     manifest.json                      bytes and sha256 of every file above (written last)
 
 In bf16/fp16 the compute rows are the master rows cast (the engine keeps them so after every
@@ -32,8 +36,9 @@ with its name. Every ``.pt`` file, DeepSpeed's included, is read with ``weights_
 (DeepSpeed's own loader uses ``weights_only=False``), so loading never runs pickled code; the
 few DeepSpeed data classes its ZeRO files hold are allow-listed by name.
 
-Owners after a load: the saved owners when the world size and ``ranks_per_node`` are the same
-(exact resume, also after a re-shard); otherwise the homogeneous owners of the new world (the
+Owners after a load: the saved owners when the world size, ``ranks_per_node`` and the group size
+are the same (exact resume, also after a re-shard); otherwise the homogeneous owners of the new
+FSSDP group (the
 next re-shard, if configured, re-plans them). Each rank reads the rows of the experts it owns
 from whichever files hold them. The predictor's windows are kept; on another world size each
 window keeps its per-expert totals (the per-rank split no longer applies). RNG states are
@@ -132,6 +137,7 @@ def write_expert_files(engine, root: str, tag: str) -> None:
     stage = engine.fssdp
     rank = dist.get_rank()
     os.makedirs(os.path.join(root, "fssdp"), exist_ok=True)
+    # Collective over the EDP group when the expert state is partitioned: every rank runs it.
     _save_tensors(rank_state(stage, engine.device), os.path.join(root, rank_file(rank)))
     if rank == 0:
         _save_tensors(common_state(stage), os.path.join(root, COMMON))
@@ -139,25 +145,26 @@ def write_expert_files(engine, root: str, tag: str) -> None:
 
 
 def rank_state(stage, device) -> dict:
-    opt = stage.optimizer
     layers = []
-    for shard in stage.shards:
-        master = shard.master
-        state = opt.state.get(master, {}) if opt is not None else {}
-        layers.append({"experts": shard.owned_E.clone(), "master": master.detach().float().cpu(),
-                       "optimizer_rows": {k: v.detach().cpu() for k, v in state.items() if _is_row_state(v, master)}})
-    return {"format": FORMAT, "version": VERSION, "rank": dist.get_rank(), "layers": layers,
-            "rng": rng_state(device)}
+    for l, shard in enumerate(stage.shards):
+        master, rows, _ = stage.expert_state.full_state(l)
+        layers.append({"experts": shard.owned_E.clone(), "master": master.cpu(),
+                       "optimizer_rows": {k: v.cpu() for k, v in rows.items()}})
+    out = {"format": FORMAT, "version": VERSION, "rank": dist.get_rank(), "layers": layers, "rng": rng_state(device)}
+    if stage.edp_size > 1:
+        out["layers"] = out["layers"] if stage.group_index == 0 else []  # the first group's files hold every expert
+        # Each FSSDP group plans from its own loads and windows.
+        out.update(predictor=stage.predictor.state_dict(), window_s=[s.window_s for s in stage.shards])
+    return out
 
 
 def common_state(stage) -> dict:
     opt = stage.optimizer
     scalars, groups = [], []
     if opt is not None:
-        for shard in stage.shards:
-            state = opt.state.get(shard.master, {})
-            scalars.append({k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in state.items()
-                            if not _is_row_state(v, shard.master)})
+        for l in range(len(stage.shards)):
+            scalars.append({k: (v.detach().cpu().clone() if torch.is_tensor(v) else v)
+                            for k, v in stage.expert_state.scalars(l).items()})
         groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     return {"format": FORMAT, "version": VERSION, "steps": stage.steps, "predictor": stage.predictor.state_dict(),
             "optimizer_scalars": scalars, "param_groups": groups, "window_s": [s.window_s for s in stage.shards]}
@@ -168,22 +175,18 @@ def meta_state(engine, tag: str) -> dict:
     opt = stage.optimizer
     names = {id(m): n for n, m in engine.module.named_modules()}
     layers = []
-    for layer, shard in zip(stage.layers, stage.shards):
-        state = opt.state.get(shard.master, {}) if opt is not None else {}
+    for l, (layer, shard) in enumerate(zip(stage.layers, stage.shards)):
         layers.append({"name": names.get(id(layer), ""), "num_experts": layer.num_experts,
                        "activation": layer.spec.activation, "hidden_size": layer.hidden_size,
                        "ffn_hidden_size": layer.ffn_hidden_size, "numel": layer.spec.numel,
                        "owner_E": shard.owner_E.tolist(),
-                       "optimizer_rows": sorted(k for k, v in state.items() if _is_row_state(v, shard.master))})
+                       "optimizer_rows": stage.expert_state.row_keys(l)})
     return {"format": FORMAT, "version": VERSION, "tag": tag, "world_size": stage.world,
+            "group_size": stage.group_size,
             "ranks_per_node": stage.topology.ranks_per_node, "policy": stage.config.policy, "steps": stage.steps,
             "global_steps": engine.global_steps, "zero_stage": int(engine.zero_optimization_stage()),
             "compute_dtype": str(stage.shards[0].rows.dtype), "optimizer": type(opt).__name__ if opt else None,
             "layers": layers, "ranks": [rank_file(r) for r in range(stage.world)], "common": COMMON}
-
-
-def _is_row_state(value, master) -> bool:
-    return torch.is_tensor(value) and value.dim() == 2 and value.shape == master.shape
 
 
 def _prepare(save_dir: str, tmp_dir: str) -> None:
@@ -328,7 +331,8 @@ def load_expert_state(engine, root: str, meta: dict, *, optimizer: bool, full_st
     stage = engine.fssdp
     rank, world = dist.get_rank(), stage.world
     same_world = meta["world_size"] == world
-    same_owners = same_world and meta["ranks_per_node"] == stage.topology.ranks_per_node
+    same_groups = same_world and meta.get("group_size", meta["world_size"]) == stage.group_size
+    same_owners = same_groups and meta["ranks_per_node"] == stage.topology.ranks_per_node
     files = _RankFiles(root)
     common = load_file(os.path.join(root, COMMON)) if (optimizer or full_state) else None
     opt = stage.optimizer
@@ -337,31 +341,24 @@ def load_expert_state(engine, root: str, meta: dict, *, optimizer: bool, full_st
             group.update({k: v for k, v in saved.items() if k != "params"})
     for l, (shard, saved) in enumerate(zip(stage.shards, meta["layers"])):
         saved_owner_E = torch.tensor(saved["owner_E"], dtype=torch.long)
-        owner_E = saved_owner_E.clone() if same_owners else homogeneous_owner(saved["num_experts"], world)
-        need_E = torch.nonzero(owner_E == rank).flatten()
+        owner_E = saved_owner_E.clone() if same_owners else homogeneous_owner(saved["num_experts"], stage.group_size)
+        need_E = torch.nonzero(owner_E == shard.rank).flatten()
         keys = saved["optimizer_rows"] if optimizer and opt is not None else []
         master_SP, rows = _gather_rows(files, l, saved_owner_E=saved_owner_E, need_E=need_E, numel=saved["numel"],
                                        keys=keys)
-        device = shard.master.device
-        master = master_SP.to(device).requires_grad_(True)
-        compute = master if shard.master is shard.rows else master.detach().to(shard.rows.dtype).requires_grad_(True)
-        if opt is not None:
-            old = shard.master
-            for group in opt.param_groups:
-                group["params"] = [master if p is old else p for p in group["params"]]
-            opt.state.pop(old, None)
-            if optimizer:
-                state = {k: v.to(device) for k, v in rows.items()}
-                group = next(g for g in opt.param_groups if any(p is master for p in g["params"]))
-                for k, v in common["optimizer_scalars"][l].items():
-                    state[k] = _scalar_to(v, device, group)
-                if state:
-                    opt.state[master] = state
-        shard.set_owners(owner_E, rows=compute, master=master)
+        scalars = None
+        if optimizer and opt is not None:
+            param = stage.masters()[l]
+            group = next(g for g in opt.param_groups if any(p is param for p in g["params"]))
+            scalars = {k: _scalar_to(v, shard.rows.device, group) for k, v in common["optimizer_scalars"][l].items()}
+        # Re-sliced over the EDP group when the expert state is partitioned.
+        stage.expert_state.set_state(l, owner_E=owner_E, master_SP=master_SP,
+                                     rows=rows if scalars is not None else None, scalars=scalars)
     if full_state:
         stage.steps = int(common["steps"])
-        stage.predictor.load_state_dict(_predictor_for(common["predictor"], same_world))
-        for shard, w in zip(stage.shards, common["window_s"]):
+        planning = files[rank] if same_groups and "predictor" in files[rank] else common  # this group's own
+        stage.predictor.load_state_dict(_predictor_for(planning["predictor"], same_groups))
+        for shard, w in zip(stage.shards, planning["window_s"]):
             shard.window_s = w
         if same_world:
             set_rng_state(files[rank]["rng"], engine.device)

@@ -19,10 +19,10 @@ from deepspeed.utils import logger
 
 from ds_fssdp.config import FSSDPConfig, FSSDPConfigError
 from ds_fssdp.moe.experts_module import FSSDPExperts
+from ds_fssdp.runtime.groups import build_groups
 from ds_fssdp.runtime.monitor import StageMonitor
 from ds_fssdp.runtime.health import apply_run_settings, check_combinations, skipped_optimizer_step
 from ds_fssdp.runtime.stage import FSSDPStage
-from ds_fssdp.topology import Topology
 
 # DeepSpeed's own initialize, captured at import: integrations may route deepspeed.initialize to
 # ds_fssdp.initialize (the HF Trainer looks it up at call time), and this must not recurse.
@@ -45,20 +45,25 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
             logger.warning("fssdp: the model has no FSSDP experts (FSSDPMoE layers or converted HF experts); initializing plain DeepSpeed")
         return _deepspeed_initialize(**ds_kwargs)
     check_supported(ds_config, fcfg, model=model, mpu=mpu)
+    requested, requested_by = requested_group_size(model)
 
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                distributed_port=distributed_port, dist_init_required=dist_init_required)
     world = dist.get_world_size()
-    topology = Topology(num_ranks=world, ranks_per_node=fcfg.resolve_ranks_per_node(world))
+    ranks_per_node = fcfg.resolve_ranks_per_node(world)
+    group_size = fcfg.resolve_group_size(world, ranks_per_node, requested, requested_by)
     if any(l.sharded is not None for l in layers):
         raise FSSDPConfigError("fssdp: the model's FSSDPMoE layers are already sharded (initialize called twice?)")
 
     expert_ids = {id(p) for layer in layers for p in layer.expert_parameters()}
-    # The sparse collectives get their own process group, so an asynchronous gather or reduce
-    # never queues behind (or in front of) the token exchanges of the default group.
-    param_group = dist.new_group(ranks=list(range(world)))
-    apply_run_settings(fcfg, groups=[None, param_group])  # collective timeout, deterministic mode
-    stage = FSSDPStage(layers, fcfg, topology, group=None, param_group=param_group)
+    # FSSDP groups and their expert-data-parallel groups; the sparse collectives get their own
+    # process group, so an asynchronous gather or reduce never queues behind (or in front of) the
+    # token exchanges.
+    groups = build_groups(world=world, rank=dist.get_rank(), group_size=group_size, ranks_per_node=ranks_per_node)
+    apply_run_settings(fcfg, groups=groups.process_groups())  # collective timeout, deterministic mode
+    stage = FSSDPStage(layers, fcfg, groups.topology, group=groups.tokens, param_group=groups.params,
+                       edp_group=groups.edp)
+    stage.groups = groups
     ds_kwargs["model_parameters"] = _without(model_parameters, expert_ids)
     if isinstance(optimizer, torch.optim.Optimizer):
         _strip_params(optimizer, expert_ids)
@@ -69,6 +74,26 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
     stage.attach(engine)
     engine.fssdp_monitor = StageMonitor.for_engine(stage, engine)
     return engine, ds_optimizer, dataloader, scheduler
+
+
+def requested_group_size(model) -> tuple:
+    """The FSSDP group size the model's modules ask for (``fssdp_group_size``, set by
+    ``ds_fssdp.MoE(ep_size=N)``) and who asks; (None, "") when none does. Different requests are
+    refused by name."""
+    asks = {}
+    names = {id(m): n for n, m in model.named_modules()}
+    for m in model.modules():
+        size = getattr(m, "fssdp_group_size", None)
+        if size is not None:
+            asks.setdefault(int(size), f"{names.get(id(m)) or type(m).__name__}.ep_size")
+    if len(asks) > 1:
+        raise FSSDPConfigError("fssdp: the model's layers ask for different FSSDP group sizes: " +
+                               ", ".join(f"{who} ({size})" for size, who in sorted(asks.items())) +
+                               "; one group size applies to every layer")
+    if not asks:
+        return None, ""
+    (size, who), = asks.items()
+    return size, who
 
 
 def check_supported(ds_config: dict, fcfg: FSSDPConfig, *, model, mpu) -> None:

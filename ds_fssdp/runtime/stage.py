@@ -3,11 +3,13 @@
 Legend: E experts, D ranks, S owned rows, P elements per expert.
 
 DeepSpeed keeps the dense parameters (data parallel, ZeRO 0/1/2). The stage keeps every expert's
-parameters, fp32 master and optimizer moments on its owner only. Per micro-step it folds the
-owned gradient and the replicas' reduced gradients into the owner's fp32 gradient; at the
-optimizer step it averages them over ranks like DeepSpeed's data-parallel gradients, folds their
-norm into DeepSpeed's global norm, applies the same unscale/clip factor, and steps them with the
-optimizer type and hyperparameters DeepSpeed built from the same config.
+parameters, fp32 master and optimizer moments on its owner only (one owner per FSSDP group; with
+several groups the owners' state is replicated or partitioned over the expert-data-parallel
+group, ``runtime/expert_dp.py``). Per micro-step it folds the owned gradient and the replicas'
+reduced gradients into the owner's gradient; at the optimizer step it averages them over all ranks
+like DeepSpeed's data-parallel gradients, folds their norm into DeepSpeed's global norm, applies
+the same unscale/clip factor, and steps them with the optimizer type and hyperparameters DeepSpeed
+built from the same config.
 """
 from __future__ import annotations
 
@@ -26,11 +28,11 @@ from ds_fssdp.moe.sharded import ReplicaMemory, ShardedExperts, ShardOptions
 from ds_fssdp.planner import (CostModel, ExpertShape, Hardware, LoadPredictor, auto_materialization_budget,
                               heterogeneous_sharding, homogeneous_owner)
 from ds_fssdp.planner.baselines import PolicyConfig, make_policy
+from ds_fssdp.runtime.expert_dp import make_expert_state
 from ds_fssdp.runtime.grad_norm import install_expert_norm, loss_scale_of
 from ds_fssdp.runtime.health import NonFiniteGuard
 from ds_fssdp.runtime.post_gating import Calibration, Shadowing
 from ds_fssdp.runtime.profile import measure_expert_flops, measure_link_bandwidth
-from ds_fssdp.runtime.reshard import migrate_shard
 from ds_fssdp.topology import Topology
 
 # Hyperparameters an LR/momentum schedule changes on DeepSpeed's optimizer; mirrored every step.
@@ -40,13 +42,24 @@ _SCHEDULED = ("lr", "betas", "momentum")
 class FSSDPStage:
 
     def __init__(self, layers: list, config: FSSDPConfig, topology: Topology, group, *, param_group=None,
-                 src_rank: int = 0):
+                 edp_group=None, src_rank: int = 0):
+        """``group``: this rank's FSSDP group (token exchange; None: the world), ``param_group``: the
+        same ranks for the sparse collectives, ``edp_group``: the ranks at this rank's position in
+        every FSSDP group (None: one group), ``topology``: the FSSDP group's nodes."""
         self.layers = list(layers)
         self.config = config
         self.topology = topology
         self.group = group
         self.param_group = group if param_group is None else param_group
-        self.world = dist.get_world_size(group=group)
+        self.edp_group = edp_group
+        self.world = dist.get_world_size()  # every rank: gradients are averaged over all of them
+        self.group_size = dist.get_world_size(group=group)  # ranks of this FSSDP group (owners)
+        self.edp_size = dist.get_world_size(group=edp_group) if edp_group is not None else 1
+        self.group_index = dist.get_rank() // self.group_size
+        self.groups = None  # runtime.groups.FSSDPGroups when built by ds_fssdp.initialize
+        if self.group_size * self.edp_size != self.world:
+            raise ValueError(f"FSSDP group ({self.group_size} ranks) x EDP group ({self.edp_size}) != world "
+                             f"({self.world})")
         self.predictor = LoadPredictor([l.num_experts for l in self.layers], window=config.load_window)
         self.memory = ReplicaMemory()
         budget = 0 if config.materialization_budget == "auto" else config.materialization_budget  # set in attach
@@ -59,11 +72,13 @@ class FSSDPStage:
                 raise TypeError(f"FSSDPStage takes FSSDPExperts modules (FSSDPMoE is one), got {type(layer).__name__}")
             trainable = layer.trainable
             layer.router_bias_update_rate = float(config.router_bias_update_rate)
-            owner_E = homogeneous_owner(layer.num_experts, self.world)
+            owner_E = homogeneous_owner(layer.num_experts, self.group_size)
             full_EP = layer.spec.flatten(layer.export_experts())
-            # Every owner starts from rank src_rank's initial values, as DeepSpeed broadcasts
-            # the dense ones from rank 0.
+            # Every owner starts from rank src_rank's initial values (of the first FSSDP group), as
+            # DeepSpeed broadcasts the dense ones from rank 0.
             rows_SP = scatter_rows(full_EP, owner_E, src=src_rank, group=group)
+            if edp_group is not None:
+                dist.broadcast(rows_SP, src=dist.get_global_rank(edp_group, 0), group=edp_group)
             layer.attach_sharded(ShardedExperts(spec=layer.spec, layer_index=i, owner_E=owner_E, rows_SP=rows_SP,
                                                 topology=topology, group=group, param_group=self.param_group,
                                                 predictor=self.predictor, options=options, memory=self.memory,
@@ -73,6 +88,7 @@ class FSSDPStage:
             prev.next, nxt.prev = nxt, prev
             prev.is_last = False
         self.optimizer = None
+        self.expert_state = None  # ReplicatedExperts | PartitionedExperts (runtime/expert_dp.py), set in attach
         self.norm = None
         self.last_step = {}
         self.steps = 0
@@ -96,8 +112,18 @@ class FSSDPStage:
         return [layer.sharded for layer in self.layers]
 
     def masters(self) -> list:
-        """The fp32 masters the expert optimizer steps (frozen experts have none)."""
-        return [s.master for s in self.shards if s.trainable]
+        """What the expert optimizer steps: each layer's fp32 master, or this rank's slice of it
+        (frozen layers' too: they are in no optimizer and their gradients stay zero)."""
+        return self.expert_state.params() if self.expert_state is not None else [s.master for s in self.shards]
+
+    def trainable_masters(self) -> list:
+        return [p for p, s in zip(self.masters(), self.shards) if s.trainable]
+
+    def state_bytes(self) -> dict:
+        """Bytes of expert state on this rank: ``expert_params`` (compute rows), ``expert_master``
+        (fp32 masters or their slices; in fp32 without partitioning they are the compute rows),
+        ``expert_optimizer`` (moments), ``expert_total`` (distinct storage)."""
+        return self.expert_state.state_bytes()
 
     def attach(self, engine) -> None:
         """Adopt the engine's precision and device, its optimizer type and its clipping."""
@@ -108,7 +134,11 @@ class FSSDPStage:
             dtype = torch.float16
         for shard in self.shards:
             shard.use_precision(dtype, engine.device)
-        self.optimizer = build_expert_optimizer(engine.basic_optimizer, self.masters())
+        self.expert_state = make_expert_state(self.shards, zero_stage=int(engine.zero_optimization_stage()),
+                                              edp_group=self.edp_group, edp_size=self.edp_size,
+                                              edp_rank=self.group_index, group_index=self.group_index)
+        self.optimizer = build_expert_optimizer(engine.basic_optimizer, self.trainable_masters())
+        self.expert_state.optimizer = self.optimizer
         self.norm = install_expert_norm(engine)
         self._configure_auto_and_policies(dtype, engine.device)
         if engine.wall_clock_breakdown():
@@ -128,8 +158,10 @@ class FSSDPStage:
         # The first layer's gather starts with the model's forward, before the first attention.
         engine.module.register_forward_pre_hook(lambda module, args: self.shards[0].prefetch())
         logger.info(f"fssdp: {len(self.layers)} MoE layers, policy={self.config.policy}, "
-                    f"{self.topology.num_ranks} ranks in {self.topology.num_nodes} nodes, expert optimizer "
-                    f"{type(self.optimizer).__name__}, expert dtype {dtype}")
+                    f"{self.world // self.group_size} FSSDP groups of {self.topology.num_ranks} ranks in "
+                    f"{self.topology.num_nodes} nodes, expert optimizer {type(self.optimizer).__name__} "
+                    f"({'partitioned' if self.expert_state.partitioned else 'replicated'} over {self.edp_size} "
+                    f"EDP ranks), expert dtype {dtype}")
 
     # -- per micro-step -------------------------------------------------------------------------
     def after_backward(self, loss=None) -> None:
@@ -145,14 +177,10 @@ class FSSDPStage:
     @torch.no_grad()
     def before_step(self, engine) -> None:
         """Average the expert gradients over ranks and arm DeepSpeed's norm with theirs."""
-        sq = torch.zeros((), dtype=torch.float32, device=engine.device)
-        for master in self.masters():
-            if master.grad is None:
-                master.grad = torch.zeros_like(master)
-            master.grad.mul_(1.0 / self.world)
-            sq += master.grad.float().pow(2).sum()
+        sq = self.expert_state.reduce(1.0 / self.world).to(engine.device)
         sq += self.health.loss_flag(sq)  # +inf where this rank's loss was not finite: all ranks learn it
-        dist.all_reduce(sq, group=self.group)
+        # Over the world: each expert counted once (expert_dp.py), every rank's loss flag heard.
+        dist.all_reduce(sq, group=self.group if self.edp_size == 1 else None)
         self.norm.arm(sq, loss_scale_of(engine.optimizer))
         group0 = engine.basic_optimizer.param_groups[0]
         self._scheduled = {k: group0[k] for k in _SCHEDULED if k in group0}
@@ -168,8 +196,8 @@ class FSSDPStage:
                 for master in self.masters():
                     master.grad.mul_(factor) if factor != 1.0 else None
                 self.optimizer.step()
-            for shard in self.shards:
-                shard.copy_master_to_rows()
+            self.expert_state.publish()
+            self._reduce_router_loads(engine.device)
             for layer in self.layers:
                 layer.update_routing_bias()
             self.steps += 1
@@ -187,6 +215,16 @@ class FSSDPStage:
                           "replica_bytes_peak": self.memory.peak, "reshard_bytes_sent": resharded}
         self.memory.reset_peak()
 
+
+    def _reduce_router_loads(self, device) -> None:
+        """The router bias update counts loads over the world: each FSSDP group saw its own."""
+        if self.edp_size == 1:
+            return
+        for layer in self.layers:
+            if layer.pending_load_E is not None:
+                load_E = layer.pending_load_E.to(device)
+                dist.all_reduce(load_E, group=self.edp_group)
+                layer.pending_load_E = load_E.cpu()
 
     def close(self) -> None:
         """Write what is pending (the trace). Also runs at interpreter exit."""
@@ -268,22 +306,32 @@ class FSSDPStage:
         """SmartMoE: every ``smartmoe_interval`` steps, the planner permutes experts between slots
         from the load history and their state moves (same migration as re-sharding)."""
         owner_LE = torch.stack([s.owner_E for s in self.shards])
-        plan = self.baseline.reshard(self.steps, self.predictor.predict_all(), owner_LE=owner_LE)
+        plan = self.baseline.reshard(self.steps, self.world_loads(), owner_LE=owner_LE)
         if plan is None:
             return 0
-        return sum(migrate_shard(s, plan.owner_LE[i], self.optimizer, self.param_group)
-                   for i, s in enumerate(self.shards))
+        return sum(self.expert_state.migrate(i, plan.owner_LE[i], self.param_group) for i in range(len(self.shards)))
 
     def reshard(self) -> int:
         """Algorithm 2 on the predicted loads of all layers; migrate every moved expert's state.
         Returns the bytes this rank sent (0 if there is no load history yet)."""
-        load_LE = self.predictor.predict_all()
+        load_LE = self.world_loads()
         if load_LE is None:
             return 0
         owner_LE = heterogeneous_sharding(load_LE, self.topology, overlap_degree=self.config.overlap_degree)
-        sent = sum(migrate_shard(s, owner_LE[i], self.optimizer, self.param_group) for i, s in enumerate(self.shards))
+        sent = sum(self.expert_state.migrate(i, owner_LE[i], self.param_group) for i in range(len(self.shards)))
         logger.info(f"fssdp: re-sharded {len(self.shards)} layers at step {self.steps} ({sent} bytes sent by this rank)")
         return sent
+
+
+    def world_loads(self):
+        """Predicted loads of all layers (float64 [L, E]) summed over the FSSDP groups, so that
+        every group plans the same owners (None without history: the same in every group)."""
+        load_LE = self.predictor.predict_all()
+        if load_LE is None or self.edp_size == 1:
+            return load_LE
+        load_LE = load_LE.to(self.shards[0].rows.device, copy=True)  # NCCL reduces device tensors only
+        dist.all_reduce(load_LE, group=self.edp_group)
+        return load_LE.cpu()
 
 
 def build_expert_optimizer(basic_optimizer, params: list):

@@ -1,0 +1,259 @@
+"""Expert data parallelism: owners' gradients across FSSDP groups, and where the expert optimizer
+state lives (``fssdp.group_size``).
+
+Legend: S rows owned by this rank, P elements per expert, N ranks of the EDP group, C elements of
+this rank's slice (the S * P owned elements split into N contiguous slices, sizes differing by at
+most one).
+
+Every FSSDP group owns every expert once; the ranks at the same position in every group (the EDP
+group, ``runtime/groups.py``) own the same experts and see different data, so their gradients
+are averaged over the EDP group like DeepSpeed's data-parallel gradients (every gradient carries
+the 1 / world factor, then is summed over the EDP group).
+
+* ``ReplicatedExperts`` (ZeRO stage 0, or one FSSDP group): every owner keeps the fp32 master and
+  the optimizer moments of its rows (in fp32 the master is the compute rows); gradients are
+  all-reduced over the EDP group and every owner steps the same update, as DeepSpeed replicates
+  dense optimizer state at stage 0.
+* ``PartitionedExperts`` (ZeRO stage >= 1 with more than one group): EDP rank j keeps only slice j
+  of its rows' fp32 master and moments, so the world holds one copy. The compute rows accumulate
+  the gradient (in their dtype, as ZeRO 1/2 do for dense parameters), which is reduce-scattered
+  over the EDP group at the step; each rank steps its slice and the updated slices are
+  all-gathered back into the compute rows.
+
+The global-norm clip counts each expert once: partitioned slices are disjoint over the world;
+replicated owners count in group 0 only (the other groups add nothing but their non-finite-loss
+flags). The stage all-reduces the squared norm over the world.
+
+Both give the stage, re-sharding and checkpoints one interface: ``params()`` (what the expert
+optimizer steps), ``full_state(i)`` / ``set_state(i, ...)`` (layer i's full fp32 master and row
+states of the owned rows, gathered from the slices or re-sliced; collective over the EDP group
+when partitioned), ``migrate(i, ...)`` (new owners inside the FSSDP group) and ``state_bytes()``.
+"""
+from __future__ import annotations
+
+import torch
+from deepspeed import comm as dist
+
+from ds_fssdp.runtime.reshard import migrate_rows, migrate_shard
+
+
+def make_expert_state(shards: list, *, zero_stage: int, edp_group, edp_size: int, edp_rank: int,
+                      group_index: int):
+    """The layout for this run: partitioned with ZeRO >= 1 over an EDP group of more than one rank."""
+    if zero_stage >= 1 and edp_size > 1:
+        return PartitionedExperts(shards, edp_group=edp_group, edp_size=edp_size, edp_rank=edp_rank)
+    return ReplicatedExperts(shards, edp_group=edp_group if edp_size > 1 else None, group_index=group_index)
+
+
+def _is_row_state(value, param) -> bool:
+    return torch.is_tensor(value) and value.dim() >= 1 and value.shape == param.shape
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+class _ExpertState:
+    partitioned = False
+
+    def __init__(self, shards: list):
+        self.shards = shards
+        self.optimizer = None  # the expert optimizer over params(), set by the stage
+
+    def params(self) -> list:
+        raise NotImplementedError
+
+    def _state(self, param) -> dict:
+        return self.optimizer.state.get(param, {}) if self.optimizer is not None else {}
+
+    def _adopt(self, old, new, state) -> None:
+        """``new`` replaces ``old`` in the optimizer, with ``state`` (None or empty: fresh)."""
+        if self.optimizer is None:
+            return
+        for group in self.optimizer.param_groups:
+            group["params"] = [new if p is old else p for p in group["params"]]
+        self.optimizer.state.pop(old, None)
+        if state:
+            self.optimizer.state[new] = state
+
+    def scalars(self, i: int) -> dict:
+        """Layer i's optimizer state that is not per element (Adam's ``step``): the same on every
+        rank that steps the layer (no collective)."""
+        p = self.params()[i]
+        return {k: v for k, v in self._state(p).items() if not _is_row_state(v, p)}
+
+    def row_keys(self, i: int) -> list:
+        """Names of layer i's per-element optimizer state (``exp_avg``, ``momentum_buffer``)."""
+        p = self.params()[i]
+        return sorted(k for k, v in self._state(p).items() if _is_row_state(v, p))
+
+    def optimizer_bytes(self) -> int:
+        return sum(_nbytes(v) for p in self.params() for v in self._state(p).values() if _is_row_state(v, p))
+
+
+class ReplicatedExperts(_ExpertState):
+    """Full fp32 master and moments on every owner (see the module docstring)."""
+
+    def __init__(self, shards: list, *, edp_group, group_index: int):
+        super().__init__(shards)
+        self.edp_group = edp_group
+        self.counts_in_norm = group_index == 0
+
+    def params(self) -> list:
+        return [s.master for s in self.shards]
+
+    def reduce(self, scale: float) -> torch.Tensor:
+        """Scale the accumulated gradients, sum them over the EDP group; this rank's part of the
+        global squared norm."""
+        sq = torch.zeros((), dtype=torch.float32, device=self.shards[0].master.device)
+        for s in self.shards:
+            if s.master.grad is None:
+                s.master.grad = torch.zeros_like(s.master)
+            s.master.grad.mul_(scale)
+            if self.edp_group is not None:
+                dist.all_reduce(s.master.grad, group=self.edp_group)
+            sq += s.master.grad.float().pow(2).sum()
+        return sq if self.counts_in_norm else torch.zeros_like(sq)
+
+    def publish(self) -> None:
+        for s in self.shards:
+            s.copy_master_to_rows()
+
+    def full_state(self, i: int) -> tuple:
+        master = self.shards[i].master
+        state = self._state(master)
+        rows = {k: state[k].detach() for k in self.row_keys(i)}
+        return master.detach().float(), rows, self.scalars(i)
+
+    @torch.no_grad()
+    def set_state(self, i: int, *, owner_E, master_SP, rows=None, scalars=None) -> None:
+        s = self.shards[i]
+        device = s.master.device
+        master = master_SP.to(device=device, dtype=torch.float32, copy=True).requires_grad_(True)
+        compute = master if s.master is s.rows else master.detach().to(s.rows.dtype).requires_grad_(True)
+        state = None if rows is None else dict({k: v.to(device) for k, v in rows.items()}, **(scalars or {}))
+        self._adopt(s.master, master, state)
+        s.set_owners(owner_E, rows=compute, master=master)
+
+    def migrate(self, i: int, new_owner_E, group) -> int:
+        return migrate_shard(self.shards[i], new_owner_E, self.optimizer, group)
+
+    def state_bytes(self) -> dict:
+        params = sum(_nbytes(s.rows) for s in self.shards)
+        separate = sum(_nbytes(s.master) for s in self.shards if s.master is not s.rows)
+        master = sum(s.master.numel() * 4 for s in self.shards)
+        opt = self.optimizer_bytes()
+        return {"expert_params": params, "expert_master": master, "expert_optimizer": opt,
+                "expert_total": params + separate + opt}
+
+
+class PartitionedExperts(_ExpertState):
+    """fp32 master and moments sliced over the EDP group (see the module docstring)."""
+
+    partitioned = True
+
+    def __init__(self, shards: list, *, edp_group, edp_size: int, edp_rank: int):
+        super().__init__(shards)
+        self.edp_group, self.n, self.j = edp_group, edp_size, edp_rank
+        self.slices = []
+        for s in shards:
+            full = s.master.detach().float()
+            self.slices.append(self._slice(full).clone().requires_grad_(True))
+            s.set_owners(s.owner_E, rows=s.rows, master=s.rows)  # no full master any more
+
+    def params(self) -> list:
+        return list(self.slices)
+
+    def _sizes(self, numel: int) -> list:
+        return [numel // self.n + (k < numel % self.n) for k in range(self.n)]
+
+    def _slice(self, full: torch.Tensor) -> torch.Tensor:
+        sizes = self._sizes(full.numel())
+        return full.reshape(-1).split(sizes)[self.j]
+
+    def _reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
+        sizes = self._sizes(flat.numel())
+        if not flat.numel():
+            return flat[:0]
+        buf_NC = flat.new_zeros(self.n, sizes[0])
+        for k, part in enumerate(flat.split(sizes)):
+            buf_NC[k, :part.numel()] = part
+        out_C = flat.new_empty(sizes[0])
+        dist.reduce_scatter_tensor(out_C, buf_NC.view(-1), group=self.edp_group)
+        return out_C[:sizes[self.j]]
+
+    def _all_gather(self, part: torch.Tensor, numel: int) -> torch.Tensor:
+        sizes = self._sizes(numel)
+        if not numel:
+            return part.new_empty(0)
+        mine = part.new_zeros(sizes[0])
+        mine[:part.numel()] = part
+        out_NC = part.new_empty(self.n, sizes[0])
+        dist.all_gather_into_tensor(out_NC.view(-1), mine, group=self.edp_group)
+        return torch.cat([out_NC[k, :n] for k, n in enumerate(sizes)])
+
+    @torch.no_grad()
+    def reduce(self, scale: float) -> torch.Tensor:
+        """Reduce-scatter the rows' accumulated gradients over the EDP group into the slices'
+        gradients; this rank's part of the global squared norm."""
+        sq = torch.zeros((), dtype=torch.float32, device=self.shards[0].rows.device)
+        for s, p in zip(self.shards, self.slices):
+            g = s.rows.grad
+            flat = g.float().reshape(-1) * scale if g is not None else s.rows.new_zeros(s.rows.numel(),
+                                                                                          dtype=torch.float32)
+            p.grad = self._reduce_scatter(flat)
+            s.rows.grad = None
+            sq += p.grad.pow(2).sum()
+        return sq
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        for s, p in zip(self.shards, self.slices):
+            s.rows.copy_(self._all_gather(p.detach(), s.rows.numel()).view_as(s.rows))
+
+    @torch.no_grad()
+    def full_state(self, i: int) -> tuple:
+        s, p = self.shards[i], self.slices[i]
+        shape = s.rows.shape
+        state = self._state(p)
+        rows = {k: self._all_gather(state[k], s.rows.numel()).view(shape) for k in self.row_keys(i)}
+        return self._all_gather(p.detach(), s.rows.numel()).view(shape), rows, self.scalars(i)
+
+    @torch.no_grad()
+    def set_state(self, i: int, *, owner_E, master_SP, rows=None, scalars=None) -> None:
+        s = self.shards[i]
+        device = s.rows.device
+        full = master_SP.to(device=device, dtype=torch.float32)
+        compute = full.to(s.rows.dtype, copy=True).requires_grad_(True)
+        s.set_owners(owner_E, rows=compute, master=compute)
+        p = self._slice(full).clone().requires_grad_(True)
+        state = None
+        if rows is not None:
+            state = {k: self._slice(v.to(device)).clone() for k, v in rows.items()}
+            state.update(scalars or {})
+        self._adopt(self.slices[i], p, state)
+        self.slices[i] = p
+
+    def migrate(self, i: int, new_owner_E, group) -> int:
+        """Gather the full state over the EDP group, move it inside the FSSDP group as a re-shard
+        does, slice it again. Returns the bytes this rank sent inside the FSSDP group."""
+        s = self.shards[i]
+        new_owner_E = new_owner_E.to("cpu", torch.long)
+        old_owner_E = s.owner_E
+        if torch.equal(new_owner_E, old_owner_E):
+            return 0
+        master_SP, rows, scalars = self.full_state(i)
+        moved = {}
+        new_master, sent = migrate_rows(master_SP, old_owner_E, new_owner_E, rank=s.rank, group=group)
+        for k, v in rows.items():
+            moved[k], n = migrate_rows(v, old_owner_E, new_owner_E, rank=s.rank, group=group)
+            sent += n
+        self.set_state(i, owner_E=new_owner_E, master_SP=new_master, rows=moved, scalars=scalars)
+        return sent
+
+    def state_bytes(self) -> dict:
+        params = sum(_nbytes(s.rows) for s in self.shards)
+        master = sum(_nbytes(p) for p in self.slices)
+        opt = self.optimizer_bytes()
+        return {"expert_params": params, "expert_master": master, "expert_optimizer": opt,
+                "expert_total": params + master + opt}
