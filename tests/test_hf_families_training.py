@@ -55,6 +55,7 @@ def _runs():
                 runs.append((mt, {"remat": True, "rate": RATE if mt in BIASED else 0.0}))
             for reentrant in (False, True):
                 runs.append((mt, {"remat": remat, "ckpt": reentrant, "rate": RATE if mt in BIASED else 0.0}))
+    runs.append(("deepseek_v3", {"rate": RATE, "group": 1}))  # 2 FSSDP groups of 1 rank
     runs.append(("qwen3_moe", {"freeze": True}))
     runs.append(("phimoe", {"train_mode": True}))
     return runs
@@ -78,7 +79,8 @@ def _worker(rank, world, runs):
         if "ckpt" in opts:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": opts["ckpt"]})
         model.train(opts.get("train_mode", False) or mt != "phimoe")
-        cfg = ds_config(rematerialize=opts.get("remat", False), router_bias_update_rate=opts.get("rate", 0.0))
+        cfg = ds_config(rematerialize=opts.get("remat", False), router_bias_update_rate=opts.get("rate", 0.0),
+                        group_size=opts.get("group"))
         engine, *_ = ds_fssdp.initialize(model=model, config=cfg)
         losses, biases, replicas = [], [], 0
         for step in range(STEPS):
@@ -163,6 +165,19 @@ def test_family_trains_like_single_process_hf(trained, model_type):
                     torch.testing.assert_close(g, e, rtol=0, atol=1e-6, msg=f"step {step}")
             assert not torch.equal(run["biases"][-1][0], tiny_model(model_type).state_dict()[
                 next(k for k in ref_state if k.endswith("e_score_correction_bias"))])
+
+
+def test_router_bias_counts_world_loads_across_fssdp_groups(trained):
+    """Two FSSDP groups of one rank each: every group routes only its own tokens, yet the bias
+    moves by the loads of the whole world (the single-process rule on both ranks' batches)."""
+    ref_losses, ref_state, ref_biases = reference("deepseek_v3", rate=RATE)
+    for rank, res in enumerate(trained):
+        run = res[_key("deepseek_v3", {"rate": RATE, "group": 1})]
+        for got, exp in zip(run["biases"], ref_biases):
+            for g, e in zip(got, exp):
+                torch.testing.assert_close(g, e, rtol=0, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(run["losses"]),
+                                   torch.tensor([ref_losses[(s, rank)] for s in range(STEPS)]), **TOL)
 
 
 @pytest.mark.parametrize("model_type", CKPT_FAMILIES)

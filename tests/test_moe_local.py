@@ -149,3 +149,29 @@ def test_combine_topk_sums_in_k_order():
     w = torch.tensor([[0.5, 0.5], [1.0, 0.0], [0.25, 0.75]])
     out = ops.combine_topk(y, w)
     torch.testing.assert_close(out, torch.tensor([[1.0, 2.0], [4.0, 5.0], [9.5, 10.5]]))
+
+
+def test_layer_with_biases_and_clamped_activation():
+    """FSSDPMoE(bias=True, activation="gptoss"): biases start at zero and live in the expert's row;
+    the layer equals a per-token loop over GPT-OSS's formula with the biases set."""
+    torch.manual_seed(0)
+    params = {"alpha": 1.702, "limit": 1.5}
+    layer = FSSDPMoE(hidden_size=6, ffn_hidden_size=10, num_experts=4, k=2, activation="gptoss", bias=True,
+                     act_params=params, init_std=0.8)
+    assert all(torch.count_nonzero(getattr(layer, n)) == 0 for n in ("b_gate", "b_up", "b_down"))
+    with torch.no_grad():
+        for n in ("b_gate", "b_up", "b_down"):
+            getattr(layer, n).normal_()
+    x = torch.randn(9, 6)
+    out, _, _ = layer(x)
+    probs = torch.softmax(x @ layer.gate.weight.t(), -1)
+    want = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        chosen = torch.topk(probs[t], 2).indices
+        w = probs[t, chosen] / probs[t, chosen].sum()
+        for e, we in zip(chosen.tolist(), w):
+            g = (x[t] @ layer.w_gate[e] + layer.b_gate[e]).clamp(max=params["limit"])
+            u = (x[t] @ layer.w_up[e] + layer.b_up[e]).clamp(-params["limit"], params["limit"])
+            h = (u + 1) * g * torch.sigmoid(params["alpha"] * g)
+            want[t] += we * (h @ layer.w_down[e] + layer.b_down[e])
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)

@@ -153,6 +153,11 @@ class FSSDPExperts(nn.Module):
             self.pending_load_E = torch.zeros(self.num_experts, dtype=torch.float64)
         self.pending_load_E += load_E.detach().to("cpu", torch.float64)
 
+    def pending_loads(self) -> list:
+        """The load tensors accumulated since the last bias update (summed over FSSDP groups by
+        the stage before :meth:`update_routing_bias`)."""
+        return [self.pending_load_E] if self.pending_load_E is not None else []
+
     @torch.no_grad()
     def update_routing_bias(self) -> None:
         """DeepSeek-V3's rule, once per optimizer step (``ds_fssdp``'s engine calls it; a

@@ -4,8 +4,9 @@ Legend: T tokens, H hidden, F expert FFN hidden, E experts, K top-k.
 
 The layer is our gate (:class:`TopKGate`) in front of :class:`FSSDPExperts`, the experts half
 (which it is: a subclass), so its expert parameters keep their names (``w_a`` [E, H, F] and
-``w_b`` [E, F, H] for gelu; ``w_gate``, ``w_up`` [E, H, F] and ``w_down`` [E, F, H] for swiglu)
-and ``ds_fssdp.initialize`` shards it like any experts module.
+``w_b`` [E, F, H] for gelu; ``w_gate``, ``w_up`` [E, H, F] and ``w_down`` [E, F, H] for the gated
+activations; ``bias=True`` adds ``b_*`` per-expert biases, zero at init; ``act_params`` the
+constants of the clamped activations) and ``ds_fssdp.initialize`` shards it like any experts module.
 
 ``forward(x)`` with x [..., H] returns ``(out, l_aux, exp_counts)`` like
 ``deepspeed.moe.layer.MoE``: out = sum_k weight_k * expert_{e_k}(x).
@@ -24,11 +25,12 @@ class FSSDPMoE(FSSDPExperts):
 
     def __init__(self, *, hidden_size: int, ffn_hidden_size: int, num_experts: int, k: int = 2,
                  activation: str = "gelu", normalize_topk: bool = True, z_loss_coef: float = 0.0,
-                 aux_free_bias: bool = False, bias_update_rate: float = 1e-3, init_std: float = 0.02, device=None,
-                 dtype=None):
+                 aux_free_bias: bool = False, bias_update_rate: float = 1e-3, init_std: float = 0.02,
+                 bias: bool = False, act_params=None, device=None, dtype=None):
         if num_experts < 1:
             raise ValueError(f"num_experts ({num_experts}) must be >= 1")
-        super().__init__(spec=ExpertSpec(activation, hidden_size, ffn_hidden_size), hidden_size=hidden_size,
+        spec = ExpertSpec(activation, hidden_size, ffn_hidden_size, bias=bias, act_params=act_params)
+        super().__init__(spec=spec, hidden_size=hidden_size,
                          ffn_hidden_size=ffn_hidden_size, num_experts=num_experts, device=device, dtype=dtype)
         self.k = k
         self.gate = TopKGate(hidden_size, num_experts, k, normalize_topk=normalize_topk, z_loss_coef=z_loss_coef,
@@ -41,7 +43,9 @@ class FSSDPMoE(FSSDPExperts):
         nn.init.normal_(self.gate.weight, std=std)
         if self.sharded is None:
             for name in self.spec.names:
-                nn.init.normal_(getattr(self, name), std=std)
+                # Weights normal, expert biases (b_*) zero, as nn.Linear users expect of a fresh layer.
+                init = nn.init.zeros_ if name.startswith("b_") else (lambda t: nn.init.normal_(t, std=std))
+                init(getattr(self, name))
 
     def forward(self, x: torch.Tensor):
         if x.shape[-1] != self.hidden_size:
@@ -52,6 +56,10 @@ class FSSDPMoE(FSSDPExperts):
         if self.training and load_E is not None:
             self.gate.accumulate_load(load_E)
         return out_TH.reshape(x.shape), gate.l_aux, gate.counts_E
+
+    def pending_loads(self) -> list:
+        own = [self.gate.pending_load] if self.gate.pending_load is not None else []
+        return own + super().pending_loads()
 
     @torch.no_grad()
     def update_routing_bias(self) -> None:

@@ -217,14 +217,14 @@ class FSSDPStage:
 
 
     def _reduce_router_loads(self, device) -> None:
-        """The router bias update counts loads over the world: each FSSDP group saw its own."""
+        """Routing-bias updates count loads over the world: each FSSDP group saw its own."""
         if self.edp_size == 1:
             return
         for layer in self.layers:
-            if layer.pending_load_E is not None:
-                load_E = layer.pending_load_E.to(device)
-                dist.all_reduce(load_E, group=self.edp_group)
-                layer.pending_load_E = load_E.cpu()
+            for load_E in layer.pending_loads():
+                summed = load_E.to(device)
+                dist.all_reduce(summed, group=self.edp_group)
+                load_E.copy_(summed)
 
     def close(self) -> None:
         """Write what is pending (the trace). Also runs at interpreter exit."""
