@@ -128,7 +128,7 @@ class FSSDPConfig(DeepSpeedConfigModel):
     size; an int smaller than the real node makes logical nodes on one machine. (The HF Trainer
     treats any "auto" string in a DeepSpeed config as its own placeholder: use null there.)"""
 
-    # -- robustness (runtime/health.py, runtime/checkpoint.py, docs/determinism.md) --
+    # -- robustness (runtime/health.py, runtime/checkpoint/, docs/determinism.md) --
     collective_timeout_s: Optional[Annotated[Union[StrictFloat, StrictInt], Field(gt=0)]] = None
     """Seconds a collective may wait for a peer before every waiting rank raises (a dead or hung
     rank), on the default process group and FSSDP's own; null: DeepSpeed's default

@@ -143,7 +143,7 @@ class FSSDPEngineMixin:
     def clip_fp32_gradients(self):
         self.fssdp.norm.clip_dense_fp32(self)
 
-    # -- robustness: non-finite steps and checkpoints (runtime/health.py, runtime/checkpoint.py) --
+    # -- robustness: non-finite steps and checkpoints (runtime/health.py, runtime/checkpoint/) --
     def _take_model_step(self, lr_kwargs, *args, **kwargs):
         """DeepSpeed's optimizer step, or its overflow path when the loss or gradients are not
         finite on some rank (every rank agrees: the decision uses the all-reduced norm)."""
