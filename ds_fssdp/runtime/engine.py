@@ -22,6 +22,7 @@ from ds_fssdp.moe.layer import FSSDPMoE
 from ds_fssdp.runtime.monitor import StageMonitor
 from ds_fssdp.runtime.health import apply_run_settings, check_combinations, skipped_optimizer_step
 from ds_fssdp.runtime.stage import FSSDPStage
+from ds_fssdp.runtime.zero3 import prepare_layers as prepare_zero3
 from ds_fssdp.topology import Topology
 
 # DeepSpeed's own initialize, captured at import: integrations may route deepspeed.initialize to
@@ -53,6 +54,7 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
     if any(l.sharded is not None for l in layers):
         raise FSSDPConfigError("fssdp: the model's FSSDPMoE layers are already sharded (initialize called twice?)")
 
+    prepare_zero3(layers, ds_config)
     expert_ids = {id(p) for layer in layers for p in layer.expert_parameters()}
     # The sparse collectives get their own process group, so an asynchronous gather or reduce
     # never queues behind (or in front of) the token exchanges of the default group.
@@ -73,10 +75,6 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
 
 def check_supported(ds_config: dict, fcfg: FSSDPConfig, *, model, mpu) -> None:
     """Refuse combinations FSSDP does not handle, before any collective."""
-    stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
-    if stage >= 3:
-        raise FSSDPConfigError(f"zero_optimization.stage ({stage}) is not supported with fssdp: experts are "
-                               "already sharded by owner; use ZeRO stage 0, 1 or 2 for the dense parameters")
     if isinstance(model, PipelineModule):
         raise FSSDPConfigError("fssdp does not support pipeline parallelism (the model is a PipelineModule)")
     if mpu is not None:
