@@ -22,7 +22,7 @@ def consolidated_state_dict(load_dir: str, tag=None, *, verify: bool = True) -> 
     root = os.path.join(load_dir, resolve_tag(load_dir, str(tag)))
     manifest, meta = read_manifest(root), read_meta(root)
     verify_files(root, manifest, digests=verify)
-    out = dict(load_file(os.path.join(root, DS_MODEL_STATES))["module"])
+    out = dense_state_dict(load_dir, os.path.basename(root), meta)
     files = RankFiles(root)
     for l, saved in enumerate(meta["layers"]):
         spec = ExpertSpec(saved["activation"], saved["hidden_size"], saved["ffn_hidden_size"])
@@ -33,6 +33,16 @@ def consolidated_state_dict(load_dir: str, tag=None, *, verify: bool = True) -> 
         for name, tensor in spec.views(full_EP).items():
             out[prefix + name] = tensor.contiguous()
     return out
+
+
+def dense_state_dict(load_dir: str, dir_tag: str, meta: dict) -> dict:
+    """DeepSpeed's dense module weights: its module state dict, or under ZeRO 3 (which saves only
+    partitions) its own ``zero_to_fp32`` consolidation of the fp32 partitions (DeepSpeed reads
+    those files with ``weights_only=False``; they were checked against the manifest first)."""
+    if int(meta.get("zero_stage", 0)) >= 3:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        return dict(get_fp32_state_dict_from_zero_checkpoint(load_dir, tag=dir_tag))
+    return dict(load_file(os.path.join(load_dir, dir_tag, DS_MODEL_STATES))["module"])
 
 
 def export_consolidated(load_dir: str, out_path: str, tag=None) -> str:

@@ -4,6 +4,7 @@ owner under this engine's world size."""
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 
 import torch
 from deepspeed import comm as dist
@@ -14,6 +15,7 @@ from ds_fssdp.runtime.checkpoint.files import CheckpointError, load_file, read_t
 from ds_fssdp.runtime.checkpoint.layout import COMMON, LATEST, META, read_manifest, read_meta, resolve_tag, verify_files
 from ds_fssdp.runtime.checkpoint.reshape import RankFiles, gather_rows, owners_after_load, predictor_for
 from ds_fssdp.runtime.checkpoint.rng import set_rng_state
+from ds_fssdp.runtime.checkpoint.universal import check_convertible, convert, loading_universal, needs_universal
 
 
 def load(engine, load_dir: str, tag=None, *, ds_load, load_module_strict=True, load_optimizer_states=True,
@@ -34,9 +36,13 @@ def load(engine, load_dir: str, tag=None, *, ds_load, load_module_strict=True, l
     dense_opt = load_optimizer_states and not load_module_only
     expert_opt = (dense_opt if load_expert_optimizer_states is None else load_expert_optimizer_states)
     expert_opt = bool(expert_opt) and not load_module_only
-    check_compatible(engine, meta, root, dense_optimizer=dense_opt, expert_optimizer=expert_opt)
-    with safe_deepspeed_loading(engine):
-        load_path, client_state = ds_load(load_dir, dir_tag, load_module_strict=load_module_strict,
+    check_compatible(engine, meta, root, expert_optimizer=expert_opt)
+    ds_dir, ds_tag, universal = load_dir, dir_tag, nullcontext()
+    if needs_universal(engine, meta, dense_optimizer=dense_opt):
+        check_convertible(meta, root, engine.fssdp.world)
+        (ds_dir, ds_tag), universal = convert(load_dir, dir_tag, manifest), loading_universal(engine)
+    with safe_deepspeed_loading(engine), universal:
+        load_path, client_state = ds_load(ds_dir, ds_tag, load_module_strict=load_module_strict,
                                           load_optimizer_states=load_optimizer_states,
                                           load_lr_scheduler_states=load_lr_scheduler_states,
                                           load_module_only=load_module_only, custom_load_fn=custom_load_fn)
@@ -51,7 +57,7 @@ def load(engine, load_dir: str, tag=None, *, ds_load, load_module_strict=True, l
     return load_path, client_state
 
 
-def check_compatible(engine, meta: dict, root: str, *, dense_optimizer: bool, expert_optimizer: bool) -> None:
+def check_compatible(engine, meta: dict, root: str, *, expert_optimizer: bool) -> None:
     """Refuse (on every rank alike) a checkpoint that does not fit the engine."""
     stage = engine.fssdp
     path = os.path.join(root, META)
@@ -63,12 +69,6 @@ def check_compatible(engine, meta: dict, root: str, *, dense_optimizer: bool, ex
         diff = {k: (saved[k], v) for k, v in mine.items() if saved[k] != v}
         if diff:
             raise CheckpointError(f"{path}: MoE layer {i} ({saved['name']}) differs (saved, model): {diff}")
-    if dense_optimizer and engine.zero_optimization() and meta["world_size"] != stage.world:
-        raise CheckpointError(
-            f"{root} was saved on {meta['world_size']} ranks with ZeRO stage {meta['zero_stage']}; DeepSpeed cannot "
-            f"re-partition its dense optimizer state for {stage.world} ranks. Load with load_optimizer_states=False "
-            "and load_expert_optimizer_states=True (dense moments start fresh, every expert's moments load), or "
-            "convert the dense part with DeepSpeed's universal checkpoint")
     opt = stage.optimizer
     if expert_optimizer and opt is not None and meta["optimizer"] not in (None, type(opt).__name__):
         raise CheckpointError(f"{path}: the expert optimizer state was saved by {meta['optimizer']}, the engine uses "
