@@ -46,6 +46,7 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
             logger.warning("fssdp: the model has no FSSDPMoE layers; initializing plain DeepSpeed")
         return _deepspeed_initialize(**ds_kwargs)
     check_supported(ds_config, fcfg, model=model, mpu=mpu)
+    prepare_zero3(layers, ds_config)  # before any collective: it may refuse
 
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                distributed_port=distributed_port, dist_init_required=dist_init_required)
@@ -54,7 +55,6 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
     if any(l.sharded is not None for l in layers):
         raise FSSDPConfigError("fssdp: the model's FSSDPMoE layers are already sharded (initialize called twice?)")
 
-    prepare_zero3(layers, ds_config)
     expert_ids = {id(p) for layer in layers for p in layer.expert_parameters()}
     # The sparse collectives get their own process group, so an asynchronous gather or reduce
     # never queues behind (or in front of) the token exchanges of the default group.
