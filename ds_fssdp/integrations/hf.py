@@ -34,7 +34,9 @@ equal the original's):
 
 Refused: gradient checkpointing of the decoder layers (the recomputed forward would plan the
 experts' placement again; ``ds_fssdp.initialize`` through this module raises), experts modules
-with another layout or activation than silu, ZeRO stage 3 (as for every FSSDP model).
+with another layout or activation than silu. ZeRO stage 3 works (tests/test_hf_trainer.py) for a
+model built outside ``deepspeed.zero.Init``: create it before ZeRO-3 ``TrainingArguments`` (HF
+builds models under ``zero.Init`` once those exist); partitioned experts are refused by name.
 
 Saving: the state dict of a converted model holds the experts as ``<block>.moe.w_gate`` etc. (or
 not at all once sharded). :func:`unconvert` puts every original HF block back in place with the
