@@ -137,7 +137,7 @@ class FSSDPConfig(DeepSpeedConfigModel):
     >= 1 the expert fp32 masters and optimizer moments are partitioned over the EDP group (one copy
     in the world); with stage 0 they are replicated, as DeepSpeed does for dense parameters."""
 
-    # -- robustness (runtime/health.py, runtime/checkpoint.py, docs/determinism.md) --
+    # -- robustness (runtime/health.py, runtime/checkpoint/, docs/determinism.md) --
     collective_timeout_s: Optional[Annotated[Union[StrictFloat, StrictInt], Field(gt=0)]] = None
     """Seconds a collective may wait for a peer before every waiting rank raises (a dead or hung
     rank), on the default process group and FSSDP's own; null: DeepSpeed's default

@@ -1,6 +1,7 @@
-"""Checkpoints through the engine: exact resume across a re-shard, loading on another world size
-or ranks_per_node with every expert's state intact, a consolidated export, atomic saves, and safe
-loading that names the bad file on every rank (no rank left hanging)."""
+"""Checkpoints through the engine: exact resume across a re-shard (and under ZeRO 3), loading on
+another world size or ranks_per_node with every expert's state intact and ZeRO 1/3's dense state
+through DeepSpeed's universal checkpoint, a consolidated export, atomic saves, and safe loading that
+names the bad file on every rank (no rank left hanging)."""
 import copy
 import json
 import os
@@ -10,9 +11,10 @@ import shutil
 import pytest
 import torch
 
+import resume_world
 from distributed import spawn
 from toy import expert_rows
-from training import MODEL, batch, ds_config
+from training import MODEL, ds_config
 
 ADAMW = {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1, "torch_adam": True}}
 WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 4}}
@@ -33,16 +35,7 @@ def _engine(cfg, seed=0):
     return engine, model
 
 
-def _train(engine, rank, steps, start):
-    losses = []
-    for step in range(start, start + steps):
-        for micro in range(engine.gradient_accumulation_steps()):
-            x, y = batch(step, micro, rank)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-    return losses
+_train = resume_world.train
 
 
 def _snapshot(engine, model) -> dict:
@@ -58,12 +51,16 @@ def _snapshot(engine, model) -> dict:
 # files), 4 ranks again (load the 2-rank checkpoint, and the 4-rank one with other ranks_per_node).
 def _four_worker(rank, world, root):
     return {"resume": _resume_worker(rank, world, os.path.join(root, "resume")),
-            "saved": _save_on_4(rank, world, os.path.join(root, "reshard"))}
+            "saved": _save_on_4(rank, world, os.path.join(root, "reshard")),
+            "zero3": resume_world.zero3_round_trip(rank, world, os.path.join(root, "zero3")),
+            "world": resume_world.save_all(rank, world, os.path.join(root, "world"))}
 
 
 def _two_worker(rank, world, root):
     return {"load2": _load_on_2(rank, world, os.path.join(root, "reshard")),
-            "safety": _safety_worker(rank, world, os.path.join(root, "safety"))}
+            "safety": _safety_worker(rank, world, os.path.join(root, "safety")),
+            "world": dict(loaded=resume_world.load_all(rank, world, os.path.join(root, "world"), 4),
+                          saved=resume_world.save_all(rank, world, os.path.join(root, "world")))}
 
 
 def _four_again_worker(rank, world, root):
@@ -73,6 +70,7 @@ def _four_again_worker(rank, world, root):
     engine, model = _engine(RESUME[name], seed=4321)
     engine.load_checkpoint(os.path.join(root, "resume", name))
     out["fresh_process_resume"] = dict(losses=_train(engine, rank, M, N), final=_snapshot(engine, model))
+    out["world"] = resume_world.load_all(rank, world, os.path.join(root, "world"), 2)
     return out
 
 
@@ -208,7 +206,7 @@ def _save_on_4(rank, world, root):
     _train(engine, rank, 3, 0)
     engine.save_checkpoint(root, tag="a")
     snap = _snapshot(engine, model)
-    z1, _ = _engine(_cfg(4, zero=1, gas=1, optimizer=ADAMW))
+    z1, _ = _engine(_cfg(4, zero=1, gas=1))  # SGD: no universal checkpoint for it (Adam only)
     _train(z1, rank, 2, 0)
     z1.save_checkpoint(root, tag="zero1")
     return dict(snap, z1_rows=expert_rows(z1))
@@ -222,7 +220,7 @@ def _load_on_2(rank, world, root):
     engine.save_checkpoint(root, tag="b")  # the same state, saved by 2 ranks
     trained = _train(engine, rank, 1, 3)  # and it trains with the new owners
     sizes = [tuple(st["exp_avg"].shape) for st in engine.fssdp.optimizer.state.values()]
-    z1, _ = _engine(_cfg(2, zero=1, gas=1, optimizer=ADAMW), seed=7)
+    z1, _ = _engine(_cfg(2, zero=1, gas=1), seed=7)
     with pytest.raises(CheckpointError) as refused:
         z1.load_checkpoint(root, tag="zero1")
     z1.load_checkpoint(root, tag="zero1", load_optimizer_states=False, load_expert_optimizer_states=True)
@@ -265,11 +263,61 @@ def test_load_on_other_world_sizes_keeps_every_expert(resharded):
         assert [s[0] for s in r["sizes"]] == r["owned"]
 
 
-def test_zero_world_change_is_refused_clearly_and_experts_still_load(resharded):
+def test_zero_world_change_without_universal_support_is_refused_clearly(resharded):
+    """SGD's momentum has no place in DeepSpeed's universal checkpoint: refused by name before
+    anything is read; without the dense optimizer state the experts' state still loads."""
     root, on4, on2, _ = resharded
     for r in on2:
-        assert "saved on 4 ranks with ZeRO stage 1" in r["refused"] and "load_optimizer_states=False" in r["refused"]
+        for words in ("saved on 4 ranks with ZeRO stage 1 and optimizer SGD", "Adam-family optimizers only",
+                      "load_optimizer_states=False"):
+            assert words in r["refused"], r["refused"]
     _assert_same(_all_rows([r["z1_rows"] for r in on2]), _all_rows([r["z1_rows"] for r in on4]), "zero1 experts")
+
+
+@pytest.mark.parametrize("direction", ["4->2", "2->4"])
+@pytest.mark.parametrize("name", list(resume_world.RUNS))
+def test_zero_world_change_through_universal_checkpoint(root, four, two, four_again, name, direction):
+    """A ZeRO 1/3 checkpoint loads on another world size: every dense fp32 master and Adam moment
+    (re-partitioned by DeepSpeed's universal checkpoint), every expert's master and moments, the
+    steps and the LR equal the saved ones, and training continues."""
+    saved, loaded = ((four, [r["world"]["loaded"] for r in two]) if direction == "4->2" else
+                     ([{"world": r["world"]["saved"]} for r in two], [r["world"] for r in four_again]))
+    want = saved[0]["world"][name]
+    assert want["moments"], "no dense optimizer moments to compare"
+    rows = _all_rows([r["world"][name]["rows"] for r in saved])
+    assert len(rows) == MODEL.n_layers * (MODEL.num_experts + 1)
+    _assert_same(_all_rows([r[name]["rows"] for r in loaded]), rows, f"{name} {direction} expert rows")
+    for rank, r in enumerate(loaded):
+        got = r[name]
+        for key in ("dense", "moments", "experts", "global_steps", "stage_steps", "lr"):
+            _assert_same(got[key], want[key], f"{name} {direction} rank {rank} {key}")
+        assert all(torch.isfinite(torch.tensor(got["next_losses"]))), f"{name} {direction}: training stopped"
+    assert os.path.isdir(os.path.join(root, "world", name, ".universal-on" + direction[0]))
+
+
+def test_zero3_resume_is_exact(root, four):
+    """ZeRO 3 on the same ranks: the loaded engine is the saved one (dense masters and moments
+    whole, experts, steps), and it trains on exactly as the run that never stopped; the
+    consolidated export gathers ZeRO 3's dense partitions (DeepSpeed's zero_to_fp32)."""
+    from ds_fssdp.models import GPTMoE
+    from ds_fssdp.runtime.checkpoint import consolidated_state_dict
+    model = GPTMoE(MODEL)
+    model.load_state_dict(consolidated_state_dict(os.path.join(root, "zero3", "z3-same"), "a"), strict=True)
+    saved = four[0]["zero3"]["saved"]
+    params = dict(model.named_parameters())
+    assert saved["dense"] and set(saved["dense"]) < set(params)
+    for name, want in saved["dense"].items():
+        assert torch.equal(params[name].detach(), want), name
+    for layer, want in zip(model.moe_layers(), saved["experts"]):
+        for name, tensor in want.items():
+            assert torch.equal(getattr(layer, name).detach(), tensor), name
+    for rank, r in enumerate(four):
+        got = r["zero3"]
+        for key in ("dense", "moments", "experts", "rows", "global_steps", "stage_steps", "lr"):
+            _assert_same(got["loaded"][key], got["saved"][key], f"rank {rank} loaded {key}")
+        assert got["resumed"] == got["cont"], f"rank {rank}: losses differ"
+        for key in ("dense", "moments", "experts", "rows"):
+            _assert_same(got["resumed_final"][key], got["final"][key], f"rank {rank} final {key}")
 
 
 def test_consolidated_export_loads_into_the_unsharded_model(resharded, tmp_path):

@@ -76,7 +76,6 @@ def _tiny_model():
 
 
 @pytest.mark.parametrize("config,message", [
-    ({"train_batch_size": 2, "zero_optimization": {"stage": 3}, "fssdp": {}}, r"zero_optimization.stage \(3\)"),
     ({"train_batch_size": 2, "fssdp": {"load_window": -3}}, r"fssdp.load_window \(-3\)"),
     # Nothing silently ignored: FSSDPMoE's gate has no router bias for this key to move.
     ({"train_batch_size": 2, "fssdp": {"router_bias_update_rate": 0.01}},

@@ -1,6 +1,6 @@
 """Training through ds_fssdp.initialize on 4 gloo ranks equals single-process training on the
 concatenated batch: per-step losses and final weights, for fssdp and ep, ZeRO 0/1/2, with gradient
-clipping (active) and gradient accumulation."""
+clipping (active) and gradient accumulation; ZeRO 3 for the dense parameters likewise."""
 import os
 import tempfile
 
@@ -20,6 +20,8 @@ RUNS = {
     "fssdp-z2-2nodes": ds_config(world=WORLD, zero=2, fssdp={"ranks_per_node": 2}),
     "ep-z0": ds_config(world=WORLD, zero=0, policy="ep", fssdp={"trace_path": TRACE}),
     "ep-z2": ds_config(world=WORLD, zero=2, policy="ep"),
+    "fssdp-z3": ds_config(world=WORLD, zero=3),  # dense parameters partitioned, experts under FSSDP
+    "fssdp-z3-bf16": ds_config(world=WORLD, zero=3, bf16=True),
     "fssdp-z1-adamw": ds_config(world=WORLD, zero=1, optimizer=ADAM, gas=1),
     "fssdp-z2-bf16": ds_config(world=WORLD, zero=2, bf16=True),
     "fssdp-z0-client-optimizer": ds_config(world=WORLD, zero=0, optimizer="client"),
@@ -136,3 +138,4 @@ def test_runs_exercise_replicas_and_clipping(trained):
     assert max(fssdp["replicas"]) > 0, "the fssdp runs never placed a replica"
     assert max(trained[0]["ep-z0"]["replicas"]) == 0
     assert min(fssdp["factors"]) < 1.0, "gradient clipping never engaged"
+    assert min(trained[0]["fssdp-z3"]["factors"]) < 1.0, "gradient clipping never engaged under ZeRO 3"

@@ -56,11 +56,24 @@ def test_unsupported_combinations_refused_before_any_collective(config, model, m
     assert not torch.distributed.is_initialized()
 
 
+def test_experts_partitioned_by_zero_init_refused_before_any_collective():
+    """ZeRO 3 partitions the dense parameters at initialize; experts that deepspeed.zero.Init has
+    already partitioned (it marks each parameter with a ds_id) cannot be sharded by owner."""
+    model = _model()
+    model[0].w_a.ds_id = 0  # as zero.Init leaves a parameter
+    config = {"train_batch_size": 2, "zero_optimization": {"stage": 3}, "fssdp": {}}
+    with pytest.raises(FSSDPConfigError, match=r"zero_optimization.stage \(3\): FSSDP layer 0 has expert parameters "
+                                               r"\['w_a'\] partitioned by deepspeed.zero.Init"):
+        ds_fssdp.initialize(model=model, config=config)
+    assert not torch.distributed.is_initialized()
+
+
 # -- NaN / Inf input --------------------------------------------------------------------------------
 NAN_RUNS = {
     "z0-fp32": dict(zero=0),
     "z1-fp32": dict(zero=1),
     "z2-bf16": dict(zero=2, bf16=True),
+    "z3-fp32": dict(zero=3),  # ZeRO 3 takes its own overflow path on the expert norm's inf
     "z0-bf16": dict(zero=0, bf16=True),
     "z0-raise": dict(zero=0, fssdp={"nonfinite": "raise"}),
     # Two FSSDP groups of one rank: the bad rank's group and the other one skip alike.

@@ -8,7 +8,9 @@ weights match tightly (fp32 summation order); then ``unconvert`` + ``trainer.sav
 ``from_pretrained`` reproduce the trained model's logits; (3) a converted Mixtral with
 ``ds_configs/hf_fssdp.json`` itself (AdamW, the file a user passes) against plain DeepSpeed with
 the same file: the first step's loss is the same; the next ones within the Adam tolerance of
-``environment.md`` (a correct data-parallel run drifts by ~1e-3 relative at most).
+``environment.md`` (a correct data-parallel run drifts by ~1e-3 relative at most); (4) the
+converted Qwen2-MoE under ZeRO 3 (dense parameters partitioned, the HF router gathered by ZeRO 3,
+experts under FSSDP) against plain DeepSpeed ZeRO 3, SGD with clipping: every loss, tight.
 """
 import copy
 import json
@@ -125,7 +127,22 @@ def trainer_worker(rank, world, out_dir):
     trainer.train()
     out["fssdp_adam_engine"] = isinstance(trainer.model_wrapped, FSSDPEngineMixin)
     out["fssdp_adam_losses"] = trainer.losses
+
+    # (4): ZeRO 3. The converted model is built before any ZeRO-3 TrainingArguments exist (HF
+    # builds models under deepspeed.zero.Init once they do, and FSSDP needs whole experts).
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+    z3 = dict(SGD_CONFIG, zero_optimization={"stage": 3})
+    model = fssdp_hf.convert(tiny_model("qwen2_moe"))
+    trainer = make_trainer(model, z3, os.path.join(out_dir, "fssdp_z3"), **sgd)
+    trainer.train()
+    out["fssdp_z3_engine"] = isinstance(trainer.model_wrapped, FSSDPEngineMixin)
+    out["fssdp_z3_losses"] = trainer.losses
     fssdp_hf.restore_deepspeed_initialize()
+    unset_hf_deepspeed_config()  # the same whole-parameter start for the plain model
+    plain = make_trainer(tiny_model("qwen2_moe"), z3, os.path.join(out_dir, "plain_z3"), **sgd)
+    plain.train()
+    out["plain_z3_losses"] = plain.losses
+    unset_hf_deepspeed_config()
     return out
 
 
@@ -150,6 +167,10 @@ def test_hf_trainer_fssdp_matches_plain_deepspeed(tmp_path):
         assert abs(fssdp[0] - plain[0]) <= 1e-5 * abs(plain[0])
         for a, b in zip(fssdp[1:], plain[1:]):
             assert abs(a - b) <= 1e-3 * abs(b), (fssdp, plain)
+        # ZeRO 3, SGD: every micro-step's loss, tight.
+        assert r["fssdp_z3_engine"] and len(r["fssdp_z3_losses"]) == len(r["plain_z3_losses"]) == 6
+        torch.testing.assert_close(torch.tensor(r["fssdp_z3_losses"]), torch.tensor(r["plain_z3_losses"]),
+                                   rtol=1e-5, atol=1e-6)
     # Both ranks end with the same weights (the experts gathered from their owners).
     for key, value in results[0]["fssdp_state"].items():
         assert torch.equal(results[1]["fssdp_state"][key], value), key

@@ -102,7 +102,8 @@ def expert_rows(engine) -> dict:
 
 def weights(engine, model) -> dict:
     """Dense parameters and full expert tensors (collective), fp32."""
-    out = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    from training import gathered_dense
+    out = gathered_dense(engine)  # whole under ZeRO 3 too
     out.update({f"moe.{k}": v.float() for k, v in model.moe.export_experts().items()})
     return out
 

@@ -91,7 +91,7 @@ def train_worker(rank, world, runs: dict, steps: int):
             norms.append(engine.fssdp.last_step["global_grad_norm"])
             migrated.append(engine.fssdp.last_step["reshard_bytes_sent"])
         engine.fssdp.close()
-        dense = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+        dense = gathered_dense(engine)
         experts = [{k: v.float() for k, v in l.export_experts().items()} for l in model.moe_layers()]
         opt = engine.fssdp.optimizer
         states = [{k: tuple(v.shape) for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0}
@@ -103,6 +103,14 @@ def train_worker(rank, world, runs: dict, steps: int):
                          budget=engine.fssdp.shards[0].options.budget, state_bytes=engine.fssdp.state_bytes(),
                          owners=[l.sharded.owner_E.clone() for l in model.moe_layers()])
     return out
+
+
+def gathered_dense(engine) -> dict:
+    """The dense parameters, whole (ZeRO-3 gathers its partitions; a no-op for stages 0-2)."""
+    from deepspeed.runtime.zero import GatheredParameters
+    params = list(engine.module.parameters())
+    with GatheredParameters(params):
+        return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
 
 
 def _uniform_gates(model, current):

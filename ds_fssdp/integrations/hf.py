@@ -41,6 +41,10 @@ auxiliary-loss-free rule after every optimizer step (transformers never updates 
 Frozen experts (``requires_grad_(False)`` on an experts module's tensors before initialize) stay
 frozen: no gradient, no optimizer state, no reduce.
 
+ZeRO stage 3 works (tests/test_hf_trainer.py) for a model built outside ``deepspeed.zero.Init``:
+create it before ZeRO-3 ``TrainingArguments`` (HF builds models under ``zero.Init`` once those
+exist); experts already partitioned by ``zero.Init`` are refused by name.
+
 Saving: the state dict of a converted model holds the experts as ``<...>.experts.w_gate`` etc. (or
 not at all once sharded). :func:`unconvert` puts every original HF experts module back in place
 with the trained weights (a collective: every rank calls it); :func:`hf_state_dict` returns the

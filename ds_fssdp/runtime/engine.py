@@ -23,6 +23,7 @@ from ds_fssdp.runtime.groups import build_groups
 from ds_fssdp.runtime.monitor import StageMonitor
 from ds_fssdp.runtime.health import apply_run_settings, check_combinations, skipped_optimizer_step
 from ds_fssdp.runtime.stage import FSSDPStage
+from ds_fssdp.runtime.zero3 import prepare_layers as prepare_zero3
 
 # DeepSpeed's own initialize, captured at import: integrations may route deepspeed.initialize to
 # ds_fssdp.initialize (the HF Trainer looks it up at call time), and this must not recurse.
@@ -45,6 +46,7 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
             logger.warning("fssdp: the model has no FSSDP experts (FSSDPMoE layers or converted HF experts); initializing plain DeepSpeed")
         return _deepspeed_initialize(**ds_kwargs)
     check_supported(ds_config, fcfg, model=model, mpu=mpu)
+    prepare_zero3(layers, ds_config)  # before any collective: it may refuse
     requested, requested_by = requested_group_size(model)
 
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
@@ -98,10 +100,6 @@ def requested_group_size(model) -> tuple:
 
 def check_supported(ds_config: dict, fcfg: FSSDPConfig, *, model, mpu) -> None:
     """Refuse combinations FSSDP does not handle, before any collective."""
-    stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
-    if stage >= 3:
-        raise FSSDPConfigError(f"zero_optimization.stage ({stage}) is not supported with fssdp: experts are "
-                               "already sharded by owner; use ZeRO stage 0, 1 or 2 for the dense parameters")
     if isinstance(model, PipelineModule):
         raise FSSDPConfigError("fssdp does not support pipeline parallelism (the model is a PipelineModule)")
     if mpu is not None:
@@ -168,7 +166,7 @@ class FSSDPEngineMixin:
     def clip_fp32_gradients(self):
         self.fssdp.norm.clip_dense_fp32(self)
 
-    # -- robustness: non-finite steps and checkpoints (runtime/health.py, runtime/checkpoint.py) --
+    # -- robustness: non-finite steps and checkpoints (runtime/health.py, runtime/checkpoint/) --
     def _take_model_step(self, lr_kwargs, *args, **kwargs):
         """DeepSpeed's optimizer step, or its overflow path when the loss or gradients are not
         finite on some rank (every rank agrees: the decision uses the all-reduced norm)."""

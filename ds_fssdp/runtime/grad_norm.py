@@ -9,6 +9,8 @@ computes that norm depends on its optimizer wrapper; this module hooks each supp
 * plain torch optimizer (ZeRO 0, fp32): the engine's ``clip_fp32_gradients`` (overridden by the
   FSSDP engine to call :meth:`ExpertNorm.clip_dense_fp32`);
 * ``DeepSpeedZeroOptimizer`` (ZeRO 1 and 2, any precision): ``scaled_global_norm``;
+* ``DeepSpeedZeroOptimizer_Stage3`` (ZeRO 3): ``_get_norm_groups``, the per-group norms its
+  ``step`` combines into the norm it clips with (and treats as an overflow when not finite);
 * ``FP16_Optimizer`` / ``FP16_UnfusedOptimizer`` (ZeRO 0, bf16 or fp16): ``unscale_and_clip_grads``
   and the overflow check.
 
@@ -23,6 +25,7 @@ from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.runtime.utils import combine_grad_norm_groups
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from ds_fssdp.config import FSSDPConfigError
@@ -79,6 +82,8 @@ def install_expert_norm(engine) -> ExpertNorm:
         return hook
     if isinstance(opt, DeepSpeedZeroOptimizer):
         _wrap_zero(opt, hook)
+    elif isinstance(opt, DeepSpeedZeroOptimizer_Stage3):
+        _wrap_zero3(opt, hook)
     elif isinstance(opt, (FP16_Optimizer, FP16_UnfusedOptimizer)):
         _wrap_fp16(opt, hook)
     elif isinstance(opt, BF16_Optimizer) or not isinstance(opt, torch.optim.Optimizer):
@@ -90,7 +95,7 @@ def install_expert_norm(engine) -> ExpertNorm:
 
 
 def loss_scale_of(opt) -> float:
-    if isinstance(opt, DeepSpeedZeroOptimizer):
+    if isinstance(opt, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)):
         return float(opt.loss_scale)
     if isinstance(opt, (FP16_Optimizer, FP16_UnfusedOptimizer)):
         return float(opt.loss_scale_config.cur_scale)
@@ -109,6 +114,21 @@ def _wrap_zero(opt, hook: ExpertNorm) -> None:
         return combined
 
     opt.scaled_global_norm = scaled_global_norm
+
+
+def _wrap_zero3(opt, hook: ExpertNorm) -> None:
+    orig = opt._get_norm_groups
+
+    def get_norm_groups():
+        groups = orig()  # each already reduced over the data-parallel group
+        if hook.expert_sq is None:
+            return groups
+        device = groups[0].device if groups and torch.is_tensor(groups[0]) else hook.expert_sq.device
+        groups = list(groups) + [hook.expert_sq.to(device, torch.float32).sqrt()]
+        hook._set(float(combine_grad_norm_groups(groups)), float(opt.loss_scale))
+        return groups
+
+    opt._get_norm_groups = get_norm_groups
 
 
 def _wrap_fp16(opt, hook: ExpertNorm) -> None:

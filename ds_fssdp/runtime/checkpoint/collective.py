@@ -1,0 +1,38 @@
+"""Agreement between ranks during a save or load: a failure on any rank fails every rank alike."""
+from __future__ import annotations
+
+import torch.distributed as tdist
+from deepspeed import comm as dist
+
+from ds_fssdp.runtime.checkpoint.files import CheckpointError
+
+
+def attempt(fn):
+    """Run ``fn``; return None, or the exception it raised (to be agreed on by all ranks)."""
+    try:
+        fn()
+    except Exception as err:  # re-raised on every rank by agree
+        return err
+    return None
+
+
+def agree(what: str, err) -> None:
+    """Every rank learns whether any failed and then raises alike (no rank is left waiting in a
+    later collective)."""
+    messages = all_gather(None if err is None else f"{type(err).__name__}: {err}")
+    failed = {r: m for r, m in enumerate(messages) if m is not None}
+    if failed:
+        text = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
+        raise CheckpointError(f"{what} failed on rank(s) {sorted(failed)}: {text}") from err
+
+
+def all_gather(obj) -> list:
+    out = [None] * dist.get_world_size()
+    tdist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast(obj):
+    box = [obj]
+    tdist.broadcast_object_list(box, src=0)
+    return box[0]

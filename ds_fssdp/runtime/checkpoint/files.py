@@ -1,0 +1,130 @@
+"""Checkpoint files: writes flushed to disk, atomic text replacement, digests, and the safe reader
+(``torch.load(weights_only=True)`` plus DeepSpeed's plain data classes)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+from contextlib import contextmanager, nullcontext
+
+import torch
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or read; the message names the file."""
+
+
+def load_file(path: str, *, map_location="cpu", mmap: bool = False):
+    """``torch.load`` with ``weights_only=True`` (plus DeepSpeed's plain data classes); any failure
+    is a :class:`CheckpointError` naming the file."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint file {path} is missing")
+    try:
+        with _allowed(_deepspeed_safe_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(f"checkpoint file {path} was refused by the safe loader (weights_only=True: it holds "
+                              f"objects whose unpickling could run code): {_first_line(err)}") from err
+    except Exception as err:  # torch reports truncation and corruption with several types
+        raise CheckpointError(f"checkpoint file {path} cannot be read (truncated or corrupted?): "
+                              f"{type(err).__name__}: {_first_line(err)}") from err
+
+
+@contextmanager
+def safe_deepspeed_loading(engine):
+    """DeepSpeed's checkpoint engine reads with :func:`load_file` while this is active."""
+    ce = engine.checkpoint_engine
+    ce.load = lambda path, map_location=None: load_file(path, map_location=map_location)
+    try:
+        yield
+    finally:
+        del ce.load
+
+
+def _allowed(classes: list):
+    if hasattr(torch.serialization, "safe_globals"):
+        return torch.serialization.safe_globals(classes)
+    torch.serialization.add_safe_globals(classes)  # torch 2.4: a process-wide allow-list
+    return nullcontext()
+
+
+def _deepspeed_safe_globals() -> list:
+    """Classes DeepSpeed's ZeRO checkpoints pickle: plain data (a dataclass, an enum, loss scalers)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+    return [fragment_address, ZeroStageEnum, LossScaler, DynamicLossScaler]
+
+
+def _first_line(err) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def save_tensors(obj, path: str) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_json(obj, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint file {path} is missing")
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"checkpoint file {path} cannot be read (truncated or corrupted?): {err}") from err
+    if not isinstance(value, dict):
+        raise CheckpointError(f"checkpoint file {path} does not hold a JSON object")
+    return value
+
+
+def read_text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError as err:
+        raise CheckpointError(f"cannot read {path}: {err}") from err
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def walk(root: str) -> list:
+    return [os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs]
+
+
+def digest(path: str, *, fsync: bool = True) -> dict:
+    """Size and sha256; ``fsync``: also flush the file to disk (DeepSpeed's writer does not)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+        if fsync:
+            os.fsync(f.fileno())
+    return {"bytes": os.path.getsize(path), "sha256": h.hexdigest()}

@@ -1,0 +1,129 @@
+"""Loading: check every file against the manifest, refuse what does not fit the engine, let
+DeepSpeed load its dense part (through the safe reader), then place every expert's rows on its
+owner under this engine's world size."""
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.utils import logger
+
+from ds_fssdp.moe.experts import ExpertSpec
+from ds_fssdp.runtime.checkpoint.collective import agree, attempt
+from ds_fssdp.runtime.checkpoint.files import CheckpointError, load_file, read_text, safe_deepspeed_loading
+from ds_fssdp.runtime.checkpoint.layout import COMMON, LATEST, META, read_manifest, read_meta, resolve_tag, verify_files
+from ds_fssdp.runtime.checkpoint.reshape import RankFiles, gather_rows, owners_after_load, predictor_for, same_groups
+from ds_fssdp.runtime.checkpoint.rng import set_rng_state
+from ds_fssdp.runtime.checkpoint.universal import check_convertible, convert, loading_universal, needs_universal
+
+
+def load(engine, load_dir: str, tag=None, *, ds_load, load_module_strict=True, load_optimizer_states=True,
+         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None,
+         load_expert_optimizer_states=None, verify=True):
+    """``engine.load_checkpoint``: ``ds_load`` is DeepSpeed's own. Collective. Returns DeepSpeed's
+    ``(load_path, client_state)``, or ``(None, None)`` when there is no ``latest`` (as DeepSpeed)."""
+    if tag is None:
+        latest = os.path.join(load_dir, LATEST)
+        if not os.path.isfile(latest):
+            logger.warning(f"fssdp: no {latest}; nothing loaded (pass a tag to load a specific checkpoint)")
+            return None, None
+        tag = read_text(latest).strip()
+    dir_tag = resolve_tag(load_dir, str(tag))
+    root = os.path.join(load_dir, dir_tag)
+    manifest, meta = read_manifest(root), read_meta(root)
+    verify_files(root, manifest, digests=verify, group_ranks=True)
+    dense_opt = load_optimizer_states and not load_module_only
+    expert_opt = (dense_opt if load_expert_optimizer_states is None else load_expert_optimizer_states)
+    expert_opt = bool(expert_opt) and not load_module_only
+    check_compatible(engine, meta, root, expert_optimizer=expert_opt)
+    ds_dir, ds_tag, universal = load_dir, dir_tag, nullcontext()
+    if needs_universal(engine, meta, dense_optimizer=dense_opt):
+        check_convertible(meta, root, engine.fssdp.world)
+        (ds_dir, ds_tag), universal = convert(load_dir, dir_tag, manifest), loading_universal(engine)
+    with safe_deepspeed_loading(engine), universal:
+        load_path, client_state = ds_load(ds_dir, ds_tag, load_module_strict=load_module_strict,
+                                          load_optimizer_states=load_optimizer_states,
+                                          load_lr_scheduler_states=load_lr_scheduler_states,
+                                          load_module_only=load_module_only, custom_load_fn=custom_load_fn)
+    if load_path is None:
+        raise CheckpointError(f"DeepSpeed loaded nothing from {root}")
+    err = attempt(lambda: load_expert_state(engine, root, meta, optimizer=expert_opt,
+                                             full_state=not load_module_only))
+    agree(f"loading the expert state of {root}", err)
+    if dist.get_rank() == 0:
+        logger.info(f"fssdp: loaded checkpoint {root} (saved on {meta['world_size']} ranks, loaded on "
+                    f"{engine.fssdp.world})")
+    return load_path, client_state
+
+
+def check_compatible(engine, meta: dict, root: str, *, expert_optimizer: bool) -> None:
+    """Refuse (on every rank alike) a checkpoint that does not fit the engine."""
+    stage = engine.fssdp
+    path = os.path.join(root, META)
+    if len(meta["layers"]) != len(stage.layers):
+        raise CheckpointError(f"{path}: {len(meta['layers'])} MoE layers saved, the model has {len(stage.layers)}")
+    for i, (saved, layer) in enumerate(zip(meta["layers"], stage.layers)):
+        mine = {"num_experts": layer.num_experts, "activation": layer.spec.activation,
+                "hidden_size": layer.hidden_size, "ffn_hidden_size": layer.ffn_hidden_size}
+        diff = {k: (saved[k], v) for k, v in mine.items() if saved[k] != v}
+        saved_spec = ExpertSpec.from_description(saved.get("spec") or saved)  # older checkpoints: no "spec"
+        if saved_spec.describe() != layer.spec.describe():
+            diff["spec"] = (saved_spec.describe(), layer.spec.describe())
+        if diff:
+            raise CheckpointError(f"{path}: MoE layer {i} ({saved['name']}) differs (saved, model): {diff}")
+    opt = stage.optimizer
+    if expert_optimizer and opt is not None and meta["optimizer"] not in (None, type(opt).__name__):
+        raise CheckpointError(f"{path}: the expert optimizer state was saved by {meta['optimizer']}, the engine uses "
+                              f"{type(opt).__name__}; load with load_expert_optimizer_states=False")
+
+
+def load_expert_state(engine, root: str, meta: dict, *, optimizer: bool, full_state: bool) -> None:
+    """Every layer: the rows of the experts this rank owns under the (possibly new) owners, their
+    optimizer state; then the stage step, predictor windows and RNG states (``full_state``)."""
+    stage = engine.fssdp
+    rank, world = dist.get_rank(), stage.world
+    same_world = meta["world_size"] == world
+    files = RankFiles(root)
+    common = load_file(os.path.join(root, COMMON)) if (optimizer or full_state) else None
+    opt = stage.optimizer
+    if optimizer and opt is not None and common["param_groups"]:
+        for group, saved in zip(opt.param_groups, common["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+    for l, (shard, saved) in enumerate(zip(stage.shards, meta["layers"])):
+        saved_owner_E = torch.tensor(saved["owner_E"], dtype=torch.long)
+        owner_E = owners_after_load(meta, saved_owner_E, world=world, group_size=stage.group_size,
+                                    ranks_per_node=stage.topology.ranks_per_node)
+        need_E = torch.nonzero(owner_E == shard.rank).flatten()
+        keys = saved["optimizer_rows"] if optimizer and opt is not None else []
+        master_SP, rows = gather_rows(files, l, saved_owner_E=saved_owner_E, need_E=need_E, numel=saved["numel"],
+                                      keys=keys)
+        scalars = None
+        param = stage.masters()[l]
+        group = next((g for g in opt.param_groups if any(p is param for p in g["params"])), None) if opt else None
+        if optimizer and group is not None:  # None: frozen experts, in no optimizer
+            scalars = {k: _scalar_to(v, shard.rows.device, group) for k, v in common["optimizer_scalars"][l].items()}
+        # Re-sliced over the EDP group when the expert state is partitioned.
+        stage.expert_state.set_state(l, owner_E=owner_E, master_SP=master_SP,
+                                     rows=rows if scalars is not None else None, scalars=scalars)
+    if full_state:
+        stage.steps = int(common["steps"])
+        same = same_groups(meta, world=world, group_size=stage.group_size)
+        planning = files[rank] if same and "predictor" in files[rank] else common  # this group's own
+        stage.predictor.load_state_dict(predictor_for(planning["predictor"], same))
+        for shard, w in zip(stage.shards, planning["window_s"]):
+            shard.window_s = w
+        if same_world:
+            set_rng_state(files[rank]["rng"], engine.device)
+        elif rank == 0:
+            logger.info(f"fssdp: RNG states not restored (saved on {meta['world_size']} ranks, loading on {world})")
+
+
+def _scalar_to(value, device, group: dict):
+    """As torch's Optimizer.load_state_dict: ``step`` stays on the CPU unless capturable/fused."""
+    if not torch.is_tensor(value):
+        return value
+    if group.get("capturable") or group.get("fused"):
+        return value.clone().to(device)
+    return value.clone()

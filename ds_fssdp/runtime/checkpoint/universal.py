@@ -1,0 +1,118 @@
+"""The dense part on another world size: DeepSpeed's Universal Checkpoint.
+
+ZeRO 1/2 partition the dense optimizer state (and ZeRO 3 the dense parameters too) by
+data-parallel rank, so their files only load on the world size that wrote them. On another world
+size the dense part is converted once by DeepSpeed's own ``ds_to_universal`` (rank 0, every other
+rank waits) into ``<load_dir>/.universal-<tag>/universal/`` (with DeepSpeed's ``latest_universal``
+beside it), which DeepSpeed's engine then loads through its ``checkpoint.load_universal`` path (set
+on the engine for that one load). The conversion is written into ``.universal-tmp-<tag>`` and
+renamed when complete; it is reused by later loads while the checkpoint's manifest is unchanged (a
+new save of the same tag converts again). The experts do not
+need it: their files are keyed by (layer, expert) and load at any world size (reshape.py).
+
+The same conversion by hand, e.g. on a read-only checkpoint directory (then pass the output's
+parent as ``load_dir`` to a plain ``deepspeed`` engine with ``checkpoint.load_universal``):
+
+    python -m deepspeed.checkpoint.ds_to_universal --inject_missing_state \
+        --input_folder <load_dir>/<tag> --output_folder <out>/universal
+
+DeepSpeed's converter reads the ZeRO files with ``weights_only=False``: the files are checked
+against the manifest first, but a checkpoint is only as trustworthy as whoever wrote it.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import shutil
+
+from deepspeed import comm as dist
+from deepspeed.utils import logger
+
+from ds_fssdp.runtime.checkpoint.collective import agree, attempt
+from ds_fssdp.runtime.checkpoint.files import CheckpointError, fsync_dir, read_json, write_json
+
+PREFIX = ".universal-"
+TMP_PREFIX = ".universal-tmp-"
+TAG = "universal"
+SOURCE = "fssdp_source_manifest.json"
+
+
+def needs_universal(engine, meta: dict, *, dense_optimizer: bool) -> bool:
+    """A ZeRO checkpoint of another world size whose dense state is partitioned by rank: the
+    optimizer state under ZeRO 1/2 (when loaded), everything under ZeRO 3."""
+    if meta["world_size"] == dist.get_world_size() or not engine.zero_optimization() or not meta["zero_stage"]:
+        return False  # ZeRO 0 saves the dense state whole
+    return dense_optimizer or int(meta["zero_stage"]) >= 3 or engine.zero_optimization_partition_weights()
+
+
+def check_convertible(meta: dict, root: str, world: int) -> None:
+    """DeepSpeed's converter carries the fp32 masters and Adam's two moments only (it reads
+    ``exp_avg`` and ``exp_avg_sq`` of every fragment); refuse anything else before converting."""
+    optimizer = meta.get("optimizer") or ""
+    if "Adam" not in optimizer:
+        way_out = ("load with load_optimizer_states=False (dense moments start fresh; every expert's moments load "
+                   "with load_expert_optimizer_states=True)" if int(meta["zero_stage"]) < 3 else
+                   "resume on the same number of ranks (ZeRO 3 partitions the dense parameters themselves)")
+        raise CheckpointError(
+            f"{root} was saved on {meta['world_size']} ranks with ZeRO stage {meta['zero_stage']} and optimizer "
+            f"{optimizer or None}; loading it on {world} ranks re-partitions the dense state through DeepSpeed's "
+            f"universal checkpoint, which supports Adam-family optimizers only: {way_out}")
+
+
+def convert(load_dir: str, dir_tag: str, manifest: dict) -> tuple:
+    """Convert ``<load_dir>/<dir_tag>`` (collective; rank 0 converts unless a conversion of the
+    same manifest exists); return DeepSpeed's ``(load_dir, tag)`` of the universal checkpoint."""
+    final, tmp = os.path.join(load_dir, PREFIX + dir_tag), os.path.join(load_dir, TMP_PREFIX + dir_tag)
+    err = None
+    if dist.get_rank() == 0:
+        err = attempt(lambda: _convert(os.path.join(load_dir, dir_tag), final, tmp, manifest))
+    agree(f"converting {os.path.join(load_dir, dir_tag)} to a universal checkpoint with DeepSpeed's ds_to_universal "
+          f"(or run it by hand, see ds_fssdp/runtime/checkpoint/universal.py)", err)
+    return final, TAG
+
+
+@contextlib.contextmanager
+def loading_universal(engine):
+    """DeepSpeed's engine loads a universal checkpoint while this is active (``checkpoint.load_universal``)."""
+    config = engine._config
+    saved = config.load_universal_checkpoint
+    config.load_universal_checkpoint = True
+    try:
+        yield
+    finally:
+        config.load_universal_checkpoint = saved
+
+
+def _convert(src: str, final: str, tmp: str, manifest: dict) -> None:
+    if _is_current(final, manifest):
+        logger.info(f"fssdp: reusing the universal checkpoint {final}")
+        return
+    from deepspeed.checkpoint import ds_to_universal
+    for path in (tmp, final):
+        if os.path.lexists(path):
+            shutil.rmtree(path)
+    os.makedirs(tmp)
+    args = argparse.Namespace(input_folder=src, output_folder=os.path.join(tmp, TAG), num_extract_workers=1,
+                              num_merge_workers=1,
+                              keep_temp_folder=False, strict=True, inject_missing_state=True)
+    out = io.StringIO()  # its prints and progress bars go to the log, not to the user's terminal
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        ds_to_universal.main(args)
+    logger.debug(f"fssdp: ds_to_universal output: {out.getvalue()}")
+    logger.info(f"fssdp: converted the dense part of {src} with DeepSpeed's ds_to_universal into {final}")
+    write_json({"files": manifest["files"]}, os.path.join(tmp, SOURCE))
+    os.rename(tmp, final)
+    fsync_dir(os.path.dirname(final))
+
+
+def _is_current(final: str, manifest: dict) -> bool:
+    path = os.path.join(final, SOURCE)
+    if not os.path.isfile(path):
+        return False
+    try:
+        return read_json(path).get("files") == manifest["files"]
+    except CheckpointError:
+        return False
+
