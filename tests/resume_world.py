@@ -104,3 +104,42 @@ def zero3_round_trip(rank, world, root):
     resumed = train(fresh, rank, STEPS, STEPS)
     return dict(saved=saved, loaded=loaded, cont=cont, resumed=resumed, final=final,
                 resumed_final=full_state(fresh, fresh_model))
+
+
+def group_change(rank, world, root, *, saved_group=2, loaded_group=4):
+    """A checkpoint saved with FSSDP groups of ``saved_group`` ranks (expert state partitioned over
+    the EDP group) loaded into groups of ``loaded_group`` on the same ranks: the state before and
+    after, and one more step."""
+    import ds_fssdp
+    from ds_fssdp.models import GPTMoE
+
+    def engine_with(group, seed):
+        torch.manual_seed(seed)
+        model = GPTMoE(MODEL)
+        cfg = ds_config(world=world, fssdp=dict(NO_CSV, group_size=group), zero=1, gas=1, optimizer=ADAMW)
+        return (*ds_fssdp.initialize(model=model, config=cfg)[:1], model)
+
+    def state(engine, model):
+        # The same world: DeepSpeed's ZeRO-1 partitions are this rank's flat fp32 slices and their
+        # moments (its fragment API links the moments only at the next step after a plain load).
+        flat = [v.detach().clone() for st in engine.basic_optimizer.state.values() for k, v in sorted(st.items())
+                if torch.is_tensor(v) and v.dim() > 0]
+        return dict(dense={n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
+                    moments=flat, rows=expert_rows(engine), global_steps=engine.global_steps,
+                    experts=[{k: v.float() for k, v in l.export_experts().items()} for l in model.moe_layers()],
+                    stage_steps=engine.fssdp.steps, lr=engine.get_lr())
+
+    engine, model = engine_with(saved_group, 0)
+    assert engine.fssdp.expert_state.partitioned == (world // saved_group > 1)
+    train(engine, rank, STEPS, 0)
+    engine.save_checkpoint(os.path.join(root, "groups"), tag=f"g{saved_group}")
+    saved = state(engine, model)
+    if engine.fssdp.group_index != 0:  # every group owns every expert: count the first group's
+        saved["rows"] = {k: v for k, v in saved["rows"].items() if k[1] is None}
+    engine.fssdp.close()
+    fresh, fresh_model = engine_with(loaded_group, 1234)
+    fresh.load_checkpoint(os.path.join(root, "groups"), tag=f"g{saved_group}")
+    loaded = state(fresh, fresh_model)
+    loaded["next_losses"] = train(fresh, rank, 1, STEPS)
+    fresh.fssdp.close()
+    return dict(saved=saved, loaded=loaded)

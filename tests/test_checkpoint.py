@@ -53,7 +53,8 @@ def _four_worker(rank, world, root):
     return {"resume": _resume_worker(rank, world, os.path.join(root, "resume")),
             "saved": _save_on_4(rank, world, os.path.join(root, "reshard")),
             "zero3": resume_world.zero3_round_trip(rank, world, os.path.join(root, "zero3")),
-            "world": resume_world.save_all(rank, world, os.path.join(root, "world"))}
+            "world": resume_world.save_all(rank, world, os.path.join(root, "world")),
+            "group": resume_world.group_change(rank, world, os.path.join(root, "group"))}
 
 
 def _two_worker(rank, world, root):
@@ -293,6 +294,21 @@ def test_zero_world_change_through_universal_checkpoint(root, four, two, four_ag
             _assert_same(got[key], want[key], f"{name} {direction} rank {rank} {key}")
         assert all(torch.isfinite(torch.tensor(got["next_losses"]))), f"{name} {direction}: training stopped"
     assert os.path.isdir(os.path.join(root, "world", name, ".universal-on" + direction[0]))
+
+
+def test_resume_at_another_group_size(four):
+    """Saved with FSSDP groups of 2 on 4 ranks (expert masters and moments partitioned over the
+    EDP pairs), loaded into one group of 4: every dense master and moment, every expert's row and
+    moments, the steps and the LR equal the saved ones, and training continues."""
+    rows = _all_rows([r["group"]["saved"]["rows"] for r in four])
+    assert len(rows) == MODEL.n_layers * (MODEL.num_experts + 1)
+    _assert_same(_all_rows([r["group"]["loaded"]["rows"] for r in four]), rows, "group 2 -> 4 expert rows")
+    for rank, r in enumerate(four):
+        got, want = r["group"]["loaded"], r["group"]["saved"]
+        assert want["moments"]
+        for key in ("dense", "moments", "experts", "global_steps", "stage_steps", "lr"):
+            _assert_same(got[key], want[key], f"group 2 -> 4 rank {rank} {key}")
+        assert all(torch.isfinite(torch.tensor(got["next_losses"])))
 
 
 def test_zero3_resume_is_exact(root, four):
