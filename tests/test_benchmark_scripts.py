@@ -26,3 +26,10 @@ def test_routing_benchmark_runs(tmp_path):
             tmp_path=tmp_path)
     assert set(r["results"]) == {"route", "route_reference", "moved", "moved_from_table"}
     assert r["reference_over_route"] > 0 and r["table_over_moved"] > 0
+
+
+def test_critical_path_benchmark_runs(tmp_path):
+    r = run("critical_path.py", "--experts", "16", "--ranks", "8", "--nodes", "2", "--tokens", "300", "--repeats", "5",
+            "--runs", "2", tmp_path=tmp_path)
+    assert set(r["results"]) == {"span", "plan", "route", "stats", "send_rows", "route_device_on_cpu"}
+    assert all(len(v["run_medians_us"]) == 2 and v["median_us"] > 0 for v in r["results"].values())
