@@ -181,21 +181,31 @@ void cost_place_core(const int64_t *owner, const double *T, uint8_t *P, int64_t 
         }
         for (int64_t e = 0; e < E; e++) {
             const uint8_t *held = P + e * D;
+            const double *sh = st.share + e * D;
+            int64_t h1 = -1, h2 = -1; /* e's busiest holder; its busiest holder outside h1's node */
+            for (int64_t d = 0; d < D; d++)
+                if (sh[d] > 0.0 && (h1 < 0 || sh[d] > sh[h1])) h1 = d;
+            if (h1 < 0) continue;
+            for (int64_t d = 0; d < D; d++)
+                if (d / G != h1 / G && sh[d] > 0.0 && (h2 < 0 || sh[d] > sh[h2])) h2 = d;
             const int can_add = replicated[e] || distinct < t;
             for (int64_t n = 0; n < N; n++) {
                 const double need = st.made[e * N + n] - st.node_share[e * N + n];
-                if (need <= 0.0) continue;
-                int64_t h = -1;
-                for (int64_t d = 0; d < D; d++)
-                    if (d / G != n && st.share[e * D + d] > 0.0 && (h < 0 || st.share[e * D + d] > st.share[e * D + h]))
-                        h = d;
-                if (h < 0) continue;
-                const int64_t hn = h / G;
+                const int64_t h = h1 / G != n ? h1 : h2;
+                if (need <= 0.0 || h < 0) continue;
+                int64_t targets[2] = {-1, -1}; /* the node's least loaded holder of e, least loaded open rank */
                 for (int64_t r = n * G; r < (n + 1) * G; r++) {
-                    double price;
-                    if (held[r]) price = 0.0;
-                    else if (freeD[r] > 0 && can_add) price = node_has[e * N + n] ? c->same_node : c->cross_node;
-                    else continue;
+                    if (held[r]) {
+                        if (targets[0] < 0 || load[r] < load[targets[0]]) targets[0] = r;
+                    } else if (freeD[r] > 0 && can_add && (targets[1] < 0 || load[r] < load[targets[1]])) {
+                        targets[1] = r;
+                    }
+                }
+                const int64_t hn = h / G;
+                for (int j = 0; j < 2; j++) {
+                    const int64_t r = targets[j];
+                    if (r < 0) continue;
+                    const double price = held[r] ? 0.0 : node_has[e * N + n] ? c->same_node : c->cross_node;
                     double x = st.share[e * D + h];
                     if (need < x) x = need;
                     if (top - load[r] < x) x = top - load[r];

@@ -22,8 +22,13 @@ gather and reduce: ``c_same`` when r's node already holds e (the chunk is forwar
 node), else ``c_cross``. A move's gain is its share of the compute drop, ``c_row * (load_d* -
 max(new load_d*, new load_r)) / k`` with ``k`` the ranks above that new maximum (all k must be
 relieved to lower the slowest rank that much), plus the change of the exchange term (negative
-when the rows leave their node). The move with the largest gain minus cost is taken (ties: lowest
-expert, then lowest rank) while that net is more than ``MIN_GAIN`` of the slowest rank's compute:
+when the rows leave their node). Cover moves compete with those: for every expert e and node n
+that computes fewer rows of e than it produces, move ``x = min(share[e, h], the shortfall,
+load_d* - load_r)`` rows from e's busiest holder h outside n into n's least loaded holder of e, or
+its least loaded rank that may take a replica (same rules); their gain is the exact change of the
+slowest rank's compute plus that of the exchange term. The move with the largest gain minus cost
+is taken (ties: d*'s moves first, then lowest expert, then lowest rank) while that net is more
+than ``MIN_GAIN`` of the slowest rank's compute:
 a replica is added only when it lowers the modelled time by more than it costs. Deterministic;
 the C version (``_costplace.c``) does the same float operations in the same order, tested equal.
 """
@@ -181,26 +186,36 @@ def cost_materialize_reference(owner_E: torch.Tensor, tokens_ED: torch.Tensor, t
                 if best is None or net > best[0]:
                     best = (net, e, r, x, ds)
         # Cover moves: rows of e a node produces but computes elsewhere, moved into it from e's
-        # busiest holder outside (the exchange term), no rank past the slowest one.
+        # busiest holder outside (the exchange term), no rank past the slowest one; into the
+        # node's least loaded holder of e, or its least loaded rank that can take a replica.
         order = sorted(range(D), key=lambda d: (-load[d], d))[:3]
         for e in range(E):
+            h1 = h2 = -1  # e's busiest holder; its busiest holder outside h1's node
+            for d in range(D):
+                if share[e][d] > 0.0 and (h1 < 0 or share[e][d] > share[e][h1]):
+                    h1 = d
+            if h1 < 0:
+                continue
+            for d in range(D):
+                if d // G != h1 // G and share[e][d] > 0.0 and (h2 < 0 or share[e][d] > share[e][h2]):
+                    h2 = d
+            can_add = replicated[e] or distinct < t
             for n in range(N):
                 need = made[e][n] - node_share[e][n]
-                if need <= 0.0:
+                h = h1 if h1 // G != n else h2
+                if need <= 0.0 or h < 0:
                     continue
-                h = -1
-                for d in range(D):
-                    if d // G != n and share[e][d] > 0.0 and (h < 0 or share[e][d] > share[e][h]):
-                        h = d
-                if h < 0:
-                    continue
+                holder = opened = -1
                 for r in range(n * G, (n + 1) * G):
                     if held[e][r]:
-                        price = 0.0
-                    elif free[r] > 0 and (replicated[e] or distinct < t):
-                        price = c.same_node if node_has[e][n] else c.cross_node
-                    else:
+                        if holder < 0 or load[r] < load[holder]:
+                            holder = r
+                    elif free[r] > 0 and can_add and (opened < 0 or load[r] < load[opened]):
+                        opened = r
+                for r in (holder, opened):
+                    if r < 0:
                         continue
+                    price = 0.0 if held[e][r] else (c.same_node if node_has[e][n] else c.cross_node)
                     x = min(share[e][h], need, top - load[r])
                     if x <= 0.0:
                         continue
