@@ -68,7 +68,7 @@ class ReplaySettings:
         if s.dispatch not in ("balanced", "paper"):
             notes.append(f"dispatch {s.dispatch!r} needs the run's cost model; replayed with 'balanced'")
             s.dispatch = "balanced"
-        if s.placement == "cost" and s.cost_model(Topology(num_ranks=1)) is None:
+        if s.placement == "cost" and (s.hardware is None or s.expert_shape is None):
             notes.append("placement 'cost' without the run's hardware in the trace; replayed as 'joint'")
         if int(meta.get("reshard_interval", 0) or 0) > 0 or s.policy == "smartmoe":
             notes.append("owners moved during the run (re-sharding / SmartMoE); shown with the initial owners")
