@@ -6,8 +6,8 @@ stream with skewed routing.
 One engine per arm (same model, same initial weights, same batches), all built up front in the
 same processes; after a warm-up they run in alternating order (A B C ... then reversed), a few
 steps at a time, and the times of each arm's steps are summed. Arms: the ``fssdp`` policies
-(``fssdp``, ``fssdp-rm`` = with re-materialization, ``ep``, ``uniform``, ``fastermoe``,
-``smartmoe``) through ``ds_fssdp.initialize``, and ``deepspeed-moe``: ``deepspeed.moe.layer.MoE``
+(``fssdp``, ``fssdp-rm`` = with re-materialization, ``fssdp-cost`` / ``fssdp-joint`` /
+``fssdp-paper`` = with that ``placement``, ``ep``, ``uniform``, ``fastermoe``, ``smartmoe``) through ``ds_fssdp.initialize``, and ``deepspeed-moe``: ``deepspeed.moe.layer.MoE``
 (same shapes, top-2, dropless: ``drop_tokens=False``, expert parallel over all ranks) through
 ``deepspeed.initialize``. The MoE layers' experts: gelu, no biases.
 
@@ -41,7 +41,8 @@ from ds_fssdp.data import load_corpus, sample_batch, split
 from ds_fssdp.models import GPTMoE, GPTMoEConfig
 from ds_fssdp.runtime.cpu import skip_shm_comm_build
 
-ARMS = ("fssdp", "fssdp-rm", "ep", "uniform", "fastermoe", "smartmoe", "deepspeed-moe")
+ARMS = ("fssdp", "fssdp-rm", "fssdp-cost", "ep", "uniform", "fastermoe", "smartmoe", "deepspeed-moe")
+PLACEMENT_ARMS = {"fssdp-cost": "cost", "fssdp-joint": "joint", "fssdp-paper": "paper"}  # fssdp, that placement
 
 
 def parse_args():
@@ -56,6 +57,8 @@ def parse_args():
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=16)
+    p.add_argument("--budget", type=int, default=2, help="fssdp.materialization_budget (m)")
+    p.add_argument("--overlap-degree", type=int, default=4, help="fssdp.overlap_degree (t)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps-per-round", type=int, default=4)
@@ -96,9 +99,11 @@ def build_arm(arm: str, args, world: int):
         del config["optimizer"]
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
         return engine, model
-    policy = "fssdp" if arm == "fssdp-rm" else arm
-    config["fssdp"] = {"policy": policy, "materialization_budget": 2, "overlap_degree": 4,
+    policy = "fssdp" if arm == "fssdp-rm" or arm in PLACEMENT_ARMS else arm
+    config["fssdp"] = {"policy": policy, "materialization_budget": args.budget, "overlap_degree": args.overlap_degree,
                        "rematerialize": arm == "fssdp-rm"}
+    if arm in PLACEMENT_ARMS:
+        config["fssdp"]["placement"] = PLACEMENT_ARMS[arm]
     engine, *_ = ds_fssdp.initialize(model=model, config=config)
     return engine, model
 
@@ -221,14 +226,16 @@ def print_table(results, args, world):
     print(f"\n{world} ranks x {args.threads} thread(s), data={args.data}, {args.layers} layers, "
           f"{args.experts} experts, d={args.d_model}, ffn={args.ffn_hidden}, "
           f"{args.micro_batch}x{args.seq_len} tokens per rank per step")
-    head = (f"{'arm':>14} {'tok/s':>8} {'vs uni':>6} {'vs ep':>6} {'vs ds':>6} {'strag':>6} {'exposed':>7} "
-            f"{'a2a MB':>7} {'state MB':>8}")
+    head = (f"{'arm':>14} {'tok/s':>8} {'vs uni':>6} {'vs ep':>6} {'vs ds':>6} {'strag':>6} {'ep str':>6} "
+            f"{'rep/l':>5} {'gath MB':>7} {'exposed':>7} {'a2a MB':>7} {'state MB':>8}")
     print(head)
     for arm, r in results.items():
         a2a = (r.get("a2a_bytes_intra", 0) + r.get("a2a_bytes_inter", 0)) / 2**20
         print(f"{arm:>14} {r['tokens_per_s']:>8.0f} {r.get('vs_uniform', float('nan')):>6.2f} "
               f"{r.get('vs_ep', float('nan')):>6.2f} {r.get('vs_deepspeed-moe', float('nan')):>6.2f} "
-              f"{r.get('straggler', float('nan')):>6.2f} {100 * r.get('exposed_share', 0):>6.1f}% "
+              f"{r.get('straggler', float('nan')):>6.2f} {r.get('ep_straggler', float('nan')):>6.2f} "
+              f"{r.get('replicas_per_layer', 0):>5.2f} {r.get('gather_bytes', 0) / 2**20:>7.2f} "
+              f"{100 * r.get('exposed_share', 0):>6.1f}% "
               f"{a2a:>7.2f} {r['model_state_bytes']['total'] / 2**20:>8.2f}")
 
 

@@ -2,10 +2,21 @@
 time of EP, the paper's planner (Algorithm 1 + Algorithm 3), the balancing dispatcher on
 Algorithm 1's placements, and ours (joint placement + balancing dispatch), against the best each
 placement allows. ``joint+balanced-3%`` is the runtime's default (``dispatch_slack`` 0.03: the
-busiest rank may compute 3% more rows than the best, so fewer tokens cross nodes).
+busiest rank may compute 3% more rows than the best, so fewer tokens cross nodes);
+``cost+balanced-3%`` is the cost-aware placement (``fssdp.placement: "cost"``) on the same
+dispatcher, planned with the same cost model the times are modelled with.
 
     python benchmarks/dispatch.py [--trace ../shared/data/trace_e8.npz ...] [--ranks-per-node 4]
                                   [--budget 2] [--overlap-degree 8] [--window 5] [--json out.json]
+                                  [--rows-per-rank N] [--synthetic zipf,heavy]
+
+``--rows-per-rank N`` scales every trace so a rank routes N rows per layer (the recorded trace has
+1024; a 4k-token micro-batch with top-2 has 8192). ``--synthetic``: traces drawn here (64 experts,
+32 ranks in 4 nodes, 8192 rows per rank, 200 steps, seed 0): ``zipf`` (expert popularity ~ 1 / rank,
+reshuffled slowly) and ``heavy`` (two experts take a third of the tokens).
+Per arm: replicas and replica bytes per layer (gathered; the reduce moves as many again), and
+the modelled time relative to EP without and with the replicas' gather and reduce on the
+critical path (``+transfer``: the bound when the overlap window hides none of it).
 
 Per step and layer: loads (and, for joint placement, tokens_ED) predicted from the previous
 ``window`` steps, a placement, then each dispatcher on the actual tokens. ``bound``: the exact
@@ -35,7 +46,10 @@ from ds_fssdp.planner.joint import joint_materialize
 from ds_fssdp.sim.traces import load_trace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ARMS = ("ep", "paper", "alg1+balanced", "joint+balanced", "joint+balanced-3%")
+from ds_fssdp.planner.place import PlacementOptions, place
+
+ARMS = ("ep", "paper", "alg1+balanced", "joint+balanced", "joint+balanced-3%", "cost+balanced-3%")
+METRICS = ("straggler", "inter", "time", "time_transfer", "bound", "replicas", "replica_mb")
 
 
 def bound(P: np.ndarray, T: np.ndarray) -> float:
@@ -54,9 +68,10 @@ def replay(tokens_SLED: torch.Tensor, *, ranks_per_node, budget, overlap_degree,
     owner = homogeneous_owner(E, D)
     shard = shard_placement(owner, D)
     same = topo.same_node_DD()
+    options = PlacementOptions(placement="cost", overlap_degree=overlap_degree, materialization_budget=budget)
     hist = [[] for _ in range(L)]
-    out = {arm: {"straggler": [], "inter": [], "time": [], "bound": []} for arm in ARMS}
-    plan_us = {"paper": [], "joint+balanced": []}
+    out = {arm: {k: [] for k in METRICS} for arm in ARMS}
+    plan_us = {"paper": [], "joint+balanced": [], "cost+balanced": []}
     for s in range(steps):
         for l in range(L):
             T = tokens_SLED[s, l]
@@ -69,24 +84,62 @@ def replay(tokens_SLED: torch.Tensor, *, ranks_per_node, budget, overlap_degree,
                 pj = joint_materialize(owner, pred, topo, overlap_degree=overlap_degree, budget=budget)
                 ours = dispatch(pj, T, topo, mode="balanced")
                 t2 = time.perf_counter()
+                pc = place(owner, pred, topo, config=options, cost=cost)
+                cost_plan = dispatch(pc, T, topo, mode="balanced", slack=0.03)
+                t3 = time.perf_counter()
                 plan_us["paper"].append((t1 - t0) * 1e6)
                 plan_us["joint+balanced"].append((t2 - t1) * 1e6)
+                plan_us["cost+balanced"].append((t3 - t2) * 1e6)
                 plans = {"ep": (shard, dispatch(shard, T, topo)), "paper": (p1, paper),
                          "alg1+balanced": (p1, dispatch(p1, T, topo, mode="balanced")), "joint+balanced": (pj, ours),
-                         "joint+balanced-3%": (pj, dispatch(pj, T, topo, mode="balanced", slack=0.03))}
+                         "joint+balanced-3%": (pj, dispatch(pj, T, topo, mode="balanced", slack=0.03)),
+                         "cost+balanced-3%": (pc, cost_plan)}
                 mean_rows = float(T.sum()) / D
                 ep_time = cost.layer_time(plans["ep"][1])
                 for arm, (p, plan) in plans.items():
                     rows = plan.sum((0, 1)).double()
-                    out[arm]["straggler"].append(float(rows.max()) / mean_rows)
-                    out[arm]["inter"].append(float(plan.sum(0)[~same].sum()) / float(T.sum()))
-                    out[arm]["time"].append(cost.layer_time(plan) / ep_time)
-                    out[arm]["bound"].append(bound(p.numpy(), T.numpy()) / mean_rows)
+                    replicas = int((p & ~shard).sum())
+                    o = out[arm]
+                    o["straggler"].append(float(rows.max()) / mean_rows)
+                    o["inter"].append(float(plan.sum(0)[~same].sum()) / float(T.sum()))
+                    layer = cost.layer_time(plan)
+                    o["time"].append(layer / ep_time)
+                    moved = 2.0 * cost.sparse_collective_time(owner, p) if replicas else 0.0  # gather + reduce
+                    o["time_transfer"].append((layer + moved) / ep_time)
+                    o["bound"].append(bound(p.numpy(), T.numpy()) / mean_rows)
+                    o["replicas"].append(replicas)
+                    o["replica_mb"].append(replicas * cost.shape.expert_bytes / 1e6)
             hist[l].append(T)
     summary = {arm: {k: statistics.fmean(v) for k, v in d.items()} for arm, d in out.items()}
     summary["plan_us_median"] = {k: statistics.median(v) for k, v in plan_us.items()}
     summary["samples"] = len(out["ep"]["straggler"])
+    summary["expert_mb"] = cost.shape.expert_bytes / 1e6
     return summary
+
+
+def synthetic(kind: str, *, steps=200, experts=64, ranks=32, rows=8192, seed=0) -> torch.Tensor:
+    """[steps, 1, experts, ranks] counts: ``zipf`` (popularity ~ 1 / rank, two experts swap places
+    every 20 steps) or ``heavy`` (two experts share a third of the tokens, the rest uniform)."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "zipf":
+        base = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64)
+    elif kind == "heavy":
+        base = torch.full((experts, ), 2.0 / (3.0 * (experts - 2)), dtype=torch.float64)
+        base[:2] = 1.0 / 6.0
+    else:
+        raise ValueError(f"--synthetic {kind!r} must be zipf or heavy")
+    perm = torch.randperm(experts, generator=gen)
+    out = torch.zeros(steps, 1, experts, ranks, dtype=torch.long)
+    for s in range(steps):
+        if s and s % 20 == 0:
+            i, j = torch.randint(0, experts, (2, ), generator=gen).tolist()
+            perm[[i, j]] = perm[[j, i]]
+        noise = torch.exp(0.1 * torch.randn(ranks, experts, generator=gen, dtype=torch.float64))
+        probs = base[perm][None, :] * noise
+        for d in range(ranks):
+            out[s, 0, :, d] = torch.multinomial(probs[d] / probs[d].sum(), rows, replacement=True,
+                                                generator=gen).bincount(minlength=experts)
+    return out
 
 
 def main():
@@ -97,20 +150,40 @@ def main():
     p.add_argument("--overlap-degree", type=int, default=8)
     p.add_argument("--window", type=int, default=5)
     p.add_argument("--json", default=None)
+    p.add_argument("--rows-per-rank", type=int, action="append", default=None,
+                   help="scale each trace to this many rows per rank and layer (repeatable; default: as recorded)")
+    p.add_argument("--synthetic", default="", help="comma-separated: zipf, heavy")
     args = p.parse_args()
-    traces = args.trace or [os.path.join(HERE, "..", "..", "shared", "data", "trace_e8.npz")]
+    torch.set_num_threads(1)
+    paths = args.trace or [os.path.join(HERE, "..", "..", "shared", "data", "trace_e8.npz")]
+    inputs = []
+    for path in paths:
+        raw = torch.from_numpy(load_trace(path).tokens_SLED.astype(np.int64))
+        rpn = args.ranks_per_node if raw.shape[3] % args.ranks_per_node == 0 else raw.shape[3]
+        per_rank = float(raw.sum()) / (raw.shape[0] * raw.shape[1] * raw.shape[3])
+        for rows in args.rows_per_rank or [None]:
+            tokens = raw if rows is None else torch.round(raw.double() * (rows / per_rank)).long()
+            name = os.path.basename(path) + ("" if rows is None else f"@{rows}rows")
+            inputs.append((name, tokens, rpn))
+    for kind in filter(None, args.synthetic.split(",")):
+        inputs.append((f"synthetic-{kind}", synthetic(kind), 8))
     results = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "args": vars(args), "traces": {}}
-    for path in traces:
-        tokens = torch.from_numpy(load_trace(path).tokens_SLED.astype(np.int64))
-        rpn = args.ranks_per_node if tokens.shape[3] % args.ranks_per_node == 0 else tokens.shape[3]
+    for name, tokens, rpn in inputs:
         r = replay(tokens, ranks_per_node=rpn, budget=args.budget, overlap_degree=args.overlap_degree,
                    window=args.window)
-        results["traces"][os.path.basename(path)] = r
-        print(f"\n{os.path.basename(path)} {tuple(tokens.shape)} (steps, layers, experts, ranks), {rpn} ranks per node")
-        print(f"{'arm':>15} {'straggler':>9} {'bound':>6} {'inter-node':>10} {'time/EP':>8}")
+        results["traces"][name] = r
+        print(f"\n{name} {tuple(tokens.shape)} (steps, layers, experts, ranks), {rpn} ranks per node, "
+              f"{float(tokens.sum()) / (tokens.shape[0] * tokens.shape[1] * tokens.shape[3]):.0f} rows per rank, "
+              f"expert {r['expert_mb']:.1f} MB")
+        print(f"{'arm':>17} {'straggler':>9} {'bound':>6} {'inter-node':>10} {'time/EP':>8} {'+transfer':>9} "
+              f"{'replicas':>8} {'MB/layer':>8}")
         for arm in ARMS:
             a = r[arm]
-            print(f"{arm:>15} {a['straggler']:>9.3f} {a['bound']:>6.3f} {a['inter']:>10.4f} {a['time']:>8.3f}")
+            print(f"{arm:>17} {a['straggler']:>9.3f} {a['bound']:>6.3f} {a['inter']:>10.4f} {a['time']:>8.3f} "
+                  f"{a['time_transfer']:>9.3f} {a['replicas']:>8.2f} {a['replica_mb']:>8.1f}")
+        j, c = r["joint+balanced-3%"], r["cost+balanced-3%"]
+        print(f"cost vs joint (default): straggler {c['straggler']:.3f} vs {j['straggler']:.3f}, replica bytes "
+              f"{c['replica_mb'] / j['replica_mb'] if j['replica_mb'] else float('nan'):.2f}x")
         print(f"median planning time per layer in this replay (dense [E, D, D] plans and the load sum "
               f"included; the runtime's compact path is timed by benchmarks/planning.py): "
               + ", ".join(f"{k} {v:.0f} us" for k, v in r["plan_us_median"].items()))

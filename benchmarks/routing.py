@@ -17,15 +17,12 @@ import json
 import os
 import platform
 import statistics
-import time
 
 import layer_args
 import torch
 
 from ds_fssdp.moe.routing import route, route_reference
-from ds_fssdp.planner import homogeneous_owner
 from ds_fssdp.planner.dispatch import dispatch_plan
-from ds_fssdp.planner.joint import joint_materialize
 
 
 def main():
@@ -34,15 +31,10 @@ def main():
     args = p.parse_args()
     torch.set_num_threads(1)
     E, D, K, T, rank = args.experts, args.ranks, args.top_k, args.tokens, 1
-    topo = layer_args.topology(args)
-    gen = torch.Generator().manual_seed(0)
-    share = layer_args.skewed_share(args, gen)
-    idx_TK = torch.multinomial(share, T * K, replacement=True, generator=gen).reshape(T, K)
-    tokens_ED = torch.distributions.Multinomial(total_count=T * K, probs=share).sample((D, )).t().long()
-    tokens_ED[:, rank] = torch.bincount(idx_TK.reshape(-1), minlength=E)
-    placement_ED = joint_materialize(homogeneous_owner(E, D), tokens_ED.double(), topo, overlap_degree=8, budget=2)
+    layer = layer_args.routed_layer(args, rank=rank)
+    topo, idx_TK, tokens_ED, placement_ED, local_E = (layer[k] for k in ("topology", "idx_TK", "tokens_ED",
+                                                                         "placement_ED", "local_E"))
     plan = dispatch_plan(placement_ED, tokens_ED, topo, mode="balanced", slack=0.03)
-    local_E = torch.nonzero(placement_ED[:, rank]).flatten()
     a, b = route(idx_TK, plan, rank=rank, local_E=local_E), route_reference(idx_TK, plan, rank=rank, local_E=local_E)
     for k in ("send_token", "unsend", "group_perm", "ungroup_perm"):
         assert torch.equal(getattr(a, k), getattr(b, k)), k
@@ -59,14 +51,7 @@ def main():
             "moved": lambda: plan.moved(G), "moved_from_table": moved_from_table}
     results = {}
     for name, fn in arms.items():
-        for _ in range(10):  # warm-up
-            fn()
-        times = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e6)
-        results[name] = {"median_us": statistics.median(times)}
+        results[name] = {"median_us": statistics.median(layer_args.sorted_times_us(fn, repeats=args.repeats))}
     us = {name: r["median_us"] for name, r in results.items()}
     ratios = {"reference_over_route": us["route_reference"] / us["route"],
               "table_over_moved": us["moved_from_table"] / us["moved"]}

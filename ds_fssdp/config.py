@@ -101,9 +101,13 @@ class FSSDPConfig(DeepSpeedConfigModel):
     reshard_interval: StrictInt = Field(0, ge=0)
     """Re-plan the owners of all layers every this many optimizer steps (0: never)."""
 
-    placement: Literal["joint", "paper"] = "joint"
-    """How replicas are chosen each iteration: ``joint`` (where the predicted tokens come from,
-    sized for balancing) or ``paper`` (Algorithm 1 on per-expert loads)."""
+    placement: Literal["cost", "joint", "paper"] = "joint"
+    """How replicas are chosen each iteration (``planner.place``): ``cost`` (a replica only where it
+    lowers the modelled layer time, slowest rank's expert compute plus token exchange, by more
+    than its gather and reduce cost; m and t stay upper bounds; the cost model from ``hardware`` or
+    measured at initialize; ``joint`` when ``deterministic`` is set without ``hardware``),
+    ``joint`` (where the predicted tokens come from, every slot that helps balance) or ``paper``
+    (Algorithm 1 on per-expert loads)."""
 
     dispatch: Literal["balanced", "balanced-time", "paper"] = "balanced"
     """How tokens are split among holders: ``balanced`` (fewest rows on the most loaded rank, then
@@ -217,6 +221,12 @@ class FSSDPConfig(DeepSpeedConfigModel):
             raise FSSDPConfigError(f"{name} must be a multiple or a divisor of {SECTION}.ranks_per_node "
                                    f"({ranks_per_node}): an FSSDP group spans whole nodes or lies inside one")
         return g
+
+
+def placement_needs_cost(cfg: FSSDPConfig) -> bool:
+    """Placement "cost" plans with a cost model; under ``deterministic`` without ``hardware`` none is
+    measured (timings would change the replicas) and it plans as "joint"."""
+    return cfg.policy == "fssdp" and cfg.placement == "cost" and not (cfg.deterministic and cfg.hardware is None)
 
 
 def _check_deterministic(cfg: FSSDPConfig) -> None:

@@ -17,7 +17,7 @@ def run(script, *args, tmp_path):
 def test_planning_benchmark_runs(tmp_path):
     r = run("planning.py", "--experts", "16", "--ranks", "8", "--nodes", "2", "--repeats", "20", "--runs", "2",
             tmp_path=tmp_path)
-    assert set(r["results"]) == {"joint+balanced", "paper", "joint_materialize", "balanced_dispatch"}
+    assert set(r["results"]) == {"joint+balanced", "paper", "joint_materialize", "cost_materialize", "balanced_dispatch"}
     assert all(len(v["run_medians_us"]) == 2 and v["median_us"] > 0 for v in r["results"].values())
 
 
@@ -40,3 +40,10 @@ def test_hf_models_benchmark_runs(tmp_path):
     assert set(r) == {"plain", "ep", "fssdp"}
     assert all(a["tokens_per_s"] > 0 and a["max_rel_loss_diff_vs_plain"] < 1e-5 for a in r.values())
     assert r["fssdp"]["straggler"] >= 1.0 and r["plain"]["straggler"] is None
+
+
+def test_critical_path_benchmark_runs(tmp_path):
+    r = run("critical_path.py", "--experts", "16", "--ranks", "8", "--nodes", "2", "--tokens", "300", "--repeats", "5",
+            "--runs", "2", tmp_path=tmp_path)
+    assert set(r["results"]) == {"span", "plan", "route", "stats", "send_rows", "route_device_on_cpu"}
+    assert all(len(v["run_medians_us"]) == 2 and v["median_us"] > 0 for v in r["results"].values())

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ds_fssdp import Topology
-from ds_fssdp.moe.routing import route, route_reference
+from ds_fssdp.moe.routing import route, route_device, route_reference
 from ds_fssdp.planner import homogeneous_owner
 from ds_fssdp.planner.dispatch import dispatch_plan
 from ds_fssdp.planner.joint import joint_materialize
@@ -52,6 +52,16 @@ def test_route_matches_reference(E, D, G, K, T, mode):
         dense = plan.dense()
         assert_same(route(idx_TK, dense, rank=rank, local_E=local_E),
                     route_reference(idx_TK, dense, rank=rank, local_E=local_E))
+
+
+@pytest.mark.parametrize("E,D,G,K,T", [(16, 8, 4, 2, 500), (6, 4, 2, 3, 9), (64, 32, 8, 2, 3000)])
+def test_device_route_matches_the_c_route(E, D, G, K, T):
+    """route_device (torch ops, what CUDA tensors take) on CPU tensors equals the C route."""
+    for rank in range(0, D, max(1, D // 4)):
+        for mode in ("balanced", "paper"):
+            idx_TK, plan, local_E = instance(7 + rank + 100 * E, E, D, G, K, T, rank, mode)
+            assert_same(route_device(idx_TK, plan, rank=rank, local_E=local_E),
+                        route(idx_TK, plan, rank=rank, local_E=local_E))
 
 
 def test_route_single_rank_dense_counts():

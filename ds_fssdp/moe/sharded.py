@@ -36,9 +36,8 @@ from ds_fssdp.moe.experts import ExpertSpec
 from ds_fssdp.moe.gate import GateOutput, uniform_assignment
 from ds_fssdp.moe.remat import RematExpertMLP
 from ds_fssdp.moe.routing import route
-from ds_fssdp.planner import LoadPredictor, gather_layout, plan_placement
+from ds_fssdp.planner import LoadPredictor, PlacementOptions, gather_layout, place_predicted
 from ds_fssdp.planner.dispatch import dispatch_plan
-from ds_fssdp.planner.joint import joint_materialize
 from ds_fssdp.planner.predict import relative_l1_error
 from ds_fssdp.topology import Topology
 
@@ -48,7 +47,7 @@ class ShardOptions:
     policy: str = "fssdp"
     overlap_degree: int | str = 4  # or "auto": floor(measured window * link_bandwidth / expert bytes)
     budget: int = 2
-    placement: str = "joint"  # "joint" | "paper"
+    placement: str = "joint"  # "cost" | "joint" | "paper" (planner.place)
     dispatch_mode: str = "balanced"  # "balanced" | "balanced-time" | "paper"
     dispatch_slack: float = 0.0
     rematerialize: bool = False
@@ -147,15 +146,10 @@ class ShardedExperts:
 
     def plan_placement(self) -> torch.Tensor:
         o = self.options
-        if o.policy not in ("fssdp", "ep"):  # the baselines gather nothing before gating
-            return plan_placement("ep", self.owner_E, None, self.topology, overlap_degree=0, budget=0)
-        t = self.overlap_degree
-        if o.policy == "fssdp" and o.placement == "joint":
-            tokens_ED = self.predictor.predict_tokens(self.layer_index)
-            if tokens_ED is not None:
-                return joint_materialize(self.owner_E, tokens_ED, self.topology, overlap_degree=t, budget=o.budget)
-        load_E = self.predictor.predict(self.layer_index)
-        return plan_placement(o.policy, self.owner_E, load_E, self.topology, overlap_degree=t, budget=o.budget)
+        config = PlacementOptions(placement=o.placement, overlap_degree=self.overlap_degree,
+                                  materialization_budget=o.budget, policy=o.policy)
+        return place_predicted(self.predictor, self.layer_index, self.owner_E, self.topology, config=config,
+                               cost=self.cost)
 
     def _layout(self, placement_ED):
         return gather_layout(self.owner_E, placement_ED, self.rank, topology=self.topology,

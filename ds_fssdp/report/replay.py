@@ -19,13 +19,10 @@ import numpy as np
 import torch
 
 from ds_fssdp.config import FSSDPConfig
-from ds_fssdp.planner import LoadPredictor, dispatch, homogeneous_owner, plan_placement, shard_placement
-from ds_fssdp.planner.joint import joint_materialize
+from ds_fssdp.planner import (CostModel, ExpertShape, Hardware, LoadPredictor, PlacementOptions, dispatch,
+                              homogeneous_owner, place_predicted)
 from ds_fssdp.sim.traces import Trace
 from ds_fssdp.topology import Topology
-
-_PLANNED = ("fssdp", "ep")  # policies that gather before gating; the others start from the shard
-
 
 @dataclass
 class ReplaySettings:
@@ -37,7 +34,14 @@ class ReplaySettings:
     placement: str = "joint"
     dispatch: str = "balanced"
     dispatch_slack: float = FSSDPConfig.model_fields["dispatch_slack"].default
+    hardware: dict | None = None  # the run's cost model (placement "cost"): Hardware's fields
+    expert_shape: dict | None = None  # and ExpertShape's
     notes: list = field(default_factory=list)
+
+    def cost_model(self, topology: Topology) -> CostModel | None:
+        if self.hardware is None or self.expert_shape is None:
+            return None
+        return CostModel(Hardware(**self.hardware), ExpertShape(**self.expert_shape), topology)
 
     @classmethod
     def from_trace(cls, trace: Trace, **overrides) -> "ReplaySettings":
@@ -57,12 +61,15 @@ class ReplaySettings:
         s.placement = str(meta.get("placement", s.placement))
         s.dispatch = str(meta.get("dispatch", s.dispatch))
         s.dispatch_slack = float(meta.get("dispatch_slack", s.dispatch_slack))
+        s.hardware, s.expert_shape = meta.get("hardware"), meta.get("expert_shape")
         for key, value in overrides.items():
             if value is not None:
                 setattr(s, key, value)
         if s.dispatch not in ("balanced", "paper"):
             notes.append(f"dispatch {s.dispatch!r} needs the run's cost model; replayed with 'balanced'")
             s.dispatch = "balanced"
+        if s.placement == "cost" and (s.hardware is None or s.expert_shape is None):
+            notes.append("placement 'cost' without the run's hardware in the trace; replayed as 'joint'")
         if int(meta.get("reshard_interval", 0) or 0) > 0 or s.policy == "smartmoe":
             notes.append("owners moved during the run (re-sharding / SmartMoE); shown with the initial owners")
         if meta.get("calibration") or s.policy == "fastermoe":
@@ -104,7 +111,7 @@ def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
     S, L, E, D = trace.tokens_SLED.shape
     topology = Topology(num_ranks=D, ranks_per_node=int(s.ranks_per_node or D))
     owner_E = homogeneous_owner(E, D)
-    shard_ED = shard_placement(owner_E, D)
+    cost = s.cost_model(topology)
     predictor = LoadPredictor([E] * L, window=s.window)
     held = np.zeros((S, L, E, D), dtype=bool)
     rows = np.zeros((S, L, D), dtype=np.int64)
@@ -112,7 +119,7 @@ def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
     for step in range(S):
         for l in range(L):
             tokens_ED = tokens[step, l]
-            placement_ED = _plan(s, owner_E, predictor, l, topology, shard_ED)
+            placement_ED = _plan(s, owner_E, predictor, l, topology, cost)
             held[step, l] = placement_ED.numpy()
             plan_EDD = dispatch(placement_ED, tokens_ED, topology, mode=s.dispatch, slack=s.dispatch_slack)
             rows[step, l] = plan_EDD.sum((0, 1)).numpy()
@@ -125,17 +132,13 @@ def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
     return Replay(settings=s, owner_E=owner_E.numpy(), held_SLED=held, rows_SLD=rows, ep_rows_SLD=ep_rows)
 
 
-def _plan(s: ReplaySettings, owner_E, predictor, l, topology, shard_ED) -> torch.Tensor:
-    """ShardedExperts.plan_placement, on the replayed predictor (keep the two in step: the main
-    job's test checks the replayed replicas against the runtime's, step by step)."""
-    if s.policy not in _PLANNED:
-        return shard_ED.clone()
-    if s.policy == "fssdp" and s.placement == "joint":
-        tokens_ED = predictor.predict_tokens(l)
-        if tokens_ED is not None:
-            return joint_materialize(owner_E, tokens_ED, topology, overlap_degree=s.overlap_degree, budget=s.budget)
-    return plan_placement(s.policy, owner_E, predictor.predict(l), topology, overlap_degree=s.overlap_degree,
-                          budget=s.budget)
+def _plan(s: ReplaySettings, owner_E, predictor, l, topology, cost) -> torch.Tensor:
+    """ShardedExperts.plan_placement, on the replayed predictor: the same call of
+    :func:`ds_fssdp.planner.place` (the main job's test checks the replayed replicas against the
+    runtime's, step by step)."""
+    config = PlacementOptions(placement=s.placement, overlap_degree=s.overlap_degree, materialization_budget=s.budget,
+                              policy=s.policy)
+    return place_predicted(predictor, l, owner_E, topology, config=config, cost=cost)
 
 
 def _straggler(rows_SLD: np.ndarray) -> np.ndarray:

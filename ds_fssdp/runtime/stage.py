@@ -22,7 +22,7 @@ from deepspeed import comm as dist
 from deepspeed.utils import logger
 
 from ds_fssdp.comm.sparse import scatter_rows
-from ds_fssdp.config import FSSDPConfig, FSSDPConfigError
+from ds_fssdp.config import FSSDPConfig, FSSDPConfigError, placement_needs_cost
 from ds_fssdp.moe.experts_module import FSSDPExperts
 from ds_fssdp.moe.sharded import ReplicaMemory, ShardedExperts, ShardOptions
 from ds_fssdp.planner import (CostModel, ExpertShape, Hardware, LoadPredictor, auto_materialization_budget,
@@ -153,7 +153,8 @@ class FSSDPStage:
                 "materialization_budget": self.shards[0].options.budget, "overlap_degree": self.config.overlap_degree,
                 "load_window": self.config.load_window, "placement": self.config.placement,
                 "dispatch": self.config.dispatch, "dispatch_slack": float(self.config.dispatch_slack),
-                "reshard_interval": self.config.reshard_interval, "calibration": self.config.calibration})
+                "reshard_interval": self.config.reshard_interval, "calibration": self.config.calibration,
+                "hardware": self.profile.get("hardware"), "expert_shape": self.profile.get("expert_shape")})
             atexit.register(self.trace.close)
         # The first layer's gather starts with the model's forward, before the first attention.
         engine.module.register_forward_pre_hook(lambda module, args: self.shards[0].prefetch())
@@ -244,7 +245,8 @@ class FSSDPStage:
             logger.info(f"fssdp: materialization_budget auto -> m = {m} ({cfg.replica_memory_bytes} bytes for "
                         f"replicas, {psi} bytes per expert, {len(self.layers)} layers, rematerialize="
                         f"{cfg.rematerialize})")
-        need_cost = cfg.calibration or cfg.policy == "fastermoe" or cfg.dispatch == "balanced-time"
+        need_cost = (cfg.calibration or cfg.policy == "fastermoe" or cfg.dispatch == "balanced-time"
+                     or placement_needs_cost(cfg))
         if cfg.overlap_degree == "auto" or need_cost:
             bw = (cfg.hardware.intra_bw if cfg.hardware is not None else
                   measure_link_bandwidth(group=self.param_group, chunk_bytes=psi, device=device))
@@ -275,6 +277,7 @@ class FSSDPStage:
         self.profile["hardware"] = dataclasses.asdict(hw)
         shape = ExpertShape(hidden=layer.hidden_size, ffn=layer.ffn_hidden_size, matrices=len(layer.spec.names),
                             param_bytes=torch.tensor([], dtype=dtype).element_size())
+        self.profile["expert_shape"] = dataclasses.asdict(shape)
         cost = CostModel(hw, shape, self.topology)
         for s in self.shards:
             s.cost = cost

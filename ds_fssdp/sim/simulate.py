@@ -96,8 +96,9 @@ class PolicyResult:
 
 
 def simulate(setup: Setup, tokens_SLED: np.ndarray, policies, *, dispatcher=planner_dispatch,
-             materializer=planner_materialize) -> list:
-    """One :class:`PolicyResult` per policy name, in order."""
+             materializer=planner_materialize, placement: str = "paper") -> list:
+    """One :class:`PolicyResult` per policy name, in order. ``placement``: FSSDP's pre-gating
+    placement (``planner.place``; "paper" is Algorithm 1, or ``materializer``)."""
     tokens_SLED = np.asarray(tokens_SLED)
     S, L, E, D = tokens_SLED.shape
     if (L, E, D) != (setup.num_layers, setup.num_experts, setup.topology.num_ranks):
@@ -106,12 +107,12 @@ def simulate(setup: Setup, tokens_SLED: np.ndarray, policies, *, dispatcher=plan
     if S <= setup.load_window:
         raise ValueError(f"the trace has {S} steps; the simulation needs more than the load window "
                          f"({setup.load_window})")
-    return [simulate_policy(name, setup, tokens_SLED, dispatcher=dispatcher, materializer=materializer)
-            for name in policies]
+    return [simulate_policy(name, setup, tokens_SLED, dispatcher=dispatcher, materializer=materializer,
+                            placement=placement) for name in policies]
 
 
 def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatcher=planner_dispatch,
-                    materializer=planner_materialize) -> PolicyResult:
+                    materializer=planner_materialize, placement: str = "paper") -> PolicyResult:
     """``dispatcher`` / ``materializer``: Algorithms 3 and 1 by default (the planner's, in C when
     built); pass others (e.g. the balancing dispatcher) to compare."""
     S, L, E, D = tokens_SLED.shape
@@ -122,7 +123,8 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
     attn_f = setup.attention_fwd_s
     attn_b = 2.0 * attn_f
     config = PolicyConfig(num_experts=E, num_layers=L, topology=topo, budget=budget,
-                          overlap_degree=setup.overlap_degree, cost=cost, reshard_interval=setup.reshard_interval,
+                          overlap_degree=setup.overlap_degree, cost=cost, placement=placement,
+                          reshard_interval=setup.reshard_interval,
                           calibration=setup.calibration,
                           calibration_latency_budget=setup.calibration_budget * attn_f,
                           smartmoe_interval=setup.smartmoe_interval, flexmoe_threshold=setup.flexmoe_threshold,
@@ -156,11 +158,12 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
         backward_L = []
         for l in range(L):
             owner_E = owner_LE[l]
-            placement_ED = policy.pre_gating(l, owner_E, predictor.predict(l))
+            predicted = predictor.predict_tokens(l)  # per-rank loads ("joint", "cost"); sums for the others
+            placement_ED = policy.pre_gating(l, owner_E, predicted if predicted is not None else predictor.predict(l))
             tokens_ED = policy.route(torch.from_numpy(tokens_SLED[s, l].astype(np.int64)))
             lp = policy.post_gating(l, owner_E, placement_ED, tokens_ED=tokens_ED)
             plan_EDD = policy.dispatch(lp, tokens_ED)
-            predictor.observe(l, tokens_ED.sum(1))
+            predictor.observe(l, tokens_ED)
 
             rows_D = plan_EDD.sum((0, 1))
             moe_s = float(cost.compute_time_D(rows_D).max())

@@ -53,7 +53,10 @@ class PolicyConfig:
     overlap_degree: int = 0
     """t: distinct experts replicated per layer per iteration (FSSDP, Algorithm 2's hot set)."""
     cost: CostModel | None = None
-    """Latency model; FasterMoE's shadowing and FSSDP's calibration need it."""
+    """Latency model; FasterMoE's shadowing, FSSDP's calibration and placement "cost" need it."""
+    placement: str = "paper"
+    """FSSDP's pre-gating placement (:func:`ds_fssdp.planner.place`): "paper" (Algorithm 1, or the
+    injected ``materializer``), "joint" or "cost" (both need the predicted ``tokens_ED``)."""
     reshard_interval: int = 100
     """FSSDP: Algorithm 2 every this many iterations (0: never). Paper: 100."""
     calibration: bool = False

@@ -6,7 +6,8 @@ Legend: L layers, E experts, D ranks.
   ``reshard_interval`` iterations (not at step 0: layers start homogeneous, section 4.3). Ranks are
   renamed (nodes permuted, ranks permuted inside nodes, which Algorithm 2 cannot tell apart) to
   keep as many experts as possible in place; the ones that move carry their optimizer state.
-* pre_gating: Algorithm 1 on the predicted loads, gathered under the preceding attention.
+* pre_gating: ``planner.place`` (Algorithm 1 on the predicted loads by default, or the config's
+  ``placement``), gathered under the preceding attention.
 * post_gating: calibration (optional) with the actual loads and the budget left; it may add
   replicas of experts beyond the top-t, as many distinct ones as the binding link absorbs within
   ``calibration_latency_budget`` (its gather is on the critical path).
@@ -21,6 +22,8 @@ import torch
 from ds_fssdp.planner.baselines.base import LayerPlan, Policy, Reshard
 from ds_fssdp.planner.baselines.relabel import moved_copies, relabel_owner
 from ds_fssdp.planner.knobs import auto_overlap_degree
+from ds_fssdp.planner.materialize import materialize as algorithm1_materialize
+from ds_fssdp.planner.place import place
 from ds_fssdp.planner.shard import heterogeneous_sharding, shard_placement
 
 
@@ -36,10 +39,16 @@ class FSSDPPolicy(Policy):
         return Reshard(owner_LE=new_LE, copies_M4=moved_copies(owner_LE, new_LE))
 
     def pre_gating(self, layer: int, owner_E: torch.Tensor, predicted_load_E: torch.Tensor | None) -> torch.Tensor:
+        """``predicted_load_E``: per-expert loads [E], or the predicted ``tokens_ED`` [E, D] (what
+        placements "joint" and "cost" need). The runtime's :func:`~ds_fssdp.planner.place`, unless
+        another materializer was injected (placement "paper" then uses it on the loads)."""
         if predicted_load_E is None:
             return shard_placement(owner_E.to("cpu", torch.long), self.topology.num_ranks)
-        return self.materializer(owner_E, predicted_load_E, self.topology, overlap_degree=self.config.overlap_degree,
-                                 budget=self.config.budget)
+        if self.materializer is not algorithm1_materialize and self.config.placement == "paper":
+            load_E = predicted_load_E if predicted_load_E.dim() == 1 else predicted_load_E.sum(1)
+            return self.materializer(owner_E, load_E, self.topology, overlap_degree=self.config.overlap_degree,
+                                     budget=self.config.budget)
+        return place(owner_E, predicted_load_E, self.topology, config=self.config, cost=self.config.cost)
 
     def post_gating(self, layer: int, owner_E: torch.Tensor, placement_ED: torch.Tensor, *,
                     tokens_ED: torch.Tensor) -> LayerPlan:

@@ -1,0 +1,16 @@
+/* Cost-aware placement core (_costplace.c), called by _fastplan.c. */
+#ifndef DS_FSSDP_COSTPLACE_H
+#define DS_FSSDP_COSTPLACE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct {
+    double row, intra, inter, same_node, cross_node; /* seconds (planner/cost_place.py: Coefficients) */
+} CostCoefficients;
+
+size_t cost_place_scratch(int64_t E, int64_t D);
+void cost_place_core(const int64_t *owner, const double *T, uint8_t *P, int64_t E, int64_t D, int64_t G, int64_t t,
+                     int64_t m, const CostCoefficients *c, double min_gain, char *scratch);
+
+#endif

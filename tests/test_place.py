@@ -1,0 +1,110 @@
+"""planner.place (the one pre-gating entry point) and the cost-aware placement: invariants, C equal
+to the Python reference, and instances whose best answer is known."""
+import pytest
+import torch
+
+from ds_fssdp import Topology
+from ds_fssdp.planner import (CostModel, ExpertShape, Hardware, PlacementOptions, homogeneous_owner, materialize,
+                              place, shard_placement)
+from ds_fssdp.planner.cost_place import Coefficients, cost_materialize, cost_materialize_reference
+from ds_fssdp.planner.joint import joint_materialize
+
+SHAPES = [(8, 8, 4), (16, 8, 2), (64, 32, 8), (6, 4, 2), (4, 8, 4), (12, 6, 3), (3, 2, 1), (20, 12, 4), (10, 10, 1)]
+CHEAP = Coefficients(row=1e-6, intra=1e-8, inter=1e-7, same_node=1e-6, cross_node=3e-6)  # replicas nearly free
+
+
+def _instance(gen, E, D, total):
+    share = torch.softmax(torch.randn(E, generator=gen) * 1.5, 0)
+    return torch.distributions.Multinomial(total_count=total, probs=share).sample((D, )).t().double()
+
+
+def test_cost_placement_invariants_and_c_equals_reference():
+    gen = torch.Generator().manual_seed(0)
+    for i in range(45):
+        E, D, G = SHAPES[i % len(SHAPES)]
+        topo = Topology(num_ranks=D, ranks_per_node=G)
+        owner = homogeneous_owner(E, D) if i % 2 else torch.randint(0, D, (E, ), generator=gen)
+        tokens = _instance(gen, E, D, int(torch.randint(1, 3000, (1, ), generator=gen)))
+        if i % 3 == 0:
+            tokens = tokens / 3.0  # window means are fractional
+        t = int(torch.randint(0, E + 2, (1, ), generator=gen))
+        m = int(torch.randint(0, 5, (1, ), generator=gen))
+        r = torch.rand(5, generator=gen, dtype=torch.float64).tolist()
+        c = Coefficients(row=1e-6 * (0.1 + r[0]), intra=1e-7 * r[1], inter=1e-6 * r[2], same_node=1e-4 * r[3],
+                         cross_node=3e-4 * r[4])
+        p = cost_materialize(owner, tokens, topo, overlap_degree=t, budget=m, coefficients=c)
+        assert torch.equal(p, cost_materialize_reference(owner, tokens, topo, overlap_degree=t, budget=m,
+                                                         coefficients=c)), (i, E, D, G, t, m)
+        shard = shard_placement(owner, D)
+        added = p & ~shard
+        assert bool(p[shard].all())
+        assert int(added.sum(0).max()) <= m
+        assert int(added.any(1).sum()) <= min(t, E)
+        assert torch.equal(p, cost_materialize(owner, tokens.clone(), topo, overlap_degree=t, budget=m,
+                                               coefficients=c))
+
+
+def test_balanced_loads_get_no_replicas():
+    topo = Topology(num_ranks=8, ranks_per_node=4)
+    owner = homogeneous_owner(16, 8)
+    tokens = torch.full((16, 8), 25.0)
+    for c in (CHEAP, Coefficients(row=1e-6, intra=0.0, inter=0.0, same_node=0.0, cross_node=0.0)):
+        p = cost_materialize(owner, tokens, topo, overlap_degree=16, budget=4, coefficients=c)
+        assert torch.equal(p, shard_placement(owner, 8))
+
+
+def test_one_hot_expert_on_two_ranks_gets_exactly_the_replica_that_balances_it():
+    topo = Topology(num_ranks=2, ranks_per_node=2)
+    owner = torch.tensor([0, 1])
+    tokens = torch.tensor([[300.0, 300.0], [20.0, 20.0]])  # rank 0 computes 600 rows, rank 1 40
+    p = cost_materialize(owner, tokens, topo, overlap_degree=2, budget=2, coefficients=CHEAP)
+    assert p.tolist() == [[True, True], [False, True]]
+    # A replica that costs more than the time it saves is not added; nor without a slot or t.
+    dear = Coefficients(row=1e-6, intra=1e-8, inter=1e-7, same_node=1.0, cross_node=1.0)
+    for kwargs in ({"coefficients": dear, "budget": 2, "overlap_degree": 2},
+                   {"coefficients": CHEAP, "budget": 0, "overlap_degree": 2},
+                   {"coefficients": CHEAP, "budget": 2, "overlap_degree": 0}):
+        assert torch.equal(cost_materialize(owner, tokens, topo, **kwargs), shard_placement(owner, 2))
+
+
+def test_one_hot_expert_gets_as_many_holders_as_pay():
+    """Expert 0 carries 4x a rank's fair share on 4 ranks: 3 replicas balance it; the fourth rank
+    (its owner) keeps the rest. With replicas dearer than a third of the gain, fewer are bought."""
+    topo = Topology(num_ranks=4, ranks_per_node=4)
+    owner = torch.arange(4)
+    tokens = torch.tensor([[100.0] * 4, [1.0] * 4, [1.0] * 4, [1.0] * 4])
+    p = cost_materialize(owner, tokens, topo, overlap_degree=4, budget=1, coefficients=CHEAP)
+    assert p[0].all() and int((p & ~shard_placement(owner, 4)).sum()) == 3
+
+
+def test_place_dispatches_by_setting():
+    topo = Topology(num_ranks=8, ranks_per_node=4)
+    owner = homogeneous_owner(16, 8)
+    tokens = _instance(torch.Generator().manual_seed(3), 16, 8, 4000)
+    cost = CostModel(Hardware(flops=1e12, intra_bw=1e11, inter_bw=2e10), ExpertShape(hidden=64, ffn=256), topo)
+    opts = lambda **kw: PlacementOptions(**{"overlap_degree": 4, "materialization_budget": 2, **kw})
+    shard = shard_placement(owner, 8)
+    assert torch.equal(place(owner, None, topo, config=opts()), shard)
+    assert torch.equal(place(owner, tokens, topo, config=opts(policy="ep")), shard)
+    assert torch.equal(place(owner, tokens, topo, config=opts(policy="fastermoe")), shard)
+    joint = joint_materialize(owner, tokens, topo, overlap_degree=4, budget=2)
+    assert torch.equal(place(owner, tokens, topo, config=opts(placement="joint"), cost=cost), joint)
+    assert torch.equal(place(owner, tokens, topo, config=opts(placement="cost")), joint)  # no cost model
+    want = cost_materialize(owner, tokens, topo, overlap_degree=4, budget=2, coefficients=Coefficients.from_cost(cost))
+    assert torch.equal(place(owner, tokens, topo, config=opts(placement="cost"), cost=cost), want)
+    alg1 = materialize(owner, tokens.sum(1), topo, overlap_degree=4, budget=2)
+    assert torch.equal(place(owner, tokens, topo, config=opts(placement="paper")), alg1)
+    assert torch.equal(place(owner, tokens.sum(1), topo, config=opts(placement="joint")), alg1)  # loads only
+    with pytest.raises(ValueError, match="overlap_degree"):
+        place(owner, tokens, topo, config=opts(overlap_degree="auto"))
+    with pytest.raises(ValueError, match="placement"):
+        place(owner, tokens, topo, config=opts(placement="best"))
+
+
+def test_cost_placement_rejects_bad_tokens():
+    topo = Topology(num_ranks=2, ranks_per_node=2)
+    for bad in (float("nan"), float("inf"), -1.0):
+        tokens = torch.tensor([[1.0, bad], [1.0, 1.0]])
+        for fn in (cost_materialize, cost_materialize_reference):
+            with pytest.raises(ValueError, match="tokens_ED"):
+                fn(torch.tensor([0, 1]), tokens, topo, overlap_degree=2, budget=1, coefficients=CHEAP)
