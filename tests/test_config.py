@@ -75,7 +75,6 @@ def _tiny_model():
 
 
 @pytest.mark.parametrize("config,message", [
-    ({"train_batch_size": 2, "zero_optimization": {"stage": 3}, "fssdp": {}}, r"zero_optimization.stage \(3\)"),
     ({"train_batch_size": 2, "fssdp": {"load_window": -3}}, r"fssdp.load_window \(-3\)"),
 ])
 def test_initialize_refuses_before_any_collective(config, message):
