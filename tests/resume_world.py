@@ -16,7 +16,8 @@ NO_CSV = {"metrics_csv": None}
 RUNS = {"z1-adamw": dict(zero=1, gas=1, optimizer=ADAMW), "z3-adamw": dict(zero=3, gas=1, optimizer=ADAMW)}
 # The same-world ZeRO-3 round trip: SGD, so the resumed run can be compared exactly.
 ROUND_TRIP = {"z3-sgd": dict(zero=3)}
-STEPS = 2
+STEPS = 2  # the ZeRO-3 round trip: before the save and after it
+SAVE_STEPS = 1  # the world-size changes: one AdamW step gives every moment a value
 
 
 def config(name, world):
@@ -66,7 +67,7 @@ def save_all(rank, world, root):
     out = {}
     for name in RUNS:
         engine, model = engine_for(name, world)
-        train(engine, rank, STEPS, 0)
+        train(engine, rank, SAVE_STEPS, 0)
         engine.save_checkpoint(os.path.join(root, name), tag=f"on{world}")
         out[name] = full_state(engine, model)
         engine.fssdp.close()
@@ -81,7 +82,7 @@ def load_all(rank, world, root, saved_world):
         engine, model = engine_for(name, world, seed=1234)
         engine.load_checkpoint(os.path.join(root, name), tag=f"on{saved_world}")
         state = full_state(engine, model)
-        state["next_losses"] = train(engine, rank, 1, STEPS)
+        state["next_losses"] = train(engine, rank, 1, SAVE_STEPS)
         out[name] = state
         engine.fssdp.close()
     return out

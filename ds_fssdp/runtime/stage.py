@@ -2,7 +2,7 @@
 
 Legend: E experts, D ranks, S owned rows, P elements per expert.
 
-DeepSpeed keeps the dense parameters (data parallel, ZeRO 0/1/2). The stage keeps every expert's
+DeepSpeed keeps the dense parameters (data parallel, ZeRO 0-3). The stage keeps every expert's
 parameters, fp32 master and optimizer moments on its owner only (one owner per FSSDP group; with
 several groups the owners' state is replicated or partitioned over the expert-data-parallel
 group, ``runtime/expert_dp.py``). Per micro-step it folds the owned gradient and the replicas'

@@ -7,8 +7,8 @@ rank waits) into ``<load_dir>/.universal-<tag>/universal/`` (with DeepSpeed's ``
 beside it), which DeepSpeed's engine then loads through its ``checkpoint.load_universal`` path (set
 on the engine for that one load). The conversion is written into ``.universal-tmp-<tag>`` and
 renamed when complete; it is reused by later loads while the checkpoint's manifest is unchanged (a
-new save of the same tag converts again). The experts do not
-need it: their files are keyed by (layer, expert) and load at any world size (reshape.py).
+new save of the same tag converts again). The experts do not need it: their files are keyed by
+(layer, expert) and load at any world size (reshape.py).
 
 The same conversion by hand, e.g. on a read-only checkpoint directory (then pass the output's
 parent as ``load_dir`` to a plain ``deepspeed`` engine with ``checkpoint.load_universal``):
@@ -95,8 +95,7 @@ def _convert(src: str, final: str, tmp: str, manifest: dict) -> None:
             shutil.rmtree(path)
     os.makedirs(tmp)
     args = argparse.Namespace(input_folder=src, output_folder=os.path.join(tmp, TAG), num_extract_workers=1,
-                              num_merge_workers=1,
-                              keep_temp_folder=False, strict=True, inject_missing_state=True)
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
     out = io.StringIO()  # its prints and progress bars go to the log, not to the user's terminal
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         ds_to_universal.main(args)
