@@ -59,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "world)")
     p.add_argument("--memory-cap", type=float, default=None, help="FSSDP's m from this multiple of EP's model-state "
                    "memory")
+    p.add_argument("--max-groups", type=int, default=None, help="simulate only the first this many groups (alike "
+                   "under a synthetic trace; cheaper, may miss a slower group)")
     p.add_argument("--steps", type=int, default=None, help="steps to replay (default: all of a recorded trace, 200 "
                    "synthetic)")
     p.add_argument("--start", type=int, default=0, help="first step of a recorded trace")
@@ -97,7 +99,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)  # small tensors: threads cost more than they give
     cluster, model = cluster_preset(args.cluster), model_preset(args.model)
-    at_scale = model.fixed or any(v is not None for v in (args.group_size, args.load_cv, args.memory_cap))
+    at_scale = model.fixed or any(v is not None for v in (args.group_size, args.load_cv, args.memory_cap,
+                                                          args.max_groups))
     known = CLUSTER_POLICIES if at_scale else POLICY_NAMES
     policies = [p for p in (args.policies or ",".join(known)).split(",") if p]
     unknown = [p for p in policies if p not in known]
@@ -136,7 +139,7 @@ def main(argv=None) -> int:
     slack = FSSDPConfig().dispatch_slack
     if at_scale:
         results = simulate_cluster(setup, source, policies, group_size=args.group_size, memory_cap=args.memory_cap,
-                                   overlap_degree=args.overlap_degree,
+                                   overlap_degree=args.overlap_degree, max_groups=args.max_groups,
                                    dispatcher=functools.partial(dispatch_plan, mode=args.dispatch, slack=slack))
         if trace is None:
             trace_summary = source.summary(setup.load_window)

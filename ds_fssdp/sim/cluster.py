@@ -21,9 +21,10 @@ Per iteration and policy, on top of :mod:`.simulate`'s accounting (its categorie
 * ``count_allgather_s``: the all-gather of ``tokens_ED`` inside each group before every layer's
   dispatch (a ring: every link carries (N - 1) E 8-byte counts; one latency), not in
   ``iteration_s``;
-* ``planning_s``: wall time of the policy's planning per iteration on one rank (its group's
-  placement before gating, then calibration and dispatch after it), measured here with the real
-  planner (its C extension) at the group's size, not in ``iteration_s``;
+* ``planning_s``: CPU time of the policy's planning per iteration on one rank (its group's
+  placement before gating, then calibration and dispatch after it), measured here (thread CPU
+  time: other processes on the host do not inflate it) with the real planner (its C extension)
+  at the group's size, not in ``iteration_s``;
 * ``link_bytes``: bytes over each GPU's intra-node link and each node's inter-node link per
   iteration (busier direction), mean and max over the links, per category (a2a, spag, count, ar,
   rearr).
@@ -66,6 +67,8 @@ class ClusterResult(PolicyResult):
     ep_memory_bytes: float = 0.0  # EP's fullest rank at this group size
     memory_cap: float | None = None
     overlap_degree: int = 0
+    groups: int = 1
+    groups_simulated: int = 1
 
     @property
     def total_s(self) -> float:
@@ -79,7 +82,8 @@ class ClusterResult(PolicyResult):
                    count_allgather_ms=1e3 * self.count_allgather_s,
                    planning_ms={k: 1e3 * v for k, v in self.planning_s.items()}, total_ms=1e3 * self.total_s,
                    link_bytes=self.link_bytes, memory_vs_ep=memory / self.ep_memory_bytes,
-                   memory_cap=self.memory_cap, overlap_degree=self.overlap_degree)
+                   memory_cap=self.memory_cap, overlap_degree=self.overlap_degree, groups=self.groups,
+                   groups_simulated=self.groups_simulated)
         return out
 
 
@@ -113,16 +117,22 @@ class PolicyRun:
     """One policy at one group size, fed the world's ``tokens_LED`` step by step."""
 
     def __init__(self, name: str, setup: Setup, *, group_size: int | None = None, budget: int | None = None,
-                 memory_cap: float | None = None, overlap_degree: int | None = None, dispatcher=None,
-                 materializer=place):
+                 memory_cap: float | None = None, overlap_degree: int | None = None, max_groups: int | None = None,
+                 dispatcher=None, materializer=place):
         """``overlap_degree`` None: t derived for the group (a group inside one node gathers over
-        the intra-node links); ``budget`` None: the setup's m, or the ``memory_cap``'s."""
+        the intra-node links); ``budget`` None: the setup's m, or the ``memory_cap``'s.
+        ``max_groups``: simulate only the first this many groups (their layers, planning, memory;
+        the all-reduce still spans every group). For traces whose groups are alike (the synthetic
+        ones), a cheaper estimate that can only miss a slower group among the others."""
         if name not in CLUSTER_POLICIES:
             raise ValueError(f"policy ({name!r}) must be one of {CLUSTER_POLICIES} at cluster scale")
         D, G = setup.topology.num_ranks, setup.topology.ranks_per_node
         N = D if group_size is None else group_size
         check_group_size(N, setup.topology)
-        self.name, self.setup, self.N, self.B = name, setup, N, D // N
+        if max_groups is not None and max_groups < 1:
+            raise ValueError(f"max_groups ({max_groups}) must be >= 1 or None")
+        self.name, self.setup, self.N, self.groups = name, setup, N, D // N
+        self.B = self.groups if max_groups is None else min(self.groups, max_groups)  # groups simulated
         self.topo = Topology(num_ranks=N, ranks_per_node=min(G, N))
         self.cost = ClusterCostModel(setup.hw, setup.shape, self.topo)
         self.rm = name == "fssdp-rm"
@@ -148,11 +158,10 @@ class PolicyRun:
         self.history_WBLE = np.zeros((setup.load_window, B, L, E), dtype=np.float32) if self.planned else None
         self.world_history_WLE = np.zeros((setup.load_window, L, E))
         self.observed = 0
-        self.world_nodes = D // G
         self._ar_cache = None
         self.count_links = self._count_links()
         self.totals = dict.fromkeys(CATEGORIES, 0.0)
-        self.links = {c: [np.zeros(D), np.zeros(self.world_nodes)] for c in LINK_CATEGORIES}
+        self.links = {}  # category -> [bytes per GPU link, per node link] (the simulated groups', or the world's)
         self.step_s, self.straggler, self.inter_bytes, self.replicas = [], [], 0.0, 0.0
         self.count_s, self.plan_pre_s, self.plan_post_s = 0.0, 0.0, 0.0
         self.migrated, self.counted, self.peak_total, self.peak_memory = 0, 0, -1.0, {}
@@ -171,7 +180,7 @@ class PolicyRun:
         attn_f = st.attention_fwd_s
         attn_b = 2.0 * attn_f
         for l in range(L):
-            tokens_BEN = tokens_LED[l].reshape(E, B, N).transpose(1, 0, 2)
+            tokens_BEN = tokens_LED[l].reshape(E, self.groups, N)[:, :B].transpose(1, 0, 2)
             if self.planned:
                 rows_BN, exchange = self._plan_layer(l, tokens_BEN, group_B, ephemeral_BLN, timed)
             else:
@@ -220,12 +229,12 @@ class PolicyRun:
         for b in range(B):
             tokens_ED = torch.from_numpy(np.ascontiguousarray(tokens_BEN[b], dtype=np.int64))
             predicted = self._predicted(b, l)
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             placement_ED = self.policy.pre_gating(l, owner_E, predicted)
-            t1 = time.perf_counter()
+            t1 = time.thread_time()
             lp = self.policy.post_gating(l, owner_E, placement_ED, tokens_ED=tokens_ED)
             plan = self.policy.dispatch(lp, tokens_ED)
-            t2 = time.perf_counter()
+            t2 = time.thread_time()
             if timed:
                 self.plan_pre_s += (t1 - t0) / B
                 self.plan_post_s += (t2 - t1) / B
@@ -267,7 +276,8 @@ class PolicyRun:
         load_LE = tokens_LED.sum(2, dtype=np.int64)
         if self.planned:
             L, E = load_LE.shape
-            self.history_WBLE[slot] = tokens_LED.reshape(L, E, self.B, self.N).sum(3).transpose(2, 0, 1)
+            self.history_WBLE[slot] = tokens_LED.reshape(L, E, self.groups, self.N)[:, :, :self.B].sum(3).transpose(
+                2, 0, 1)
         self.world_history_WLE[slot] = load_LE  # for re-shards (FSSDP's only)
         self.observed += 1
 
@@ -287,7 +297,7 @@ class PolicyRun:
         traffic_DD = torch.zeros(N * N, dtype=torch.float64).index_add_(
             0, copies[:, 2] * N + copies[:, 3],
             torch.full((copies.shape[0], ), float(MIGRATE_BYTES * P), dtype=torch.float64)).view(N, N)
-        self.migrated += copies.shape[0] * self.B
+        self.migrated += copies.shape[0] * self.groups
         self._ar_cache = None
         return self.cost.transfer_time(traffic_DD)
 
@@ -302,7 +312,7 @@ class PolicyRun:
         """Dense gradients over the world plus, with several groups, each EDP group's owned
         expert gradients, issued together."""
         if self._ar_cache is None:
-            st, D, N, B = self.setup, self.setup.topology.num_ranks, self.N, self.B
+            st, D, N, B = self.setup, self.setup.topology.num_ranks, self.N, self.groups
             members = [np.ones((1, D), dtype=bool)]
             sizes = [float(st.dense_params * GRAD_BYTES)]
             if B > 1:
@@ -330,17 +340,22 @@ class PolicyRun:
                                 "opt": OPT_BYTES * float(stateful_N[d])}
 
     def _add_links(self, category: str, links: Links, times: float) -> None:
-        """Add ``times`` x ``links`` to the world's link totals: per group (rows b of [B, N] and
-        [B, n]) or the world's own (one row of D ranks and all nodes)."""
-        rank_D, node_W = self.links[category]
-        rank_D += links.rank_BN.ravel() * times
-        if links.node_Bn.size == node_W.size:  # a group inside one node has no inter-node link of its own
-            node_W += links.node_Bn.ravel() * times
+        """Add ``times`` x ``links`` to the category's link totals: per simulated group (rows b of
+        [B, N] and [B, n]) or the world's own (one row of D ranks and all nodes)."""
+        rank, node = links.rank_BN.ravel(), links.node_Bn.ravel()
+        if self.N < self.setup.topology.ranks_per_node and links.rank_BN.shape[0] > 1:
+            node = np.zeros(0)  # groups inside one node: no inter-node link of their own
+        if category not in self.links:
+            self.links[category] = [np.zeros_like(rank), np.zeros_like(node)]
+        self.links[category][0] += rank * times
+        self.links[category][1] += node * times
 
     def result(self) -> ClusterResult:
         c = max(1, self.counted)
         link_bytes = {}
-        for cat, (rank_D, node_W) in self.links.items():
+        for cat in LINK_CATEGORIES:
+            rank_D, node_W = self.links.get(cat, (np.zeros(1), np.zeros(1)))
+            node_W = node_W if node_W.size else np.zeros(1)
             link_bytes[cat] = {"gpu_mean": float(rank_D.mean()) / c, "gpu_max": float(rank_D.max()) / c,
                                "node_mean": float(node_W.mean()) / c, "node_max": float(node_W.max()) / c}
         return ClusterResult(policy=self.name, iteration_s=sum(self.totals.values()) / c,
@@ -351,7 +366,8 @@ class PolicyRun:
                              count_allgather_s=self.count_s / c,
                              planning_s={"pre_gating": self.plan_pre_s / c, "post_gating": self.plan_post_s / c},
                              link_bytes=link_bytes, ep_memory_bytes=ep_memory_bytes(self.setup, self.N),
-                             memory_cap=self.memory_cap, overlap_degree=self.overlap_degree)
+                             memory_cap=self.memory_cap, overlap_degree=self.overlap_degree, groups=self.groups,
+                             groups_simulated=self.B)
 
 
 def uniform_tokens_BEN(tokens_BEN: np.ndarray) -> np.ndarray:
@@ -379,11 +395,11 @@ def run_cluster(runs: list, source) -> list:
 
 
 def simulate_cluster(setup: Setup, source, policies, *, group_size: int | None = None,
-                     memory_cap: float | None = None, overlap_degree: int | None = None, dispatcher=None,
-                     materializer=place) -> list:
+                     memory_cap: float | None = None, overlap_degree: int | None = None,
+                     max_groups: int | None = None, dispatcher=None, materializer=place) -> list:
     """One :class:`ClusterResult` per policy name, in order (each at ``group_size``; see
     :class:`PolicyRun` for the rest)."""
     runs = [PolicyRun(name, setup, group_size=group_size, memory_cap=memory_cap if name.startswith("fssdp") else None,
-                      overlap_degree=overlap_degree, dispatcher=dispatcher, materializer=materializer)
-            for name in policies]
+                      overlap_degree=overlap_degree, max_groups=max_groups, dispatcher=dispatcher,
+                      materializer=materializer) for name in policies]
     return run_cluster(runs, source)
