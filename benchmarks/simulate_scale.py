@@ -38,7 +38,8 @@ def run_job(job: dict) -> dict:
     torch.set_num_threads(1)
     wall, cpu = time.time(), time.process_time()
     model = model_preset(job["model"])
-    setup = build_setup(cluster_preset(job["cluster"]), model, job["gpus"], calibration=False)
+    setup = build_setup(cluster_preset(job["cluster"]), model, job["gpus"], calibration=False,
+                        tokens_per_gpu=job.get("tokens_per_gpu"))
     sizes = []
     for n in job["group_sizes"]:
         try:
@@ -72,15 +73,16 @@ def best_rows(record: dict, cap) -> dict:
 
 
 def table(records: list, caps: list) -> str:
-    lines = ["| model | GPUs | cap | best FSSDP (group, m) | ms / iter | x EP same group | EP group | "
+    lines = ["| model | GPUs | tokens / GPU | cap | best FSSDP (group, m) | ms / iter | x EP same group | EP group | "
              "x best EP (group) | memory GB (EP) | planning ms (post) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for rec in sorted(records, key=lambda r: (r["job"]["model"], r["job"]["gpus"])):
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for rec in sorted(records, key=lambda r: (r["job"]["model"], r["setup"]["tokens_per_gpu"], r["job"]["gpus"])):
         for cap in caps:
             row = best_rows(rec, cap)
             b, s, e = row["best"], row["ep_same"], row["ep_best"]
             gb = sum(b["memory_gb"].values())
-            lines.append(f"| {rec['job']['model']} | {rec['job']['gpus']} | {'none' if cap is None else cap} | "
+            lines.append(f"| {rec['job']['model']} | {rec['job']['gpus']} | {rec['setup']['tokens_per_gpu']} | "
+                         f"{'none' if cap is None else cap} | "
                          f"{b['policy']} {b['group_size']}, m={b['budget']} | {b['total_ms']:.0f} | "
                          f"{s['total_ms'] / b['total_ms']:.2f} | {s['group_size']} | "
                          f"{e['total_ms'] / b['total_ms']:.2f} ({e['group_size']}) | "
@@ -103,6 +105,7 @@ def main(argv=None) -> int:
     p.add_argument("--load-cv", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-groups", type=int, default=32, help="groups simulated per run (see PolicyRun)")
+    p.add_argument("--tokens-per-gpu", type=int, default=None, help="default: the presets' (one 4096-token sequence)")
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--json", default=None)
     p.add_argument("--table", nargs="+", default=None, help="print the markdown table of these JSON files")
@@ -116,7 +119,8 @@ def main(argv=None) -> int:
         print(table(records, caps))
         return 0
     jobs = [dict(cluster=args.cluster, model=m, gpus=int(g), group_sizes=[int(n) for n in args.group_sizes.split(",")],
-                 caps=caps, steps=args.steps, load_cv=args.load_cv, seed=args.seed, max_groups=args.max_groups)
+                 caps=caps, steps=args.steps, load_cv=args.load_cv, seed=args.seed, max_groups=args.max_groups,
+                 tokens_per_gpu=args.tokens_per_gpu)
             for g in args.gpus.split(",") for m in args.models.split(",")]
     records = []
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:

@@ -17,7 +17,7 @@ from ds_fssdp.planner import (CostModel, ExpertShape, Hardware, dispatch, homoge
 from ds_fssdp.planner.baselines import POLICY_NAMES
 from ds_fssdp.planner.dispatch import dispatch_plan
 from ds_fssdp.sim.__main__ import main
-from ds_fssdp.sim.cluster import CLUSTER_POLICIES, plan_links, simulate_cluster
+from ds_fssdp.sim.cluster import CLUSTER_POLICIES, PolicyRun, plan_links, simulate_cluster
 from ds_fssdp.sim.links import allreduce_links, sparse_collective_links
 from ds_fssdp.sim.loadcv import LoadCVSource, load_cv
 from ds_fssdp.sim.memory import budget_for_cap
@@ -290,6 +290,8 @@ def test_memory_cap_and_group_size_checks():
             simulate_cluster(setup, tokens, ["ep"], group_size=bad)
     with pytest.raises(ValueError, match="at cluster scale"):
         simulate_cluster(setup, tokens, ["fastermoe"])
+    with pytest.raises(ValueError, match=r"ep: group_size \(8\) must be <= the 4 experts"):
+        PolicyRun("ep", small_setup(num_experts=4), group_size=8)
 
 
 def test_load_cv_source():
@@ -330,7 +332,8 @@ def test_cli_1024_gpus_fixed_preset(capsys):
     assert set(res) == set(CLUSTER_POLICIES) and out["setup"]["gpus"] == 1024 and out["setup"]["num_experts"] == 8
     assert out["trace"]["load_cv"] == pytest.approx(0.5, rel=0.1)
     for name, r in res.items():
-        assert r["group_size"] == 64 and r["iteration_ms"] > 0 and r["iteration_s"] == pytest.approx(
+        assert r["group_size"] == (64 if name.startswith("fssdp") else 8)  # EP groups hold at most E = 8 ranks
+        assert r["iteration_ms"] > 0 and r["iteration_s"] == pytest.approx(
             r["iteration_ms"] / 1e3)
         assert set(r["memory_gb"]) == {"param", "grad", "opt"} and r["memory_vs_ep"] <= 1.2 + 1e-9
         assert r["link_bytes"]["ar"]["node_max"] > 0 and r["count_allgather_ms"] > 0

@@ -15,9 +15,9 @@ At cluster scale (:mod:`ds_fssdp.sim.cluster`; chosen by ``--group-size``, ``--l
     python -m ds_fssdp.sim --trace synthetic --cluster b --model deepseek-v3-671b --gpus 1024 \
         --group-size 64 --load-cv 0.5 --memory-cap 1.2 --steps 20
 
-``--group-size N``: EP groups of N with expert-data-parallel replicas (``ep``), FSSDP groups of N
-(``fssdp``, ``fssdp-rm``); without it one group spans the world (the same numbers as the paper
-engine). ``--load-cv``: synthetic skew as the coefficient of variation of expert load (valid for
+``--group-size N``: EP groups of N with expert-data-parallel replicas (``ep``; at most E, as
+DeepSpeed's ``ep_size`` divides the experts), FSSDP groups of N (``fssdp``, ``fssdp-rm``); without
+it one group spans the world (the same numbers as the paper engine). ``--load-cv``: synthetic skew as the coefficient of variation of expert load (valid for
 any expert count; default 0.5 for fixed presets). ``--memory-cap X``: m (and fssdp-rm's m) chosen
 so that FSSDP's model-state memory is at most X times EP's at the same group size. Calibration is
 off there unless ``--calibration`` (the runtime's default; its Algorithm 1 pass runs in Python).
@@ -56,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--policies", default=None, help=f"comma-separated, of {','.join(POLICY_NAMES)} (default: all; "
                    f"at cluster scale {','.join(CLUSTER_POLICIES)})")
     p.add_argument("--group-size", type=int, default=None, help="EP / FSSDP groups of this many GPUs (default: the "
-                   "world)")
+                   "world; EP's at most the expert count)")
     p.add_argument("--memory-cap", type=float, default=None, help="FSSDP's m from this multiple of EP's model-state "
                    "memory")
     p.add_argument("--max-groups", type=int, default=None, help="simulate only the first this many groups (alike "

@@ -129,6 +129,9 @@ class PolicyRun:
         D, G = setup.topology.num_ranks, setup.topology.ranks_per_node
         N = D if group_size is None else group_size
         check_group_size(N, setup.topology)
+        if name in ("ep", "uniform") and N > setup.num_experts:
+            raise ValueError(f"{name}: group_size ({N}) must be <= the {setup.num_experts} experts (DeepSpeed's ep_size "
+                             f"divides the experts)")
         if max_groups is not None and max_groups < 1:
             raise ValueError(f"max_groups ({max_groups}) must be >= 1 or None")
         self.name, self.setup, self.N, self.groups = name, setup, N, D // N
@@ -155,7 +158,7 @@ class PolicyRun:
         self.planned = name.startswith("fssdp")
         L, E, B = setup.num_layers, setup.num_experts, self.B
         self.owner_LE = self.policy.initial_owner()
-        self.history_WBLE = np.zeros((setup.load_window, B, L, E), dtype=np.float32) if self.planned else None
+        self.history_WBLE = np.zeros((setup.load_window, B, L, E)) if self.planned else None
         self.world_history_WLE = np.zeros((setup.load_window, L, E))
         self.observed = 0
         self._ar_cache = None
@@ -269,7 +272,7 @@ class PolicyRun:
         if not self.observed:
             return None
         w = min(self.observed, self.setup.load_window)
-        return torch.from_numpy(self.history_WBLE[:w, b, l].astype(np.float64).mean(0))
+        return torch.from_numpy(self.history_WBLE[:w, b, l].mean(0))
 
     def _observe(self, tokens_LED: np.ndarray) -> None:
         slot = self.observed % self.setup.load_window
@@ -397,9 +400,11 @@ def run_cluster(runs: list, source) -> list:
 def simulate_cluster(setup: Setup, source, policies, *, group_size: int | None = None,
                      memory_cap: float | None = None, overlap_degree: int | None = None,
                      max_groups: int | None = None, dispatcher=None, materializer=place) -> list:
-    """One :class:`ClusterResult` per policy name, in order (each at ``group_size``; see
-    :class:`PolicyRun` for the rest)."""
-    runs = [PolicyRun(name, setup, group_size=group_size, memory_cap=memory_cap if name.startswith("fssdp") else None,
-                      overlap_degree=overlap_degree, max_groups=max_groups, dispatcher=dispatcher,
-                      materializer=materializer) for name in policies]
+    """One :class:`ClusterResult` per policy name, in order, each at ``group_size`` (the world
+    if None), EP's and Uniform's at most at the expert count (the group EP runs; its result says
+    which). See :class:`PolicyRun` for the rest."""
+    N = setup.topology.num_ranks if group_size is None else group_size
+    runs = [PolicyRun(name, setup, group_size=N if name.startswith("fssdp") else min(N, setup.num_experts),
+                      memory_cap=memory_cap if name.startswith("fssdp") else None, overlap_degree=overlap_degree,
+                      max_groups=max_groups, dispatcher=dispatcher, materializer=materializer) for name in policies]
     return run_cluster(runs, source)
