@@ -1,6 +1,9 @@
 """The cluster simulator: its fast Algorithm 1 and 3 equal the planner's, the cost-model additions
 mean what they say, and whole simulations behave (uniform loads: nothing to gain; one hot
-expert: EP slowest; more bandwidth never slower); the CLI prints a table, JSON and a PNG."""
+expert: EP slowest; more bandwidth never slower); the CLI prints a table, JSON and a PNG. At
+cluster scale: one group spanning the world equals the paper engine, groups plan alone and meet
+at the all-reduce, the memory cap holds, load-CV traces have their CV, 1,024 GPUs run."""
+import functools
 import json
 import os
 
@@ -12,7 +15,12 @@ from ds_fssdp import Topology
 from ds_fssdp.planner import (CostModel, ExpertShape, Hardware, dispatch, homogeneous_owner, materialize,
                               shard_placement)
 from ds_fssdp.planner.baselines import POLICY_NAMES
+from ds_fssdp.planner.dispatch import dispatch_plan
 from ds_fssdp.sim.__main__ import main
+from ds_fssdp.sim.cluster import CLUSTER_POLICIES, PolicyRun, plan_links, simulate_cluster
+from ds_fssdp.sim.links import allreduce_links, sparse_collective_links
+from ds_fssdp.sim.loadcv import LoadCVSource, load_cv
+from ds_fssdp.sim.memory import budget_for_cap
 from ds_fssdp.sim.presets import cluster_preset, model_preset
 from ds_fssdp.sim.setup import Setup, build_setup, derive_overlap_degree
 from ds_fssdp.sim.simulate import simulate
@@ -191,3 +199,143 @@ def test_cli_balancing_dispatch(capsys):
     assert balanced["ep"]["straggler"] == pytest.approx(paper["ep"]["straggler"])  # one holder: nothing to split
     assert balanced["fssdp"]["straggler"] < paper["fssdp"]["straggler"] - 0.02, (balanced["fssdp"], paper["fssdp"])
     assert balanced["fssdp"]["iteration_ms"] < paper["fssdp"]["iteration_ms"]
+
+
+# -- cluster scale (ds_fssdp.sim.cluster) ------------------------------------------------------------
+
+
+def test_cluster_engine_at_world_size_equals_paper_engine():
+    """One group spanning the world: the cluster engine (compact plans, numpy links) gives the
+    paper engine's numbers, a re-shard (step 8) and both dispatchers included."""
+    setup = small_setup()
+    tokens = skewed_tokens(12, setup, std=0.12, seed=3)
+    for paper_dispatch, compact_dispatch in ((dispatch, dispatch_plan),
+                                             (functools.partial(dispatch, mode="balanced"),
+                                              functools.partial(dispatch_plan, mode="balanced"))):
+        want = simulate(setup, tokens, CLUSTER_POLICIES, dispatcher=paper_dispatch)
+        got = simulate_cluster(setup, tokens, CLUSTER_POLICIES, dispatcher=compact_dispatch)
+        assert any(r.migrated_experts for r in want), "the trace must exercise a re-shard"
+        for a, b in zip(want, got):
+            assert (b.policy, b.group_size) == (a.policy, 8)
+            assert b.iteration_s == pytest.approx(a.iteration_s, rel=1e-12), a.policy
+            assert b.breakdown_s == pytest.approx(a.breakdown_s, rel=1e-12), a.policy
+            assert b.memory_bytes == pytest.approx(a.memory_bytes, rel=1e-12), a.policy
+            assert (b.straggler, b.inter_node_gb, b.replicas_per_layer) == pytest.approx(
+                (a.straggler, a.inter_node_gb, a.replicas_per_layer), rel=1e-12), a.policy
+            assert b.migrated_experts == a.migrated_experts
+
+
+def test_links_equal_the_cost_model():
+    topo = Topology(num_ranks=8, ranks_per_node=4)
+    cost = CostModel(HW, SHAPE, topo)
+    gen = torch.Generator().manual_seed(5)
+    owner = homogeneous_owner(12, 8)
+    shard = shard_placement(owner, 8)
+    for _ in range(10):
+        p = shard | (torch.rand(12, 8, generator=gen) < 0.25)
+        tokens = torch.randint(0, 50, (12, 8), generator=gen)
+        plan = dispatch_plan(p, tokens, topo)
+        links = plan_links(plan, 4, SHAPE.token_bytes)
+        dense = plan.dense()
+        assert float(links.time_B(HW)[0]) == pytest.approx(cost.a2a_time(dense), rel=1e-12)
+        assert links.inter_total == pytest.approx(cost.a2a_bytes(dense)[1], rel=1e-12)
+        sc = sparse_collective_links(owner.numpy(), p.numpy(), ranks_per_node=4, chunk_bytes=SHAPE.expert_bytes)
+        assert float(sc.time_B(HW)[0]) == pytest.approx(cost.sparse_collective_time(owner, p), rel=1e-12)
+        groups = torch.rand(3, 8, generator=gen) < 0.5
+        sizes = torch.rand(3, generator=gen, dtype=torch.float64) * 1e9
+        ar = allreduce_links(groups.numpy(), sizes.numpy(), ranks_per_node=4)
+        assert float(ar.time_B(HW)[0]) == pytest.approx(cost.allreduce_time(groups, sizes), rel=1e-12)
+
+
+def test_groups_plan_alone_and_meet_at_the_allreduce():
+    """16 ranks as 2 groups of 8: each group's layers are what the group alone would run (FSSDP
+    plans on its own counts), the slowest group sets the layer time, and the EDP all-reduce of
+    the owners' gradients joins the dense one."""
+    world = small_setup(topology=Topology(num_ranks=16, ranks_per_node=4), reshard_interval=0)
+    alone = small_setup(reshard_interval=0)
+    tokens = np.full((10, 2, 16, 16), 2 * world.tokens_per_gpu // 64, dtype=np.int32)  # group 0: a quarter, even
+    tokens[..., 8:] = skewed_tokens(10, alone, std=0.2, seed=7)  # group 1: skewed, the straggler
+    grouped = by_name(simulate_cluster(world, tokens, CLUSTER_POLICIES, group_size=8))
+    for name in CLUSTER_POLICIES:
+        slow = simulate_cluster(alone, tokens[..., 8:], [name])[0]
+        fast = simulate_cluster(alone, tokens[..., :8], [name])[0]
+        assert slow.iteration_s > fast.iteration_s, name
+        for cat in ("comp", "a2a", "spag"):
+            assert grouped[name].breakdown_s[cat] == pytest.approx(slow.breakdown_s[cat], rel=1e-12), (name, cat)
+        ar = grouped[name].link_bytes["ar"]
+        P = SHAPE.params
+        owned = 2 * 2 * P  # 16 experts on 8 ranks, 2 layers
+        per_rank = 2 * 15 / 16 * 2 * world.dense_params + 2 * 1 / 2 * 2 * owned
+        assert ar["gpu_mean"] == pytest.approx(per_rank) and ar["gpu_max"] == pytest.approx(per_rank)
+        assert grouped[name].memory_bytes["opt"] == pytest.approx(12 * (world.dense_params + owned))
+    assert grouped["fssdp"].iteration_s < grouped["ep"].iteration_s
+    assert grouped["fssdp"].planning_s["post_gating"] > 0 and grouped["ep"].planning_s["post_gating"] == 0
+
+
+def test_memory_cap_and_group_size_checks():
+    setup = small_setup(reshard_interval=0)
+    tokens = skewed_tokens(8, setup, std=0.15, seed=8)
+    for cap in (1.1, 1.3):
+        res = by_name(simulate_cluster(setup, tokens, CLUSTER_POLICIES, group_size=4, memory_cap=cap))
+        ep = sum(res["ep"].memory_bytes.values())
+        assert ep == pytest.approx(res["ep"].ep_memory_bytes)
+        for name in ("fssdp", "fssdp-rm"):
+            r = res[name]
+            assert r.budget == budget_for_cap(setup, 4, cap, rematerialize=name == "fssdp-rm") and r.budget >= 1
+            assert sum(r.memory_bytes.values()) <= cap * ep * (1 + 1e-12), (name, cap)
+            worst = ep + 4 * SHAPE.params * (r.budget + 1) * (2 if name == "fssdp-rm" else setup.num_layers)
+            assert worst > cap * ep, "m is the largest budget within the cap"
+    for bad in (3, 5, 16):
+        with pytest.raises(ValueError, match=rf"group_size \({bad}\)"):
+            simulate_cluster(setup, tokens, ["ep"], group_size=bad)
+    with pytest.raises(ValueError, match="at cluster scale"):
+        simulate_cluster(setup, tokens, ["fastermoe"])
+    with pytest.raises(ValueError, match=r"ep: group_size \(8\) must be <= the 4 experts"):
+        PolicyRun("ep", small_setup(num_experts=4), group_size=8)
+
+
+def test_load_cv_source():
+    for E, k, cv in ((8, 2, 0.5), (256, 8, 0.5), (256, 8, 1.5)):
+        src = LoadCVSource(steps=6, num_layers=3, num_experts=E, num_ranks=16, assignments_per_rank=4096 * k, cv=cv,
+                           top_k=k, seed=1)
+        steps = list(src)
+        assert all(t.shape == (3, E, 16) and t.dtype == np.int32 and (t.sum(1) == 4096 * k).all() for t in steps)
+        assert load_cv(np.stack([t.sum(2) for t in steps])) == pytest.approx(cv, rel=0.06), (E, cv)
+        again = list(LoadCVSource(steps=6, num_layers=3, num_experts=E, num_ranks=16, assignments_per_rank=4096 * k,
+                                  cv=cv, top_k=k, seed=1))
+        assert all((a == b).all() for a, b in zip(steps, again))
+    with pytest.raises(ValueError, match=r"load_cv \(2.0\) must be in \[0, 1.732\)"):
+        LoadCVSource(steps=2, num_layers=1, num_experts=8, num_ranks=2, assignments_per_rank=10, cv=2.0, top_k=2)
+
+
+def test_fixed_presets():
+    b = cluster_preset("b")
+    ds = model_preset("deepseek-v3-671b")
+    small, large = build_setup(b, ds, 64), build_setup(b, ds, 4096)
+    assert small.num_experts == large.num_experts == 256 and small.num_layers == 58
+    assert small.shape.params == 3 * 7168 * 2048
+    # 671B in all: 58 x 256 routed experts plus the dense part (embeddings and LM head left out).
+    total = 58 * 256 * small.shape.params + small.dense_params
+    assert 650e9 < total + 2 * 129280 * 7168 < 690e9
+    assert small.extra_compute_s > 0 and build_setup(b, model_preset("deepseek-v3"), 32).extra_compute_s == 0
+    assert build_setup(b, model_preset("mixtral-8x7b"), 1024).num_experts == 8
+    assert model_preset("qwen3-30b-a3b").expert_shape().params == 3 * 2048 * 768
+
+
+def test_cli_1024_gpus_fixed_preset(capsys):
+    """A 1,024-GPU run of a fixed preset at cluster scale: time, memory, planning and links per
+    policy (mixtral-8x7b: t = 0 at 4096 tokens, so calibration on lets FSSDP replicate)."""
+    assert main(["--trace", "synthetic", "--cluster", "b", "--model", "mixtral-8x7b", "--gpus", "1024", "--steps", "6",
+                 "--group-size", "64", "--memory-cap", "1.2", "--calibration", "--json", "--no-png"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    res = {r["policy"]: r for r in out["results"]}
+    assert set(res) == set(CLUSTER_POLICIES) and out["setup"]["gpus"] == 1024 and out["setup"]["num_experts"] == 8
+    assert out["trace"]["load_cv"] == pytest.approx(0.5, rel=0.1)
+    for name, r in res.items():
+        assert r["group_size"] == (64 if name.startswith("fssdp") else 8)  # EP groups hold at most E = 8 ranks
+        assert r["iteration_ms"] > 0 and r["iteration_s"] == pytest.approx(
+            r["iteration_ms"] / 1e3)
+        assert set(r["memory_gb"]) == {"param", "grad", "opt"} and r["memory_vs_ep"] <= 1.2 + 1e-9
+        assert r["link_bytes"]["ar"]["node_max"] > 0 and r["count_allgather_ms"] > 0
+        assert name in out["speedup_vs_ep"]
+    assert res["fssdp"]["planning_ms"]["post_gating"] > 0

@@ -8,6 +8,20 @@ model-state memory) and writes a PNG bar chart. ``--json`` prints the same as JS
 paper's Algorithm 3. ``--dispatch balanced`` gives every policy the runtime's default balancing
 dispatcher instead (with the config's default ``dispatch_slack``): what FSSDP here does beyond the
 paper.
+
+At cluster scale (:mod:`ds_fssdp.sim.cluster`; chosen by ``--group-size``, ``--load-cv``,
+``--memory-cap`` or a fixed model preset such as ``deepseek-v3-671b``):
+
+    python -m ds_fssdp.sim --trace synthetic --cluster b --model deepseek-v3-671b --gpus 1024 \
+        --group-size 64 --load-cv 0.5 --memory-cap 1.2 --steps 20
+
+``--group-size N``: EP groups of N with expert-data-parallel replicas (``ep``; at most E, as
+DeepSpeed's ``ep_size`` divides the experts), FSSDP groups of N (``fssdp``, ``fssdp-rm``); without
+it one group spans the world (the same numbers as the paper engine). ``--load-cv``: synthetic skew as the coefficient of variation of expert load (valid for
+any expert count; default 0.5 for fixed presets). ``--memory-cap X``: m (and fssdp-rm's m) chosen
+so that FSSDP's model-state memory is at most X times EP's at the same group size. Calibration is
+off there unless ``--calibration`` (the runtime's default; its Algorithm 1 pass runs in Python).
+Policies: ep, uniform, fssdp, fssdp-rm.
 """
 from __future__ import annotations
 
@@ -21,13 +35,15 @@ import torch
 from ds_fssdp.config import FSSDPConfig
 from ds_fssdp.planner.baselines import POLICY_NAMES
 from ds_fssdp.planner.dispatch import dispatch as planner_dispatch
+from ds_fssdp.planner.dispatch import dispatch_plan
+from ds_fssdp.sim.cluster import CLUSTER_POLICIES, simulate_cluster
 from ds_fssdp.sim.plot import plot_results
 from ds_fssdp.sim.presets import CLUSTERS, MODELS, cluster_preset, model_preset
 from ds_fssdp.sim.report import format_table, to_json
 from ds_fssdp.sim.setup import build_setup
 from ds_fssdp.sim.simulate import simulate
 from ds_fssdp.sim.traces import save_trace
-from ds_fssdp.sim.workload import trace_for_setup
+from ds_fssdp.sim.workload import DEFAULT_LOAD_CV, SYNTHETIC, cv_workload, trace_for_setup
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -37,11 +53,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cluster", default="a", choices=sorted(CLUSTERS))
     p.add_argument("--model", default="gpt-s-moe", choices=sorted(MODELS))
     p.add_argument("--gpus", type=int, default=32)
-    p.add_argument("--policies", default=",".join(POLICY_NAMES), help=f"comma-separated, of {','.join(POLICY_NAMES)}")
+    p.add_argument("--policies", default=None, help=f"comma-separated, of {','.join(POLICY_NAMES)} (default: all; "
+                   f"at cluster scale {','.join(CLUSTER_POLICIES)})")
+    p.add_argument("--group-size", type=int, default=None, help="EP / FSSDP groups of this many GPUs (default: the "
+                   "world; EP's at most the expert count)")
+    p.add_argument("--memory-cap", type=float, default=None, help="FSSDP's m from this multiple of EP's model-state "
+                   "memory")
+    p.add_argument("--max-groups", type=int, default=None, help="simulate only the first this many groups (alike "
+                   "under a synthetic trace; cheaper, may miss a slower group)")
     p.add_argument("--steps", type=int, default=None, help="steps to replay (default: all of a recorded trace, 200 "
                    "synthetic)")
     p.add_argument("--start", type=int, default=0, help="first step of a recorded trace")
-    p.add_argument("--target-std", type=float, default=0.04, help="synthetic: std of expert load share")
+    p.add_argument("--target-std", type=float, default=None, help="synthetic: std of expert load share (default "
+                   "0.04; paper presets)")
+    p.add_argument("--load-cv", type=float, default=None, help=f"synthetic: coefficient of variation of expert load "
+                   f"(default {DEFAULT_LOAD_CV} for fixed presets)")
     p.add_argument("--drift", type=float, default=None, help="synthetic: 1 - step correlation of the preferences")
     p.add_argument("--jitter", type=float, default=None, help="synthetic: fraction of fresh noise per step")
     p.add_argument("--seed", type=int, default=0)
@@ -59,7 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reshard-interval", type=int, default=100)
     p.add_argument("--dispatch", default="paper", choices=["paper", "balanced"],
                    help="token dispatch of every policy: the paper's Algorithm 3 or the balancing dispatcher")
-    p.add_argument("--no-calibration", action="store_true")
+    p.add_argument("--calibration", action=argparse.BooleanOptionalAction, default=None,
+                   help="FSSDP calibration (default: on in the paper engine, off at cluster scale)")
     p.add_argument("--calibration-budget", type=float, default=1.0, help="in attention forward times")
     p.add_argument("--png", default=None, help="chart path (default sim_<cluster>_<model>_<gpus>.png)")
     p.add_argument("--no-png", action="store_true")
@@ -71,28 +98,57 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)  # small tensors: threads cost more than they give
-    policies = [p for p in args.policies.split(",") if p]
-    unknown = [p for p in policies if p not in POLICY_NAMES]
-    if unknown:
-        raise SystemExit(f"--policies: unknown {unknown}; known: {', '.join(POLICY_NAMES)}")
     cluster, model = cluster_preset(args.cluster), model_preset(args.model)
+    at_scale = model.fixed or any(v is not None for v in (args.group_size, args.load_cv, args.memory_cap,
+                                                          args.max_groups))
+    known = CLUSTER_POLICIES if at_scale else POLICY_NAMES
+    policies = [p for p in (args.policies or ",".join(known)).split(",") if p]
+    unknown = [p for p in policies if p not in known]
+    if unknown:
+        raise SystemExit(f"--policies: unknown {unknown}; known{' at cluster scale' if at_scale else ''}: "
+                         f"{', '.join(known)}")
+    if args.load_cv is not None and args.target_std is not None:
+        raise SystemExit("--load-cv and --target-std both set: give one skew")
+    if args.memory_cap is not None and (args.budget is not None or args.budget_rm is not None):
+        raise SystemExit(f"--memory-cap ({args.memory_cap}) chooses m: do not also give --budget / --budget-rm")
     memory = None if args.replica_memory_gb is None else args.replica_memory_gb * 1e9
+    calibration = (not at_scale) if args.calibration is None else args.calibration
     setup = build_setup(cluster, model, args.gpus, tokens_per_gpu=args.tokens_per_gpu, replica_memory_bytes=memory,
                         overlap_degree=args.overlap_degree, budget=args.budget, budget_rm=args.budget_rm,
                         flexmoe_slots=args.flexmoe_slots, reshard_interval=args.reshard_interval,
                         smartmoe_interval=args.smartmoe_interval, flexmoe_threshold=args.flexmoe_threshold,
-                        flexmoe_interval=args.flexmoe_interval, calibration=not args.no_calibration,
+                        flexmoe_interval=args.flexmoe_interval, calibration=calibration,
                         calibration_budget=args.calibration_budget)
     synth = {k: v for k, v in (("drift", args.drift), ("jitter", args.jitter)) if v is not None}
-    trace, trace_summary = trace_for_setup(setup, args.trace, top_k=model.top_k, steps=args.steps, start=args.start,
-                                           target_std=args.target_std, seed=args.seed,
-                                           split_concentration=args.split_concentration, **synth)
+    if at_scale and args.trace == SYNTHETIC and args.target_std is None:
+        cv = DEFAULT_LOAD_CV if args.load_cv is None else args.load_cv
+        source = cv_workload(setup, top_k=model.top_k, steps=args.steps, load_cv_target=cv, seed=args.seed, **synth)
+        trace = None
+    else:
+        if args.load_cv is not None:
+            raise SystemExit(f"--load-cv ({args.load_cv}) needs --trace synthetic")
+        std = 0.04 if args.target_std is None else args.target_std
+        trace, trace_summary = trace_for_setup(setup, args.trace, top_k=model.top_k, steps=args.steps,
+                                               start=args.start, target_std=std, seed=args.seed,
+                                               split_concentration=args.split_concentration, **synth)
+        source = trace.tokens_SLED
     if args.save_trace:
+        if trace is None:
+            raise SystemExit("--save-trace: a load-CV trace is generated as it is read; it is not kept")
         save_trace(args.save_trace, trace)
-    dispatcher = functools.partial(planner_dispatch, mode=args.dispatch, slack=FSSDPConfig().dispatch_slack)
-    results = simulate(setup, trace.tokens_SLED, policies, dispatcher=dispatcher)
+    slack = FSSDPConfig().dispatch_slack
+    if at_scale:
+        results = simulate_cluster(setup, source, policies, group_size=args.group_size, memory_cap=args.memory_cap,
+                                   overlap_degree=args.overlap_degree, max_groups=args.max_groups,
+                                   dispatcher=functools.partial(dispatch_plan, mode=args.dispatch, slack=slack))
+        if trace is None:
+            trace_summary = source.summary(setup.load_window)
+    else:
+        dispatcher = functools.partial(planner_dispatch, mode=args.dispatch, slack=slack)
+        results = simulate(setup, source, policies, dispatcher=dispatcher)
     summary = setup.summary()
     summary["dispatch"] = args.dispatch
+    summary["group_size"] = args.group_size or args.gpus
     if not args.no_png:
         png = args.png or f"sim_{cluster.name}_{model.name}_{args.gpus}.png"
         plot_results(png, results, title=f"{summary['label']}; {trace_summary.get('description', '')}")

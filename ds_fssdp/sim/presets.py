@@ -23,6 +23,16 @@ Every number that the paper does not state is an assumption, named here:
   (Qwen1.5, DeepSeek-V3) run on every rank with identical cost under every policy and are left
   out, as are the embeddings and LM head (DeepSeek-V3 is a pipeline stage in the paper). Attention
   is plain multi-head attention of d_model (no GQA / MLA savings).
+
+Fixed presets (``FIXED_MODELS``: the real models, whose expert count does not grow with the
+cluster; shapes from their Hugging Face configs, ``transformers``' ``MixtralConfig``,
+``Qwen3MoeConfig``, ``DeepseekV3Config``): every layer of the whole model on every rank (no
+pipeline stage), sequences of 4096 tokens. Attention counts its real projections (GQA for Mixtral
+and Qwen3, MLA for DeepSeek-V3) in ``attention_params`` and its score width in ``attention_dim``
+(heads x head dim; MLA: heads x the mean of the query-key and value head dims). DeepSeek-V3's
+shared expert and its three dense first layers (FFN 18432) are counted: their compute, identical
+under every policy, in every iteration, their parameters with the dense part. Embeddings and LM
+head are left out as above.
 """
 from __future__ import annotations
 
@@ -78,17 +88,29 @@ class ModelPreset:
     experts_per_gpu: int
     top_k: int
     matrices: int  # 2: GELU (w_a, w_b); 3: SwiGLU (w_gate, w_up, w_down)
+    experts: int = 0  # a fixed expert count (the real models); 0: experts_per_gpu x GPUs
+    shared_experts: int = 0  # counted only for fixed presets (see the module docstring)
+    dense_layers: int = 0  # leading layers with a dense FFN of dense_ffn instead of experts
+    dense_ffn: int = 0
+    attention_params: int = 0  # weights of one attention block; 0: 4 d^2
+    attention_dim: int = 0  # score width; 0: d_model
+
+    @property
+    def fixed(self) -> bool:
+        return self.experts > 0
 
     def num_layers(self, cluster: str) -> int:
+        """MoE layers (the dense first layers are not among them)."""
         return self.layers_a if cluster == "a" else self.layers_b
 
     def num_experts(self, gpus: int) -> int:
-        return self.experts_per_gpu * gpus
+        return self.experts if self.fixed else self.experts_per_gpu * gpus
 
     def activation_bytes_per_token(self, cluster: str) -> float:
         d = self.d_model
-        per_layer = 34.0 * d + self.top_k * 2.0 * (2 * d + self.matrices * self.d_ffn)
-        return per_layer * self.num_layers(cluster)
+        per_layer = 34.0 * d + (self.top_k + self.shared_experts) * 2.0 * (2 * d + self.matrices * self.d_ffn)
+        dense = self.dense_layers * (34.0 * d + 2.0 * (2 * d + 3 * self.dense_ffn))
+        return per_layer * self.num_layers(cluster) + dense
 
     def tokens_per_gpu(self, cluster: "ClusterPreset") -> int:
         sequences = int(ACTIVATION_FRACTION * cluster.hbm_bytes // (self.activation_bytes_per_token(cluster.name) *
@@ -102,13 +124,28 @@ class ModelPreset:
         """Forward FLOPs of one token through one attention layer: QKV and output projections
         (4 d^2 weights, 2 FLOPs each) plus scores and weighted sum (2 x 2 S d, halved by the causal
         mask)."""
-        d, s = self.d_model, self.seq_len
-        return 8.0 * d * d + 2.0 * s * d
+        s = self.seq_len
+        return 2.0 * self.attention_weights + 2.0 * s * (self.attention_dim or self.d_model)
+
+    @property
+    def attention_weights(self) -> int:
+        return self.attention_params or 4 * self.d_model * self.d_model
 
     def dense_params_per_layer(self, num_experts: int) -> int:
-        """Attention projections, the gate, two LayerNorms (weight + bias)."""
+        """Attention projections, the gate, two LayerNorms (weight + bias), the shared experts."""
         d = self.d_model
-        return 4 * d * d + d * num_experts + 4 * d
+        return self.attention_weights + d * num_experts + 4 * d + self.shared_experts * self.expert_shape().params
+
+    def extra_dense_params(self) -> int:
+        """The dense first layers: attention, SwiGLU FFN, norms."""
+        return self.dense_layers * (self.attention_weights + 3 * self.d_model * self.dense_ffn + 4 * self.d_model)
+
+    def extra_flops_per_token(self) -> float:
+        """Forward FLOPs per token that every policy spends alike beyond the routed experts and
+        the MoE layers' attention: the shared experts and the dense first layers."""
+        shared = self.shared_experts * self.expert_shape().row_flops * self.layers_a
+        dense = self.dense_layers * (self.attention_flops_per_token() + 2.0 * 3 * self.d_model * self.dense_ffn)
+        return shared + dense if self.fixed else 0.0
 
 
 MODELS = {
@@ -126,6 +163,26 @@ MODELS = {
                     experts_per_gpu=4, top_k=8, matrices=3),
     )
 }
+
+# Attention weights: Mixtral q/o 4096x4096, k/v 4096x1024 (8 KV heads of 128); Qwen3-30B-A3B q/o
+# 2048x4096 (32 heads of 128), k/v 2048x512 (4 KV heads); DeepSeek-V3 MLA q_a 7168x1536, q_b
+# 1536x(128x192), kv_a 7168x576, kv_b 512x(128x256), o (128x128)x7168.
+FIXED_MODELS = {
+    m.name: m
+    for m in (
+        ModelPreset(name="mixtral-8x7b", d_model=4096, d_ffn=14336, seq_len=4096, layers_a=32, layers_b=32,
+                    experts_per_gpu=0, top_k=2, matrices=3, experts=8,
+                    attention_params=2 * 4096 * 4096 + 2 * 4096 * 1024, attention_dim=4096),
+        ModelPreset(name="qwen3-30b-a3b", d_model=2048, d_ffn=768, seq_len=4096, layers_a=48, layers_b=48,
+                    experts_per_gpu=0, top_k=8, matrices=3, experts=128,
+                    attention_params=2 * 2048 * 4096 + 2 * 2048 * 512, attention_dim=4096),
+        ModelPreset(name="deepseek-v3-671b", d_model=7168, d_ffn=2048, seq_len=4096, layers_a=58, layers_b=58,
+                    experts_per_gpu=0, top_k=8, matrices=3, experts=256, shared_experts=1, dense_layers=3,
+                    dense_ffn=18432, attention_params=7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 * 128 * 256
+                    + 128 * 128 * 7168, attention_dim=128 * 160),
+    )
+}
+MODELS.update(FIXED_MODELS)
 
 
 def cluster_preset(name: str) -> ClusterPreset:

@@ -27,6 +27,7 @@ def to_json(setup_summary: dict, trace_summary: dict, results: list) -> dict:
 def format_table(setup_summary: dict, trace_summary: dict, results: list) -> str:
     s, t = setup_summary, trace_summary
     hw = s["hardware"]
+    cv = f", load CV {t['load_cv']:.3f}" if "load_cv" in t else ""
     lines = [
         f"{s['label']}: E={s['num_experts']} experts x {s['num_layers']} layers, {s['tokens_per_gpu']} tokens/GPU, "
         f"expert {s['expert_bytes'] / 1e6:.1f} MB, attention fwd {s['attention_fwd_ms']:.2f} ms",
@@ -35,8 +36,8 @@ def format_table(setup_summary: dict, trace_summary: dict, results: list) -> str
         f"flexmoe slots={s['flexmoe_slots']}, reshard every {s['reshard_interval']}, smartmoe every "
         f"{s['smartmoe_interval']}, calibration {'on' if s['calibration'] else 'off'}, dispatch "
         f"{s.get('dispatch', 'paper')}",
-        f"  trace: {t.get('description', '')}; {t['steps']} steps, skew (std of expert share) {t['share_std']:.4f}, "
-        f"predictor R^2 (w={t['window']}) {t['r2']:.3f}",
+        f"  trace: {t.get('description', '')}; {t['steps']} steps, skew (std of expert share) {t['share_std']:.4f}"
+        f"{cv}, predictor R^2 (w={t['window']}) {t['r2']:.3f}",
     ]
     r = ratios(results)
     header = (f"{'policy':<10} {'ms/iter':>9} {'xEP':>6} {'xFMoE':>6} |" +
@@ -61,6 +62,29 @@ def format_table(setup_summary: dict, trace_summary: dict, results: list) -> str
     lines.append("Breakdown columns are ms per iteration on the critical path (exposed time only); strag = max/mean "
                  "rows per rank; repl/L = replica pairs beyond the shard per layer; mem = model states of the fullest "
                  "rank (activations excluded).")
+    if results and hasattr(results[0], "group_size"):
+        lines += ["", cluster_table(results)]
+    return "\n".join(lines)
+
+
+def cluster_table(results: list) -> str:
+    """The cluster engine's extra columns: group size, m, memory over EP's, count all-gather and
+    measured planning per iteration, and the busiest links' bytes per iteration."""
+    header = (f"{'policy':<10} {'group':>6} {'t':>3} {'m':>4} {'mem/EP':>7} | {'count ms':>8} {'plan ms':>8} "
+              f"{'(pre/post)':>14} {'total ms':>9} | {'GPU link GB':>11} {'node link GB':>12}")
+    lines = [header, "-" * len(header)]
+    for r in results:
+        gpu = sum(v["gpu_max"] for v in r.link_bytes.values()) / 1e9
+        node = sum(v["node_max"] for v in r.link_bytes.values()) / 1e9
+        pre, post = (1e3 * r.planning_s.get(k, 0.0) for k in ("pre_gating", "post_gating"))
+        mem = sum(r.memory_bytes.values()) / r.ep_memory_bytes
+        split = f"{pre:.1f}/{post:.1f}"
+        lines.append(f"{r.policy:<10} {r.group_size:>6} {r.overlap_degree:>3} {r.budget:>4} {mem:>7.3f} | {1e3 * r.count_allgather_s:>8.2f} "
+                     f"{pre + post:>8.2f} {split:>14} {1e3 * r.total_s:>9.1f} | {gpu:>11.2f} {node:>12.2f}")
+    lines.append("count = the tokens_ED all-gather of every layer; plan = measured planning on one rank (pre: "
+                 "placement before gating, post: calibration + dispatch, on the critical path); total = iteration + "
+                 "count + post; links: the busiest GPU / node link's bytes per iteration (summed over categories' "
+                 "busiest).")
     return "\n".join(lines)
 
 

@@ -53,6 +53,8 @@ class Setup:
     calibration: bool = True
     calibration_budget: float = 1.0  # calibration's critical-path latency budget, in attention forwards
     load_window: int = 5
+    extra_compute_s: float = 0.0  # per iteration, fwd + bwd, alike under every policy (shared experts, dense layers)
+    hbm_bytes: float = 0.0  # per GPU (0: unknown)
     label: str = ""
 
     @property
@@ -75,7 +77,8 @@ class Setup:
             "overlap_degree": self.overlap_degree, "budget": self.budget, "budget_rm": self.budget_rm,
             "flexmoe_slots": self.flexmoe_slots, "reshard_interval": self.reshard_interval,
             "smartmoe_interval": self.smartmoe_interval, "flexmoe_threshold": self.flexmoe_threshold,
-            "calibration": self.calibration, "calibration_budget_attn": self.calibration_budget, "hardware": {
+            "calibration": self.calibration, "calibration_budget_attn": self.calibration_budget,
+            "dense_params": self.dense_params, "extra_compute_ms": 1e3 * self.extra_compute_s, "hardware": {
                 "flops": self.hw.flops, "intra_bw": self.hw.intra_bw, "inter_bw": self.hw.inter_bw,
                 "latency": self.hw.latency, "hbm_bw": self.hw.hbm_bw
             }
@@ -120,5 +123,7 @@ def build_setup(cluster: ClusterPreset, model: ModelPreset, gpus: int, *, tokens
     label = options.pop("label", f"cluster {cluster.name.upper()}, {model.name}, {gpus} GPUs")
     return Setup(topology=topology, hw=hw, shape=shape, num_layers=L, num_experts=E, tokens_per_gpu=tokens,
                  attention_flops_per_token=model.attention_flops_per_token(),
-                 dense_params=L * model.dense_params_per_layer(E), overlap_degree=t, budget=m, budget_rm=m_rm,
-                 flexmoe_slots=slots, label=label, **options)
+                 dense_params=L * model.dense_params_per_layer(E) + model.extra_dense_params(), overlap_degree=t,
+                 budget=m, budget_rm=m_rm, flexmoe_slots=slots, label=label,
+                 extra_compute_s=3.0 * tokens * model.extra_flops_per_token() / hw.flops, hbm_bytes=cluster.hbm_bytes,
+                 **options)

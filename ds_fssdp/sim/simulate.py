@@ -24,6 +24,8 @@ per layer
   exposed: the baselines issue them after the backward (paper Figure 1b).
 
 per iteration
+* [comp] what every policy computes alike beyond the MoE layers (``Setup.extra_compute_s``: shared
+  experts, dense first layers; 0 for the paper's presets).
 * [rearr] the reshard's copies (SmartMoE's permutation, FlexMoE's expansions, FSSDP's Algorithm 2):
   parameters + optimizer state, 14 bytes per parameter, all at once (:meth:`CostModel.transfer_time`).
 * [ar] the dense data-parallel all-reduce of the non-expert gradients (bf16, ring over all ranks),
@@ -58,7 +60,7 @@ from ds_fssdp.planner.predict import LoadPredictor
 from ds_fssdp.planner.shard import shard_placement
 from ds_fssdp.sim.setup import GRAD_BYTES, MIGRATE_BYTES, OPT_BYTES, OPT_TRAFFIC_BYTES, PARAM_BYTES, Setup
 from ds_fssdp.planner.dispatch import dispatch as planner_dispatch
-from ds_fssdp.planner.materialize import materialize as planner_materialize
+from ds_fssdp.sim.placement import place
 
 CATEGORIES = ("comp", "a2a", "spag", "rearr", "ar", "opt")
 
@@ -96,7 +98,7 @@ class PolicyResult:
 
 
 def simulate(setup: Setup, tokens_SLED: np.ndarray, policies, *, dispatcher=planner_dispatch,
-             materializer=planner_materialize, placement: str = "paper") -> list:
+             materializer=place, placement: str = "paper") -> list:
     """One :class:`PolicyResult` per policy name, in order. ``placement``: FSSDP's pre-gating
     placement (``planner.place``; "paper" is Algorithm 1, or ``materializer``)."""
     tokens_SLED = np.asarray(tokens_SLED)
@@ -112,7 +114,7 @@ def simulate(setup: Setup, tokens_SLED: np.ndarray, policies, *, dispatcher=plan
 
 
 def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatcher=planner_dispatch,
-                    materializer=planner_materialize, placement: str = "paper") -> PolicyResult:
+                    materializer=place, placement: str = "paper") -> PolicyResult:
     """``dispatcher`` / ``materializer``: Algorithms 3 and 1 by default (the planner's, in C when
     built); pass others (e.g. the balancing dispatcher) to compare."""
     S, L, E, D = tokens_SLED.shape
@@ -195,6 +197,7 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
                 inter_bytes += 4.0 * cost.a2a_bytes(plan_EDD)[1]
                 replicas += float(lp.ephemeral_ED.sum() + lp.persistent_ED.sum()) / L
 
+        br["comp"] += setup.extra_compute_s
         # Layer 0's backward runs last: the dense all-reduce can hide under the others'.
         br["ar"] += max(0.0, dense_ar_s - (sum(backward_L) - backward_L[0]))
         owned_D = torch.bincount(owner_LE.flatten(), minlength=D).double() * P

@@ -55,13 +55,7 @@ def synthetic_trace(*, steps: int, num_layers: int, num_experts: int, num_ranks:
     def skew(sigma: float) -> float:
         return _std_of_shares(shares(sigma, calib).mean(2))
 
-    lo, hi = 0.0, 1.0
-    while skew(hi) < target_std and hi < 1e3:
-        lo, hi = hi, hi * 2
-    for _ in range(40):
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if skew(mid) < target_std else (lo, mid)
-    sigma = 0.5 * (lo + hi)
+    sigma = bisect_sigma(skew, target_std)
     tokens_SLED = np.empty((steps, num_layers, num_experts, num_ranks), dtype=np.int32)
     for s in range(steps):
         p_LDE = shares(sigma, slice(s, s + 1))[0]
@@ -73,6 +67,18 @@ def synthetic_trace(*, steps: int, num_layers: int, num_experts: int, num_ranks:
         "top_k": top_k, "assignments_per_rank": assignments_per_rank,
     }
     return Trace(tokens_SLED, meta)
+
+
+def bisect_sigma(skew, target: float) -> float:
+    """The sigma at which the increasing function ``skew`` reaches ``target`` (doubling, then
+    40 halvings)."""
+    lo, hi = 0.0, 1.0
+    while skew(hi) < target and hi < 1e3:
+        lo, hi = hi, hi * 2
+    for _ in range(40):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if skew(mid) < target else (lo, mid)
+    return 0.5 * (lo + hi)
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:

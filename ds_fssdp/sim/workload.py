@@ -1,13 +1,17 @@
 """The trace a simulation replays: a recorded one fitted to the setup, or a synthetic one."""
 from __future__ import annotations
 
+import numpy as np
+
+from ds_fssdp.sim.loadcv import LoadCVSource, load_cv
 from ds_fssdp.sim.prediction import prediction_r2
 from ds_fssdp.sim.remap import remap_trace
 from ds_fssdp.sim.setup import Setup
 from ds_fssdp.sim.synth import synthetic_trace
-from ds_fssdp.sim.traces import Trace, load_trace
+from ds_fssdp.sim.traces import Trace, load_trace, share_std
 
 SYNTHETIC = "synthetic"
+DEFAULT_LOAD_CV = 0.5  # the shared recorded trace's (/work/shared/data/trace_e8.npz: 0.49 over its last 200 steps)
 
 
 def trace_for_setup(setup: Setup, source: str, *, top_k: int, steps: int | None = None, start: int = 0,
@@ -45,6 +49,38 @@ def trace_for_setup(setup: Setup, source: str, *, top_k: int, steps: int | None 
     return trace, _summary(trace, window, description=desc, source=source, recorded=src_summary)
 
 
+class RecordedLoads:
+    """Iterates ``source`` (steps of ``tokens_LED``) and keeps each step's expert loads, for the
+    summary of a trace that is generated as it is read."""
+
+    def __init__(self, source, description: str):
+        self.source, self.description, self.load_SLE = source, description, []
+
+    def __iter__(self):
+        for tokens_LED in self.source:
+            self.load_SLE.append(np.asarray(tokens_LED).sum(2, dtype=np.int64))
+            yield tokens_LED
+
+    def summary(self, window: int) -> dict:
+        load_SLE = np.stack(self.load_SLE)
+        return _load_summary(load_SLE, window, description=self.description, source=SYNTHETIC)
+
+
+def cv_workload(setup: Setup, *, top_k: int, steps: int | None, load_cv_target: float, seed: int = 0,
+                **synthetic_options) -> RecordedLoads:
+    """Synthetic steps at a CV of expert load (:class:`~ds_fssdp.sim.loadcv.LoadCVSource`),
+    generated as the simulation reads them."""
+    n = 200 if steps is None else steps
+    source = LoadCVSource(steps=n, num_layers=setup.num_layers, num_experts=setup.num_experts,
+                          num_ranks=setup.topology.num_ranks, assignments_per_rank=setup.tokens_per_gpu * top_k,
+                          cv=load_cv_target, top_k=top_k, seed=seed, **synthetic_options)
+    return RecordedLoads(source, f"synthetic, load CV {load_cv_target}, seed {seed}")
+
+
 def _summary(trace: Trace, window: int, **extra) -> dict:
-    return {"steps": trace.steps, "share_std": trace.share_std(), "r2": prediction_r2(trace.load_SLE(), window),
-            "window": window, **extra}
+    return _load_summary(trace.load_SLE(), window, **extra)
+
+
+def _load_summary(load_SLE: np.ndarray, window: int, **extra) -> dict:
+    return {"steps": load_SLE.shape[0], "share_std": share_std(load_SLE), "load_cv": load_cv(load_SLE),
+            "r2": prediction_r2(load_SLE, window), "window": window, **extra}

@@ -1,0 +1,410 @@
+"""The simulator at cluster scale: groups of ranks, compact plans, steps generated as they are read.
+
+Legend: S steps, L layers, E experts, D ranks of the world, B groups, N ranks of a group, n nodes
+of a group.
+
+``group_size`` N splits the world into B = D / N groups of consecutive ranks (N divides D and is
+a multiple or a divisor of the ranks per node, so a group's nodes are its own). Under ``ep`` a
+group is DeepSpeed's expert-parallel group (``ep_size``): one copy of every expert, homogeneous;
+under ``fssdp`` / ``fssdp-rm`` an FSSDP group: owners inside the group, planning on the group's
+own counts (its placement, calibration, dispatch and replicas), so groups' replicas differ. Ranks
+at the same position in every group form the expert-data-parallel (EDP) group of the experts they
+own: their gradients are all-reduced across groups with the dense all-reduce. Re-shards plan from
+the loads summed over the world, so owners are the same in every group. Without ``group_size``
+one group spans the world: the same numbers as :func:`ds_fssdp.sim.simulate.simulate` (tested).
+
+Per iteration and policy, on top of :mod:`.simulate`'s accounting (its categories, its memory):
+
+* groups run their layers independently and meet at the gradient all-reduce: a category's time is
+  the slowest group's (the group with the longest layers), plus the per-iteration parts (re-shard,
+  the exposed all-reduce of dense and EDP gradients, optimizer step);
+* ``count_allgather_s``: the all-gather of ``tokens_ED`` inside each group before every layer's
+  dispatch (a ring: every link carries (N - 1) E 8-byte counts; one latency), not in
+  ``iteration_s``;
+* ``planning_s``: CPU time of the policy's planning per iteration on one rank (its group's
+  placement before gating, then calibration and dispatch after it), measured here (thread CPU
+  time: other processes on the host do not inflate it) with the real planner (its C extension)
+  at the group's size, not in ``iteration_s``;
+* ``link_bytes``: bytes over each GPU's intra-node link and each node's inter-node link per
+  iteration (busier direction), mean and max over the links, per category (a2a, spag, count, ar,
+  rearr).
+
+Policies: ``ep``, ``uniform``, ``fssdp``, ``fssdp-rm`` (:data:`CLUSTER_POLICIES`). EP's layers are
+computed for all groups at once; FSSDP plans group by group with the compact dispatch
+(:class:`~ds_fssdp.planner.plan.DispatchPlan`), never an [E, D, D] plan.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ds_fssdp.planner.baselines import PolicyConfig, make_policy
+from ds_fssdp.planner.dispatch import dispatch_plan
+from ds_fssdp.planner.plan import DispatchPlan
+from ds_fssdp.sim.links import Links, allreduce_links, exchange_links, sparse_collective_links
+from ds_fssdp.sim.memory import budget_for_cap, ep_memory_bytes
+from ds_fssdp.sim.placement import place
+from ds_fssdp.sim.setup import (GRAD_BYTES, MIGRATE_BYTES, OPT_BYTES, OPT_TRAFFIC_BYTES, PARAM_BYTES, Setup,
+                                derive_overlap_degree)
+from ds_fssdp.sim.simulate import CATEGORIES, PolicyResult, RelayedCostModel
+from ds_fssdp.topology import Topology
+
+CLUSTER_POLICIES = ("ep", "uniform", "fssdp", "fssdp-rm")
+LINK_CATEGORIES = ("a2a", "spag", "count", "ar", "rearr")
+COUNT_BYTES = 8  # tokens_ED is gathered as int64
+
+
+@dataclass
+class ClusterResult(PolicyResult):
+    group_size: int = 0
+    count_allgather_s: float = 0.0
+    planning_s: dict = field(default_factory=dict)  # pre_gating, post_gating: seconds per iteration, one rank
+    link_bytes: dict = field(default_factory=dict)  # category -> {gpu_mean, gpu_max, node_mean, node_max}
+    ep_memory_bytes: float = 0.0  # EP's fullest rank at this group size
+    memory_cap: float | None = None
+    overlap_degree: int = 0
+    groups: int = 1
+    groups_simulated: int = 1
+
+    @property
+    def total_s(self) -> float:
+        """Iteration with the count all-gather and the planning after gating (critical path)."""
+        return self.iteration_s + self.count_allgather_s + self.planning_s.get("post_gating", 0.0)
+
+    def to_dict(self) -> dict:
+        out = super().to_dict()
+        memory = sum(self.memory_bytes.values())
+        out.update(iteration_s=self.iteration_s, memory_bytes=self.memory_bytes, group_size=self.group_size,
+                   count_allgather_ms=1e3 * self.count_allgather_s,
+                   planning_ms={k: 1e3 * v for k, v in self.planning_s.items()}, total_ms=1e3 * self.total_s,
+                   link_bytes=self.link_bytes, memory_vs_ep=memory / self.ep_memory_bytes,
+                   memory_cap=self.memory_cap, overlap_degree=self.overlap_degree, groups=self.groups,
+                   groups_simulated=self.groups_simulated)
+        return out
+
+
+def check_group_size(group_size: int, topology: Topology) -> None:
+    D, G = topology.num_ranks, topology.ranks_per_node
+    if group_size < 1 or D % group_size or (group_size % G and G % group_size):
+        raise ValueError(f"group_size ({group_size}) must divide the {D} GPUs and be a multiple or a divisor of "
+                         f"the {G} GPUs per node")
+
+
+class ClusterCostModel(RelayedCostModel):
+    """The relayed cost model, taking compact plans (what the cluster simulator's dispatcher
+    returns; FSSDP's calibration prices its candidates with :meth:`layer_time`)."""
+
+    def layer_time(self, plan) -> float:
+        if not isinstance(plan, DispatchPlan):
+            return super().layer_time(plan)
+        rows = float(plan.rows_D().max())
+        return rows * (3.0 * self.shape.row_flops / self.hw.flops) + 4.0 * float(
+            plan_links(plan, self.topology.ranks_per_node, self.shape.token_bytes).time_B(self.hw)[0])
+
+
+def plan_links(plan: DispatchPlan, ranks_per_node: int, row_bytes: float) -> Links:
+    fl = plan.flows_4F
+    flows_4F = np.stack([np.zeros_like(fl[0]), fl[1], fl[2], fl[3]])
+    return exchange_links(plan.tokens_ED[None], plan.holder_E[None], ranks_per_node=ranks_per_node,
+                          row_bytes=row_bytes, flows_4F=flows_4F)
+
+
+class PolicyRun:
+    """One policy at one group size, fed the world's ``tokens_LED`` step by step."""
+
+    def __init__(self, name: str, setup: Setup, *, group_size: int | None = None, budget: int | None = None,
+                 memory_cap: float | None = None, overlap_degree: int | None = None, max_groups: int | None = None,
+                 dispatcher=None, materializer=place):
+        """``overlap_degree`` None: t derived for the group (a group inside one node gathers over
+        the intra-node links); ``budget`` None: the setup's m, or the ``memory_cap``'s.
+        ``max_groups``: simulate only the first this many groups (their layers, planning, memory;
+        the all-reduce still spans every group). For traces whose groups are alike (the synthetic
+        ones), a cheaper estimate that can only miss a slower group among the others."""
+        if name not in CLUSTER_POLICIES:
+            raise ValueError(f"policy ({name!r}) must be one of {CLUSTER_POLICIES} at cluster scale")
+        D, G = setup.topology.num_ranks, setup.topology.ranks_per_node
+        N = D if group_size is None else group_size
+        check_group_size(N, setup.topology)
+        if name in ("ep", "uniform") and N > setup.num_experts:
+            raise ValueError(f"{name}: group_size ({N}) must be <= the {setup.num_experts} experts (DeepSpeed's ep_size "
+                             f"divides the experts)")
+        if max_groups is not None and max_groups < 1:
+            raise ValueError(f"max_groups ({max_groups}) must be >= 1 or None")
+        self.name, self.setup, self.N, self.groups = name, setup, N, D // N
+        self.B = self.groups if max_groups is None else min(self.groups, max_groups)  # groups simulated
+        self.topo = Topology(num_ranks=N, ranks_per_node=min(G, N))
+        self.cost = ClusterCostModel(setup.hw, setup.shape, self.topo)
+        self.rm = name == "fssdp-rm"
+        if memory_cap is not None:
+            if budget is not None:
+                raise ValueError("give a budget or a memory_cap, not both")
+            budget = budget_for_cap(setup, N, memory_cap, rematerialize=self.rm)
+        self.budget = budget if budget is not None else (setup.budget_rm if self.rm else setup.budget)
+        self.memory_cap = memory_cap
+        attn_f = setup.attention_fwd_s
+        if overlap_degree is None:
+            overlap_degree = derive_overlap_degree(setup.hw, self.topo, setup.shape, attention_s=attn_f)
+        self.overlap_degree = overlap_degree
+        config = PolicyConfig(num_experts=setup.num_experts, num_layers=setup.num_layers, topology=self.topo,
+                              budget=self.budget, overlap_degree=overlap_degree, cost=self.cost,
+                              reshard_interval=setup.reshard_interval, calibration=setup.calibration,
+                              calibration_latency_budget=setup.calibration_budget * attn_f)
+        dispatcher = dispatcher or functools.partial(dispatch_plan, mode="paper")
+        self.policy = make_policy(name, config, dispatcher=dispatcher, materializer=materializer)
+        self.planned = name.startswith("fssdp")
+        L, E, B = setup.num_layers, setup.num_experts, self.B
+        self.owner_LE = self.policy.initial_owner()
+        self.history_WBLE = np.zeros((setup.load_window, B, L, E)) if self.planned else None
+        self.world_history_WLE = np.zeros((setup.load_window, L, E))
+        self.observed = 0
+        self._ar_cache = None
+        self.count_links = self._count_links()
+        self.totals = dict.fromkeys(CATEGORIES, 0.0)
+        self.links = {}  # category -> [bytes per GPU link, per node link] (the simulated groups', or the world's)
+        self.step_s, self.straggler, self.inter_bytes, self.replicas = [], [], 0.0, 0.0
+        self.count_s, self.plan_pre_s, self.plan_post_s = 0.0, 0.0, 0.0
+        self.migrated, self.counted, self.peak_total, self.peak_memory = 0, 0, -1.0, {}
+
+    # -- per step ----------------------------------------------------------------------------------
+    def step(self, s: int, tokens_LED: np.ndarray) -> None:
+        st, hw, P = self.setup, self.setup.hw, self.setup.shape.params
+        L, E, N, B = st.num_layers, st.num_experts, self.N, self.B
+        timed = s >= st.load_window
+        group_B = {c: np.zeros(B) for c in CATEGORIES}
+        glob = dict.fromkeys(CATEGORIES, 0.0)
+        glob["rearr"] += self._reshard(s)
+        owner_LE = self.owner_LE.numpy()
+        ephemeral_BLN = np.zeros((B, L, N))
+        backward_BL = np.zeros((B, L))
+        attn_f = st.attention_fwd_s
+        attn_b = 2.0 * attn_f
+        for l in range(L):
+            tokens_BEN = tokens_LED[l].reshape(E, self.groups, N)[:, :B].transpose(1, 0, 2)
+            if self.planned:
+                rows_BN, exchange = self._plan_layer(l, tokens_BEN, group_B, ephemeral_BLN, timed)
+            else:
+                if self.name == "uniform":
+                    tokens_BEN = uniform_tokens_BEN(tokens_BEN)
+                holder_BE = np.broadcast_to(owner_LE[l], (B, E))
+                exchange = exchange_links(tokens_BEN, holder_BE, ranks_per_node=self.topo.ranks_per_node,
+                                          row_bytes=st.shape.token_bytes)
+                rows_BN = exchange.rows_BN
+            moe_B = rows_BN.max(1) * (3.0 * st.shape.row_flops / hw.flops)
+            group_B["comp"] += attn_f + attn_b + moe_B
+            backward_BL[:, l] = attn_b + moe_B * 2.0 / 3.0
+            group_B["a2a"] += 4.0 * exchange.time_B(hw)
+            if timed:
+                self._add_links("a2a", exchange, 4.0)
+                self._add_links("count", self.count_links, 1.0)
+                mean = float(rows_BN.mean())
+                self.straggler.append(float(rows_BN.max()) / mean if mean > 0 else 1.0)
+                self.inter_bytes += 4.0 * exchange.inter_total
+        glob["comp"] += st.extra_compute_s
+        slowest = int(np.argmax(sum(group_B.values())))
+        ar, ar_links = self._allreduce()
+        glob["ar"] += max(0.0, ar - (backward_BL[slowest].sum() - backward_BL[slowest, 0]))
+        owned_N = np.bincount(owner_LE.ravel(), minlength=N).astype(np.float64) * P
+        glob["opt"] += float((st.dense_params + owned_N).max()) * OPT_TRAFFIC_BYTES / hw.hbm_bw
+        self._memory(owned_N, ephemeral_BLN)
+        self._observe(tokens_LED)
+        if timed:
+            self.counted += 1
+            self._add_links("ar", ar_links, 1.0)
+            self.count_s += L * float(self.count_links.time_B(hw)[0])
+            for c in CATEGORIES:
+                self.totals[c] += group_B[c][slowest] + glob[c]
+            self.step_s.append(sum(group_B[c][slowest] + glob[c] for c in CATEGORIES))
+
+    def _plan_layer(self, l: int, tokens_BEN: np.ndarray, group_B: dict, ephemeral_BLN: np.ndarray, timed: bool):
+        """Plan layer ``l`` group by group (the policy, timed), then charge all groups at once."""
+        st, hw = self.setup, self.setup.hw
+        B, N, E, G = self.B, self.N, st.num_experts, self.topo.ranks_per_node
+        psi, attn_b = float(st.shape.expert_bytes), 2.0 * st.attention_fwd_s
+        owner_E = self.owner_LE[l]
+        holder_BE = np.empty((B, E), dtype=np.int64)
+        hidden_BEN = np.empty((B, E, N), dtype=bool)
+        calibrated_BEN = np.empty((B, E, N), dtype=bool)
+        flows = []
+        for b in range(B):
+            tokens_ED = torch.from_numpy(np.ascontiguousarray(tokens_BEN[b], dtype=np.int64))
+            predicted = self._predicted(b, l)
+            t0 = time.thread_time()
+            placement_ED = self.policy.pre_gating(l, owner_E, predicted)
+            t1 = time.thread_time()
+            lp = self.policy.post_gating(l, owner_E, placement_ED, tokens_ED=tokens_ED)
+            plan = self.policy.dispatch(lp, tokens_ED)
+            t2 = time.thread_time()
+            if timed:
+                self.plan_pre_s += (t1 - t0) / B
+                self.plan_post_s += (t2 - t1) / B
+            holder_BE[b] = plan.holder_E
+            x, h, d, k = plan.flows_4F
+            flows.append(np.stack([np.full_like(x, b), h, d, k]))
+            hidden_BEN[b], calibrated_BEN[b] = lp.hidden_ED.numpy(), lp.calibrated_ED.numpy()
+            ephemeral_BLN[b, l] = (lp.hidden_ED | lp.calibrated_ED | lp.shadow_ED).sum(0).numpy()
+        exchange = exchange_links(tokens_BEN, holder_BE, ranks_per_node=G, row_bytes=st.shape.token_bytes,
+                                  flows_4F=np.concatenate(flows, 1))
+        rows_BN = exchange.rows_BN
+        owner_np = owner_E.numpy()
+        shard_EN = np.zeros((E, N), dtype=bool)
+        shard_EN[np.arange(E), owner_np] = True
+        gather = sparse_collective_links(owner_np, shard_EN | hidden_BEN, ranks_per_node=G, chunk_bytes=psi)
+        reduce = sparse_collective_links(owner_np, shard_EN | hidden_BEN | calibrated_BEN, ranks_per_node=G,
+                                         chunk_bytes=psi)
+        calib = sparse_collective_links(owner_np, shard_EN | calibrated_BEN, ranks_per_node=G, chunk_bytes=psi)
+        times = 2.0 if self.rm else 1.0
+        # Nothing to gather costs 0, hence max(0, 0 - window) = 0: the paper engine's "if any" is implied.
+        group_B["spag"] += np.maximum(0.0, gather.time_B(hw) - st.attention_fwd_s)
+        group_B["spag"] += np.maximum(0.0, reduce.time_B(hw) * times - attn_b)
+        group_B["spag"] += calib.time_B(hw)
+        if timed:
+            self.replicas += float(ephemeral_BLN[:, l].sum()) / st.num_layers / B
+            self._add_links("spag", Links(gather.rank_BN + times * reduce.rank_BN + calib.rank_BN,
+                                          gather.node_Bn + times * reduce.node_Bn + calib.node_Bn), 1.0)
+        return rows_BN, exchange
+
+    # -- pieces ------------------------------------------------------------------------------------
+    def _predicted(self, b: int, l: int) -> torch.Tensor | None:
+        if not self.observed:
+            return None
+        w = min(self.observed, self.setup.load_window)
+        return torch.from_numpy(self.history_WBLE[:w, b, l].mean(0))
+
+    def _observe(self, tokens_LED: np.ndarray) -> None:
+        slot = self.observed % self.setup.load_window
+        load_LE = tokens_LED.sum(2, dtype=np.int64)
+        if self.planned:
+            L, E = load_LE.shape
+            self.history_WBLE[slot] = tokens_LED.reshape(L, E, self.groups, self.N)[:, :, :self.B].sum(3).transpose(
+                2, 0, 1)
+        self.world_history_WLE[slot] = load_LE  # for re-shards (FSSDP's only)
+        self.observed += 1
+
+    def _reshard(self, s: int) -> float:
+        if not self.observed or not self.planned:
+            return 0.0
+        w = min(self.observed, self.setup.load_window)
+        history = torch.from_numpy(self.world_history_WLE[:w].mean(0))
+        reshard = self.policy.reshard(s, history, owner_LE=self.owner_LE)
+        if reshard is None:
+            return 0.0
+        self.owner_LE = reshard.owner_LE
+        copies = reshard.copies_M4
+        if not copies.shape[0]:
+            return 0.0
+        N, P = self.N, self.setup.shape.params
+        traffic_DD = torch.zeros(N * N, dtype=torch.float64).index_add_(
+            0, copies[:, 2] * N + copies[:, 3],
+            torch.full((copies.shape[0], ), float(MIGRATE_BYTES * P), dtype=torch.float64)).view(N, N)
+        self.migrated += copies.shape[0] * self.groups
+        self._ar_cache = None
+        return self.cost.transfer_time(traffic_DD)
+
+    def _count_links(self) -> Links:
+        """One layer's all-gather of the counts in every group."""
+        N, G, B = self.N, self.topo.ranks_per_node, self.B
+        moved = float((N - 1) * self.setup.num_experts * COUNT_BYTES)
+        nodes = N // G
+        return Links(np.full((B, N), moved), np.full((B, nodes), moved if nodes > 1 else 0.0))
+
+    def _allreduce(self) -> tuple:
+        """Dense gradients over the world plus, with several groups, each EDP group's owned
+        expert gradients, issued together."""
+        if self._ar_cache is None:
+            st, D, N, B = self.setup, self.setup.topology.num_ranks, self.N, self.groups
+            members = [np.ones((1, D), dtype=bool)]
+            sizes = [float(st.dense_params * GRAD_BYTES)]
+            if B > 1:
+                owned_N = np.bincount(self.owner_LE.numpy().ravel(), minlength=N).astype(np.float64)
+                members.append(np.tile(np.eye(N, dtype=bool), (1, B)))
+                sizes.extend(owned_N * st.shape.params * GRAD_BYTES)
+            links = allreduce_links(np.concatenate(members), np.asarray(sizes),
+                                    ranks_per_node=st.topology.ranks_per_node)
+            self._ar_cache = (float(links.time_B(st.hw)[0]), links)
+        return self._ar_cache
+
+    def _memory(self, owned_N: np.ndarray, ephemeral_BLN: np.ndarray) -> None:
+        P, L = self.setup.shape.params, self.setup.num_layers
+        if self.rm and L > 1:
+            replica_BN = (ephemeral_BLN[:, :-1] + ephemeral_BLN[:, 1:]).max(1) * P
+        else:
+            replica_BN = ephemeral_BLN.sum(1) * P if not self.rm else ephemeral_BLN[:, 0] * P
+        stateful_N = self.setup.dense_params + owned_N
+        total_BN = (PARAM_BYTES + GRAD_BYTES) * (stateful_N + replica_BN) + OPT_BYTES * stateful_N
+        b, d = np.unravel_index(int(np.argmax(total_BN)), total_BN.shape)
+        if float(total_BN[b, d]) > self.peak_total:
+            self.peak_total = float(total_BN[b, d])
+            self.peak_memory = {"param": PARAM_BYTES * float(stateful_N[d] + replica_BN[b, d]),
+                                "grad": GRAD_BYTES * float(stateful_N[d] + replica_BN[b, d]),
+                                "opt": OPT_BYTES * float(stateful_N[d])}
+
+    def _add_links(self, category: str, links: Links, times: float) -> None:
+        """Add ``times`` x ``links`` to the category's link totals: per simulated group (rows b of
+        [B, N] and [B, n]) or the world's own (one row of D ranks and all nodes)."""
+        rank, node = links.rank_BN.ravel(), links.node_Bn.ravel()
+        if self.N < self.setup.topology.ranks_per_node and links.rank_BN.shape[0] > 1:
+            node = np.zeros(0)  # groups inside one node: no inter-node link of their own
+        if category not in self.links:
+            self.links[category] = [np.zeros_like(rank), np.zeros_like(node)]
+        self.links[category][0] += rank * times
+        self.links[category][1] += node * times
+
+    def result(self) -> ClusterResult:
+        c = max(1, self.counted)
+        link_bytes = {}
+        for cat in LINK_CATEGORIES:
+            rank_D, node_W = self.links.get(cat, (np.zeros(1), np.zeros(1)))
+            node_W = node_W if node_W.size else np.zeros(1)
+            link_bytes[cat] = {"gpu_mean": float(rank_D.mean()) / c, "gpu_max": float(rank_D.max()) / c,
+                               "node_mean": float(node_W.mean()) / c, "node_max": float(node_W.max()) / c}
+        return ClusterResult(policy=self.name, iteration_s=sum(self.totals.values()) / c,
+                             breakdown_s={k: v / c for k, v in self.totals.items()}, memory_bytes=self.peak_memory,
+                             straggler=float(np.mean(self.straggler)), inter_node_gb=self.inter_bytes / c / 1e9,
+                             replicas_per_layer=self.replicas / c, migrated_experts=self.migrated,
+                             budget=self.budget, step_s=self.step_s, group_size=self.N,
+                             count_allgather_s=self.count_s / c,
+                             planning_s={"pre_gating": self.plan_pre_s / c, "post_gating": self.plan_post_s / c},
+                             link_bytes=link_bytes, ep_memory_bytes=ep_memory_bytes(self.setup, self.N),
+                             memory_cap=self.memory_cap, overlap_degree=self.overlap_degree, groups=self.groups,
+                             groups_simulated=self.B)
+
+
+def uniform_tokens_BEN(tokens_BEN: np.ndarray) -> np.ndarray:
+    """:func:`ds_fssdp.planner.baselines.uniform_tokens` for every group at once (ranks numbered
+    inside their group)."""
+    B, E, N = tokens_BEN.shape
+    total_BN = tokens_BEN.sum(1, dtype=np.int64)
+    q_BN, r_BN = total_BN // E, total_BN % E
+    shift_EN = (np.arange(E)[:, None] - np.arange(N)[None, :]) % E
+    return q_BN[:, None, :] + (shift_EN[None] < r_BN[:, None, :])
+
+
+def run_cluster(runs: list, source) -> list:
+    """Feed every step of ``source`` (an iterable of ``tokens_LED``: a [S, L, E, D] array, or a
+    :class:`~ds_fssdp.sim.loadcv.LoadCVSource`) to every run in turn; their results."""
+    steps = 0
+    for s, tokens_LED in enumerate(source):
+        for run in runs:
+            run.step(s, np.asarray(tokens_LED))
+        steps += 1
+    window = runs[0].setup.load_window if runs else 0
+    if steps <= window:
+        raise ValueError(f"the trace has {steps} steps; the simulation needs more than the load window ({window})")
+    return [run.result() for run in runs]
+
+
+def simulate_cluster(setup: Setup, source, policies, *, group_size: int | None = None,
+                     memory_cap: float | None = None, overlap_degree: int | None = None,
+                     max_groups: int | None = None, dispatcher=None, materializer=place) -> list:
+    """One :class:`ClusterResult` per policy name, in order, each at ``group_size`` (the world
+    if None), EP's and Uniform's at most at the expert count (the group EP runs; its result says
+    which). See :class:`PolicyRun` for the rest."""
+    N = setup.topology.num_ranks if group_size is None else group_size
+    runs = [PolicyRun(name, setup, group_size=N if name.startswith("fssdp") else min(N, setup.num_experts),
+                      memory_cap=memory_cap if name.startswith("fssdp") else None, overlap_degree=overlap_degree,
+                      max_groups=max_groups, dispatcher=dispatcher, materializer=materializer) for name in policies]
+    return run_cluster(runs, source)

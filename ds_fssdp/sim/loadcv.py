@@ -1,0 +1,103 @@
+"""Synthetic routing at a skew that means the same for any expert count, one step at a time.
+
+Legend: S steps, L layers, E experts, D ranks.
+
+Skew is the coefficient of variation (CV) of expert load: the std over a layer's experts of
+their assignments divided by the mean, averaged over layers. The share std of
+:mod:`ds_fssdp.sim.synth` shrinks as 1 / E (0.04 is mild at 8 experts and impossible at 1024); the
+CV does not: with top-k routing an expert takes at most 1 / k of the assignments, so any CV in
+[0, sqrt(E / k - 1)) can be asked for (0.5 is the shared recorded trace's, 8 experts top-2).
+
+The routing model is :func:`~ds_fssdp.sim.synth.synthetic_trace`'s: a log-popularity per layer
+and expert drifting across steps (AR(1), ``drift``), fresh ``jitter`` per step, per-rank noise
+(``rank_spread``); shares are the capped softmax of sigma times that, sigma found by bisection
+so that the expected CV of a layer's load (the shares averaged over 64 sample ranks at the first
+step) is ``load_cv``; each rank's ``assignments_per_rank`` follow its shares by systematic
+sampling (:func:`systematic_counts`).
+
+The steps are generated as they are read (one step of DeepSeek-V3 on 4096 GPUs is 60 M counts; a
+whole trace would not fit in memory): iterate the source once, in order. Seeded: the same
+arguments give the same steps.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ds_fssdp.sim.synth import _cap, _softmax, bisect_sigma
+
+CALIBRATION_RANKS = 64
+
+
+def load_cv(load_SLE: np.ndarray) -> float:
+    """CV of expert load, averaged over steps and layers."""
+    load_SLE = np.asarray(load_SLE, dtype=np.float64)
+    mean_SL = load_SLE.mean(-1)
+    cv_SL = np.divide(load_SLE.std(-1), mean_SL, out=np.zeros_like(mean_SL), where=mean_SL > 0)
+    return float(cv_SL.mean())
+
+
+class LoadCVSource:
+    """Iterable of ``tokens_LED`` (int32 [L, E, D]), ``steps`` of them."""
+
+    def __init__(self, *, steps: int, num_layers: int, num_experts: int, num_ranks: int, assignments_per_rank: int,
+                 cv: float, top_k: int | None = None, drift: float = 0.005, jitter: float = 0.03,
+                 rank_spread: float = 0.2, seed: int = 0):
+        if min(steps, num_layers, num_ranks, assignments_per_rank) < 1 or num_experts < 2:
+            raise ValueError(f"LoadCVSource needs steps ({steps}), num_layers ({num_layers}), num_ranks ({num_ranks}), "
+                             f"assignments_per_rank ({assignments_per_rank}) >= 1 and num_experts ({num_experts}) >= 2")
+        if not 0 < drift <= 1 or not 0 <= jitter < 1 or rank_spread < 0:
+            raise ValueError(f"LoadCVSource needs 0 < drift ({drift}) <= 1, 0 <= jitter ({jitter}) < 1, "
+                             f"rank_spread ({rank_spread}) >= 0")
+        self.cap = 1.0 / top_k if top_k else 1.0
+        max_cv = math.sqrt(num_experts * self.cap - 1.0) if top_k else math.sqrt(num_experts - 1.0)
+        if not 0 <= cv < max_cv:
+            raise ValueError(f"load_cv ({cv}) must be in [0, {max_cv:.3f}) for {num_experts} experts"
+                             f"{f' and top_k {top_k}' if top_k else ''}")
+        self.steps, self.num_layers, self.num_experts, self.num_ranks = steps, num_layers, num_experts, num_ranks
+        self.assignments_per_rank, self.cv = assignments_per_rank, cv
+        self.drift, self.jitter, self.rank_spread, self.seed = drift, jitter, rank_spread, seed
+        z_LE = np.random.default_rng([seed, 0]).standard_normal((num_layers, num_experts))  # step 0's, as __iter__
+        calib_rng = np.random.default_rng([seed, 1])
+        noise_LRE = rank_spread * calib_rng.standard_normal((num_layers, min(num_ranks, CALIBRATION_RANKS),
+                                                             num_experts))
+        self.sigma = bisect_sigma(lambda sigma: load_cv(_cap(_softmax(sigma * z_LE[:, None] + noise_LRE), self.cap).mean(1)),
+                             cv)
+
+    def meta(self) -> dict:
+        return {"source": "synthetic", "synthetic": {"load_cv": self.cv, "sigma": self.sigma, "drift": self.drift,
+                                                     "jitter": self.jitter, "rank_spread": self.rank_spread,
+                                                     "seed": self.seed},
+                "top_k": round(1 / self.cap) if self.cap < 1 else None,
+                "assignments_per_rank": self.assignments_per_rank}
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self):
+        rng = np.random.default_rng([self.seed, 0])
+        L, E, D = self.num_layers, self.num_experts, self.num_ranks
+        rho = 1.0 - self.drift
+        u_LE = rng.standard_normal((L, E))
+        for s in range(self.steps):
+            if s:
+                u_LE = rho * u_LE + math.sqrt(1 - rho * rho) * rng.standard_normal((L, E))
+            z_LE = math.sqrt(1 - self.jitter**2) * u_LE + self.jitter * rng.standard_normal((L, E))
+            noise_LDE = rng.standard_normal((L, D, E), dtype=np.float32)
+            noise_LDE *= self.rank_spread
+            noise_LDE += (self.sigma * z_LE[:, None, :]).astype(np.float32)
+            p_LDE = _cap(_softmax(noise_LDE), self.cap)
+            yield systematic_counts(p_LDE, self.assignments_per_rank, rng).transpose(0, 2, 1).copy()
+
+
+def systematic_counts(p_XE: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
+    """int32 counts per row of ``p_XE`` summing to ``n``, each within one of ``n p`` (systematic
+    sampling: one uniform offset per row). A multinomial draw costs five times as much at this
+    size and adds only sampling noise to the rank noise already in ``p``."""
+    edges_XE = np.cumsum(p_XE, axis=-1, dtype=np.float64)
+    edges_XE *= n / edges_XE[..., -1:]
+    edges_XE += rng.random(p_XE.shape[:-1] + (1, ))  # floor(u) = 0 below the first edge: the counts sum to n
+    cut_XE = np.floor(edges_XE).astype(np.int64)
+    counts_XE = np.diff(cut_XE, axis=-1, prepend=0)
+    return counts_XE.astype(np.int32)

@@ -1,0 +1,40 @@
+"""Model-state memory per rank, and the FSSDP budget m that keeps it within a multiple of EP's.
+
+Legend: E experts, L MoE layers, N ranks of a group.
+
+Bytes per parameter as :mod:`.setup` (2 parameters, 2 gradients, 12 optimizer state; replicas
+carry parameters and gradients only). Every rank holds the dense part; a rank of a group of N
+holds the experts it owns (under EP, the homogeneous shard: ceil(E / N) per layer on the fullest
+rank; with N > E one expert on E of the ranks, as an EP group of E would). FSSDP owns the same
+and adds at most m replicas per layer (Algorithm 1 and calibration never exceed the budget),
+alive for all L layers, or for two with re-materialization (fssdp-rm).
+"""
+from __future__ import annotations
+
+from ds_fssdp.planner.shard import homogeneous_owner
+from ds_fssdp.sim.setup import GRAD_BYTES, OPT_BYTES, PARAM_BYTES, Setup
+
+STATE_BYTES = PARAM_BYTES + GRAD_BYTES + OPT_BYTES
+REPLICA_BYTES = PARAM_BYTES + GRAD_BYTES
+
+
+def owned_per_layer(num_experts: int, group_size: int) -> int:
+    """Experts the fullest rank of a group owns per layer (homogeneous sharding)."""
+    owner_E = homogeneous_owner(num_experts, group_size)
+    return int(owner_E.bincount(minlength=group_size).max())
+
+
+def ep_memory_bytes(setup: Setup, group_size: int) -> float:
+    """Model states of EP's fullest rank with groups of ``group_size``."""
+    owned = owned_per_layer(setup.num_experts, group_size) * setup.num_layers * setup.shape.params
+    return float(STATE_BYTES * (setup.dense_params + owned))
+
+
+def budget_for_cap(setup: Setup, group_size: int, cap: float, *, rematerialize: bool) -> int:
+    """The largest m whose worst case keeps FSSDP's fullest rank within ``cap`` x EP's (at the
+    same group size and homogeneous owners: a re-shard may change what the fullest rank owns)."""
+    if cap < 1.0:
+        raise ValueError(f"memory_cap ({cap}) must be >= 1.0: FSSDP owns what EP owns")
+    alive = min(2, setup.num_layers) if rematerialize else setup.num_layers
+    per_replica = REPLICA_BYTES * setup.shape.params * alive
+    return int((cap - 1.0) * ep_memory_bytes(setup, group_size) // per_replica)
