@@ -17,8 +17,9 @@ At cluster scale (:mod:`ds_fssdp.sim.cluster`; chosen by ``--group-size``, ``--l
 
 ``--group-size N``: EP groups of N with expert-data-parallel replicas (``ep``; at most E, as
 DeepSpeed's ``ep_size`` divides the experts), FSSDP groups of N (``fssdp``, ``fssdp-rm``); without
-it one group spans the world (the same numbers as the paper engine). ``--load-cv``: synthetic skew as the coefficient of variation of expert load (valid for
-any expert count; default 0.5 for fixed presets). ``--memory-cap X``: m (and fssdp-rm's m) chosen
+it one group spans the world (the same numbers as the paper engine). ``--load-cv``: synthetic skew
+as the coefficient of variation of expert load (valid for any expert count; default 0.5 for fixed
+presets). ``--memory-cap X``: m (and fssdp-rm's m) chosen
 so that FSSDP's model-state memory is at most X times EP's at the same group size. Calibration is
 off there unless ``--calibration`` (the runtime's default; its Algorithm 1 pass runs in Python).
 Policies: ep, uniform, fssdp, fssdp-rm.

@@ -130,8 +130,8 @@ class PolicyRun:
         N = D if group_size is None else group_size
         check_group_size(N, setup.topology)
         if name in ("ep", "uniform") and N > setup.num_experts:
-            raise ValueError(f"{name}: group_size ({N}) must be <= the {setup.num_experts} experts (DeepSpeed's ep_size "
-                             f"divides the experts)")
+            raise ValueError(f"{name}: group_size ({N}) must be <= the {setup.num_experts} experts (DeepSpeed's "
+                             f"ep_size divides the experts)")
         if max_groups is not None and max_groups < 1:
             raise ValueError(f"max_groups ({max_groups}) must be >= 1 or None")
         self.name, self.setup, self.N, self.groups = name, setup, N, D // N

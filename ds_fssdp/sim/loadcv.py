@@ -62,8 +62,10 @@ class LoadCVSource:
         calib_rng = np.random.default_rng([seed, 1])
         noise_LRE = rank_spread * calib_rng.standard_normal((num_layers, min(num_ranks, CALIBRATION_RANKS),
                                                              num_experts))
-        self.sigma = bisect_sigma(lambda sigma: load_cv(_cap(_softmax(sigma * z_LE[:, None] + noise_LRE), self.cap).mean(1)),
-                             cv)
+        def skew(sigma: float) -> float:
+            return load_cv(_cap(_softmax(sigma * z_LE[:, None] + noise_LRE), self.cap).mean(1))
+
+        self.sigma = bisect_sigma(skew, cv)
 
     def meta(self) -> dict:
         return {"source": "synthetic", "synthetic": {"load_cv": self.cv, "sigma": self.sigma, "drift": self.drift,

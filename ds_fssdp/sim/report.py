@@ -79,7 +79,8 @@ def cluster_table(results: list) -> str:
         pre, post = (1e3 * r.planning_s.get(k, 0.0) for k in ("pre_gating", "post_gating"))
         mem = sum(r.memory_bytes.values()) / r.ep_memory_bytes
         split = f"{pre:.1f}/{post:.1f}"
-        lines.append(f"{r.policy:<10} {r.group_size:>6} {r.overlap_degree:>3} {r.budget:>4} {mem:>7.3f} | {1e3 * r.count_allgather_s:>8.2f} "
+        lines.append(f"{r.policy:<10} {r.group_size:>6} {r.overlap_degree:>3} {r.budget:>4} {mem:>7.3f} | "
+                     f"{1e3 * r.count_allgather_s:>8.2f} "
                      f"{pre + post:>8.2f} {split:>14} {1e3 * r.total_s:>9.1f} | {gpu:>11.2f} {node:>12.2f}")
     lines.append("count = the tokens_ED all-gather of every layer; plan = measured planning on one rank (pre: "
                  "placement before gating, post: calibration + dispatch, on the critical path); total = iteration + "
