@@ -159,7 +159,7 @@ def _bind_router_bias(model: nn.Module, experts_name: str, module: FSSDPHFExpert
     block_name = experts_name.rpartition(".")[0]
     block = model.get_submodule(block_name) if block_name else model
     candidates = [(block_name, block)] + [(f"{block_name}.{n}" if block_name else n, c)
-                                          for n, c in block.named_children() if c is not module]
+                                          for n, c in block.named_children()]
     for owner_name, owner in candidates:
         bias = owner._buffers.get(ROUTER_BIAS) if ROUTER_BIAS in owner._buffers else owner._parameters.get(ROUTER_BIAS)
         if bias is not None and tuple(bias.shape) == (module.num_experts, ):

@@ -27,8 +27,6 @@ class FSSDPMoE(FSSDPExperts):
                  activation: str = "gelu", normalize_topk: bool = True, z_loss_coef: float = 0.0,
                  aux_free_bias: bool = False, bias_update_rate: float = 1e-3, init_std: float = 0.02,
                  bias: bool = False, act_params=None, device=None, dtype=None):
-        if num_experts < 1:
-            raise ValueError(f"num_experts ({num_experts}) must be >= 1")
         spec = ExpertSpec(activation, hidden_size, ffn_hidden_size, bias=bias, act_params=act_params)
         super().__init__(spec=spec, hidden_size=hidden_size,
                          ffn_hidden_size=ffn_hidden_size, num_experts=num_experts, device=device, dtype=dtype)

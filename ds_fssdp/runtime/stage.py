@@ -194,8 +194,9 @@ class FSSDPStage:
             if self.optimizer is not None:  # None: every expert is frozen
                 for group in self.optimizer.param_groups:
                     group.update({k: v for k, v in self._scheduled.items() if k in group})
-                for master in self.masters():
-                    master.grad.mul_(factor) if factor != 1.0 else None
+                if factor != 1.0:
+                    for master in self.masters():
+                        master.grad.mul_(factor)
                 self.optimizer.step()
             self.expert_state.publish()
             self._reduce_router_loads(engine.device)
