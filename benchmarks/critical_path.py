@@ -4,17 +4,19 @@ launch of the token all-to-all, exactly as ``ShardedExperts.forward`` does it.
     python benchmarks/critical_path.py [--experts 64 --ranks 32 --nodes 4 --tokens 8192 --top-k 2]
                                        [--repeats 300] [--json out.json]
 
-The span (``span``): the dispatch plan (``dispatch_plan``, balancing, 3% slack, C), the route
-(``route``: send / receive / compute orders, C) and the index tensors' copies to the layer's
-device (``.to(device)`` of the four index tensors, as ``dispatch_compute_combine`` does before
-the exchange; on a CPU run they are no-ops). The placement is not in it (planned in ``prefetch``,
-before the attention), nor the layer's statistics (``stats``: rows per rank, straggler, link
-statistics ``DispatchPlan.moved``, EP rows: computed in ``ShardedExperts._record`` after the
-exchange has returned), timed here for comparison; nor the send buffer (``send_rows``:
-``permute_rows`` of the hidden states, device work). ``route_device`` (the torch-ops route CUDA
-tensors take) is timed on CPU tensors for reference. Input: one rank's top-k routing of
-``--tokens`` tokens from a skewed expert distribution, the joint placement of counts of that
-shape. Warm-up first; median and p95 microseconds, single thread; ``--runs`` alternates the arms.
+The span (``span``): the dispatch plan (``dispatch_plan``, balancing, 3% slack, C), the route's
+send half (``route``: this rank's two [E, D] tables of the plan and the send order, cut from the
+assignments grouped by expert, C) and the send order's copy to the layer's device (on a CPU run a
+no-op). Not in it: the grouping by expert (``expert_order``: it needs no plan, so the runtime
+takes it before the count all-gather), the route's other half (the unsend and compute orders,
+computed on first use, after the all-to-all is launched: ``span+finish`` is the span with it),
+the placement (planned in ``prefetch``, before the attention), the layer's statistics (``stats``:
+rows per rank, straggler, link statistics ``DispatchPlan.moved``, EP rows: computed in
+``ShardedExperts._record`` after the exchange has returned), timed here for comparison, nor the
+send buffer (``send_rows``: ``permute_rows`` of the hidden states, device work). ``route_device``
+(the torch-ops route CUDA tensors take) is timed on CPU tensors for reference. Input: one rank's
+top-k routing of ``--tokens`` tokens from a skewed expert distribution, the joint placement of
+counts of that shape. Warm-up first; median and p95 microseconds, single thread; ``--runs`` alternates the arms.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import layer_args
 import torch
 
 from ds_fssdp import ops
-from ds_fssdp.moe.routing import route, route_device
+from ds_fssdp.moe.routing import expert_order, route, route_device
 from ds_fssdp.planner.dispatch import dispatch_plan
 
 SLACK = 0.03
@@ -48,13 +50,19 @@ def main():
     dev = x_TH.device
     G = topo.ranks_per_node
 
+    grouped = expert_order(idx_TK, E)
+
     def span():
         plan = dispatch_plan(placement_ED, tokens_ED, topo, mode="balanced", slack=SLACK)
-        r = route(idx_TK, plan, rank=rank, local_E=local_E)
-        return [t.to(dev) for t in (r.send_token, r.group_perm, r.ungroup_perm, r.unsend)]
+        r = route(idx_TK, plan, rank=rank, local_E=local_E, grouped=grouped)
+        return r.send_token.to(dev), r
+
+    def after_launch():  # the rest of the route, once the exchange is launched
+        r = span()[1]
+        return [t.to(dev) for t in (r.group_perm, r.ungroup_perm, r.unsend)]
 
     plan = dispatch_plan(placement_ED, tokens_ED, topo, mode="balanced", slack=SLACK)
-    r = route(idx_TK, plan, rank=rank, local_E=local_E)
+    r = route(idx_TK, plan, rank=rank, local_E=local_E, grouped=grouped)
 
     def stats():  # what ShardedExperts._record computes from the plan
         rows_D = plan.rows_D().double()
@@ -65,7 +73,9 @@ def main():
 
     arms = {"span": span,
             "plan": lambda: dispatch_plan(placement_ED, tokens_ED, topo, mode="balanced", slack=SLACK),
-            "route": lambda: route(idx_TK, plan, rank=rank, local_E=local_E),
+            "route": lambda: route(idx_TK, plan, rank=rank, local_E=local_E, grouped=grouped),
+            "expert_order": lambda: expert_order(idx_TK, E),
+            "span+finish": after_launch,
             "stats": stats,
             "send_rows": lambda: ops.permute_rows(x_TH, r.send_token),
             "route_device_on_cpu": lambda: route_device(idx_TK, plan, rank=rank, local_E=local_E)}

@@ -45,5 +45,6 @@ def test_hf_models_benchmark_runs(tmp_path):
 def test_critical_path_benchmark_runs(tmp_path):
     r = run("critical_path.py", "--experts", "16", "--ranks", "8", "--nodes", "2", "--tokens", "300", "--repeats", "5",
             "--runs", "2", tmp_path=tmp_path)
-    assert set(r["results"]) == {"span", "plan", "route", "stats", "send_rows", "route_device_on_cpu"}
+    assert set(r["results"]) == {"span", "plan", "route", "expert_order", "span+finish", "stats", "send_rows",
+                                 "route_device_on_cpu"}
     assert all(len(v["run_medians_us"]) == 2 and v["median_us"] > 0 for v in r["results"].values())

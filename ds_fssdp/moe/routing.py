@@ -9,10 +9,10 @@ same plan, so a sender's order and the receiver's agree without exchanging indic
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
+
+from ds_fssdp.planner.plan import DispatchPlan
 
 try:
     from ds_fssdp.moe import _fastroute
@@ -20,28 +20,85 @@ except ImportError:  # a source tree used without `pip install`: route_reference
     _fastroute = None
 
 
-@dataclass
 class Route:
-    send_token: torch.Tensor  # long [n_send]: token of each sent row
-    send_splits: list  # [D]
-    unsend: torch.Tensor  # long [A]: position, in send order, of each assignment t * K + k
-    recv_splits: list  # [D]
-    group_perm: torch.Tensor  # long [n_recv]: compute order <- receive order
-    ungroup_perm: torch.Tensor  # long [n_recv]: receive order <- compute order
-    group_sizes: list  # [S] rows per local slot
+    """A rank's orders for one dispatch. ``unsend``, ``group_perm`` and ``ungroup_perm`` are only
+    needed once the token exchange is under way: the split C route leaves them to ``finish``,
+    computed on first use (after the all-to-all is launched, off the critical path)."""
+
+    __slots__ = ("send_token", "send_splits", "recv_splits", "group_sizes", "_rest", "_finish")
+
+    def __init__(self, *, send_token: torch.Tensor, send_splits: list, recv_splits: list, group_sizes: list,
+                 unsend: torch.Tensor | None = None, group_perm: torch.Tensor | None = None,
+                 ungroup_perm: torch.Tensor | None = None, finish=None):
+        self.send_token = send_token  # long [n_send]: token of each sent row
+        self.send_splits = send_splits  # [D]
+        self.recv_splits = recv_splits  # [D]
+        self.group_sizes = group_sizes  # [S] rows per local slot
+        self._rest = None if finish is not None else (unsend, group_perm, ungroup_perm)
+        self._finish = finish  # () -> (unsend, group_perm, ungroup_perm)
+
+    def _orders(self) -> tuple:
+        if self._rest is None:
+            self._rest, self._finish = self._finish(), None
+        return self._rest
+
+    @property
+    def unsend(self) -> torch.Tensor:
+        """long [A]: position, in send order, of each assignment t * K + k."""
+        return self._orders()[0]
+
+    @property
+    def group_perm(self) -> torch.Tensor:
+        """long [n_recv]: compute order <- receive order."""
+        return self._orders()[1]
+
+    @property
+    def ungroup_perm(self) -> torch.Tensor:
+        """long [n_recv]: receive order <- compute order."""
+        return self._orders()[2]
 
 
-def route(idx_TK: torch.Tensor, plan_EDD, *, rank: int, local_E: torch.Tensor) -> Route:
+class ExpertOrder:
+    """A rank's assignments grouped by expert (:func:`expert_order`), computed before the count
+    all-gather so the route after the plan only cuts the groups."""
+
+    __slots__ = ("order_A", "token_A", "start_E")
+
+    def __init__(self, order_A: np.ndarray, token_A: np.ndarray, start_E: np.ndarray):
+        self.order_A, self.token_A, self.start_E = order_A, token_A, start_E  # assignments, their tokens
+
+
+def expert_order(idx_TK: torch.Tensor, num_experts: int) -> ExpertOrder | None:
+    """The stable grouping of ``idx_TK``'s assignments by expert (C), or None where :func:`route`
+    does not use it (CUDA routing, no C extension). Raises on an index that is not an expert."""
+    if idx_TK.is_cuda or _fastroute is None:
+        return None
+    e_A = np.ascontiguousarray(idx_TK.to("cpu", torch.long).reshape(-1).numpy())
+    order, token = np.empty(e_A.size, dtype=np.int64), np.empty(e_A.size, dtype=np.int64)
+    start = np.empty(num_experts + 1, dtype=np.int64)
+    if not _fastroute.expert_order(e_A, idx_TK.shape[1], num_experts, order, token, start):
+        bad = e_A[(e_A < 0) | (e_A >= num_experts)]
+        raise RuntimeError(f"routed expert indices {bad[:8].tolist()} are not in [0, {num_experts})")
+    return ExpertOrder(order, token, start)
+
+
+def route(idx_TK: torch.Tensor, plan_EDD, *, rank: int, local_E: torch.Tensor,
+          grouped: ExpertOrder | None = None) -> Route:
     """``plan_EDD``: the dense plan, or a :class:`~ds_fssdp.planner.plan.DispatchPlan`.
 
-    Linear time in C (``_fastroute``: one pass over the assignments places each at the next row
-    of its (destination, expert) run; the compute order is ranges of the receive order).
-    :func:`route_reference` sorts keys: same result, the fallback when the extension is not
-    built. CUDA routing goes to :func:`route_device` (the index math stays on the device)."""
+    Linear time in C (``_fastroute``). With a compact plan the route is split: ``grouped``
+    (:func:`expert_order`, taken before the plan, or here) is cut into the send order, the one
+    thing the token all-to-all waits for, and the unsend and compute orders are left to the
+    :class:`Route`'s first use of them. With a dense plan one pass over the assignments places
+    each at the next row of its (destination, expert) run. :func:`route_reference` sorts keys:
+    same result, the fallback when the extension is not built. CUDA routing goes to
+    :func:`route_device` (the index math stays on the device)."""
     if idx_TK.is_cuda:
         return route_device(idx_TK, plan_EDD, rank=rank, local_E=local_E)
     if _fastroute is None:
         return route_reference(idx_TK, plan_EDD, rank=rank, local_E=local_E)
+    if isinstance(plan_EDD, DispatchPlan):
+        return _route_split(idx_TK, plan_EDD, rank=rank, local_E=local_E, grouped=grouped)
     e_A = np.ascontiguousarray(idx_TK.to("cpu", torch.long).reshape(-1).numpy())
     num_experts, num_ranks, _ = plan_EDD.shape
     K = idx_TK.shape[1]
@@ -67,6 +124,46 @@ def route(idx_TK: torch.Tensor, plan_EDD, *, rank: int, local_E: torch.Tensor) -
     return Route(send_token=send_token, send_splits=mine_ED.sum(0).tolist(), unsend=unsend,
                  recv_splits=recv_DE.sum(1).tolist(), group_perm=group_perm, ungroup_perm=ungroup_perm,
                  group_sizes=recv_E[local_S].tolist())
+
+
+def _route_split(idx_TK: torch.Tensor, plan, *, rank: int, local_E: torch.Tensor, grouped) -> Route:
+    fr = _fastroute
+    E, D = plan.tokens_ED.shape
+    if grouped is None:
+        grouped = expert_order(idx_TK, E)
+    local_S = np.ascontiguousarray(local_E.to("cpu", torch.long).numpy())
+    if local_S.size and (int(local_S.min()) < 0 or int(local_S.max()) >= E or
+                         np.count_nonzero(np.bincount(local_S, minlength=E)) != local_S.size):
+        raise ValueError(f"local_E {local_S.tolist()} names an expert outside [0, {E}) or repeats one")
+    mine_ED = np.empty((E, D), dtype=np.int64)
+    recv_DE = np.empty((D, E), dtype=np.int64)
+    if not fr.plan_tables(_i64(plan.holder_E), _i64(plan.rep_X), _i64(plan.tokens_ED), _i64(plan.flows_4F), rank, E,
+                          D, local_S, mine_ED, recv_DE):
+        held = np.zeros(E, dtype=bool)
+        held[local_S] = True
+        raise RuntimeError(f"rank {rank} is sent tokens for experts it does not hold: "
+                           f"{np.flatnonzero(~held & (recv_DE.sum(0) > 0)).tolist()}")
+    A = grouped.order_A.size
+    send_token = np.empty(A, dtype=np.int64)
+    if not fr.send_order(grouped.order_A, grouped.token_A, grouped.start_E, mine_ED, E, D, send_token):
+        raise RuntimeError(f"rank {rank}: routed counts {np.diff(grouped.start_E).tolist()} disagree with the "
+                           f"dispatch plan {mine_ED.sum(1).tolist()}")
+    recv_D = recv_DE.sum(1)
+
+    def finish():  # the exchange is under way: its return's orders
+        R = int(recv_D.sum())
+        unsend, group_perm, ungroup_perm = np.empty(A, np.int64), np.empty(R, np.int64), np.empty(R, np.int64)
+        fr.finish_orders(grouped.order_A, grouped.start_E, mine_ED, recv_DE, local_S, E, D, unsend, group_perm,
+                         ungroup_perm)
+        return torch.from_numpy(unsend), torch.from_numpy(group_perm), torch.from_numpy(ungroup_perm)
+
+    return Route(send_token=torch.from_numpy(send_token), send_splits=mine_ED.sum(0).tolist(),
+                 recv_splits=recv_D.tolist(), group_sizes=recv_DE[:, local_S].sum(0).tolist(), finish=finish)
+
+
+def _i64(a) -> np.ndarray:
+    return a if isinstance(a, np.ndarray) and a.dtype == np.int64 and a.flags.c_contiguous else \
+        np.ascontiguousarray(a, dtype=np.int64)
 
 
 def route_reference(idx_TK: torch.Tensor, plan_EDD, *, rank: int, local_E: torch.Tensor) -> Route:

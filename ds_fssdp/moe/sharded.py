@@ -35,7 +35,7 @@ from ds_fssdp.moe.compute import dispatch_compute_combine, mlp_fn
 from ds_fssdp.moe.experts import ExpertSpec
 from ds_fssdp.moe.gate import GateOutput, uniform_assignment
 from ds_fssdp.moe.remat import RematExpertMLP
-from ds_fssdp.moe.routing import route
+from ds_fssdp.moe.routing import expert_order, route
 from ds_fssdp.planner import LoadPredictor, PlacementOptions, gather_layout, place_predicted
 from ds_fssdp.planner.dispatch import dispatch_plan
 from ds_fssdp.planner.predict import relative_l1_error
@@ -190,6 +190,7 @@ class ShardedExperts:
         m = self.measured_window_s
         self.measured_window_s = window if m is None else 0.9 * m + 0.1 * window
         (placement_ED, layout, gather), self._gather = self._gather, None
+        grouped = expert_order(idx_TK, self.owner_E.numel())  # the route's plan-free half, before the wait
         tokens_ED = all_gather_counts(counts_E, self.group)
         t0 = time.perf_counter()
         self._timer("fssdp_gather_wait", True)
@@ -206,7 +207,7 @@ class ShardedExperts:
             gather_sent += extra_sent
         plan = dispatch_plan(placement_ED, tokens_ED, self.topology, mode=self.options.dispatch_mode,
                                  cost=self.cost, slack=self.options.dispatch_slack)
-        r = route(idx_TK, plan, rank=self.rank, local_E=layout.local_E)
+        r = route(idx_TK, plan, rank=self.rank, local_E=layout.local_E, grouped=grouped)
         grad = torch.is_grad_enabled()
         # A forward that a backward may follow (or recompute, under checkpointing) is recorded.
         record = grad or observe
