@@ -102,10 +102,12 @@ class FSSDPConfig(DeepSpeedConfigModel):
     """Re-plan the owners of all layers every this many optimizer steps (0: never)."""
 
     placement: Literal["cost", "joint", "paper"] = "joint"
-    """How replicas are chosen each iteration (``planner.place``): ``cost`` (a replica only where it
-    lowers the modelled layer time, slowest rank's expert compute plus token exchange, by more
-    than its gather and reduce cost; m and t stay upper bounds; the cost model from ``hardware`` or
-    measured at initialize; ``joint`` when ``deterministic`` is set without ``hardware``),
+    """How replicas are chosen each iteration (``planner.place``): ``cost`` (the fewest replicas that
+    balance the predicted loads to the level of least modelled layer time, slowest rank's expert
+    compute plus token exchange plus the gather and reduce the overlap window does not hide, the
+    window being t chunks over a rank link; m and t stay upper bounds; the cost model from
+    ``hardware`` or measured at initialize; ``joint`` when ``deterministic`` is set without
+    ``hardware``),
     ``joint`` (where the predicted tokens come from, every slot that helps balance) or ``paper``
     (Algorithm 1 on per-expert loads)."""
 

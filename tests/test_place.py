@@ -10,7 +10,8 @@ from ds_fssdp.planner.cost_place import Coefficients, cost_materialize, cost_mat
 from ds_fssdp.planner.joint import joint_materialize
 
 SHAPES = [(8, 8, 4), (16, 8, 2), (64, 32, 8), (6, 4, 2), (4, 8, 4), (12, 6, 3), (3, 2, 1), (20, 12, 4), (10, 10, 1)]
-CHEAP = Coefficients(row=1e-6, intra=1e-8, inter=1e-7, same_node=1e-6, cross_node=3e-6)  # replicas nearly free
+# replicas free inside a window of 100 chunks
+CHEAP = Coefficients(row=1e-6, intra=1e-8, inter=1e-7, chunk_intra=1e-6, chunk_inter=3e-6, window=1e-4)
 
 
 def _instance(gen, E, D, total):
@@ -29,28 +30,31 @@ def test_cost_placement_invariants_and_c_equals_reference():
             tokens = tokens / 3.0  # window means are fractional
         t = int(torch.randint(0, E + 2, (1, ), generator=gen))
         m = int(torch.randint(0, 5, (1, ), generator=gen))
-        r = torch.rand(5, generator=gen, dtype=torch.float64).tolist()
-        c = Coefficients(row=1e-6 * (0.1 + r[0]), intra=1e-7 * r[1], inter=1e-6 * r[2], same_node=1e-4 * r[3],
-                         cross_node=3e-4 * r[4])
-        p = cost_materialize(owner, tokens, topo, overlap_degree=t, budget=m, coefficients=c)
+        r = torch.rand(6, generator=gen, dtype=torch.float64).tolist()
+        c = Coefficients(row=1e-6 * (0.1 + r[0]), intra=1e-7 * r[1], inter=1e-6 * r[2], chunk_intra=1e-4 * r[3],
+                         chunk_inter=3e-4 * r[4], window=3e-4 * r[5])
+        margin = (0.0, 0.15, 0.4)[i % 3]
+        p = cost_materialize(owner, tokens, topo, overlap_degree=t, budget=m, coefficients=c, margin=margin)
         assert torch.equal(p, cost_materialize_reference(owner, tokens, topo, overlap_degree=t, budget=m,
-                                                         coefficients=c)), (i, E, D, G, t, m)
+                                                         coefficients=c, margin=margin)), (i, E, D, G, t, m)
         shard = shard_placement(owner, D)
         added = p & ~shard
         assert bool(p[shard].all())
         assert int(added.sum(0).max()) <= m
         assert int(added.any(1).sum()) <= min(t, E)
         assert torch.equal(p, cost_materialize(owner, tokens.clone(), topo, overlap_degree=t, budget=m,
-                                               coefficients=c))
+                                               coefficients=c, margin=margin))
 
 
 def test_balanced_loads_get_no_replicas():
     topo = Topology(num_ranks=8, ranks_per_node=4)
     owner = homogeneous_owner(16, 8)
     tokens = torch.full((16, 8), 25.0)
-    for c in (CHEAP, Coefficients(row=1e-6, intra=0.0, inter=0.0, same_node=0.0, cross_node=0.0)):
-        p = cost_materialize(owner, tokens, topo, overlap_degree=16, budget=4, coefficients=c)
-        assert torch.equal(p, shard_placement(owner, 8))
+    free = Coefficients(row=1e-6, intra=0.0, inter=0.0, chunk_intra=0.0, chunk_inter=0.0, window=0.0)
+    for c in (CHEAP, free):
+        for margin in (0.0, 0.15):
+            p = cost_materialize(owner, tokens, topo, overlap_degree=16, budget=4, coefficients=c, margin=margin)
+            assert torch.equal(p, shard_placement(owner, 8))
 
 
 def test_one_hot_expert_on_two_ranks_gets_exactly_the_replica_that_balances_it():
@@ -59,8 +63,9 @@ def test_one_hot_expert_on_two_ranks_gets_exactly_the_replica_that_balances_it()
     tokens = torch.tensor([[300.0, 300.0], [20.0, 20.0]])  # rank 0 computes 600 rows, rank 1 40
     p = cost_materialize(owner, tokens, topo, overlap_degree=2, budget=2, coefficients=CHEAP)
     assert p.tolist() == [[True, True], [False, True]]
-    # A replica that costs more than the time it saves is not added; nor without a slot or t.
-    dear = Coefficients(row=1e-6, intra=1e-8, inter=1e-7, same_node=1.0, cross_node=1.0)
+    # A replica whose transfer, past the window, costs more than the time it saves is not added;
+    # nor without a slot or t.
+    dear = Coefficients(row=1e-6, intra=1e-8, inter=1e-7, chunk_intra=1.0, chunk_inter=1.0, window=1e-3)
     for kwargs in ({"coefficients": dear, "budget": 2, "overlap_degree": 2},
                    {"coefficients": CHEAP, "budget": 0, "overlap_degree": 2},
                    {"coefficients": CHEAP, "budget": 2, "overlap_degree": 0}):
@@ -68,13 +73,20 @@ def test_one_hot_expert_on_two_ranks_gets_exactly_the_replica_that_balances_it()
 
 
 def test_one_hot_expert_gets_as_many_holders_as_pay():
-    """Expert 0 carries 4x a rank's fair share on 4 ranks: 3 replicas balance it; the fourth rank
-    (its owner) keeps the rest. With replicas dearer than a third of the gain, fewer are bought."""
+    """Expert 0 carries about 4x a rank's fair share on 4 ranks: 3 replicas balance it; the fourth
+    rank (its owner) keeps the rest. When the window hides one chunk per link and each further one
+    costs more than a third of the compute it saves, fewer are bought."""
     topo = Topology(num_ranks=4, ranks_per_node=4)
     owner = torch.arange(4)
     tokens = torch.tensor([[100.0] * 4, [1.0] * 4, [1.0] * 4, [1.0] * 4])
     p = cost_materialize(owner, tokens, topo, overlap_degree=4, budget=1, coefficients=CHEAP)
     assert p[0].all() and int((p & ~shard_placement(owner, 4)).sum()) == 3
+    # 403 rows: EP's slowest rank computes 400, balanced ~101. The owner sends every chunk: with a
+    # window of one chunk, k replicas expose (k - 1) + (k - 2)+ chunks of 60 row-times each.
+    c = Coefficients(row=1.0, intra=0.0, inter=0.0, chunk_intra=60.0, chunk_inter=60.0, window=60.0)
+    p = cost_materialize(owner, tokens, topo, overlap_degree=4, budget=1, coefficients=c, margin=0.0)
+    added = int((p & ~shard_placement(owner, 4)).sum())
+    assert 0 < added < 3, p
 
 
 def test_place_dispatches_by_setting():
@@ -90,7 +102,8 @@ def test_place_dispatches_by_setting():
     joint = joint_materialize(owner, tokens, topo, overlap_degree=4, budget=2)
     assert torch.equal(place(owner, tokens, topo, config=opts(placement="joint"), cost=cost), joint)
     assert torch.equal(place(owner, tokens, topo, config=opts(placement="cost")), joint)  # no cost model
-    want = cost_materialize(owner, tokens, topo, overlap_degree=4, budget=2, coefficients=Coefficients.from_cost(cost))
+    want = cost_materialize(owner, tokens, topo, overlap_degree=4, budget=2,
+                            coefficients=Coefficients.from_cost(cost, 4))
     assert torch.equal(place(owner, tokens, topo, config=opts(placement="cost"), cost=cost), want)
     alg1 = materialize(owner, tokens.sum(1), topo, overlap_degree=4, budget=2)
     assert torch.equal(place(owner, tokens, topo, config=opts(placement="paper")), alg1)
@@ -108,3 +121,19 @@ def test_cost_placement_rejects_bad_tokens():
         for fn in (cost_materialize, cost_materialize_reference):
             with pytest.raises(ValueError, match="tokens_ED"):
                 fn(torch.tensor([0, 1]), tokens, topo, overlap_degree=2, budget=1, coefficients=CHEAP)
+
+
+def test_a_replica_that_only_saves_exchange_is_bought_only_when_that_pays():
+    """4 ranks in 2 nodes, compute balanced within 1% (no level below the slowest rank is tried
+    without a margin); experts 0 and 1 (owned in node 0) are produced only in node 1, whose ranks
+    have one row of room: a holder there keeps a row off the node link. Bought when a row over
+    that link costs ten rows computed; not when the link is nearly free."""
+    topo = Topology(num_ranks=4, ranks_per_node=2)
+    owner = torch.tensor([0, 1, 2, 3])
+    tokens = torch.tensor([[0.0, 0.0, 50.0, 50.0], [0.0, 0.0, 50.0, 50.0], [24.75] * 4, [24.75] * 4])
+    dear = Coefficients(row=1.0, intra=0.0, inter=10.0, chunk_intra=1.0, chunk_inter=1.0, window=10.0)
+    p = cost_materialize(owner, tokens, topo, overlap_degree=4, budget=1, coefficients=dear, margin=0.0)
+    assert bool(p[0, 2:].any()) and bool(p[1, 2:].any()), p
+    cheap = Coefficients(row=1.0, intra=0.0, inter=1e-6, chunk_intra=1.0, chunk_inter=1.0, window=10.0)
+    p = cost_materialize(owner, tokens, topo, overlap_degree=4, budget=1, coefficients=cheap, margin=0.0)
+    assert torch.equal(p, shard_placement(owner, 4)), p

@@ -1,258 +1,338 @@
-/* Cost-aware placement ("replicate only what pays") in C: the same greedy, float for float, as
- * cost_materialize_reference in ds_fssdp/planner/cost_place.py (the model and the rules are
- * described there; tests compare the two). Plain C, no Python: _fastplan.c checks the arguments
- * and calls cost_place_core.
+/* Cost-aware placement ("replicate only what pays") in C: the same cover, levels and choice, float
+ * for float, as cost_materialize_reference in ds_fssdp/planner/cost_place.py (the model and the
+ * rules are described there; tests compare the two). Plain C, no Python: _fastplan.c checks the
+ * arguments and calls cost_place_core.
  *
  * Legend: E experts, D ranks of G per node, N nodes. owner int64 [E], T float64 [E*D] (predicted
  * tokens, finite and >= 0, checked by the caller), P uint8 [E*D] (zeroed by the caller), scratch
- * of cost_place_scratch(E, D) bytes.
+ * of cost_place_scratch(E, D, G) bytes.
  */
 #include "_costplace.h"
 
+#include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 static inline double pos(double v) { return v > 0.0 ? v : 0.0; }
 static inline double maxd(double a, double b) { return a >= b ? a : b; }
+static inline double mind(double a, double b) { return a <= b ? a : b; }
 
-size_t cost_place_scratch(int64_t E, int64_t D) {
-    /* share [E*D], node_share and made [E*N], load rin rout sorted [D], nin nout [N], node_has [E*N],
-     * free [D], replicated [E] */
-    return (size_t)(E * D + 2 * E * D + 4 * D + 2 * D) * sizeof(double) + (size_t)(E * D) +
-           (size_t)(D + E) * sizeof(int64_t) + 64;
+/* Inputs shared by every fill. */
+typedef struct {
+    const int64_t *owner, *node; /* node of each rank */
+    const double *T, *made;      /* made [E*N]: tokens of e produced in node n */
+    int64_t E, D, G, N, t;
+    const CostCoefficients *c;
+} Inst;
+
+/* One fill's state (cost_place.py: _Fill), laid out in one block so a copy is one memcpy. */
+typedef struct {
+    double *share, *node_share, *load, *rin, *rout, *nin, *nout, *gather;
+    int64_t *freeD, *ncomputing, *computing, *rank_in, *rank_out, *node_in, *node_out, *distinct;
+    uint8_t *held, *node_has, *replicated;
+} Fill;
+
+static size_t fill_bytes(int64_t E, int64_t D, int64_t N) {
+    return (size_t)(E * D + E * N + 3 * D + 2 * N + 1) * sizeof(double) +
+           (size_t)(4 * D + D * E + 2 * N + 1) * sizeof(int64_t) + (size_t)(E * D + E * N + E);
 }
 
-/* Ranks with more rows than level: sorted_D is descending. */
-static inline int64_t above(const double *sorted_D, int64_t D, double level) {
-    int64_t lo = 0, hi = D;
-    while (lo < hi) {
-        int64_t mid = (lo + hi) / 2;
-        if (sorted_D[mid] > level) lo = mid + 1; else hi = mid;
+static void fill_at(Fill *f, char *block, int64_t E, int64_t D, int64_t N) {
+    double *p = (double *)block;
+    f->share = p; p += E * D;
+    f->node_share = p; p += E * N;
+    f->load = p; p += D;
+    f->rin = p; p += D;
+    f->rout = p; p += D;
+    f->nin = p; p += N;
+    f->nout = p; p += N;
+    f->gather = p; p += 1;
+    int64_t *q = (int64_t *)p;
+    f->freeD = q; q += D;
+    f->ncomputing = q; q += D;
+    f->rank_in = q; q += D;
+    f->rank_out = q; q += D;
+    f->computing = q; q += D * E;
+    f->node_in = q; q += N;
+    f->node_out = q; q += N;
+    f->distinct = q; q += 1;
+    uint8_t *u = (uint8_t *)q;
+    f->held = u; u += E * D;
+    f->node_has = u; u += E * N;
+    f->replicated = u;
+}
+
+typedef struct {
+    double made;
+    int64_t e, n;
+} Pair;
+
+size_t cost_place_scratch(int64_t E, int64_t D, int64_t G) {
+    const int64_t N = D / G;
+    /* two fills, node [D], made [E*N], order [D], pairs [E*N], alignment */
+    return 2 * (fill_bytes(E, D, N) + 64) + (size_t)(2 * D + E * N) * 8 + (size_t)(E * N) * sizeof(Pair) + 64;
+}
+
+static inline double exposed(double gather, const CostCoefficients *c) {
+    double f = gather - c->window, b = gather - 2.0 * c->window;
+    return pos(f) + pos(b);
+}
+
+/* cost_place.py: _gather_with (add: count the replica's chunks). */
+static inline double gather_with(const Inst *in, Fill *f, double gather, int64_t o, int64_t r, int entered, int add) {
+    const int64_t a = in->node[o], b = in->node[r];
+    const int cross = a != b && !entered;
+    const int64_t out = f->rank_out[o] + ((a == b || cross) ? 1 : 0);
+    const CostCoefficients *c = in->c;
+    gather = maxd(gather, maxd((double)(f->rank_in[r] + 1) * c->chunk_intra, (double)out * c->chunk_intra));
+    if (cross)
+        gather = maxd(gather, maxd((double)(f->node_in[b] + 1) * c->chunk_inter,
+                                   (double)(f->node_out[a] + 1) * c->chunk_inter));
+    if (add) {
+        f->rank_in[r] += 1;
+        f->rank_out[o] = out;
+        if (cross) {
+            f->node_in[b] += 1;
+            f->node_out[a] += 1;
+        }
     }
-    return lo;
+    return gather;
 }
 
-typedef struct {
-    double rank_ds[2], rank_r[2], node_a[2], node_b[2];
-    int cross; /* ds and r in different nodes */
-} After;
-
-typedef struct {
-    const double *T;
-    double *share, *node_share, *made, *rin, *rout, *nin, *nout;
-    int64_t D, G, N;
-} State;
-
-/* The links' new (in, out) loads if x rows of e move from ds to r (cost_place.py: after). */
-static inline void after(const State *st, int64_t e, int64_t ds, int64_t r, double x, After *o) {
-    const int64_t D = st->D, N = st->N;
-    double s = st->share[e * D + ds], sr = st->share[e * D + r], Ts = st->T[e * D + ds], Tr = st->T[e * D + r];
-    double s2 = s - x, sr2 = sr + x;
-    o->rank_ds[0] = st->rin[ds] - pos(s - Ts) + pos(s2 - Ts);
-    o->rank_ds[1] = st->rout[ds] - pos(Ts - s) + pos(Ts - s2);
-    o->rank_r[0] = st->rin[r] - pos(sr - Tr) + pos(sr2 - Tr);
-    o->rank_r[1] = st->rout[r] - pos(Tr - sr) + pos(Tr - sr2);
-    int64_t a = ds / st->G, b = r / st->G;
-    o->cross = a != b;
-    if (!o->cross) return;
-    double Sa = st->node_share[e * N + a], Sb = st->node_share[e * N + b], Fa = st->made[e * N + a],
-           Fb = st->made[e * N + b];
-    double Sa2 = Sa - x, Sb2 = Sb + x;
-    o->node_a[0] = st->nin[a] - pos(Sa - Fa) + pos(Sa2 - Fa);
-    o->node_a[1] = st->nout[a] - pos(Fa - Sa) + pos(Fa - Sa2);
-    o->node_b[0] = st->nin[b] - pos(Sb - Fb) + pos(Sb2 - Fb);
-    o->node_b[1] = st->nout[b] - pos(Fb - Sb) + pos(Fb - Sb2);
+/* cost_place.py: _moved. */
+static inline double moved(double computed, double produced, double dx) {
+    double after = computed + dx - produced, before = computed - produced;
+    return fabs(after) - fabs(before);
 }
+
+/* cost_place.py: _link_after. */
+static inline void link_after(double *in, double *out, double computed, double produced, double dx) {
+    double after = computed + dx;
+    *in = *in - pos(computed - produced) + pos(after - produced);
+    *out = *out - pos(produced - computed) + pos(produced - after);
+}
+
+/* cost_place.py: _Fill.score. */
+static inline double score(const Inst *in, Fill *f, int64_t e, int64_t d, int64_t r, double x) {
+    const int64_t D = in->D, N = in->N, a = in->node[d], b = in->node[r];
+    const CostCoefficients *c = in->c;
+    const double *T = in->T, *made = in->made;
+    double price = 0.0;
+    if (!f->held[e * D + r]) {
+        const double g = gather_with(in, f, *f->gather, in->owner[e], r, f->node_has[e * N + b], 0);
+        price = exposed(g, c) - exposed(*f->gather, c);
+    }
+    const double ranks = moved(f->share[e * D + d], T[e * D + d], -x) + moved(f->share[e * D + r], T[e * D + r], x);
+    double nodes = 0.0;
+    if (b != a)
+        nodes = moved(f->node_share[e * N + a], made[e * N + a], -x) + moved(f->node_share[e * N + b], made[e * N + b], x);
+    return -0.5 * (c->intra * ranks + c->inter * nodes) - price;
+}
+
+/* cost_place.py: _Fill.move. */
+static void move(const Inst *in, Fill *f, int64_t e, int64_t d, int64_t r, double x, double goal, double level) {
+    const int64_t D = in->D, N = in->N, E = in->E, a = in->node[d], b = in->node[r];
+    const double *T = in->T, *made = in->made;
+    double *share = f->share, *load = f->load;
+    if (!f->held[e * D + r]) {
+        *f->gather = gather_with(in, f, *f->gather, in->owner[e], r, f->node_has[e * N + b], 1);
+        f->node_has[e * N + b] = 1;
+        f->held[e * D + r] = 1;
+        f->freeD[r]--;
+        int64_t j = f->ncomputing[r]++; /* insert e, ascending */
+        int64_t *list = f->computing + r * E;
+        while (j > 0 && list[j - 1] > e) {
+            list[j] = list[j - 1];
+            j--;
+        }
+        list[j] = e;
+        if (!f->replicated[e]) {
+            f->replicated[e] = 1;
+            (*f->distinct)++;
+        }
+    }
+    link_after(&f->rin[d], &f->rout[d], share[e * D + d], T[e * D + d], -x);
+    link_after(&f->rin[r], &f->rout[r], share[e * D + r], T[e * D + r], x);
+    if (b != a) {
+        link_after(&f->nin[a], &f->nout[a], f->node_share[e * N + a], made[e * N + a], -x);
+        link_after(&f->nin[b], &f->nout[b], f->node_share[e * N + b], made[e * N + b], x);
+        f->node_share[e * N + a] -= x;
+        f->node_share[e * N + b] += x;
+    }
+    const double spare = level - load[r], excess = load[d] - goal;
+    share[e * D + d] = x == share[e * D + d] ? 0.0 : share[e * D + d] - x;
+    share[e * D + r] += x;
+    load[d] = x == excess ? goal : load[d] - x;
+    load[r] = x == spare ? level : load[r] + x;
+}
+
+/* Cover candidates: most tokens first, then lowest expert, then lowest node. */
+static int pair_cmp(const void *pa, const void *pb) {
+    const Pair *x = pa, *y = pb;
+    if (x->made != y->made) return x->made > y->made ? -1 : 1;
+    if (x->e != y->e) return x->e < y->e ? -1 : 1;
+    return x->n < y->n ? -1 : (x->n > y->n);
+}
+
+static double max_of(const double *v, int64_t n) {
+    double m = v[0];
+    for (int64_t i = 1; i < n; i++) m = maxd(m, v[i]);
+    return m;
+}
+
+/* cost_place.py: _Fill.cover. */
+static void cover(const Inst *in, Fill *f, double gain, Pair *pairs) {
+    const int64_t E = in->E, D = in->D, G = in->G, N = in->N;
+    const CostCoefficients *c = in->c;
+    const double top = max_of(f->load, D);
+    double *share = f->share, *load = f->load;
+    int64_t num_pairs = 0;
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t n = 0; n < N; n++)
+            if (in->made[e * N + n] > 0.0 && !f->node_has[e * N + n]) pairs[num_pairs++] = (Pair){in->made[e * N + n], e, n};
+    qsort(pairs, (size_t)num_pairs, sizeof(Pair), pair_cmp);
+    for (int64_t i = 0; i < num_pairs; i++) {
+        if (pairs[i].made * (c->intra + c->inter) <= gain) break;
+        const int64_t e = pairs[i].e, n = pairs[i].n;
+        if (!(f->replicated[e] || *f->distinct < in->t) || f->node_has[e * N + n]) continue;
+        int64_t h = -1;
+        for (int64_t d = 0; d < D; d++)
+            if (in->node[d] != n && share[e * D + d] > 0.0 && (h < 0 || share[e * D + d] > share[e * D + h])) h = d;
+        int found = 0;
+        double best_v = 0.0, best_x = 0.0;
+        int64_t best_r = -1;
+        for (int64_t r = n * G; r < (n + 1) * G; r++) {
+            if (f->held[e * D + r] || f->freeD[r] <= 0 || load[r] >= top) continue;
+            const double x = mind(mind(share[e * D + h], in->made[e * N + n]), top - load[r]);
+            const double v = score(in, f, e, h, r, x);
+            if (!found || v > best_v) {
+                found = 1;
+                best_v = v;
+                best_r = r;
+                best_x = x;
+            }
+        }
+        if (found && best_v > gain) move(in, f, e, h, best_r, best_x, -1.0, top);
+    }
+}
+
+/* cost_place.py: _Fill.level. */
+static int level_fill(const Inst *in, Fill *f, double target, double level, int64_t *order) {
+    const int64_t E = in->E, D = in->D;
+    const CostCoefficients *c = in->c;
+    double *share = f->share, *load = f->load;
+    for (int64_t i = 0; i < D; i++) { /* ranks by load, descending (lowest id on ties) */
+        int64_t j = i;
+        while (j > 0 && load[order[j - 1]] < load[i]) {
+            order[j] = order[j - 1];
+            j--;
+        }
+        order[j] = i;
+    }
+    for (int64_t i = 0; i < D; i++) {
+        const int64_t d = order[i];
+        if (load[d] <= target) break;
+        while (load[d] > target) {
+            int found = 0;
+            double best_v = 0.0, best_x = 0.0;
+            int64_t best_e = -1, best_r = -1;
+            for (int64_t k = 0; k < f->ncomputing[d]; k++) {
+                const int64_t e = f->computing[d * E + k];
+                const double s = share[e * D + d];
+                if (s <= 0.0) continue;
+                const int can_add = f->replicated[e] || *f->distinct < in->t;
+                for (int64_t r = 0; r < D; r++) {
+                    if (r == d || load[r] >= level || !(f->held[e * D + r] || (f->freeD[r] > 0 && can_add))) continue;
+                    const double x = mind(mind(s, load[d] - target), level - load[r]);
+                    const double sc = score(in, f, e, d, r, x);
+                    const double v = c->row * x + sc;
+                    if (!found || v > best_v) {
+                        found = 1;
+                        best_v = v;
+                        best_e = e;
+                        best_r = r;
+                        best_x = x;
+                    }
+                }
+            }
+            if (!found) return 0;
+            move(in, f, best_e, d, best_r, best_x, target, level);
+        }
+    }
+    return 1;
+}
+
+/* cost_place.py: _Fill.time. */
+static double fill_time(const Inst *in, const Fill *f) {
+    const CostCoefficients *c = in->c;
+    const double ranks = maxd(max_of(f->rin, in->D), max_of(f->rout, in->D));
+    const double nodes = maxd(max_of(f->nin, in->N), max_of(f->nout, in->N));
+    const double exchange = maxd(ranks * c->intra, nodes * c->inter);
+    return max_of(f->load, in->D) * c->row + exchange + exposed(*f->gather, c);
+}
+
+static char *align64(char *p) { return (char *)(((uintptr_t)p + 63) & ~(uintptr_t)63); }
 
 void cost_place_core(const int64_t *owner, const double *T, uint8_t *P, int64_t E, int64_t D, int64_t G, int64_t t,
-                     int64_t m, const CostCoefficients *c, double min_gain, char *scratch) {
+                     int64_t m, const CostCoefficients *c, double margin, const double *levels, int64_t num_levels,
+                     double min_gain, char *scratch) {
     const int64_t N = D / G;
-    State st = {.T = T, .D = D, .G = G, .N = N};
-    double *f = (double *)scratch;
-    st.share = f; f += E * D;
-    st.node_share = f; f += E * N;
-    st.made = f; f += E * N;
-    double *load = f; f += D;
-    st.rin = f; f += D;
-    st.rout = f; f += D;
-    double *sorted = f; f += D;
-    st.nin = f; f += N;
-    st.nout = f; f += N;
-    int64_t *freeD = (int64_t *)f;
-    int64_t *replicated = freeD + D;
-    uint8_t *node_has = (uint8_t *)(replicated + E);
-    memset(st.share, 0, (size_t)(E * D) * sizeof(double));
-    memset(st.node_share, 0, (size_t)(2 * E * N) * sizeof(double));
-    memset(node_has, 0, (size_t)(E * N));
+    const size_t bytes = fill_bytes(E, D, N);
+    char *base_block = align64(scratch), *work_block = align64(base_block + bytes);
+    int64_t *node = (int64_t *)align64(work_block + bytes), *order = node + D;
+    double *made = (double *)(order + D);
+    Pair *pairs = (Pair *)(made + E * N);
+    Inst in = {.owner = owner, .node = node, .T = T, .made = made, .E = E, .D = D, .G = G, .N = N,
+               .t = t < E ? t : E, .c = c};
+    for (int64_t d = 0; d < D; d++) node[d] = d / G;
+    Fill base, work;
+    fill_at(&base, base_block, E, D, N);
+    fill_at(&work, work_block, E, D, N);
+    memset(base_block, 0, bytes);
+    /* cost_place.py: _Fill.__init__ (expert parallelism) */
+    double mean = 0.0;
     for (int64_t e = 0; e < E; e++) {
-        int64_t o = owner[e];
+        const int64_t o = owner[e];
         double total = 0.0;
-        for (int64_t d = 0; d < D; d++) {
-            total += T[e * D + d];
-            st.made[e * N + d / G] += T[e * D + d];
-        }
-        P[e * D + o] = 1;
-        node_has[e * N + o / G] = 1;
-        st.share[e * D + o] = total;
-        st.node_share[e * N + o / G] = total;
-        replicated[e] = 0;
+        for (int64_t d = 0; d < D; d++) total += T[e * D + d];
+        base.held[e * D + o] = 1;
+        base.share[e * D + o] = total;
+        base.node_share[e * N + node[o]] = total;
+        base.node_has[e * N + node[o]] = 1;
+        base.load[o] += total;
+        mean += total;
+        base.computing[o * E + base.ncomputing[o]++] = e;
+        for (int64_t n = 0; n < N; n++) made[e * N + n] = 0.0;
+        for (int64_t d = 0; d < D; d++) made[e * N + node[d]] += T[e * D + d];
     }
-    for (int64_t d = 0; d < D; d++) {
-        load[d] = st.rin[d] = st.rout[d] = 0.0;
+    mean /= (double)D;
+    for (int64_t d = 0; d < D; d++)
         for (int64_t e = 0; e < E; e++) {
-            load[d] += st.share[e * D + d];
-            st.rin[d] += pos(st.share[e * D + d] - T[e * D + d]);
-            st.rout[d] += pos(T[e * D + d] - st.share[e * D + d]);
+            base.rin[d] += pos(base.share[e * D + d] - T[e * D + d]);
+            base.rout[d] += pos(T[e * D + d] - base.share[e * D + d]);
         }
-        freeD[d] = m;
-    }
-    for (int64_t n = 0; n < N; n++) {
-        st.nin[n] = st.nout[n] = 0.0;
+    for (int64_t n = 0; n < N; n++)
         for (int64_t e = 0; e < E; e++) {
-            st.nin[n] += pos(st.node_share[e * N + n] - st.made[e * N + n]);
-            st.nout[n] += pos(st.made[e * N + n] - st.node_share[e * N + n]);
+            base.nin[n] += pos(base.node_share[e * N + n] - made[e * N + n]);
+            base.nout[n] += pos(made[e * N + n] - base.node_share[e * N + n]);
         }
-    }
-    int64_t distinct = 0;
-    if (t > E) t = E;
-    const int64_t iterations = 2 * E * D + D * m;
-    for (int64_t it = 0; it < iterations; it++) {
-        int64_t ds = 0;
-        for (int64_t d = 1; d < D; d++)
-            if (load[d] > load[ds]) ds = d;
-        const double top = load[ds];
-        for (int64_t d = 0; d < D; d++) { /* insertion sort, descending */
-            double v = load[d];
-            int64_t i = d;
-            while (i > 0 && sorted[i - 1] < v) { sorted[i] = sorted[i - 1]; i--; }
-            sorted[i] = v;
+    for (int64_t d = 0; d < D; d++) base.freeD[d] = m;
+    const double gain = min_gain * c->row * mean;
+    cover(&in, &base, gain, pairs);
+    double best = fill_time(&in, &base);
+    memcpy(P, base.held, (size_t)(E * D));
+    const double top = max_of(base.load, D);
+    for (int64_t i = 0; i < num_levels; i++) {
+        const double level = mean * (1.0 + levels[i]);
+        const double target = level / (1.0 + margin);
+        if (target >= top) continue;
+        memcpy(work_block, base_block, bytes);
+        const int reached = level_fill(&in, &work, target, level, order);
+        const double time = fill_time(&in, &work);
+        if (time < best - gain) {
+            best = time;
+            memcpy(P, work.held, (size_t)(E * D));
         }
-        const double link_ds = st.rin[ds] + st.rout[ds], link_a = st.nin[ds / G] + st.nout[ds / G];
-        int found = 0;
-        double best_net = 0.0, best_x = 0.0;
-        int64_t best_e = -1, best_r = -1, best_h = -1;
-        After o;
-        for (int64_t e = 0; e < E; e++) {
-            const double s = st.share[e * D + ds];
-            if (s <= 0.0) continue;
-            const uint8_t *held = P + e * D;
-            const int can_add = replicated[e] || distinct < t;
-            for (int64_t r = 0; r < D; r++) {
-                if (r == ds) continue;
-                double price;
-                if (held[r]) price = 0.0;
-                else if (freeD[r] > 0 && can_add) price = node_has[e * N + r / G] ? c->same_node : c->cross_node;
-                else continue;
-                double x = (top - load[r]) * 0.5;
-                if (s <= x) x = s;
-                if (!(x > 0.0)) continue;
-                const double level = maxd(top - x, load[r] + x);
-                const int64_t k = above(sorted, D, level);
-                if (k == 0) continue;
-                after(&st, e, ds, r, x, &o);
-                const double ranks = (link_ds + st.rin[r] + st.rout[r]) -
-                                     (o.rank_ds[0] + o.rank_ds[1] + (o.rank_r[0] + o.rank_r[1]));
-                double nodes = 0.0;
-                if (o.cross) {
-                    const int64_t b = r / G;
-                    nodes = (link_a + st.nin[b] + st.nout[b]) -
-                            (o.node_a[0] + o.node_a[1] + (o.node_b[0] + o.node_b[1]));
-                }
-                const double net = c->row * (top - level) / (double)k + c->intra * ranks / (double)D +
-                                   c->inter * nodes / (double)N - price;
-                if (!found || net > best_net) {
-                    found = 1;
-                    best_net = net; best_e = e; best_r = r; best_x = x; best_h = ds;
-                }
-            }
-        }
-        /* Cover moves: rows of e a node produces but computes elsewhere, moved into it from e's
-         * busiest holder outside, no rank past the slowest one. */
-        int64_t order[3], no = 0;
-        for (int64_t d = 0; d < D && no < 3; d++) { /* the 3 busiest ranks, lowest id on ties */
-            int64_t i = no++;
-            while (i > 0 && load[order[i - 1]] < load[d]) { order[i] = order[i - 1]; i--; }
-            order[i] = d;
-        }
-        for (int64_t d = 3; d < D; d++) {
-            if (!(load[d] > load[order[2]])) continue;
-            int64_t i = 2;
-            while (i > 0 && load[order[i - 1]] < load[d]) { order[i] = order[i - 1]; i--; }
-            order[i] = d;
-        }
-        for (int64_t e = 0; e < E; e++) {
-            const uint8_t *held = P + e * D;
-            const double *sh = st.share + e * D;
-            int64_t h1 = -1, h2 = -1; /* e's busiest holder; its busiest holder outside h1's node */
-            for (int64_t d = 0; d < D; d++)
-                if (sh[d] > 0.0 && (h1 < 0 || sh[d] > sh[h1])) h1 = d;
-            if (h1 < 0) continue;
-            for (int64_t d = 0; d < D; d++)
-                if (d / G != h1 / G && sh[d] > 0.0 && (h2 < 0 || sh[d] > sh[h2])) h2 = d;
-            const int can_add = replicated[e] || distinct < t;
-            for (int64_t n = 0; n < N; n++) {
-                const double need = st.made[e * N + n] - st.node_share[e * N + n];
-                const int64_t h = h1 / G != n ? h1 : h2;
-                if (need <= 0.0 || h < 0) continue;
-                int64_t targets[2] = {-1, -1}; /* the node's least loaded holder of e, least loaded open rank */
-                for (int64_t r = n * G; r < (n + 1) * G; r++) {
-                    if (held[r]) {
-                        if (targets[0] < 0 || load[r] < load[targets[0]]) targets[0] = r;
-                    } else if (freeD[r] > 0 && can_add && (targets[1] < 0 || load[r] < load[targets[1]])) {
-                        targets[1] = r;
-                    }
-                }
-                const int64_t hn = h / G;
-                for (int j = 0; j < 2; j++) {
-                    const int64_t r = targets[j];
-                    if (r < 0) continue;
-                    const double price = held[r] ? 0.0 : node_has[e * N + n] ? c->same_node : c->cross_node;
-                    double x = st.share[e * D + h];
-                    if (need < x) x = need;
-                    if (top - load[r] < x) x = top - load[r];
-                    if (!(x > 0.0)) continue;
-                    double level = 0.0;
-                    for (int64_t i = 0; i < no; i++)
-                        if (order[i] != h && order[i] != r) { level = load[order[i]]; break; }
-                    if (load[h] - x > level) level = load[h] - x;
-                    if (load[r] + x > level) level = load[r] + x;
-                    after(&st, e, h, r, x, &o);
-                    const double ranks = (st.rin[h] + st.rout[h] + st.rin[r] + st.rout[r]) -
-                                         (o.rank_ds[0] + o.rank_ds[1] + (o.rank_r[0] + o.rank_r[1]));
-                    const double nodes = (st.nin[hn] + st.nout[hn] + st.nin[n] + st.nout[n]) -
-                                         (o.node_a[0] + o.node_a[1] + (o.node_b[0] + o.node_b[1]));
-                    const double net = c->row * (top - level) + c->intra * ranks / (double)D +
-                                       c->inter * nodes / (double)N - price;
-                    if (!found || net > best_net) {
-                        found = 1;
-                        best_net = net; best_e = e; best_r = r; best_x = x; best_h = h;
-                    }
-                }
-            }
-        }
-        if (!found || best_net <= min_gain * c->row * top) break;
-        const int64_t e = best_e, r = best_r;
-        const double x = best_x;
-        ds = best_h;
-        const int64_t a = ds / G;
-        if (!P[e * D + r]) {
-            P[e * D + r] = 1;
-            node_has[e * N + r / G] = 1;
-            freeD[r]--;
-            if (!replicated[e]) { replicated[e] = 1; distinct++; }
-        }
-        after(&st, e, ds, r, x, &o);
-        st.rin[ds] = o.rank_ds[0]; st.rout[ds] = o.rank_ds[1];
-        st.rin[r] = o.rank_r[0]; st.rout[r] = o.rank_r[1];
-        if (o.cross) {
-            const int64_t b = r / G;
-            st.nin[a] = o.node_a[0]; st.nout[a] = o.node_a[1];
-            st.nin[b] = o.node_b[0]; st.nout[b] = o.node_b[1];
-            st.node_share[e * N + a] -= x;
-            st.node_share[e * N + b] += x;
-        }
-        load[ds] -= x;
-        load[r] += x;
-        st.share[e * D + ds] -= x;
-        st.share[e * D + r] += x;
+        if (!reached) break;
     }
 }

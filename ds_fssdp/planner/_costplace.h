@@ -6,11 +6,13 @@
 #include <stdint.h>
 
 typedef struct {
-    double row, intra, inter, same_node, cross_node; /* seconds (planner/cost_place.py: Coefficients) */
+    /* seconds (planner/cost_place.py: Coefficients) */
+    double row, intra, inter, chunk_intra, chunk_inter, window;
 } CostCoefficients;
 
-size_t cost_place_scratch(int64_t E, int64_t D);
+size_t cost_place_scratch(int64_t E, int64_t D, int64_t G);
 void cost_place_core(const int64_t *owner, const double *T, uint8_t *P, int64_t E, int64_t D, int64_t G, int64_t t,
-                     int64_t m, const CostCoefficients *c, double min_gain, char *scratch);
+                     int64_t m, const CostCoefficients *c, double margin, const double *levels, int64_t num_levels,
+                     double min_gain, char *scratch);
 
 #endif

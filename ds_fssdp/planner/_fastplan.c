@@ -444,13 +444,14 @@ done:
 
 /* Cost-aware placement (_costplace.c): arguments checked here, the greedy there. */
 static PyObject *materialize_cost(PyObject *self, PyObject *args) {
-    unsigned long long owner, tokens;
+    unsigned long long owner, tokens, levels;
     Py_buffer place;
-    long long E, D, G, t, m;
+    long long E, D, G, t, m, num_levels;
     CostCoefficients c;
-    double min_gain;
-    if (!PyArg_ParseTuple(args, "KKw*LLLLLdddddd", &owner, &tokens, &place, &E, &D, &G, &t, &m, &c.row, &c.intra,
-                          &c.inter, &c.same_node, &c.cross_node, &min_gain))
+    double margin, min_gain;
+    if (!PyArg_ParseTuple(args, "KKw*LLLLLddddddKLdd", &owner, &tokens, &place, &E, &D, &G, &t, &m, &c.row, &c.intra,
+                          &c.inter, &c.chunk_intra, &c.chunk_inter, &c.window, &levels, &num_levels, &margin,
+                          &min_gain))
         return NULL;
     PyObject *out = NULL;
     int64_t node_D[MAX_D];
@@ -465,10 +466,11 @@ static PyObject *materialize_cost(PyObject *self, PyObject *args) {
             Py_XDECREF(v);
             goto done;
         }
-    char *scratch = scratch_get(SCRATCH_CORE, cost_place_scratch(E, D));
+    char *scratch = scratch_get(SCRATCH_CORE, cost_place_scratch(E, D, G));
     if (!scratch) goto done;
     memset(place.buf, 0, (size_t)(E * D));
-    cost_place_core(PTR(int64_t, owner), T, place.buf, E, D, G, t < 0 ? 0 : t, m < 0 ? 0 : m, &c, min_gain, scratch);
+    cost_place_core(PTR(int64_t, owner), T, place.buf, E, D, G, t < 0 ? 0 : t, m < 0 ? 0 : m, &c, margin,
+                    PTR(double, levels), num_levels, min_gain, scratch);
     out = Py_None;
     Py_INCREF(out);
 done:

@@ -1,36 +1,43 @@
-"""Cost-aware placement ("replicate only what pays"): replicas bought with the modelled layer time.
+"""Cost-aware placement ("replicate only what pays"): the fewest replicas that reach a load level,
+at the level whose modelled layer time is least.
 
 Legend: E experts, D ranks, N nodes of G ranks.
 
-``share[e, d]`` (float rows of expert e computed on rank d) starts at expert parallelism (the
-owner computes all of its expert's predicted tokens). The modelled layer time has two parts:
+``share[e, d]`` (rows of expert e computed on rank d) starts at expert parallelism: the owner
+computes all of its expert's predicted tokens. A *fill* for a ``level`` (rows per rank) and a
+``target = level / (1 + margin)`` makes moves: x rows of an expert e from a rank d to a rank r
+below the level, never past it; a holder of e takes them for free (the balancing dispatcher
+moves those rows anyway), otherwise r gets a replica, allowed only while r has a free slot (<= m
+added per rank) and e is replicated already or fewer than t experts are. A move's *score* is what
+it keeps off the links (the four token exchanges: a rank's, and a node's, own tokens of an expert
+are computed there first; half of each end's change in rows, ``intra`` / ``inter`` seconds per
+row) less its replica's exposed gather and reduce (below). A fill has two phases:
 
-* compute: ``c_row * max_d load_d`` (the slowest rank's expert rows, forward and backward);
-* exchange (four token all-to-alls): rank d's link carries ``in_d`` rows in and ``out_d`` out (a
-  rank's own tokens of an expert are computed there first: ``in_d = sum_e max(0, share -
-  tokens)``, ``out_d = sum_e max(0, tokens - share)``) and every node link the same at node
-  granularity (tokens produced in a node are computed there first); the exchange term is the mean
-  link load, ``c_intra * mean_d (in_d + out_d) / 2 + c_inter * mean_n (in_n + out_n) / 2`` (a mean,
-  not the busiest link: every row a move keeps off the links counts, in either direction).
+* cover: for every (expert, node) the node produces tokens of but holds no replica of, most
+  tokens first (lowest expert, then node, on ties), the best-scoring rank of the node takes
+  ``min(tokens, room)`` rows from the expert's busiest holder elsewhere, when that scores more
+  than ``MIN_GAIN`` of the mean rank's compute (tokens that would cross nodes stay home);
+* level: every rank above the target, busiest first (lowest id on ties), sheds rows to it, one
+  move at a time, the move with the largest ``row * x + score`` first (lowest expert, then rank,
+  on ties); a rank no move relieves stays above (the fill did not reach its target).
 
-Greedy, one move at a time, from the rank d* with the most rows (lowest id on ties): for every
-expert e it computes rows of and every other rank r, move ``x = min(share[e, d*], (load_d* -
-load_r) / 2)`` rows of e to r. If r already holds e the move is free (the balancing dispatcher
-does it anyway); otherwise it adds a replica, allowed only while r has a free slot (<= m added
-per rank) and e is replicated already or fewer than t experts are, and it costs that replica's
-gather and reduce: ``c_same`` when r's node already holds e (the chunk is forwarded inside the
-node), else ``c_cross``. A move's gain is its share of the compute drop, ``c_row * (load_d* -
-max(new load_d*, new load_r)) / k`` with ``k`` the ranks above that new maximum (all k must be
-relieved to lower the slowest rank that much), plus the change of the exchange term (negative
-when the rows leave their node). Cover moves compete with those: for every expert e and node n
-that computes fewer rows of e than it produces, move ``x = min(share[e, h], the shortfall,
-load_d* - load_r)`` rows from e's busiest holder h outside n into n's least loaded holder of e, or
-its least loaded rank that may take a replica (same rules); their gain is the exact change of the
-slowest rank's compute plus that of the exchange term. The move with the largest gain minus cost
-is taken (ties: d*'s moves first, then lowest expert, then lowest rank) while that net is more
-than ``MIN_GAIN`` of the slowest rank's compute:
-a replica is added only when it lowers the modelled time by more than it costs. Deterministic;
-the C version (``_costplace.c``) does the same float operations in the same order, tested equal.
+``margin`` (default ``MARGIN``) is headroom for the prediction: a rank near the level keeps room
+below it, so the actual loads, which differ from the window mean the plan sees (relative L1 error
+0.14 on the shared trace), can still be balanced by the dispatcher. The modelled layer time of a
+fill is the slowest rank's rows times ``row`` (forward + backward), plus the busiest link's
+exchange rows, plus the replicas' exposed transfer: every link's expert chunks (a replica puts one
+on its rank's link and one on its owner's; a replica in a node the expert has not entered yet
+also one on each node's link, then it is forwarded inside the node), ``chunk_intra`` /
+``chunk_inter`` seconds each; the busiest link's gather time past ``window`` (the forward
+attention) plus its reduce time (as long) past ``2 * window`` (the backward attention).
+
+``cost_materialize`` fills expert parallelism's own level (covers only), then ``mean * (1 + s)``
+for ``s`` in ``LEVELS`` (highest first), stopping after a fill that does not reach its target;
+it returns the fill with the least modelled time, a lower level replacing the best so far only
+when it saves more than ``MIN_GAIN`` of the mean rank's compute (fewer replicas win near-ties).
+So a replica is bought only when it lowers the modelled time by more than its share of the
+gather and reduce that the window does not hide; m and t stay upper bounds. Deterministic; the C
+version (``_costplace.c``) does the same float operations in the same order, tested equal.
 """
 from __future__ import annotations
 
@@ -41,43 +48,50 @@ import torch
 from ds_fssdp.planner import fast
 from ds_fssdp.topology import Topology
 
-MIN_GAIN = 0.01  # a move must lower the modelled time by 1% of the slowest rank's compute (the balancing dispatcher
-# gives up to dispatch_slack, 3%, of balance for locality: finer moves buy nothing and cost iterations)
+# Candidate levels (mean rank rows * (1 + s)), highest first: finer than 2% the balancing
+# dispatcher's 3% slack gives the balance back for locality.
+LEVELS = (0.5, 0.2, 0.1, 0.05, 0.02)
+MARGIN = 0.15  # headroom for the load prediction's error (relative L1 0.14 on the shared trace)
+_LEVELS = torch.tensor(LEVELS, dtype=torch.float64)
+MIN_GAIN = 0.01  # a lower level must save 1% of the mean rank's compute
 
 
 @dataclass(frozen=True)
 class Coefficients:
     """Seconds: per row computed (forward + backward), per row over a rank link and over a node
-    link (four exchanges), per replica gathered and reduced within a node that holds the expert /
-    across nodes."""
+    link (four exchanges together), per expert chunk over a rank link and over a node link, and the
+    forward overlap window of one layer (the backward's is twice it)."""
 
     row: float
     intra: float
     inter: float
-    same_node: float
-    cross_node: float
+    chunk_intra: float
+    chunk_inter: float
+    window: float
 
     @classmethod
-    def from_cost(cls, cost) -> "Coefficients":
-        """From a :class:`~ds_fssdp.planner.cost.CostModel`. Link costs are means over the links,
-        as the exchange term is: a replica's gather and reduce put its chunk twice on the owner's
-        and the holder's rank links (each direction counts) and, across nodes, twice on both
-        nodes' links."""
-        hw, shape, topo = cost.hw, cost.shape, cost.topology
+    def from_cost(cls, cost, overlap_degree: int) -> "Coefficients":
+        """From a :class:`~ds_fssdp.planner.cost.CostModel`. The window is what t means: the
+        attention hides the gather of t experts, so it lasts t chunks over the slower link a gather
+        uses (a node's link when there are several nodes; "auto" t is the chunks the measured link
+        moves during the measured attention window)."""
+        hw, shape = cost.hw, cost.shape
         psi, row_bytes = float(shape.expert_bytes), 4.0 * shape.token_bytes
-        same = 4.0 * psi / hw.intra_bw / topo.num_ranks
+        chunk_intra, chunk_inter = psi / hw.intra_bw, psi / hw.inter_bw
+        slowest = max(chunk_intra, chunk_inter) if cost.topology.num_nodes > 1 else chunk_intra
         return cls(row=3.0 * shape.row_flops / hw.flops, intra=row_bytes / hw.intra_bw, inter=row_bytes / hw.inter_bw,
-                   same_node=same, cross_node=same + 4.0 * psi / hw.inter_bw / topo.num_nodes)
+                   chunk_intra=chunk_intra, chunk_inter=chunk_inter, window=overlap_degree * slowest)
 
 
 def cost_materialize(owner_E: torch.Tensor, tokens_ED: torch.Tensor, topology: Topology, *, overlap_degree: int,
-                     budget: int, coefficients: Coefficients) -> torch.Tensor:
+                     budget: int, coefficients: Coefficients, margin: float = MARGIN) -> torch.Tensor:
     """Return placement_ED (bool [E, D]); in C when the extension is built (same result)."""
     _check(owner_E, tokens_ED, topology, overlap_degree, budget)
     if fast.AVAILABLE:
-        return fast.materialize_cost(owner_E, tokens_ED, topology, overlap_degree, budget, coefficients, MIN_GAIN)
+        return fast.materialize_cost(owner_E, tokens_ED, topology, overlap_degree, budget, coefficients, _LEVELS,
+                                     margin, MIN_GAIN)
     return cost_materialize_reference(owner_E, tokens_ED, topology, overlap_degree=overlap_degree, budget=budget,
-                                      coefficients=coefficients)
+                                      coefficients=coefficients, margin=margin)
 
 
 def _check(owner_E, tokens_ED, topology, overlap_degree, budget) -> None:
@@ -90,7 +104,8 @@ def _check(owner_E, tokens_ED, topology, overlap_degree, budget) -> None:
 
 
 def cost_materialize_reference(owner_E: torch.Tensor, tokens_ED: torch.Tensor, topology: Topology, *,
-                               overlap_degree: int, budget: int, coefficients: Coefficients) -> torch.Tensor:
+                               overlap_degree: int, budget: int, coefficients: Coefficients,
+                               margin: float = MARGIN) -> torch.Tensor:
     """The Python specification the C version is tested against (scalar loops, same float order)."""
     _check(owner_E, tokens_ED, topology, overlap_degree, budget)
     owner = [int(o) for o in owner_E.to(torch.long).tolist()]
@@ -102,152 +117,230 @@ def cost_materialize_reference(owner_E: torch.Tensor, tokens_ED: torch.Tensor, t
         for d in range(D):
             if not (T[e][d] >= 0.0) or T[e][d] == float("inf"):
                 raise ValueError(f"tokens_ED[{e}, {d}] = {T[e][d]!r} must be finite and >= 0")
-    c = coefficients
-    N = D // G
-    pos = lambda v: v if v > 0.0 else 0.0
-    held = [[False] * D for _ in range(E)]
-    share = [[0.0] * D for _ in range(E)]
-    node_share = [[0.0] * N for _ in range(E)]  # rows of e computed in node n
-    made = [[0.0] * N for _ in range(E)]  # tokens of e produced in node n
-    node_has = [[False] * N for _ in range(E)]
-    for e, o in enumerate(owner):
-        held[e][o] = True
-        node_has[e][o // G] = True
-        total = 0.0
-        for d in range(D):
-            total += T[e][d]
-            made[e][d // G] += T[e][d]
-        share[e][o] = total
-        node_share[e][o // G] = total
-    load, rin, rout = [0.0] * D, [0.0] * D, [0.0] * D
-    for d in range(D):
-        for e in range(E):
-            load[d] += share[e][d]
-            rin[d] += pos(share[e][d] - T[e][d])
-            rout[d] += pos(T[e][d] - share[e][d])
-    nin, nout = [0.0] * N, [0.0] * N
-    for n in range(N):
-        for e in range(E):
-            nin[n] += pos(node_share[e][n] - made[e][n])
-            nout[n] += pos(made[e][n] - node_share[e][n])
-    free = [budget] * D
-    replicated = [False] * E
-    distinct = 0
     t = min(overlap_degree, E)
-
-    def after(e, ds, r, x):
-        """The links' new loads if x rows of e move from ds to r: (rank ds, rank r, node a, node b)
-        as (in, out) pairs; the nodes' are None when ds and r share one."""
-        s, sr, Ts, Tr = share[e][ds], share[e][r], T[e][ds], T[e][r]
-        s2, sr2 = s - x, sr + x
-        rank_ds = (rin[ds] - pos(s - Ts) + pos(s2 - Ts), rout[ds] - pos(Ts - s) + pos(Ts - s2))
-        rank_r = (rin[r] - pos(sr - Tr) + pos(sr2 - Tr), rout[r] - pos(Tr - sr) + pos(Tr - sr2))
-        a, b = ds // G, r // G
-        if a == b:
-            return rank_ds, rank_r, None, None
-        Sa, Sb, Fa, Fb = node_share[e][a], node_share[e][b], made[e][a], made[e][b]
-        Sa2, Sb2 = Sa - x, Sb + x
-        node_a = (nin[a] - pos(Sa - Fa) + pos(Sa2 - Fa), nout[a] - pos(Fa - Sa) + pos(Fa - Sa2))
-        node_b = (nin[b] - pos(Sb - Fb) + pos(Sb2 - Fb), nout[b] - pos(Fb - Sb) + pos(Fb - Sb2))
-        return rank_ds, rank_r, node_a, node_b
-
-    for _ in range(2 * E * D + D * budget):
-        ds = max(range(D), key=lambda d: (load[d], -d))
-        top = load[ds]
-        a = ds // G
-        best = None  # (net, e, r, x, source)
-        for e in range(E):
-            s = share[e][ds]
-            if s <= 0.0:
-                continue
-            for r in range(D):
-                if r == ds:
-                    continue
-                if held[e][r]:
-                    price = 0.0
-                elif free[r] > 0 and (replicated[e] or distinct < t):
-                    price = c.same_node if node_has[e][r // G] else c.cross_node
-                else:
-                    continue
-                x = min(s, (top - load[r]) * 0.5)
-                if x <= 0.0:
-                    continue
-                level = max(top - x, load[r] + x)
-                k = sum(1 for d in range(D) if load[d] > level)
-                if k == 0:
-                    continue
-                rank_ds, rank_r, node_a, node_b = after(e, ds, r, x)
-                ranks = (rin[ds] + rout[ds] + rin[r] + rout[r]) - (sum(rank_ds) + sum(rank_r))
-                nodes = 0.0
-                if node_a is not None:
-                    b = r // G
-                    nodes = (nin[a] + nout[a] + nin[b] + nout[b]) - (sum(node_a) + sum(node_b))
-                net = c.row * (top - level) / k + c.intra * ranks / D + c.inter * nodes / N - price
-                if best is None or net > best[0]:
-                    best = (net, e, r, x, ds)
-        # Cover moves: rows of e a node produces but computes elsewhere, moved into it from e's
-        # busiest holder outside (the exchange term), no rank past the slowest one; into the
-        # node's least loaded holder of e, or its least loaded rank that can take a replica.
-        order = sorted(range(D), key=lambda d: (-load[d], d))[:3]
-        for e in range(E):
-            h1 = h2 = -1  # e's busiest holder; its busiest holder outside h1's node
-            for d in range(D):
-                if share[e][d] > 0.0 and (h1 < 0 or share[e][d] > share[e][h1]):
-                    h1 = d
-            if h1 < 0:
-                continue
-            for d in range(D):
-                if d // G != h1 // G and share[e][d] > 0.0 and (h2 < 0 or share[e][d] > share[e][h2]):
-                    h2 = d
-            can_add = replicated[e] or distinct < t
-            for n in range(N):
-                need = made[e][n] - node_share[e][n]
-                h = h1 if h1 // G != n else h2
-                if need <= 0.0 or h < 0:
-                    continue
-                holder = opened = -1
-                for r in range(n * G, (n + 1) * G):
-                    if held[e][r]:
-                        if holder < 0 or load[r] < load[holder]:
-                            holder = r
-                    elif free[r] > 0 and can_add and (opened < 0 or load[r] < load[opened]):
-                        opened = r
-                for r in (holder, opened):
-                    if r < 0:
-                        continue
-                    price = 0.0 if held[e][r] else (c.same_node if node_has[e][n] else c.cross_node)
-                    x = min(share[e][h], need, top - load[r])
-                    if x <= 0.0:
-                        continue
-                    rest = next((load[d] for d in order if d != h and d != r), 0.0)
-                    level = max(rest, load[h] - x, load[r] + x)
-                    rank_h, rank_r, node_h, node_r = after(e, h, r, x)
-                    hn = h // G
-                    ranks = (rin[h] + rout[h] + rin[r] + rout[r]) - (sum(rank_h) + sum(rank_r))
-                    nodes = (nin[hn] + nout[hn] + nin[n] + nout[n]) - (sum(node_h) + sum(node_r))
-                    net = c.row * (top - level) + c.intra * ranks / D + c.inter * nodes / N - price
-                    if best is None or net > best[0]:
-                        best = (net, e, r, x, h)
-        if best is None or best[0] <= MIN_GAIN * c.row * top:
+    base = _Fill(owner, T, D, G, t, budget, coefficients)
+    mean = base.mean
+    gain = MIN_GAIN * coefficients.row * mean
+    base.cover(gain)
+    best_held, best_time = [row[:] for row in base.held], base.time()
+    top = max(base.load)
+    for s in LEVELS:
+        level = mean * (1.0 + s)
+        target = level / (1.0 + margin)
+        if target >= top:
+            continue
+        fill = base.copy()
+        reached = fill.level(target, level)
+        time = fill.time()
+        if time < best_time - gain:
+            best_held, best_time = fill.held, time
+        if not reached:  # the slots ran out: a lower level only adds replicas to the same straggler
             break
-        _, e, r, x, ds = best
-        a = ds // G
-        if not held[e][r]:
-            held[e][r] = True
-            node_has[e][r // G] = True
-            free[r] -= 1
-            if not replicated[e]:
-                replicated[e] = True
-                distinct += 1
-        rank_ds, rank_r, node_a, node_b = after(e, ds, r, x)
-        (rin[ds], rout[ds]), (rin[r], rout[r]) = rank_ds, rank_r
-        if node_a is not None:
-            b = r // G
-            (nin[a], nout[a]), (nin[b], nout[b]) = node_a, node_b
+    return torch.tensor(best_held, dtype=torch.bool).reshape(E, D)
+
+
+class _Fill:
+    """The shares, links and replicas of one fill, from expert parallelism (module docstring)."""
+
+    def __init__(self, owner, T, D, G, t, m, c: Coefficients):
+        E, N = len(owner), D // G
+        self.owner, self.T, self.D, self.G, self.N, self.t, self.c = owner, T, D, G, N, t, c
+        total = [0.0] * E
+        for e in range(E):
+            for d in range(D):
+                total[e] += T[e][d]
+        self.held = [[False] * D for _ in range(E)]
+        self.share = [[0.0] * D for _ in range(E)]
+        self.made = [[0.0] * N for _ in range(E)]  # tokens of e produced in node n
+        self.node_share = [[0.0] * N for _ in range(E)]  # rows of e computed in node n
+        self.node_has = [[False] * N for _ in range(E)]
+        self.load = [0.0] * D
+        self.computing = [[] for _ in range(D)]  # experts with rows on rank d, ascending
+        self.mean = 0.0
+        for e, o in enumerate(owner):
+            self.held[e][o] = True
+            self.share[e][o] = total[e]
+            self.node_share[e][o // G] = total[e]
+            self.node_has[e][o // G] = True
+            self.load[o] += total[e]
+            self.mean += total[e]
+            self.computing[o].append(e)
+            for d in range(D):
+                self.made[e][d // G] += T[e][d]
+        self.mean /= D
+        # Exchange rows on each link: computed here but produced elsewhere (in), and the reverse.
+        self.rin, self.rout, self.nin, self.nout = [0.0] * D, [0.0] * D, [0.0] * N, [0.0] * N
+        for d in range(D):
+            for e in range(E):
+                self.rin[d] += _pos(self.share[e][d] - T[e][d])
+                self.rout[d] += _pos(T[e][d] - self.share[e][d])
+        for n in range(N):
+            for e in range(E):
+                self.nin[n] += _pos(self.node_share[e][n] - self.made[e][n])
+                self.nout[n] += _pos(self.made[e][n] - self.node_share[e][n])
+        self.free = [m] * D
+        self.replicated = [False] * E
+        self.distinct = 0
+        self.links = [[0] * D, [0] * D, [0] * N, [0] * N]  # chunks: rank in, rank out, node in, node out
+        self.gather = 0.0  # the busiest link's gather time
+
+    def copy(self) -> "_Fill":
+        f = object.__new__(_Fill)
+        f.__dict__.update(self.__dict__)
+        for k in ("held", "share", "node_share", "node_has", "computing", "links"):
+            setattr(f, k, [row[:] for row in getattr(self, k)])
+        for k in ("load", "rin", "rout", "nin", "nout", "free", "replicated"):
+            setattr(f, k, getattr(self, k)[:])
+        return f
+
+    def score(self, e, d, r, x) -> float:
+        """What moving x rows of e from d to r keeps off the links, less its replica's exposed cost."""
+        c, G = self.c, self.G
+        a, b = d // G, r // G
+        price = 0.0
+        if not self.held[e][r]:
+            g = _gather_with(self.links, self.gather, self.owner[e], r, self.node_has[e][b], G, c)
+            price = _exposed(g, c) - _exposed(self.gather, c)
+        share, T, made, node_share = self.share, self.T, self.made, self.node_share
+        ranks = _moved(share[e][d], T[e][d], -x) + _moved(share[e][r], T[e][r], x)
+        nodes = 0.0
+        if b != a:
+            nodes = _moved(node_share[e][a], made[e][a], -x) + _moved(node_share[e][b], made[e][b], x)
+        return -0.5 * (c.intra * ranks + c.inter * nodes) - price
+
+    def move(self, e, d, r, x, goal, level) -> None:
+        """x rows of e from d to r (d's load exact at ``goal`` when x is its excess over it, r's at
+        ``level`` when x is its room: every move ends a donor, fills a receiver or empties a share)."""
+        G, T, share, load = self.G, self.T, self.share, self.load
+        a, b = d // G, r // G
+        if not self.held[e][r]:
+            self.gather = _gather_with(self.links, self.gather, self.owner[e], r, self.node_has[e][b], G, self.c,
+                                       add=True)
+            self.node_has[e][b] = True
+            self.held[e][r] = True
+            self.free[r] -= 1
+            self.computing[r] = sorted(self.computing[r] + [e])
+            if not self.replicated[e]:
+                self.replicated[e] = True
+                self.distinct += 1
+        rin, rout, nin, nout, made, node_share = self.rin, self.rout, self.nin, self.nout, self.made, self.node_share
+        rin[d], rout[d] = _link_after(rin[d], rout[d], share[e][d], T[e][d], -x)
+        rin[r], rout[r] = _link_after(rin[r], rout[r], share[e][r], T[e][r], x)
+        if b != a:
+            nin[a], nout[a] = _link_after(nin[a], nout[a], node_share[e][a], made[e][a], -x)
+            nin[b], nout[b] = _link_after(nin[b], nout[b], node_share[e][b], made[e][b], x)
             node_share[e][a] -= x
             node_share[e][b] += x
-        load[ds] -= x
-        load[r] += x
-        share[e][ds] -= x
+        spare, excess = level - load[r], load[d] - goal
+        share[e][d] = 0.0 if x == share[e][d] else share[e][d] - x
         share[e][r] += x
-    return torch.tensor(held, dtype=torch.bool).reshape(E, D)
+        load[d] = goal if x == excess else load[d] - x
+        load[r] = level if x == spare else load[r] + x
+
+    def cover(self, gain) -> None:
+        """A node that produces tokens of an expert it lacks gets a holder, most tokens first, fed
+        from the expert's busiest holder elsewhere, no rank past expert parallelism's slowest,
+        where that saves more than ``gain``."""
+        E, D, G, N, c = len(self.owner), self.D, self.G, self.N, self.c
+        top = max(self.load)
+        made, share = self.made, self.share
+        pairs = sorted((-made[e][n], e, n) for e in range(E) for n in range(N)
+                       if made[e][n] > 0.0 and not self.node_has[e][n])
+        for neg_made, e, n in pairs:
+            if -neg_made * (c.intra + c.inter) <= gain:  # a move of x <= made rows changes each link by <= x
+                break
+            if not (self.replicated[e] or self.distinct < self.t) or self.node_has[e][n]:
+                continue
+            h = -1
+            for d in range(D):
+                if d // G != n and share[e][d] > 0.0 and (h < 0 or share[e][d] > share[e][h]):
+                    h = d
+            best = None  # (score, r, x)
+            for r in range(n * G, (n + 1) * G):
+                if self.held[e][r] or self.free[r] <= 0 or self.load[r] >= top:
+                    continue
+                x = min(share[e][h], made[e][n], top - self.load[r])
+                v = self.score(e, h, r, x)
+                if best is None or v > best[0]:
+                    best = (v, r, x)
+            if best is not None and best[0] > gain:
+                self.move(e, h, best[1], best[2], -1.0, top)
+
+    def level(self, target, level) -> bool:
+        """Every rank above ``target`` sheds rows to it, busiest first, onto ranks below ``level``;
+        False when a rank is left above (no move relieves it)."""
+        D, c, load, share = self.D, self.c, self.load, self.share
+        for d in sorted(range(D), key=lambda d: (-load[d], d)):
+            if load[d] <= target:
+                break
+            while load[d] > target:
+                best = None  # (value, e, r, x)
+                for e in self.computing[d]:
+                    s = share[e][d]
+                    if s <= 0.0:
+                        continue
+                    can_add = self.replicated[e] or self.distinct < self.t
+                    for r in range(D):
+                        if r == d or load[r] >= level or not (self.held[e][r] or (self.free[r] > 0 and can_add)):
+                            continue
+                        x = min(s, load[d] - target, level - load[r])
+                        v = c.row * x + self.score(e, d, r, x)
+                        if best is None or v > best[0]:
+                            best = (v, e, r, x)
+                if best is None:
+                    return False
+                self.move(best[1], d, best[2], best[3], target, level)
+        return True
+
+    def time(self) -> float:
+        """The modelled layer time (module docstring)."""
+        c = self.c
+        exchange = max(max(max(self.rin), max(self.rout)) * c.intra, max(max(self.nin), max(self.nout)) * c.inter)
+        return max(self.load) * c.row + exchange + _exposed(self.gather, c)
+
+
+def _pos(v: float) -> float:
+    return v if v > 0.0 else 0.0
+
+
+def _link_after(rows_in: float, rows_out: float, computed: float, produced: float, dx: float) -> tuple:
+    """A link's (in, out) exchange rows once the rows of one expert computed behind it change by
+    ``dx`` (it carries what is computed there but produced elsewhere in, and the reverse out)."""
+    after = computed + dx
+    return (rows_in - _pos(computed - produced) + _pos(after - produced),
+            rows_out - _pos(produced - computed) + _pos(produced - after))
+
+
+def _moved(computed: float, produced: float, dx: float) -> float:
+    """How the rows a link carries for one expert change when the rows computed behind it change
+    by ``dx``."""
+    after, before = computed + dx - produced, computed - produced
+    return (after if after > 0.0 else -after) - (before if before > 0.0 else -before)
+
+
+def _gather_with(links, gather, o, r, entered, G, c: Coefficients, *, add=False) -> float:
+    """The busiest link's gather time once rank r also holds a replica of an expert owned by o
+    (``entered``: r's node holds the expert already); ``add``: count its chunks in ``links``.
+
+    A replica's rank receives one chunk; its owner sends one to each holder in its node and one
+    into each other node the expert enters, where the first holder forwards it."""
+    rank_in, rank_out, node_in, node_out = links
+    a, b = o // G, r // G
+    cross = a != b and not entered
+    out = rank_out[o] + (1 if a == b or cross else 0)
+    gather = max(gather, (rank_in[r] + 1) * c.chunk_intra, out * c.chunk_intra)
+    if cross:
+        gather = max(gather, (node_in[b] + 1) * c.chunk_inter, (node_out[a] + 1) * c.chunk_inter)
+    if add:
+        rank_in[r] += 1
+        rank_out[o] = out
+        if cross:
+            node_in[b] += 1
+            node_out[a] += 1
+    return gather
+
+
+def _exposed(gather: float, c: Coefficients) -> float:
+    """Gather time past the forward window plus reduce time (as long) past the backward's (2x)."""
+    f, b = gather - c.window, gather - 2.0 * c.window
+    return (f if f > 0.0 else 0.0) + (b if b > 0.0 else 0.0)

@@ -65,15 +65,16 @@ def materialize_joint(owner_E, tokens_ED, topology: Topology, overlap_degree: in
 
 
 def materialize_cost(owner_E, tokens_ED, topology: Topology, overlap_degree: int, budget: int, coefficients,
-                     min_gain: float) -> torch.Tensor:
+                     levels, margin: float, min_gain: float) -> torch.Tensor:
     """(Shapes checked by the caller, values here and in C.)"""
     owner, tokens = _c(owner_E, _LONG), _c(tokens_ED, _F64)
     E, D = owner.numel(), topology.num_ranks
     placement = np.empty((E, D), dtype=np.bool_)  # zeroed in C
+    levels = _c(levels, _F64)
     c = coefficients
     _fastplan.materialize_cost(owner.data_ptr(), tokens.data_ptr(), placement, E, D, topology.ranks_per_node,
-                               overlap_degree, budget, c.row, c.intra, c.inter, c.same_node,
-                               c.cross_node, min_gain)
+                               overlap_degree, budget, c.row, c.intra, c.inter, c.chunk_intra, c.chunk_inter, c.window,
+                               levels.data_ptr(), levels.numel(), margin, min_gain)
     return torch.from_numpy(placement)
 
 

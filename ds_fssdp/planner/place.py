@@ -64,7 +64,7 @@ def place(owner_E: torch.Tensor, tokens_ED: torch.Tensor | None, topology: Topol
         return materialize(owner_E, load_E, topology, overlap_degree=t, budget=m)
     if placement == "cost" and cost is not None:
         return cost_materialize(owner_E, tokens_ED, topology, overlap_degree=t, budget=m,
-                                coefficients=coefficients_of(cost))
+                                coefficients=coefficients_of(cost, t))
     return joint_materialize(owner_E, tokens_ED, topology, overlap_degree=t, budget=m)
 
 
@@ -78,10 +78,11 @@ def place_predicted(predictor, layer: int, owner_E: torch.Tensor, topology: Topo
     return place(owner_E, tokens_ED, topology, config=config, cost=cost)
 
 
-def coefficients_of(cost) -> Coefficients:
-    """The cost model's :class:`Coefficients`, computed once per model (cached on it)."""
-    c = getattr(cost, "_place_coefficients", None)
+def coefficients_of(cost, overlap_degree: int) -> Coefficients:
+    """The cost model's :class:`Coefficients` for overlap degree t, computed once per (model, t)
+    (cached on the model)."""
+    cache = cost.__dict__.setdefault("_place_coefficients", {})
+    c = cache.get(overlap_degree)
     if c is None:
-        c = Coefficients.from_cost(cost)
-        cost._place_coefficients = c
+        c = cache[overlap_degree] = Coefficients.from_cost(cost, overlap_degree)
     return c
