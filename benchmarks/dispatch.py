@@ -17,7 +17,7 @@ reshuffled slowly) and ``heavy`` (two experts take a third of the tokens).
 Per arm: replicas and replica bytes per layer (gathered; the reduce moves as many again), and
 the modelled time relative to EP: without the replicas' gather and reduce (``time/EP``: the overlap
 window hides all of it), with what the window leaves exposed (``+window``: the forward attention
-hides the gather of t chunks over a rank link, the backward twice that of the reduce), and with
+hides ``CostModel.overlap_window(t)`` of the gather, the backward twice that of the reduce), and with
 all of it on the critical path (``+transfer``).
 
 Per step and layer: loads (and, for joint placement, tokens_ED) predicted from the previous
@@ -71,9 +71,7 @@ def replay(tokens_SLED: torch.Tensor, *, ranks_per_node, budget, overlap_degree,
     shard = shard_placement(owner, D)
     same = topo.same_node_DD()
     options = PlacementOptions(placement="cost", overlap_degree=overlap_degree, materialization_budget=budget)
-    # The forward attention hides the gather of t chunks over a rank link (t's definition), the
-    # backward (twice as long) the reduce.
-    window_s = overlap_degree * cost.shape.expert_bytes / cost.hw.intra_bw
+    window_s = cost.overlap_window(overlap_degree)  # hides the gather; twice it, in the backward, the reduce
     hist = [[] for _ in range(L)]
     out = {arm: {k: [] for k in METRICS} for arm in ARMS}
     plan_us = {"paper": [], "joint+balanced": [], "cost+balanced": []}

@@ -70,7 +70,7 @@ typedef struct {
 size_t cost_place_scratch(int64_t E, int64_t D, int64_t G) {
     const int64_t N = D / G;
     /* two fills, node [D], made [E*N], order [D], pairs [E*N], alignment */
-    return 2 * (fill_bytes(E, D, N) + 64) + (size_t)(2 * D + E * N) * 8 + (size_t)(E * N) * sizeof(Pair) + 64;
+    return 2 * (fill_bytes(E, D, N) + 64) + (size_t)(2 * D + E * N) * 8 + (size_t)(2 * E * N) * sizeof(Pair) + 64;
 }
 
 static inline double exposed(double gather, const CostCoefficients *c) {
@@ -166,12 +166,23 @@ static void move(const Inst *in, Fill *f, int64_t e, int64_t d, int64_t r, doubl
     load[r] = x == spare ? level : load[r] + x;
 }
 
-/* Cover candidates: most tokens first, then lowest expert, then lowest node. */
-static int pair_cmp(const void *pa, const void *pb) {
-    const Pair *x = pa, *y = pb;
-    if (x->made != y->made) return x->made > y->made ? -1 : 1;
-    if (x->e != y->e) return x->e < y->e ? -1 : 1;
-    return x->n < y->n ? -1 : (x->n > y->n);
+/* Cover candidates, most tokens first, then lowest expert, then lowest node: a stable merge sort
+ * of the candidates (listed in (expert, node) order) by tokens, descending. */
+static void sort_pairs(Pair *pairs, Pair *tmp, int64_t n) {
+    Pair *src = pairs, *dst = tmp;
+    for (int64_t width = 1; width < n; width *= 2) {
+        for (int64_t lo = 0; lo < n; lo += 2 * width) {
+            const int64_t mid = lo + width < n ? lo + width : n, hi = lo + 2 * width < n ? lo + 2 * width : n;
+            int64_t i = lo, j = mid, k = lo;
+            while (i < mid && j < hi) dst[k++] = src[j].made > src[i].made ? src[j++] : src[i++];
+            while (i < mid) dst[k++] = src[i++];
+            while (j < hi) dst[k++] = src[j++];
+        }
+        Pair *t = src;
+        src = dst;
+        dst = t;
+    }
+    if (src != pairs) memcpy(pairs, src, sizeof(Pair) * (size_t)n);
 }
 
 static double max_of(const double *v, int64_t n) {
@@ -190,11 +201,15 @@ static void cover(const Inst *in, Fill *f, double gain, Pair *pairs) {
     for (int64_t e = 0; e < E; e++)
         for (int64_t n = 0; n < N; n++)
             if (in->made[e * N + n] > 0.0 && !f->node_has[e * N + n]) pairs[num_pairs++] = (Pair){in->made[e * N + n], e, n};
-    qsort(pairs, (size_t)num_pairs, sizeof(Pair), pair_cmp);
+    sort_pairs(pairs, pairs + E * N, num_pairs);
     for (int64_t i = 0; i < num_pairs; i++) {
         if (pairs[i].made * (c->intra + c->inter) <= gain) break;
         const int64_t e = pairs[i].e, n = pairs[i].n;
         if (!(f->replicated[e] || *f->distinct < in->t) || f->node_has[e * N + n]) continue;
+        int room = 0; /* a rank of n could take a replica (else there is no move to score) */
+        for (int64_t r = n * G; r < (n + 1) * G && !room; r++)
+            room = !f->held[e * D + r] && f->freeD[r] > 0 && load[r] < top;
+        if (!room) continue;
         int64_t h = -1;
         for (int64_t d = 0; d < D; d++)
             if (in->node[d] != n && share[e * D + d] > 0.0 && (h < 0 || share[e * D + d] > share[e * D + h])) h = d;

@@ -202,6 +202,16 @@ class CostModel:
                                  torch.zeros(X, dtype=torch.float64))
         return compute_X + 4.0 * exchange_X
 
+    def overlap_window(self, overlap_degree: int) -> float:
+        """Seconds of a layer's forward attention that hide its SparseAllGather: what the overlap
+        degree t means, the gather of t experts, one chunk each over the slower link a gather uses
+        (a node's link when there are several nodes; "auto" t is the chunks the measured link
+        moves during the measured window). The backward's attention, twice as long, hides the
+        reduce."""
+        psi = float(self.shape.expert_bytes)
+        bw = min(self.hw.intra_bw, self.hw.inter_bw) if self.topology.num_nodes > 1 else self.hw.intra_bw
+        return overlap_degree * psi / bw
+
     # -- one layer ------------------------------------------------------------------------------
     def layer_time(self, plan_EDD: torch.Tensor) -> float:
         """Critical path of the MoE part of one layer (forward + backward): the slowest rank's

@@ -71,16 +71,13 @@ class Coefficients:
 
     @classmethod
     def from_cost(cls, cost, overlap_degree: int) -> "Coefficients":
-        """From a :class:`~ds_fssdp.planner.cost.CostModel`. The window is what t means: the
-        attention hides the gather of t experts, so it lasts t chunks over the slower link a gather
-        uses (a node's link when there are several nodes; "auto" t is the chunks the measured link
-        moves during the measured attention window)."""
+        """From a :class:`~ds_fssdp.planner.cost.CostModel`; the window is its
+        :meth:`~ds_fssdp.planner.cost.CostModel.overlap_window` for t."""
         hw, shape = cost.hw, cost.shape
         psi, row_bytes = float(shape.expert_bytes), 4.0 * shape.token_bytes
-        chunk_intra, chunk_inter = psi / hw.intra_bw, psi / hw.inter_bw
-        slowest = max(chunk_intra, chunk_inter) if cost.topology.num_nodes > 1 else chunk_intra
         return cls(row=3.0 * shape.row_flops / hw.flops, intra=row_bytes / hw.intra_bw, inter=row_bytes / hw.inter_bw,
-                   chunk_intra=chunk_intra, chunk_inter=chunk_inter, window=overlap_degree * slowest)
+                   chunk_intra=psi / hw.intra_bw, chunk_inter=psi / hw.inter_bw,
+                   window=cost.overlap_window(overlap_degree))
 
 
 def cost_materialize(owner_E: torch.Tensor, tokens_ED: torch.Tensor, topology: Topology, *, overlap_degree: int,
