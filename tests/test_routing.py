@@ -1,10 +1,11 @@
 """route() (linear time, in C) gives exactly route_reference()'s orders (key sorts), for compact
-and dense plans, any order of the local experts, and rejects what the reference rejects."""
+and dense plans, any order of the local experts, with the expert grouping taken before the plan or
+not, and rejects what the reference rejects."""
 import pytest
 import torch
 
 from ds_fssdp import Topology
-from ds_fssdp.moe.routing import route, route_device, route_reference
+from ds_fssdp.moe.routing import expert_order, route, route_device, route_reference
 from ds_fssdp.planner import homogeneous_owner
 from ds_fssdp.planner.dispatch import dispatch_plan
 from ds_fssdp.planner.joint import joint_materialize
@@ -47,8 +48,11 @@ def instance(seed, E, D, G, K, T, rank, mode="balanced"):
 def test_route_matches_reference(E, D, G, K, T, mode):
     for rank in range(D):
         idx_TK, plan, local_E = instance(rank + 100 * E, E, D, G, K, T, rank, mode)
-        assert_same(route(idx_TK, plan, rank=rank, local_E=local_E),
-                    route_reference(idx_TK, plan, rank=rank, local_E=local_E))
+        want = route_reference(idx_TK, plan, rank=rank, local_E=local_E)
+        assert_same(route(idx_TK, plan, rank=rank, local_E=local_E), want)
+        split = route(idx_TK, plan, rank=rank, local_E=local_E, grouped=expert_order(idx_TK, E))
+        assert split._finish is not None, "the compact plan's route leaves its second half for later"
+        assert_same(split, want)
         dense = plan.dense()
         assert_same(route(idx_TK, dense, rank=rank, local_E=local_E),
                     route_reference(idx_TK, dense, rank=rank, local_E=local_E))

@@ -339,7 +339,7 @@ void cost_place_core(const int64_t *owner, const double *T, uint8_t *P, int64_t 
     const double top = max_of(base.load, D);
     for (int64_t i = 0; i < num_levels; i++) {
         const double level = mean * (1.0 + levels[i]);
-        const double target = level / (1.0 + margin);
+        const double target = maxd(level / (1.0 + margin), mean);
         if (target >= top) continue;
         memcpy(work_block, base_block, bytes);
         const int reached = level_fill(&in, &work, target, level, order);

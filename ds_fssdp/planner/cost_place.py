@@ -4,22 +4,24 @@ at the level whose modelled layer time is least.
 Legend: E experts, D ranks, N nodes of G ranks.
 
 ``share[e, d]`` (rows of expert e computed on rank d) starts at expert parallelism: the owner
-computes all of its expert's predicted tokens. A *fill* for a ``level`` (rows per rank) and a
-``target = level / (1 + margin)`` makes moves: x rows of an expert e from a rank d to a rank r
-below the level, never past it; a holder of e takes them for free (the balancing dispatcher
-moves those rows anyway), otherwise r gets a replica, allowed only while r has a free slot (<= m
-added per rank) and e is replicated already or fewer than t experts are. A move's *score* is what
-it keeps off the links (the four token exchanges: a rank's, and a node's, own tokens of an expert
-are computed there first; half of each end's change in rows, ``intra`` / ``inter`` seconds per
-row) less its replica's exposed gather and reduce (below). A fill has two phases:
+computes all of its expert's predicted tokens. A *move* sends x rows of an expert e from a rank d
+to a rank r; a holder of e takes them for free (the balancing dispatcher moves those rows
+anyway), otherwise r gets a replica, allowed only while r has a free slot (<= m added per rank)
+and e is replicated already or fewer than t experts are. A move's *score* is what it keeps off
+the links (the four token exchanges: a rank's, and a node's, own tokens of an expert are computed
+there first; half of each end's change in rows, ``intra`` / ``inter`` seconds per row) less its
+replica's exposed gather and reduce (below). Two phases:
 
-* cover: for every (expert, node) the node produces tokens of but holds no replica of, most
-  tokens first (lowest expert, then node, on ties), the best-scoring rank of the node takes
-  ``min(tokens, room)`` rows from the expert's busiest holder elsewhere, when that scores more
-  than ``MIN_GAIN`` of the mean rank's compute (tokens that would cross nodes stay home);
-* level: every rank above the target, busiest first (lowest id on ties), sheds rows to it, one
-  move at a time, the move with the largest ``row * x + score`` first (lowest expert, then rank,
-  on ties); a rank no move relieves stays above (the fill did not reach its target).
+* cover, once: for every (expert, node) the node produces tokens of but holds no replica of, most
+  tokens first (lowest expert, then node, on ties), the best-scoring rank of the node (one with
+  room below expert parallelism's slowest rank) takes ``min(tokens, room)`` rows from the
+  expert's busiest holder elsewhere, when that scores more than ``MIN_GAIN`` of the mean rank's
+  compute (tokens that would cross nodes stay home);
+* level, per candidate ``level`` (rows per rank), from the covered state: every rank above
+  ``target = max(level / (1 + margin), mean rank rows)``, busiest first (lowest id on ties),
+  sheds rows to it onto ranks below the level, never past it, one move at a time, the move with
+  the largest ``row * x + score`` first (lowest expert, then rank, on ties); a rank no move
+  relieves stays above (the fill did not reach its target).
 
 ``margin`` (default ``MARGIN``) is headroom for the prediction: a rank near the level keeps room
 below it, so the actual loads, which differ from the window mean the plan sees (relative L1 error
@@ -31,9 +33,9 @@ also one on each node's link, then it is forwarded inside the node), ``chunk_int
 ``chunk_inter`` seconds each; the busiest link's gather time past ``window`` (the forward
 attention) plus its reduce time (as long) past ``2 * window`` (the backward attention).
 
-``cost_materialize`` fills expert parallelism's own level (covers only), then ``mean * (1 + s)``
-for ``s`` in ``LEVELS`` (highest first), stopping after a fill that does not reach its target;
-it returns the fill with the least modelled time, a lower level replacing the best so far only
+``cost_materialize`` takes the covered state, then the fills of the levels ``mean * (1 + s)`` for
+``s`` in ``LEVELS`` (highest first), stopping after a fill that does not reach its target, and
+returns the one with the least modelled time, a lower level replacing the best so far only
 when it saves more than ``MIN_GAIN`` of the mean rank's compute (fewer replicas win near-ties).
 So a replica is bought only when it lowers the modelled time by more than its share of the
 gather and reduce that the window does not hide; m and t stay upper bounds. Deterministic; the C
@@ -123,7 +125,7 @@ def cost_materialize_reference(owner_E: torch.Tensor, tokens_ED: torch.Tensor, t
     top = max(base.load)
     for s in LEVELS:
         level = mean * (1.0 + s)
-        target = level / (1.0 + margin)
+        target = max(level / (1.0 + margin), mean)
         if target >= top:
             continue
         fill = base.copy()
