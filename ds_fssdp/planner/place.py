@@ -13,8 +13,9 @@ its field names (``placement``, ``overlap_degree``, and ``materialization_budget
 * ``placement "paper"``, or per-expert loads only (``tokens_ED`` of shape [E]): Algorithm 1
   (``materialize``).
 * ``"joint"``: ``joint_materialize`` (replicas where the tokens come from, every useful slot).
-* ``"cost"``: ``cost_materialize`` with ``cost`` (a ``CostModel``): a replica only where it lowers
-  the modelled layer time by more than its gather and reduce cost. Without a cost model it is
+* ``"cost"``: ``cost_materialize`` with ``cost`` (a ``CostModel``): the fewest replicas that level
+  the predicted loads, at the level of least modelled layer time, a replica's gather and reduce
+  counted where ``cost.overlap_window(t)`` does not hide them. Without a cost model it is
   ``"joint"`` (there is no exchange rate between rows and bytes to weigh).
 """
 from __future__ import annotations
