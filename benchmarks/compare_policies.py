@@ -18,7 +18,8 @@ trained gate does.
 
 Reported per arm (rank 0 prints a table; ``--json`` writes it): tokens/s (all ranks), its ratio to
 ``uniform`` (the no-straggler reference) and to ``ep``; the straggler factor (max/mean rows per
-rank); exposed gather / reduce seconds per step and as a share of the step; forward token
+rank); the load predictor's relative L1 error (how far the loads the placement was planned for
+were from the actual ones); exposed gather / reduce seconds per step and as a share of the step; forward token
 exchange bytes inside / between nodes; model-state bytes per rank (parameters, gradients,
 optimizer states, replica peak).
 """
@@ -26,8 +27,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
+import statistics
 import time
 
 import deepspeed
@@ -199,6 +202,9 @@ def main():
             res.update({
                 "straggler": mean("straggler"),
                 "ep_straggler": mean("ep_straggler"),
+                "load_prediction_error": statistics.fmean(  # NaN before the first prediction: left out
+                    [e for e in (l.get("load_prediction_error", math.nan) for l in flat) if not math.isnan(e)]
+                    or [math.nan]),
                 "replicas_per_layer": mean("replicas"),
                 "gather_exposed_s": per_step("gather_exposed_s"),
                 "reduce_exposed_s": per_step("reduce_exposed_s") + per_step("regather_exposed_s"),
