@@ -22,7 +22,7 @@ except ImportError:  # a source tree used without `pip install`: route_reference
 
 class Route:
     """A rank's orders for one dispatch. ``unsend``, ``group_perm`` and ``ungroup_perm`` are only
-    needed once the token exchange is under way: the split C route leaves them to ``finish``,
+    needed once the token exchange is under way: the C route leaves them to ``finish``,
     computed on first use (after the all-to-all is launched, off the critical path)."""
 
     __slots__ = ("send_token", "send_splits", "recv_splits", "group_sizes", "_rest", "_finish")
@@ -86,59 +86,29 @@ def route(idx_TK: torch.Tensor, plan_EDD, *, rank: int, local_E: torch.Tensor,
           grouped: ExpertOrder | None = None) -> Route:
     """``plan_EDD``: the dense plan, or a :class:`~ds_fssdp.planner.plan.DispatchPlan`.
 
-    Linear time in C (``_fastroute``). With a compact plan the route is split: ``grouped``
+    Linear time in C (``_fastroute``), split around the token all-to-all's launch: ``grouped``
     (:func:`expert_order`, taken before the plan, or here) is cut into the send order, the one
-    thing the token all-to-all waits for, and the unsend and compute orders are left to the
-    :class:`Route`'s first use of them. With a dense plan one pass over the assignments places
-    each at the next row of its (destination, expert) run. :func:`route_reference` sorts keys:
-    same result, the fallback when the extension is not built. CUDA routing goes to
-    :func:`route_device` (the index math stays on the device)."""
+    thing the exchange waits for, and the unsend and compute orders are left to the
+    :class:`Route`'s first use of them. :func:`route_reference` sorts keys: same result, the
+    fallback when the extension is not built. CUDA routing goes to :func:`route_device` (the index
+    math stays on the device)."""
     if idx_TK.is_cuda:
         return route_device(idx_TK, plan_EDD, rank=rank, local_E=local_E)
     if _fastroute is None:
         return route_reference(idx_TK, plan_EDD, rank=rank, local_E=local_E)
-    if isinstance(plan_EDD, DispatchPlan):
-        return _route_split(idx_TK, plan_EDD, rank=rank, local_E=local_E, grouped=grouped)
-    e_A = np.ascontiguousarray(idx_TK.to("cpu", torch.long).reshape(-1).numpy())
-    num_experts, num_ranks, _ = plan_EDD.shape
-    K = idx_TK.shape[1]
-    dense = isinstance(plan_EDD, torch.Tensor)
-    mine_ED = np.ascontiguousarray((plan_EDD[:, rank, :] if dense else plan_EDD.sent(rank)).numpy())
-    recv_DE = np.ascontiguousarray((plan_EDD[:, :, rank] if dense else plan_EDD.received(rank)).numpy().T)
-    local_S = np.ascontiguousarray(local_E.to("cpu", torch.long).numpy())
-    recv_E = recv_DE.sum(0)
-    held_E = np.zeros(num_experts, dtype=bool)
-    held_E[local_S] = True
-    if recv_E[~held_E].any():
-        raise RuntimeError(f"rank {rank} is sent tokens for experts it does not hold: "
-                           f"{np.flatnonzero(~held_E & (recv_E > 0)).tolist()}")
-    A, R = e_A.size, int(recv_E.sum())
-    out = np.empty(2 * A + 2 * R, dtype=np.int64)
-    if not _fastroute.route_orders(e_A, K, mine_ED, recv_DE, local_S, out, num_experts, num_ranks):
-        bad = e_A[(e_A < 0) | (e_A >= num_experts)]
-        if bad.size:
-            raise RuntimeError(f"rank {rank}: routed expert indices {bad[:8].tolist()} are not in [0, {num_experts})")
-        raise RuntimeError(f"rank {rank}: routed counts {np.bincount(e_A, minlength=num_experts).tolist()} disagree "
-                           f"with the dispatch plan {mine_ED.sum(1).tolist()}")
-    send_token, unsend, group_perm, ungroup_perm = (torch.from_numpy(v) for v in np.split(out, [A, 2 * A, 2 * A + R]))
-    return Route(send_token=send_token, send_splits=mine_ED.sum(0).tolist(), unsend=unsend,
-                 recv_splits=recv_DE.sum(1).tolist(), group_perm=group_perm, ungroup_perm=ungroup_perm,
-                 group_sizes=recv_E[local_S].tolist())
-
-
-def _route_split(idx_TK: torch.Tensor, plan, *, rank: int, local_E: torch.Tensor, grouped) -> Route:
     fr = _fastroute
-    E, D = plan.tokens_ED.shape
+    E, D, _ = plan_EDD.shape
     if grouped is None:
         grouped = expert_order(idx_TK, E)
+    if isinstance(plan_EDD, DispatchPlan):
+        mine_ED, recv_DE = np.empty((E, D), dtype=np.int64), np.empty((D, E), dtype=np.int64)
+        fr.plan_tables(_i64(plan_EDD.holder_E), _i64(plan_EDD.rep_X), _i64(plan_EDD.tokens_ED),
+                       _i64(plan_EDD.flows_4F), rank, E, D, mine_ED, recv_DE)
+    else:
+        mine_ED = np.ascontiguousarray(plan_EDD[:, rank, :].to(torch.long).numpy())
+        recv_DE = np.ascontiguousarray(plan_EDD[:, :, rank].to(torch.long).numpy().T)
     local_S = np.ascontiguousarray(local_E.to("cpu", torch.long).numpy())
-    if local_S.size and (int(local_S.min()) < 0 or int(local_S.max()) >= E or
-                         np.count_nonzero(np.bincount(local_S, minlength=E)) != local_S.size):
-        raise ValueError(f"local_E {local_S.tolist()} names an expert outside [0, {E}) or repeats one")
-    mine_ED = np.empty((E, D), dtype=np.int64)
-    recv_DE = np.empty((D, E), dtype=np.int64)
-    if not fr.plan_tables(_i64(plan.holder_E), _i64(plan.rep_X), _i64(plan.tokens_ED), _i64(plan.flows_4F), rank, E,
-                          D, local_S, mine_ED, recv_DE):
+    if not fr.check_local(local_S, recv_DE, E, D):
         held = np.zeros(E, dtype=bool)
         held[local_S] = True
         raise RuntimeError(f"rank {rank} is sent tokens for experts it does not hold: "
