@@ -205,10 +205,10 @@ static void cover(const Inst *in, Fill *f, double gain, Pair *pairs) {
     for (int64_t i = 0; i < num_pairs; i++) {
         if (pairs[i].made * (c->intra + c->inter) <= gain) break;
         const int64_t e = pairs[i].e, n = pairs[i].n;
-        if (!(f->replicated[e] || *f->distinct < in->t) || f->node_has[e * N + n]) continue;
-        int room = 0; /* a rank of n could take a replica (else there is no move to score) */
-        for (int64_t r = n * G; r < (n + 1) * G && !room; r++)
-            room = !f->held[e * D + r] && f->freeD[r] > 0 && load[r] < top;
+        if (!(f->replicated[e] || *f->distinct < in->t)) continue;
+        int room = 0; /* a rank of n could take a replica (else there is no move to score); no rank of n
+                         holds e (each pair comes once) */
+        for (int64_t r = n * G; r < (n + 1) * G && !room; r++) room = f->freeD[r] > 0 && load[r] < top;
         if (!room) continue;
         int64_t h = -1;
         for (int64_t d = 0; d < D; d++)
@@ -217,7 +217,7 @@ static void cover(const Inst *in, Fill *f, double gain, Pair *pairs) {
         double best_v = 0.0, best_x = 0.0;
         int64_t best_r = -1;
         for (int64_t r = n * G; r < (n + 1) * G; r++) {
-            if (f->held[e * D + r] || f->freeD[r] <= 0 || load[r] >= top) continue;
+            if (f->freeD[r] <= 0 || load[r] >= top) continue;
             const double x = mind(mind(share[e * D + h], in->made[e * N + n]), top - load[r]);
             const double v = score(in, f, e, h, r, x);
             if (!found || v > best_v) {

@@ -248,7 +248,7 @@ class _Fill:
         for neg_made, e, n in pairs:
             if -neg_made * (c.intra + c.inter) <= gain:  # a move of x <= made rows changes each link by <= x
                 break
-            if not (self.replicated[e] or self.distinct < self.t) or self.node_has[e][n]:
+            if not (self.replicated[e] or self.distinct < self.t):
                 continue
             h = -1
             for d in range(D):
@@ -256,7 +256,7 @@ class _Fill:
                     h = d
             best = None  # (score, r, x)
             for r in range(n * G, (n + 1) * G):
-                if self.held[e][r] or self.free[r] <= 0 or self.load[r] >= top:
+                if self.free[r] <= 0 or self.load[r] >= top:  # (no rank of n holds e: each pair comes once)
                     continue
                 x = min(share[e][h], made[e][n], top - self.load[r])
                 v = self.score(e, h, r, x)
