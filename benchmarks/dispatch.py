@@ -21,7 +21,10 @@ hides ``CostModel.overlap_window(t)`` of the gather, the backward twice that of 
 all of it on the critical path (``+transfer``).
 
 Per step and layer: loads (and, for joint placement, tokens_ED) predicted from the previous
-``window`` steps, a placement, then each dispatcher on the actual tokens. ``bound``: the exact
+``window`` steps (``LoadPredictor``: the cost placement takes its measured error as its margin, as
+in the runtime), a placement, then each dispatcher on the actual tokens. ``cost-exact`` is the
+cost placement planned on the step's actual tokens with no margin: what it buys when the
+prediction is exact, so the gap to ``cost`` is the prediction's. ``bound``: the exact
 lower bound on the most loaded rank's rows for that placement (fractional, all replicated-expert
 subsets). Modelled time: ``planner.CostModel`` with cluster A's hardware (A100, 300 GB/s per GPU
 in a node, 50 GB/s per node between nodes) and GPT-S-MoE experts (768 x 3072), the trace's rows
@@ -41,8 +44,8 @@ import numpy as np
 import torch
 
 from ds_fssdp import Topology
-from ds_fssdp.planner import (CostModel, ExpertShape, Hardware, dispatch, homogeneous_owner, materialize,
-                              shard_placement)
+from ds_fssdp.planner import (CostModel, ExpertShape, Hardware, LoadPredictor, dispatch, homogeneous_owner,
+                              materialize, shard_placement)
 from ds_fssdp.planner.balance import row_bound
 from ds_fssdp.planner.joint import joint_materialize
 from ds_fssdp.sim.traces import load_trace
@@ -50,7 +53,7 @@ from ds_fssdp.sim.traces import load_trace
 HERE = os.path.dirname(os.path.abspath(__file__))
 from ds_fssdp.planner.place import PlacementOptions, place
 
-ARMS = ("ep", "paper", "alg1+balanced", "joint+balanced", "joint+balanced-3%", "cost+balanced-3%")
+ARMS = ("ep", "paper", "alg1+balanced", "joint+balanced", "joint+balanced-3%", "cost+balanced-3%", "cost-exact+balanced-3%")
 METRICS = ("straggler", "inter", "time", "time_window", "time_transfer", "bound", "replicas", "replica_mb")
 
 
@@ -72,14 +75,14 @@ def replay(tokens_SLED: torch.Tensor, *, ranks_per_node, budget, overlap_degree,
     same = topo.same_node_DD()
     options = PlacementOptions(placement="cost", overlap_degree=overlap_degree, materialization_budget=budget)
     window_s = cost.overlap_window(overlap_degree)  # hides the gather; twice it, in the backward, the reduce
-    hist = [[] for _ in range(L)]
+    predictor = LoadPredictor([E] * L, window=window)
     out = {arm: {k: [] for k in METRICS} for arm in ARMS}
     plan_us = {"paper": [], "joint+balanced": [], "cost+balanced": []}
     for s in range(steps):
         for l in range(L):
             T = tokens_SLED[s, l]
-            if hist[l]:
-                pred = torch.stack(hist[l][-window:]).double().mean(0)
+            pred = predictor.predict_tokens(l)
+            if pred is not None:
                 t0 = time.perf_counter()
                 p1 = materialize(owner, pred.sum(1), topo, overlap_degree=overlap_degree, budget=budget)
                 paper = dispatch(p1, T, topo, mode="paper")
@@ -87,7 +90,7 @@ def replay(tokens_SLED: torch.Tensor, *, ranks_per_node, budget, overlap_degree,
                 pj = joint_materialize(owner, pred, topo, overlap_degree=overlap_degree, budget=budget)
                 ours = dispatch(pj, T, topo, mode="balanced")
                 t2 = time.perf_counter()
-                pc = place(owner, pred, topo, config=options, cost=cost)
+                pc = place(owner, pred, topo, config=options, cost=cost, margin=predictor.error(l))
                 cost_plan = dispatch(pc, T, topo, mode="balanced", slack=0.03)
                 t3 = time.perf_counter()
                 plan_us["paper"].append((t1 - t0) * 1e6)
@@ -97,6 +100,8 @@ def replay(tokens_SLED: torch.Tensor, *, ranks_per_node, budget, overlap_degree,
                          "alg1+balanced": (p1, dispatch(p1, T, topo, mode="balanced")), "joint+balanced": (pj, ours),
                          "joint+balanced-3%": (pj, dispatch(pj, T, topo, mode="balanced", slack=0.03)),
                          "cost+balanced-3%": (pc, cost_plan)}
+                exact = place(owner, T.double(), topo, config=options, cost=cost, margin=0.0)
+                plans["cost-exact+balanced-3%"] = (exact, dispatch(exact, T, topo, mode="balanced", slack=0.03))
                 mean_rows = float(T.sum()) / D
                 ep_time = cost.layer_time(plans["ep"][1])
                 for arm, (p, plan) in plans.items():
@@ -114,7 +119,7 @@ def replay(tokens_SLED: torch.Tensor, *, ranks_per_node, budget, overlap_degree,
                     o["bound"].append(bound(p.numpy(), T.numpy()) / mean_rows)
                     o["replicas"].append(replicas)
                     o["replica_mb"].append(replicas * cost.shape.expert_bytes / 1e6)
-            hist[l].append(T)
+            predictor.observe(l, T)
     summary = {arm: {k: statistics.fmean(v) for k, v in d.items()} for arm, d in out.items()}
     summary["plan_us_median"] = {k: statistics.median(v) for k, v in plan_us.items()}
     summary["samples"] = len(out["ep"]["straggler"])
@@ -180,11 +185,11 @@ def main():
         print(f"\n{name} {tuple(tokens.shape)} (steps, layers, experts, ranks), {rpn} ranks per node, "
               f"{float(tokens.sum()) / (tokens.shape[0] * tokens.shape[1] * tokens.shape[3]):.0f} rows per rank, "
               f"expert {r['expert_mb']:.1f} MB")
-        print(f"{'arm':>17} {'straggler':>9} {'bound':>6} {'inter-node':>10} {'time/EP':>8} {'+window':>8} "
+        print(f"{'arm':>22} {'straggler':>9} {'bound':>6} {'inter-node':>10} {'time/EP':>8} {'+window':>8} "
               f"{'+transfer':>9} {'replicas':>8} {'MB/layer':>8}")
         for arm in ARMS:
             a = r[arm]
-            print(f"{arm:>17} {a['straggler']:>9.3f} {a['bound']:>6.3f} {a['inter']:>10.4f} {a['time']:>8.3f} "
+            print(f"{arm:>22} {a['straggler']:>9.3f} {a['bound']:>6.3f} {a['inter']:>10.4f} {a['time']:>8.3f} "
                   f"{a['time_window']:>8.3f} {a['time_transfer']:>9.3f} {a['replicas']:>8.2f} {a['replica_mb']:>8.1f}")
         j, c = r["joint+balanced-3%"], r["cost+balanced-3%"]
         print(f"cost vs joint: straggler {c['straggler']:.3f} vs {j['straggler']:.3f}, replica bytes "

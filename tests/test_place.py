@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from ds_fssdp import Topology
-from ds_fssdp.planner import (CostModel, ExpertShape, Hardware, PlacementOptions, homogeneous_owner, materialize,
-                              place, shard_placement)
-from ds_fssdp.planner.cost_place import Coefficients, cost_materialize, cost_materialize_reference
+from ds_fssdp.planner import (CostModel, ExpertShape, Hardware, LoadPredictor, PlacementOptions, homogeneous_owner,
+                              materialize, place, place_predicted, shard_placement)
+from ds_fssdp.planner.cost_place import MAX_MARGIN, Coefficients, cost_materialize, cost_materialize_reference
 from ds_fssdp.planner.joint import joint_materialize
 
 SHAPES = [(8, 8, 4), (16, 8, 2), (64, 32, 8), (6, 4, 2), (4, 8, 4), (12, 6, 3), (3, 2, 1), (20, 12, 4), (10, 10, 1)]
@@ -47,14 +47,24 @@ def test_cost_placement_invariants_and_c_equals_reference():
 
 
 def test_balanced_loads_get_no_replicas():
+    """With an exact prediction (margin 0) nothing pays; with a measured error, a hedge: every rank's
+    owned rows can be moved in part (a replica of one of its experts), unless the replicas'
+    exposed transfer costs more than the rows the hedge could move."""
     topo = Topology(num_ranks=8, ranks_per_node=4)
     owner = homogeneous_owner(16, 8)
     tokens = torch.full((16, 8), 25.0)
     free = Coefficients(row=1e-6, intra=0.0, inter=0.0, chunk_intra=0.0, chunk_inter=0.0, window=0.0)
+    shard = shard_placement(owner, 8)
     for c in (CHEAP, free):
-        for margin in (0.0, 0.15):
+        p = cost_materialize(owner, tokens, topo, overlap_degree=16, budget=4, coefficients=c, margin=0.0)
+        assert torch.equal(p, shard)
+        for margin in (0.05, 0.15):
             p = cost_materialize(owner, tokens, topo, overlap_degree=16, budget=4, coefficients=c, margin=margin)
-            assert torch.equal(p, shard_placement(owner, 8))
+            replicated_E = (p & ~shard).any(1)
+            assert all(bool(replicated_E[owner == d].any()) for d in range(8)), p
+    dear = Coefficients(row=1e-6, intra=1e-8, inter=1e-7, chunk_intra=1.0, chunk_inter=1.0, window=0.0)
+    p = cost_materialize(owner, tokens, topo, overlap_degree=16, budget=4, coefficients=dear, margin=0.15)
+    assert torch.equal(p, shard)
 
 
 def test_one_hot_expert_on_two_ranks_gets_exactly_the_replica_that_balances_it():
@@ -105,6 +115,23 @@ def test_place_dispatches_by_setting():
     want = cost_materialize(owner, tokens, topo, overlap_degree=4, budget=2,
                             coefficients=Coefficients.from_cost(cost, 4))
     assert torch.equal(place(owner, tokens, topo, config=opts(placement="cost"), cost=cost), want)
+    coefficients = Coefficients.from_cost(cost, 4)
+    for margin, used in ((0.0, 0.0), (0.4, 0.4), (5.0, MAX_MARGIN)):
+        want = cost_materialize(owner, tokens, topo, overlap_degree=4, budget=2, coefficients=coefficients,
+                                margin=used)
+        assert torch.equal(place(owner, tokens, topo, config=opts(placement="cost"), cost=cost, margin=margin), want)
+    with pytest.raises(ValueError, match="margin"):
+        place(owner, tokens, topo, config=opts(placement="cost"), cost=cost, margin=-0.1)
+    # place_predicted: the predictor's window mean, with its measured error as the margin.
+    predictor = LoadPredictor(16, window=2)
+    for k in range(3):
+        predictor.observe(0, _instance(torch.Generator().manual_seed(10 + k), 16, 8, 4000))
+    assert predictor.error(0) > 0.0
+    want = place(owner, predictor.predict_tokens(0), topo, config=opts(placement="cost"), cost=cost,
+                 margin=predictor.error(0))
+    assert torch.equal(place_predicted(predictor, 0, owner, topo, config=opts(placement="cost"), cost=cost), want)
+    assert not torch.equal(want, place(owner, predictor.predict_tokens(0), topo, config=opts(placement="cost"),
+                                       cost=cost))  # (the margin matters here)
     alg1 = materialize(owner, tokens.sum(1), topo, overlap_degree=4, budget=2)
     assert torch.equal(place(owner, tokens, topo, config=opts(placement="paper")), alg1)
     assert torch.equal(place(owner, tokens.sum(1), topo, config=opts(placement="joint")), alg1)  # loads only

@@ -1,5 +1,7 @@
 """Planner invariants on many random instances: Algorithm 1 (materialize), Algorithm 3 (dispatch),
 the gather layout, the load predictor; and better balance than EP on skewed loads."""
+import math
+
 import pytest
 import torch
 
@@ -181,3 +183,28 @@ def test_load_predictor_window_mean():
     other = LoadPredictor([3, 2], window=2)
     other.load_state_dict(state)
     assert torch.equal(other.predict(0), pred.predict(0))
+
+
+def test_load_predictor_measures_its_own_error():
+    pred = LoadPredictor([3, 2], window=2)
+    assert pred.error(0) is None
+    pred.observe(0, torch.tensor([1, 2, 3]))
+    assert pred.error(0) is None  # nothing was predicted for the first observation
+    pred.observe(0, torch.tensor([3, 2, 1]))  # predicted [1, 2, 3]: |2| + 0 + |2| over 6
+    assert pred.error(0) == pytest.approx(4 / 6)
+    pred.observe(0, torch.tensor([2, 2, 2]))  # predicted [2, 2, 2]: exact
+    assert pred.error(0) == pytest.approx(2 / 6)
+    pred.observe(0, torch.tensor([0, 0, 0]))  # no assignments: no error to record
+    pred.observe(0, torch.tensor([[2, 0], [2, 0], [1, 1]]))  # per-rank counts
+    assert pred.error(0) == pytest.approx(0.25)  # predicted [1, 1, 1] (from [2, 2, 2] and zeros): 3 / 6; mean of 0 and 0.5
+    assert pred.error(1) is None
+    other = LoadPredictor([3, 2], window=2)
+    other.load_state_dict(pred.state_dict())
+    assert other.error(0) == pred.error(0)
+    state = pred.state_dict()
+    del state["errors"]  # a checkpoint from before the errors were kept
+    other.load_state_dict(state)
+    assert other.error(0) is None and torch.equal(other.predict(0), pred.predict(0))
+    fresh = LoadPredictor(3, window=1)
+    assert math.isnan(fresh.observe(0, torch.tensor([1, 1, 1])))  # observe returns the error it records
+    assert fresh.observe(0, torch.tensor([2, 1, 1])) == pytest.approx(1 / 4) == fresh.error(0)

@@ -38,7 +38,6 @@ from ds_fssdp.moe.remat import RematExpertMLP
 from ds_fssdp.moe.routing import expert_order, route
 from ds_fssdp.planner import LoadPredictor, PlacementOptions, gather_layout, place_predicted
 from ds_fssdp.planner.dispatch import dispatch_plan
-from ds_fssdp.planner.predict import relative_l1_error
 from ds_fssdp.topology import Topology
 
 
@@ -227,14 +226,14 @@ class ShardedExperts:
             self._iterations.append(_Iteration(gate_idx_TK, r, layout, None if remat else replica_RP, remat, hooked))
         if self.next is not None:
             self.next.prefetch()
-        predicted_E = self.predictor.predict(self.layer_index) if observe else None  # what the plan assumed
+        prediction_error = float("nan")  # of the loads the plan assumed
         if observe:
-            self.predictor.observe(self.layer_index, tokens_ED)
+            prediction_error = self.predictor.observe(self.layer_index, tokens_ED)
             self.last_tokens_ED = tokens_ED
         self._record(placement_ED, layout, plan, tokens_ED, gather_exposed + critical_s, gather_sent,
                      token_bytes=x_TH.shape[1] * x_TH.element_size())
         self.stats["post_gating_gather_s"] = critical_s
-        self.stats["load_prediction_error"] = relative_l1_error(predicted_E, tokens_ED.sum(1))
+        self.stats["load_prediction_error"] = prediction_error
         self.stats.update(self.post_gating_info)
         self.stats["window_s"] = window
         self.stats["overlap_degree"] = self.overlap_degree

@@ -22,6 +22,8 @@ typedef struct {
     const int64_t *owner, *node; /* node of each rank */
     const double *T, *made;      /* made [E*N]: tokens of e produced in node n */
     int64_t E, D, G, N, t;
+    double margin;
+    double *rigid; /* [D] scratch of fill_time */
     const CostCoefficients *c;
 } Inst;
 
@@ -69,8 +71,8 @@ typedef struct {
 
 size_t cost_place_scratch(int64_t E, int64_t D, int64_t G) {
     const int64_t N = D / G;
-    /* two fills, node [D], made [E*N], order [D], pairs [E*N], alignment */
-    return 2 * (fill_bytes(E, D, N) + 64) + (size_t)(2 * D + E * N) * 8 + (size_t)(2 * E * N) * sizeof(Pair) + 64;
+    /* two fills, node [D], order [D], made [E*N], rigid [D], pairs [E*N], alignment */
+    return 2 * (fill_bytes(E, D, N) + 64) + (size_t)(3 * D + E * N) * 8 + (size_t)(2 * E * N) * sizeof(Pair) + 64;
 }
 
 static inline double exposed(double gather, const CostCoefficients *c) {
@@ -283,7 +285,12 @@ static double fill_time(const Inst *in, const Fill *f) {
     const double ranks = maxd(max_of(f->rin, in->D), max_of(f->rout, in->D));
     const double nodes = maxd(max_of(f->nin, in->N), max_of(f->nout, in->N));
     const double exchange = maxd(ranks * c->intra, nodes * c->inter);
-    return max_of(f->load, in->D) * c->row + exchange + exposed(*f->gather, c);
+    double *rigid = in->rigid; /* rows of experts only their owner holds */
+    for (int64_t d = 0; d < in->D; d++) rigid[d] = 0.0;
+    for (int64_t e = 0; e < in->E; e++)
+        if (!f->replicated[e]) rigid[in->owner[e]] += f->share[e * in->D + in->owner[e]];
+    return maxd(max_of(f->load, in->D), (1.0 + in->margin) * max_of(rigid, in->D)) * c->row + exchange +
+           exposed(*f->gather, c);
 }
 
 static char *align64(char *p) { return (char *)(((uintptr_t)p + 63) & ~(uintptr_t)63); }
@@ -295,10 +302,10 @@ void cost_place_core(const int64_t *owner, const double *T, uint8_t *P, int64_t 
     const size_t bytes = fill_bytes(E, D, N);
     char *base_block = align64(scratch), *work_block = align64(base_block + bytes);
     int64_t *node = (int64_t *)align64(work_block + bytes), *order = node + D;
-    double *made = (double *)(order + D);
-    Pair *pairs = (Pair *)(made + E * N);
+    double *made = (double *)(order + D), *rigid = made + E * N;
+    Pair *pairs = (Pair *)(rigid + D);
     Inst in = {.owner = owner, .node = node, .T = T, .made = made, .E = E, .D = D, .G = G, .N = N,
-               .t = t < E ? t : E, .c = c};
+               .t = t < E ? t : E, .margin = margin, .rigid = rigid, .c = c};
     for (int64_t d = 0; d < D; d++) node[d] = d / G;
     Fill base, work;
     fill_at(&base, base_block, E, D, N);
@@ -339,7 +346,7 @@ void cost_place_core(const int64_t *owner, const double *T, uint8_t *P, int64_t 
     const double top = max_of(base.load, D);
     for (int64_t i = 0; i < num_levels; i++) {
         const double level = mean * (1.0 + levels[i]);
-        const double target = maxd(level / (1.0 + margin), mean);
+        const double target = level / (1.0 + margin);
         if (target >= top) continue;
         memcpy(work_block, base_block, bytes);
         const int reached = level_fill(&in, &work, target, level, order);

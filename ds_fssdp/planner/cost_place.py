@@ -18,20 +18,25 @@ replica's exposed gather and reduce (below). Two phases:
   expert's busiest holder elsewhere, when that scores more than ``MIN_GAIN`` of the mean rank's
   compute (tokens that would cross nodes stay home);
 * level, per candidate ``level`` (rows per rank), from the covered state: every rank above
-  ``target = max(level / (1 + margin), mean rank rows)``, busiest first (lowest id on ties),
-  sheds rows to it onto ranks below the level, never past it, one move at a time, the move with
-  the largest ``row * x + score`` first (lowest expert, then rank, on ties); a rank no move
-  relieves stays above (the fill did not reach its target).
+  ``target = level / (1 + margin)``, busiest first (lowest id on ties), sheds rows to it onto
+  ranks below the level, never past it, one move at a time, the move with the largest
+  ``row * x + score`` first (lowest expert, then rank, on ties); a rank no move relieves stays
+  above (the fill did not reach its target: always so once the target is below the mean).
 
-``margin`` (default ``MARGIN``) is headroom for the prediction: a rank near the level keeps room
-below it, so the actual loads, which differ from the window mean the plan sees (relative L1 error
-0.14 on the shared trace), can still be balanced by the dispatcher. The modelled layer time of a
-fill is the slowest rank's rows times ``row`` (forward + backward), plus the busiest link's
-exchange rows, plus the replicas' exposed transfer: every link's expert chunks (a replica puts one
-on its rank's link and one on its owner's; a replica in a node the expert has not entered yet
-also one on each node's link, then it is forwarded inside the node), ``chunk_intra`` /
-``chunk_inter`` seconds each; the busiest link's gather time past ``window`` (the forward
-attention) plus its reduce time (as long) past ``2 * window`` (the backward attention).
+``margin`` is the headroom for the prediction's error: the runtime passes the load predictor's
+measured relative L1 error (``LoadPredictor.error``: 0.14 on the shared trace, 0.7-0.8 for a
+freshly initialised model whose routing swings), ``MARGIN`` when none was measured yet. Donors
+shed to below the level by it, so the actual loads, which differ from the window mean the plan
+sees, can still be balanced by the dispatcher. The modelled layer time of a fill is the slowest
+rank's rows times ``row`` (forward + backward), or, if larger, ``1 + margin`` times the most
+*rigid* rows of a rank (of experts only their owner holds, which no dispatch can move when the
+prediction was short), plus the busiest link's exchange rows, plus the replicas' exposed
+transfer: every link's expert chunks (a replica puts one on its rank's link and one on its
+owner's; a replica in a node the expert has not entered yet also one on each node's link, then it
+is forwarded inside the node), ``chunk_intra`` / ``chunk_inter`` seconds each; the busiest link's
+gather time past ``window`` (the forward attention) plus its reduce time (as long) past
+``2 * window`` (the backward attention). With margin 0 (an exact prediction) balanced loads buy
+no replica; with a measured error they buy the hedge whose exposed transfer is worth it.
 
 ``cost_materialize`` takes the covered state, then the fills of the levels ``mean * (1 + s)`` for
 ``s`` in ``LEVELS`` (highest first), stopping after a fill that does not reach its target, and
@@ -54,6 +59,7 @@ from ds_fssdp.topology import Topology
 # dispatcher's 3% slack gives the balance back for locality.
 LEVELS = (0.5, 0.2, 0.1, 0.05, 0.02)
 MARGIN = 0.15  # headroom for the load prediction's error (relative L1 0.14 on the shared trace)
+MAX_MARGIN = 1.0  # a measured error past it keeps no more headroom (donors shed to half the level)
 _LEVELS = torch.tensor(LEVELS, dtype=torch.float64)
 MIN_GAIN = 0.01  # a lower level must save 1% of the mean rank's compute
 
@@ -121,16 +127,16 @@ def cost_materialize_reference(owner_E: torch.Tensor, tokens_ED: torch.Tensor, t
     mean = base.mean
     gain = MIN_GAIN * coefficients.row * mean
     base.cover(gain)
-    best_held, best_time = [row[:] for row in base.held], base.time()
+    best_held, best_time = [row[:] for row in base.held], base.time(margin)
     top = max(base.load)
     for s in LEVELS:
         level = mean * (1.0 + s)
-        target = max(level / (1.0 + margin), mean)
+        target = level / (1.0 + margin)
         if target >= top:
             continue
         fill = base.copy()
         reached = fill.level(target, level)
-        time = fill.time()
+        time = fill.time(margin)
         if time < best_time - gain:
             best_held, best_time = fill.held, time
         if not reached:  # the slots ran out: a lower level only adds replicas to the same straggler
@@ -291,11 +297,15 @@ class _Fill:
                 self.move(best[1], d, best[2], best[3], target, level)
         return True
 
-    def time(self) -> float:
+    def time(self, margin: float) -> float:
         """The modelled layer time (module docstring)."""
         c = self.c
         exchange = max(max(max(self.rin), max(self.rout)) * c.intra, max(max(self.nin), max(self.nout)) * c.inter)
-        return max(self.load) * c.row + exchange + _exposed(self.gather, c)
+        rigid = [0.0] * self.D  # rows of experts only their owner holds: no dispatch can move them
+        for e, o in enumerate(self.owner):
+            if not self.replicated[e]:
+                rigid[o] += self.share[e][o]
+        return max(max(self.load), (1.0 + margin) * max(rigid)) * c.row + exchange + _exposed(self.gather, c)
 
 
 def _pos(v: float) -> float:

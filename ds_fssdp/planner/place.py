@@ -16,7 +16,9 @@ its field names (``placement``, ``overlap_degree``, and ``materialization_budget
 * ``"cost"``: ``cost_materialize`` with ``cost`` (a ``CostModel``): the fewest replicas that level
   the predicted loads, at the level of least modelled layer time, a replica's gather and reduce
   counted where ``cost.overlap_window(t)`` does not hide them. Without a cost model it is
-  ``"joint"`` (there is no exchange rate between rows and bytes to weigh).
+  ``"joint"`` (there is no exchange rate between rows and bytes to weigh). ``margin``: the
+  prediction's expected relative error, the headroom each level keeps (``cost_place.MARGIN`` when
+  None); :func:`place_predicted` passes the predictor's measured error (``LoadPredictor.error``).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ds_fssdp.planner.cost_place import Coefficients, cost_materialize
+from ds_fssdp.planner.cost_place import MARGIN, MAX_MARGIN, Coefficients, cost_materialize
 from ds_fssdp.planner.joint import joint_materialize
 from ds_fssdp.planner.materialize import materialize
 from ds_fssdp.planner.shard import shard_placement
@@ -45,7 +47,7 @@ class PlacementOptions:
 
 
 def place(owner_E: torch.Tensor, tokens_ED: torch.Tensor | None, topology: Topology, *, config,
-          cost=None) -> torch.Tensor:
+          cost=None, margin: float | None = None) -> torch.Tensor:
     """placement_ED (bool [E, D]): the shard plus this iteration's replicas."""
     policy = getattr(config, "policy", "fssdp")
     placement = config.placement
@@ -64,19 +66,23 @@ def place(owner_E: torch.Tensor, tokens_ED: torch.Tensor | None, topology: Topol
         load_E = tokens_ED if tokens_ED.dim() == 1 else tokens_ED.sum(1)
         return materialize(owner_E, load_E, topology, overlap_degree=t, budget=m)
     if placement == "cost" and cost is not None:
+        margin = MARGIN if margin is None else min(float(margin), MAX_MARGIN)
+        if not margin >= 0.0:
+            raise ValueError(f"place: margin ({margin!r}) must be >= 0")
         return cost_materialize(owner_E, tokens_ED, topology, overlap_degree=t, budget=m,
-                                coefficients=coefficients_of(cost, t))
+                                coefficients=coefficients_of(cost, t), margin=margin)
     return joint_materialize(owner_E, tokens_ED, topology, overlap_degree=t, budget=m)
 
 
 def place_predicted(predictor, layer: int, owner_E: torch.Tensor, topology: Topology, *, config,
                     cost=None) -> torch.Tensor:
     """:func:`place` on ``predictor``'s prediction for ``layer``: its ``tokens_ED`` when it has
-    per-rank history, else its per-expert loads (None before any observation)."""
+    per-rank history, else its per-expert loads (None before any observation), with its measured
+    error as the margin."""
     tokens_ED = predictor.predict_tokens(layer)
     if tokens_ED is None:
         tokens_ED = predictor.predict(layer)
-    return place(owner_E, tokens_ED, topology, config=config, cost=cost)
+    return place(owner_E, tokens_ED, topology, config=config, cost=cost, margin=predictor.error(layer))
 
 
 def coefficients_of(cost, overlap_degree: int) -> Coefficients:

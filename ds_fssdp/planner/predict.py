@@ -13,7 +13,9 @@ class LoadPredictor:
     """Per-layer mean of the last ``window`` observed expert loads.
 
     Every rank observes the same all-gathered counts, so every rank predicts the same loads and
-    plans the same placement without exchanging plans.
+    plans the same placement without exchanging plans. It also keeps its own error: the relative L1
+    error of each prediction it made against the loads then observed (:meth:`error`, the mean of
+    the last ``window``), which the cost placement takes as its headroom.
     """
 
     def __init__(self, num_experts_L, window: int = 5):
@@ -24,17 +26,23 @@ class LoadPredictor:
         self.num_layers = len(self.num_experts_L)
         self.window = window
         self._history = [deque(maxlen=window) for _ in range(self.num_layers)]
+        self._errors = [deque(maxlen=window) for _ in range(self.num_layers)]
 
-    def observe(self, layer: int, tokens: torch.Tensor) -> None:
+    def observe(self, layer: int, tokens: torch.Tensor) -> float:
         """Record one iteration: per-expert loads [E], or the all-gathered ``tokens_ED`` [E, D]
-        (which also lets :meth:`predict_tokens` predict where the tokens come from)."""
+        (which also lets :meth:`predict_tokens` predict where the tokens come from). Returns the
+        relative L1 error of the prediction it had for them (NaN: none, or no assignments)."""
         tokens = tokens.detach().to("cpu", torch.float64)
         if tokens.dim() == 1:
             tokens = tokens[:, None]
         if tokens.dim() != 2 or tokens.shape[0] != self.num_experts_L[layer]:
             raise ValueError(f"layer {layer}: observed load has {tokens.shape[0]} experts, expected "
                              f"{self.num_experts_L[layer]}")
+        error = relative_l1_error(self.predict(layer), tokens.sum(1))
+        if error == error:  # a prediction was made, and the iteration had assignments
+            self._errors[layer].append(error)
         self._history[layer].append(tokens)
+        return error
 
     def predict(self, layer: int) -> torch.Tensor | None:
         """Predicted tokens per expert (float64 [E]), or None before the first observation."""
@@ -42,6 +50,12 @@ class LoadPredictor:
         if not hist:
             return None
         return torch.stack([h.sum(1) for h in hist]).mean(0)
+
+    def error(self, layer: int) -> float | None:
+        """Mean relative L1 error (:func:`relative_l1_error`) of this layer's last ``window``
+        predictions against the loads then observed; None before a prediction could be checked."""
+        errors = self._errors[layer]
+        return sum(errors) / len(errors) if errors else None
 
     def predict_tokens(self, layer: int) -> torch.Tensor | None:
         """Predicted ``tokens_ED`` (float64 [E, D]) if the window holds per-rank observations of
@@ -59,13 +73,17 @@ class LoadPredictor:
         return torch.stack(preds)
 
     def state_dict(self) -> dict:
-        return {"window": self.window, "history": [[h.clone() for h in hist] for hist in self._history]}
+        return {"window": self.window, "history": [[h.clone() for h in hist] for hist in self._history],
+                "errors": [list(errors) for errors in self._errors]}
 
     def load_state_dict(self, state: dict) -> None:
         for layer, rows in enumerate(state["history"]):
             self._history[layer].clear()
             for row in rows:
                 self._history[layer].append(row.to(torch.float64))
+        for layer, errors in enumerate(state.get("errors") or [[]] * self.num_layers):  # (older checkpoints: none)
+            self._errors[layer].clear()
+            self._errors[layer].extend(float(e) for e in errors)
 
 
 def relative_l1_error(predicted_E: torch.Tensor | None, actual_E: torch.Tensor) -> float:

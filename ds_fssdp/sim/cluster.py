@@ -159,6 +159,8 @@ class PolicyRun:
         L, E, B = setup.num_layers, setup.num_experts, self.B
         self.owner_LE = self.policy.initial_owner()
         self.history_WBLE = np.zeros((setup.load_window, B, L, E)) if self.planned else None
+        # LoadPredictor.error per group: the relative L1 errors of the window's predictions (NaN: none)
+        self.errors_WBL = np.full((setup.load_window, B, L), np.nan) if self.planned else None
         self.world_history_WLE = np.zeros((setup.load_window, L, E))
         self.observed = 0
         self._ar_cache = None
@@ -233,7 +235,7 @@ class PolicyRun:
             tokens_ED = torch.from_numpy(np.ascontiguousarray(tokens_BEN[b], dtype=np.int64))
             predicted = self._predicted(b, l)
             t0 = time.thread_time()
-            placement_ED = self.policy.pre_gating(l, owner_E, predicted)
+            placement_ED = self.policy.pre_gating(l, owner_E, predicted, margin=self._margin(b, l))
             t1 = time.thread_time()
             lp = self.policy.post_gating(l, owner_E, placement_ED, tokens_ED=tokens_ED)
             plan = self.policy.dispatch(lp, tokens_ED)
@@ -274,13 +276,25 @@ class PolicyRun:
         w = min(self.observed, self.setup.load_window)
         return torch.from_numpy(self.history_WBLE[:w, b, l].mean(0))
 
+    def _margin(self, b: int, l: int) -> float | None:
+        errors = self.errors_WBL[:, b, l]
+        errors = errors[~np.isnan(errors)]
+        return float(errors.mean()) if errors.size else None
+
     def _observe(self, tokens_LED: np.ndarray) -> None:
         slot = self.observed % self.setup.load_window
         load_LE = tokens_LED.sum(2, dtype=np.int64)
         if self.planned:
             L, E = load_LE.shape
-            self.history_WBLE[slot] = tokens_LED.reshape(L, E, self.groups, self.N)[:, :, :self.B].sum(3).transpose(
-                2, 0, 1)
+            load_BLE = tokens_LED.reshape(L, E, self.groups, self.N)[:, :, :self.B].sum(3).transpose(2, 0, 1)
+            errors_BL = np.full(load_BLE.shape[:2], np.nan)
+            if self.observed:
+                w = min(self.observed, self.setup.load_window)
+                total_BL = load_BLE.sum(2)
+                miss_BL = np.abs(self.history_WBLE[:w].mean(0) - load_BLE).sum(2)
+                np.divide(miss_BL, total_BL, out=errors_BL, where=total_BL > 0)
+            self.errors_WBL[slot] = errors_BL
+            self.history_WBLE[slot] = load_BLE
         self.world_history_WLE[slot] = load_LE  # for re-shards (FSSDP's only)
         self.observed += 1
 

@@ -161,7 +161,8 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
         for l in range(L):
             owner_E = owner_LE[l]
             predicted = predictor.predict_tokens(l)  # per-rank loads ("joint", "cost"); sums for the others
-            placement_ED = policy.pre_gating(l, owner_E, predicted if predicted is not None else predictor.predict(l))
+            placement_ED = policy.pre_gating(l, owner_E, predicted if predicted is not None else predictor.predict(l),
+                                             margin=predictor.error(l))
             tokens_ED = policy.route(torch.from_numpy(tokens_SLED[s, l].astype(np.int64)))
             lp = policy.post_gating(l, owner_E, placement_ED, tokens_ED=tokens_ED)
             plan_EDD = policy.dispatch(lp, tokens_ED)

@@ -162,7 +162,10 @@ class Policy:
     def reshard(self, step: int, history_load_LE: torch.Tensor | None, *, owner_LE: torch.Tensor) -> Reshard | None:
         return None
 
-    def pre_gating(self, layer: int, owner_E: torch.Tensor, predicted_load_E: torch.Tensor | None) -> torch.Tensor:
+    def pre_gating(self, layer: int, owner_E: torch.Tensor, predicted_load_E: torch.Tensor | None, *,
+                   margin: float | None = None) -> torch.Tensor:
+        """``margin``: the prediction's measured error (``LoadPredictor.error``), for placements that
+        hedge against it (FSSDP's "cost"); the baselines plan nothing before gating."""
         return shard_placement(owner_E.to("cpu", torch.long), self.topology.num_ranks) | self.persistent_ED(
             layer, owner_E)
 

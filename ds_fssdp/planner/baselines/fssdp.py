@@ -38,17 +38,20 @@ class FSSDPPolicy(Policy):
         new_LE = relabel_owner(owner_LE, new_LE, self.topology, keep_nodes=True)
         return Reshard(owner_LE=new_LE, copies_M4=moved_copies(owner_LE, new_LE))
 
-    def pre_gating(self, layer: int, owner_E: torch.Tensor, predicted_load_E: torch.Tensor | None) -> torch.Tensor:
+    def pre_gating(self, layer: int, owner_E: torch.Tensor, predicted_load_E: torch.Tensor | None, *,
+                   margin: float | None = None) -> torch.Tensor:
         """``predicted_load_E``: per-expert loads [E], or the predicted ``tokens_ED`` [E, D] (what
-        placements "joint" and "cost" need). The runtime's :func:`~ds_fssdp.planner.place`, unless
-        another materializer was injected (placement "paper" then uses it on the loads)."""
+        placements "joint" and "cost" need); ``margin``: the prediction's measured error. The
+        runtime's :func:`~ds_fssdp.planner.place`, unless another materializer was injected
+        (placement "paper" then uses it on the loads)."""
         if predicted_load_E is None:
             return shard_placement(owner_E.to("cpu", torch.long), self.topology.num_ranks)
         if self.materializer is not algorithm1_materialize and self.config.placement == "paper":
             load_E = predicted_load_E if predicted_load_E.dim() == 1 else predicted_load_E.sum(1)
             return self.materializer(owner_E, load_E, self.topology, overlap_degree=self.config.overlap_degree,
                                      budget=self.config.budget)
-        return place(owner_E, predicted_load_E, self.topology, config=self.config, cost=self.config.cost)
+        return place(owner_E, predicted_load_E, self.topology, config=self.config, cost=self.config.cost,
+                     margin=margin)
 
     def post_gating(self, layer: int, owner_E: torch.Tensor, placement_ED: torch.Tensor, *,
                     tokens_ED: torch.Tensor) -> LayerPlan:

@@ -51,8 +51,10 @@ def predictor_for(state: dict, same_world: bool) -> dict:
     if same_world:
         return state
     # Per-rank token counts of another world say nothing about this one; the per-expert totals do.
+    # The errors are of per-expert loads: they hold in any world.
     return {"window": state["window"],
-            "history": [[h.sum(1, keepdim=True) if h.dim() == 2 else h for h in hist] for hist in state["history"]]}
+            "history": [[h.sum(1, keepdim=True) if h.dim() == 2 else h for h in hist] for hist in state["history"]],
+            "errors": state.get("errors", [])}
 
 
 class RankFiles:
