@@ -324,20 +324,32 @@ void cost_place_core(const int64_t *owner, const double *T, uint8_t *P, int64_t 
         base.load[o] += total;
         mean += total;
         base.computing[o * E + base.ncomputing[o]++] = e;
-        for (int64_t n = 0; n < N; n++) made[e * N + n] = 0.0;
-        for (int64_t d = 0; d < D; d++) made[e * N + node[d]] += T[e * D + d];
+        for (int64_t n = 0; n < N; n++) { /* a node's ranks are consecutive: the reference's order */
+            double sum = 0.0;
+            for (int64_t d = n * G; d < (n + 1) * G; d++) sum += T[e * D + d];
+            made[e * N + n] = sum;
+        }
     }
     mean /= (double)D;
-    for (int64_t d = 0; d < D; d++)
+    /* Accumulated in registers, in the reference's order (the sums are the same floats). */
+    for (int64_t d = 0; d < D; d++) {
+        double rows_in = 0.0, rows_out = 0.0;
         for (int64_t e = 0; e < E; e++) {
-            base.rin[d] += pos(base.share[e * D + d] - T[e * D + d]);
-            base.rout[d] += pos(T[e * D + d] - base.share[e * D + d]);
+            rows_in += pos(base.share[e * D + d] - T[e * D + d]);
+            rows_out += pos(T[e * D + d] - base.share[e * D + d]);
         }
-    for (int64_t n = 0; n < N; n++)
+        base.rin[d] = rows_in;
+        base.rout[d] = rows_out;
+    }
+    for (int64_t n = 0; n < N; n++) {
+        double rows_in = 0.0, rows_out = 0.0;
         for (int64_t e = 0; e < E; e++) {
-            base.nin[n] += pos(base.node_share[e * N + n] - made[e * N + n]);
-            base.nout[n] += pos(made[e * N + n] - base.node_share[e * N + n]);
+            rows_in += pos(base.node_share[e * N + n] - made[e * N + n]);
+            rows_out += pos(made[e * N + n] - base.node_share[e * N + n]);
         }
+        base.nin[n] = rows_in;
+        base.nout[n] = rows_out;
+    }
     for (int64_t d = 0; d < D; d++) base.freeD[d] = m;
     const double gain = min_gain * c->row * mean;
     cover(&in, &base, gain, pairs);
