@@ -105,7 +105,7 @@ class FSSDPConfig(DeepSpeedConfigModel):
     """How replicas are chosen each iteration (``planner.place``): ``cost`` (the fewest replicas that
     balance the predicted loads to the level of least modelled layer time, slowest rank's expert
     compute plus token exchange plus the gather and reduce the overlap window does not hide, the
-    window being t chunks over a rank link; m and t stay upper bounds; the cost model from
+    window being t chunks over a rank link, with headroom for the load predictor's measured error; m and t stay upper bounds; the cost model from
     ``hardware`` or measured at initialize; ``joint`` when ``deterministic`` is set without
     ``hardware``),
     ``joint`` (where the predicted tokens come from, every slot that helps balance) or ``paper``
