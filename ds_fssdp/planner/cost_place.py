@@ -24,7 +24,7 @@ replica's exposed gather and reduce (below). Two phases:
   above (the fill did not reach its target: always so once the target is below the mean).
 
 ``margin`` is the headroom for the prediction's error: the runtime passes the load predictor's
-measured relative L1 error (``LoadPredictor.error``: 0.14 on the shared trace, 0.7-0.8 for a
+measured relative L1 error (``LoadPredictor.error``: 0.14 on the shared trace, 0.6-0.8 for a
 freshly initialised model whose routing swings), ``MARGIN`` when none was measured yet. Donors
 shed to below the level by it, so the actual loads, which differ from the window mean the plan
 sees, can still be balanced by the dispatcher. The modelled layer time of a fill is the slowest
