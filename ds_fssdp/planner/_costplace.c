@@ -71,8 +71,8 @@ typedef struct {
 
 size_t cost_place_scratch(int64_t E, int64_t D, int64_t G) {
     const int64_t N = D / G;
-    /* two fills, node [D], order [D], made [E*N], rigid [D], pairs [E*N], alignment */
-    return 2 * (fill_bytes(E, D, N) + 64) + (size_t)(3 * D + E * N) * 8 + (size_t)(2 * E * N) * sizeof(Pair) + 64;
+    /* three fills, node [D], order [D], made [E*N], rigid [D], pairs [E*N], alignment */
+    return 3 * (fill_bytes(E, D, N) + 64) + (size_t)(3 * D + E * N) * 8 + (size_t)(2 * E * N) * sizeof(Pair) + 64;
 }
 
 static inline double exposed(double gather, const CostCoefficients *c) {
@@ -301,15 +301,17 @@ void cost_place_core(const int64_t *owner, const double *T, uint8_t *P, int64_t 
     const int64_t N = D / G;
     const size_t bytes = fill_bytes(E, D, N);
     char *base_block = align64(scratch), *work_block = align64(base_block + bytes);
-    int64_t *node = (int64_t *)align64(work_block + bytes), *order = node + D;
+    char *ep_block = align64(work_block + bytes);
+    int64_t *node = (int64_t *)align64(ep_block + bytes), *order = node + D;
     double *made = (double *)(order + D), *rigid = made + E * N;
     Pair *pairs = (Pair *)(rigid + D);
     Inst in = {.owner = owner, .node = node, .T = T, .made = made, .E = E, .D = D, .G = G, .N = N,
                .t = t < E ? t : E, .margin = margin, .rigid = rigid, .c = c};
     for (int64_t d = 0; d < D; d++) node[d] = d / G;
-    Fill base, work;
+    Fill base, work, ep;
     fill_at(&base, base_block, E, D, N);
     fill_at(&work, work_block, E, D, N);
+    fill_at(&ep, ep_block, E, D, N);
     memset(base_block, 0, bytes);
     /* cost_place.py: _Fill.__init__ (expert parallelism) */
     double mean = 0.0;
@@ -352,21 +354,28 @@ void cost_place_core(const int64_t *owner, const double *T, uint8_t *P, int64_t 
     }
     for (int64_t d = 0; d < D; d++) base.freeD[d] = m;
     const double gain = min_gain * c->row * mean;
+    memcpy(ep_block, base_block, bytes);
     cover(&in, &base, gain, pairs);
     double best = fill_time(&in, &base);
     memcpy(P, base.held, (size_t)(E * D));
-    const double top = max_of(base.load, D);
-    for (int64_t i = 0; i < num_levels; i++) {
-        const double level = mean * (1.0 + levels[i]);
-        const double target = level / (1.0 + margin);
-        if (target >= top) continue;
-        memcpy(work_block, base_block, bytes);
-        const int reached = level_fill(&in, &work, target, level, order);
-        const double time = fill_time(&in, &work);
-        if (time < best - gain) {
-            best = time;
-            memcpy(P, work.held, (size_t)(E * D));
+    /* Cover, then level; and level from expert parallelism, then cover. */
+    for (int pass = 0; pass < 2; pass++) {
+        const Fill *start = pass ? &ep : &base;
+        const char *start_block = pass ? ep_block : base_block;
+        const double top = max_of(start->load, D);
+        for (int64_t i = 0; i < num_levels; i++) {
+            const double level = mean * (1.0 + levels[i]);
+            const double target = level / (1.0 + margin);
+            if (target >= top) continue;
+            memcpy(work_block, start_block, bytes);
+            const int reached = level_fill(&in, &work, target, level, order);
+            if (pass) cover(&in, &work, gain, pairs);
+            const double time = fill_time(&in, &work);
+            if (time < best - gain) {
+                best = time;
+                memcpy(P, work.held, (size_t)(E * D));
+            }
+            if (!reached) break;
         }
-        if (!reached) break;
     }
 }

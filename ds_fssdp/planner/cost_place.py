@@ -39,9 +39,13 @@ gather time past ``window`` (the forward attention) plus its reduce time (as lon
 no replica; with a measured error they buy the hedge whose exposed transfer is worth it.
 
 ``cost_materialize`` takes the covered state, then the fills of the levels ``mean * (1 + s)`` for
-``s`` in ``LEVELS`` (highest first), stopping after a fill that does not reach its target, and
-returns the one with the least modelled time, a lower level replacing the best so far only
-when it saves more than ``MIN_GAIN`` of the mean rank's compute (fewer replicas win near-ties).
+``s`` in ``LEVELS`` (highest first) from it, stopping after a fill that does not reach its target;
+then the same levels from expert parallelism, each fill covered after it is levelled (the cover
+then has only the rows up to the fill's slowest rank, and t goes to balance first: when t binds,
+as on the simulated cluster A with t = 6 and eight hot experts, covering first can spend it on
+experts whose owners were not the ones to relieve). It returns the one with the least modelled
+time, a later fill replacing the best so far only when it saves more than ``MIN_GAIN`` of the mean
+rank's compute (fewer replicas win near-ties).
 So a replica is bought only when it lowers the modelled time by more than its share of the
 gather and reduce that the window does not hide; m and t stay upper bounds. Deterministic; the C
 version (``_costplace.c``) does the same float operations in the same order, tested equal.
@@ -126,21 +130,26 @@ def cost_materialize_reference(owner_E: torch.Tensor, tokens_ED: torch.Tensor, t
     base = _Fill(owner, T, D, G, t, budget, coefficients)
     mean = base.mean
     gain = MIN_GAIN * coefficients.row * mean
+    ep = base.copy()
     base.cover(gain)
     best_held, best_time = [row[:] for row in base.held], base.time(margin)
-    top = max(base.load)
-    for s in LEVELS:
-        level = mean * (1.0 + s)
-        target = level / (1.0 + margin)
-        if target >= top:
-            continue
-        fill = base.copy()
-        reached = fill.level(target, level)
-        time = fill.time(margin)
-        if time < best_time - gain:
-            best_held, best_time = fill.held, time
-        if not reached:  # the slots ran out: a lower level only adds replicas to the same straggler
-            break
+    # Cover, then level; and level from expert parallelism, then cover (t spent on balance first).
+    for start, cover_after in ((base, False), (ep, True)):
+        top = max(start.load)
+        for s in LEVELS:
+            level = mean * (1.0 + s)
+            target = level / (1.0 + margin)
+            if target >= top:
+                continue
+            fill = start.copy()
+            reached = fill.level(target, level)
+            if cover_after:
+                fill.cover(gain)
+            time = fill.time(margin)
+            if time < best_time - gain:
+                best_held, best_time = fill.held, time
+            if not reached:  # the slots ran out: a lower level only adds replicas to the same straggler
+                break
     return torch.tensor(best_held, dtype=torch.bool).reshape(E, D)
 
 
