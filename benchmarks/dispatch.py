@@ -47,6 +47,7 @@ from ds_fssdp import Topology
 from ds_fssdp.planner import (CostModel, ExpertShape, Hardware, LoadPredictor, dispatch, homogeneous_owner,
                               materialize, shard_placement)
 from ds_fssdp.planner.balance import row_bound
+from ds_fssdp.planner.cost import exposed_transfer
 from ds_fssdp.planner.joint import joint_materialize
 from ds_fssdp.sim.traces import load_trace
 
@@ -114,8 +115,7 @@ def replay(tokens_SLED: torch.Tensor, *, ranks_per_node, budget, overlap_degree,
                     o["time"].append(layer / ep_time)
                     gather = cost.sparse_collective_time(owner, p) if replicas else 0.0
                     o["time_transfer"].append((layer + 2.0 * gather) / ep_time)  # gather + reduce
-                    exposed = max(0.0, gather - window_s) + max(0.0, gather - 2.0 * window_s)
-                    o["time_window"].append((layer + exposed) / ep_time)
+                    o["time_window"].append((layer + exposed_transfer(gather, window_s)) / ep_time)
                     o["bound"].append(bound(p.numpy(), T.numpy()) / mean_rows)
                     o["replicas"].append(replicas)
                     o["replica_mb"].append(replicas * cost.shape.expert_bytes / 1e6)

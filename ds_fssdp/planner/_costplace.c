@@ -75,6 +75,7 @@ size_t cost_place_scratch(int64_t E, int64_t D, int64_t G) {
     return 3 * (fill_bytes(E, D, N) + 64) + (size_t)(3 * D + E * N) * 8 + (size_t)(2 * E * N) * sizeof(Pair) + 64;
 }
 
+/* cost.py: exposed_transfer. */
 static inline double exposed(double gather, const CostCoefficients *c) {
     double f = gather - c->window, b = gather - 2.0 * c->window;
     return pos(f) + pos(b);
@@ -293,6 +294,20 @@ static double fill_time(const Inst *in, const Fill *f) {
            exposed(*f->gather, c);
 }
 
+/* Each of X links' exchange rows, in and out, from the rows of each expert computed behind it and
+ * produced there ([E*X] each): summed in registers, in the reference's order (the same floats). */
+static void link_rows(const double *computed, const double *produced, int64_t E, int64_t X, double *in, double *out) {
+    for (int64_t x = 0; x < X; x++) {
+        double rows_in = 0.0, rows_out = 0.0;
+        for (int64_t e = 0; e < E; e++) {
+            rows_in += pos(computed[e * X + x] - produced[e * X + x]);
+            rows_out += pos(produced[e * X + x] - computed[e * X + x]);
+        }
+        in[x] = rows_in;
+        out[x] = rows_out;
+    }
+}
+
 static char *align64(char *p) { return (char *)(((uintptr_t)p + 63) & ~(uintptr_t)63); }
 
 void cost_place_core(const int64_t *owner, const double *T, uint8_t *P, int64_t E, int64_t D, int64_t G, int64_t t,
@@ -333,25 +348,8 @@ void cost_place_core(const int64_t *owner, const double *T, uint8_t *P, int64_t 
         }
     }
     mean /= (double)D;
-    /* Accumulated in registers, in the reference's order (the sums are the same floats). */
-    for (int64_t d = 0; d < D; d++) {
-        double rows_in = 0.0, rows_out = 0.0;
-        for (int64_t e = 0; e < E; e++) {
-            rows_in += pos(base.share[e * D + d] - T[e * D + d]);
-            rows_out += pos(T[e * D + d] - base.share[e * D + d]);
-        }
-        base.rin[d] = rows_in;
-        base.rout[d] = rows_out;
-    }
-    for (int64_t n = 0; n < N; n++) {
-        double rows_in = 0.0, rows_out = 0.0;
-        for (int64_t e = 0; e < E; e++) {
-            rows_in += pos(base.node_share[e * N + n] - made[e * N + n]);
-            rows_out += pos(made[e * N + n] - base.node_share[e * N + n]);
-        }
-        base.nin[n] = rows_in;
-        base.nout[n] = rows_out;
-    }
+    link_rows(base.share, T, E, D, base.rin, base.rout);
+    link_rows(base.node_share, made, E, N, base.nin, base.nout);
     for (int64_t d = 0; d < D; d++) base.freeD[d] = m;
     const double gain = min_gain * c->row * mean;
     memcpy(ep_block, base_block, bytes);

@@ -16,6 +16,14 @@ import torch
 from ds_fssdp.topology import Topology
 
 
+def exposed_transfer(gather_s: float, window_s: float) -> float:
+    """Seconds of a layer's replica transfer the attention does not hide: the gather past the
+    forward window (:meth:`CostModel.overlap_window`) plus the reduce, as long, past the
+    backward's (twice the window)."""
+    f, b = gather_s - window_s, gather_s - 2.0 * window_s
+    return (f if f > 0.0 else 0.0) + (b if b > 0.0 else 0.0)
+
+
 @dataclass(frozen=True)
 class Hardware:
     """Per-rank compute and link speeds."""

@@ -57,6 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from ds_fssdp.planner import fast
+from ds_fssdp.planner.cost import exposed_transfer
 from ds_fssdp.topology import Topology
 
 # Candidate levels (mean rank rows * (1 + s)), highest first: finer than 2% the balancing
@@ -214,7 +215,7 @@ class _Fill:
         price = 0.0
         if not self.held[e][r]:
             g = _gather_with(self.links, self.gather, self.owner[e], r, self.node_has[e][b], G, c)
-            price = _exposed(g, c) - _exposed(self.gather, c)
+            price = exposed_transfer(g, c.window) - exposed_transfer(self.gather, c.window)
         share, T, made, node_share = self.share, self.T, self.made, self.node_share
         ranks = _moved(share[e][d], T[e][d], -x) + _moved(share[e][r], T[e][r], x)
         nodes = 0.0
@@ -314,7 +315,8 @@ class _Fill:
         for e, o in enumerate(self.owner):
             if not self.replicated[e]:
                 rigid[o] += self.share[e][o]
-        return max(max(self.load), (1.0 + margin) * max(rigid)) * c.row + exchange + _exposed(self.gather, c)
+        compute = max(max(self.load), (1.0 + margin) * max(rigid)) * c.row
+        return compute + exchange + exposed_transfer(self.gather, c.window)
 
 
 def _pos(v: float) -> float:
@@ -357,8 +359,3 @@ def _gather_with(links, gather, o, r, entered, G, c: Coefficients, *, add=False)
             node_out[a] += 1
     return gather
 
-
-def _exposed(gather: float, c: Coefficients) -> float:
-    """Gather time past the forward window plus reduce time (as long) past the backward's (2x)."""
-    f, b = gather - c.window, gather - 2.0 * c.window
-    return (f if f > 0.0 else 0.0) + (b if b > 0.0 else 0.0)

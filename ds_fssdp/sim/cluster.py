@@ -45,6 +45,7 @@ import torch
 from ds_fssdp.planner.baselines import PolicyConfig, make_policy
 from ds_fssdp.planner.dispatch import dispatch_plan
 from ds_fssdp.planner.plan import DispatchPlan
+from ds_fssdp.planner.predict import relative_l1_error
 from ds_fssdp.sim.links import Links, allreduce_links, exchange_links, sparse_collective_links
 from ds_fssdp.sim.memory import budget_for_cap, ep_memory_bytes
 from ds_fssdp.sim.placement import place
@@ -287,13 +288,10 @@ class PolicyRun:
         if self.planned:
             L, E = load_LE.shape
             load_BLE = tokens_LED.reshape(L, E, self.groups, self.N)[:, :, :self.B].sum(3).transpose(2, 0, 1)
-            errors_BL = np.full(load_BLE.shape[:2], np.nan)
-            if self.observed:
-                w = min(self.observed, self.setup.load_window)
-                total_BL = load_BLE.sum(2)
-                miss_BL = np.abs(self.history_WBLE[:w].mean(0) - load_BLE).sum(2)
-                np.divide(miss_BL, total_BL, out=errors_BL, where=total_BL > 0)
-            self.errors_WBL[slot] = errors_BL
+            for b in range(self.B):
+                for l in range(L):
+                    self.errors_WBL[slot, b, l] = relative_l1_error(self._predicted(b, l),
+                                                                    torch.from_numpy(load_BLE[b, l]))
             self.history_WBLE[slot] = load_BLE
         self.world_history_WLE[slot] = load_LE  # for re-shards (FSSDP's only)
         self.observed += 1
