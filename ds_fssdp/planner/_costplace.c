@@ -30,13 +30,13 @@ typedef struct {
 /* One fill's state (cost_place.py: _Fill), laid out in one block so a copy is one memcpy. */
 typedef struct {
     double *share, *node_share, *load, *rin, *rout, *nin, *nout, *gather;
-    int64_t *freeD, *ncomputing, *computing, *rank_in, *rank_out, *node_in, *node_out, *distinct;
+    int64_t *freeD, *rank_in, *rank_out, *node_in, *node_out, *distinct;
     uint8_t *held, *node_has, *replicated;
 } Fill;
 
 static size_t fill_bytes(int64_t E, int64_t D, int64_t N) {
     return (size_t)(E * D + E * N + 3 * D + 2 * N + 1) * sizeof(double) +
-           (size_t)(4 * D + D * E + 2 * N + 1) * sizeof(int64_t) + (size_t)(E * D + E * N + E);
+           (size_t)(3 * D + 2 * N + 1) * sizeof(int64_t) + (size_t)(E * D + E * N + E);
 }
 
 static void fill_at(Fill *f, char *block, int64_t E, int64_t D, int64_t N) {
@@ -51,10 +51,8 @@ static void fill_at(Fill *f, char *block, int64_t E, int64_t D, int64_t N) {
     f->gather = p; p += 1;
     int64_t *q = (int64_t *)p;
     f->freeD = q; q += D;
-    f->ncomputing = q; q += D;
     f->rank_in = q; q += D;
     f->rank_out = q; q += D;
-    f->computing = q; q += D * E;
     f->node_in = q; q += N;
     f->node_out = q; q += N;
     f->distinct = q; q += 1;
@@ -66,13 +64,15 @@ static void fill_at(Fill *f, char *block, int64_t E, int64_t D, int64_t N) {
 
 typedef struct {
     double made;
-    int64_t e, n;
+    int32_t e, n;
 } Pair;
 
 size_t cost_place_scratch(int64_t E, int64_t D, int64_t G) {
     const int64_t N = D / G;
-    /* three fills, node [D], order [D], made [E*N], rigid [D], pairs [E*N], alignment */
-    return 3 * (fill_bytes(E, D, N) + 64) + (size_t)(3 * D + E * N) * 8 + (size_t)(2 * E * N) * sizeof(Pair) + 64;
+    /* three fills, node [D], order [D], open [D], experts [E], made [E*N], rigid [D], node_term [N], node_gather [N],
+     * pairs [E*N] and their sort's buffer, alignment */
+    return 3 * (fill_bytes(E, D, N) + 64) + (size_t)(4 * D + E + E * N + 2 * N) * 8 + (size_t)(2 * E * N) * sizeof(Pair) +
+           64;
 }
 
 /* cost.py: exposed_transfer. */
@@ -134,7 +134,7 @@ static inline double score(const Inst *in, Fill *f, int64_t e, int64_t d, int64_
 
 /* cost_place.py: _Fill.move. */
 static void move(const Inst *in, Fill *f, int64_t e, int64_t d, int64_t r, double x, double goal, double level) {
-    const int64_t D = in->D, N = in->N, E = in->E, a = in->node[d], b = in->node[r];
+    const int64_t D = in->D, N = in->N, a = in->node[d], b = in->node[r];
     const double *T = in->T, *made = in->made;
     double *share = f->share, *load = f->load;
     if (!f->held[e * D + r]) {
@@ -142,13 +142,6 @@ static void move(const Inst *in, Fill *f, int64_t e, int64_t d, int64_t r, doubl
         f->node_has[e * N + b] = 1;
         f->held[e * D + r] = 1;
         f->freeD[r]--;
-        int64_t j = f->ncomputing[r]++; /* insert e, ascending */
-        int64_t *list = f->computing + r * E;
-        while (j > 0 && list[j - 1] > e) {
-            list[j] = list[j - 1];
-            j--;
-        }
-        list[j] = e;
         if (!f->replicated[e]) {
             f->replicated[e] = 1;
             (*f->distinct)++;
@@ -170,14 +163,20 @@ static void move(const Inst *in, Fill *f, int64_t e, int64_t d, int64_t r, doubl
 }
 
 /* Cover candidates, most tokens first, then lowest expert, then lowest node: a stable merge sort
- * of the candidates (listed in (expert, node) order) by tokens, descending. */
+ * of the candidates (listed in (expert, node) order) by tokens, descending; the merge is
+ * branch-free (the next element is taken from the right run only when it has more tokens). */
 static void sort_pairs(Pair *pairs, Pair *tmp, int64_t n) {
     Pair *src = pairs, *dst = tmp;
     for (int64_t width = 1; width < n; width *= 2) {
         for (int64_t lo = 0; lo < n; lo += 2 * width) {
             const int64_t mid = lo + width < n ? lo + width : n, hi = lo + 2 * width < n ? lo + 2 * width : n;
             int64_t i = lo, j = mid, k = lo;
-            while (i < mid && j < hi) dst[k++] = src[j].made > src[i].made ? src[j++] : src[i++];
+            while (i < mid && j < hi) {
+                const int right = src[j].made > src[i].made;
+                dst[k++] = right ? src[j] : src[i];
+                j += right;
+                i += !right;
+            }
             while (i < mid) dst[k++] = src[i++];
             while (j < hi) dst[k++] = src[j++];
         }
@@ -194,20 +193,17 @@ static double max_of(const double *v, int64_t n) {
     return m;
 }
 
-/* cost_place.py: _Fill.cover. */
-static void cover(const Inst *in, Fill *f, double gain, Pair *pairs) {
-    const int64_t E = in->E, D = in->D, G = in->G, N = in->N;
+/* cost_place.py: _Fill.cover, over the instance's (expert, node) pairs that produce tokens, sorted
+ * once (sort_pairs; skipping the pairs whose node holds the expert keeps the reference's order). */
+static void cover(const Inst *in, Fill *f, double gain, const Pair *pairs, int64_t num_pairs) {
+    const int64_t D = in->D, G = in->G, N = in->N;
     const CostCoefficients *c = in->c;
     const double top = max_of(f->load, D);
     double *share = f->share, *load = f->load;
-    int64_t num_pairs = 0;
-    for (int64_t e = 0; e < E; e++)
-        for (int64_t n = 0; n < N; n++)
-            if (in->made[e * N + n] > 0.0 && !f->node_has[e * N + n]) pairs[num_pairs++] = (Pair){in->made[e * N + n], e, n};
-    sort_pairs(pairs, pairs + E * N, num_pairs);
     for (int64_t i = 0; i < num_pairs; i++) {
         if (pairs[i].made * (c->intra + c->inter) <= gain) break;
         const int64_t e = pairs[i].e, n = pairs[i].n;
+        if (f->node_has[e * N + n]) continue;
         if (!(f->replicated[e] || *f->distinct < in->t)) continue;
         int room = 0; /* a rank of n could take a replica (else there is no move to score); no rank of n
                          holds e (each pair comes once) */
@@ -234,10 +230,31 @@ static void cover(const Inst *in, Fill *f, double gain, Pair *pairs) {
     }
 }
 
-/* cost_place.py: _Fill.level. */
-static int level_fill(const Inst *in, Fill *f, double target, double level, int64_t *order) {
-    const int64_t E = in->E, D = in->D;
+/* cost_place.py: _Fill.level. score() unrolled over the receivers: the donor's rank and node terms
+ * at the largest x, each node's node term at it and the replica's gather without the receiver's
+ * own link are computed once per expert (the same floats: each is what score() computes for the
+ * receivers it is used for; a max is exact in any order). */
+/* Ranks below the level (the receivers), ascending: insert r / drop r when its load crosses it. */
+static void open_insert(int64_t *open, int64_t *num_open, int64_t r) {
+    int64_t j = (*num_open)++;
+    while (j > 0 && open[j - 1] > r) {
+        open[j] = open[j - 1];
+        j--;
+    }
+    open[j] = r;
+}
+
+static void open_drop(int64_t *open, int64_t *num_open, int64_t r) {
+    int64_t j = 0;
+    while (open[j] != r) j++;
+    memmove(open + j, open + j + 1, sizeof(int64_t) * (size_t)(--(*num_open) - j));
+}
+
+static int level_fill(const Inst *in, Fill *f, double target, double level, int64_t *order, int64_t *experts,
+                      double *node_term, double *node_gather, int64_t *open) {
+    const int64_t E = in->E, D = in->D, N = in->N;
     const CostCoefficients *c = in->c;
+    const double *T = in->T, *made = in->made;
     double *share = f->share, *load = f->load;
     for (int64_t i = 0; i < D; i++) { /* ranks by load, descending (lowest id on ties) */
         int64_t j = i;
@@ -247,23 +264,55 @@ static int level_fill(const Inst *in, Fill *f, double target, double level, int6
         }
         order[j] = i;
     }
+    int64_t num_open = 0;
+    for (int64_t r = 0; r < D; r++)
+        if (load[r] < level) open[num_open++] = r;
     for (int64_t i = 0; i < D; i++) {
-        const int64_t d = order[i];
+        const int64_t d = order[i], a = in->node[d];
         if (load[d] <= target) break;
+        int64_t num_experts = 0; /* experts d holds, ascending (a donor receives nothing while it sheds) */
+        for (int64_t e = 0; e < E; e++)
+            if (f->held[e * D + d]) experts[num_experts++] = e;
         while (load[d] > target) {
             int found = 0;
             double best_v = 0.0, best_x = 0.0;
             int64_t best_e = -1, best_r = -1;
-            for (int64_t k = 0; k < f->ncomputing[d]; k++) {
-                const int64_t e = f->computing[d * E + k];
+            const double gather = *f->gather, exposed_now = exposed(gather, c);
+            for (int64_t k = 0; k < num_experts; k++) {
+                const int64_t e = experts[k];
                 const double s = share[e * D + d];
                 if (s <= 0.0) continue;
                 const int can_add = f->replicated[e] || *f->distinct < in->t;
-                for (int64_t r = 0; r < D; r++) {
-                    if (r == d || load[r] >= level || !(f->held[e * D + r] || (f->freeD[r] > 0 && can_add))) continue;
-                    const double x = mind(mind(s, load[d] - target), level - load[r]);
-                    const double sc = score(in, f, e, d, r, x);
-                    const double v = c->row * x + sc;
+                const double xm = mind(s, load[d] - target), sd = s, td = T[e * D + d];
+                const double donor_xm = moved(sd, td, -xm);
+                const double *ns = f->node_share + e * N, *mk = made + e * N;
+                const double node_donor_xm = moved(ns[a], mk[a], -xm);
+                const int64_t o = in->owner[e], ao = in->node[o];
+                for (int64_t b = 0; b < N; b++) { /* gather_with without the receiver's rank link */
+                    node_term[b] = b == a ? 0.0 : node_donor_xm + moved(ns[b], mk[b], xm);
+                    const int cross = ao != b && !f->node_has[e * N + b];
+                    const int64_t out = f->rank_out[o] + ((ao == b || cross) ? 1 : 0);
+                    double g = maxd(gather, (double)out * c->chunk_intra);
+                    if (cross)
+                        g = maxd(g, maxd((double)(f->node_in[b] + 1) * c->chunk_inter,
+                                         (double)(f->node_out[ao] + 1) * c->chunk_inter));
+                    node_gather[b] = g;
+                }
+                for (int64_t j = 0; j < num_open; j++) {
+                    const int64_t r = open[j];
+                    const int held = f->held[e * D + r];
+                    if (r == d || !(held || (f->freeD[r] > 0 && can_add))) continue;
+                    const int64_t b = in->node[r];
+                    const double room = level - load[r], x = mind(xm, room);
+                    double price = 0.0;
+                    if (!held) {
+                        const double g = maxd(node_gather[b], (double)(f->rank_in[r] + 1) * c->chunk_intra);
+                        price = exposed(g, c) - exposed_now;
+                    }
+                    const double ranks = (x == xm ? donor_xm : moved(sd, td, -x)) + moved(share[e * D + r], T[e * D + r], x);
+                    double nodes = 0.0;
+                    if (b != a) nodes = x == xm ? node_term[b] : moved(ns[a], mk[a], -x) + moved(ns[b], mk[b], x);
+                    const double v = c->row * x + (-0.5 * (c->intra * ranks + c->inter * nodes) - price);
                     if (!found || v > best_v) {
                         found = 1;
                         best_v = v;
@@ -274,7 +323,10 @@ static int level_fill(const Inst *in, Fill *f, double target, double level, int6
                 }
             }
             if (!found) return 0;
+            const int was_open = load[d] < level;
             move(in, f, best_e, d, best_r, best_x, target, level);
+            if (load[best_r] >= level) open_drop(open, &num_open, best_r);
+            if (!was_open && load[d] < level) open_insert(open, &num_open, d);
         }
     }
     return 1;
@@ -295,17 +347,15 @@ static double fill_time(const Inst *in, const Fill *f) {
 }
 
 /* Each of X links' exchange rows, in and out, from the rows of each expert computed behind it and
- * produced there ([E*X] each): summed in registers, in the reference's order (the same floats). */
+ * produced there ([E*X] each): each link's sum in the reference's order (experts ascending; the
+ * same floats), the links side by side. */
 static void link_rows(const double *computed, const double *produced, int64_t E, int64_t X, double *in, double *out) {
-    for (int64_t x = 0; x < X; x++) {
-        double rows_in = 0.0, rows_out = 0.0;
-        for (int64_t e = 0; e < E; e++) {
-            rows_in += pos(computed[e * X + x] - produced[e * X + x]);
-            rows_out += pos(produced[e * X + x] - computed[e * X + x]);
+    for (int64_t x = 0; x < X; x++) in[x] = out[x] = 0.0;
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t x = 0; x < X; x++) {
+            in[x] += pos(computed[e * X + x] - produced[e * X + x]);
+            out[x] += pos(produced[e * X + x] - computed[e * X + x]);
         }
-        in[x] = rows_in;
-        out[x] = rows_out;
-    }
 }
 
 static char *align64(char *p) { return (char *)(((uintptr_t)p + 63) & ~(uintptr_t)63); }
@@ -317,9 +367,9 @@ void cost_place_core(const int64_t *owner, const double *T, uint8_t *P, int64_t 
     const size_t bytes = fill_bytes(E, D, N);
     char *base_block = align64(scratch), *work_block = align64(base_block + bytes);
     char *ep_block = align64(work_block + bytes);
-    int64_t *node = (int64_t *)align64(ep_block + bytes), *order = node + D;
-    double *made = (double *)(order + D), *rigid = made + E * N;
-    Pair *pairs = (Pair *)(rigid + D);
+    int64_t *node = (int64_t *)align64(ep_block + bytes), *order = node + D, *open = order + D, *experts = open + D;
+    double *made = (double *)(experts + E), *rigid = made + E * N, *node_term = rigid + D, *node_gather = node_term + N;
+    Pair *pairs = (Pair *)(node_gather + N);
     Inst in = {.owner = owner, .node = node, .T = T, .made = made, .E = E, .D = D, .G = G, .N = N,
                .t = t < E ? t : E, .margin = margin, .rigid = rigid, .c = c};
     for (int64_t d = 0; d < D; d++) node[d] = d / G;
@@ -332,20 +382,22 @@ void cost_place_core(const int64_t *owner, const double *T, uint8_t *P, int64_t 
     double mean = 0.0;
     for (int64_t e = 0; e < E; e++) {
         const int64_t o = owner[e];
-        double total = 0.0;
-        for (int64_t d = 0; d < D; d++) total += T[e * D + d];
+        double total = 0.0; /* and each node's tokens of e, in the reference's orders (a node's ranks are
+                               consecutive) */
+        for (int64_t n = 0; n < N; n++) {
+            double sum = 0.0;
+            for (int64_t d = n * G; d < (n + 1) * G; d++) {
+                total += T[e * D + d];
+                sum += T[e * D + d];
+            }
+            made[e * N + n] = sum;
+        }
         base.held[e * D + o] = 1;
         base.share[e * D + o] = total;
         base.node_share[e * N + node[o]] = total;
         base.node_has[e * N + node[o]] = 1;
         base.load[o] += total;
         mean += total;
-        base.computing[o * E + base.ncomputing[o]++] = e;
-        for (int64_t n = 0; n < N; n++) { /* a node's ranks are consecutive: the reference's order */
-            double sum = 0.0;
-            for (int64_t d = n * G; d < (n + 1) * G; d++) sum += T[e * D + d];
-            made[e * N + n] = sum;
-        }
     }
     mean /= (double)D;
     link_rows(base.share, T, E, D, base.rin, base.rout);
@@ -353,7 +405,14 @@ void cost_place_core(const int64_t *owner, const double *T, uint8_t *P, int64_t 
     for (int64_t d = 0; d < D; d++) base.freeD[d] = m;
     const double gain = min_gain * c->row * mean;
     memcpy(ep_block, base_block, bytes);
-    cover(&in, &base, gain, pairs);
+    int64_t num_pairs = 0;
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t n = 0; n < N; n++)
+            /* the owner's node always holds e; a pair at or below the cover's cut-off is never moved */
+            if (n != node[owner[e]] && made[e * N + n] * (c->intra + c->inter) > gain)
+                pairs[num_pairs++] = (Pair){made[e * N + n], (int32_t)e, (int32_t)n};
+    sort_pairs(pairs, pairs + E * N, num_pairs);
+    cover(&in, &base, gain, pairs, num_pairs);
     double best = fill_time(&in, &base);
     memcpy(P, base.held, (size_t)(E * D));
     /* Cover, then level; and level from expert parallelism, then cover. */
@@ -366,8 +425,8 @@ void cost_place_core(const int64_t *owner, const double *T, uint8_t *P, int64_t 
             const double target = level / (1.0 + margin);
             if (target >= top) continue;
             memcpy(work_block, start_block, bytes);
-            const int reached = level_fill(&in, &work, target, level, order);
-            if (pass) cover(&in, &work, gain, pairs);
+            const int reached = level_fill(&in, &work, target, level, order, experts, node_term, node_gather, open);
+            if (pass) cover(&in, &work, gain, pairs, num_pairs);
             const double time = fill_time(&in, &work);
             if (time < best - gain) {
                 best = time;
