@@ -164,3 +164,22 @@ def test_a_replica_that_only_saves_exchange_is_bought_only_when_that_pays():
     cheap = Coefficients(row=1.0, intra=0.0, inter=1e-6, chunk_intra=1.0, chunk_inter=1.0, window=10.0)
     p = cost_materialize(owner, tokens, topo, overlap_degree=4, budget=1, coefficients=cheap, margin=0.0)
     assert torch.equal(p, shard_placement(owner, 4)), p
+
+
+def test_a_rank_gets_a_replica_of_its_own_tokens_when_keeping_them_home_pays():
+    """One node of 2 ranks. Rank 0 computes 100 rows (experts 0 and 2), rank 1 96 (expert 1): no
+    level pays, but rank 1 produces 50 tokens of expert 0 and has 4 rows of room below the slowest
+    rank: a replica there keeps 4 rows off the rank link. Bought when a row over the link costs
+    as much as a row computed; not when the link is cheap, nor without the window to hide it."""
+    topo = Topology(num_ranks=2, ranks_per_node=2)
+    owner = torch.tensor([0, 1, 0])
+    tokens = torch.tensor([[10.0, 50.0], [0.0, 96.0], [40.0, 0.0]])
+    dear_link = Coefficients(row=1e-6, intra=1e-6, inter=1e-6, chunk_intra=1e-6, chunk_inter=1e-6, window=1e-4)
+    p = cost_materialize(owner, tokens, topo, overlap_degree=3, budget=1, coefficients=dear_link, margin=0.0)
+    assert p.tolist() == [[True, True], [False, True], [True, False]]
+    assert torch.equal(p, cost_materialize_reference(owner, tokens, topo, overlap_degree=3, budget=1,
+                                                     coefficients=dear_link, margin=0.0))
+    unhidden = Coefficients(row=1e-6, intra=1e-6, inter=1e-6, chunk_intra=1e-3, chunk_inter=1e-3, window=1e-4)
+    for c in (CHEAP, unhidden):
+        p = cost_materialize(owner, tokens, topo, overlap_degree=3, budget=1, coefficients=c, margin=0.0)
+        assert torch.equal(p, shard_placement(owner, 2)), (c, p)

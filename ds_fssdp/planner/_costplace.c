@@ -69,9 +69,9 @@ typedef struct {
 
 size_t cost_place_scratch(int64_t E, int64_t D, int64_t G) {
     const int64_t N = D / G;
-    /* three fills, node [D], order [D], open [D], experts [E], made [E*N], rigid [D], node_term [N], node_gather [N],
-     * pairs [E*N] and their sort's buffer, alignment */
-    return 3 * (fill_bytes(E, D, N) + 64) + (size_t)(4 * D + E + E * N + 2 * N) * 8 + (size_t)(2 * E * N) * sizeof(Pair) +
+    /* four fills, node [D], order [D], open [D], experts [E], totals [E], made [E*N], rigid [D], node_term [N],
+     * node_gather [N], pairs [E*N] and their sort's buffer, alignment */
+    return 4 * (fill_bytes(E, D, N) + 64) + (size_t)(4 * D + 2 * E + E * N + 2 * N) * 8 + (size_t)(2 * E * N) * sizeof(Pair) +
            64;
 }
 
@@ -230,6 +230,32 @@ static void cover(const Inst *in, Fill *f, double gain, const Pair *pairs, int64
     }
 }
 
+/* cost_place.py: _Fill.localize (by_load: the experts by predicted tokens, most first). */
+static void localize(const Inst *in, Fill *f, const Pair *by_load) {
+    const int64_t E = in->E, D = in->D;
+    const double *T = in->T, top = max_of(f->load, D);
+    double *share = f->share, *load = f->load;
+    for (int64_t k = 0; k < E; k++) {
+        const int64_t e = by_load[k].e;
+        if (!(f->replicated[e] || *f->distinct < in->t)) continue;
+        int64_t h = -1;
+        for (int64_t r = 0; r < D; r++) {
+            if (h < 0) { /* the busiest holder (lowest id on ties), again after each move */
+                for (int64_t d = 0; d < D; d++)
+                    if (share[e * D + d] > 0.0 && (h < 0 || share[e * D + d] > share[e * D + h])) h = d;
+                if (h < 0) break;
+            }
+            if (f->held[e * D + r] || f->freeD[r] <= 0 || T[e * D + r] <= 0.0) continue;
+            if (!(f->replicated[e] || *f->distinct < in->t)) break;
+            const double x = mind(mind(share[e * D + h], T[e * D + r]), top - load[r]);
+            if (x > 0.0 && score(in, f, e, h, r, x) > 0.0) {
+                move(in, f, e, h, r, x, -1.0, top);
+                h = -1;
+            }
+        }
+    }
+}
+
 /* cost_place.py: _Fill.level. score() unrolled over the receivers: the donor's rank and node terms
  * at the largest x, each node's node term at it and the replica's gather without the receiver's
  * own link are computed once per expert (the same floats: each is what score() computes for the
@@ -366,17 +392,19 @@ void cost_place_core(const int64_t *owner, const double *T, uint8_t *P, int64_t 
     const int64_t N = D / G;
     const size_t bytes = fill_bytes(E, D, N);
     char *base_block = align64(scratch), *work_block = align64(base_block + bytes);
-    char *ep_block = align64(work_block + bytes);
-    int64_t *node = (int64_t *)align64(ep_block + bytes), *order = node + D, *open = order + D, *experts = open + D;
-    double *made = (double *)(experts + E), *rigid = made + E * N, *node_term = rigid + D, *node_gather = node_term + N;
+    char *ep_block = align64(work_block + bytes), *best_block = align64(ep_block + bytes);
+    int64_t *node = (int64_t *)align64(best_block + bytes), *order = node + D, *open = order + D, *experts = open + D;
+    double *totals = (double *)(experts + E), *made = totals + E, *rigid = made + E * N, *node_term = rigid + D,
+           *node_gather = node_term + N;
     Pair *pairs = (Pair *)(node_gather + N);
     Inst in = {.owner = owner, .node = node, .T = T, .made = made, .E = E, .D = D, .G = G, .N = N,
                .t = t < E ? t : E, .margin = margin, .rigid = rigid, .c = c};
     for (int64_t d = 0; d < D; d++) node[d] = d / G;
-    Fill base, work, ep;
+    Fill base, ep, one, two; /* work and the best fill so far: one and two, swapped when a fill wins */
     fill_at(&base, base_block, E, D, N);
-    fill_at(&work, work_block, E, D, N);
     fill_at(&ep, ep_block, E, D, N);
+    fill_at(&one, work_block, E, D, N);
+    fill_at(&two, best_block, E, D, N);
     memset(base_block, 0, bytes);
     /* cost_place.py: _Fill.__init__ (expert parallelism) */
     double mean = 0.0;
@@ -397,6 +425,7 @@ void cost_place_core(const int64_t *owner, const double *T, uint8_t *P, int64_t 
         base.node_share[e * N + node[o]] = total;
         base.node_has[e * N + node[o]] = 1;
         base.load[o] += total;
+        totals[e] = total;
         mean += total;
     }
     mean /= (double)D;
@@ -414,7 +443,8 @@ void cost_place_core(const int64_t *owner, const double *T, uint8_t *P, int64_t 
     sort_pairs(pairs, pairs + E * N, num_pairs);
     cover(&in, &base, gain, pairs, num_pairs);
     double best = fill_time(&in, &base);
-    memcpy(P, base.held, (size_t)(E * D));
+    Fill *work = &one, *spare = &two, *best_fill = &base;
+    char *work_mem = work_block, *spare_mem = best_block, *best_mem = base_block;
     /* Cover, then level; and level from expert parallelism, then cover. */
     for (int pass = 0; pass < 2; pass++) {
         const Fill *start = pass ? &ep : &base;
@@ -424,15 +454,27 @@ void cost_place_core(const int64_t *owner, const double *T, uint8_t *P, int64_t 
             const double level = mean * (1.0 + levels[i]);
             const double target = level / (1.0 + margin);
             if (target >= top) continue;
-            memcpy(work_block, start_block, bytes);
-            const int reached = level_fill(&in, &work, target, level, order, experts, node_term, node_gather, open);
-            if (pass) cover(&in, &work, gain, pairs, num_pairs);
-            const double time = fill_time(&in, &work);
-            if (time < best - gain) {
+            memcpy(work_mem, start_block, bytes);
+            const int reached = level_fill(&in, work, target, level, order, experts, node_term, node_gather, open);
+            if (pass) cover(&in, work, gain, pairs, num_pairs);
+            const double time = fill_time(&in, work);
+            if (time < best - gain) { /* the work fill becomes the best; the old best's memory the next work */
+                Fill *f = work;
+                char *mem = work_mem;
                 best = time;
-                memcpy(P, work.held, (size_t)(E * D));
+                work = best_fill == &base ? spare : best_fill;
+                work_mem = best_fill == &base ? spare_mem : best_mem;
+                best_fill = f;
+                best_mem = mem;
             }
             if (!reached) break;
         }
     }
+    /* Ranks compute their own tokens of the replicated experts where that pays. The cover is done:
+     * its pairs' memory sorts the experts by predicted tokens. */
+    for (int64_t e = 0; e < E; e++) pairs[e] = (Pair){totals[e], (int32_t)e, 0};
+    sort_pairs(pairs, pairs + E * N, E);
+    memcpy(work_mem, best_mem, bytes);
+    localize(&in, work, pairs);
+    memcpy(P, (fill_time(&in, work) < best - gain ? work : best_fill)->held, (size_t)(E * D));
 }

@@ -10,7 +10,7 @@ anyway), otherwise r gets a replica, allowed only while r has a free slot (<= m 
 and e is replicated already or fewer than t experts are. A move's *score* is what it keeps off
 the links (the four token exchanges: a rank's, and a node's, own tokens of an expert are computed
 there first; half of each end's change in rows, ``intra`` / ``inter`` seconds per row) less its
-replica's exposed gather and reduce (below). Two phases:
+replica's exposed gather and reduce (below). Three phases:
 
 * cover, once: for every (expert, node) the node produces tokens of but holds no replica of, most
   tokens first (lowest expert, then node, on ties), the best-scoring rank of the node (one with
@@ -21,7 +21,15 @@ replica's exposed gather and reduce (below). Two phases:
   ``target = level / (1 + margin)``, busiest first (lowest id on ties), sheds rows to it onto
   ranks below the level, never past it, one move at a time, the move with the largest
   ``row * x + score`` first (lowest expert, then rank, on ties); a rank no move relieves stays
-  above (the fill did not reach its target: always so once the target is below the mean).
+  above (the fill did not reach its target: always so once the target is below the mean);
+* localize, once, on the fill chosen (below): experts by predicted tokens, most first (lowest
+  first on ties), each rank in id order that holds no replica of it but produces tokens of it (and has a slot)
+  that rank takes ``min(its tokens, room)`` rows from the expert's busiest holder (room: up to the
+  fill's slowest rank) when the move scores above 0, within m and t. Ranks compute their own
+  tokens where that keeps rows off the rank links (the cover's rows are a node's; on the simulated
+  cluster B, where the network is almost as fast as a node's links and the window hides most of
+  the gather, this is what the rank links carry). The localized fill replaces the chosen one when
+  it saves more than ``MIN_GAIN`` of the mean rank's compute.
 
 ``margin`` is the headroom for the prediction's error: the runtime passes the load predictor's
 measured relative L1 error (``LoadPredictor.error``: 0.14 on the shared trace, 0.6-0.8 for a
@@ -45,7 +53,7 @@ then has only the rows up to the fill's slowest rank, and t goes to balance firs
 as on the simulated cluster A with t = 6 and eight hot experts, covering first can spend it on
 experts whose owners were not the ones to relieve). It returns the one with the least modelled
 time, a later fill replacing the best so far only when it saves more than ``MIN_GAIN`` of the mean
-rank's compute (fewer replicas win near-ties).
+rank's compute (fewer replicas win near-ties); then it localizes that fill.
 So a replica is bought only when it lowers the modelled time by more than its share of the
 gather and reduce that the window does not hide; m and t stay upper bounds. Deterministic; the C
 version (``_costplace.c``) does the same float operations in the same order, tested equal.
@@ -133,7 +141,7 @@ def cost_materialize_reference(owner_E: torch.Tensor, tokens_ED: torch.Tensor, t
     gain = MIN_GAIN * coefficients.row * mean
     ep = base.copy()
     base.cover(gain)
-    best_held, best_time = [row[:] for row in base.held], base.time(margin)
+    best, best_time = base, base.time(margin)
     # Cover, then level; and level from expert parallelism, then cover (t spent on balance first).
     for start, cover_after in ((base, False), (ep, True)):
         top = max(start.load)
@@ -148,10 +156,15 @@ def cost_materialize_reference(owner_E: torch.Tensor, tokens_ED: torch.Tensor, t
                 fill.cover(gain)
             time = fill.time(margin)
             if time < best_time - gain:
-                best_held, best_time = fill.held, time
+                best, best_time = fill, time
             if not reached:  # the slots ran out: a lower level only adds replicas to the same straggler
                 break
-    return torch.tensor(best_held, dtype=torch.bool).reshape(E, D)
+    # Ranks compute their own tokens of the replicated experts where that pays (within the slowest rank).
+    local = best.copy()
+    local.localize()
+    if local.time(margin) < best_time - gain:
+        best = local
+    return torch.tensor(best.held, dtype=torch.bool).reshape(E, D)
 
 
 class _Fill:
@@ -160,7 +173,7 @@ class _Fill:
     def __init__(self, owner, T, D, G, t, m, c: Coefficients):
         E, N = len(owner), D // G
         self.owner, self.T, self.D, self.G, self.N, self.t, self.c = owner, T, D, G, N, t, c
-        total = [0.0] * E
+        self.total = total = [0.0] * E  # predicted tokens of each expert (read only)
         for e in range(E):
             for d in range(D):
                 total[e] += T[e][d]
@@ -280,6 +293,33 @@ class _Fill:
                     best = (v, r, x)
             if best is not None and best[0] > gain:
                 self.move(e, h, best[1], best[2], -1.0, top)
+
+    def localize(self) -> None:
+        """Ranks without a replica of an expert they produce tokens of get one, computing their
+        own tokens of it (taken from its busiest holder) where the move scores above 0 and leaves
+        them no busier than the slowest rank: experts by predicted tokens, most first (lowest
+        first on ties), ranks in id order, while slots and t allow."""
+        E, D, T, share = len(self.owner), self.D, self.T, self.share
+        top = max(self.load)
+        for e in sorted(range(E), key=lambda e: (-self.total[e], e)):
+            if not (self.replicated[e] or self.distinct < self.t):
+                continue
+            h = -1
+            for r in range(D):
+                if h < 0:  # the busiest holder (lowest id on ties), again after each move
+                    for d in range(D):
+                        if share[e][d] > 0.0 and (h < 0 or share[e][d] > share[e][h]):
+                            h = d
+                    if h < 0:
+                        break
+                if self.held[e][r] or self.free[r] <= 0 or T[e][r] <= 0.0:
+                    continue
+                if not (self.replicated[e] or self.distinct < self.t):
+                    break
+                x = min(share[e][h], T[e][r], top - self.load[r])
+                if x > 0.0 and self.score(e, h, r, x) > 0.0:
+                    self.move(e, h, r, x, -1.0, top)
+                    h = -1
 
     def level(self, target, level) -> bool:
         """Every rank above ``target`` sheds rows to it, busiest first, onto ranks below ``level``;
