@@ -230,12 +230,14 @@ static void cover(const Inst *in, Fill *f, double gain, const Pair *pairs, int64
     }
 }
 
-/* cost_place.py: _Fill.localize (by_load: the experts by predicted tokens, most first). */
-static void localize(const Inst *in, Fill *f, const Pair *by_load) {
-    const int64_t E = in->E, D = in->D;
+/* cost_place.py: _Fill.localize (by_load: the experts it may replicate by predicted tokens, most first);
+ * returns whether it moved rows. */
+static int localize(const Inst *in, Fill *f, const Pair *by_load, int64_t num_experts) {
+    const int64_t D = in->D;
     const double *T = in->T, top = max_of(f->load, D);
     double *share = f->share, *load = f->load;
-    for (int64_t k = 0; k < E; k++) {
+    int moved_any = 0;
+    for (int64_t k = 0; k < num_experts; k++) {
         const int64_t e = by_load[k].e;
         if (!(f->replicated[e] || *f->distinct < in->t)) continue;
         int64_t h = -1;
@@ -251,9 +253,11 @@ static void localize(const Inst *in, Fill *f, const Pair *by_load) {
             if (x > 0.0 && score(in, f, e, h, r, x) > 0.0) {
                 move(in, f, e, h, r, x, -1.0, top);
                 h = -1;
+                moved_any = 1;
             }
         }
     }
+    return moved_any;
 }
 
 /* cost_place.py: _Fill.level. score() unrolled over the receivers: the donor's rank and node terms
@@ -470,11 +474,17 @@ void cost_place_core(const int64_t *owner, const double *T, uint8_t *P, int64_t 
             if (!reached) break;
         }
     }
-    /* Ranks compute their own tokens of the replicated experts where that pays. The cover is done:
-     * its pairs' memory sorts the experts by predicted tokens. */
-    for (int64_t e = 0; e < E; e++) pairs[e] = (Pair){totals[e], (int32_t)e, 0};
-    sort_pairs(pairs, pairs + E * N, E);
-    memcpy(work_mem, best_mem, bytes);
-    localize(&in, work, pairs);
-    memcpy(P, (fill_time(&in, work) < best - gain ? work : best_fill)->held, (size_t)(E * D));
+    /* Ranks compute their own tokens of the replicated experts where that pays, on the best fill
+     * itself (nothing reads it after), P keeping its placement. The cover is done: its pairs' memory
+     * sorts the experts it may replicate by predicted tokens (when t binds already, the replicated
+     * ones: the same order for them). */
+    memcpy(P, best_fill->held, (size_t)(E * D));
+    const int all = *best_fill->distinct < in.t;
+    int64_t num_candidates = 0;
+    for (int64_t e = 0; e < E; e++)
+        if (all || best_fill->replicated[e]) pairs[num_candidates++] = (Pair){totals[e], (int32_t)e, 0};
+    if (!num_candidates) return;
+    sort_pairs(pairs, pairs + E * N, num_candidates);
+    if (localize(&in, best_fill, pairs, num_candidates) && fill_time(&in, best_fill) < best - gain)
+        memcpy(P, best_fill->held, (size_t)(E * D));
 }
