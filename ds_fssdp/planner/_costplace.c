@@ -362,12 +362,20 @@ static int level_fill(const Inst *in, Fill *f, double target, double level, int6
     return 1;
 }
 
-/* cost_place.py: _Fill.time. */
-static double fill_time(const Inst *in, const Fill *f) {
+static double fill_exchange(const Inst *in, const Fill *f) {
     const CostCoefficients *c = in->c;
     const double ranks = maxd(max_of(f->rin, in->D), max_of(f->rout, in->D));
     const double nodes = maxd(max_of(f->nin, in->N), max_of(f->nout, in->N));
-    const double exchange = maxd(ranks * c->intra, nodes * c->inter);
+    return maxd(ranks * c->intra, nodes * c->inter);
+}
+
+/* cost_place.py: _Fill.transfer. */
+static double fill_transfer(const Inst *in, const Fill *f) { return fill_exchange(in, f) + exposed(*f->gather, in->c); }
+
+/* cost_place.py: _Fill.time. */
+static double fill_time(const Inst *in, const Fill *f) {
+    const CostCoefficients *c = in->c;
+    const double exchange = fill_exchange(in, f);
     double *rigid = in->rigid; /* rows of experts only their owner holds */
     for (int64_t d = 0; d < in->D; d++) rigid[d] = 0.0;
     for (int64_t e = 0; e < in->E; e++)
@@ -479,12 +487,13 @@ void cost_place_core(const int64_t *owner, const double *T, uint8_t *P, int64_t 
      * sorts the experts it may replicate by predicted tokens (when t binds already, the replicated
      * ones: the same order for them). */
     memcpy(P, best_fill->held, (size_t)(E * D));
+    const double transfer = fill_transfer(&in, best_fill);
     const int all = *best_fill->distinct < in.t;
     int64_t num_candidates = 0;
     for (int64_t e = 0; e < E; e++)
         if (all || best_fill->replicated[e]) pairs[num_candidates++] = (Pair){totals[e], (int32_t)e, 0};
     if (!num_candidates) return;
     sort_pairs(pairs, pairs + E * N, num_candidates);
-    if (localize(&in, best_fill, pairs, num_candidates) && fill_time(&in, best_fill) < best - gain)
+    if (localize(&in, best_fill, pairs, num_candidates) && fill_transfer(&in, best_fill) < transfer - gain)
         memcpy(P, best_fill->held, (size_t)(E * D));
 }

@@ -29,7 +29,9 @@ replica's exposed gather and reduce (below). Three phases:
   tokens where that keeps rows off the rank links (the cover's rows are a node's; on the simulated
   cluster B, where the network is almost as fast as a node's links and the window hides most of
   the gather, this is what the rank links carry). The localized fill replaces the chosen one when
-  it saves more than ``MIN_GAIN`` of the mean rank's compute.
+  its token exchange plus exposed transfer is more than ``MIN_GAIN`` of the mean rank's compute
+  lower (its compute cannot rise: replicas only end rigid rows): ranks keep their tokens home for
+  what that saves on the links, not as a further hedge.
 
 ``margin`` is the headroom for the prediction's error: the runtime passes the load predictor's
 measured relative L1 error (``LoadPredictor.error``: 0.14 on the shared trace, 0.6-0.8 for a
@@ -162,7 +164,7 @@ def cost_materialize_reference(owner_E: torch.Tensor, tokens_ED: torch.Tensor, t
     # Ranks compute their own tokens of the replicated experts where that pays (within the slowest rank).
     local = best.copy()
     local.localize()
-    if local.time(margin) < best_time - gain:
+    if local.transfer() < best.transfer() - gain:
         best = local
     return torch.tensor(best.held, dtype=torch.bool).reshape(E, D)
 
@@ -346,6 +348,12 @@ class _Fill:
                     return False
                 self.move(best[1], d, best[2], best[3], target, level)
         return True
+
+    def transfer(self) -> float:
+        """The modelled layer time's token exchange plus the replicas' exposed transfer."""
+        c = self.c
+        exchange = max(max(max(self.rin), max(self.rout)) * c.intra, max(max(self.nin), max(self.nout)) * c.inter)
+        return exchange + exposed_transfer(self.gather, c.window)
 
     def time(self, margin: float) -> float:
         """The modelled layer time (module docstring)."""
