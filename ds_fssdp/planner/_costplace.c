@@ -457,8 +457,9 @@ void cost_place_core(const int64_t *owner, const double *T, uint8_t *P, int64_t 
     double best = fill_time(&in, &base);
     Fill *work = &one, *spare = &two, *best_fill = &base;
     char *work_mem = work_block, *spare_mem = best_block, *best_mem = base_block;
-    /* Cover, then level; and level from expert parallelism, then cover. */
-    for (int pass = 0; pass < 2; pass++) {
+    /* Cover, then level; and level from expert parallelism, then cover, unless no cover can move a
+     * row (no pairs: the same fills again). */
+    for (int pass = 0; pass < (num_pairs ? 2 : 1); pass++) {
         const Fill *start = pass ? &ep : &base;
         const char *start_block = pass ? ep_block : base_block;
         const double top = max_of(start->load, D);

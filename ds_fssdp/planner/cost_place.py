@@ -144,8 +144,11 @@ def cost_materialize_reference(owner_E: torch.Tensor, tokens_ED: torch.Tensor, t
     ep = base.copy()
     base.cover(gain)
     best, best_time = base, base.time(margin)
-    # Cover, then level; and level from expert parallelism, then cover (t spent on balance first).
-    for start, cover_after in ((base, False), (ep, True)):
+    # Cover, then level; and level from expert parallelism, then cover (t spent on balance first),
+    # unless no cover can move a row (one node, or no node's tokens worth it): the same fills again.
+    covers = any(base.made[e][n] * (coefficients.intra + coefficients.inter) > gain
+                 for e in range(E) for n in range(base.N) if n != owner[e] // G)
+    for start, cover_after in ((base, False), (ep, True))[:2 if covers else 1]:
         top = max(start.load)
         for s in LEVELS:
             level = mean * (1.0 + s)
