@@ -105,9 +105,10 @@ class FSSDPConfig(DeepSpeedConfigModel):
     """How replicas are chosen each iteration (``planner.place``): ``cost`` (the fewest replicas that
     balance the predicted loads to the level of least modelled layer time, slowest rank's expert
     compute plus token exchange plus the gather and reduce the overlap window does not hide, the
-    window being t chunks over a rank link, with headroom for the load predictor's measured error; m and t stay upper bounds; the cost model from
-    ``hardware`` or measured at initialize; ``joint`` when ``deterministic`` is set without
-    ``hardware``),
+    window being t chunks over a rank link, with headroom for the load predictor's measured error,
+    then ranks keep their own tokens of replicated experts where that saves exchange; m and t stay
+    upper bounds; the cost model from ``hardware`` or measured at initialize; ``joint`` when
+    ``deterministic`` is set without ``hardware``),
     ``joint`` (where the predicted tokens come from, every slot that helps balance) or ``paper``
     (Algorithm 1 on per-expert loads)."""
 
