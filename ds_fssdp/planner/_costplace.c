@@ -260,10 +260,6 @@ static int localize(const Inst *in, Fill *f, const Pair *by_load, int64_t num_ex
     return moved_any;
 }
 
-/* cost_place.py: _Fill.level. score() unrolled over the receivers: the donor's rank and node terms
- * at the largest x, each node's node term at it and the replica's gather without the receiver's
- * own link are computed once per expert (the same floats: each is what score() computes for the
- * receivers it is used for; a max is exact in any order). */
 /* Ranks below the level (the receivers), ascending: insert r / drop r when its load crosses it. */
 static void open_insert(int64_t *open, int64_t *num_open, int64_t r) {
     int64_t j = (*num_open)++;
@@ -280,20 +276,17 @@ static void open_drop(int64_t *open, int64_t *num_open, int64_t r) {
     memmove(open + j, open + j + 1, sizeof(int64_t) * (size_t)(--(*num_open) - j));
 }
 
-static int level_fill(const Inst *in, Fill *f, double target, double level, int64_t *order, int64_t *experts,
+/* cost_place.py: _Fill.level. score() unrolled over the receivers: the donor's rank and node terms
+ * at the largest x, each node's node term at it and the replica's gather without the receiver's
+ * own link are computed once per expert (the same floats: each is what score() computes for the
+ * receivers it is used for; a max is exact in any order). order: the ranks by load, descending
+ * (lowest id on ties), of the fill's start (every fill from it begins with its loads). */
+static int level_fill(const Inst *in, Fill *f, double target, double level, const int64_t *order, int64_t *experts,
                       double *node_term, double *node_gather, int64_t *open) {
     const int64_t E = in->E, D = in->D, N = in->N;
     const CostCoefficients *c = in->c;
     const double *T = in->T, *made = in->made;
     double *share = f->share, *load = f->load;
-    for (int64_t i = 0; i < D; i++) { /* ranks by load, descending (lowest id on ties) */
-        int64_t j = i;
-        while (j > 0 && load[order[j - 1]] < load[i]) {
-            order[j] = order[j - 1];
-            j--;
-        }
-        order[j] = i;
-    }
     int64_t num_open = 0;
     for (int64_t r = 0; r < D; r++)
         if (load[r] < level) open[num_open++] = r;
@@ -463,6 +456,14 @@ void cost_place_core(const int64_t *owner, const double *T, uint8_t *P, int64_t 
         const Fill *start = pass ? &ep : &base;
         const char *start_block = pass ? ep_block : base_block;
         const double top = max_of(start->load, D);
+        for (int64_t i = 0; i < D; i++) { /* the start's ranks by load, descending (lowest id on ties) */
+            int64_t j = i;
+            while (j > 0 && start->load[order[j - 1]] < start->load[i]) {
+                order[j] = order[j - 1];
+                j--;
+            }
+            order[j] = i;
+        }
         for (int64_t i = 0; i < num_levels; i++) {
             const double level = mean * (1.0 + levels[i]);
             const double target = level / (1.0 + margin);
