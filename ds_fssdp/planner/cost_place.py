@@ -53,7 +53,9 @@ no replica; with a measured error they buy the hedge whose exposed transfer is w
 then the same levels from expert parallelism, each fill covered after it is levelled (the cover
 then has only the rows up to the fill's slowest rank, and t goes to balance first: when t binds,
 as on the simulated cluster A with t = 6 and eight hot experts, covering first can spend it on
-experts whose owners were not the ones to relieve). It returns the one with the least modelled
+experts whose owners were not the ones to relieve; skipped when no cover can move a row, on one
+node or when no node's tokens pass the cover's cut-off: it would repeat the first filling). It
+returns the one with the least modelled
 time, a later fill replacing the best so far only when it saves more than ``MIN_GAIN`` of the mean
 rank's compute (fewer replicas win near-ties); then it localizes that fill.
 So a replica is bought only when it lowers the modelled time by more than its share of the
