@@ -23,9 +23,9 @@ replica's exposed gather and reduce (below). Three phases:
   ``row * x + score`` first (lowest expert, then rank, on ties); a rank no move relieves stays
   above (the fill did not reach its target: always so once the target is below the mean);
 * localize, once, on the fill chosen (below): experts by predicted tokens, most first (lowest
-  first on ties), each rank in id order that holds no replica of it but produces tokens of it (and has a slot)
-  that rank takes ``min(its tokens, room)`` rows from the expert's busiest holder (room: up to the
-  fill's slowest rank) when the move scores above 0, within m and t. Ranks compute their own
+  first on ties); each rank, in id order, that produces tokens of the expert, holds no replica of
+  it and has a slot takes ``min(its tokens, room)`` rows from the expert's busiest holder (room:
+  up to the fill's slowest rank) when the move scores above 0, within t. Ranks compute their own
   tokens where that keeps rows off the rank links (the cover's rows are a node's; on the simulated
   cluster B, where the network is almost as fast as a node's links and the window hides most of
   the gather, this is what the rank links carry). The localized fill replaces the chosen one when
@@ -55,9 +55,9 @@ then has only the rows up to the fill's slowest rank, and t goes to balance firs
 as on the simulated cluster A with t = 6 and eight hot experts, covering first can spend it on
 experts whose owners were not the ones to relieve; skipped when no cover can move a row, on one
 node or when no node's tokens pass the cover's cut-off: it would repeat the first filling). It
-returns the one with the least modelled
-time, a later fill replacing the best so far only when it saves more than ``MIN_GAIN`` of the mean
-rank's compute (fewer replicas win near-ties); then it localizes that fill.
+returns the one with the least modelled time, a later fill replacing the best so far only when it
+saves more than ``MIN_GAIN`` of the mean rank's compute (fewer replicas win near-ties); then it
+localizes that fill.
 So a replica is bought only when it lowers the modelled time by more than its share of the
 gather and reduce that the window does not hide; m and t stay upper bounds. Deterministic; the C
 version (``_costplace.c``) does the same float operations in the same order, tested equal.
@@ -354,16 +354,19 @@ class _Fill:
                 self.move(best[1], d, best[2], best[3], target, level)
         return True
 
+    def exchange(self) -> float:
+        """The busiest link's token exchange time."""
+        c = self.c
+        return max(max(max(self.rin), max(self.rout)) * c.intra, max(max(self.nin), max(self.nout)) * c.inter)
+
     def transfer(self) -> float:
         """The modelled layer time's token exchange plus the replicas' exposed transfer."""
-        c = self.c
-        exchange = max(max(max(self.rin), max(self.rout)) * c.intra, max(max(self.nin), max(self.nout)) * c.inter)
-        return exchange + exposed_transfer(self.gather, c.window)
+        return self.exchange() + exposed_transfer(self.gather, self.c.window)
 
     def time(self, margin: float) -> float:
         """The modelled layer time (module docstring)."""
         c = self.c
-        exchange = max(max(max(self.rin), max(self.rout)) * c.intra, max(max(self.nin), max(self.nout)) * c.inter)
+        exchange = self.exchange()
         rigid = [0.0] * self.D  # rows of experts only their owner holds: no dispatch can move them
         for e, o in enumerate(self.owner):
             if not self.replicated[e]:
