@@ -9,7 +9,8 @@ from ds_fssdp.planner import (CostModel, ExpertShape, Hardware, LoadPredictor, P
 from ds_fssdp.planner.cost_place import MAX_MARGIN, Coefficients, cost_materialize, cost_materialize_reference
 from ds_fssdp.planner.joint import joint_materialize
 
-SHAPES = [(8, 8, 4), (16, 8, 2), (64, 32, 8), (6, 4, 2), (4, 8, 4), (12, 6, 3), (3, 2, 1), (20, 12, 4), (10, 10, 1)]
+# (E, D, ranks per node); the last is one node, where the levels are filled once
+SHAPES = [(8, 8, 4), (16, 8, 2), (64, 32, 8), (6, 4, 2), (4, 8, 4), (12, 6, 3), (3, 2, 1), (20, 12, 4), (10, 10, 1), (16, 8, 8)]
 # replicas free inside a window of 100 chunks
 CHEAP = Coefficients(row=1e-6, intra=1e-8, inter=1e-7, chunk_intra=1e-6, chunk_inter=3e-6, window=1e-4)
 
@@ -21,7 +22,7 @@ def _instance(gen, E, D, total):
 
 def test_cost_placement_invariants_and_c_equals_reference():
     gen = torch.Generator().manual_seed(0)
-    for i in range(45):
+    for i in range(50):  # five instances of each shape
         E, D, G = SHAPES[i % len(SHAPES)]
         topo = Topology(num_ranks=D, ranks_per_node=G)
         owner = homogeneous_owner(E, D) if i % 2 else torch.randint(0, D, (E, ), generator=gen)
