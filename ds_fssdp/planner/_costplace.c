@@ -81,17 +81,28 @@ static inline double exposed(double gather, const CostCoefficients *c) {
     return pos(f) + pos(b);
 }
 
-/* cost_place.py: _gather_with (add: count the replica's chunks). */
-static inline double gather_with(const Inst *in, Fill *f, double gather, int64_t o, int64_t r, int entered, int add) {
-    const int64_t a = in->node[o], b = in->node[r];
+/* The busiest link's gather time once a rank of node b also holds a replica of an expert owned by
+ * o, except the receiving rank's own link (the same for every rank of b; a max is exact in any
+ * order). */
+static inline double gather_to_node(const Inst *in, const Fill *f, double gather, int64_t o, int64_t b, int entered) {
+    const int64_t a = in->node[o];
     const int cross = a != b && !entered;
     const int64_t out = f->rank_out[o] + ((a == b || cross) ? 1 : 0);
     const CostCoefficients *c = in->c;
-    gather = maxd(gather, maxd((double)(f->rank_in[r] + 1) * c->chunk_intra, (double)out * c->chunk_intra));
+    gather = maxd(gather, (double)out * c->chunk_intra);
     if (cross)
         gather = maxd(gather, maxd((double)(f->node_in[b] + 1) * c->chunk_inter,
                                    (double)(f->node_out[a] + 1) * c->chunk_inter));
+    return gather;
+}
+
+/* cost_place.py: _gather_with (add: count the replica's chunks). */
+static inline double gather_with(const Inst *in, Fill *f, double gather, int64_t o, int64_t r, int entered, int add) {
+    const int64_t a = in->node[o], b = in->node[r];
+    gather = maxd(gather_to_node(in, f, gather, o, b, entered), (double)(f->rank_in[r] + 1) * in->c->chunk_intra);
     if (add) {
+        const int cross = a != b && !entered;
+        const int64_t out = f->rank_out[o] + ((a == b || cross) ? 1 : 0);
         f->rank_in[r] += 1;
         f->rank_out[o] = out;
         if (cross) {
@@ -306,20 +317,14 @@ static int level_fill(const Inst *in, Fill *f, double target, double level, cons
                 const double s = share[e * D + d];
                 if (s <= 0.0) continue;
                 const int can_add = f->replicated[e] || *f->distinct < in->t;
-                const double xm = mind(s, load[d] - target), sd = s, td = T[e * D + d];
-                const double donor_xm = moved(sd, td, -xm);
+                const double xm = mind(s, load[d] - target), td = T[e * D + d];
+                const double donor_xm = moved(s, td, -xm);
                 const double *ns = f->node_share + e * N, *mk = made + e * N;
                 const double node_donor_xm = moved(ns[a], mk[a], -xm);
-                const int64_t o = in->owner[e], ao = in->node[o];
-                for (int64_t b = 0; b < N; b++) { /* gather_with without the receiver's rank link */
+                const int64_t o = in->owner[e];
+                for (int64_t b = 0; b < N; b++) {
                     node_term[b] = b == a ? 0.0 : node_donor_xm + moved(ns[b], mk[b], xm);
-                    const int cross = ao != b && !f->node_has[e * N + b];
-                    const int64_t out = f->rank_out[o] + ((ao == b || cross) ? 1 : 0);
-                    double g = maxd(gather, (double)out * c->chunk_intra);
-                    if (cross)
-                        g = maxd(g, maxd((double)(f->node_in[b] + 1) * c->chunk_inter,
-                                         (double)(f->node_out[ao] + 1) * c->chunk_inter));
-                    node_gather[b] = g;
+                    node_gather[b] = gather_to_node(in, f, gather, o, b, f->node_has[e * N + b]);
                 }
                 for (int64_t j = 0; j < num_open; j++) {
                     const int64_t r = open[j];
@@ -332,7 +337,7 @@ static int level_fill(const Inst *in, Fill *f, double target, double level, cons
                         const double g = maxd(node_gather[b], (double)(f->rank_in[r] + 1) * c->chunk_intra);
                         price = exposed(g, c) - exposed_now;
                     }
-                    const double ranks = (x == xm ? donor_xm : moved(sd, td, -x)) + moved(share[e * D + r], T[e * D + r], x);
+                    const double ranks = (x == xm ? donor_xm : moved(s, td, -x)) + moved(share[e * D + r], T[e * D + r], x);
                     double nodes = 0.0;
                     if (b != a) nodes = x == xm ? node_term[b] : moved(ns[a], mk[a], -x) + moved(ns[b], mk[b], x);
                     const double v = c->row * x + (-0.5 * (c->intra * ranks + c->inter * nodes) - price);
@@ -405,7 +410,7 @@ void cost_place_core(const int64_t *owner, const double *T, uint8_t *P, int64_t 
     Inst in = {.owner = owner, .node = node, .T = T, .made = made, .E = E, .D = D, .G = G, .N = N,
                .t = t < E ? t : E, .margin = margin, .rigid = rigid, .c = c};
     for (int64_t d = 0; d < D; d++) node[d] = d / G;
-    Fill base, ep, one, two; /* work and the best fill so far: one and two, swapped when a fill wins */
+    Fill base, ep, one, two; /* one and two: the work fill and the best so far (base until a fill wins) */
     fill_at(&base, base_block, E, D, N);
     fill_at(&ep, ep_block, E, D, N);
     fill_at(&one, work_block, E, D, N);
@@ -448,13 +453,11 @@ void cost_place_core(const int64_t *owner, const double *T, uint8_t *P, int64_t 
     sort_pairs(pairs, pairs + E * N, num_pairs);
     cover(&in, &base, gain, pairs, num_pairs);
     double best = fill_time(&in, &base);
-    Fill *work = &one, *spare = &two, *best_fill = &base;
-    char *work_mem = work_block, *spare_mem = best_block, *best_mem = base_block;
+    Fill *work = &one, *best_fill = &base; /* work: whichever of one and two is not the best */
     /* Cover, then level; and level from expert parallelism, then cover, unless no cover can move a
      * row (no pairs: the same fills again). */
     for (int pass = 0; pass < (num_pairs ? 2 : 1); pass++) {
         const Fill *start = pass ? &ep : &base;
-        const char *start_block = pass ? ep_block : base_block;
         const double top = max_of(start->load, D);
         for (int64_t i = 0; i < D; i++) { /* the start's ranks by load, descending (lowest id on ties) */
             int64_t j = i;
@@ -468,18 +471,14 @@ void cost_place_core(const int64_t *owner, const double *T, uint8_t *P, int64_t 
             const double level = mean * (1.0 + levels[i]);
             const double target = level / (1.0 + margin);
             if (target >= top) continue;
-            memcpy(work_mem, start_block, bytes);
+            memcpy(work->share, start->share, bytes); /* a fill's block begins at its share */
             const int reached = level_fill(&in, work, target, level, order, experts, node_term, node_gather, open);
             if (pass) cover(&in, work, gain, pairs, num_pairs);
             const double time = fill_time(&in, work);
-            if (time < best - gain) { /* the work fill becomes the best; the old best's memory the next work */
-                Fill *f = work;
-                char *mem = work_mem;
+            if (time < best - gain) {
                 best = time;
-                work = best_fill == &base ? spare : best_fill;
-                work_mem = best_fill == &base ? spare_mem : best_mem;
-                best_fill = f;
-                best_mem = mem;
+                best_fill = work;
+                work = work == &one ? &two : &one;
             }
             if (!reached) break;
         }
