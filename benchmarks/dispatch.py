@@ -24,7 +24,11 @@ Per step and layer: loads (and, for joint placement, tokens_ED) predicted from t
 ``window`` steps (``LoadPredictor``: the cost placement takes its measured error as its margin, as
 in the runtime), a placement, then each dispatcher on the actual tokens. ``cost-exact`` is the
 cost placement planned on the step's actual tokens with no margin: what it buys when the
-prediction is exact, so the gap to ``cost`` is the prediction's. ``bound``: the exact
+prediction is exact, so the gap to ``cost`` is the prediction's. ``balance`` and ``balance-exact``
+are the cost placement planned as if the links were free (infinite bandwidth: no row is kept
+home, no replica costs anything), on the prediction with its margin and on the step's actual
+tokens with none: the fewest replicas that level the compute, modelled with the real links (what
+buying balance alone costs in token exchange). ``bound``: the exact
 lower bound on the most loaded rank's rows for that placement (fractional, all replicated-expert
 subsets). Modelled time: ``planner.CostModel`` with cluster A's hardware (A100, 300 GB/s per GPU
 in a node, 50 GB/s per node between nodes) and GPT-S-MoE experts (768 x 3072), the trace's rows
@@ -54,7 +58,8 @@ from ds_fssdp.sim.traces import load_trace
 HERE = os.path.dirname(os.path.abspath(__file__))
 from ds_fssdp.planner.place import PlacementOptions, place
 
-ARMS = ("ep", "paper", "alg1+balanced", "joint+balanced", "joint+balanced-3%", "cost+balanced-3%", "cost-exact+balanced-3%")
+ARMS = ("ep", "paper", "alg1+balanced", "joint+balanced", "joint+balanced-3%", "cost+balanced-3%", "cost-exact+balanced-3%",
+        "balance+balanced-3%", "balance-exact+balanced-3%")
 METRICS = ("straggler", "inter", "time", "time_window", "time_transfer", "bound", "replicas", "replica_mb")
 
 
@@ -71,6 +76,8 @@ def replay(tokens_SLED: torch.Tensor, *, ranks_per_node, budget, overlap_degree,
     steps, L, E, D = tokens_SLED.shape
     topo = Topology(num_ranks=D, ranks_per_node=ranks_per_node)
     cost = CostModel(Hardware(flops=150e12, intra_bw=300e9, inter_bw=50e9), ExpertShape(hidden=768, ffn=3072), topo)
+    # The same placement with free links: replicas only for the compute's balance (the fewest that level it).
+    free_links = CostModel(Hardware(flops=150e12, intra_bw=float("inf"), inter_bw=float("inf")), cost.shape, topo)
     owner = homogeneous_owner(E, D)
     shard = shard_placement(owner, D)
     same = topo.same_node_DD()
@@ -103,6 +110,9 @@ def replay(tokens_SLED: torch.Tensor, *, ranks_per_node, budget, overlap_degree,
                          "cost+balanced-3%": (pc, cost_plan)}
                 exact = place(owner, T.double(), topo, config=options, cost=cost, margin=0.0)
                 plans["cost-exact+balanced-3%"] = (exact, dispatch(exact, T, topo, mode="balanced", slack=0.03))
+                for arm, tokens, margin in (("balance", pred, predictor.error(l)), ("balance-exact", T.double(), 0.0)):
+                    pb = place(owner, tokens, topo, config=options, cost=free_links, margin=margin)
+                    plans[arm + "+balanced-3%"] = (pb, dispatch(pb, T, topo, mode="balanced", slack=0.03))
                 mean_rows = float(T.sum()) / D
                 ep_time = cost.layer_time(plans["ep"][1])
                 for arm, (p, plan) in plans.items():
@@ -195,6 +205,11 @@ def main():
         print(f"cost vs joint: straggler {c['straggler']:.3f} vs {j['straggler']:.3f}, replica bytes "
               f"{c['replica_mb'] / j['replica_mb'] if j['replica_mb'] else float('nan'):.2f}x, modelled time with the "
               f"window {c['time_window'] / j['time_window']:.3f}x")
+        for arm in ("cost-exact", "balance", "balance-exact"):
+            b = r[arm + "+balanced-3%"]
+            print(f"{arm} vs joint: straggler {b['straggler']:.3f}, replica bytes "
+                  f"{b['replica_mb'] / j['replica_mb'] if j['replica_mb'] else float('nan'):.2f}x, modelled time with "
+                  f"the window {b['time_window'] / j['time_window']:.3f}x")
         print(f"median planning time per layer in this replay (dense [E, D, D] plans and the load sum "
               f"included; the runtime's compact path is timed by benchmarks/planning.py): "
               + ", ".join(f"{k} {v:.0f} us" for k, v in r["plan_us_median"].items()))
