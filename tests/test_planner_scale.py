@@ -103,6 +103,35 @@ def test_calibration_accepts_when_cheap_and_rejects_when_not():
     assert not cal.accepted and cal.added_pairs == 0
 
 
+def test_calibration_fits_its_latency_budget_with_fewer_experts():
+    """When the merge's extra gather is over the latency budget, a merge of fewer distinct experts
+    that fits (and pays) is adopted instead of none."""
+    topo = Topology(num_ranks=4, ranks_per_node=4)
+    owner = homogeneous_owner(8, 4)
+    predicted = shard_placement(owner, 4)
+    tokens = torch.tensor([[3000] * 4, [2500] * 4, [2000] * 4, [1500] * 4] + [[10] * 4] * 4)
+    cost = CostModel(HW, SHAPE, topo)
+    shard = shard_placement(owner, 4)
+
+    def merge(t):
+        merged = materialize(owner, tokens.sum(1), topo, overlap_degree=t, budget=2, base_ED=predicted)
+        return merged, cost.gather_time(owner, shard | (merged & ~predicted))
+
+    (_, wide), (small, narrow) = merge(4), merge(1)
+    assert narrow < wide
+    budget = 0.5 * (narrow + wide)
+    cal = calibrate(owner, predicted, tokens, topo, cost, overlap_degree=4, budget=2, latency_budget=budget)
+    assert cal.accepted and 1 <= cal.overlap_degree < 4 and cal.extra_s <= budget
+    merged, extra = merge(cal.overlap_degree)
+    assert torch.equal(cal.placement_ED, merged) and cal.extra_s == extra and cal.saved_s > extra
+    assert cal.added_pairs == int((merged & ~predicted).sum()) > 0
+    # The first merge that fits is the one taken: every wider one tried was over the budget.
+    assert merge(4)[1] > budget
+    # None fits: refused, the placement unchanged.
+    cal = calibrate(owner, predicted, tokens, topo, cost, overlap_degree=4, budget=2, latency_budget=0.5 * narrow)
+    assert not cal.accepted and torch.equal(cal.placement_ED, predicted) and cal.added_pairs == 0
+
+
 def test_auto_knobs():
     assert auto_overlap_degree(attention_seconds=1e-3, bandwidth=50e9, expert_bytes=10_000_000) == 5
     assert auto_overlap_degree(attention_seconds=0.0, bandwidth=50e9, expert_bytes=10) == 0

@@ -7,6 +7,14 @@ The placement gathered during the preceding attention came from predicted loads.
 placement. The merged placement is adopted only if the modelled latency it saves exceeds the
 modelled cost of the extra gather (which now sits on the critical path) and that cost fits the
 latency budget.
+
+When the merge's gather does not fit the latency budget, Algorithm 1 runs again with fewer
+distinct experts, ``t' = min(t - 1, floor(t * latency_budget / extra))`` (the gather's chunks on
+the binding link grow with the distinct experts it adds), until one fits or nothing is added; the
+first that fits is the candidate. On Algorithm 1's own pre-gating placement the top experts are
+already everywhere and the first merge usually fits; on a placement that replicates where the
+tokens come from (``joint``, ``cost``) the first merge must also complete the top experts on
+every rank, which would refuse calibration where a smaller one pays.
 """
 from __future__ import annotations
 
@@ -29,20 +37,33 @@ class Calibration:
     added_pairs: int  # replicas the merge adds (0 when rejected)
     saved_s: float  # modelled layer time saved by the merge
     extra_s: float  # modelled time of the extra gather
+    overlap_degree: int = 0  # distinct experts of the candidate merge (the t that fit, or the last tried)
 
 
 def calibrate(owner_E: torch.Tensor, placement_ED: torch.Tensor, tokens_ED: torch.Tensor, topology: Topology,
               cost: CostModel, *, overlap_degree: int, budget: int, latency_budget: float,
-              dispatcher: Callable = dispatch) -> Calibration:
-    merged_ED = materialize(owner_E, tokens_ED.sum(1), topology, overlap_degree=overlap_degree, budget=budget,
-                            base_ED=placement_ED)
-    new_ED = merged_ED & ~placement_ED
-    if not bool(new_ED.any()):
-        return Calibration(placement_ED, False, 0, 0.0, 0.0)
+              dispatcher: Callable = dispatch, materializer: Callable = materialize) -> Calibration:
+    """``materializer``: Algorithm 1 (any implementation of ``materialize``'s signature)."""
+    owner_E = owner_E.to("cpu", torch.long)
+    placement_ED = placement_ED.to("cpu", torch.bool)
+    load_E = tokens_ED.sum(1)
+    shard_ED = shard_placement(owner_E, topology.num_ranks)
+    t = overlap_degree
+    while True:
+        merged_ED = materializer(owner_E, load_E, topology, overlap_degree=t, budget=budget, base_ED=placement_ED)
+        new_ED = merged_ED & ~placement_ED
+        if not bool(new_ED.any()):
+            return Calibration(placement_ED, False, 0, 0.0, 0.0, t)
+        extra = cost.gather_time(owner_E, shard_ED | new_ED)
+        if extra <= latency_budget:
+            break
+        smaller = min(t - 1, int(t * latency_budget / extra))
+        if smaller < 1:
+            return Calibration(placement_ED, False, 0, 0.0, extra, t)
+        t = smaller
     before = cost.layer_time(dispatcher(placement_ED, tokens_ED, topology))
     after = cost.layer_time(dispatcher(merged_ED, tokens_ED, topology))
-    extra = cost.gather_time(owner_E, shard_placement(owner_E, topology.num_ranks) | new_ED)
     saved = before - after
-    if saved > extra and extra <= latency_budget:
-        return Calibration(merged_ED, True, int(new_ED.sum()), saved, extra)
-    return Calibration(placement_ED, False, 0, saved, extra)
+    if saved > extra:
+        return Calibration(merged_ED, True, int(new_ED.sum()), saved, extra, t)
+    return Calibration(placement_ED, False, 0, saved, extra, t)

@@ -20,7 +20,8 @@ from ds_fssdp.planner.cost import CostModel
 class Calibration:
     """Paper section 4.2: re-run placement on the actual loads with the budget left; adopt it if
     the modelled saving beats the modelled extra gather and that fits the latency budget (the
-    layer's measured attention window when ``latency_budget`` is None)."""
+    layer's measured attention window when ``latency_budget`` is None), with fewer distinct
+    experts when the first merge's gather does not fit (:func:`ds_fssdp.planner.calibrate`)."""
 
     def __init__(self, cost: CostModel, *, latency_budget: float | None = None):
         self.cost = cost
@@ -34,7 +35,8 @@ class Calibration:
                         latency_budget=budget if budget is not None else math.inf,
                         dispatcher=lambda p, t, topo: dispatch(p, t, topo, mode=mode, cost=shard.cost))
         shard.post_gating_info = {"calibration": {"accepted": cal.accepted, "added_pairs": cal.added_pairs,
-                                                  "saved_s": cal.saved_s, "extra_s": cal.extra_s}}
+                                                  "saved_s": cal.saved_s, "extra_s": cal.extra_s,
+                                                  "overlap_degree": cal.overlap_degree}}
         return cal.placement_ED & ~placement_ED if cal.accepted else None
 
 

@@ -10,7 +10,8 @@ Legend: L layers, E experts, D ranks.
   ``placement``), gathered under the preceding attention.
 * post_gating: calibration (optional) with the actual loads and the budget left; it may add
   replicas of experts beyond the top-t, as many distinct ones as the binding link absorbs within
-  ``calibration_latency_budget`` (its gather is on the critical path).
+  ``calibration_latency_budget`` (its gather is on the critical path), fewer when that merge's
+  gather does not fit (``planner.calibrate``).
 * ``fssdp-rm``: the same with re-materialization: replicas are freed after the forward and
   gathered again before the backward. The caller gives it the larger per-layer budget
   (:func:`ds_fssdp.planner.knobs.auto_materialization_budget` with ``rematerialize=True``).
@@ -21,6 +22,7 @@ import torch
 
 from ds_fssdp.planner.baselines.base import LayerPlan, Policy, Reshard
 from ds_fssdp.planner.baselines.relabel import moved_copies, relabel_owner
+from ds_fssdp.planner.calibrate import calibrate
 from ds_fssdp.planner.knobs import auto_overlap_degree
 from ds_fssdp.planner.materialize import materialize as algorithm1_materialize
 from ds_fssdp.planner.place import place
@@ -65,21 +67,13 @@ class FSSDPPolicy(Policy):
         return self._plan(owner_E, merged_ED, calibrated_ED=merged_ED & ~placement_ED)
 
     def calibrate(self, owner_E: torch.Tensor, placement_ED: torch.Tensor, tokens_ED: torch.Tensor) -> torch.Tensor:
-        """:func:`ds_fssdp.planner.calibrate` (same decision, tested equal) with this policy's
-        materializer and the calibration overlap degree; returns the placement to use."""
+        """:func:`ds_fssdp.planner.calibrate` with this policy's materializer, dispatcher and the
+        calibration overlap degree; returns the placement to use."""
         cfg = self.config
-        merged_ED = self.materializer(owner_E, tokens_ED.sum(1), self.topology,
-                                      overlap_degree=self.calibration_overlap_degree(), budget=cfg.budget,
-                                      base_ED=placement_ED)
-        new_ED = merged_ED & ~placement_ED
-        if not bool(new_ED.any()):
-            return placement_ED
-        before = cfg.cost.layer_time(self.dispatcher(placement_ED, tokens_ED, self.topology))
-        after = cfg.cost.layer_time(self.dispatcher(merged_ED, tokens_ED, self.topology))
-        extra = cfg.cost.gather_time(owner_E, shard_placement(owner_E.to("cpu", torch.long), self.topology.num_ranks)
-                                     | new_ED)
-        accepted = before - after > extra and extra <= cfg.calibration_latency_budget
-        return merged_ED if accepted else placement_ED
+        return calibrate(owner_E, placement_ED, tokens_ED, self.topology, cfg.cost,
+                         overlap_degree=self.calibration_overlap_degree(), budget=cfg.budget,
+                         latency_budget=cfg.calibration_latency_budget, dispatcher=self.dispatcher,
+                         materializer=self.materializer).placement_ED
 
     def calibration_overlap_degree(self) -> int:
         """Distinct experts calibration may replicate: the t of the hidden gather plus what the
