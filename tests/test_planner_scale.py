@@ -120,13 +120,20 @@ def test_calibration_fits_its_latency_budget_with_fewer_experts():
     (_, wide), (small, narrow) = merge(4), merge(1)
     assert narrow < wide
     budget = 0.5 * (narrow + wide)
-    cal = calibrate(owner, predicted, tokens, topo, cost, overlap_degree=4, budget=2, latency_budget=budget)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["overlap_degree"])
+        return materialize(*args, **kwargs)
+
+    cal = calibrate(owner, predicted, tokens, topo, cost, overlap_degree=4, budget=2, latency_budget=budget,
+                    materializer=counted)
     assert cal.accepted and 1 <= cal.overlap_degree < 4 and cal.extra_s <= budget
     merged, extra = merge(cal.overlap_degree)
     assert torch.equal(cal.placement_ED, merged) and cal.extra_s == extra and cal.saved_s > extra
     assert cal.added_pairs == int((merged & ~predicted).sum()) > 0
-    # The first merge that fits is the one taken: every wider one tried was over the budget.
-    assert merge(4)[1] > budget
+    # Bisection: the full merge, then at most ceil(log2 4) smaller ones (t 2 is over the budget too).
+    assert calls == [4, 2, 1] and merge(2)[1] > budget
     # None fits: refused, the placement unchanged.
     cal = calibrate(owner, predicted, tokens, topo, cost, overlap_degree=4, budget=2, latency_budget=0.5 * narrow)
     assert not cal.accepted and torch.equal(cal.placement_ED, predicted) and cal.added_pairs == 0

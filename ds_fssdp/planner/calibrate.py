@@ -9,12 +9,12 @@ modelled cost of the extra gather (which now sits on the critical path) and that
 latency budget.
 
 When the merge's gather does not fit the latency budget, Algorithm 1 runs again with fewer
-distinct experts, ``t' = min(t - 1, floor(t * latency_budget / extra))`` (the gather's chunks on
-the binding link grow with the distinct experts it adds), until one fits or nothing is added; the
-first that fits is the candidate. On Algorithm 1's own pre-gating placement the top experts are
-already everywhere and the first merge usually fits; on a placement that replicates where the
-tokens come from (``joint``, ``cost``) the first merge must also complete the top experts on
-every rank, which would refuse calibration where a smaller one pays.
+distinct experts, t found by bisection between 0 (nothing added) and t (over the budget): at most
+ceil(log2 t) more merges, each kept when its gather fits, and the fitting merge of the largest t
+tried is the candidate. On Algorithm 1's own pre-gating placement the top experts are already
+everywhere and the first merge usually fits; on a placement that replicates where the tokens come
+from (``joint``, ``cost``) the first merge must also complete the top experts on every rank, which
+would refuse calibration where a smaller one pays.
 """
 from __future__ import annotations
 
@@ -48,19 +48,29 @@ def calibrate(owner_E: torch.Tensor, placement_ED: torch.Tensor, tokens_ED: torc
     placement_ED = placement_ED.to("cpu", torch.bool)
     load_E = tokens_ED.sum(1)
     shard_ED = shard_placement(owner_E, topology.num_ranks)
-    t = overlap_degree
-    while True:
+
+    def merge(t):
         merged_ED = materializer(owner_E, load_E, topology, overlap_degree=t, budget=budget, base_ED=placement_ED)
         new_ED = merged_ED & ~placement_ED
-        if not bool(new_ED.any()):
-            return Calibration(placement_ED, False, 0, 0.0, 0.0, t)
-        extra = cost.gather_time(owner_E, shard_ED | new_ED)
-        if extra <= latency_budget:
-            break
-        smaller = min(t - 1, int(t * latency_budget / extra))
-        if smaller < 1:
+        extra = cost.gather_time(owner_E, shard_ED | new_ED) if bool(new_ED.any()) else 0.0
+        return merged_ED, new_ED, extra
+
+    t = overlap_degree
+    merged_ED, new_ED, extra = merge(t)
+    if not bool(new_ED.any()):
+        return Calibration(placement_ED, False, 0, 0.0, 0.0, t)
+    if extra > latency_budget:
+        fit, lo, hi = None, 0, t  # a merge at lo fits (or adds nothing), at hi it does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            candidate = merge(mid)
+            if candidate[2] <= latency_budget:
+                lo, fit = mid, (candidate if bool(candidate[1].any()) else None)
+            else:
+                hi = mid
+        if fit is None:
             return Calibration(placement_ED, False, 0, 0.0, extra, t)
-        t = smaller
+        (merged_ED, new_ED, extra), t = fit, lo
     before = cost.layer_time(dispatcher(placement_ED, tokens_ED, topology))
     after = cost.layer_time(dispatcher(merged_ED, tokens_ED, topology))
     saved = before - after
