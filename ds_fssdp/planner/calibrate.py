@@ -37,7 +37,7 @@ class Calibration:
     added_pairs: int  # replicas the merge adds (0 when rejected)
     saved_s: float  # modelled layer time saved by the merge
     extra_s: float  # modelled time of the extra gather
-    overlap_degree: int = 0  # distinct experts of the candidate merge (the t that fit, or the last tried)
+    overlap_degree: int  # distinct experts (t) of the candidate merge: the one that fit, else the first tried
 
 
 def calibrate(owner_E: torch.Tensor, placement_ED: torch.Tensor, tokens_ED: torch.Tensor, topology: Topology,
