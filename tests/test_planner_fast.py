@@ -30,6 +30,10 @@ def test_c_matches_reference():
         m = int(torch.randint(0, 7 if i % 4 == 0 else 4, (1, ), generator=gen))  # budgets past every slot too
         want = materialize_reference(owner, tokens.sum(1), topo, overlap_degree=t, budget=m)
         assert torch.equal(materialize(owner, tokens.sum(1), topo, overlap_degree=t, budget=m), want)
+        # Calibration's form: extend a placement (random replicas, some ranks past their budget).
+        base = torch.rand(E, D, generator=gen) < (0.05, 0.2, 0.5)[i % 3]
+        assert torch.equal(materialize(owner, tokens.sum(1), topo, overlap_degree=t, budget=m, base_ED=base),
+                           materialize_reference(owner, tokens.sum(1), topo, overlap_degree=t, budget=m, base_ED=base))
         joint = joint_materialize(owner, tokens, topo, overlap_degree=t, budget=m)
         assert torch.equal(joint, joint_materialize_reference(owner, tokens, topo, overlap_degree=t, budget=m))
         T = tokens.long()

@@ -170,12 +170,14 @@ static int64_t pick_rank_alg1(const uint8_t *holds_D, const int64_t *free_D, con
     return best_key == none ? -1 : best;
 }
 
+/* base (calibration; NULL: none): P starts as base | shard, each rank's slots less its replicas there. */
 static void alg1_core(const int64_t *owner_E, const double *load_E, const int64_t *node_D, uint8_t *P, int64_t E,
-                      int64_t D, int64_t N, int64_t t, int64_t m, int64_t *top) {
+                      int64_t D, int64_t N, int64_t t, int64_t m, int64_t *top, const uint8_t *base) {
     int64_t free_D[MAX_D];
     double rank_load_D[MAX_D];
     uint8_t node_holds[MAX_D];
     double total = 0;
+    if (base) memcpy(P, base, (size_t)(E * D));
     for (int64_t e = 0; e < E; e++) { P[e * D + owner_E[e]] = 1; total += load_E[e]; }
     if (t > E) t = E;
     if (m > t) m = t;
@@ -187,13 +189,21 @@ static void alg1_core(const int64_t *owner_E, const double *load_E, const int64_
         while (j >= 0 && load_E[top[j]] < load_E[v]) { top[j + 1] = top[j]; j--; }
         top[j + 1] = v;
     }
-    if (t <= m) {
+    if (t <= m && !base) {
         for (int64_t i = 0; i < t; i++) memset(P + top[i] * D, 1, (size_t)D);
         return;
     }
     for (int64_t d = 0; d < D; d++) { free_D[d] = m; rank_load_D[d] = 0; }
-    for (int64_t e = 0; e < E; e++) rank_load_D[owner_E[e]] += load_E[e];
-    int64_t slots_left = D * m;
+    for (int64_t e = 0; e < E; e++) {
+        rank_load_D[owner_E[e]] += load_E[e];
+        if (base)
+            for (int64_t d = 0; d < D; d++) free_D[d] -= P[e * D + d] & (d != owner_E[e]);
+    }
+    int64_t slots_left = 0;
+    for (int64_t d = 0; d < D; d++) {
+        if (free_D[d] < 0) free_D[d] = 0;
+        slots_left += free_D[d];
+    }
     double load_left = 0;
     for (int64_t i = 0; i < t; i++) load_left += load_E[top[i]];
     for (int64_t i = 0; i < t; i++) {
@@ -217,10 +227,10 @@ static void alg1_core(const int64_t *owner_E, const double *load_E, const int64_
 }
 
 static PyObject *materialize_alg1(PyObject *self, PyObject *args) {
-    unsigned long long owner, load;
+    unsigned long long owner, load, base; /* base: a bool [E, D] placement's address, 0 for none */
     Py_buffer place;
     long long E, D, G, t, m;
-    if (!PyArg_ParseTuple(args, "KKw*LLLLL", &owner, &load, &place, &E, &D, &G, &t, &m)) return NULL;
+    if (!PyArg_ParseTuple(args, "KKw*LLLLLK", &owner, &load, &place, &E, &D, &G, &t, &m, &base)) return NULL;
     PyObject *out = NULL;
     int64_t node_D[MAX_D];
     int64_t *top = scratch_get(SCRATCH_CORE, sizeof(int64_t) * (size_t)(E + 1));
@@ -228,7 +238,8 @@ static PyObject *materialize_alg1(PyObject *self, PyObject *args) {
     if (check_owner(PTR(int64_t, owner), E, D) || node_ids(node_D, D, G) || check_len(&place, E * D, "placement"))
         goto done;
     memset(place.buf, 0, (size_t)(E * D));
-    alg1_core(PTR(int64_t, owner), PTR(double, load), node_D, place.buf, E, D, D / G, t, m, top);
+    alg1_core(PTR(int64_t, owner), PTR(double, load), node_D, place.buf, E, D, D / G, t, m, top,
+              base ? PTR(uint8_t, base) : NULL);
     out = Py_None;
     Py_INCREF(out);
 done:

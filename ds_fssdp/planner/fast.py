@@ -42,12 +42,17 @@ def _c(t, dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
-def materialize_alg1(owner_E, load_E, topology: Topology, overlap_degree: int, budget: int) -> torch.Tensor:
+def materialize_alg1(owner_E, load_E, topology: Topology, overlap_degree: int, budget: int,
+                     base_ED=None) -> torch.Tensor:
+    """``base_ED``: the placement to extend (calibration), None for the shard."""
     owner, load = _c(owner_E, _LONG), _c(load_E, _F64)
-    E = owner.numel()
-    placement = np.empty((E, topology.num_ranks), dtype=np.bool_)  # zeroed in C
-    _fastplan.materialize_alg1(owner.data_ptr(), load.data_ptr(), placement, E, topology.num_ranks,
-                               topology.ranks_per_node, overlap_degree, budget)
+    E, D = owner.numel(), topology.num_ranks
+    base = None if base_ED is None else _c(base_ED, _BOOL)
+    if base is not None and base.shape != (E, D):
+        raise ValueError(f"base_ED {tuple(base.shape)} does not match {E} experts on {D} ranks")
+    placement = np.empty((E, D), dtype=np.bool_)  # zeroed in C
+    _fastplan.materialize_alg1(owner.data_ptr(), load.data_ptr(), placement, E, D, topology.ranks_per_node,
+                               overlap_degree, budget, 0 if base is None else base.data_ptr())
     return torch.from_numpy(placement)
 
 

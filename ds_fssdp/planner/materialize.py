@@ -31,9 +31,9 @@ def materialize(owner_E: torch.Tensor, load_E: torch.Tensor, topology: Topology,
 
     ``base_ED`` (calibration): extend this placement instead of the shard, with what is left of
     each rank's budget. Runs in C when the extension is built (same result as the reference)."""
-    if base_ED is None and fast.AVAILABLE:
+    if fast.AVAILABLE:
         _check(owner_E, load_E, overlap_degree, budget)
-        return fast.materialize_alg1(owner_E, load_E, topology, overlap_degree, budget)
+        return fast.materialize_alg1(owner_E, load_E, topology, overlap_degree, budget, base_ED)
     return materialize_reference(owner_E, load_E, topology, overlap_degree=overlap_degree, budget=budget,
                                  base_ED=base_ED)
 

@@ -21,7 +21,7 @@ it one group spans the world (the same numbers as the paper engine). ``--load-cv
 as the coefficient of variation of expert load (valid for any expert count; default 0.5 for fixed
 presets). ``--memory-cap X``: m (and fssdp-rm's m) chosen
 so that FSSDP's model-state memory is at most X times EP's at the same group size. Calibration is
-off there unless ``--calibration`` (the runtime's default; its Algorithm 1 pass runs in Python).
+off there unless ``--calibration`` (off is the runtime's default too).
 Policies: ep, uniform, fssdp, fssdp-rm.
 """
 from __future__ import annotations
