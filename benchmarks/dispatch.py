@@ -201,13 +201,10 @@ def main():
             a = r[arm]
             print(f"{arm:>22} {a['straggler']:>9.3f} {a['bound']:>6.3f} {a['inter']:>10.4f} {a['time']:>8.3f} "
                   f"{a['time_window']:>8.3f} {a['time_transfer']:>9.3f} {a['replicas']:>8.2f} {a['replica_mb']:>8.1f}")
-        j, c = r["joint+balanced-3%"], r["cost+balanced-3%"]
-        print(f"cost vs joint: straggler {c['straggler']:.3f} vs {j['straggler']:.3f}, replica bytes "
-              f"{c['replica_mb'] / j['replica_mb'] if j['replica_mb'] else float('nan'):.2f}x, modelled time with the "
-              f"window {c['time_window'] / j['time_window']:.3f}x")
-        for arm in ("cost-exact", "balance", "balance-exact"):
+        j = r["joint+balanced-3%"]
+        for arm in ("cost", "cost-exact", "balance", "balance-exact"):
             b = r[arm + "+balanced-3%"]
-            print(f"{arm} vs joint: straggler {b['straggler']:.3f}, replica bytes "
+            print(f"{arm} vs joint: straggler {b['straggler']:.3f} vs {j['straggler']:.3f}, replica bytes "
                   f"{b['replica_mb'] / j['replica_mb'] if j['replica_mb'] else float('nan'):.2f}x, modelled time with "
                   f"the window {b['time_window'] / j['time_window']:.3f}x")
         print(f"median planning time per layer in this replay (dense [E, D, D] plans and the load sum "

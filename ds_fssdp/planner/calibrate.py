@@ -50,27 +50,30 @@ def calibrate(owner_E: torch.Tensor, placement_ED: torch.Tensor, tokens_ED: torc
     shard_ED = shard_placement(owner_E, topology.num_ranks)
 
     def merge(t):
+        """(merged_ED, new_ED, extra gather) of Algorithm 1 at t over the placement; None: adds nothing."""
         merged_ED = materializer(owner_E, load_E, topology, overlap_degree=t, budget=budget, base_ED=placement_ED)
         new_ED = merged_ED & ~placement_ED
-        extra = cost.gather_time(owner_E, shard_ED | new_ED) if bool(new_ED.any()) else 0.0
-        return merged_ED, new_ED, extra
+        if not bool(new_ED.any()):
+            return None
+        return merged_ED, new_ED, cost.gather_time(owner_E, shard_ED | new_ED)
 
     t = overlap_degree
-    merged_ED, new_ED, extra = merge(t)
-    if not bool(new_ED.any()):
+    candidate = merge(t)
+    if candidate is None:
         return Calibration(placement_ED, False, 0, 0.0, 0.0, t)
-    if extra > latency_budget:
+    if candidate[2] > latency_budget:
         fit, lo, hi = None, 0, t  # a merge at lo fits (or adds nothing), at hi it does not
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            candidate = merge(mid)
-            if candidate[2] <= latency_budget:
-                lo, fit = mid, (candidate if bool(candidate[1].any()) else None)
+            smaller = merge(mid)
+            if smaller is None or smaller[2] <= latency_budget:
+                lo, fit = mid, smaller
             else:
                 hi = mid
         if fit is None:
-            return Calibration(placement_ED, False, 0, 0.0, extra, t)
-        (merged_ED, new_ED, extra), t = fit, lo
+            return Calibration(placement_ED, False, 0, 0.0, candidate[2], t)
+        candidate, t = fit, lo
+    merged_ED, new_ED, extra = candidate
     before = cost.layer_time(dispatcher(placement_ED, tokens_ED, topology))
     after = cost.layer_time(dispatcher(merged_ED, tokens_ED, topology))
     saved = before - after
