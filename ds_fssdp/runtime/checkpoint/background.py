@@ -1,9 +1,9 @@
 """The background half of an asynchronous save: write the staged files, then commit them
 atomically (manifest, rename, ``latest`` last) while training goes on.
 
-Every rank's thread writes its own staged files into ``.tmp-<tag>`` (each flushed to disk, its
-sha256 taken from memory), then reports under ``.tmp-<tag>/.written/rankRRRRR.json``: the
-digests of its files, or its error. Rank 0's thread waits for every rank's report and, when all
+Every rank's thread writes its own staged states into ``.tmp-<tag>`` (DeepSpeed's with DeepSpeed's
+own writer, ours as a synchronous save writes them; each file flushed to disk and hashed), then
+reports under ``.tmp-<tag>/.written/rankRRRRR.json``: the digests of its files, or its error. Rank 0's thread waits for every rank's report and, when all
 succeeded, writes the manifest and commits exactly as a synchronous save does. The ranks agree
 through the shared filesystem the checkpoint already needs, not through a collective: a
 collective from a second thread on the training's process group could interleave with the
@@ -30,7 +30,6 @@ every rank. A save waits for the one before it this way. At exit, a pending writ
 from __future__ import annotations
 
 import atexit
-import hashlib
 import json
 import os
 import shutil
@@ -51,9 +50,9 @@ POLL_S = 0.02
 
 @dataclass
 class Job:
-    """One rank's part of an asynchronous save. ``files``: path relative to ``tmp_dir`` -> the
-    staged bytes (``bytes`` or a ``memoryview``); ``commit(digests)``: rank 0's commit (manifest,
-    renames, ``latest``)."""
+    """One rank's part of an asynchronous save. ``files``: path relative to ``tmp_dir`` -> a
+    function writing the staged state to the path it is given; ``commit(digests)``: rank 0's
+    commit (manifest, renames, ``latest``)."""
     tag: str
     tmp_dir: str
     rank: int
@@ -63,12 +62,9 @@ class Job:
     files: dict = field(repr=False)
 
 
-def write_file(path: str, data) -> None:
+def write_file(path: str, write: Callable[[str], None]) -> None:
     """Looked up on the module at call time, so that tests can wrap it (delays, kills, errors)."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    write(path)
 
 
 def report_path(tmp_dir: str, rank: int) -> str:
@@ -79,16 +75,16 @@ def run(job: Job) -> None:
     """The thread's work on one rank; raises this rank's error (rank 0: also the commit's)."""
     written, err = {}, None
     try:
-        for name, data in job.files.items():
+        for name, write in job.files.items():
             path = os.path.join(job.tmp_dir, name)
             try:
-                sys.modules[__name__].write_file(path, data)
-            except OSError as e:
-                raise CheckpointError(f"writing checkpoint file {path} failed: {e}") from e
-            written[name] = {"bytes": memoryview(data).nbytes, "sha256": hashlib.sha256(data).hexdigest()}
+                sys.modules[__name__].write_file(path, write)
+                written[name] = digest(path)  # flushed to disk too
+            except Exception as e:  # a full disk, an unpicklable client_state: named with the file
+                raise CheckpointError(f"writing checkpoint file {path} failed: {type(e).__name__}: {e}") from e
     except Exception as e:  # reported to rank 0, then raised here
         err = e
-    job.files = {}  # the staged bytes are no longer needed
+    job.files = {}  # the staged states are no longer needed
     _report(job, {"files": written} if err is None else {"error": f"{type(err).__name__}: {err}"})
     if err is not None:
         raise err

@@ -4,7 +4,6 @@ or, with ``async_save``, staged in host memory now and written and committed in 
 (``staging``, ``background``)."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from functools import partial
@@ -20,7 +19,7 @@ from ds_fssdp.runtime.checkpoint.files import (CheckpointError, atomic_write_tex
 from ds_fssdp.runtime.checkpoint.layout import (COMMON, FORMAT, LATEST, MANIFEST, META, OLD_PREFIX, TMP_PREFIX, VERSION,
                                                rank_file)
 from ds_fssdp.runtime.checkpoint.rng import rng_state
-from ds_fssdp.runtime.checkpoint.staging import check_stageable, serialize, staging_deepspeed
+from ds_fssdp.runtime.checkpoint.staging import check_stageable, staging_deepspeed, to_host
 
 
 def save(engine, save_dir: str, tag=None, *, client_state=None, save_latest: bool = True,
@@ -89,13 +88,15 @@ def _start_async(engine, save_dir: str, tag: str, tmp_dir: str, *, client_state,
     with staging_deepspeed(engine) as staging:
         ds_save(save_dir, TMP_PREFIX + tag, client_state=client_state, save_latest=False,
                 exclude_frozen_parameters=exclude_frozen_parameters)
-    files = {}
+    files = {}  # file name -> how to write it (given its path), in the background
 
     def stage():
-        files.update({_inside(tmp_dir, path): data for path, data in staging.staged.items()})
+        real = staging.real
+        files.update({_inside(tmp_dir, path): partial(_ds_write, real, state)
+                      for path, state in staging.staged.items()})
         os.makedirs(os.path.join(tmp_dir, "fssdp"), exist_ok=True)
         for name, state in expert_state(engine, tag).items():
-            files[name] = json.dumps(state, indent=1).encode() if name.endswith(".json") else serialize(state)
+            files[name] = partial(write_json if name.endswith(".json") else save_tensors, to_host(state))
 
     agree(f"staging checkpoint {tag!r}", attempt(stage))
     timeout = engine.fssdp.config.collective_timeout_s or _default_timeout_s()
@@ -105,6 +106,10 @@ def _start_async(engine, save_dir: str, tag: str, tmp_dir: str, *, client_state,
     if getattr(engine, "fssdp_checkpoint_writer", None) is None:
         engine.fssdp_checkpoint_writer = background.BackgroundWriter()
     engine.fssdp_checkpoint_writer.start(job)
+
+
+def _ds_write(real, state, path: str) -> None:
+    real.save(state, path)  # DeepSpeed's own writer, as in a synchronous save
 
 
 def _inside(tmp_dir: str, path: str) -> str:

@@ -1,22 +1,20 @@
-"""Staging a checkpoint in host memory at the step boundary: every file the save would write,
-DeepSpeed's included, serialized now into bytes that the background writer puts on disk later.
+"""Staging a checkpoint in host memory at the step boundary: every state the save would write,
+DeepSpeed's included, copied now (tensors to fresh host tensors, everything else deep-copied), so
+that the background writer writes exactly the state of this step while training goes on.
 
 DeepSpeed writes its part through its checkpoint engine (``engine.checkpoint_engine.save(state,
 path)``, the extension point of its decoupled and FastPersist engines). During an asynchronous
-save that engine is swapped for :class:`StagingCheckpointEngine`, which serializes each state
-with ``torch.save`` into memory (with the serialization the real engine would use) instead of
-writing it. DeepSpeed's own ``save_checkpoint`` therefore runs unchanged and synchronously, with
-its collectives (tag validation, barriers) and its ZeRO partition logic, on every rank.
+save that engine is swapped for :class:`StagingCheckpointEngine`, which keeps a host copy of each
+state instead of writing it; the background thread later writes it with the real engine's own
+``save``. DeepSpeed's ``save_checkpoint`` therefore runs unchanged and synchronously, with its
+collectives (tag validation, barriers) and its ZeRO partition logic, on every rank.
 
-Serialized bytes, not tensor copies: the bytes are exactly what a synchronous save writes, they
-cannot change when training goes on (a copied dict could still hold live objects: the user's
-``client_state``, DeepSpeed's loss scaler, and on the CPU ``tensor.cpu()`` is the tensor itself),
-an unpicklable ``client_state`` fails on the spot on every rank, and the background thread only
-writes, flushes and hashes memory. Serializing costs about as much as copying the tensors.
+Copies, not references: a state dict holds live objects (on the CPU ``tensor.cpu()`` is the
+tensor itself; the user's ``client_state``; DeepSpeed's loss scaler), which the next steps change.
 """
 from __future__ import annotations
 
-import io
+import copy
 import os
 from contextlib import contextmanager
 
@@ -27,16 +25,32 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchChe
 from ds_fssdp.runtime.checkpoint.files import CheckpointError
 
 
-def serialize(obj, *, zipfile: bool = True) -> memoryview:
-    """``torch.save`` into memory; a view of the buffer, not a copy of it."""
-    buf = io.BytesIO()
-    torch.save(obj, buf, _use_new_zipfile_serialization=zipfile)
-    return buf.getbuffer()
+def to_host(obj, memo=None):
+    """A copy of ``obj`` sharing nothing mutable with it: tensors copied to fresh CPU tensors (the
+    same tensor twice stays one), dicts, lists and tuples rebuilt, other values deep-copied."""
+    memo = {} if memo is None else memo
+    if id(obj) in memo:
+        return memo[id(obj)]
+    if torch.is_tensor(obj):
+        out = obj.detach().to("cpu", copy=True)
+    elif isinstance(obj, dict):
+        out = type(obj)((k, to_host(v, memo)) for k, v in obj.items())
+        if getattr(obj, "__dict__", None):  # an OrderedDict's _metadata (module state dicts)
+            out.__dict__.update(copy.deepcopy(obj.__dict__, memo))
+    elif isinstance(obj, list):
+        out = [to_host(v, memo) for v in obj]
+    elif isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        out = tuple(to_host(v, memo) for v in obj)
+    else:
+        out = copy.deepcopy(obj, memo)
+    memo[id(obj)] = out
+    return out
 
 
 class StagingCheckpointEngine(CheckpointEngine):
-    """DeepSpeed's checkpoint engine during an asynchronous save: ``save`` stages, nothing is
-    written (directories are created now, they cost nothing). ``staged``: path -> bytes."""
+    """DeepSpeed's checkpoint engine during an asynchronous save: ``save`` stages a host copy,
+    nothing is written (directories are created now, they cost nothing). ``staged``: path -> state,
+    to be written by ``real.save``."""
 
     def __init__(self, real: TorchCheckpointEngine):
         super().__init__()
@@ -48,7 +62,7 @@ class StagingCheckpointEngine(CheckpointEngine):
         return self.real.create(info)
 
     def save(self, state_dict, path: str):
-        self.staged[os.path.abspath(path)] = serialize(state_dict, zipfile=self.real.zipfile_serialization)
+        self.staged[os.path.abspath(path)] = to_host(state_dict)
 
     def load(self, path: str, map_location=None):
         raise CheckpointError("cannot load while a checkpoint is being staged")
