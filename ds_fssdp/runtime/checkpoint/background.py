@@ -3,13 +3,14 @@ atomically (manifest, rename, ``latest`` last) while training goes on.
 
 Every rank's thread writes its own staged states into ``.tmp-<tag>`` (DeepSpeed's with DeepSpeed's
 own writer, ours as a synchronous save writes them; each file flushed to disk and hashed), then
-reports under ``.tmp-<tag>/.written/rankRRRRR.json``: the digests of its files, or its error. Rank 0's thread waits for every rank's report and, when all
-succeeded, writes the manifest and commits exactly as a synchronous save does. The ranks agree
-through the shared filesystem the checkpoint already needs, not through a collective: a
-collective from a second thread on the training's process group could interleave with the
-training's own, and a separate group would break when the job tears its groups down with a write
-still pending (at exit). A rank killed before its report leaves ``.tmp-<tag>`` uncommitted and
-``latest`` untouched; rank 0 gives up after the collective timeout.
+reports under ``.tmp-<tag>/.written/rankRRRRR.json``: the digests of its files, or its error.
+Rank 0's thread waits for every rank's report and, when all succeeded, writes the manifest and
+commits exactly as a synchronous save does. The ranks agree through the shared filesystem the
+checkpoint already needs, not through a collective: a collective from a second thread on the
+training's process group could interleave with the training's own, and a separate group would
+break when the job tears its groups down with a write still pending (at exit). A rank killed
+before its report leaves ``.tmp-<tag>`` uncommitted and ``latest`` untouched; rank 0 gives up
+after the collective timeout (``fssdp.collective_timeout_s``, else DeepSpeed's).
 
 Why not DeepSpeed's or torch's asynchronous writers (read for 0.19.8 / torch 2.13):
 * DeepSpeed's decoupled engine (``checkpoint.writer.decoupled``) hands the state to a spawned
@@ -139,6 +140,7 @@ class BackgroundWriter:
         self._thread = None
         self._tag = None
         self._error = None
+        self.last_seconds = None  # how long this rank's last background write (and commit) took
         atexit.register(self._at_exit)
 
     @property
@@ -158,9 +160,11 @@ class BackgroundWriter:
         except BaseException as err:  # raised on every rank by wait, logged at exit
             self._error = err
             return
+        finally:
+            self.last_seconds = time.perf_counter() - started
         if job.rank == 0:
             logger.info(f"fssdp: checkpoint {job.tag!r} written and committed in the background "
-                        f"({time.perf_counter() - started:.2f} s)")
+                        f"({self.last_seconds:.2f} s)")
 
     def join(self) -> tuple:
         """Wait for this rank's thread; return (tag, error) and forget them. (None, None) if idle."""
