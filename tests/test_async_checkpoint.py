@@ -3,6 +3,7 @@ the step boundary, written and committed in the background while training goes o
 
 Two launches of 2 gloo ranks: one whose ranks are killed during the background write, then one
 that carries every other check (and loads what the killed save left behind)."""
+import functools
 import multiprocessing
 import os
 import signal
@@ -328,3 +329,64 @@ def test_exit_waits_for_the_pending_write(results):
     save_dir = os.path.join(root, "exit")
     assert _listing(save_dir) == ("at-exit", ["at-exit", "latest"])
     verify_files(os.path.join(save_dir, "at-exit"), read_manifest(os.path.join(save_dir, "at-exit")))
+
+
+# -- the writer alone, in this process ------------------------------------------------------------
+def _job(tmp_path, *, world, files, timeout_s=60.0):
+    from ds_fssdp.runtime.checkpoint import background
+    from ds_fssdp.runtime.checkpoint.save import commit_files
+    save_dir = str(tmp_path)
+    tmp_dir = os.path.join(save_dir, ".tmp-t")
+    os.makedirs(tmp_dir)
+    commit = functools.partial(commit_files, save_dir, "t", tmp_dir, save_latest=True)
+    return background.Job(tag="t", tmp_dir=tmp_dir, rank=0, world=world, timeout_s=timeout_s, commit=commit,
+                          files=files)
+
+
+def _write_text(text, path):
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def test_rank_zero_does_not_commit_without_every_report(tmp_path):
+    """Rank 1 never reports (killed): rank 0 gives up after the timeout, naming the rank."""
+    from ds_fssdp.runtime.checkpoint import CheckpointError, background
+    job = _job(tmp_path, world=2, files={"a.txt": functools.partial(_write_text, "a")}, timeout_s=0.3)
+    with pytest.raises(CheckpointError, match=r"rank\(s\) \[1\] did not finish writing"):
+        background.run(job)
+    assert sorted(os.listdir(tmp_path)) == [".tmp-t"]
+
+
+def test_failure_at_exit_is_logged(tmp_path, monkeypatch):
+    """Nobody waited: the exit handler waits for the write and logs its error."""
+    from ds_fssdp.runtime.checkpoint import background
+
+    def full(path):
+        raise OSError(28, "No space left on device (injected)")
+
+    logged = []
+    monkeypatch.setattr(background.logger, "error", logged.append)
+    writer = background.BackgroundWriter()
+    writer.start(_job(tmp_path, world=1, files={"a.pt": full}))
+    writer._at_exit()
+    assert len(logged) == 1 and "'t' failed" in logged[0] and "No space left on device" in logged[0], logged
+    assert writer.join() == (None, None)  # reported once
+
+
+def test_single_rank_commit_lists_every_file(tmp_path):
+    from ds_fssdp.runtime.checkpoint import background, read_manifest, verify_files
+    job = _job(tmp_path, world=1, files={"a.txt": functools.partial(_write_text, "a"),
+                                         "sub/b.txt": functools.partial(_write_text, "b")})
+    os.makedirs(os.path.join(job.tmp_dir, "sub"))
+    _write_text("c", os.path.join(job.tmp_dir, "c.txt"))  # written outside the staged files: hashed too
+    background.run(job)
+    root = os.path.join(str(tmp_path), "t")
+    assert sorted(read_manifest(root)["files"]) == ["a.txt", "c.txt", "sub/b.txt"]
+    verify_files(root, read_manifest(root))
+    assert open(os.path.join(str(tmp_path), "latest")).read() == "t"
+
+
+def test_async_save_flag_is_checked_before_any_collective():
+    from ds_fssdp.runtime.checkpoint import save
+    with pytest.raises(ValueError, match=r"async_save must be True or False, got 'yes'"):
+        save(None, "some/dir", "t", async_save="yes", ds_save=None)
