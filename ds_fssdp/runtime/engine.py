@@ -178,12 +178,24 @@ class FSSDPEngineMixin:
         with skipped_optimizer_step(self.optimizer):
             return super()._take_model_step(lr_kwargs, *args, **kwargs)
 
-    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False,
+                        *, async_save=False):
         """DeepSpeed's checkpoint plus every expert's state keyed by (layer, expert), written
-        atomically (``latest`` moves only once the whole checkpoint is complete)."""
+        atomically (``latest`` moves only once the whole checkpoint is complete). ``async_save``:
+        stage the whole state in host memory now and return; the files are written and committed
+        in the background while training goes on (``wait_for_checkpoint``). A save first waits for
+        the one before it."""
         from ds_fssdp.runtime import checkpoint
         return checkpoint.save(self, save_dir, tag, client_state=client_state, save_latest=save_latest,
-                               exclude_frozen_parameters=exclude_frozen_parameters, ds_save=super().save_checkpoint)
+                               exclude_frozen_parameters=exclude_frozen_parameters, async_save=async_save,
+                               ds_save=super().save_checkpoint)
+
+    def wait_for_checkpoint(self):
+        """Block until a pending ``save_checkpoint(..., async_save=True)`` is committed; its error,
+        on any rank, is raised on every rank. Collective (every rank calls); no-op when none is
+        pending."""
+        from ds_fssdp.runtime import checkpoint
+        checkpoint.wait(self)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None, *,

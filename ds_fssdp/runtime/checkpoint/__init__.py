@@ -1,7 +1,8 @@
 """Checkpoints of an FSSDP engine: DeepSpeed's dense state plus every expert's state keyed by
 (layer, expert), never by rank; written atomically, loaded safely, under any owners and world size.
 
-One module per job: ``save`` (writing and committing), ``load`` (checking and loading),
+One module per job: ``save`` (writing and committing; ``staging`` and ``background`` for an
+asynchronous save), ``load`` (checking and loading),
 ``reshape`` (owners and rows on another world size), ``export`` (the consolidated state dict),
 over the shared ``layout`` (names, manifest, metadata), ``files`` (atomic writes, digests, the
 safe reader), ``collective`` (agreement between ranks) and ``rng``.
@@ -52,10 +53,11 @@ from ds_fssdp.runtime.checkpoint.layout import (COMMON, DS_MODEL_STATES, FORMAT,
                                                verify_files)
 from ds_fssdp.runtime.checkpoint.load import check_compatible, load, load_expert_state
 from ds_fssdp.runtime.checkpoint.rng import rng_state, set_rng_state
-from ds_fssdp.runtime.checkpoint.save import check_tag, common_state, meta_state, rank_state, save, write_expert_files
+from ds_fssdp.runtime.checkpoint.save import (check_tag, common_state, expert_state, meta_state, rank_state, save, wait,
+                                             write_expert_files)
 
 __all__ = ["COMMON", "DS_MODEL_STATES", "FORMAT", "LATEST", "MANIFEST", "META", "OLD_PREFIX", "TMP_PREFIX", "VERSION",
            "CheckpointError", "check_compatible", "check_tag", "common_state", "consolidated_state_dict",
-           "export_consolidated", "load", "load_expert_state", "load_file", "meta_state", "rank_file", "rank_state",
-           "read_manifest", "read_meta", "resolve_tag", "rng_state", "safe_deepspeed_loading", "save", "set_rng_state",
-           "verify_files", "write_expert_files"]
+           "expert_state", "export_consolidated", "load", "load_expert_state", "load_file", "meta_state", "rank_file",
+           "rank_state", "read_manifest", "read_meta", "resolve_tag", "rng_state", "safe_deepspeed_loading", "save",
+           "set_rng_state", "verify_files", "wait", "write_expert_files"]

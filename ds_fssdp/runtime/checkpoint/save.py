@@ -1,32 +1,43 @@
 """Saving: DeepSpeed's own files plus every expert's rows keyed by (layer, expert), written into
-``.tmp-<tag>`` and committed by renames once every rank has written and the manifest is complete."""
+``.tmp-<tag>`` and committed by renames once every rank has written and the manifest is complete;
+or, with ``async_save``, staged in host memory now and written and committed in the background
+(``staging``, ``background``)."""
 from __future__ import annotations
 
 import os
 import shutil
+from functools import partial
 
 import torch
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
+from ds_fssdp.runtime.checkpoint import background
 from ds_fssdp.runtime.checkpoint.collective import agree, all_gather, attempt, broadcast
 from ds_fssdp.runtime.checkpoint.files import (CheckpointError, atomic_write_text, digest, fsync_dir, save_tensors, walk,
                                               write_json)
 from ds_fssdp.runtime.checkpoint.layout import (COMMON, FORMAT, LATEST, MANIFEST, META, OLD_PREFIX, TMP_PREFIX, VERSION,
                                                rank_file)
 from ds_fssdp.runtime.checkpoint.rng import rng_state
+from ds_fssdp.runtime.checkpoint.staging import check_stageable, staging_deepspeed, to_host
 
 
 def save(engine, save_dir: str, tag=None, *, client_state=None, save_latest: bool = True,
-         exclude_frozen_parameters: bool = False, ds_save) -> bool:
-    """``engine.save_checkpoint``: ``ds_save`` is DeepSpeed's own. Collective (every rank calls)."""
+         exclude_frozen_parameters: bool = False, async_save: bool = False, ds_save) -> bool:
+    """``engine.save_checkpoint``: ``ds_save`` is DeepSpeed's own. Collective (every rank calls).
+    Any pending asynchronous save is waited for first (its error raised on every rank)."""
     if not save_dir:
         raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
+    if not isinstance(async_save, bool):
+        raise ValueError(f"async_save must be True or False, got {async_save!r}")
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    check_tag(tag)
+    wait(engine)
     if engine.checkpoint_engine.is_decoupled() or engine.use_node_local_storage():
         raise CheckpointError("fssdp checkpoints need DeepSpeed's synchronous writer on a shared filesystem "
                               "(checkpoint.writer.decoupled and checkpoint.use_node_local_storage are not supported)")
-    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    check_tag(tag)
+    if async_save:
+        check_stageable(engine)
     from ds_fssdp.runtime import checkpoint as package
     stage = engine.fssdp
     if any(s.master.grad is not None for s in stage.shards):
@@ -38,8 +49,13 @@ def save(engine, save_dir: str, tag=None, *, client_state=None, save_latest: boo
     if rank == 0:
         err = attempt(lambda: _prepare(save_dir, tmp_dir))
     agree(f"preparing {tmp_dir}", err)
-    ds_save(save_dir, TMP_PREFIX + tag, client_state=client_state if client_state is not None else {},
-            save_latest=False, exclude_frozen_parameters=exclude_frozen_parameters)
+    client_state = client_state if client_state is not None else {}
+    if async_save:
+        _start_async(engine, save_dir, tag, tmp_dir, client_state=client_state, save_latest=save_latest,
+                     exclude_frozen_parameters=exclude_frozen_parameters, ds_save=ds_save)
+        return True
+    ds_save(save_dir, TMP_PREFIX + tag, client_state=client_state, save_latest=False,
+            exclude_frozen_parameters=exclude_frozen_parameters)
     # Looked up on the package at call time, so that it can be wrapped (the fault-injection tests do).
     write = package.write_expert_files
     agree(f"writing the expert state into {tmp_dir}", attempt(lambda: write(engine, tmp_dir, tag)))
@@ -53,13 +69,66 @@ def save(engine, save_dir: str, tag=None, *, client_state=None, save_latest: boo
         digests.update(part)
     err = None
     if rank == 0:
-        manifest = {"format": FORMAT, "version": VERSION, "tag": tag, "files": {f: digests[f] for f in files}}
-        err = attempt(lambda: (write_json(manifest, os.path.join(tmp_dir, MANIFEST)),
-                                _commit(save_dir, tag, tmp_dir, save_latest=save_latest)))
+        err = attempt(lambda: commit_files(save_dir, tag, tmp_dir, digests, save_latest=save_latest))
     agree(f"committing checkpoint {tag!r} in {save_dir}", err)
     if rank == 0:
         logger.info(f"fssdp: saved checkpoint {os.path.join(save_dir, tag)} ({len(files)} files)")
     return True
+
+
+def wait(engine) -> None:
+    """``engine.wait_for_checkpoint``: collective; see ``background.wait``."""
+    background.wait(getattr(engine, "fssdp_checkpoint_writer", None))
+
+
+def _start_async(engine, save_dir: str, tag: str, tmp_dir: str, *, client_state, save_latest: bool,
+                 exclude_frozen_parameters: bool, ds_save) -> None:
+    """Stage every file of the checkpoint in host memory (DeepSpeed's collectives and the expert
+    state's run here, on every rank), then hand them to this engine's background writer."""
+    with staging_deepspeed(engine) as staging:
+        ds_save(save_dir, TMP_PREFIX + tag, client_state=client_state, save_latest=False,
+                exclude_frozen_parameters=exclude_frozen_parameters)
+    files = {}  # file name -> how to write it (given its path), in the background
+
+    def stage():
+        real = staging.real
+        files.update({_inside(tmp_dir, path): partial(_ds_write, real, state)
+                      for path, state in staging.staged.items()})
+        os.makedirs(os.path.join(tmp_dir, "fssdp"), exist_ok=True)
+        for name, state in expert_state(engine, tag).items():
+            files[name] = partial(write_json if name.endswith(".json") else save_tensors, to_host(state))
+
+    agree(f"staging checkpoint {tag!r}", attempt(stage))
+    timeout = engine.fssdp.config.collective_timeout_s or _default_timeout_s()
+    job = background.Job(tag=tag, tmp_dir=tmp_dir, rank=dist.get_rank(), world=dist.get_world_size(),
+                         timeout_s=float(timeout), files=files,
+                         commit=partial(commit_files, save_dir, tag, tmp_dir, save_latest=save_latest))
+    if getattr(engine, "fssdp_checkpoint_writer", None) is None:
+        engine.fssdp_checkpoint_writer = background.BackgroundWriter()
+    engine.fssdp_checkpoint_writer.start(job)
+
+
+def _ds_write(real, state, path: str) -> None:
+    real.save(state, path)  # DeepSpeed's own writer, as in a synchronous save
+
+
+def _inside(tmp_dir: str, path: str) -> str:
+    name = os.path.relpath(path, os.path.abspath(tmp_dir))
+    if name.startswith(os.pardir):
+        raise CheckpointError(f"DeepSpeed staged {path}, outside the checkpoint's directory {tmp_dir}")
+    return name
+
+
+def _default_timeout_s() -> float:
+    from deepspeed.constants import default_pg_timeout  # DEEPSPEED_TIMEOUT minutes
+    return default_pg_timeout.total_seconds()
+
+
+def commit_files(save_dir: str, tag: str, tmp_dir: str, digests: dict, *, save_latest: bool) -> None:
+    """Rank 0, once every file is on disk: the manifest, then the renames (``latest`` last)."""
+    manifest = {"format": FORMAT, "version": VERSION, "tag": tag, "files": {f: digests[f] for f in sorted(digests)}}
+    write_json(manifest, os.path.join(tmp_dir, MANIFEST))
+    _commit(save_dir, tag, tmp_dir, save_latest=save_latest)
 
 
 def check_tag(tag: str) -> None:
@@ -70,13 +139,21 @@ def check_tag(tag: str) -> None:
 
 def write_expert_files(engine, root: str, tag: str) -> None:
     """This rank's expert rows, and on rank 0 the metadata and the shared state."""
+    os.makedirs(os.path.join(root, "fssdp"), exist_ok=True)
+    for name, state in expert_state(engine, tag).items():
+        (write_json if name.endswith(".json") else save_tensors)(state, os.path.join(root, name))
+
+
+def expert_state(engine, tag: str) -> dict:
+    """File name -> state: this rank's rows; on rank 0 also the shared state and the metadata
+    (JSON). Collective when the expert state is partitioned (``rank_state``)."""
     stage = engine.fssdp
     rank = dist.get_rank()
-    os.makedirs(os.path.join(root, "fssdp"), exist_ok=True)
-    save_tensors(rank_state(stage, engine.device), os.path.join(root, rank_file(rank)))
+    out = {rank_file(rank): rank_state(stage, engine.device)}
     if rank == 0:
-        save_tensors(common_state(stage), os.path.join(root, COMMON))
-        write_json(meta_state(engine, tag), os.path.join(root, META))
+        out[COMMON] = common_state(stage)
+        out[META] = meta_state(engine, tag)
+    return out
 
 
 def rank_state(stage, device) -> dict:

@@ -1,0 +1,192 @@
+"""The background half of an asynchronous save: write the staged files, then commit them
+atomically (manifest, rename, ``latest`` last) while training goes on.
+
+Every rank's thread writes its own staged states into ``.tmp-<tag>`` (DeepSpeed's with DeepSpeed's
+own writer, ours as a synchronous save writes them; each file flushed to disk and hashed), then
+reports under ``.tmp-<tag>/.written/rankRRRRR.json``: the digests of its files, or its error.
+Rank 0's thread waits for every rank's report and, when all succeeded, writes the manifest and
+commits exactly as a synchronous save does. The ranks agree through the shared filesystem the
+checkpoint already needs, not through a collective: a collective from a second thread on the
+training's process group could interleave with the training's own, and a separate group would
+break when the job tears its groups down with a write still pending (at exit). A rank killed
+before its report leaves ``.tmp-<tag>`` uncommitted and ``latest`` untouched; rank 0 gives up
+after the collective timeout (``fssdp.collective_timeout_s``, else DeepSpeed's).
+
+Why not DeepSpeed's or torch's asynchronous writers (read for 0.19.8 / torch 2.13):
+* DeepSpeed's decoupled engine (``checkpoint.writer.decoupled``) hands the state to a spawned
+  writer process per rank that needs the FastPersist writer (``async_io``, not buildable on a CPU
+  machine), waits for the write at the next optimizer step (training stalls there instead), moves
+  ``latest`` with a plain write, and knows nothing of our expert files, manifest and rename commit.
+  Its extension point, the checkpoint engine's ``save(state, path)``, is what ``staging.py`` uses.
+* torch DCP's ``async_save`` writes DCP's own format (``.distcp`` shards and ``.metadata``), not
+  the ``torch.save`` files DeepSpeed's loader, Universal Checkpoint and ours read; its staging only
+  takes tensors and plain Python leaves (DeepSpeed's states hold loss scalers and dataclasses);
+  and it finishes with a collective from the background thread.
+
+``wait`` is the step where ranks agree: a collective on the main thread (every rank calls it, as
+every rank calls ``save_checkpoint``) that joins this rank's thread and raises any rank's error on
+every rank. A save waits for the one before it this way. At exit, a pending write is waited for
+(the thread is not a daemon) and its error, if any, logged: nothing is swallowed.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from deepspeed.utils import logger
+
+from ds_fssdp.runtime.checkpoint.collective import agree
+from ds_fssdp.runtime.checkpoint.files import CheckpointError, digest, walk
+
+WRITTEN = ".written"  # inside .tmp-<tag>: one report per rank, removed before the commit
+POLL_S = 0.02
+
+
+@dataclass
+class Job:
+    """One rank's part of an asynchronous save. ``files``: path relative to ``tmp_dir`` -> a
+    function writing the staged state to the path it is given; ``commit(digests)``: rank 0's
+    commit (manifest, renames, ``latest``)."""
+    tag: str
+    tmp_dir: str
+    rank: int
+    world: int
+    timeout_s: float
+    commit: Callable[[dict], None]
+    files: dict = field(repr=False)
+
+
+def write_file(path: str, write: Callable[[str], None]) -> None:
+    """Looked up on the module at call time, so that tests can wrap it (delays, kills, errors)."""
+    write(path)
+
+
+def report_path(tmp_dir: str, rank: int) -> str:
+    return os.path.join(tmp_dir, WRITTEN, f"rank{rank:05d}.json")
+
+
+def run(job: Job) -> None:
+    """The thread's work on one rank; raises this rank's error (rank 0: also the commit's)."""
+    written, err = {}, None
+    try:
+        for name, write in job.files.items():
+            path = os.path.join(job.tmp_dir, name)
+            try:
+                sys.modules[__name__].write_file(path, write)
+                written[name] = digest(path)  # flushed to disk too
+            except Exception as e:  # a full disk, an unpicklable client_state: named with the file
+                raise CheckpointError(f"writing checkpoint file {path} failed: {type(e).__name__}: {e}") from e
+    except Exception as e:  # reported to rank 0, then raised here
+        err = e
+    job.files = {}  # the staged states are no longer needed
+    _report(job, {"files": written} if err is None else {"error": f"{type(err).__name__}: {err}"})
+    if err is not None:
+        raise err
+    if job.rank == 0:
+        job.commit(_digests(job))
+
+
+def _report(job: Job, body: dict) -> None:
+    path = report_path(job.tmp_dir, job.rank)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(body, f)
+    os.replace(path + ".tmp", path)  # rank 0 never reads half a report
+
+
+def _digests(job: Job) -> dict:
+    """Every rank's digests once all reported; a file in ``.tmp-<tag>`` that no rank staged (one
+    DeepSpeed wrote directly) is hashed here, so the manifest covers the directory as a
+    synchronous save's does."""
+    deadline = time.monotonic() + job.timeout_s
+    missing = list(range(job.world))
+    while True:
+        missing = [r for r in missing if not os.path.isfile(report_path(job.tmp_dir, r))]
+        if not missing:
+            break
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"checkpoint {job.tag!r}: rank(s) {missing} did not finish writing into "
+                                  f"{job.tmp_dir} within {job.timeout_s:.0f} s; not committed")
+        time.sleep(POLL_S)
+    digests, failed = {}, {}
+    for r in range(job.world):
+        with open(report_path(job.tmp_dir, r)) as f:
+            body = json.load(f)
+        if "error" in body:
+            failed[r] = body["error"]
+        else:
+            digests.update(body["files"])
+    if failed:
+        raise CheckpointError(f"checkpoint {job.tag!r} not committed: writing failed on rank(s) {sorted(failed)}: "
+                              + "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items())))
+    shutil.rmtree(os.path.join(job.tmp_dir, WRITTEN))
+    for name in walk(job.tmp_dir):
+        if name not in digests:
+            digests[name] = digest(os.path.join(job.tmp_dir, name))
+    return digests
+
+
+class BackgroundWriter:
+    """One engine's background save: at most one at a time."""
+
+    def __init__(self):
+        self._thread = None
+        self._tag = None
+        self._error = None
+        self.last_seconds = None  # how long this rank's last background write (and commit) took
+        atexit.register(self._at_exit)
+
+    @property
+    def pending(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, job: Job) -> None:
+        assert self._thread is None, "a save must wait for the one before it"
+        self._tag, self._error = job.tag, None
+        self._thread = threading.Thread(target=self._run, args=(job, ), name=f"fssdp-checkpoint-{job.tag}")
+        self._thread.start()
+
+    def _run(self, job: Job) -> None:
+        started = time.perf_counter()
+        try:
+            run(job)
+        except BaseException as err:  # raised on every rank by wait, logged at exit
+            self._error = err
+            return
+        finally:
+            self.last_seconds = time.perf_counter() - started
+        if job.rank == 0:
+            logger.info(f"fssdp: checkpoint {job.tag!r} written and committed in the background "
+                        f"({self.last_seconds:.2f} s)")
+
+    def join(self) -> tuple:
+        """Wait for this rank's thread; return (tag, error) and forget them. (None, None) if idle."""
+        if self._thread is None:
+            return None, None
+        self._thread.join()
+        out = (self._tag, self._error)
+        self._thread, self._tag, self._error = None, None, None
+        return out
+
+    def _at_exit(self) -> None:
+        if self._thread is None:
+            return
+        if self.pending:
+            logger.info(f"fssdp: waiting for the background write of checkpoint {self._tag!r} before exiting")
+        tag, err = self.join()
+        if err is not None:
+            logger.error(f"fssdp: the background write of checkpoint {tag!r} failed: {type(err).__name__}: {err}")
+
+
+def wait(writer) -> None:
+    """Collective: block until the pending asynchronous save (if any) is committed; raise its error,
+    from whichever rank, on every rank."""
+    tag, err = writer.join() if writer is not None else (None, None)
+    agree(f"the background write of checkpoint {tag!r}", err)
