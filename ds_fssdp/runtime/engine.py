@@ -203,8 +203,10 @@ class FSSDPEngineMixin:
         """DeepSpeed's ``load_checkpoint`` (same arguments and return value) plus the experts,
         under this engine's world size and owners; every file is checked against the manifest
         and read with ``weights_only=True``. ``load_expert_optimizer_states`` (default: as
-        ``load_optimizer_states``); ``verify``: check sha256 digests, not only sizes."""
+        ``load_optimizer_states``); ``verify``: check sha256 digests, not only sizes. A pending
+        asynchronous save is committed first (it may be the checkpoint being loaded)."""
         from ds_fssdp.runtime import checkpoint
+        checkpoint.wait(self)
         return checkpoint.load(self, load_dir, tag, ds_load=super().load_checkpoint,
                                load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
