@@ -47,10 +47,6 @@ def check_combinations(ds_config: dict, fcfg: FSSDPConfig, *, model) -> None:
     if isinstance(ep, dict) and ep.get("enabled", False):
         raise FSSDPConfigError("expert_parallel.enabled (true) is DeepSpeed AutoEP, which shards experts itself; "
                                "it cannot be combined with fssdp (remove one of the two sections)")
-    sp = ds_config.get("sequence_parallel_size", 1)
-    if isinstance(sp, int) and sp > 1:
-        raise FSSDPConfigError(f"sequence_parallel_size ({sp}) is not supported with fssdp (the token exchange "
-                               "spans the whole data-parallel world)")
     experts = [m for m in model.modules() if isinstance(m, FSSDPExperts)] if model is not None else []
     if fcfg.router_bias_update_rate and experts and not any(m.router_bias is not None for m in experts):
         raise FSSDPConfigError(f"fssdp.router_bias_update_rate ({fcfg.router_bias_update_rate}) is set, but no MoE "
