@@ -19,11 +19,12 @@ import torch.nn.functional as F
 
 from distributed import spawn
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 transformers = pytest.importorskip("transformers")
 
 from hf_tiny import VOCAB, tiny_model  # noqa: E402
+from parallel_reference import sgd_reference  # noqa: E402
 
 SP, ROWS, SEQ, STEPS = 2, 2, 12, 3
 LR, MOMENTUM, CLIP = 0.2, 0.9, 0.5
@@ -117,23 +118,14 @@ def reference(mt, world, *, scale, ckpt=False):
     model = model_of(mt)
     if ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    params = list(model.parameters())
-    opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
-    dp = world // SP
-    losses, norms = {}, []
-    for step in range(STEPS):
-        opt.zero_grad()
-        for g in range(dp):
-            b = sample(*source_rank(step, g))
-            logits = model(input_ids=b["input_ids"], position_ids=b["position_ids"]).logits
-            loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, VOCAB), b["labels"][:, 1:].reshape(-1))
-            (loss * scale / dp).backward()
-            losses[(step, g)] = loss.item()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(params, CLIP)))
-        opt.step()
-    assert max(norms) > CLIP  # clipping engaged
-    return losses, model.state_dict()
+
+    def loss_of(model, step, g):
+        b = sample(*source_rank(step, g))
+        logits = model(input_ids=b["input_ids"], position_ids=b["position_ids"]).logits
+        return F.cross_entropy(logits[:, :-1].float().reshape(-1, VOCAB), b["labels"][:, 1:].reshape(-1))
+
+    return sgd_reference(model, loss_of, steps=STEPS, dp=world // SP, lr=LR, momentum=MOMENTUM, clip=CLIP,
+                         scale=scale)
 
 
 @pytest.fixture(scope="module", params=sorted(RUNS))

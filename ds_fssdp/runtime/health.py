@@ -38,11 +38,6 @@ def check_combinations(ds_config: dict, fcfg: FSSDPConfig, *, model) -> None:
     cannot work is refused here: different expert counts per layer where the plan spans layers.
     """
     from ds_fssdp.moe.experts_module import FSSDPExperts
-    tp = ds_config.get("tensor_parallel") or {}
-    autotp = tp.get("autotp_size", tp.get("tp_size", 1)) if isinstance(tp, dict) else 1
-    if isinstance(autotp, int) and autotp > 1:
-        raise FSSDPConfigError(f"tensor_parallel.autotp_size ({autotp}) is not supported with fssdp: an expert is "
-                               "never split across ranks (expert tensor parallelism); use autotp_size 1")
     ep = ds_config.get("expert_parallel") or {}
     if isinstance(ep, dict) and ep.get("enabled", False):
         raise FSSDPConfigError("expert_parallel.enabled (true) is DeepSpeed AutoEP, which shards experts itself; "
