@@ -47,7 +47,9 @@ def ds_config(world, zero):
     return {"train_micro_batch_size_per_gpu": ROWS, "gradient_accumulation_steps": 1,
             "train_batch_size": ROWS * world // SP, "sequence_parallel_size": SP,
             "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": MOMENTUM}}, "gradient_clipping": CLIP,
-            "zero_optimization": {"stage": zero}, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
+            # ZeRO 3 partitions every dense parameter, however small (the default keeps small ones whole).
+            "zero_optimization": {"stage": zero, "stage3_param_persistence_threshold": 0},
+            "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
             "fssdp": {"materialization_budget": 2, "overlap_degree": 4, "load_window": 1}}
 
 
@@ -79,6 +81,7 @@ def alst_loss(logits, shift_labels, sp_group):
 def _worker(rank, world, runs):
     import deepspeed.comm as dist
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
+    from deepspeed.runtime.zero import GatheredParameters
     import ds_fssdp
     import ds_fssdp.integrations.hf as fssdp_hf
     # Registered once per process (DeepSpeed's SP groups are module state); both families share
@@ -106,8 +109,11 @@ def _worker(rank, world, runs):
             engine.step()
             losses.append(loss.item())
             replicas += sum(m.last_stats["replicas"] for _, m in fssdp_hf.converted_experts(model))
+        partitioned = any(hasattr(p, "ds_id") and p.numel() == 0 for p in model.parameters())
+        with GatheredParameters(list(model.parameters())):  # ZeRO 3: whole dense parameters
+            state = {k: v.clone() for k, v in fssdp_hf.hf_state_dict(model).items()}
         out[(mt, tuple(sorted(opts.items())))] = dict(
-            losses=losses, state=fssdp_hf.hf_state_dict(model), replicas=replicas,
+            losses=losses, state=state, replicas=replicas, partitioned=partitioned,
             grad_scale=engine.fssdp.grad_scale, sp_rank=mpu.get_sequence_parallel_rank())
         dist.barrier()
     return out
@@ -141,6 +147,7 @@ def test_ulysses_sp_trains_like_single_process_full_sequences(trained):
         for rank, res in enumerate(results):
             run = res[(mt, tuple(sorted(opts.items())))]
             assert run["grad_scale"] == SCALE[opts["zero"]] / world
+            assert run["partitioned"] == (opts["zero"] == 3)
             assert run["replicas"] > 0  # replicas planned and gathered over the ranks' slices
             want = [ref_losses[(s, rank // SP)] for s in range(STEPS)]
             torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(want), **TOL,

@@ -23,18 +23,13 @@ from ds_fssdp.config import FSSDPConfigError
 
 
 def tensor_parallel_size(ds_config: dict) -> int:
-    """p from ``tensor_parallel.autotp_size`` (1 when off); refuses what FSSDP does not run with it."""
+    """p from ``tensor_parallel.autotp_size`` (1 when off). SP with TP is refused in
+    ``sequence_parallel.py``; ZeRO 0-3 all fold alike."""
     tp = ds_config.get("tensor_parallel") or {}
     size = tp.get("autotp_size", 0) if isinstance(tp, dict) else 0
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         raise FSSDPConfigError(f"tensor_parallel.autotp_size ({size!r}) must be an integer >= 0")
-    if size <= 1:
-        return 1
-    stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
-    if stage == 3:
-        raise FSSDPConfigError(f"tensor_parallel.autotp_size ({size}) with zero_optimization.stage (3) is not "
-                               "supported with fssdp (untested); use ZeRO stage 0, 1 or 2")
-    return size
+    return max(size, 1)
 
 
 def tp_grad_scale(*, world: int, tp: int) -> float:
