@@ -127,7 +127,8 @@ def test_autotp_folding_trains_like_single_process(trained):
                                        msg=f"{mt} ZeRO {zero} rank {rank}")
             for key, value in ref_state.items():
                 assert key in run["state"], key
-                torch.testing.assert_close(run["state"][key], value, rtol=1e-4, atol=1e-6, msg=f"{mt} ZeRO {zero} {rank} {key}")
+                torch.testing.assert_close(run["state"][key], value, rtol=1e-4, atol=1e-6,
+                                           msg=f"{mt} ZeRO {zero} {rank} {key}")
 
 
 @pytest.mark.parametrize("config,message", [
