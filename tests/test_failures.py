@@ -43,7 +43,7 @@ def _model(num_experts=(4, )):
 
 
 @pytest.mark.parametrize("config,model,message", [
-    ({"tensor_parallel": {"autotp_size": 2}}, (4, ), r"tensor_parallel.autotp_size \(2\)"),
+    ({"tensor_parallel": {"autotp_size": 2.5}}, (4, ), r"tensor_parallel.autotp_size \(2.5\) must be an integer"),
     ({"expert_parallel": {"enabled": True}}, (4, ), r"expert_parallel.enabled \(true\) is DeepSpeed AutoEP"),
     ({"sequence_parallel_size": 2}, (4, ), r"sequence_parallel_size \(2\)"),
     ({"fssdp": {"reshard_interval": 5}}, (4, 8), r"fssdp.reshard_interval \(5\) needs the same number of experts"),

@@ -12,6 +12,10 @@ only the experts this rank owns.
 Frozen experts (every expert tensor ``requires_grad=False``) stay frozen once sharded: no
 gradient, no optimizer state, no reduce.
 
+Tensor-parallel folding (``fold``, set by ``ds_fssdp.initialize`` under AutoTP): every TP rank
+holds the same tokens; the layer dispatches only this TP rank's slice of them and all-gathers
+the outputs over the TP group (``comm/fold.py``), so each token is computed once per TP group.
+
 Routing bias (DeepSeek-V3's auxiliary-loss-free balancing): a router bias handed to
 :meth:`bind_router_bias` moves after every optimizer step by ``router_bias_update_rate`` times
 ``sign(mean load - expert load)``, the loads counted over every training forward since the last
@@ -24,6 +28,7 @@ from typing import Mapping
 import torch
 import torch.nn as nn
 
+from ds_fssdp.comm import fold as tp_fold
 from ds_fssdp.moe.compute import dispatch_compute_combine, local_exchange, mlp_fn
 from ds_fssdp.moe.experts import ExpertSpec
 from ds_fssdp.moe.routing import route
@@ -49,6 +54,7 @@ class FSSDPExperts(nn.Module):
         self._router_bias = None  # (tensor [E], where) from bind_router_bias
         self.router_bias_update_rate = 0.0  # set by the FSSDP stage from the config
         self.pending_load_E = None  # float64 [E]: loads since the last bias update
+        self.fold = None  # comm.fold.TPFold under AutoTP (set at initialize): dispatch this TP rank's slice
 
     @property
     def activation(self) -> str:
@@ -72,6 +78,11 @@ class FSSDPExperts(nn.Module):
 
     def route_and_compute(self, x_TH, idx_TK, weights_TK, counts_E=None) -> tuple:
         """``(y_TH, load_E)``: the output and this forward's loads (global once sharded)."""
+        if self.fold is not None and self.sharded is not None:
+            return self._folded(x_TH, idx_TK, weights_TK)
+        return self._route_and_compute(x_TH, idx_TK, weights_TK, counts_E)
+
+    def _route_and_compute(self, x_TH, idx_TK, weights_TK, counts_E=None) -> tuple:
         if counts_E is None:
             counts_E = torch.bincount(idx_TK.reshape(-1), minlength=self.num_experts)
         if self.sharded is None:
@@ -82,6 +93,15 @@ class FSSDPExperts(nn.Module):
         if self.training and load_E is not None:
             self.observe_load(load_E)
         return out_TH, load_E
+
+    def _folded(self, x_TH, idx_TK, weights_TK) -> tuple:
+        """Route full, partition the dispatch: this TP rank's slice through the sharded layer,
+        the outputs all-gathered over the TP group. The loads count every token once (the
+        FSSDP groups span the TP lanes)."""
+        f = self.fold
+        out_CH, load_E = self._route_and_compute(tp_fold.split(x_TH, f), tp_fold.split(idx_TK, f),
+                                                 tp_fold.split(weights_TK, f))
+        return tp_fold.gather(out_CH, f, x_TH.shape[0]), load_E
 
     def _local_forward(self, x_TH, idx_TK, weights_TK, counts_E):
         counts_E = counts_E.cpu()

@@ -22,6 +22,8 @@ from ds_fssdp.moe.experts_module import FSSDPExperts
 from ds_fssdp.runtime.groups import build_groups
 from ds_fssdp.runtime.monitor import StageMonitor
 from ds_fssdp.runtime.health import apply_run_settings, check_combinations, skipped_optimizer_step
+from ds_fssdp.runtime.sequence_parallel import sequence_parallel_size, sp_grad_scale
+from ds_fssdp.runtime.tensor_parallel import attach_fold, tensor_parallel_size, tp_grad_scale
 from ds_fssdp.runtime.stage import FSSDPStage
 from ds_fssdp.runtime.zero3 import prepare_layers as prepare_zero3
 
@@ -45,7 +47,8 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
         if fcfg.enabled:
             logger.warning("fssdp: the model has no FSSDP experts (FSSDPMoE layers or converted HF experts); initializing plain DeepSpeed")
         return _deepspeed_initialize(**ds_kwargs)
-    check_supported(ds_config, fcfg, model=model, mpu=mpu)
+    sp = check_supported(ds_config, fcfg, model=model, mpu=mpu, mesh_param=mesh_param)
+    tp = tensor_parallel_size(ds_config)  # AutoTP: the FSSDP layers fold over its TP groups
     prepare_zero3(layers, ds_config)  # before any collective: it may refuse
     requested, requested_by = requested_group_size(model)
 
@@ -66,11 +69,17 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
     stage = FSSDPStage(layers, fcfg, groups.topology, group=groups.tokens, param_group=groups.params,
                        edp_group=groups.edp)
     stage.groups = groups
+    # DeepSpeed's divisor of the summed gradients (SP and TP are never combined: refused).
+    stage.grad_scale = sp_grad_scale(ds_config, world=world, sp=sp) if tp == 1 else tp_grad_scale(world=world, tp=tp)
     ds_kwargs["model_parameters"] = _without(model_parameters, expert_ids)
     if isinstance(optimizer, torch.optim.Optimizer):
         _strip_params(optimizer, expert_ids)
 
     engine, ds_optimizer, dataloader, scheduler = _deepspeed_initialize(**ds_kwargs)
+    if tp > 1:  # AutoTP's groups exist once DeepSpeed has initialized
+        from deepspeed.utils import groups as ds_groups
+        tp_group = ds_groups.get_tensor_model_parallel_group()
+        attach_fold(layers, tp_group=tp_group, tp_size=tp, tp_rank=dist.get_rank(group=tp_group))
     engine.__class__ = _fssdp_engine_class(type(engine))
     engine.fssdp = stage
     stage.attach(engine)
@@ -98,14 +107,17 @@ def requested_group_size(model) -> tuple:
     return size, who
 
 
-def check_supported(ds_config: dict, fcfg: FSSDPConfig, *, model, mpu) -> None:
-    """Refuse combinations FSSDP does not handle, before any collective."""
+def check_supported(ds_config: dict, fcfg: FSSDPConfig, *, model, mpu, mesh_param=None) -> int:
+    """Refuse combinations FSSDP does not handle, before any collective. Returns the Ulysses
+    sequence-parallel size (1 without SP; runtime/sequence_parallel.py)."""
     if isinstance(model, PipelineModule):
         raise FSSDPConfigError("fssdp does not support pipeline parallelism (the model is a PipelineModule)")
-    if mpu is not None:
-        raise FSSDPConfigError("fssdp does not support model/tensor parallelism (an mpu was passed); experts "
-                               "are never split inside an expert")
+    sp = sequence_parallel_size(ds_config, mpu=mpu, mesh_param=mesh_param)
+    if mpu is not None and sp == 1:
+        raise FSSDPConfigError("fssdp does not support Megatron-style model/tensor parallelism (an mpu other than "
+                               "Ulysses sequence parallelism's was passed); experts are never split inside an expert")
     check_combinations(ds_config, fcfg, model=model)
+    return sp
 
 
 def _read_config(args, config, config_params) -> dict:

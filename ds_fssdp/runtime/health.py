@@ -38,19 +38,10 @@ def check_combinations(ds_config: dict, fcfg: FSSDPConfig, *, model) -> None:
     cannot work is refused here: different expert counts per layer where the plan spans layers.
     """
     from ds_fssdp.moe.experts_module import FSSDPExperts
-    tp = ds_config.get("tensor_parallel") or {}
-    autotp = tp.get("autotp_size", tp.get("tp_size", 1)) if isinstance(tp, dict) else 1
-    if isinstance(autotp, int) and autotp > 1:
-        raise FSSDPConfigError(f"tensor_parallel.autotp_size ({autotp}) is not supported with fssdp: an expert is "
-                               "never split across ranks (expert tensor parallelism); use autotp_size 1")
     ep = ds_config.get("expert_parallel") or {}
     if isinstance(ep, dict) and ep.get("enabled", False):
         raise FSSDPConfigError("expert_parallel.enabled (true) is DeepSpeed AutoEP, which shards experts itself; "
                                "it cannot be combined with fssdp (remove one of the two sections)")
-    sp = ds_config.get("sequence_parallel_size", 1)
-    if isinstance(sp, int) and sp > 1:
-        raise FSSDPConfigError(f"sequence_parallel_size ({sp}) is not supported with fssdp (the token exchange "
-                               "spans the whole data-parallel world)")
     experts = [m for m in model.modules() if isinstance(m, FSSDPExperts)] if model is not None else []
     if fcfg.router_bias_update_rate and experts and not any(m.router_bias is not None for m in experts):
         raise FSSDPConfigError(f"fssdp.router_bias_update_rate ({fcfg.router_bias_update_rate}) is set, but no MoE "

@@ -57,6 +57,9 @@ class FSSDPStage:
         self.edp_size = dist.get_world_size(group=edp_group) if edp_group is not None else 1
         self.group_index = dist.get_rank() // self.group_size
         self.groups = None  # runtime.groups.FSSDPGroups when built by ds_fssdp.initialize
+        # Summed expert gradients times this at the step: DeepSpeed's data-parallel average (its
+        # divisor is W / s under Ulysses SP, runtime/sequence_parallel.py).
+        self.grad_scale = 1.0 / self.world
         if self.group_size * self.edp_size != self.world:
             raise ValueError(f"FSSDP group ({self.group_size} ranks) x EDP group ({self.edp_size}) != world "
                              f"({self.world})")
@@ -178,7 +181,7 @@ class FSSDPStage:
     @torch.no_grad()
     def before_step(self, engine) -> None:
         """Average the expert gradients over ranks and arm DeepSpeed's norm with theirs."""
-        sq = self.expert_state.reduce(1.0 / self.world).to(engine.device)
+        sq = self.expert_state.reduce(self.grad_scale).to(engine.device)
         sq += self.health.loss_flag(sq)  # +inf where this rank's loss was not finite: all ranks learn it
         # Over the world: each expert counted once (expert_dp.py), every rank's loss flag heard.
         dist.all_reduce(sq, group=self.group if self.edp_size == 1 else None)

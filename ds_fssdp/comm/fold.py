@@ -1,0 +1,80 @@
+"""Tensor-parallel folding of an MoE layer (AutoEP's "route full, partition the dispatch").
+
+Legend: T tokens (identical on every TP rank), C = ceil(T / p) tokens per TP rank's slice, p TP ranks.
+
+Under AutoTP every TP rank holds the same tokens and the same router output. Each TP rank
+dispatches only its slice (rows ``[r * C, min(T, (r + 1) * C))``), and the slices' outputs are
+all-gathered over the TP group. The two exchanges are Megatron's sequence-parallel pair, so the
+gradients stay what a replicated layer would compute:
+
+* ``split``: forward takes this rank's slice; backward all-gathers the slices' gradients, so the
+  router and everything before the layer get the full, identical gradient on every TP rank;
+* ``gather``: forward all-gathers the slices; backward takes this rank's slice of the incoming
+  gradient, which is identical on every TP rank (AutoTP's own backward reductions make it so).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from deepspeed import comm as dist
+
+
+@dataclass(frozen=True)
+class TPFold:
+    group: object  # the TP group (every rank of it holds the same tokens)
+    size: int  # p
+    rank: int  # this rank in the TP group
+
+    def bounds(self, num_tokens: int) -> tuple:
+        chunk = -(-num_tokens // self.size)
+        return min(num_tokens, self.rank * chunk), min(num_tokens, (self.rank + 1) * chunk), chunk
+
+
+def _all_gather_slices(x_CH: torch.Tensor, fold: TPFold, num_tokens: int) -> torch.Tensor:
+    """Every TP rank's slice (each padded to C rows) -> [T, ...]."""
+    start, end, chunk = fold.bounds(num_tokens)
+    padded = x_CH.new_zeros((chunk, ) + tuple(x_CH.shape[1:]))
+    padded[:end - start] = x_CH
+    out = x_CH.new_empty((chunk * fold.size, ) + tuple(x_CH.shape[1:]))
+    dist.all_gather_into_tensor(out, padded.contiguous(), group=fold.group)
+    return out[:num_tokens]
+
+
+class _Split(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, x_TH, fold):
+        ctx.fold, ctx.num_tokens = fold, x_TH.shape[0]
+        start, end, _ = fold.bounds(x_TH.shape[0])
+        return x_TH[start:end]
+
+    @staticmethod
+    def backward(ctx, grad_CH):
+        return _all_gather_slices(grad_CH.contiguous(), ctx.fold, ctx.num_tokens), None
+
+
+class _Gather(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, x_CH, fold, num_tokens):
+        ctx.fold, ctx.num_tokens = fold, num_tokens
+        return _all_gather_slices(x_CH, fold, num_tokens)
+
+    @staticmethod
+    def backward(ctx, grad_TH):
+        start, end, _ = ctx.fold.bounds(ctx.num_tokens)
+        return grad_TH[start:end].contiguous(), None, None
+
+
+def split(x_TH: torch.Tensor, fold: TPFold) -> torch.Tensor:
+    """This TP rank's slice of ``x_TH`` (integer tensors: a plain slice, no gradient)."""
+    if not x_TH.is_floating_point():
+        start, end, _ = fold.bounds(x_TH.shape[0])
+        return x_TH[start:end]
+    return _Split.apply(x_TH, fold)
+
+
+def gather(x_CH: torch.Tensor, fold: TPFold, num_tokens: int) -> torch.Tensor:
+    """The TP ranks' slices, in order, as [T, ...] on every TP rank."""
+    return _Gather.apply(x_CH, fold, num_tokens)
