@@ -44,6 +44,15 @@ def test_converted_lora_matches_peft(model_type, order):
                                    rtol=1e-5)
 
 
+def test_rslora_and_alpha_pattern_scale_like_peft():
+    options = dict(use_rslora=True, alpha_pattern={"layers.0.mlp.experts.gate_up_proj": 7})
+    ref, model = lora_model("qwen3_moe", **options).eval(), lora_model("qwen3_moe", order="before", **options).eval()
+    scalings = {w.scaling["default"] for w in model.modules() if type(w).__name__ == "FSSDPParamWrapper"}
+    assert len(scalings) > 2  # alpha / sqrt(r) with two ranks and two alphas
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch()).logits, ref(**batch()).logits, atol=ATOL, rtol=1e-5)
+
+
 def test_adapter_saved_while_converted_loads_into_plain_peft(tmp_path):
     model = lora_model("deepseek_v3", order="before").eval()
     model.save_pretrained(tmp_path)
@@ -60,9 +69,10 @@ def test_adapter_saved_while_converted_loads_into_plain_peft(tmp_path):
         torch.testing.assert_close(merged(**batch()).logits, expected, atol=ATOL, rtol=1e-5)
 
 
-@pytest.mark.parametrize("order", ["before", "after"])
-@pytest.mark.parametrize("option, value", [("use_dora", True), ("lora_dropout", 0.1), ("lora_bias", True)])
+@pytest.mark.parametrize("option, value, order", [("use_dora", True, "before"), ("use_dora", True, "after"),
+                                                  ("lora_dropout", 0.1, "after"), ("lora_bias", True, "after")])
 def test_peft_refuses_what_it_cannot_do_on_expert_tensors(option, value, order):
+    """PEFT's own refusal, also when the wrapped module is a converted one (order "after")."""
     with pytest.raises(ValueError, match=option):
         lora_model("qwen3_moe", order=order, target_modules=None, **{option: value})
 

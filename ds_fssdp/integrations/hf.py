@@ -38,6 +38,11 @@ Routers with a selection bias (``e_score_correction_bias``: DeepSeek-V3 family, 
 with ``fssdp.router_bias_update_rate`` > 0 the bias is trained with DeepSeek-V3's
 auxiliary-loss-free rule after every optimizer step (transformers never updates it).
 
+PEFT LoRA on the experts (``LoraConfig(target_parameters=["mlp.experts.gate_up_proj",
+"mlp.experts.down_proj"])``), applied before or after ``convert``: the frozen base experts stay
+sharded and each expert's factors are applied inside FSSDP's expert compute
+(:mod:`ds_fssdp.integrations.peft_lora`).
+
 Frozen experts (``requires_grad_(False)`` on an experts module's tensors before initialize) stay
 frozen: no gradient, no optimizer state, no reduce.
 

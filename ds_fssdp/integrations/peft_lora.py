@@ -202,11 +202,11 @@ def lora_targets(layout) -> dict:
     return {up: (layout.hidden, 2 * layout.ffn if layout.gated else layout.ffn), "down_proj": (layout.ffn, layout.hidden)}
 
 
-def check_config(experts: FSSDPHFExperts, ds_config: dict, fcfg, *, model: nn.Module) -> None:
-    """Refuse, by key, what LoRA on ``experts`` cannot run (when a PEFT wrapper targets them)."""
+def check_config(experts: FSSDPHFExperts, ds_config: dict, fcfg, *, model: nn.Module) -> bool:
+    """Whether a PEFT wrapper targets ``experts``; if so, refuse by key what LoRA on them cannot run."""
     wrapped = any(is_param_wrapper(m) and m.get_base_layer() is experts for m in model.modules())
     if not wrapped:
-        return
+        return False
     where = f"LoRA on FSSDP experts ({experts.extra_repr()})"
     stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
     if stage == 3:
@@ -216,6 +216,7 @@ def check_config(experts: FSSDPHFExperts, ds_config: dict, fcfg, *, model: nn.Mo
     if fcfg.rematerialize:
         raise ValueError(f"{where}: fssdp.rematerialize (true) is not supported: the re-materializing backward "
                          "recomputes the expert MLP outside autograd, so the LoRA factors would get no gradient")
+    return True
 
 
 @contextmanager

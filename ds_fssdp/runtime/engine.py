@@ -46,9 +46,9 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
             logger.warning("fssdp: the model has no FSSDP experts (FSSDPMoE layers or converted HF experts); initializing plain DeepSpeed")
         return _deepspeed_initialize(**ds_kwargs)
     check_supported(ds_config, fcfg, model=model, mpu=mpu)
-    for layer in layers:  # refusals a layer brings along (integrations/peft_lora.py: LoRA on HF experts)
-        if hasattr(layer, "check_config"):
-            layer.check_config(ds_config, fcfg, model=model)
+    for layer in layers:  # a layer's own checks (integrations/peft_lora.py: LoRA on HF experts)
+        if hasattr(layer, "prepare_initialize"):
+            layer.prepare_initialize(ds_config, fcfg, model=model)
     prepare_zero3(layers, ds_config)  # before any collective: it may refuse
     requested, requested_by = requested_group_size(model)
 
