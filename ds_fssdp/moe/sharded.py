@@ -256,7 +256,7 @@ class ShardedExperts:
 
     def _expert_fn(self, replica_RP, *, remat: bool, local_E: torch.Tensor):
         # LoRA factors of the experts this rank computes (owned, then replicas), set per forward
-        # by the experts module (integrations/peft_lora.py); refused with rematerialize there.
+        # by the experts module (integrations/peft_lora.py); LoRA with rematerialize is refused at initialize.
         lora = self.lora_factors(local_E) if getattr(self, "lora_factors", None) is not None else None
         if remat:
             rows, spec = self.rows, self.spec
