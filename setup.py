@@ -34,7 +34,9 @@ setup(
     ],
     extras_require={
         "triton": ["triton>=3.0"],
-        "test": ["pytest>=8", "pytest-timeout", "scipy", "triton>=3.0"],
+        # peft: the LoRA-on-experts factor layout (ParamWrapper) is read as of 0.21; trl: SFTTrainer tests.
+        "test": ["pytest>=8", "pytest-timeout", "scipy", "triton>=3.0", "peft>=0.21.2,<0.22", "trl>=1.16,<2",
+                 "datasets", "tokenizers"],
         "hf": ["transformers>=5.20,<6", "accelerate>=1.10"],
     },
 )

@@ -82,23 +82,31 @@ def _worker(rank, world, runs):
         cfg = ds_config(rematerialize=opts.get("remat", False), router_bias_update_rate=opts.get("rate", 0.0),
                         group_size=opts.get("group"))
         engine, *_ = ds_fssdp.initialize(model=model, config=cfg)
-        losses, biases, replicas = [], [], 0
-        for step in range(STEPS):
-            loss = engine(**_data(step, rank)).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-            replicas += sum(m.last_stats["replicas"] for _, m in fssdp_hf.converted_experts(model))
-            biases.append([m.router_bias.detach().clone() for _, m in fssdp_hf.converted_experts(model)
-                           if m.router_bias is not None])
+        losses, biases, replicas = train_steps(engine, model, rank)
         out[_key(mt, opts)] = dict(losses=losses, state=fssdp_hf.hf_state_dict(model), biases=biases,
                                    replicas=replicas)
     return out
 
 
-def reference(mt, *, freeze=False, rate=0.0, ckpt=None):
-    """Single process, the unconverted HF model, every rank's batch; the bias rule by hand."""
-    model = tiny_model(mt)
+def train_steps(engine, model, rank) -> tuple:
+    """STEPS engine steps on this rank's batches: (losses, router biases per step, replicas gathered)."""
+    import ds_fssdp.integrations.hf as fssdp_hf
+    losses, biases, replicas = [], [], 0
+    for step in range(STEPS):
+        loss = engine(**_data(step, rank)).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        replicas += sum(m.last_stats["replicas"] for _, m in fssdp_hf.converted_experts(model))
+        biases.append([m.router_bias.detach().clone() for _, m in fssdp_hf.converted_experts(model)
+                       if m.router_bias is not None])
+    return losses, biases, replicas
+
+
+def reference(mt, *, freeze=False, rate=0.0, ckpt=None, model=None):
+    """Single process, the unconverted HF model (``model``, else the family's tiny one), every
+    rank's batch; the bias rule by hand."""
+    model = tiny_model(mt) if model is None else model
     if ckpt is not None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": ckpt})
     model.train(mt != "phimoe")

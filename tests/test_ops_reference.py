@@ -45,7 +45,7 @@ def test_grouped_gemm_tensor_sizes(sizes):
 def test_expert_mlp(name):
     case = MLP_CASES[name]
     check_mlp(case["sizes"], "cpu", torch.float32, activation=case["activation"], bias=case.get("bias", False),
-              act_params=case.get("act_params"))
+              act_params=case.get("act_params"), lora_rank=case.get("lora_rank", 0))
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "geglu_tanh", "gptoss"])

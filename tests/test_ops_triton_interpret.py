@@ -67,10 +67,13 @@ MLP_CASES = {
     "swiglu_limit": dict(sizes=[6, 0, 7], activation="swiglu_limit", act_params={"limit": LIMIT}),
     "gptoss-bias": dict(sizes=[2, 9, 1], activation="gptoss", bias=True,
                         act_params={"alpha": ALPHA, "limit": LIMIT}),
+    # LoRA factors on every projection (ops/lora.py), rank 3: narrower than any tile.
+    "swiglu-lora": dict(sizes=[0, 7, 20], activation="swiglu", lora_rank=3),
+    "gelu-bias-lora": dict(sizes=[3, 0, 9], activation="gelu", bias=True, lora_rank=2),
 }
 # What the interpreter runs (it is slow per program instance): the activations are torch
 # elementwise ops on every backend, so only the GEMM paths (plain, bias) need the kernels.
-INTERPRET_MLP = ["gelu", "swiglu", "gptoss-bias"]
+INTERPRET_MLP = ["gelu", "swiglu", "gptoss-bias", "swiglu-lora"]
 
 ALL_CASES = ([f"gemm/{n}" for n in GEMM_CASES] + [f"gemm/{n}/trans_w" for n in GEMM_CASES]
              + [f"gemm/{n}/bias" for n in GEMM_CASES] + ["gemm/odd-sizes/trans_w/bias", "gemm/tensor-sizes"]
@@ -144,8 +147,9 @@ def reference_activation(activation, params, *inputs):
     return (u + 1) * g * torch.sigmoid(params["alpha"] * g)
 
 
-def check_mlp(sizes, device, dtype, *, activation, bias=False, act_params=None):
+def check_mlp(sizes, device, dtype, *, activation, bias=False, act_params=None, lora_rank=0):
     from ds_fssdp import ops
+    from ds_fssdp.ops.lora import LoraFactors
 
     gen = torch.Generator().manual_seed(5)
     G, R, H, Fh = len(sizes), sum(sizes), GEMM_H, 32  # K = 32 in the down projection: EVEN_K
@@ -155,11 +159,20 @@ def check_mlp(sizes, device, dtype, *, activation, bias=False, act_params=None):
     if bias:
         shapes.update({"b" + n[1:]: (G, s[2]) for n, s in list(shapes.items())})
     pairs = {n: _leaf(0.3 * torch.randn(s, generator=gen), device, dtype) for n, s in shapes.items()}
-    y = ops.expert_mlp(x, {n: p[0] for n, p in pairs.items()}, sizes, activation=activation, act_params=act_params)
+    weights = {n: p[0] for n, p in pairs.items()}
+    lora, scaling = {}, 0.7
+    for n in (shapes if lora_rank else ()):
+        if n.startswith("w"):
+            _, fan_in, fan_out = shapes[n]
+            pairs[f"{n}.A"] = _leaf(0.3 * torch.randn(G, fan_in, lora_rank, generator=gen), device, dtype)
+            pairs[f"{n}.B"] = _leaf(0.3 * torch.randn(G, lora_rank, fan_out, generator=gen), device, dtype)
+            lora[n] = [LoraFactors(pairs[f"{n}.A"][0], pairs[f"{n}.B"][0], scaling)]
+    y = ops.expert_mlp(x, weights, sizes, activation=activation, act_params=act_params, lora=lora or None)
     w64 = {n: p[1] for n, p in pairs.items()}
 
     def lin(inp, name, g):
-        return inp @ w64[name][g] + (w64["b" + name[1:]][g] if bias else 0)
+        out = inp @ w64[name][g] + (w64["b" + name[1:]][g] if bias else 0)
+        return out + scaling * (inp @ w64[f"{name}.A"][g]) @ w64[f"{name}.B"][g] if name in lora else out
 
     outs, gates, ups, start = [], [], [], 0
     for g, n in enumerate(sizes):
@@ -258,7 +271,7 @@ def run_case(name, device, dtype):
     if kind == "mlp":
         case = MLP_CASES[rest]
         return check_mlp(case["sizes"], device, dtype, activation=case["activation"], bias=case.get("bias", False),
-                         act_params=case.get("act_params"))
+                         act_params=case.get("act_params"), lora_rank=case.get("lora_rank", 0))
     if kind == "counts":
         return check_counts(device)
     if kind == "backend":

@@ -38,6 +38,11 @@ Routers with a selection bias (``e_score_correction_bias``: DeepSeek-V3 family, 
 with ``fssdp.router_bias_update_rate`` > 0 the bias is trained with DeepSeek-V3's
 auxiliary-loss-free rule after every optimizer step (transformers never updates it).
 
+PEFT LoRA on the experts (``LoraConfig(target_parameters=["mlp.experts.gate_up_proj",
+"mlp.experts.down_proj"])``), applied before or after ``convert``: the frozen base experts stay
+sharded and each expert's factors are applied inside FSSDP's expert compute
+(:mod:`ds_fssdp.integrations.peft_lora`).
+
 Frozen experts (``requires_grad_(False)`` on an experts module's tensors before initialize) stay
 frozen: no gradient, no optimizer state, no reduce.
 
@@ -58,6 +63,7 @@ import torch.nn as nn
 from deepspeed.utils import logger
 
 import ds_fssdp.runtime.engine as _engine
+from ds_fssdp.integrations import peft_lora
 from ds_fssdp.integrations.hf_experts import FSSDPHFExperts, UnsupportedExpertsError, is_experts_module
 
 # Where a family keeps the selection bias of its router: on the block or on its router module.
@@ -88,8 +94,14 @@ def convert(model: nn.Module, *, route_initialize: bool = True) -> nn.Module:
             module = FSSDPHFExperts(experts, model_type=model_type, where=where, top_k=top_k)
         except UnsupportedExpertsError as err:
             raise UnsupportedModelError(str(err)) from None
-        _bind_router_bias(model, name, module)
+        # A PEFT model's experts sit inside LoRA wrappers (``experts.base_layer.base_layer``).
+        site = peft_lora.strip_wrappers(name)
+        _bind_router_bias(model, site, module)
         _set_submodule(model, name, module)
+        peft_lora.adopt(model.get_submodule(site), module, where=where)
+        block_name, _, child = site.rpartition(".")
+        block = model.get_submodule(block_name) if block_name else model
+        module._adopt_handle = block.register_forward_pre_hook(peft_lora.adopt_hook(child, where))
     logger.info(f"fssdp: converted {len(targets)} experts modules of {type(model).__name__} ({model_type}): "
                 f"{targets[0][1].__class__.__name__} -> {converted_experts(model)[0][1].extra_repr()}")
     if route_initialize:
@@ -109,6 +121,10 @@ def unconvert(model: nn.Module) -> nn.Module:
     like = _dense_like(model)
     for name, module in converted_experts(model):
         _set_submodule(model, name, module.to_hf_module(like))
+        if module._adopt_handle is not None:
+            module._adopt_handle.remove()
+        if peft_lora.has_peft():
+            peft_lora.release(model.get_submodule(peft_lora.strip_wrappers(name)))
     return model
 
 

@@ -204,6 +204,16 @@ def _join(gate, up, concatenated):
     return torch.cat([gate, up], -1) if concatenated else torch.stack([gate, up], -1).flatten(-2)
 
 
+def _drop_stand_ins(module, state_dict, prefix, local_metadata) -> None:
+    for name in module.stand_ins:
+        state_dict.pop(prefix + name, None)
+
+
+def _keep_stand_ins(module, state_dict, prefix, *args) -> None:
+    for name in module.stand_ins:
+        state_dict.setdefault(prefix + name, module._parameters[name])
+
+
 class FSSDPHFExperts(FSSDPExperts):
     """Stands in for one HF experts module: same forward contract, experts trained by FSSDP. The
     family's block (router, shared experts, scaling) is untouched around it."""
@@ -227,6 +237,23 @@ class FSSDPHFExperts(FSSDPExperts):
         self.layout = layout
         self.model_type = model_type
         self.k = top_k
+        # PEFT LoRA (integrations/peft_lora.py): PEFT reads the layout flag, the wrappers above set
+        # their factors here for one forward, and the HF tensor names stay visible as empty
+        # stand-ins with their full shape in ``ds_shape`` (as ZeRO-3's partitioned parameters), so
+        # PEFT's ``target_parameters`` match a converted model too.
+        self.is_transposed = layout.transposed
+        self._lora_active = {}
+        self.lora_factors = None
+        self._adopt_handle = None  # convert's forward pre-hook on the MoE block (peft_lora.adopt_hook)
+        # They never enter a state dict, and ``prepare_initialize`` drops them when no PEFT wrapper
+        # targets this module (PEFT must be applied before initialize).
+        self.stand_ins = tuple(hf_params)
+        for name, p in hf_params.items():
+            stand_in = nn.Parameter(torch.empty(0, dtype=p.dtype, device=p.device), requires_grad=False)
+            stand_in.ds_shape = p.shape
+            setattr(self, name, stand_in)
+        self.register_state_dict_post_hook(_drop_stand_ins)
+        self.register_load_state_dict_pre_hook(_keep_stand_ins)
         # The HF module is kept outside the module tree for the way back (``to_hf_module``); its
         # storage is freed (meta tensors of the same shapes).
         object.__setattr__(self, "_hf_experts", experts)
@@ -235,8 +262,41 @@ class FSSDPHFExperts(FSSDPExperts):
                                                 requires_grad=p.requires_grad))
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        out_TH = super().forward(hidden_states, top_k_index, top_k_weights)
+        active = {name: factors for name, factors in self._lora_active.items() if factors}
+        if active:
+            from ds_fssdp.integrations.peft_lora import ExpertLora
+            self.lora_factors = ExpertLora(self, active)
+        if self.sharded is not None:
+            self.sharded.lora_factors = self.lora_factors
+        try:
+            out_TH = super().forward(hidden_states, top_k_index, top_k_weights)
+        finally:
+            self.lora_factors = None
+            if self.sharded is not None:
+                self.sharded.lora_factors = None
         return out_TH.to(hidden_states.dtype)
+
+    def prepare_initialize(self, ds_config: dict, fcfg, *, model: nn.Module) -> None:
+        """Called by ``ds_fssdp.initialize`` before any collective: refuses what LoRA on these
+        experts cannot run (``peft_lora.check_config``); without LoRA the PEFT stand-ins go (ZeRO 3
+        would partition them)."""
+        from ds_fssdp.integrations.peft_lora import check_config
+        if not check_config(self, ds_config, fcfg, model=model):
+            for name in self.stand_ins:
+                self._parameters.pop(name, None)
+            self.stand_ins = ()
+
+    def lora(self, param_name: str, factors: list):
+        """Context: ``factors`` [(lora_A.weight, lora_B.weight, scaling)] are the active LoRA of the
+        HF tensor ``param_name`` for one forward (PEFT's wrappers, ``peft_lora.py``)."""
+        from ds_fssdp.integrations.peft_lora import active_lora
+        return active_lora(self, param_name, factors)
+
+    @property
+    def lora_targets(self) -> dict:
+        """HF tensor name -> (in, out) features of the projections LoRA may target."""
+        from ds_fssdp.integrations.peft_lora import lora_targets
+        return lora_targets(self.layout)
 
     @torch.no_grad()
     def hf_tensors(self, like: torch.Tensor | None = None) -> dict:

@@ -19,9 +19,11 @@ ExpertFn = Callable[[torch.Tensor, list], torch.Tensor]  # (rows grouped by loca
 
 
 def mlp_fn(expert_weights: Mapping[str, torch.Tensor], activation: str, *,
-           act_params: Optional[Mapping[str, float]] = None) -> ExpertFn:
+           act_params: Optional[Mapping[str, float]] = None, lora: Optional[Mapping] = None) -> ExpertFn:
+    """``lora``: LoRA factors by weight name, stacked over the same local experts as the weights
+    (``ops.expert_mlp``)."""
     return lambda x_RH, group_sizes: ops.expert_mlp(x_RH, expert_weights, group_sizes, activation=activation,
-                                                    act_params=act_params)
+                                                    act_params=act_params, lora=lora)
 
 
 def local_exchange(x_RH: torch.Tensor, out_splits: list, in_splits: list) -> torch.Tensor:

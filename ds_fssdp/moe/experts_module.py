@@ -110,7 +110,9 @@ class FSSDPExperts(nn.Module):
         self._local_stats = {"replicas": 0, "expert_bytes": self.spec.numel * weights[self.spec.names[0]].element_size(),
                              "gather_bytes": 0, "reduce_bytes": 0, "tokens_per_rank": [int(counts_E.sum())],
                              "straggler": 1.0, "ep_straggler": 1.0}
-        expert_fn = mlp_fn(weights, self.spec.activation, act_params=self.spec.act_params)
+        lora_factors = getattr(self, "lora_factors", None)  # set per forward by integrations/peft_lora.py
+        expert_fn = mlp_fn(weights, self.spec.activation, act_params=self.spec.act_params,
+                           lora=lora_factors(torch.arange(self.num_experts)) if lora_factors is not None else None)
         return dispatch_compute_combine(x_TH, weights_TK, r, expert_fn=expert_fn, exchange=local_exchange)
 
     @property

@@ -218,8 +218,8 @@ class ShardedExperts:
             # Every rank joins every reduce, so the replicas stay in the graph even when empty.
             self._hook_replicas(replica_RP, layout)
             hooked = True
-        out_TH = dispatch_compute_combine(x_TH, weights_TK, r, expert_fn=self._expert_fn(replica_RP, remat=remat),
-                                          exchange=self._exchange)
+        out_TH = dispatch_compute_combine(x_TH, weights_TK, r, exchange=self._exchange,
+                                          expert_fn=self._expert_fn(replica_RP, remat=remat, local_E=layout.local_E))
         if not record or remat:
             self._uncount(replica_RP)  # freed with this frame (RM: not saved for backward)
         if record:
@@ -251,15 +251,18 @@ class ShardedExperts:
             replica_RP = self.rematerialized()  # the backward of the same Function reuses it
         elif torch.is_grad_enabled() and self.trainable and not it.hooked:
             self._hook_replicas(replica_RP, it.layout)  # the first pass ran without a graph (reentrant)
-        return dispatch_compute_combine(x_TH, weights_TK, it.route, expert_fn=self._expert_fn(replica_RP, remat=it.remat),
-                                        exchange=self._exchange)
+        expert_fn = self._expert_fn(replica_RP, remat=it.remat, local_E=it.layout.local_E)
+        return dispatch_compute_combine(x_TH, weights_TK, it.route, expert_fn=expert_fn, exchange=self._exchange)
 
-    def _expert_fn(self, replica_RP, *, remat: bool):
+    def _expert_fn(self, replica_RP, *, remat: bool, local_E: torch.Tensor):
+        # LoRA factors of the experts this rank computes (owned, then replicas), set per forward
+        # by the experts module (integrations/peft_lora.py); LoRA with rematerialize is refused at initialize.
+        lora = self.lora_factors(local_E) if getattr(self, "lora_factors", None) is not None else None
         if remat:
             rows, spec = self.rows, self.spec
             return lambda xg, sizes: RematExpertMLP.apply(xg, rows, replica_RP, self, spec, sizes)
         return mlp_fn(self.spec.views(torch.cat([self.rows, replica_RP])), self.spec.activation,
-                      act_params=self.spec.act_params)
+                      act_params=self.spec.act_params, lora=lora)
 
     def _exchange(self, x, out_splits, in_splits):
         return all_to_all(x, out_splits, in_splits, group=self.group)

@@ -49,6 +49,9 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
         return _deepspeed_initialize(**ds_kwargs)
     sp = check_supported(ds_config, fcfg, model=model, mpu=mpu, mesh_param=mesh_param)
     tp = tensor_parallel_size(ds_config)  # AutoTP: the FSSDP layers fold over its TP groups
+    for layer in layers:  # a layer's own checks (integrations/peft_lora.py: LoRA on HF experts)
+        if hasattr(layer, "prepare_initialize"):
+            layer.prepare_initialize(ds_config, fcfg, model=model)
     prepare_zero3(layers, ds_config)  # before any collective: it may refuse
     requested, requested_by = requested_group_size(model)
 

@@ -1,0 +1,233 @@
+"""PEFT LoRA on FSSDP experts: the adapters of ``LoraConfig(target_parameters=[...])`` computed
+inside FSSDP's expert compute, on whichever rank computes an expert's tokens (owner or replica).
+
+Legend: E experts, I in features, O out features, r LoRA rank, G local experts.
+
+PEFT (0.17+) puts LoRA on transformers 5's fused expert tensors with
+``target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]``: each target becomes a
+``ParamWrapper`` (nested when a module has two targets) holding ``lora_A`` = ``Linear(I, r * E)``
+and ``lora_B`` = ``Linear(r * E, O)``; at every forward it parametrizes the whole [E, ...] tensor
+with ``W + scaling * delta`` (``peft/tuners/lora/layer.py``). Expert e's factors are
+``A_e = lora_A.weight.view(E, r, I)[e]`` and ``B_e = lora_B.weight.view(O, r, E)[:, :, e]``, and
+for every layout (``is_transposed`` or not) the expert's projection gains
+``scaling * (x @ A_e^T) @ B_e^T``.
+
+Under FSSDP the base experts are sharded rows (frozen: PEFT freezes them), so there is no [E, ...]
+tensor to parametrize. Instead the wrappers are adopted: their class becomes
+:class:`FSSDPParamWrapper` (a ``ParamWrapper`` subclass, so PEFT's saving, loading, adapter
+switching and ``isinstance`` checks keep working), whose forward hands its factors to the
+:class:`~ds_fssdp.integrations.hf_experts.FSSDPHFExperts` below it; the experts module passes
+the factors of the experts a rank computes (``local_E``: owned, then replicas) to the grouped
+expert MLP (``ops.lora``). A gate/up fused target is split like the weights (``w_gate``/``w_up``
+take the gate/up columns of ``B``, both share ``A``).
+
+The factors stay ordinary dense parameters under DeepSpeed: every rank holds all of them and
+DeepSpeed averages their gradients with the rest of the dense model. They are r * (I + O) per
+expert and projection (r = 8 on Qwen3-30B-A3B: 1.6% of an expert), so keeping them with the
+experts' rows would buy little memory and cost a second sparse gather and reduce per layer.
+
+Both orders work: ``convert`` given a PEFT model (it converts the HF experts module inside the
+wrappers and adopts them), and PEFT applied to a converted model (the converted module shows the
+HF tensor names as empty stand-ins with ``ds_shape``, as ZeRO-3's partitioned parameters do, so
+PEFT's ``target_parameters`` match; the wrappers are adopted at the MoE block's next forward).
+``unconvert`` gives the wrappers their class back, so ``merge_and_unload`` works afterwards.
+
+What PEFT refuses for ``target_parameters`` (``lora_dropout``, ``use_dora``, ``lora_bias``,
+``fan_in_fan_out``, ...) PEFT refuses by name when the wrapper is created; ds_fssdp refuses, by
+name, LoRA on expert biases, and at ``ds_fssdp.initialize`` (before any collective) ZeRO stage 3
+(the factors would be partitioned) and re-materialization (``fssdp.rematerialize``: its backward
+recomputes the expert MLP outside autograd); merging is refused while converted.
+"""
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+
+from ds_fssdp.integrations.hf_experts import FSSDPHFExperts, _split
+from ds_fssdp.ops.lora import LoraFactors
+
+BASE_LAYER = "base_layer"
+
+
+def has_peft() -> bool:
+    """Whether PEFT is loaded (a model cannot hold PEFT wrappers otherwise)."""
+    return "peft" in sys.modules
+
+
+def is_param_wrapper(module: nn.Module) -> bool:
+    if not has_peft():
+        return False
+    from peft.tuners.lora.layer import ParamWrapper
+    return isinstance(module, ParamWrapper)
+
+
+def strip_wrappers(name: str) -> str:
+    """The module name PEFT's wrappers took over: ``a.experts.base_layer.base_layer`` -> ``a.experts``."""
+    suffix = f".{BASE_LAYER}"
+    while name.endswith(suffix):
+        name = name[:-len(suffix)]
+    return name
+
+
+def wrapper_chain(site: nn.Module) -> list:
+    """The ParamWrappers from ``site`` (outermost) down to the module they wrap."""
+    chain = []
+    while is_param_wrapper(site):
+        chain.append(site)
+        site = site.base_layer
+    return chain
+
+
+# -- adoption ----------------------------------------------------------------------------------
+_WRAPPER_CLASS = None
+
+
+def fssdp_wrapper_class():
+    """:class:`FSSDPParamWrapper`, defined on first use (PEFT is an optional dependency)."""
+    global _WRAPPER_CLASS
+    if _WRAPPER_CLASS is None:
+        from peft.tuners.lora.layer import ParamWrapper
+
+        class FSSDPParamWrapper(ParamWrapper):
+            """A ``ParamWrapper`` whose base experts are FSSDP's: the LoRA factors go into the
+            expert compute instead of a parametrization of the (sharded) expert tensor."""
+
+            def forward(self, x, *args, **kwargs):
+                experts = self.get_base_layer()
+                if not isinstance(experts, FSSDPHFExperts):  # unconverted again
+                    return super().forward(x, *args, **kwargs)
+                self._check_forward_args(x, *args, **kwargs)
+                kwargs.pop("adapter_names", None)
+                adapters = [] if self.disable_adapters else [a for a in self.active_adapters if a in self.lora_A]
+                factors = [(self.lora_A[a].weight, self.lora_B[a].weight, self.scaling[a]) for a in adapters]
+                with experts.lora(self.parameter_name, factors):
+                    return self.base_layer(x, *args, **kwargs)
+
+            def merge(self, *args, **kwargs):
+                if isinstance(self.get_base_layer(), FSSDPHFExperts):
+                    raise ValueError(f"PEFT merge on FSSDP experts ({self.parameter_name}): the base experts are "
+                                     "sharded; call ds_fssdp.integrations.hf.unconvert(model) first, then "
+                                     "merge_and_unload()")
+                return super().merge(*args, **kwargs)
+
+        _WRAPPER_CLASS = FSSDPParamWrapper
+    return _WRAPPER_CLASS
+
+
+def adopt(site: nn.Module, experts: FSSDPHFExperts, *, where: str) -> None:
+    """Check the ParamWrappers from ``site`` down to ``experts`` and give them FSSDP's forward."""
+    chain = wrapper_chain(site)
+    if not chain:
+        return
+    cls = fssdp_wrapper_class()
+    targets = experts.lora_targets
+    for wrapper in chain:
+        name = wrapper.parameter_name
+        if name not in targets:
+            raise ValueError(f"{where}: LoraConfig.target_parameters names {name!r}; on FSSDP experts "
+                             f"(model_type {experts.model_type!r}) LoRA targets only {sorted(targets)}")
+        for adapter, lora_A in wrapper.lora_A.items():
+            rows, in_features = lora_A.weight.shape
+            if rows % experts.num_experts or in_features != targets[name][0]:
+                raise ValueError(f"{where}: the {adapter!r} adapter's {name} lora_A has shape "
+                                 f"{(rows, in_features)}, not (r * {experts.num_experts}, {targets[name][0]})")
+        if type(wrapper) is not cls:
+            wrapper.__class__ = cls
+
+
+def release(site: nn.Module) -> None:
+    """Give the adopted wrappers their PEFT class back (after ``unconvert``)."""
+    from peft.tuners.lora.layer import ParamWrapper
+    for wrapper in wrapper_chain(site):
+        if type(wrapper) is fssdp_wrapper_class():
+            wrapper.__class__ = ParamWrapper
+
+
+def adopt_hook(child: str, where: str):
+    """A forward pre-hook for the MoE block holding the experts as ``child``: adopts wrappers PEFT
+    put there after ``convert`` (one type check per forward once adopted)."""
+
+    def hook(block, args):
+        site = block._modules.get(child)
+        if site is None or isinstance(site, FSSDPHFExperts) or type(site) is _WRAPPER_CLASS:
+            return
+        chain = wrapper_chain(site)
+        if chain:
+            adopt(site, chain[-1].base_layer, where=where)
+
+    return hook
+
+
+# -- the factors in the expert compute ---------------------------------------------------------
+class ExpertLora:
+    """The active adapters' factors of one experts module, by FSSDP weight name, stacked [E, ...]."""
+
+    def __init__(self, experts: FSSDPHFExperts, active: dict):
+        E = experts.num_experts
+        layout = experts.layout
+        self.stacks = {}
+        for hf_name, adapters in active.items():
+            for A_w, B_w, scaling in adapters:
+                r = A_w.shape[0] // E
+                a_EIr = A_w.view(E, r, A_w.shape[1]).transpose(1, 2)
+                b_ErO = B_w.view(B_w.shape[0], r, E).permute(2, 1, 0)
+                for name, part_ErO in _fssdp_parts(hf_name, b_ErO, layout):
+                    self.stacks.setdefault(name, []).append((a_EIr, part_ErO, float(scaling)))
+
+    def __call__(self, local_E: torch.Tensor) -> dict:
+        """The factors of the experts computed here, in compute-slot order."""
+        out = {}
+        for name, stacks in self.stacks.items():
+            idx = local_E.to(stacks[0][0].device)
+            out[name] = [LoraFactors(a.index_select(0, idx), b.index_select(0, idx), s) for a, b, s in stacks]
+        return out
+
+
+def _fssdp_parts(hf_name: str, b_ErO: torch.Tensor, layout) -> list:
+    """The FSSDP weights an HF target feeds, with their columns of ``B^T``."""
+    if hf_name == "down_proj":
+        return [("w_down" if layout.gated else "w_b", b_ErO)]
+    if hf_name == "up_proj":
+        return [("w_a", b_ErO)]
+    gate, up = _split(b_ErO, layout.ffn, layout.concatenated)
+    return [("w_gate", gate), ("w_up", up)]
+
+
+def lora_targets(layout) -> dict:
+    """HF parameter name -> (in features, out features) of the expert projections LoRA may target."""
+    up = "gate_up_proj" if layout.gated else "up_proj"
+    return {up: (layout.hidden, 2 * layout.ffn if layout.gated else layout.ffn), "down_proj": (layout.ffn, layout.hidden)}
+
+
+def check_config(experts: FSSDPHFExperts, ds_config: dict, fcfg, *, model: nn.Module) -> bool:
+    """Whether a PEFT wrapper targets ``experts``; if so, refuse by key what LoRA on them cannot run."""
+    wrapped = any(is_param_wrapper(m) and m.get_base_layer() is experts for m in model.modules())
+    if not wrapped:
+        return False
+    where = f"LoRA on FSSDP experts ({experts.extra_repr()})"
+    stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+    if stage == 3:
+        raise ValueError(f"{where}: zero_optimization.stage (3) is not supported: ZeRO-3 would partition the LoRA "
+                         "factors, which the expert compute reads whole; use stage 0, 1 or 2 (the base experts are "
+                         "sharded by FSSDP either way)")
+    if fcfg.rematerialize:
+        raise ValueError(f"{where}: fssdp.rematerialize (true) is not supported: the re-materializing backward "
+                         "recomputes the expert MLP outside autograd, so the LoRA factors would get no gradient")
+    return True
+
+
+@contextmanager
+def active_lora(experts, param_name: str, factors: list):
+    """Make ``factors`` the active LoRA of ``param_name`` for one forward of ``experts``."""
+    experts._lora_active[param_name] = factors
+    try:
+        yield
+    finally:
+        experts._lora_active.pop(param_name, None)
+
+
+__all__ = ["ExpertLora", "adopt", "adopt_hook", "active_lora", "fssdp_wrapper_class", "has_peft", "is_param_wrapper",
+           "lora_targets", "release", "strip_wrappers", "wrapper_chain"]
