@@ -1,11 +1,14 @@
-"""Checkpoint files: writes flushed to disk, atomic text replacement, digests, and the safe reader
-(``torch.load(weights_only=True)`` plus DeepSpeed's plain data classes)."""
+"""Checkpoint files: writes flushed to disk, atomic text replacement, digests, the safe reader
+(``torch.load(weights_only=True)`` plus DeepSpeed's plain data classes), and write failures (a full
+disk, a size limit) reported with the file's path and the space left, on every rank alike."""
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import pickle
+import shutil
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -63,17 +66,63 @@ def _first_line(err) -> str:
 
 
 def save_tensors(obj, path: str) -> None:
-    with open(path, "wb") as f:
+    with reported_write(path), open(path, "wb") as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
 
 
 def write_json(obj, path: str) -> None:
-    with open(path, "w") as f:
+    with reported_write(path), open(path, "w") as f:
         json.dump(obj, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
+
+
+@contextmanager
+def reported_write(path: str):
+    """A failed write (``OSError``; torch's writer turns a full disk into a ``RuntimeError``) becomes
+    a :class:`CheckpointError` naming ``path``, the reason and the space left on its filesystem."""
+    try:
+        yield
+    except (OSError, RuntimeError) as err:
+        raise write_failure(path, err) from err
+
+
+def write_failure(path: str, err: BaseException) -> CheckpointError:
+    reason = os.strerror(err.errno) if isinstance(err, OSError) and err.errno else _first_line(err)
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        reason += " (the disk or a size limit is full)"
+    try:
+        free = f"{shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free:,} bytes free there"
+    except OSError:
+        free = "free space unknown"
+    return CheckpointError(f"writing checkpoint file {path} failed: {reason}; {free}")
+
+
+@contextmanager
+def deferred_write_errors(checkpoint_engine):
+    """DeepSpeed's writes through ``checkpoint_engine`` record a failure instead of raising it, and
+    skip the writes after it, so DeepSpeed's own save still reaches its barriers on every rank (a
+    rank raising out of it would leave the others waiting there); the caller agrees on the list."""
+    errors, save, own = [], checkpoint_engine.save, vars(checkpoint_engine).get("save")
+
+    def deferred(state_dict, path):
+        if errors:
+            return
+        try:
+            save(state_dict, path)
+        except (OSError, RuntimeError) as err:
+            errors.append(write_failure(path, err))
+
+    checkpoint_engine.save = deferred
+    try:
+        yield errors
+    finally:
+        if own is None:
+            del checkpoint_engine.save
+        else:
+            checkpoint_engine.save = own
 
 
 def read_json(path: str) -> dict:
@@ -99,7 +148,7 @@ def read_text(path: str) -> str:
 
 def atomic_write_text(path: str, text: str) -> None:
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    with reported_write(tmp), open(tmp, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
