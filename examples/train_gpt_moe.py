@@ -107,6 +107,8 @@ def main():
     start = 0
     if args.save_dir and args.resume != "none":
         start = ds_fssdp.resume(engine, args.save_dir, state={"sampler": sampler}, which=args.resume)
+        if rank == 0 and start:
+            print(f"resumed at step {start} from {args.save_dir}", flush=True)
     preemption = None if args.no_preempt_handler else ds_fssdp.Preemption(grace_s=args.preempt_grace,
                                                                           device=device).install()
     save = lambda step: ds_fssdp.save_step(engine, args.save_dir, step, state={"sampler": sampler},

@@ -3,11 +3,11 @@
 disk, a size limit) reported with the file's path and the space left, on every rank alike."""
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
 import pickle
+import resource
 import shutil
 from contextlib import contextmanager, nullcontext
 
@@ -90,39 +90,51 @@ def reported_write(path: str):
 
 
 def write_failure(path: str, err: BaseException) -> CheckpointError:
+    """torch's writer reports a full disk only as ``unexpected pos``: say what the disk and the
+    process's file size limit look like."""
     reason = os.strerror(err.errno) if isinstance(err, OSError) and err.errno else _first_line(err)
-    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        reason += " (the disk or a size limit is full)"
     try:
-        free = f"{shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free:,} bytes free there"
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+        where = f"{free:,} bytes free there" + (" (the disk is full)" if free == 0 else "")
     except OSError:
-        free = "free space unknown"
-    return CheckpointError(f"writing checkpoint file {path} failed: {reason}; {free}")
+        where = "free space unknown"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        where += f"; this process may write files of at most {limit:,} bytes (RLIMIT_FSIZE)"
+    return CheckpointError(f"writing checkpoint file {path} failed: {reason}; {where}")
 
 
 @contextmanager
-def deferred_write_errors(checkpoint_engine):
-    """DeepSpeed's writes through ``checkpoint_engine`` record a failure instead of raising it, and
-    skip the writes after it, so DeepSpeed's own save still reaches its barriers on every rank (a
-    rank raising out of it would leave the others waiting there); the caller agrees on the list."""
-    errors, save, own = [], checkpoint_engine.save, vars(checkpoint_engine).get("save")
+def deferred_write_errors(engine):
+    """DeepSpeed's writes (its checkpoint engine's ``save`` and the recovery scripts it copies under
+    ZeRO) record a failure instead of raising it, and skip the writes after it, so DeepSpeed's own
+    save still reaches its barriers on every rank (a rank raising out of it would leave the others
+    waiting there); the caller agrees on the list."""
+    errors = []
 
-    def deferred(state_dict, path):
-        if errors:
-            return
-        try:
-            save(state_dict, path)
-        except (OSError, RuntimeError) as err:
-            errors.append(write_failure(path, err))
+    def deferred(write, path_of):
+        def run(*args, **kwargs):
+            if errors:
+                return
+            try:
+                write(*args, **kwargs)
+            except (OSError, RuntimeError) as err:
+                errors.append(write_failure(path_of(*args, **kwargs), err))
+        return run
 
-    checkpoint_engine.save = deferred
+    wrapped = [(engine.checkpoint_engine, "save", lambda state_dict, path: path),
+               (engine, "_copy_recovery_script", lambda save_path: os.path.join(save_path, "zero_to_fp32.py"))]
+    own = [vars(obj).get(name) for obj, name, _ in wrapped]
+    for obj, name, path_of in wrapped:
+        setattr(obj, name, deferred(getattr(obj, name), path_of))
     try:
         yield errors
     finally:
-        if own is None:
-            del checkpoint_engine.save
-        else:
-            checkpoint_engine.save = own
+        for (obj, name, _), previous in zip(wrapped, own):
+            if previous is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, previous)
 
 
 def read_json(path: str) -> dict:

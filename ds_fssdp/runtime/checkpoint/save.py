@@ -38,7 +38,7 @@ def save(engine, save_dir: str, tag=None, *, client_state=None, save_latest: boo
     if rank == 0:
         err = attempt(lambda: _prepare(save_dir, tmp_dir))
     agree(f"preparing {tmp_dir}", err)
-    with deferred_write_errors(engine.checkpoint_engine) as failed:  # a full disk fails every rank alike
+    with deferred_write_errors(engine) as failed:  # a full disk fails every rank alike
         ds_save(save_dir, TMP_PREFIX + tag, client_state=client_state if client_state is not None else {},
                 save_latest=False, exclude_frozen_parameters=exclude_frozen_parameters)
     agree(f"writing DeepSpeed's files into {tmp_dir}", failed[0] if failed else None)
