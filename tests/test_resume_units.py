@@ -1,7 +1,9 @@
 """The single-process parts of save/resume/preemption: the resumable data stream, pruning, the
 failure-injection spec, the example flags and the preemption handler (no ranks)."""
 import argparse
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -85,7 +87,7 @@ def test_example_flags_are_checked_by_name(argv, message, capsys):
     resume_cli.add_arguments(p)
     with pytest.raises(SystemExit):
         resume_cli.check_arguments(p, p.parse_args(argv))
-    assert __import__("re").search(message, capsys.readouterr().err)
+    assert re.search(message, capsys.readouterr().err)
 
 
 def test_preemption_records_signals_and_exits_when_the_grace_time_is_over():
@@ -106,3 +108,38 @@ def test_preemption_records_signals_and_exits_when_the_grace_time_is_over():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == EXIT_GRACE_EXPIRED, proc.stderr[-2000:]
     assert "grace time (0.5 s) is over" in proc.stderr
+
+
+def _trainer_checkpoint(root, step, *, finished=True, payload=b"rows"):
+    """A Trainer checkpoint-<step> holding an engine checkpoint with one file and its manifest."""
+    from ds_fssdp.runtime.checkpoint import FORMAT, _digest
+    path = os.path.join(root, f"checkpoint-{step}")
+    tag_dir = os.path.join(path, f"global_step{step}")
+    os.makedirs(os.path.join(tag_dir, "fssdp"))
+    rows = os.path.join(tag_dir, "fssdp", "rank00000.pt")
+    with open(rows, "wb") as f:
+        f.write(payload)
+    with open(os.path.join(tag_dir, "manifest.json"), "w") as f:
+        json.dump({"format": FORMAT, "files": {"fssdp/rank00000.pt": _digest(rows)}}, f)
+    with open(os.path.join(path, "latest"), "w") as f:
+        f.write(f"global_step{step}")
+    if finished:
+        open(os.path.join(path, "trainer_state.json"), "w").close()
+    return rows
+
+
+def test_hf_last_complete_checkpoint_skips_unfinished_and_names_corrupt(tmp_path):
+    from ds_fssdp.integrations.hf_resume import last_complete_checkpoint
+    from ds_fssdp.runtime.checkpoint import CheckpointError
+    root = str(tmp_path)
+    assert last_complete_checkpoint(os.path.join(root, "none")) is None
+    _trainer_checkpoint(root, 4)
+    _trainer_checkpoint(root, 12, finished=False)  # cut short before trainer_state.json: never resumed
+    assert last_complete_checkpoint(root) == os.path.join(root, "checkpoint-4")
+    bad = _trainer_checkpoint(root, 8)
+    with open(bad, "r+b") as f:
+        f.write(b"R")  # same size, other bytes
+    with pytest.raises(CheckpointError, match=rf"newest checkpoint {root}/checkpoint-8 is not valid \(resume with "
+                                              rf"latest-valid.*checkpoint file {bad} is corrupted"):
+        last_complete_checkpoint(root)
+    assert last_complete_checkpoint(root, which="latest-valid") == os.path.join(root, "checkpoint-4")
