@@ -143,3 +143,11 @@ def test_hf_last_complete_checkpoint_skips_unfinished_and_names_corrupt(tmp_path
                                               rf"latest-valid.*checkpoint file {bad} is corrupted"):
         last_complete_checkpoint(root)
     assert last_complete_checkpoint(root, which="latest-valid") == os.path.join(root, "checkpoint-4")
+
+
+def test_main_job_rejects_unknown_flags_before_starting():
+    """``--save-dir`` used to be accepted and ignored (unknown flags passed silently)."""
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "train_gpt_moe.py")
+    proc = subprocess.run([sys.executable, script, "--save-dri", "ckpt", "--local_rank=0"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2 and "unrecognized arguments: --save-dri ckpt" in proc.stderr, proc.stderr[-2000:]
