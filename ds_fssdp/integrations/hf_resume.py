@@ -62,6 +62,7 @@ class PreemptionCallback(transformers.TrainerCallback):
         self.stopped_at = None
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self.preemption.device = args.device  # the flag's all-reduce runs where the backend can (NCCL: the GPU)
         self.preemption.install()
 
     def on_step_end(self, args, state, control, **kwargs):
