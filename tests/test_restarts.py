@@ -155,16 +155,25 @@ def load_on_two(rank, world, save_dir, tag):
     return state
 
 
-def test_four_rank_checkpoint_loads_on_two_ranks_exactly(reference, tmp_path):
-    """World size 4 -> 2 (ZeRO 1: DeepSpeed's Universal Checkpoint underneath): the step, the data
+def test_four_rank_checkpoint_loads_on_two_ranks_exactly_also_after_a_kill_mid_conversion(reference, tmp_path):
+    """World size 4 -> 2 (ZeRO 1: DeepSpeed's Universal Checkpoint underneath), first through the
+    main job under torchrun with a SIGKILL inside the conversion, then loaded: the step, the data
     position, every weight and every expert's master and Adam moments equal the saved
     ones."""
     tag = f"global_step{2 * INTERVAL}"
-    save_dir = str(tmp_path / "ckpt")
+    save_dir = str(tmp_path / "two" / "ckpt")
     shutil.copytree(os.path.join(reference["run"], "ckpt", tag), os.path.join(save_dir, tag))
     with open(os.path.join(save_dir, "latest"), "w") as f:
         f.write(tag)
-    results = spawn(2, load_on_two, save_dir, tag)
+    # The main job on 2 ranks, rank 0 killed inside DeepSpeed's conversion: torchrun restarts it,
+    # the half-written conversion is redone, the job resumes at the saved step (nothing left to do).
+    rc, log, _ = torchrun(str(tmp_path), "two", world=2, restarts=1, faults="0:0:convert",
+                          extra=["--steps", str(2 * INTERVAL)])
+    assert rc == 0, log[-4000:]
+    assert "fssdp faults: rank 0 kill at step 0, phase convert" in log
+    assert f"resumed at step {2 * INTERVAL} from" in log
+    assert sorted(n for n in os.listdir(save_dir) if n.startswith(".")) == [f".universal-{tag}"]
+    results = spawn(2, load_on_two, save_dir, tag)  # reuses that conversion
     saved = consolidated_state_dict(save_dir, tag=tag)
     rows = {}  # expert -> (master, moments) from the 4 rank files
     for r in range(WORLD):

@@ -9,7 +9,7 @@ otherwise). The variable holds faults separated by ``;``, each ``rank:step:phase
     phase    forward  the model's forward starts          gate      the first MoE layer's gate ran
              exchange the first MoE layer's token exchange backward  the last MoE layer's backward
              step     the dense optimizer's step          save      a save, DeepSpeed's files written
-             convert  a Universal Checkpoint conversion (a load on another world size)
+             convert  inside a Universal Checkpoint conversion (rank 0, on a load at another world size)
     action   kill (SIGKILL, default), term (SIGTERM), usr1 (SIGUSR1), raise (RuntimeError)
     attempt  torchelastic's restart count it fires in (default 0: a restarted job does not repeat it)
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -69,8 +68,8 @@ class Injector:
         fault = self.pending.pop((int(self.engine.global_steps), phase), None)
         if fault is None:
             return
-        print(f"fssdp faults: rank {fault.rank} {fault.action} at step {fault.step}, phase {phase}", file=sys.stderr,
-              flush=True)
+        # To the file descriptor: the converter runs with sys.stderr redirected.
+        os.write(2, f"fssdp faults: rank {fault.rank} {fault.action} at step {fault.step}, phase {phase}\n".encode())
         if fault.action == "raise":
             raise RuntimeError(f"fssdp faults: injected failure at step {fault.step}, phase {phase}")
         os.kill(os.getpid(), ACTIONS[fault.action])
@@ -92,8 +91,9 @@ def install_from_env(engine) -> Injector | None:
 
 def _hook(engine, injector: Injector) -> None:
     """Hooks and wrappers on this process's engine and checkpoint functions (one engine per process)."""
+    from deepspeed.checkpoint import ds_to_universal
+
     from ds_fssdp.runtime import checkpoint
-    from ds_fssdp.runtime.checkpoint import universal
     point = injector.point
     engine.module.register_forward_pre_hook(lambda *_: point("forward"))
     first, last = engine.fssdp.layers[0], engine.fssdp.layers[-1]
@@ -110,5 +110,8 @@ def _hook(engine, injector: Injector) -> None:
     engine.optimizer.step = lambda *args, **kwargs: (point("step"), optimizer_step(*args, **kwargs))[1]
     write = checkpoint.write_expert_files
     checkpoint.write_expert_files = lambda *args, **kwargs: (point("save"), write(*args, **kwargs))[1]
-    convert = universal.convert
-    universal.convert = lambda *args, **kwargs: (point("convert"), convert(*args, **kwargs))[1]
+    # Inside DeepSpeed's converter, between extracting the ZeRO shards and merging them (rank 0
+    # converts): a kill leaves a half-written .universal-tmp-<tag>.
+    for name in ("_merge_tp_slice_files", "_merge_zero3_slice_files"):
+        merge = getattr(ds_to_universal, name)
+        setattr(ds_to_universal, name, lambda *a, _merge=merge, **k: (point("convert"), _merge(*a, **k))[1])

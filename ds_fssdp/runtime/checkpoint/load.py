@@ -16,8 +16,7 @@ from ds_fssdp.runtime.checkpoint.files import CheckpointError, load_file, read_t
 from ds_fssdp.runtime.checkpoint.layout import COMMON, LATEST, META, read_manifest, read_meta, resolve_tag, verify_files
 from ds_fssdp.runtime.checkpoint.reshape import RankFiles, gather_rows, owners_after_load, predictor_for, same_groups
 from ds_fssdp.runtime.checkpoint.rng import set_rng_state
-from ds_fssdp.runtime.checkpoint import universal
-from ds_fssdp.runtime.checkpoint.universal import check_convertible, loading_universal, needs_universal
+from ds_fssdp.runtime.checkpoint.universal import check_convertible, convert, loading_universal, needs_universal
 
 
 def load(engine, load_dir: str, tag=None, *, ds_load, load_module_strict=True, load_optimizer_states=True,
@@ -39,12 +38,11 @@ def load(engine, load_dir: str, tag=None, *, ds_load, load_module_strict=True, l
     expert_opt = (dense_opt if load_expert_optimizer_states is None else load_expert_optimizer_states)
     expert_opt = bool(expert_opt) and not load_module_only
     check_compatible(engine, meta, root, expert_optimizer=expert_opt)
-    ds_dir, ds_tag, universal_load = load_dir, dir_tag, nullcontext()
+    ds_dir, ds_tag, universal = load_dir, dir_tag, nullcontext()
     if needs_universal(engine, meta, dense_optimizer=dense_opt):
         check_convertible(meta, root, engine.fssdp.world)
-        # Looked up at call time, so that it can be wrapped (runtime/faults.py does).
-        (ds_dir, ds_tag), universal_load = universal.convert(load_dir, dir_tag, manifest), loading_universal(engine)
-    with safe_deepspeed_loading(engine), universal_load:
+        (ds_dir, ds_tag), universal = convert(load_dir, dir_tag, manifest), loading_universal(engine)
+    with safe_deepspeed_loading(engine), universal:
         load_path, client_state = ds_load(ds_dir, ds_tag, load_module_strict=load_module_strict,
                                           load_optimizer_states=load_optimizer_states,
                                           load_lr_scheduler_states=load_lr_scheduler_states,
