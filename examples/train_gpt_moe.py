@@ -17,6 +17,16 @@ directory (``--out``, default ``runs/gpt_moe_<policy>``):
     metrics.png         the CSV over steps
 
 Run it once per policy and the second run's table ends with a comparison to the first.
+
+Checkpoints and restarts (docs/robustness.md):
+
+    torchrun --nproc_per_node 4 --max-restarts 3 examples/train_gpt_moe.py --save-dir ckpt --save-interval 50
+
+saves every 50 steps and at the end (``--keep-last K`` keeps the K newest), and on start resumes
+from the newest complete checkpoint in ``--save-dir`` (also on another world size), the data
+stream at the exact next batch. SIGTERM or SIGUSR1 (preemption) finishes the current step, saves
+and exits 0 (``--preempt-grace S`` bounds the time, ``--no-preempt-handler`` turns it off).
+``--resume latest-valid`` falls back to an older checkpoint when the newest fails its checks.
 """
 from __future__ import annotations
 
@@ -33,8 +43,11 @@ from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 
 import ds_fssdp
+from ds_fssdp.runtime import resume_cli
 from ds_fssdp.config import POLICIES
 from ds_fssdp.data import load_corpus, sample_batch, split
+from ds_fssdp.data.sampler import WindowSampler
+from ds_fssdp.runtime.checkpoint import CheckpointError
 from ds_fssdp.models import GPTMoE, GPTMoEConfig
 from ds_fssdp.runtime.cpu import skip_shm_comm_build
 
@@ -54,8 +67,10 @@ def parse_args():
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=None, help="run directory (default: runs/gpt_moe_<policy>)")
     p.add_argument("--no-report", action="store_true", help="skip the PNGs")
+    resume_cli.add_arguments(p)  # --save-dir, --save-interval, --keep-last, --resume, preemption
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
-    args, _ = p.parse_known_args()
+    args = p.parse_args()  # unknown flags are errors; the deepspeed launcher's --local_rank is declared above
+    resume_cli.check_arguments(p, args)
     return args
 
 
@@ -65,7 +80,7 @@ def main():
     if get_accelerator().device_name() == "cpu":
         skip_shm_comm_build()
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_SIZE", "1"))))
-    deepspeed.init_distributed()
+    ds_fssdp.init_distributed()  # restart-safe under torchrun --max-restarts
     rank, world = dist.get_rank(), dist.get_world_size()
 
     with open(args.deepspeed_config) as f:
@@ -86,21 +101,31 @@ def main():
     engine, _, _, _ = ds_fssdp.initialize(model=model, config=config)
     device = engine.device
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    gen = torch.Generator().manual_seed(args.seed + 1 + rank)
+    sampler = WindowSampler(train_N, args.seq_len, seed=args.seed + 1)
     tokens_per_step = world * micro * gas * args.seq_len
     topology = engine.fssdp.topology
+    start = 0
+    if args.save_dir and args.resume != "none":
+        start = ds_fssdp.resume(engine, args.save_dir, state={"sampler": sampler}, which=args.resume)
+        if rank == 0 and start:
+            print(f"resumed at step {start} from {args.save_dir}", flush=True)
+    preemption = None if args.no_preempt_handler else ds_fssdp.Preemption(grace_s=args.preempt_grace,
+                                                                          device=device).install()
+    save = lambda step: ds_fssdp.save_step(engine, args.save_dir, step, state={"sampler": sampler},
+                                           keep_last=args.keep_last)
 
     bar = None
     if rank == 0:
         from tqdm import tqdm
         nodes = f" in {topology.num_nodes} nodes" if topology.num_nodes > 1 else ""
-        bar = tqdm(total=args.steps, desc=f"{policy} {world} ranks{nodes}", dynamic_ncols=True)
-    history = []
-    for step in range(args.steps):
+        bar = tqdm(total=args.steps, initial=start, desc=f"{policy} {world} ranks{nodes}", dynamic_ncols=True)
+        keep_losses(os.path.join(out, "losses.jsonl"), upto=start)
+    history, preempted = [], None
+    for step in range(start, args.steps):
         t0 = time.perf_counter()
         losses = []
         for _ in range(gas):
-            x, y = sample_batch(train_N, micro, args.seq_len, gen)
+            x, y = sampler.next_batch(micro, rank=rank, world=world)
             loss = engine(x.to(device), y.to(device))
             engine.backward(loss)
             engine.step()
@@ -109,22 +134,49 @@ def main():
         dist.all_reduce(loss_t)
         elapsed = time.perf_counter() - t0
         stats = [layer.last_stats for layer in model.moe_layers()]
-        history.append({"loss": float(loss_t) / world, "seconds": elapsed, "layers": stats})
+        history.append({"step": step + 1, "loss": float(loss_t) / world, "seconds": elapsed, "layers": stats})
+        if rank == 0:
+            with open(os.path.join(out, "losses.jsonl"), "a") as f:  # every step, also of runs that die
+                f.write(json.dumps({"step": step + 1, "loss": history[-1]["loss"]}) + "\n")
         if bar is not None:
             bar.update(1)
             straggler = "/".join(f"{s['straggler']:.2f}" for s in stats)
             bar.set_postfix_str(f"loss {history[-1]['loss']:.3f} | {tokens_per_step / elapsed:,.0f} tok/s | "
                                 f"straggler {straggler}")
+        if preemption is not None and preemption.stop_now():
+            preempted = step + 1
+            if args.save_dir:
+                save(preempted)
+            break
+        if args.save_dir and (step + 1 == args.steps or args.save_interval and (step + 1) % args.save_interval == 0):
+            try:
+                save(step + 1)
+            except CheckpointError as err:  # a full disk: every rank got it; the previous checkpoint stands
+                if step + 1 == args.steps:
+                    raise
+                if rank == 0:
+                    print(f"checkpoint at step {step + 1} failed, training goes on: {err}", flush=True)
     if bar is not None:
         bar.close()
+    if preemption is not None:
+        preemption.uninstall()
+    if preempted is not None or not history:
+        if rank == 0:
+            print(f"preempted: stopped after step {preempted}" + (f", saved in {args.save_dir}" if args.save_dir
+                                                                  else " (no --save-dir: nothing saved)")
+                  if preempted is not None else f"nothing to do: resumed at step {start} of {args.steps}")
+        engine.fssdp.close()
+        engine.fssdp_monitor.close()
+        ds_fssdp.destroy_process_group()
+        return
 
     val_loss = evaluate(engine, val_N, micro, args.seq_len, device)
     engine.fssdp.close()  # the trace on disk is complete before the report reads it
     engine.fssdp_monitor.close()
     if rank == 0:
         summary = summarize(history, tokens_per_step, val_loss, world, config)
-        summary.update(nodes=topology.num_nodes, ranks_per_node=topology.ranks_per_node, run_dir=out)
-        os.makedirs(out, exist_ok=True)
+        summary.update(nodes=topology.num_nodes, ranks_per_node=topology.ranks_per_node, run_dir=out,
+                       start_step=start)
         files = []
         if not args.no_report:
             from ds_fssdp.report import render
@@ -136,6 +188,18 @@ def main():
         print(f"run directory {out}: summary.json, metrics.csv, trace.npz" +
               "".join(f", {os.path.basename(p)}" for p in files))
         print_comparison(summary, out)
+    ds_fssdp.destroy_process_group()  # an exit without it can abort in gloo's threads
+
+
+def keep_losses(path: str, *, upto: int) -> None:
+    """The per-step loss log keeps the steps before ``upto`` (those of the run resumed from)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    lines = []
+    if upto and os.path.isfile(path):
+        with open(path) as f:
+            lines = [line for line in f if line.strip() and json.loads(line)["step"] <= upto]
+    with open(path, "w") as f:
+        f.writelines(lines)
 
 
 @torch.no_grad()

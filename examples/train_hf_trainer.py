@@ -10,6 +10,11 @@ The FSSDP-specific parts are two: ``fssdp_hf.convert(model)`` before building th
 
 Data: byte-level windows of CPython's standard library (no download). ``--out DIR`` saves the
 trained model there.
+
+Checkpoints and restarts (docs/robustness.md): ``--save-dir D --save-interval N [--keep-last K]``
+saves ``D/checkpoint-<step>`` every N steps through the Trainer (and the engine's atomic
+checkpoint inside); on start the newest complete one is resumed (the Trainer continues the data
+stream at the exact next batch). SIGTERM/SIGUSR1 finish the step, save and exit 0.
 """
 from __future__ import annotations
 
@@ -19,9 +24,12 @@ import os
 import torch
 import transformers
 
+import ds_fssdp
 import ds_fssdp.integrations.hf as fssdp_hf
+from ds_fssdp.integrations.hf_resume import PreemptionCallback, last_complete_checkpoint
 from ds_fssdp.data import load_corpus
 from ds_fssdp.integrations.hf_tiny import TESTED_FAMILIES, tiny_config
+from ds_fssdp.runtime import resume_cli
 from ds_fssdp.runtime.cpu import skip_shm_comm_build
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,8 +44,10 @@ def parse_args():
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--out", default=None, help="save the trained model (HF layout) here")
+    resume_cli.add_arguments(p)  # --save-dir, --save-interval, --keep-last, --resume, preemption
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
-    args, _ = p.parse_known_args()
+    args = p.parse_args()  # unknown flags are errors; the deepspeed launcher's --local_rank is declared above
+    resume_cli.check_arguments(p, args)
     return args
 
 
@@ -59,18 +69,35 @@ def main():
     use_cpu = not torch.cuda.is_available()
     if use_cpu:
         skip_shm_comm_build()
+    ds_fssdp.init_distributed()  # restart-safe under torchrun --max-restarts
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(tiny_config(
         args.model_type, hidden=64, experts=8, ffn=64, vocab=256, router_aux_loss_coef=0.01))
     model = fssdp_hf.convert(model)  # the one line FSSDP adds
+    saving = dict(save_strategy="no")
+    if args.save_dir:
+        saving = dict(save_strategy="steps", save_steps=args.save_interval or args.steps, save_total_limit=args.keep_last)
     training = transformers.TrainingArguments(
-        output_dir=args.out or "/tmp/fssdp_hf_trainer", use_cpu=use_cpu, deepspeed=args.deepspeed_config,
-        per_device_train_batch_size=4, max_steps=args.steps, learning_rate=args.lr, lr_scheduler_type="constant",
-        logging_steps=5, save_strategy="no", report_to=[], disable_tqdm=True, seed=0,
-        gradient_checkpointing=args.gradient_checkpointing)
+        output_dir=args.save_dir or args.out or "/tmp/fssdp_hf_trainer", use_cpu=use_cpu,
+        deepspeed=args.deepspeed_config, per_device_train_batch_size=4, max_steps=args.steps, learning_rate=args.lr,
+        lr_scheduler_type="constant", logging_steps=5, report_to=[], disable_tqdm=True, seed=0,
+        gradient_checkpointing=args.gradient_checkpointing, **saving)
     trainer = transformers.Trainer(model=model, args=training,
                                    train_dataset=ByteWindows(load_corpus(1 << 20), args.seq_len))
-    result = trainer.train()
+    preempt = None
+    if not args.no_preempt_handler:
+        preempt = PreemptionCallback(ds_fssdp.Preemption(grace_s=args.preempt_grace), save=bool(args.save_dir))
+        trainer.add_callback(preempt)
+    last = None
+    if args.save_dir and args.resume != "none":
+        last = last_complete_checkpoint(args.save_dir, which=args.resume)
+    result = trainer.train(resume_from_checkpoint=last)
+    if preempt is not None and preempt.stopped_at is not None:
+        if trainer.is_world_process_zero():
+            print(f"preempted: stopped after step {preempt.stopped_at}" +
+                  (f", saved in {args.save_dir}" if args.save_dir else " (no --save-dir: nothing saved)"))
+        ds_fssdp.destroy_process_group()
+        return
     engine = trainer.model_wrapped
     if trainer.is_world_process_zero():
         stats = [m.last_stats for _, m in fssdp_hf.converted_experts(model)]
@@ -79,6 +106,7 @@ def main():
     fssdp_hf.unconvert(model)  # collective: the experts come back from their owners
     if args.out:
         trainer.save_model(args.out)
+    ds_fssdp.destroy_process_group()  # an exit without it can abort in gloo's threads
 
 
 if __name__ == "__main__":

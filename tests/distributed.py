@@ -13,6 +13,7 @@ import tempfile
 import traceback
 
 import torch
+import torch.distributed
 import torch.multiprocessing as mp
 
 
@@ -27,8 +28,8 @@ def spawn(world_size: int, fn, *args, local_size: int | None = None, **kwargs) -
     rank's result (in rank order). An exception on any rank fails the call with its traceback.
 
     A rank killed by a signal (a native abort, no Python exception; seen once in three full runs
-    of the suite, at start-up) gets the launch retried once, on a new port, with a warning; a
-    second death fails the test."""
+    of the suite, before each rank destroyed its process group at the end) gets the launch retried
+    once, on a new port, with a warning; a second death fails the test."""
     for attempt in range(2):
         try:
             return _spawn_once(world_size, fn, args, kwargs, local_size)
@@ -64,6 +65,10 @@ def _entry(rank, world_size, port, local_size, fn, args, kwargs, tmp):
         sys.stderr.flush()
         raise
     torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
+    # Without it a gloo worker thread can free a finished work's tensors while the interpreter
+    # shuts down and abort the rank ("terminate called without an active exception"; docs/robustness.md).
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def init_gloo() -> None:

@@ -19,6 +19,8 @@ from deepspeed.utils import logger
 
 from ds_fssdp.config import FSSDPConfig, FSSDPConfigError
 from ds_fssdp.moe.experts_module import FSSDPExperts
+from ds_fssdp.runtime.elastic import init_distributed
+from ds_fssdp.runtime.faults import install_from_env as install_faults
 from ds_fssdp.runtime.groups import build_groups
 from ds_fssdp.runtime.monitor import StageMonitor
 from ds_fssdp.runtime.health import apply_run_settings, check_combinations, skipped_optimizer_step
@@ -55,8 +57,8 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
     prepare_zero3(layers, ds_config)  # before any collective: it may refuse
     requested, requested_by = requested_group_size(model)
 
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
-                               distributed_port=distributed_port, dist_init_required=dist_init_required)
+    init_distributed(backend=get_accelerator().communication_backend_name(), distributed_port=distributed_port,
+                     dist_init_required=dist_init_required)  # restart-safe under torchrun
     world = dist.get_world_size()
     ranks_per_node = fcfg.resolve_ranks_per_node(world)
     group_size = fcfg.resolve_group_size(world, ranks_per_node, requested, requested_by)
@@ -87,6 +89,7 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
     engine.fssdp = stage
     stage.attach(engine)
     engine.fssdp_monitor = StageMonitor.for_engine(stage, engine)
+    install_faults(engine)  # only when FSSDP_FAULTS is set (tests)
     return engine, ds_optimizer, dataloader, scheduler
 
 

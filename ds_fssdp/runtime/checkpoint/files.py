@@ -1,11 +1,14 @@
-"""Checkpoint files: writes flushed to disk, atomic text replacement, digests, and the safe reader
-(``torch.load(weights_only=True)`` plus DeepSpeed's plain data classes)."""
+"""Checkpoint files: writes flushed to disk, atomic text replacement, digests, the safe reader
+(``torch.load(weights_only=True)`` plus DeepSpeed's plain data classes), and write failures (a full
+disk, a size limit) reported with the file's path and the space left, on every rank alike."""
 from __future__ import annotations
 
 import hashlib
 import json
 import os
 import pickle
+import resource
+import shutil
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -63,17 +66,75 @@ def _first_line(err) -> str:
 
 
 def save_tensors(obj, path: str) -> None:
-    with open(path, "wb") as f:
+    with reported_write(path), open(path, "wb") as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
 
 
 def write_json(obj, path: str) -> None:
-    with open(path, "w") as f:
+    with reported_write(path), open(path, "w") as f:
         json.dump(obj, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
+
+
+@contextmanager
+def reported_write(path: str):
+    """A failed write (``OSError``; torch's writer turns a full disk into a ``RuntimeError``) becomes
+    a :class:`CheckpointError` naming ``path``, the reason and the space left on its filesystem."""
+    try:
+        yield
+    except (OSError, RuntimeError) as err:
+        raise write_failure(path, err) from err
+
+
+def write_failure(path: str, err: BaseException) -> CheckpointError:
+    """torch's writer reports a full disk only as ``unexpected pos``: say what the disk and the
+    process's file size limit look like."""
+    reason = os.strerror(err.errno) if isinstance(err, OSError) and err.errno else _first_line(err)
+    try:
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+        where = f"{free:,} bytes free there" + (" (the disk is full)" if free == 0 else "")
+    except OSError:
+        where = "free space unknown"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        where += f"; this process may write files of at most {limit:,} bytes (RLIMIT_FSIZE)"
+    return CheckpointError(f"writing checkpoint file {path} failed: {reason}; {where}")
+
+
+@contextmanager
+def deferred_write_errors(engine):
+    """DeepSpeed's writes (its checkpoint engine's ``save`` and the recovery scripts it copies under
+    ZeRO) record a failure instead of raising it, and skip the writes after it, so DeepSpeed's own
+    save still reaches its barriers on every rank (a rank raising out of it would leave the others
+    waiting there); the caller agrees on the list."""
+    errors = []
+
+    def deferred(write, path_of):
+        def run(*args, **kwargs):
+            if errors:
+                return
+            try:
+                write(*args, **kwargs)
+            except (OSError, RuntimeError) as err:
+                errors.append(write_failure(path_of(*args, **kwargs), err))
+        return run
+
+    wrapped = [(engine.checkpoint_engine, "save", lambda state_dict, path: path),
+               (engine, "_copy_recovery_script", lambda save_path: os.path.join(save_path, "zero_to_fp32.py"))]
+    own = [vars(obj).get(name) for obj, name, _ in wrapped]
+    for obj, name, path_of in wrapped:
+        setattr(obj, name, deferred(getattr(obj, name), path_of))
+    try:
+        yield errors
+    finally:
+        for (obj, name, _), previous in zip(wrapped, own):
+            if previous is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, previous)
 
 
 def read_json(path: str) -> dict:
@@ -99,7 +160,7 @@ def read_text(path: str) -> str:
 
 def atomic_write_text(path: str, text: str) -> None:
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    with reported_write(tmp), open(tmp, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

@@ -14,8 +14,8 @@ from deepspeed.utils import logger
 
 from ds_fssdp.runtime.checkpoint import background
 from ds_fssdp.runtime.checkpoint.collective import agree, all_gather, attempt, broadcast
-from ds_fssdp.runtime.checkpoint.files import (CheckpointError, atomic_write_text, digest, fsync_dir, save_tensors, walk,
-                                              write_json)
+from ds_fssdp.runtime.checkpoint.files import (CheckpointError, atomic_write_text, deferred_write_errors, digest, fsync_dir,
+                                              save_tensors, walk, write_json)
 from ds_fssdp.runtime.checkpoint.layout import (COMMON, FORMAT, LATEST, MANIFEST, META, OLD_PREFIX, TMP_PREFIX, VERSION,
                                                rank_file)
 from ds_fssdp.runtime.checkpoint.rng import rng_state
@@ -54,8 +54,10 @@ def save(engine, save_dir: str, tag=None, *, client_state=None, save_latest: boo
         _start_async(engine, save_dir, tag, tmp_dir, client_state=client_state, save_latest=save_latest,
                      exclude_frozen_parameters=exclude_frozen_parameters, ds_save=ds_save)
         return True
-    ds_save(save_dir, TMP_PREFIX + tag, client_state=client_state, save_latest=False,
-            exclude_frozen_parameters=exclude_frozen_parameters)
+    with deferred_write_errors(engine) as failed:  # a full disk fails every rank alike
+        ds_save(save_dir, TMP_PREFIX + tag, client_state=client_state, save_latest=False,
+                exclude_frozen_parameters=exclude_frozen_parameters)
+    agree(f"writing DeepSpeed's files into {tmp_dir}", failed[0] if failed else None)
     # Looked up on the package at call time, so that it can be wrapped (the fault-injection tests do).
     write = package.write_expert_files
     agree(f"writing the expert state into {tmp_dir}", attempt(lambda: write(engine, tmp_dir, tag)))

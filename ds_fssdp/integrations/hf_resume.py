@@ -1,0 +1,92 @@
+"""Resume and preemption for the Hugging Face Trainer on FSSDP.
+
+The Trainer saves ``<output_dir>/checkpoint-<N>`` itself (the engine's atomic checkpoint inside it,
+then the Trainer's files, ``trainer_state.json`` last) and resumes the data stream at the exact
+next batch from its state. What it lacks: telling a complete checkpoint from one a kill cut short
+(``get_last_checkpoint`` takes the highest number), and preemption.
+
+    last = last_complete_checkpoint(output_dir)             # None: start from step 0
+    trainer.add_callback(PreemptionCallback(Preemption()))
+    trainer.train(resume_from_checkpoint=last)
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import transformers
+from deepspeed.utils import logger
+
+from ds_fssdp.runtime.checkpoint import LATEST, MANIFEST, CheckpointError, read_manifest, resolve_tag, verify_files
+
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+WHICH = ("latest", "latest-valid")
+
+
+def last_complete_checkpoint(output_dir: str, *, which: str = "latest") -> str | None:
+    """The newest ``checkpoint-<N>`` whose save finished (``trainer_state.json`` written, the
+    engine's checkpoint committed with its manifest); unfinished ones are skipped. Its files are
+    checked against the manifest; a bad one raises :class:`CheckpointError` naming the file, or
+    with ``which="latest-valid"`` the next older complete one is tried. Every rank may call it."""
+    if which not in WHICH:
+        raise ValueError(f"which ({which!r}) must be one of {WHICH}")
+    if not os.path.isdir(output_dir):
+        return None
+    numbered = sorted(((int(m.group(1)), name) for name in os.listdir(output_dir)
+                       if (m := _CHECKPOINT_RE.match(name)) and os.path.isdir(os.path.join(output_dir, name))),
+                      reverse=True)
+    complete = [os.path.join(output_dir, name) for _, name in numbered if _finished(os.path.join(output_dir, name))]
+    for skipped in (name for _, name in numbered if os.path.join(output_dir, name) not in complete):
+        logger.info(f"fssdp: {os.path.join(output_dir, skipped)} is unfinished (a save was cut short); not resuming it")
+    for i, path in enumerate(complete):
+        try:
+            root = _engine_checkpoint(path)
+            verify_files(root, read_manifest(root), digests=True)
+            return path
+        except CheckpointError as err:
+            if which == "latest-valid" and i + 1 < len(complete):
+                logger.warning(f"fssdp: skipping checkpoint {path}: {err}")
+                continue
+            hint = "" if which == "latest-valid" else " (resume with latest-valid to fall back to an older one)"
+            raise CheckpointError(f"newest checkpoint {path} is not valid{hint}: {err}") from err
+    return None
+
+
+class PreemptionCallback(transformers.TrainerCallback):
+    """On SIGTERM/SIGUSR1 (see ``ds_fssdp.Preemption``): the step in flight finishes, every rank
+    agrees at its end, the Trainer saves a checkpoint there (``save``) and stops; the script then
+    ends normally (exit 0)."""
+
+    def __init__(self, preemption, *, save: bool = True):
+        self.preemption, self.save = preemption, save
+        self.stopped_at = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.preemption.device = args.device  # the flag's all-reduce runs where the backend can (NCCL: the GPU)
+        self.preemption.install()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.preemption.stop_now():
+            self.stopped_at = state.global_step
+            control.should_save = self.save
+            control.should_training_stop = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.preemption.uninstall()
+
+
+def _finished(path: str) -> bool:
+    if not os.path.isfile(os.path.join(path, transformers.trainer.TRAINER_STATE_NAME)):
+        return False
+    try:
+        return os.path.isfile(os.path.join(_engine_checkpoint(path), MANIFEST))
+    except CheckpointError:
+        return False
+
+
+def _engine_checkpoint(path: str) -> str:
+    latest = os.path.join(path, LATEST)
+    if not os.path.isfile(latest):
+        raise CheckpointError(f"{latest} is missing: {path} holds no engine checkpoint")
+    with open(latest) as f:
+        return os.path.join(path, resolve_tag(path, f.read().strip()))
