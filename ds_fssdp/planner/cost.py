@@ -39,12 +39,14 @@ class Hardware:
 class ExpertShape:
     hidden: int
     ffn: int
-    matrices: int = 2  # 2 for gelu (w_a, w_b), 3 for swiglu
+    matrices: int = 2  # weight matrices [H, F] or [F, H]: 2 for gelu (w_a, w_b), 3 for the gated ones
     param_bytes: int = 2  # bf16
+    biases: int = 0  # bias elements per expert (0 without biases; F + H for gelu, 2F + H gated)
 
     @property
     def params(self) -> int:
-        return self.matrices * self.hidden * self.ffn
+        """Elements of one expert's row (what a gather moves)."""
+        return self.matrices * self.hidden * self.ffn + self.biases
 
     @property
     def expert_bytes(self) -> int:
@@ -52,8 +54,9 @@ class ExpertShape:
 
     @property
     def row_flops(self) -> float:
-        """Forward FLOPs of one routed row through one expert."""
-        return 2.0 * self.params
+        """Forward FLOPs of one routed row through one expert: its matrices (the bias adds are
+        noise beside them)."""
+        return 2.0 * self.matrices * self.hidden * self.ffn
 
     @property
     def token_bytes(self) -> int:

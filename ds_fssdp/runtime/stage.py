@@ -25,7 +25,7 @@ from ds_fssdp.comm.sparse import scatter_rows
 from ds_fssdp.config import FSSDPConfig, FSSDPConfigError, placement_needs_cost
 from ds_fssdp.moe.experts_module import FSSDPExperts
 from ds_fssdp.moe.sharded import ReplicaMemory, ShardedExperts, ShardOptions
-from ds_fssdp.planner import (CostModel, ExpertShape, Hardware, LoadPredictor, auto_materialization_budget,
+from ds_fssdp.planner import (CostModel, Hardware, LoadPredictor, auto_materialization_budget,
                               heterogeneous_sharding, homogeneous_owner)
 from ds_fssdp.planner.baselines import PolicyConfig, make_policy
 from ds_fssdp.runtime.expert_dp import make_expert_state
@@ -206,11 +206,11 @@ class FSSDPStage:
         for master in self.masters():
             master.grad = None
         self._agree_on_windows(engine.device)
-        resharded = 0
+        resharded = 0  # bytes this rank sent for both migrations when both fire on one step
         if applied and self.config.reshard_interval and self.steps % self.config.reshard_interval == 0:
-            resharded = self.reshard()
+            resharded += self.reshard()
         if applied and self.config.policy == "smartmoe":
-            resharded = self.smartmoe_permute()
+            resharded += self.smartmoe_permute()
         if engine.wall_clock_breakdown() and engine.global_steps % engine.steps_per_print() == 0:
             engine.timers.log(["fssdp_gather_wait", "fssdp_reduce_wait"])
         self.last_step = {"applied": applied, "expert_grad_factor": factor, "global_grad_norm": self.norm.global_norm,
@@ -276,8 +276,7 @@ class FSSDPStage:
             bw = bw if bw != float("inf") else 1e15
             hw = Hardware(flops=float(flops_t), intra_bw=bw, inter_bw=bw)
         self.profile["hardware"] = dataclasses.asdict(hw)
-        shape = ExpertShape(hidden=layer.hidden_size, ffn=layer.ffn_hidden_size, matrices=len(layer.spec.names),
-                            param_bytes=torch.tensor([], dtype=dtype).element_size())
+        shape = layer.spec.cost_shape(torch.tensor([], dtype=dtype).element_size())
         self.profile["expert_shape"] = dataclasses.asdict(shape)
         cost = CostModel(hw, shape, self.topology)
         for s in self.shards:
