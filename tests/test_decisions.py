@@ -32,8 +32,8 @@ for name, kwargs in {
     # t and calibration's budget from the measured, agreed windows: the recorded clock matters.
     "fssdp-calibrated-auto": dict(calibration=True, overlap_degree="auto", hardware=HW, reshard_interval=2),
     "fssdp-rm-paper": dict(rematerialize=True, placement="paper", dispatch="paper", reshard_interval=3),
-    "fssdp-cost-time": dict(placement="cost", dispatch="balanced-time", hardware=HW, calibration=True,
-                            calibration_latency_budget=1e-3),
+    "fssdp-time-calibrated": dict(dispatch="balanced-time", hardware=HW, calibration=True,
+                                  calibration_latency_budget=1e-3),
     "ep": dict(policy="ep"),
     "uniform": dict(policy="uniform"),
     "fastermoe": dict(policy="fastermoe", hardware=HW),
@@ -74,7 +74,7 @@ def test_the_runs_made_decisions_worth_comparing(runs):
     placed = {n: r["trace"].arrays["decision_placed"] for n, r in runs.items()}
     E = held["ep"].shape[2]
     assert held["ep"].sum((2, 3)).max() == E and held["uniform"].sum((2, 3)).max() == E
-    for n in ("fssdp-calibrated-auto", "fssdp-rm-paper", "fssdp-cost-time"):
+    for n in ("fssdp-calibrated-auto", "fssdp-rm-paper", "fssdp-time-calibrated"):
         assert placed[n].sum((2, 3)).max() > E, n  # pre-gating replicas
     assert (held["fastermoe"] & ~placed["fastermoe"]).any()  # shadows
     cal = runs["fssdp-calibrated-auto"]["trace"].arrays

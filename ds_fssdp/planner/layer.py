@@ -8,8 +8,7 @@ through a :class:`LayerPlanner`, so they make the same decisions from the same i
 own clocks.
 
 1. :meth:`pre_gating` before the preceding attention: the placement from the predictor's
-   prediction (its per-rank ``tokens_ED`` when it has them, else its per-expert loads), with its
-   measured error as the margin;
+   prediction (its per-rank ``tokens_ED`` when it has them, else its per-expert loads);
 2. :meth:`post_gating` once the actual ``tokens_ED`` are known: calibration or shadowing;
 3. :meth:`dispatch`: the compact dispatch plan (:meth:`dispatch_dense` for the dense one);
 4. :meth:`observe`: the predictor learns the loads (once per training forward).
@@ -36,8 +35,7 @@ class LayerPlanner:
         predicted = self.predictor.predict_tokens(self.layer)
         if predicted is None:
             predicted = self.predictor.predict(self.layer)
-        return self.policy.pre_gating(self.layer, owner_E, predicted, margin=self.predictor.error(self.layer),
-                                      clock=clock)
+        return self.policy.pre_gating(self.layer, owner_E, predicted, clock=clock)
 
     def post_gating(self, owner_E: torch.Tensor, placement_ED: torch.Tensor, tokens_ED: torch.Tensor,
                     clock: Clock | None = None) -> LayerPlan:

@@ -11,7 +11,7 @@ decisions again, step by step (re-shards and SmartMoE's permutations, placements
 or shadowing, dispatch plans), and :func:`compare` says where they differ. What it cannot know is
 listed in :attr:`Replay.notes`: a trace without the decision record (not from the runtime) is
 replayed with the sidecar's t ("auto": unlimited) and latency budget; calibration, FasterMoE
-and placement "cost" need the run's hardware.
+need the run's hardware; placement "cost" (removed) is replayed as "joint".
 """
 from __future__ import annotations
 
@@ -101,8 +101,9 @@ class ReplaySettings:
         if no_cost and s.dispatch == "balanced-time":
             notes.append(f"dispatch {s.dispatch!r} needs the run's cost model; replayed with 'balanced'")
             s.dispatch = "balanced"
-        if no_cost and s.placement == "cost":
-            notes.append("placement 'cost' without the run's hardware in the trace; replayed as 'joint'")
+        if s.placement == "cost":
+            notes.append("placement 'cost' (removed from the runtime) replayed as 'joint'")
+            s.placement = "joint"
         if no_cost and (s.calibration or s.policy == "fastermoe"):
             notes.append("replicas added after gating (calibration / FasterMoE) need the run's hardware; not shown")
             s.calibration = False

@@ -22,7 +22,7 @@ from deepspeed import comm as dist
 from deepspeed.utils import logger
 
 from ds_fssdp.comm.sparse import scatter_rows
-from ds_fssdp.config import FSSDPConfig, FSSDPConfigError, placement_needs_cost
+from ds_fssdp.config import FSSDPConfig, FSSDPConfigError
 from ds_fssdp.moe.experts_module import FSSDPExperts
 from ds_fssdp.moe.sharded import (ReplicaMemory, ShardedExperts, ShardOptions, StepContext, chain,
                                   decision_arrays)
@@ -244,7 +244,7 @@ class FSSDPStage:
                         f"for replicas, {psi} bytes per expert, {len(self.layers)} layers, rematerialize="
                         f"{cfg.rematerialize})")
         need_cost = (cfg.calibration or cfg.policy == "fastermoe" or cfg.dispatch == "balanced-time"
-                     or placement_needs_cost(cfg) or cfg.overlap_degree == "auto")
+                     or cfg.overlap_degree == "auto")
         if need_cost:
             self.cost = self._cost_model(dtype, device)
         layer = self.layers[0]

@@ -90,9 +90,12 @@ class PolicyResult:
 
 
 def simulate(setup: Setup, tokens_SLED: np.ndarray, policies, *, dispatcher=planner_dispatch,
-             materializer=place, placement: str = "paper") -> list:
+             materializer=place, placement: str = "paper", dispatch: str | None = None,
+             dispatch_slack: float = 0.0) -> list:
     """One :class:`PolicyResult` per policy name, in order. ``placement``: FSSDP's pre-gating
-    placement (``planner.place``; "paper" is Algorithm 1, or ``materializer``)."""
+    placement (``planner.place``; "paper" is Algorithm 1, or ``materializer``). ``dispatch``: a
+    dispatch mode for the policy's own dispatcher, as the runtime builds it (with the cost model,
+    so "balanced-time" works; ``dispatcher`` is then not used)."""
     tokens_SLED = np.asarray(tokens_SLED)
     S, L, E, D = tokens_SLED.shape
     if (L, E, D) != (setup.num_layers, setup.num_experts, setup.topology.num_ranks):
@@ -102,11 +105,12 @@ def simulate(setup: Setup, tokens_SLED: np.ndarray, policies, *, dispatcher=plan
         raise ValueError(f"the trace has {S} steps; the simulation needs more than the load window "
                          f"({setup.load_window})")
     return [simulate_policy(name, setup, tokens_SLED, dispatcher=dispatcher, materializer=materializer,
-                            placement=placement) for name in policies]
+                            placement=placement, dispatch=dispatch, dispatch_slack=dispatch_slack) for name in policies]
 
 
 def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatcher=planner_dispatch,
-                    materializer=place, placement: str = "paper") -> PolicyResult:
+                    materializer=place, placement: str = "paper", dispatch: str | None = None,
+                    dispatch_slack: float = 0.0) -> PolicyResult:
     """``dispatcher`` / ``materializer``: Algorithms 3 and 1 by default (the planner's, in C when
     built); pass others (e.g. the balancing dispatcher) to compare."""
     S, L, E, D = tokens_SLED.shape
@@ -122,8 +126,9 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
                           calibration=setup.calibration,
                           calibration_latency_budget=setup.calibration_budget * attn_f,
                           smartmoe_interval=setup.smartmoe_interval, flexmoe_threshold=setup.flexmoe_threshold,
-                          flexmoe_slots=setup.flexmoe_slots, flexmoe_interval=setup.flexmoe_interval)
-    policy = make_policy(name, config, dispatcher=dispatcher, materializer=materializer)
+                          flexmoe_slots=setup.flexmoe_slots, flexmoe_interval=setup.flexmoe_interval,
+                          dispatch=dispatch or "paper", dispatch_slack=dispatch_slack)
+    policy = make_policy(name, config, dispatcher=None if dispatch else dispatcher, materializer=materializer)
     predictor = LoadPredictor([E] * L, window=setup.load_window)
     planners = [LayerPlanner(policy, predictor, l) for l in range(L)]
     owner_LE = policy.initial_owner()

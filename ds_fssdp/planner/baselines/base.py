@@ -73,10 +73,10 @@ class PolicyConfig:
     overlap_degree: int = 0
     """t: distinct experts replicated per layer per iteration (FSSDP, Algorithm 2's hot set)."""
     cost: CostModel | None = None
-    """Latency model; FasterMoE's shadowing, FSSDP's calibration and placement "cost" need it."""
+    """Latency model; FasterMoE's shadowing, FSSDP's calibration and dispatch "balanced-time" need it."""
     placement: str = "paper"
     """FSSDP's pre-gating placement (:func:`ds_fssdp.planner.place`): "paper" (Algorithm 1, or the
-    injected ``materializer``), "joint" or "cost" (both need the predicted ``tokens_ED``)."""
+    injected ``materializer``) or "joint" (it needs the predicted ``tokens_ED``)."""
     reshard_interval: int = 100
     """FSSDP: Algorithm 2 every this many iterations (0: never). Paper: 100."""
     calibration: bool = False
@@ -194,9 +194,8 @@ class Policy:
         return None
 
     def pre_gating(self, layer: int, owner_E: torch.Tensor, predicted_load_E: torch.Tensor | None, *,
-                   margin: float | None = None, clock: Clock | None = None) -> torch.Tensor:
-        """``margin``: the prediction's measured error (``LoadPredictor.error``), for placements that
-        hedge against it (FSSDP's "cost"); the baselines plan nothing before gating."""
+                   clock: Clock | None = None) -> torch.Tensor:
+        """The baselines plan nothing before gating."""
         return shard_placement(owner_E.to("cpu", torch.long), self.topology.num_ranks) | self.persistent_ED(
             layer, owner_E)
 

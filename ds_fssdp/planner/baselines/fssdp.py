@@ -41,11 +41,10 @@ class FSSDPPolicy(Policy):
         return Reshard(owner_LE=new_LE, copies_M4=moved_copies(owner_LE, new_LE))
 
     def pre_gating(self, layer: int, owner_E: torch.Tensor, predicted_load_E: torch.Tensor | None, *,
-                   margin: float | None = None, clock: Clock | None = None) -> torch.Tensor:
+                   clock: Clock | None = None) -> torch.Tensor:
         """``predicted_load_E``: per-expert loads [E], or the predicted ``tokens_ED`` [E, D] (what
-        placements "joint" and "cost" need); ``margin``: the prediction's measured error. The
-        runtime's :func:`~ds_fssdp.planner.place`, unless another materializer was injected
-        (placement "paper" then uses it on the loads)."""
+        placement "joint" needs). :func:`~ds_fssdp.planner.place`, unless another materializer was
+        injected (placement "paper" then uses it on the loads)."""
         t = self.overlap_degree(clock)
         if predicted_load_E is None:
             return shard_placement(owner_E.to("cpu", torch.long), self.topology.num_ranks)
@@ -54,7 +53,7 @@ class FSSDPPolicy(Policy):
             return self.materializer(owner_E, load_E, self.topology, overlap_degree=t, budget=self.config.budget)
         options = PlacementOptions(placement=self.config.placement, overlap_degree=t,
                                    materialization_budget=self.config.budget)
-        return place(owner_E, predicted_load_E, self.topology, config=options, cost=self.config.cost, margin=margin)
+        return place(owner_E, predicted_load_E, self.topology, config=options)
 
     def post_gating(self, layer: int, owner_E: torch.Tensor, placement_ED: torch.Tensor, *,
                     tokens_ED: torch.Tensor, clock: Clock | None = None) -> LayerPlan:
