@@ -1,7 +1,7 @@
 """Replay routing traces through the planner: straggler factor, inter-node traffic and modelled
 time of EP, the paper's planner (Algorithm 1 + Algorithm 3), the balancing dispatcher on
 Algorithm 1's placements, and ours (joint placement + balancing dispatch), against the best each
-placement allows. ``joint+balanced-3%`` is the runtime's default (``dispatch_slack`` 0.03: the
+placement allows. ``joint+balanced-3%`` is joint placement with the default dispatch (``dispatch_slack`` 0.03: the
 busiest rank may compute 3% more rows than the best, so fewer tokens cross nodes);
 (The cost-aware placement's arms left with ``placement: "cost"``; what they measured is in
 results/dispatch_cost*.json and results/README.md.)

@@ -1,5 +1,5 @@
 """The pre-gating placements side by side in the cluster simulator: ``paper`` (Algorithm 1, what
-``python -m ds_fssdp.sim`` models) and ``joint`` (the runtime's default), each through
+``python -m ds_fssdp.sim`` models, the runtime's default) and ``joint``, each through
 ``planner.place`` with the balancing dispatcher (3% slack) or the dispatch modes asked for, FSSDP
 policy.
 

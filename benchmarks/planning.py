@@ -7,7 +7,7 @@ rank, fresh each repetition; warm-up first; median and 95th percentile in micros
 thread. ``--runs N`` measures every arm N times in turn and reports each run's median and the
 median over runs (on a shared machine whose speed drifts, one run is one stretch of time). The
 dispatch is ``dispatch_plan`` (the compact plan the runtime uses). Arms: ``joint+balanced`` (the
-fssdp default: joint_materialize + balancing dispatch with the default 3% slack), ``paper``
+joint placement: joint_materialize + balancing dispatch with the default 3% slack), ``paper``
 (Algorithm 1 + Algorithm 3), and each half alone. (``cost_materialize`` left with placement
 "cost"; its timings stay in results/planning_*.json.) The paper reports 24-51 us median
 (67 us p95) per layer; the target here is <= 51 us median for joint+balanced.

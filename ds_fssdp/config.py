@@ -102,10 +102,11 @@ class FSSDPConfig(DeepSpeedConfigModel):
     reshard_interval: StrictInt = Field(0, ge=0)
     """Re-plan the owners of all layers every this many optimizer steps (0: never)."""
 
-    placement: str = "joint"
-    """How replicas are chosen each iteration (``planner.place``): ``joint`` (where the predicted
-    tokens come from, every slot that helps balance) or ``paper`` (Algorithm 1 on per-expert
-    loads). (``cost`` was removed: it won nowhere, ``benchmarks/results/README.md``.)"""
+    placement: str = "paper"
+    """How replicas are chosen each iteration (``planner.place``): ``paper`` (Algorithm 1 on
+    per-expert loads; the best measured on both simulated clusters and on 2 CPU ranks,
+    ``benchmarks/results/README.md``) or ``joint`` (where the predicted tokens come from, every slot
+    that helps balance). (``cost`` was removed: it won nowhere.)"""
 
     dispatch: Literal["balanced", "balanced-time", "paper"] = "balanced"
     """How tokens are split among holders: ``balanced`` (fewest rows on the most loaded rank, then

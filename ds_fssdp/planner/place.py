@@ -36,7 +36,7 @@ _GATHERING = ("fssdp", "ep")  # policies whose placement is planned before gatin
 class PlacementOptions:
     """The fields of the ``"fssdp"`` section :func:`place` reads, with resolved ints."""
 
-    placement: str = "joint"
+    placement: str = "paper"
     overlap_degree: int = 4
     materialization_budget: int = 2
     policy: str = "fssdp"

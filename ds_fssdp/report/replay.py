@@ -38,7 +38,7 @@ class ReplaySettings:
     overlap_degree: int = 4
     window: int = 5
     ranks_per_node: int | None = None  # None: one node
-    placement: str = "joint"
+    placement: str = "paper"  # the runtime's default
     dispatch: str = "balanced"
     dispatch_slack: float = _FIELDS["dispatch_slack"].default
     reshard_interval: int = 0

@@ -49,7 +49,7 @@ from ds_fssdp.planner.layer import LayerPlanner, migrations
 from ds_fssdp.planner.predict import LoadPredictor
 from ds_fssdp.sim.links import Links, allreduce_links, exchange_links, sparse_collective_links
 from ds_fssdp.sim.memory import budget_for_cap, ep_memory_bytes
-from ds_fssdp.sim.placement import place
+from ds_fssdp.planner.materialize import materialize as algorithm1  # the default materializer
 from ds_fssdp.sim.setup import (GRAD_BYTES, MIGRATE_BYTES, OPT_BYTES, OPT_TRAFFIC_BYTES, PARAM_BYTES, Setup,
                                 derive_overlap_degree)
 from ds_fssdp.planner.cost import CostModel
@@ -121,7 +121,7 @@ class PolicyRun:
 
     def __init__(self, name: str, setup: Setup, *, group_size: int | None = None, budget: int | None = None,
                  memory_cap: float | None = None, overlap_degree: int | None = None, max_groups: int | None = None,
-                 dispatcher=None, materializer=place):
+                 dispatcher=None, materializer=algorithm1):
         """``overlap_degree`` None: t derived for the group (a group inside one node gathers over
         the intra-node links); ``budget`` None: the setup's m, or the ``memory_cap``'s.
         ``max_groups``: simulate only the first this many groups (their layers, planning, memory;
@@ -400,7 +400,7 @@ def run_cluster(runs: list, source) -> list:
 
 def simulate_cluster(setup: Setup, source, policies, *, group_size: int | None = None,
                      memory_cap: float | None = None, overlap_degree: int | None = None,
-                     max_groups: int | None = None, dispatcher=None, materializer=place) -> list:
+                     max_groups: int | None = None, dispatcher=None, materializer=algorithm1) -> list:
     """One :class:`ClusterResult` per policy name, in order, each at ``group_size`` (the world
     if None), EP's and Uniform's at most at the expert count (the group EP runs; its result says
     which). See :class:`PolicyRun` for the rest."""

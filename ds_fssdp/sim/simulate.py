@@ -61,7 +61,7 @@ from ds_fssdp.planner.predict import LoadPredictor
 from ds_fssdp.planner.shard import shard_placement
 from ds_fssdp.sim.setup import GRAD_BYTES, MIGRATE_BYTES, OPT_BYTES, OPT_TRAFFIC_BYTES, PARAM_BYTES, Setup
 from ds_fssdp.planner.dispatch import dispatch as planner_dispatch
-from ds_fssdp.sim.placement import place
+from ds_fssdp.planner.materialize import materialize as algorithm1  # the default materializer
 
 CATEGORIES = ("comp", "a2a", "spag", "rearr", "ar", "opt")
 
@@ -90,7 +90,7 @@ class PolicyResult:
 
 
 def simulate(setup: Setup, tokens_SLED: np.ndarray, policies, *, dispatcher=planner_dispatch,
-             materializer=place, placement: str = "paper", dispatch: str | None = None,
+             materializer=algorithm1, placement: str = "paper", dispatch: str | None = None,
              dispatch_slack: float = 0.0) -> list:
     """One :class:`PolicyResult` per policy name, in order. ``placement``: FSSDP's pre-gating
     placement (``planner.place``; "paper" is Algorithm 1, or ``materializer``). ``dispatch``: a
@@ -109,7 +109,7 @@ def simulate(setup: Setup, tokens_SLED: np.ndarray, policies, *, dispatcher=plan
 
 
 def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatcher=planner_dispatch,
-                    materializer=place, placement: str = "paper", dispatch: str | None = None,
+                    materializer=algorithm1, placement: str = "paper", dispatch: str | None = None,
                     dispatch_slack: float = 0.0) -> PolicyResult:
     """``dispatcher`` / ``materializer``: Algorithms 3 and 1 by default (the planner's, in C when
     built); pass others (e.g. the balancing dispatcher) to compare."""
