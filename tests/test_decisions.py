@@ -15,7 +15,7 @@ import torch
 from distributed import spawn
 from training import ds_config, train_worker
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 WORLD, STEPS = 4, 6
 HW = {"flops": 1e6, "intra_bw": 1e9, "inter_bw": 1e7}  # slow compute: replicas and shadows pay
