@@ -15,8 +15,7 @@ setup(
     packages=packages + ops_packages,
     package_dir={"ds_fssdp.ops": "ops"},
     # The planner's and the router's per-iteration hot paths (Python references beside them).
-    ext_modules=[Extension("ds_fssdp.planner._fastplan", ["ds_fssdp/planner/_fastplan.c", "ds_fssdp/planner/_costplace.c"],
-                           depends=["ds_fssdp/planner/_costplace.h"],
+    ext_modules=[Extension("ds_fssdp.planner._fastplan", ["ds_fssdp/planner/_fastplan.c"],
                            # no fused multiply-add: the C placements match their Python references float for float
                            extra_compile_args=["-O3", "-ffp-contract=off"]),
                  Extension("ds_fssdp.moe._fastroute", ["ds_fssdp/moe/_fastroute.c"], extra_compile_args=["-O3"])],

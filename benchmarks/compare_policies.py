@@ -6,8 +6,8 @@ stream with skewed routing.
 One engine per arm (same model, same initial weights, same batches), all built up front in the
 same processes; after a warm-up they run in alternating order (A B C ... then reversed), a few
 steps at a time, and the times of each arm's steps are summed. Arms: the ``fssdp`` policies
-(``fssdp``, ``fssdp-rm`` = with re-materialization, ``fssdp-cost`` / ``fssdp-joint`` /
-``fssdp-paper`` = with that ``placement``, ``ep``, ``uniform``, ``fastermoe``, ``smartmoe``) through ``ds_fssdp.initialize``, and ``deepspeed-moe``: ``deepspeed.moe.layer.MoE``
+(``fssdp``, ``fssdp-rm`` = with re-materialization, ``fssdp-joint`` / ``fssdp-paper`` = with
+that ``placement``, ``ep``, ``uniform``, ``fastermoe``, ``smartmoe``) through ``ds_fssdp.initialize``, and ``deepspeed-moe``: ``deepspeed.moe.layer.MoE``
 (same shapes, top-2, dropless: ``drop_tokens=False``, expert parallel over all ranks) through
 ``deepspeed.initialize``. The MoE layers' experts: gelu, no biases.
 
@@ -44,8 +44,8 @@ from ds_fssdp.data import load_corpus, sample_batch, split
 from ds_fssdp.models import GPTMoE, GPTMoEConfig
 from ds_fssdp.runtime.cpu import skip_shm_comm_build
 
-ARMS = ("fssdp", "fssdp-rm", "fssdp-cost", "ep", "uniform", "fastermoe", "smartmoe", "deepspeed-moe")
-PLACEMENT_ARMS = {"fssdp-cost": "cost", "fssdp-joint": "joint", "fssdp-paper": "paper"}  # fssdp, that placement
+ARMS = ("fssdp", "fssdp-rm", "ep", "uniform", "fastermoe", "smartmoe", "deepspeed-moe")
+PLACEMENT_ARMS = {"fssdp-joint": "joint", "fssdp-paper": "paper"}  # fssdp, that placement
 
 
 def parse_args():

@@ -12,7 +12,7 @@ takes it before the count all-gather), the route's other half (the unsend and co
 computed on first use, after the all-to-all is launched: ``span+finish`` is the span with it),
 the placement (planned in ``prefetch``, before the attention), the layer's statistics (``stats``:
 rows per rank, straggler, link statistics ``DispatchPlan.moved``, EP rows: computed in
-``ShardedExperts._record`` after the exchange has returned), timed here for comparison, nor the
+``ShardedExperts._stats`` after the exchange has returned), timed here for comparison, nor the
 send buffer (``send_rows``: ``permute_rows`` of the hidden states, device work). ``route_device``
 (the torch-ops route CUDA tensors take) is timed on CPU tensors for reference. Input: one rank's
 top-k routing of ``--tokens`` tokens from a skewed expert distribution, the joint placement of
@@ -64,7 +64,7 @@ def main():
     plan = dispatch_plan(placement_ED, tokens_ED, topo, mode="balanced", slack=SLACK)
     r = route(idx_TK, plan, rank=rank, local_E=local_E, grouped=grouped)
 
-    def stats():  # what ShardedExperts._record computes from the plan
+    def stats():  # what ShardedExperts._stats computes from the plan
         rows_D = plan.rows_D().double()
         moved = plan.moved(G)
         ep_rows_D = torch.zeros_like(rows_D).index_add_(0, owner_E, tokens_ED.sum(1).double())

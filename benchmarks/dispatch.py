@@ -1,10 +1,10 @@
 """Replay routing traces through the planner: straggler factor, inter-node traffic and modelled
 time of EP, the paper's planner (Algorithm 1 + Algorithm 3), the balancing dispatcher on
 Algorithm 1's placements, and ours (joint placement + balancing dispatch), against the best each
-placement allows. ``joint+balanced-3%`` is the runtime's default (``dispatch_slack`` 0.03: the
+placement allows. ``joint+balanced-3%`` is joint placement with the default dispatch (``dispatch_slack`` 0.03: the
 busiest rank may compute 3% more rows than the best, so fewer tokens cross nodes);
-``cost+balanced-3%`` is the cost-aware placement (``fssdp.placement: "cost"``) on the same
-dispatcher, planned with the same cost model the times are modelled with.
+(The cost-aware placement's arms left with ``placement: "cost"``; what they measured is in
+results/dispatch_cost*.json and results/README.md.)
 
     python benchmarks/dispatch.py [--trace ../shared/data/trace_e8.npz ...] [--ranks-per-node 4]
                                   [--budget 2] [--overlap-degree 8] [--window 5] [--json out.json]
@@ -21,14 +21,7 @@ hides ``CostModel.overlap_window(t)`` of the gather, the backward twice that of 
 all of it on the critical path (``+transfer``).
 
 Per step and layer: loads (and, for joint placement, tokens_ED) predicted from the previous
-``window`` steps (``LoadPredictor``: the cost placement takes its measured error as its margin, as
-in the runtime), a placement, then each dispatcher on the actual tokens. ``cost-exact`` is the
-cost placement planned on the step's actual tokens with no margin: what it buys when the
-prediction is exact, so the gap to ``cost`` is the prediction's. ``balance`` and ``balance-exact``
-are the cost placement planned as if the links were free (infinite bandwidth: no row is kept
-home, no replica costs anything), on the prediction with its margin and on the step's actual
-tokens with none: the fewest replicas that level the compute, modelled with the real links (what
-buying balance alone costs in token exchange). ``bound``: the exact
+``window`` steps (``LoadPredictor``), a placement, then each dispatcher on the actual tokens. ``bound``: the exact
 lower bound on the most loaded rank's rows for that placement (fractional, all replicated-expert
 subsets). Modelled time: ``planner.CostModel`` with cluster A's hardware (A100, 300 GB/s per GPU
 in a node, 50 GB/s per node between nodes) and GPT-S-MoE experts (768 x 3072), the trace's rows
@@ -56,10 +49,8 @@ from ds_fssdp.planner.joint import joint_materialize
 from ds_fssdp.sim.traces import load_trace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-from ds_fssdp.planner.place import PlacementOptions, place
 
-ARMS = ("ep", "paper", "alg1+balanced", "joint+balanced", "joint+balanced-3%", "cost+balanced-3%", "cost-exact+balanced-3%",
-        "balance+balanced-3%", "balance-exact+balanced-3%")
+ARMS = ("ep", "paper", "alg1+balanced", "joint+balanced", "joint+balanced-3%")
 METRICS = ("straggler", "inter", "time", "time_window", "time_transfer", "bound", "replicas", "replica_mb")
 
 
@@ -76,16 +67,13 @@ def replay(tokens_SLED: torch.Tensor, *, ranks_per_node, budget, overlap_degree,
     steps, L, E, D = tokens_SLED.shape
     topo = Topology(num_ranks=D, ranks_per_node=ranks_per_node)
     cost = CostModel(Hardware(flops=150e12, intra_bw=300e9, inter_bw=50e9), ExpertShape(hidden=768, ffn=3072), topo)
-    # The same placement with free links: replicas only for the compute's balance (the fewest that level it).
-    free_links = CostModel(Hardware(flops=150e12, intra_bw=float("inf"), inter_bw=float("inf")), cost.shape, topo)
     owner = homogeneous_owner(E, D)
     shard = shard_placement(owner, D)
     same = topo.same_node_DD()
-    options = PlacementOptions(placement="cost", overlap_degree=overlap_degree, materialization_budget=budget)
     window_s = cost.overlap_window(overlap_degree)  # hides the gather; twice it, in the backward, the reduce
     predictor = LoadPredictor([E] * L, window=window)
     out = {arm: {k: [] for k in METRICS} for arm in ARMS}
-    plan_us = {"paper": [], "joint+balanced": [], "cost+balanced": []}
+    plan_us = {"paper": [], "joint+balanced": []}
     for s in range(steps):
         for l in range(L):
             T = tokens_SLED[s, l]
@@ -98,21 +86,11 @@ def replay(tokens_SLED: torch.Tensor, *, ranks_per_node, budget, overlap_degree,
                 pj = joint_materialize(owner, pred, topo, overlap_degree=overlap_degree, budget=budget)
                 ours = dispatch(pj, T, topo, mode="balanced")
                 t2 = time.perf_counter()
-                pc = place(owner, pred, topo, config=options, cost=cost, margin=predictor.error(l))
-                cost_plan = dispatch(pc, T, topo, mode="balanced", slack=0.03)
-                t3 = time.perf_counter()
                 plan_us["paper"].append((t1 - t0) * 1e6)
                 plan_us["joint+balanced"].append((t2 - t1) * 1e6)
-                plan_us["cost+balanced"].append((t3 - t2) * 1e6)
                 plans = {"ep": (shard, dispatch(shard, T, topo)), "paper": (p1, paper),
                          "alg1+balanced": (p1, dispatch(p1, T, topo, mode="balanced")), "joint+balanced": (pj, ours),
-                         "joint+balanced-3%": (pj, dispatch(pj, T, topo, mode="balanced", slack=0.03)),
-                         "cost+balanced-3%": (pc, cost_plan)}
-                exact = place(owner, T.double(), topo, config=options, cost=cost, margin=0.0)
-                plans["cost-exact+balanced-3%"] = (exact, dispatch(exact, T, topo, mode="balanced", slack=0.03))
-                for arm, tokens, margin in (("balance", pred, predictor.error(l)), ("balance-exact", T.double(), 0.0)):
-                    pb = place(owner, tokens, topo, config=options, cost=free_links, margin=margin)
-                    plans[arm + "+balanced-3%"] = (pb, dispatch(pb, T, topo, mode="balanced", slack=0.03))
+                         "joint+balanced-3%": (pj, dispatch(pj, T, topo, mode="balanced", slack=0.03))}
                 mean_rows = float(T.sum()) / D
                 ep_time = cost.layer_time(plans["ep"][1])
                 for arm, (p, plan) in plans.items():
@@ -201,12 +179,6 @@ def main():
             a = r[arm]
             print(f"{arm:>22} {a['straggler']:>9.3f} {a['bound']:>6.3f} {a['inter']:>10.4f} {a['time']:>8.3f} "
                   f"{a['time_window']:>8.3f} {a['time_transfer']:>9.3f} {a['replicas']:>8.2f} {a['replica_mb']:>8.1f}")
-        j = r["joint+balanced-3%"]
-        for arm in ("cost", "cost-exact", "balance", "balance-exact"):
-            b = r[arm + "+balanced-3%"]
-            print(f"{arm} vs joint: straggler {b['straggler']:.3f} vs {j['straggler']:.3f}, replica bytes "
-                  f"{b['replica_mb'] / j['replica_mb'] if j['replica_mb'] else float('nan'):.2f}x, modelled time with "
-                  f"the window {b['time_window'] / j['time_window']:.3f}x")
         print(f"median planning time per layer in this replay (dense [E, D, D] plans and the load sum "
               f"included; the runtime's compact path is timed by benchmarks/planning.py): "
               + ", ".join(f"{k} {v:.0f} us" for k, v in r["plan_us_median"].items()))

@@ -7,10 +7,9 @@ rank, fresh each repetition; warm-up first; median and 95th percentile in micros
 thread. ``--runs N`` measures every arm N times in turn and reports each run's median and the
 median over runs (on a shared machine whose speed drifts, one run is one stretch of time). The
 dispatch is ``dispatch_plan`` (the compact plan the runtime uses). Arms: ``joint+balanced`` (the
-fssdp default: joint_materialize + balancing dispatch with the default 3% slack), ``paper``
-(Algorithm 1 + Algorithm 3), ``cost_materialize`` (``fssdp.placement: "cost"`` through
-``planner.place``, with cluster A's hardware and GPT-S-MoE experts as in benchmarks/dispatch.py),
-and each half alone. The paper reports 24-51 us median
+joint placement: joint_materialize + balancing dispatch with the default 3% slack), ``paper``
+(Algorithm 1 + Algorithm 3), and each half alone. (``cost_materialize`` left with placement
+"cost"; its timings stay in results/planning_*.json.) The paper reports 24-51 us median
 (67 us p95) per layer; the target here is <= 51 us median for joint+balanced.
 """
 from __future__ import annotations
@@ -25,8 +24,7 @@ import layer_args
 import torch
 
 from ds_fssdp.config import FSSDPConfig
-from ds_fssdp.planner import (CostModel, ExpertShape, Hardware, PlacementOptions, fast, homogeneous_owner, materialize,
-                              place)
+from ds_fssdp.planner import fast, homogeneous_owner, materialize
 from ds_fssdp.planner.dispatch import dispatch_plan as dispatch
 from ds_fssdp.planner.joint import joint_materialize
 
@@ -52,14 +50,11 @@ def main():
         T = torch.distributions.Multinomial(total_count=args.tokens, probs=share).sample((D, )).t().contiguous()
         Tf = T.double()
         instances.append((Tf, T.long(), Tf.sum(1), joint_materialize(owner, Tf, topo, overlap_degree=t, budget=m)))
-    cost = CostModel(Hardware(flops=150e12, intra_bw=300e9, inter_bw=50e9), ExpertShape(hidden=768, ffn=3072), topo)
-    options = PlacementOptions(placement="cost", overlap_degree=t, materialization_budget=m)
     arms = {
         "joint+balanced": lambda Tf, T, L, P: dispatch(joint_materialize(owner, Tf, topo, overlap_degree=t, budget=m),
                                                        T, topo, mode="balanced", slack=slack),
         "paper": lambda Tf, T, L, P: dispatch(materialize(owner, L, topo, overlap_degree=t, budget=m), T, topo),
         "joint_materialize": lambda Tf, T, L, P: joint_materialize(owner, Tf, topo, overlap_degree=t, budget=m),
-        "cost_materialize": lambda Tf, T, L, P: place(owner, Tf, topo, config=options, cost=cost),
         "balanced_dispatch": lambda Tf, T, L, P: dispatch(P, T, topo, mode="balanced", slack=slack),
     }
     runs = {name: [] for name in arms}

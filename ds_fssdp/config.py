@@ -15,6 +15,7 @@ from pydantic import Field, StrictBool, StrictFloat, StrictInt, ValidationError
 
 SECTION = "fssdp"
 POLICIES = ("fssdp", "ep", "uniform", "fastermoe", "smartmoe")
+PLACEMENTS = ("joint", "paper")
 _AUTO_KEYS = ("materialization_budget", "overlap_degree")
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
 
@@ -101,16 +102,11 @@ class FSSDPConfig(DeepSpeedConfigModel):
     reshard_interval: StrictInt = Field(0, ge=0)
     """Re-plan the owners of all layers every this many optimizer steps (0: never)."""
 
-    placement: Literal["cost", "joint", "paper"] = "joint"
-    """How replicas are chosen each iteration (``planner.place``): ``cost`` (the fewest replicas that
-    balance the predicted loads to the level of least modelled layer time, slowest rank's expert
-    compute plus token exchange plus the gather and reduce the overlap window does not hide, the
-    window being t chunks over a rank link, with headroom for the load predictor's measured error,
-    then ranks keep their own tokens of replicated experts where that saves exchange; m and t stay
-    upper bounds; the cost model from ``hardware`` or measured at initialize; ``joint`` when
-    ``deterministic`` is set without ``hardware``),
-    ``joint`` (where the predicted tokens come from, every slot that helps balance) or ``paper``
-    (Algorithm 1 on per-expert loads)."""
+    placement: str = "paper"
+    """How replicas are chosen each iteration (``planner.place``): ``paper`` (Algorithm 1 on
+    per-expert loads; the best measured on both simulated clusters and on 2 CPU ranks,
+    ``benchmarks/results/README.md``) or ``joint`` (where the predicted tokens come from, every slot
+    that helps balance). (``cost`` was removed: it won nowhere.)"""
 
     dispatch: Literal["balanced", "balanced-time", "paper"] = "balanced"
     """How tokens are split among holders: ``balanced`` (fewest rows on the most loaded rank, then
@@ -181,6 +177,9 @@ class FSSDPConfig(DeepSpeedConfigModel):
             cfg = cls(**dict(section))
         except ValidationError as err:
             raise FSSDPConfigError(_format_errors(err, section)) from None
+        if cfg.placement not in PLACEMENTS:
+            removed = " ('cost' was removed: it won on no cluster and no CPU run)" if cfg.placement == "cost" else ""
+            raise FSSDPConfigError(f"{SECTION}.placement ({cfg.placement!r}) must be one of {PLACEMENTS}{removed}")
         if isinstance(cfg.ranks_per_node, int) and cfg.ranks_per_node < 1:
             raise FSSDPConfigError(f"{SECTION}.ranks_per_node ({cfg.ranks_per_node}) must be >= 1 or \"auto\"")
         if cfg.group_size is not None and cfg.group_size < 1:
@@ -224,12 +223,6 @@ class FSSDPConfig(DeepSpeedConfigModel):
             raise FSSDPConfigError(f"{name} must be a multiple or a divisor of {SECTION}.ranks_per_node "
                                    f"({ranks_per_node}): an FSSDP group spans whole nodes or lies inside one")
         return g
-
-
-def placement_needs_cost(cfg: FSSDPConfig) -> bool:
-    """Placement "cost" plans with a cost model; under ``deterministic`` without ``hardware`` none is
-    measured (timings would change the replicas) and it plans as "joint"."""
-    return cfg.policy == "fssdp" and cfg.placement == "cost" and not (cfg.deterministic and cfg.hardware is None)
 
 
 def _check_deterministic(cfg: FSSDPConfig) -> None:

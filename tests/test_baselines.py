@@ -1,14 +1,15 @@
 """Placement policies behind one interface: every policy's placements are valid over many
 iterations, each baseline does what the paper says it does, and FSSDP matches the planner's own
-functions (plan_placement, calibrate)."""
+functions (place, calibrate)."""
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from ds_fssdp import Topology
-from ds_fssdp.planner import (CostModel, ExpertShape, Hardware, calibrate, dispatch, homogeneous_owner,
-                              plan_placement, shard_placement)
+from ds_fssdp.planner import (CostModel, ExpertShape, Hardware, PlacementOptions, calibrate, dispatch,
+                              homogeneous_owner, place, shard_placement)
 from ds_fssdp.planner.baselines import (POLICY_NAMES, PolicyConfig, balance_ratio, lpt_with_slots, make_policy,
                                         relabel_owner, uniform_tokens)
 
@@ -211,7 +212,7 @@ def test_uniform_tokens_spread_evenly():
     assert int((out.max(0).values - out.min(0).values).max()) <= 1
 
 
-def test_fssdp_matches_plan_placement_and_calibrate():
+def test_fssdp_matches_place_and_calibrate():
     """The new interface reproduces the functional API the runtime already uses."""
     gen = torch.Generator().manual_seed(6)
     topo = Topology(num_ranks=8, ranks_per_node=4)
@@ -223,9 +224,10 @@ def test_fssdp_matches_plan_placement_and_calibrate():
                              calibration_latency_budget=float(torch.rand(1, generator=gen)) * 1e-3)
         fssdp, ep = make_policy("fssdp", config), make_policy("ep", config)
         pre = fssdp.pre_gating(0, owner, load)
-        assert torch.equal(pre, plan_placement("fssdp", owner, load, topo, overlap_degree=t, budget=m))
+        options = PlacementOptions(placement="paper", overlap_degree=t, materialization_budget=m)
+        assert torch.equal(pre, place(owner, load, topo, config=options))
         assert torch.equal(ep.pre_gating(0, owner, load),
-                           plan_placement("ep", owner, load, topo, overlap_degree=t, budget=m))
+                           place(owner, load, topo, config=dataclasses.replace(options, policy="ep")))
         tokens = torch.distributions.Multinomial(300, torch.rand(12, generator=gen) ** 4 + 0.01).sample((8, )).T.long()
         want = calibrate(owner, pre, tokens, topo, config.cost, overlap_degree=fssdp.calibration_overlap_degree(),
                          budget=m, latency_budget=config.calibration_latency_budget, dispatcher=dispatch)

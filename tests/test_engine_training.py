@@ -41,9 +41,6 @@ RUNS = {
     "fssdp-z0-2nodes-time": ds_config(world=WORLD, zero=0, fssdp={"ranks_per_node": 2, "dispatch": "balanced-time"}),
     "fssdp-z0-2nodes-paper": ds_config(world=WORLD, zero=0, fssdp={"ranks_per_node": 2, "placement": "paper",
                                                                    "dispatch": "paper"}),
-    # Replicate only what pays; slow compute and fast links make replicas pay.
-    "fssdp-z1-2nodes-cost": ds_config(world=WORLD, zero=1, fssdp={
-        "ranks_per_node": 2, "placement": "cost", "hardware": {"flops": 1e6, "intra_bw": 1e12, "inter_bw": 1e12}}),
 }
 # fp32 with SGD: the runs differ from the reference only in summation order (1e-7 relative per
 # step), amplified a little by momentum over the steps.
@@ -139,7 +136,6 @@ def test_trace_records_every_iteration(trained):
 def test_runs_exercise_replicas_and_clipping(trained):
     fssdp = trained[0]["fssdp-z0"]
     assert max(fssdp["replicas"]) > 0, "the fssdp runs never placed a replica"
-    assert max(trained[0]["fssdp-z1-2nodes-cost"]["replicas"]) > 0, "the cost placement never placed a replica"
     assert max(trained[0]["ep-z0"]["replicas"]) == 0
     assert min(fssdp["factors"]) < 1.0, "gradient clipping never engaged"
     assert min(trained[0]["fssdp-z3"]["factors"]) < 1.0, "gradient clipping never engaged under ZeRO 3"

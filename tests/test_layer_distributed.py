@@ -41,7 +41,7 @@ def rank_inputs(case, rank):
 
 def _worker(rank, world, cases):
     from ds_fssdp import Topology
-    from ds_fssdp.moe.sharded import ShardedExperts, ShardOptions
+    from ds_fssdp.moe.sharded import ShardedExperts
     from ds_fssdp.planner import LoadPredictor
     out = []
     for case in cases:
@@ -50,9 +50,8 @@ def _worker(rank, world, cases):
         rows = layer.spec.flatten(layer.export_experts())[owner_E == rank]
         topo = Topology(num_ranks=world, ranks_per_node=case["rpn"] or world)
         sharded = ShardedExperts(spec=layer.spec, layer_index=0, owner_E=owner_E, rows_SP=rows, topology=topo,
-                                 group=None, predictor=LoadPredictor(E),
-                                 options=ShardOptions(overlap_degree=E, budget=E))
-        sharded.plan_placement = lambda: placement_ED
+                                 group=None, predictor=LoadPredictor(E))
+        sharded.plan_placement = lambda ctx: placement_ED
         layer.attach_sharded(sharded)
         x, dy = rank_inputs(case, rank)
         x.requires_grad_(True)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from ds_fssdp import Topology
-from ds_fssdp.planner import (LoadPredictor, dispatch, gather_layout, homogeneous_owner, materialize,
-                              plan_placement, shard_placement, straggler_factor)
+from ds_fssdp.planner import (LoadPredictor, PolicyConfig, dispatch, gather_layout, homogeneous_owner, make_policy,
+                              materialize, shard_placement, straggler_factor)
 
 SHAPES = [(8, 8, 4), (8, 4, 2), (16, 8, 4), (4, 8, 2), (6, 4, 4), (32, 16, 4), (5, 3, 1), (3, 6, 3)]  # E, D, G
 
@@ -74,11 +74,12 @@ def test_materialize_no_history_or_no_budget_is_the_shard():
     topo = Topology(num_ranks=4, ranks_per_node=4)
     owner_E = homogeneous_owner(8, 4)
     shard = shard_placement(owner_E, 4)
-    assert torch.equal(plan_placement("fssdp", owner_E, None, topo, overlap_degree=4, budget=2), shard)
-    assert torch.equal(plan_placement("ep", owner_E, torch.rand(8), topo, overlap_degree=4, budget=2), shard)
+    config = PolicyConfig(num_experts=8, num_layers=1, topology=topo, overlap_degree=4, budget=2)
+    assert torch.equal(make_policy("fssdp", config).pre_gating(0, owner_E, None), shard)
+    assert torch.equal(make_policy("ep", config).pre_gating(0, owner_E, torch.rand(8)), shard)
     assert torch.equal(materialize(owner_E, torch.rand(8), topo, overlap_degree=4, budget=0), shard)
     with pytest.raises(ValueError, match="policy"):
-        plan_placement("nope", owner_E, None, topo, overlap_degree=1, budget=1)
+        make_policy("nope", config)
 
 
 def test_dispatch_invariants():

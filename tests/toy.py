@@ -80,8 +80,8 @@ def toy_engine(cfg: dict, model_kwargs: dict, seed: int = 0):
 def leaks(engine) -> dict:
     """Replica and collective bookkeeping that must be empty between steps."""
     shards = engine.fssdp.shards
-    return {"replica_bytes": engine.fssdp.memory.current, "live": sum(len(s._live) for s in shards),
-            "pending": sum(len(s._pending) for s in shards), "gathers": sum(s._gather is not None for s in shards)}
+    return {"replica_bytes": engine.fssdp.memory.current, "live": sum(len(s.replicas._live) for s in shards),
+            "pending": sum(len(s.replicas.pending) for s in shards), "gathers": sum(s._gather is not None for s in shards)}
 
 
 def expert_rows(engine) -> dict:

@@ -100,7 +100,7 @@ def train_worker(rank, world, runs: dict, steps: int):
         out[name] = dict(losses=losses, dense=dense, experts=experts, replicas=replicas, factors=factors,
                          norms=norms, expert_states=states, owned=owned, replica_peaks=peaks,
                          replica_bytes_local=local_bytes, migrated=migrated, layer_stats=layer_stats,
-                         budget=engine.fssdp.shards[0].options.budget, state_bytes=engine.fssdp.state_bytes(),
+                         budget=engine.fssdp.budget, state_bytes=engine.fssdp.state_bytes(),
                          owners=[l.sharded.owner_E.clone() for l in model.moe_layers()])
     return out
 

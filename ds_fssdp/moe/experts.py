@@ -17,6 +17,7 @@ from typing import Mapping, Optional
 import torch
 
 from ds_fssdp.ops import activations
+from ds_fssdp.planner.cost import ExpertShape
 
 
 class ExpertSpec:
@@ -38,6 +39,13 @@ class ExpertSpec:
     def names(self):
         """Weights, then biases (if any), in row order."""
         return tuple(self.shapes)
+
+    def cost_shape(self, param_bytes: int) -> ExpertShape:
+        """This expert for the cost model: its weight matrices (biases are not matrices: they add
+        elements to the row, not GEMMs) and its bias elements, at ``param_bytes`` per element."""
+        matrices = len(activations.ACTIVATIONS[self.activation])
+        return ExpertShape(hidden=self.hidden_size, ffn=self.ffn_hidden_size, matrices=matrices,
+                           param_bytes=param_bytes, biases=self.numel - matrices * self.hidden_size * self.ffn_hidden_size)
 
     def describe(self) -> dict:
         """What rebuilds this spec (``ExpertSpec.from_description``), e.g. for checkpoint metadata."""

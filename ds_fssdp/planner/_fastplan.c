@@ -18,7 +18,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "_costplace.h"
 
 #define MAX_D 4096
 #define PTR(type, addr) ((type *)(uintptr_t)(addr))
@@ -445,43 +444,6 @@ static PyObject *materialize_joint(PyObject *self, PyObject *args) {
     memset(place.buf, 0, (size_t)(E * D));
     if (joint_core(PTR(int64_t, owner), PTR(double, tokens), node_D, place.buf, E, D, D / G, t, m, stop, scratch))
         goto done;
-    out = Py_None;
-    Py_INCREF(out);
-done:
-    scratch_trim();
-    PyBuffer_Release(&place);
-    return out;
-}
-
-/* Cost-aware placement (_costplace.c): arguments checked here, the greedy there. */
-static PyObject *materialize_cost(PyObject *self, PyObject *args) {
-    unsigned long long owner, tokens, levels;
-    Py_buffer place;
-    long long E, D, G, t, m, num_levels;
-    CostCoefficients c;
-    double margin, min_gain;
-    if (!PyArg_ParseTuple(args, "KKw*LLLLLddddddKLdd", &owner, &tokens, &place, &E, &D, &G, &t, &m, &c.row, &c.intra,
-                          &c.inter, &c.chunk_intra, &c.chunk_inter, &c.window, &levels, &num_levels, &margin,
-                          &min_gain))
-        return NULL;
-    PyObject *out = NULL;
-    int64_t node_D[MAX_D];
-    if (check_owner(PTR(int64_t, owner), E, D) || node_ids(node_D, D, G) || check_len(&place, E * D, "placement"))
-        goto done;
-    const double *T = PTR(double, tokens);
-    for (int64_t i = 0; i < E * D; i++)
-        if (!(T[i] >= 0.0) || isinf(T[i])) {
-            PyObject *v = PyFloat_FromDouble(T[i]);
-            PyErr_Format(PyExc_ValueError, "tokens_ED[%lld, %lld] = %R must be finite and >= 0", (long long)(i / D),
-                         (long long)(i % D), v);
-            Py_XDECREF(v);
-            goto done;
-        }
-    char *scratch = scratch_get(SCRATCH_CORE, cost_place_scratch(E, D, G));
-    if (!scratch) goto done;
-    memset(place.buf, 0, (size_t)(E * D));
-    cost_place_core(PTR(int64_t, owner), T, place.buf, E, D, G, t < 0 ? 0 : t, m < 0 ? 0 : m, &c, margin,
-                    PTR(double, levels), num_levels, min_gain, scratch);
     out = Py_None;
     Py_INCREF(out);
 done:
@@ -1058,7 +1020,6 @@ done:
 static PyMethodDef methods[] = {
     {"materialize_alg1", materialize_alg1, METH_VARARGS, "Algorithm 1 into a placement."},
     {"materialize_joint", materialize_joint, METH_VARARGS, "Joint materialization into a placement."},
-    {"materialize_cost", materialize_cost, METH_VARARGS, "Cost-aware placement into a placement."},
     {"dispatch_dense", dispatch_dense, METH_VARARGS, "Either dispatch into a zeroed dense plan."},
     {"dispatch_compact", dispatch_compact, METH_VARARGS,
      "Either dispatch as (X, F, bytes [holder_E, rep_X, tokens_ED, flows_4F])."},

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ds_fssdp.planner.knobs import auto_overlap_degree
 from ds_fssdp.topology import Topology
 
 
@@ -39,12 +40,14 @@ class Hardware:
 class ExpertShape:
     hidden: int
     ffn: int
-    matrices: int = 2  # 2 for gelu (w_a, w_b), 3 for swiglu
+    matrices: int = 2  # weight matrices [H, F] or [F, H]: 2 for gelu (w_a, w_b), 3 for the gated ones
     param_bytes: int = 2  # bf16
+    biases: int = 0  # bias elements per expert (0 without biases; F + H for gelu, 2F + H gated)
 
     @property
     def params(self) -> int:
-        return self.matrices * self.hidden * self.ffn
+        """Elements of one expert's row (what a gather moves)."""
+        return self.matrices * self.hidden * self.ffn + self.biases
 
     @property
     def expert_bytes(self) -> int:
@@ -52,8 +55,9 @@ class ExpertShape:
 
     @property
     def row_flops(self) -> float:
-        """Forward FLOPs of one routed row through one expert."""
-        return 2.0 * self.params
+        """Forward FLOPs of one routed row through one expert: its matrices (the bias adds are
+        noise beside them)."""
+        return 2.0 * self.matrices * self.hidden * self.ffn
 
     @property
     def token_bytes(self) -> int:
@@ -61,9 +65,13 @@ class ExpertShape:
 
 
 class CostModel:
+    """One model of the hardware for every decision and every simulator. ``relay``: sparse
+    collectives are relayed (:meth:`sparse_collective_time`; the simulators' assumption, and
+    what calibration's :meth:`gather_time` then prices); else each chunk leaves its owner's node
+    once per node it enters (the runtime's two-phase collectives)."""
 
-    def __init__(self, hw: Hardware, shape: ExpertShape, topology: Topology):
-        self.hw, self.shape, self.topology = hw, shape, topology
+    def __init__(self, hw: Hardware, shape: ExpertShape, topology: Topology, *, relay: bool = False):
+        self.hw, self.shape, self.topology, self.relay = hw, shape, topology, relay
         self._node_D = topology.node_D()
         self._same_DD = topology.same_node_DD()
 
@@ -105,7 +113,10 @@ class CostModel:
 
         Well routed (section 3.3): a chunk enters each node it newly reaches once over the
         inter-node link and is forwarded inside the node; every added replica costs one chunk on
-        its rank's intra-node link."""
+        its rank's intra-node link. Relayed under ``relay``."""
+        return self.sparse_collective_time(owner_E, placement_ED, relay=self.relay)
+
+    def _direct_gather_time(self, owner_E: torch.Tensor, placement_ED: torch.Tensor) -> float:
         shard_ED = torch.zeros_like(placement_ED)
         shard_ED[torch.arange(owner_E.numel()), owner_E] = True
         added_ED = placement_ED & ~shard_ED
@@ -136,7 +147,7 @@ class CostModel:
         pipelined ring broadcast does this), so a node sends each chunk it owns at most once and
         the inter-node bound is max(chunks a node receives, distinct chunks a node must send out)."""
         if not relay:
-            return self.gather_time(owner_E, placement_ED)
+            return self._direct_gather_time(owner_E, placement_ED)
         owner_E = owner_E.to("cpu", torch.long)
         placement_ED = placement_ED.to("cpu", torch.bool)
         num_experts = owner_E.numel()
@@ -216,9 +227,21 @@ class CostModel:
         (a node's link when there are several nodes; "auto" t is the chunks the measured link
         moves during the measured window). The backward's attention, twice as long, hides the
         reduce."""
-        psi = float(self.shape.expert_bytes)
-        bw = min(self.hw.intra_bw, self.hw.inter_bw) if self.topology.num_nodes > 1 else self.hw.intra_bw
-        return overlap_degree * psi / bw
+        return overlap_degree * float(self.shape.expert_bytes) / self.binding_bandwidth
+
+    def overlap_degree(self, seconds: float) -> int:
+        """The overlap degree t that ``seconds`` of hidden (or budgeted) transfer buys: the inverse
+        of :meth:`overlap_window`, and the one place t is derived from a time (the runtime's
+        "auto" t from its measured window, calibration's extra experts from its latency budget)."""
+        if seconds == float("inf"):
+            return 2**31 - 1  # unlimited; callers cap it at E
+        return auto_overlap_degree(attention_seconds=seconds, bandwidth=self.binding_bandwidth,
+                                   expert_bytes=self.shape.expert_bytes)
+
+    @property
+    def binding_bandwidth(self) -> float:
+        """Bytes/s of the slower link a gather uses (a node's link when there are several nodes)."""
+        return min(self.hw.intra_bw, self.hw.inter_bw) if self.topology.num_nodes > 1 else self.hw.intra_bw
 
     # -- one layer ------------------------------------------------------------------------------
     def layer_time(self, plan_EDD: torch.Tensor) -> float:

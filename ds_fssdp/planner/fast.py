@@ -69,20 +69,6 @@ def materialize_joint(owner_E, tokens_ED, topology: Topology, overlap_degree: in
     return torch.from_numpy(placement)
 
 
-def materialize_cost(owner_E, tokens_ED, topology: Topology, overlap_degree: int, budget: int, coefficients,
-                     levels, margin: float, min_gain: float) -> torch.Tensor:
-    """(Shapes checked by the caller, values here and in C.)"""
-    owner, tokens = _c(owner_E, _LONG), _c(tokens_ED, _F64)
-    E, D = owner.numel(), topology.num_ranks
-    placement = np.empty((E, D), dtype=np.bool_)  # zeroed in C
-    levels = _c(levels, _F64)
-    c = coefficients
-    _fastplan.materialize_cost(owner.data_ptr(), tokens.data_ptr(), placement, E, D, topology.ranks_per_node,
-                               overlap_degree, budget, c.row, c.intra, c.inter, c.chunk_intra, c.chunk_inter, c.window,
-                               levels.data_ptr(), levels.numel(), margin, min_gain)
-    return torch.from_numpy(placement)
-
-
 def _dispatch_inputs(placement_ED, tokens_ED, topology: Topology, slack: float):
     """(P, T, E, D): the dispatch inputs as C-contiguous CPU tensors, shapes, ranks and slack checked."""
     P, T = _c(placement_ED, _BOOL), _c(tokens_ED, _LONG)

@@ -1,15 +1,17 @@
-"""Replay the runtime's pre-gating placements from a recorded trace (no communication).
+"""Replay the runtime's decisions from a recorded trace (no communication).
 
 Legend: S steps, L MoE layers, E experts, D ranks.
 
-A trace records each iteration's ``tokens_ED``, not the placement. The runtime plans every
-iteration's placement from its load predictor alone (``ShardedExperts.plan_placement``), and the
-predictor sees exactly the recorded counts (training forwards, in order), so feeding the trace to
-the same predictor and planner gives back the same placements and, through the same dispatcher,
-the same rows per rank. That holds for the policies whose placement depends only on the predicted
-loads (``fssdp`` with a fixed overlap degree and budget, ``ep``) and fixed owners; what the replay
-cannot know is listed in :attr:`Replay.notes` (owners moved by re-sharding or SmartMoE, replicas
-added after gating by calibration or FasterMoE, a measured "auto" overlap degree).
+A trace records each iteration's ``tokens_ED`` and, from the runtime, what it decided
+(``decision_*`` arrays, docs/traces.md) and the clock it decided with (t and calibration's latency
+budget per layer and step). The replay drives the same policy object as the runtime
+(:class:`~ds_fssdp.planner.layer.LayerPlanner`, :func:`~ds_fssdp.planner.layer.migrations`) with
+the same predictor fed the same counts, and the recorded clock: so it makes the runtime's
+decisions again, step by step (re-shards and SmartMoE's permutations, placements, calibration
+or shadowing, dispatch plans), and :func:`compare` says where they differ. What it cannot know is
+listed in :attr:`Replay.notes`: a trace without the decision record (not from the runtime) is
+replayed with the sidecar's t ("auto": unlimited) and latency budget; calibration, FasterMoE
+need the run's hardware; placement "cost" (removed) is replayed as "joint".
 """
 from __future__ import annotations
 
@@ -19,10 +21,15 @@ import numpy as np
 import torch
 
 from ds_fssdp.config import FSSDPConfig
-from ds_fssdp.planner import (CostModel, ExpertShape, Hardware, LoadPredictor, PlacementOptions, dispatch,
-                              homogeneous_owner, place_predicted)
+from ds_fssdp.moe.sharded import Decision, decision_arrays
+from ds_fssdp.planner import (Clock, CostModel, ExpertShape, Hardware, LoadPredictor, PolicyConfig, homogeneous_owner,
+                              make_policy)
+from ds_fssdp.planner.layer import LayerPlanner, migrating_policies, migrations
 from ds_fssdp.sim.traces import Trace
 from ds_fssdp.topology import Topology
+
+_FIELDS = FSSDPConfig.model_fields
+
 
 @dataclass
 class ReplaySettings:
@@ -31,10 +38,15 @@ class ReplaySettings:
     overlap_degree: int = 4
     window: int = 5
     ranks_per_node: int | None = None  # None: one node
-    placement: str = "joint"
+    placement: str = "paper"  # the runtime's default
     dispatch: str = "balanced"
-    dispatch_slack: float = FSSDPConfig.model_fields["dispatch_slack"].default
-    hardware: dict | None = None  # the run's cost model (placement "cost"): Hardware's fields
+    dispatch_slack: float = _FIELDS["dispatch_slack"].default
+    reshard_interval: int = 0
+    calibration: bool = False
+    calibration_latency_budget: float | None = None  # None: the recorded window
+    smartmoe_interval: int = _FIELDS["smartmoe_interval"].default
+    rematerialize: bool = False
+    hardware: dict | None = None  # the run's cost model: Hardware's fields
     expert_shape: dict | None = None  # and ExpertShape's
     notes: list = field(default_factory=list)
 
@@ -42,6 +54,19 @@ class ReplaySettings:
         if self.hardware is None or self.expert_shape is None:
             return None
         return CostModel(Hardware(**self.hardware), ExpertShape(**self.expert_shape), topology)
+
+    def make_policy(self, topology: Topology, *, num_experts: int, num_layers: int):
+        """The runtime's policy object (``FSSDPStage._configure_auto_and_policies``) from these settings."""
+        budget = self.calibration_latency_budget
+        config = PolicyConfig(num_experts=num_experts, num_layers=num_layers, topology=topology, budget=self.budget,
+                              overlap_degree=self.overlap_degree, cost=self.cost_model(topology),
+                              placement=self.placement, reshard_interval=self.reshard_interval,
+                              calibration=self.calibration,
+                              calibration_latency_budget=float("inf") if budget is None else float(budget),
+                              smartmoe_interval=self.smartmoe_interval, dispatch=self.dispatch,
+                              dispatch_slack=self.dispatch_slack)
+        name = "fssdp-rm" if self.policy == "fssdp" and self.rematerialize else self.policy
+        return make_policy(name, config)
 
     @classmethod
     def from_trace(cls, trace: Trace, **overrides) -> "ReplaySettings":
@@ -52,28 +77,40 @@ class ReplaySettings:
         s.policy = str(meta.get("policy", s.policy))
         s.budget = int(meta.get("materialization_budget", s.budget))
         t = meta.get("overlap_degree", s.overlap_degree)
+        recorded = "decision_t" in trace.arrays
         if t == "auto":
             t = trace.num_experts
-            notes.append('overlap_degree "auto" was measured per layer at run time; replayed as unlimited')
+            if not recorded:
+                notes.append('overlap_degree "auto" was measured per layer at run time; replayed as unlimited')
         s.overlap_degree = int(t)
         s.window = int(meta.get("load_window", s.window))
         s.ranks_per_node = meta.get("ranks_per_node")
         s.placement = str(meta.get("placement", s.placement))
         s.dispatch = str(meta.get("dispatch", s.dispatch))
         s.dispatch_slack = float(meta.get("dispatch_slack", s.dispatch_slack))
+        s.reshard_interval = int(meta.get("reshard_interval", 0) or 0)
+        s.calibration = bool(meta.get("calibration", False))
+        s.calibration_latency_budget = meta.get("calibration_latency_budget")
+        s.smartmoe_interval = int(meta.get("smartmoe_interval", s.smartmoe_interval))
+        s.rematerialize = bool(meta.get("rematerialize", False))
         s.hardware, s.expert_shape = meta.get("hardware"), meta.get("expert_shape")
         for key, value in overrides.items():
             if value is not None:
                 setattr(s, key, value)
-        if s.dispatch not in ("balanced", "paper"):
+        no_cost = s.hardware is None or s.expert_shape is None
+        if no_cost and s.dispatch == "balanced-time":
             notes.append(f"dispatch {s.dispatch!r} needs the run's cost model; replayed with 'balanced'")
             s.dispatch = "balanced"
-        if s.placement == "cost" and (s.hardware is None or s.expert_shape is None):
-            notes.append("placement 'cost' without the run's hardware in the trace; replayed as 'joint'")
-        if int(meta.get("reshard_interval", 0) or 0) > 0 or s.policy == "smartmoe":
-            notes.append("owners moved during the run (re-sharding / SmartMoE); shown with the initial owners")
-        if meta.get("calibration") or s.policy == "fastermoe":
-            notes.append("replicas added after gating (calibration / FasterMoE) are not in the trace; not shown")
+        if s.placement == "cost":
+            notes.append("placement 'cost' (removed from the runtime) replayed as 'joint'")
+            s.placement = "joint"
+        if no_cost and (s.calibration or s.policy == "fastermoe"):
+            notes.append("replicas added after gating (calibration / FasterMoE) need the run's hardware; not shown")
+            s.calibration = False
+            if s.policy == "fastermoe":
+                s.policy = "ep"
+        if s.calibration and not recorded and s.calibration_latency_budget is None:
+            notes.append("calibration's latency budget was the measured window; replayed as unlimited")
         s.notes = notes
         return s
 
@@ -81,23 +118,32 @@ class ReplaySettings:
 @dataclass
 class Replay:
     settings: ReplaySettings
-    owner_E: np.ndarray  # long [E], the same for every layer (homogeneous sharding)
+    owner_SLE: np.ndarray  # long: the owners at step s in layer l
     held_SLED: np.ndarray  # bool: rank d holds expert e (owner or replica) at step s in layer l
     rows_SLD: np.ndarray  # int64: rows (token, expert) rank d computes with those holders
     ep_rows_SLD: np.ndarray  # int64: the same with the owners alone (static EP)
+    decisions: dict  # the ``decision_*`` arrays the runtime records, replayed ([S, L, ...] each)
+    reshards: list = field(default_factory=list)  # per step: the Reshards applied before it (in order)
 
     @property
     def notes(self) -> list:
         return self.settings.notes
+
+    @property
+    def owner_E(self) -> np.ndarray:
+        """The first step's owners of layer 0 (the homogeneous start)."""
+        return self.owner_SLE[0, 0]
 
     def replicas_SL(self) -> np.ndarray:
         return self.held_SLED.sum((2, 3)) - self.held_SLED.shape[2]
 
     def replica_frequency_LED(self) -> np.ndarray:
         """Fraction of iterations in which rank d held a replica (not the shard) of expert e."""
-        owner_ED = np.zeros(self.held_SLED.shape[2:], dtype=bool)
-        owner_ED[np.arange(owner_ED.shape[0]), self.owner_E] = True
-        return (self.held_SLED & ~owner_ED).mean(0)
+        S, L, E, D = self.held_SLED.shape
+        owner_SLED = np.zeros_like(self.held_SLED)
+        s, l, e = np.meshgrid(np.arange(S), np.arange(L), np.arange(E), indexing="ij")
+        owner_SLED[s, l, e, self.owner_SLE] = True
+        return (self.held_SLED & ~owner_SLED).mean(0)
 
     def straggler_SL(self) -> np.ndarray:
         return _straggler(self.rows_SLD)
@@ -110,35 +156,64 @@ def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
     s = settings or ReplaySettings.from_trace(trace)
     S, L, E, D = trace.tokens_SLED.shape
     topology = Topology(num_ranks=D, ranks_per_node=int(s.ranks_per_node or D))
-    owner_E = homogeneous_owner(E, D)
-    cost = s.cost_model(topology)
+    policy = s.make_policy(topology, num_experts=E, num_layers=L)
     predictor = LoadPredictor([E] * L, window=s.window)
-    held = np.zeros((S, L, E, D), dtype=bool)
-    rows = np.zeros((S, L, D), dtype=np.int64)
+    planners = [LayerPlanner(policy, predictor, l) for l in range(L)]
+    migrators = migrating_policies(policy, reshard_interval=s.reshard_interval)
+    clock_t = trace.arrays.get("decision_t")
+    clock_b = trace.arrays.get("decision_latency_budget")
+    owner_LE = homogeneous_owner(E, D).expand(L, E).clone()
     tokens = torch.from_numpy(trace.tokens_SLED.astype(np.int64))
+    steps, reshards = [], []
     for step in range(S):
-        for l in range(L):
+        clocks = [_clock(s, clock_t, clock_b, step, l) for l in range(L)]
+        reshards.append(migrations(migrators, step, predictor.predict_all(), owner_LE, clock=clocks[0]))
+        for r in reshards[-1]:
+            owner_LE = r.owner_LE
+        decisions = []
+        for l, planner in enumerate(planners):
             tokens_ED = tokens[step, l]
-            placement_ED = _plan(s, owner_E, predictor, l, topology, cost)
-            held[step, l] = placement_ED.numpy()
-            plan_EDD = dispatch(placement_ED, tokens_ED, topology, mode=s.dispatch, slack=s.dispatch_slack)
-            rows[step, l] = plan_EDD.sum((0, 1)).numpy()
-            predictor.observe(l, tokens_ED)
+            placed_ED = planner.pre_gating(owner_LE[l], clocks[l])
+            lp = planner.post_gating(owner_LE[l], placed_ED, tokens_ED, clocks[l])
+            plan = planner.dispatch(lp, tokens_ED)
+            planner.observe(tokens_ED)
+            decisions.append(Decision.of(owner_LE[l], placed_ED, lp, plan, clocks[l]))
+        steps.append(decision_arrays(decisions))
+    if not steps:
+        return Replay(settings=s, owner_SLE=np.zeros((0, L, E), np.int64), held_SLED=np.zeros((0, L, E, D), bool),
+                      rows_SLD=np.zeros((0, L, D), np.int64), ep_rows_SLD=np.zeros((0, L, D), np.int64), decisions={})
+    rec = {k: np.stack([d[k] for d in steps]) for k in steps[0]}
     # Static EP: every owner computes all its experts' rows.
-    ep_rows = np.zeros_like(rows)
+    ep_rows = np.zeros((S, L, D), dtype=np.int64)
     load_SLE = trace.tokens_SLED.sum(3, dtype=np.int64)
-    for e, d in enumerate(owner_E.tolist()):
+    for e, d in enumerate(homogeneous_owner(E, D).tolist()):
         ep_rows[:, :, d] += load_SLE[:, :, e]
-    return Replay(settings=s, owner_E=owner_E.numpy(), held_SLED=held, rows_SLD=rows, ep_rows_SLD=ep_rows)
+    return Replay(settings=s, owner_SLE=rec["decision_owner"], held_SLED=rec["decision_held"],
+                  rows_SLD=rec["decision_rows"], ep_rows_SLD=ep_rows, decisions=rec, reshards=reshards)
 
 
-def _plan(s: ReplaySettings, owner_E, predictor, l, topology, cost) -> torch.Tensor:
-    """ShardedExperts.plan_placement, on the replayed predictor: the same call of
-    :func:`ds_fssdp.planner.place` (the main job's test checks the replayed replicas against the
-    runtime's, step by step)."""
-    config = PlacementOptions(placement=s.placement, overlap_degree=s.overlap_degree, materialization_budget=s.budget,
-                              policy=s.policy)
-    return place_predicted(predictor, l, owner_E, topology, config=config, cost=cost)
+def compare(trace: Trace, rep: Replay) -> list:
+    """Where the replayed decisions differ from the recorded ones: ``(key, step, layer)`` of every
+    first difference per key ([] when the runtime made exactly the replay's decisions)."""
+    diffs = []
+    for key, want in rep.decisions.items():
+        got = trace.arrays.get(key)
+        if got is None:
+            diffs.append((key, None, None))
+            continue
+        same = got == want if key != "decision_latency_budget" else (got == want) | (np.isnan(got) & np.isnan(want))
+        bad = np.argwhere(~same.reshape(same.shape[0], same.shape[1], -1).all(2))
+        if bad.size:
+            diffs.append((key, int(bad[0, 0]), int(bad[0, 1])))
+    return diffs
+
+
+def _clock(s: ReplaySettings, clock_t, clock_b, step: int, l: int) -> Clock:
+    """The recorded clock of (step, layer), else the settings' (a trace without a decision record)."""
+    if clock_t is None:
+        budget = s.calibration_latency_budget
+        return Clock(overlap_degree=s.overlap_degree, latency_budget=float("inf") if budget is None else float(budget))
+    return Clock(overlap_degree=int(clock_t[step, l]), latency_budget=float(clock_b[step, l]))
 
 
 def _straggler(rows_SLD: np.ndarray) -> np.ndarray:

@@ -22,16 +22,16 @@ from deepspeed import comm as dist
 from deepspeed.utils import logger
 
 from ds_fssdp.comm.sparse import scatter_rows
-from ds_fssdp.config import FSSDPConfig, FSSDPConfigError, placement_needs_cost
+from ds_fssdp.config import FSSDPConfig, FSSDPConfigError
 from ds_fssdp.moe.experts_module import FSSDPExperts
-from ds_fssdp.moe.sharded import ReplicaMemory, ShardedExperts, ShardOptions
-from ds_fssdp.planner import (CostModel, ExpertShape, Hardware, LoadPredictor, auto_materialization_budget,
-                              heterogeneous_sharding, homogeneous_owner)
-from ds_fssdp.planner.baselines import PolicyConfig, make_policy
+from ds_fssdp.moe.sharded import (ReplicaMemory, ShardedExperts, ShardOptions, StepContext, chain,
+                                  decision_arrays)
+from ds_fssdp.planner import CostModel, Hardware, LoadPredictor, auto_materialization_budget, homogeneous_owner
+from ds_fssdp.planner.baselines import Clock, PolicyConfig, make_policy
+from ds_fssdp.planner.layer import LayerPlanner, migrating_policies, migrations
 from ds_fssdp.runtime.expert_dp import make_expert_state
 from ds_fssdp.runtime.grad_norm import install_expert_norm, loss_scale_of
 from ds_fssdp.runtime.health import NonFiniteGuard
-from ds_fssdp.runtime.post_gating import Calibration, Shadowing
 from ds_fssdp.runtime.profile import measure_expert_flops, measure_link_bandwidth
 from ds_fssdp.topology import Topology
 
@@ -65,11 +65,16 @@ class FSSDPStage:
                              f"({self.world})")
         self.predictor = LoadPredictor([l.num_experts for l in self.layers], window=config.load_window)
         self.memory = ReplicaMemory()
-        budget = 0 if config.materialization_budget == "auto" else config.materialization_budget  # set in attach
-        options = ShardOptions(policy=config.policy, overlap_degree=config.overlap_degree, budget=budget,
-                               placement=config.placement,
-                               dispatch_mode=config.dispatch, rematerialize=config.rematerialize,
-                               hierarchical=config.topology_aware, dispatch_slack=float(config.dispatch_slack))
+        self.budget = None if config.materialization_budget == "auto" else config.materialization_budget  # m; attach
+        options = ShardOptions(uniform=config.policy == "uniform", rematerialize=config.rematerialize,
+                               hierarchical=config.topology_aware)
+        # What each layer's forward asks its stage for (``_context``), built in attach.
+        self.policy = None  # the planner's policy object: every decision of every layer
+        self.planners = []  # LayerPlanner per layer
+        self.migrators = []  # who re-shards after a step (planner.layer.migrating_policies)
+        self.cost = None  # CostModel (measured at attach or from fssdp.hardware), when a decision needs one
+        self.window_s = [None] * len(self.layers)  # the overlap windows every rank agreed on (seconds)
+        self.timers = None
         for i, layer in enumerate(self.layers):
             if not isinstance(layer, FSSDPExperts):
                 raise TypeError(f"FSSDPStage takes FSSDPExperts modules (FSSDPMoE is one), got {type(layer).__name__}")
@@ -85,17 +90,13 @@ class FSSDPStage:
             layer.attach_sharded(ShardedExperts(spec=layer.spec, layer_index=i, owner_E=owner_E, rows_SP=rows_SP,
                                                 topology=topology, group=group, param_group=self.param_group,
                                                 predictor=self.predictor, options=options, memory=self.memory,
-                                                trainable=trainable))
-        # The prefetch chain: each layer starts the next one's gather when its forward is done.
-        for prev, nxt in zip(self.shards, self.shards[1:]):
-            prev.next, nxt.prev = nxt, prev
-            prev.is_last = False
+                                                trainable=trainable, context=lambda l=i: self._context(l)))
+        chain(self.shards)
         self.optimizer = None
         self.expert_state = None  # ReplicatedExperts | PartitionedExperts (runtime/expert_dp.py), set in attach
         self.norm = None
         self.last_step = {}
         self.steps = 0
-        self.baseline = None  # the planner's policy object for fastermoe / smartmoe
         self.profile = {}
         self.trace = None
         self.health = NonFiniteGuard(config.nonfinite)  # non-finite losses/gradients (runtime/health.py)
@@ -145,18 +146,19 @@ class FSSDPStage:
         self.norm = install_expert_norm(engine)
         self._configure_auto_and_policies(dtype, engine.device)
         if engine.wall_clock_breakdown():
-            for s in self.shards:
-                s.timers = engine.timers
+            self.timers = engine.timers
         if self.config.trace_path and dist.get_rank() == 0:
             from ds_fssdp.sim.traces import TraceWriter
             self.trace = TraceWriter(self.config.trace_path, meta={
                 "top_k": self.layers[0].k, "ranks_per_node": self.topology.ranks_per_node,
                 "policy": self.config.policy, "source": "ds_fssdp runtime (fssdp.trace_path)",
                 # What ds_fssdp.report needs to replay the placements from the recorded loads.
-                "materialization_budget": self.shards[0].options.budget, "overlap_degree": self.config.overlap_degree,
+                "materialization_budget": self.budget, "overlap_degree": self.config.overlap_degree,
                 "load_window": self.config.load_window, "placement": self.config.placement,
                 "dispatch": self.config.dispatch, "dispatch_slack": float(self.config.dispatch_slack),
                 "reshard_interval": self.config.reshard_interval, "calibration": self.config.calibration,
+                "calibration_latency_budget": self.config.calibration_latency_budget,
+                "smartmoe_interval": self.config.smartmoe_interval, "rematerialize": self.config.rematerialize,
                 "hardware": self.profile.get("hardware"), "expert_shape": self.profile.get("expert_shape")})
             atexit.register(self.trace.close)
         # The first layer's gather starts with the model's forward, before the first attention.
@@ -173,9 +175,10 @@ class FSSDPStage:
             shard.accumulate_grads()
         if getattr(self, "trace", None) is not None and all(s.last_tokens_ED is not None for s in self.shards):
             self.trace.append(torch.stack([s.last_tokens_ED for s in self.shards]),
-                              loss=float(loss) if loss is not None else float("nan"))
+                              loss=float(loss) if loss is not None else float("nan"),
+                              arrays=decision_arrays([s.last_decision for s in self.shards]))
             for s in self.shards:
-                s.last_tokens_ED = None
+                s.last_tokens_ED = s.last_decision = None
 
     # -- per optimizer step ---------------------------------------------------------------------
     @torch.no_grad()
@@ -209,11 +212,7 @@ class FSSDPStage:
         for master in self.masters():
             master.grad = None
         self._agree_on_windows(engine.device)
-        resharded = 0
-        if applied and self.config.reshard_interval and self.steps % self.config.reshard_interval == 0:
-            resharded = self.reshard()
-        if applied and self.config.policy == "smartmoe":
-            resharded = self.smartmoe_permute()
+        resharded = self.reshard() if applied else 0
         if engine.wall_clock_breakdown() and engine.global_steps % engine.steps_per_print() == 0:
             engine.timers.log(["fssdp_gather_wait", "fssdp_reduce_wait"])
         self.last_step = {"applied": applied, "expert_grad_factor": factor, "global_grad_norm": self.norm.global_norm,
@@ -237,62 +236,77 @@ class FSSDPStage:
             self.trace.close()
 
     def _configure_auto_and_policies(self, dtype, device) -> None:
-        """Measure what the "auto" knobs, calibration and FasterMoE need; report the values."""
+        """Measure what the "auto" knobs, calibration and FasterMoE need; build the policy."""
         cfg = self.config
         psi = self.shards[0].expert_bytes
         if cfg.materialization_budget == "auto":
-            m = auto_materialization_budget(memory_bytes=cfg.replica_memory_bytes, expert_bytes=psi,
-                                            num_layers=len(self.layers), rematerialize=cfg.rematerialize)
-            for s in self.shards:
-                s.options = dataclasses.replace(s.options, budget=m)
-            self.profile["materialization_budget"] = m
-            logger.info(f"fssdp: materialization_budget auto -> m = {m} ({cfg.replica_memory_bytes} bytes for "
-                        f"replicas, {psi} bytes per expert, {len(self.layers)} layers, rematerialize="
+            self.budget = auto_materialization_budget(memory_bytes=cfg.replica_memory_bytes, expert_bytes=psi,
+                                                      num_layers=len(self.layers), rematerialize=cfg.rematerialize)
+            self.profile["materialization_budget"] = self.budget
+            logger.info(f"fssdp: materialization_budget auto -> m = {self.budget} ({cfg.replica_memory_bytes} bytes "
+                        f"for replicas, {psi} bytes per expert, {len(self.layers)} layers, rematerialize="
                         f"{cfg.rematerialize})")
         need_cost = (cfg.calibration or cfg.policy == "fastermoe" or cfg.dispatch == "balanced-time"
-                     or placement_needs_cost(cfg))
-        if cfg.overlap_degree == "auto" or need_cost:
-            bw = (cfg.hardware.intra_bw if cfg.hardware is not None else
-                  measure_link_bandwidth(group=self.param_group, chunk_bytes=psi, device=device))
-            self.profile["link_bandwidth"] = bw
-            for s in self.shards:
-                s.link_bandwidth = bw
-            logger.info(f"fssdp: measured link bandwidth {bw / 1e9:.2f} GB/s per rank; overlap_degree "
-                        f"{cfg.overlap_degree!r} (auto: per layer from its measured attention window)")
+                     or cfg.overlap_degree == "auto")
+        if need_cost:
+            self.cost = self._cost_model(dtype, device)
         layer = self.layers[0]
-        if cfg.policy == "smartmoe":
-            self.baseline = make_policy(cfg.policy, PolicyConfig(
-                num_experts=layer.num_experts, num_layers=len(self.layers), topology=self.topology,
-                smartmoe_interval=cfg.smartmoe_interval))
-        if not need_cost:
-            return
+        name = "fssdp-rm" if cfg.policy == "fssdp" and cfg.rematerialize else cfg.policy
+        budget = cfg.calibration_latency_budget
+        config = PolicyConfig(num_experts=layer.num_experts, num_layers=len(self.layers), topology=self.topology,
+                              budget=self.budget, overlap_degree=cfg.overlap_degree if cfg.overlap_degree != "auto"
+                              else 0, cost=self.cost,
+                              placement=cfg.placement, reshard_interval=cfg.reshard_interval,
+                              calibration=cfg.calibration,
+                              calibration_latency_budget=float("inf") if budget is None else float(budget),
+                              smartmoe_interval=cfg.smartmoe_interval, dispatch=cfg.dispatch,
+                              dispatch_slack=float(cfg.dispatch_slack))
+        self.policy = make_policy(name, config)
+        self.migrators = migrating_policies(self.policy, reshard_interval=cfg.reshard_interval)
+        # One policy object decides for every layer; a layer with another expert count gets its own.
+        per_E = {layer.num_experts: self.policy}
+        for l in self.layers:
+            if l.num_experts not in per_E:
+                per_E[l.num_experts] = make_policy(name, dataclasses.replace(config, num_experts=l.num_experts))
+        self.planners = [LayerPlanner(per_E[l.num_experts], self.predictor, i) for i, l in enumerate(self.layers)]
+
+    def _cost_model(self, dtype, device) -> CostModel:
+        """The hardware from ``fssdp.hardware``, else measured (link bandwidth, expert GEMM speed),
+        agreed on by every rank: the decisions decide the collectives."""
+        cfg, layer = self.config, self.layers[0]
         if cfg.hardware is not None:
             h = cfg.hardware
             hw = Hardware(flops=float(h.flops), intra_bw=float(h.intra_bw), inter_bw=float(h.inter_bw),
                           latency=float(h.latency))
         else:
-            # Every rank must plan with the same numbers (the decisions decide the collectives).
+            bw = measure_link_bandwidth(group=self.param_group, chunk_bytes=self.shards[0].expert_bytes, device=device)
+            self.profile["link_bandwidth"] = bw
             flops_t = torch.tensor([measure_expert_flops(layer.spec, dtype=dtype, device=device)],
                                    dtype=torch.float64, device=device)
             dist.all_reduce(flops_t, op=dist.ReduceOp.MIN, group=self.param_group)
-            bw = self.profile["link_bandwidth"]
             bw = bw if bw != float("inf") else 1e15
             hw = Hardware(flops=float(flops_t), intra_bw=bw, inter_bw=bw)
+            logger.info(f"fssdp: measured link bandwidth {bw / 1e9:.2f} GB/s per rank; overlap_degree "
+                        f"{cfg.overlap_degree!r} (auto: per layer from its measured attention window)")
         self.profile["hardware"] = dataclasses.asdict(hw)
-        shape = ExpertShape(hidden=layer.hidden_size, ffn=layer.ffn_hidden_size, matrices=len(layer.spec.names),
-                            param_bytes=torch.tensor([], dtype=dtype).element_size())
+        shape = layer.spec.cost_shape(torch.tensor([], dtype=dtype).element_size())
         self.profile["expert_shape"] = dataclasses.asdict(shape)
-        cost = CostModel(hw, shape, self.topology)
-        for s in self.shards:
-            s.cost = cost
-        if cfg.calibration:
-            for s in self.shards:
-                s.post_gating = Calibration(cost, latency_budget=cfg.calibration_latency_budget)
-        if cfg.policy == "fastermoe":
-            self.baseline = make_policy(cfg.policy, PolicyConfig(
-                num_experts=layer.num_experts, num_layers=len(self.layers), topology=self.topology, cost=cost))
-            for s in self.shards:
-                s.post_gating = Shadowing(self.baseline)
+        return CostModel(hw, shape, self.topology)
+
+    def clock(self, l: int) -> Clock:
+        """Layer ``l``'s t and calibration latency budget this iteration: the config's, or from the
+        window every rank agreed on (the one t function: :meth:`CostModel.overlap_degree`)."""
+        cfg, w = self.config, self.window_s[l]
+        t = cfg.overlap_degree
+        if t == "auto":
+            t = 0 if w is None else min(self.layers[l].num_experts, self.cost.overlap_degree(w))
+        budget = cfg.calibration_latency_budget
+        if budget is None:
+            budget = float("inf") if w is None else w
+        return Clock(overlap_degree=t, latency_budget=float(budget))
+
+    def _context(self, l: int) -> StepContext:
+        return StepContext(planner=self.planners[l], clock=self.clock(l), timers=self.timers)
 
     def _agree_on_windows(self, device) -> None:
         """Decisions that use the measured attention windows ("auto" t, calibration's budget) must
@@ -302,33 +316,26 @@ class FSSDPStage:
             return
         w = torch.tensor([s.measured_window_s or 0.0 for s in self.shards], dtype=torch.float64, device=device)
         dist.all_reduce(w, op=dist.ReduceOp.MAX, group=self.param_group)
-        first = self.shards[0].window_s is None
-        for s, v in zip(self.shards, w.tolist()):
-            s.window_s = v
+        first = self.window_s[0] is None
+        self.window_s = w.tolist()
         if first and self.config.overlap_degree == "auto":
-            logger.info(f"fssdp: overlap_degree auto -> t = {[s.overlap_degree for s in self.shards]} per layer "
+            logger.info(f"fssdp: overlap_degree auto -> t = {[self.clock(l).overlap_degree for l in range(len(self.shards))]} per layer "
                         f"(windows {[round(v * 1e3, 3) for v in w.tolist()]} ms)")
 
-    def smartmoe_permute(self) -> int:
-        """SmartMoE: every ``smartmoe_interval`` steps, the planner permutes experts between slots
-        from the load history and their state moves (same migration as re-sharding)."""
-        owner_LE = torch.stack([s.owner_E for s in self.shards])
-        plan = self.baseline.reshard(self.steps, self.world_loads(), owner_LE=owner_LE)
-        if plan is None:
-            return 0
-        return sum(self.expert_state.migrate(i, plan.owner_LE[i], self.param_group) for i in range(len(self.shards)))
-
     def reshard(self) -> int:
-        """Algorithm 2 on the predicted loads of all layers; migrate every moved expert's state.
-        Returns the bytes this rank sent (0 if there is no load history yet)."""
-        load_LE = self.world_loads()
-        if load_LE is None:
+        """The step's re-shards (:func:`ds_fssdp.planner.layer.migrations`: Algorithm 2 every
+        ``reshard_interval`` steps, SmartMoE's permutation every ``smartmoe_interval``) on the
+        predicted loads of all layers; every moved expert's state migrates. Returns the bytes this
+        rank sent for all of them."""
+        if not self.migrators:
             return 0
-        owner_LE = heterogeneous_sharding(load_LE, self.topology, overlap_degree=self.config.overlap_degree)
-        sent = sum(self.expert_state.migrate(i, owner_LE[i], self.param_group) for i in range(len(self.shards)))
-        logger.info(f"fssdp: re-sharded {len(self.shards)} layers at step {self.steps} ({sent} bytes sent by this rank)")
+        owner_LE = torch.stack([s.owner_E for s in self.shards])
+        sent = 0
+        for r in migrations(self.migrators, self.steps, self.world_loads(), owner_LE, clock=self.clock(0)):
+            sent += sum(self.expert_state.migrate(i, r.owner_LE[i], self.param_group) for i in range(len(self.shards)))
+            logger.info(f"fssdp: re-sharded at step {self.steps}: {r.copies_M4.shape[0]} experts moved ({sent} bytes "
+                        "sent by this rank)")
         return sent
-
 
     def world_loads(self):
         """Predicted loads of all layers (float64 [L, E]) summed over the FSSDP groups, so that

@@ -45,13 +45,15 @@ import torch
 from ds_fssdp.planner.baselines import PolicyConfig, make_policy
 from ds_fssdp.planner.dispatch import dispatch_plan
 from ds_fssdp.planner.plan import DispatchPlan
-from ds_fssdp.planner.predict import relative_l1_error
+from ds_fssdp.planner.layer import LayerPlanner, migrations
+from ds_fssdp.planner.predict import LoadPredictor
 from ds_fssdp.sim.links import Links, allreduce_links, exchange_links, sparse_collective_links
 from ds_fssdp.sim.memory import budget_for_cap, ep_memory_bytes
-from ds_fssdp.sim.placement import place
+from ds_fssdp.planner.materialize import materialize as algorithm1  # the default materializer
 from ds_fssdp.sim.setup import (GRAD_BYTES, MIGRATE_BYTES, OPT_BYTES, OPT_TRAFFIC_BYTES, PARAM_BYTES, Setup,
                                 derive_overlap_degree)
-from ds_fssdp.sim.simulate import CATEGORIES, PolicyResult, RelayedCostModel
+from ds_fssdp.planner.cost import CostModel
+from ds_fssdp.sim.simulate import CATEGORIES, PolicyResult
 from ds_fssdp.topology import Topology
 
 CLUSTER_POLICIES = ("ep", "uniform", "fssdp", "fssdp-rm")
@@ -95,7 +97,7 @@ def check_group_size(group_size: int, topology: Topology) -> None:
                          f"the {G} GPUs per node")
 
 
-class ClusterCostModel(RelayedCostModel):
+class ClusterCostModel(CostModel):
     """The relayed cost model, taking compact plans (what the cluster simulator's dispatcher
     returns; FSSDP's calibration prices its candidates with :meth:`layer_time`)."""
 
@@ -119,7 +121,7 @@ class PolicyRun:
 
     def __init__(self, name: str, setup: Setup, *, group_size: int | None = None, budget: int | None = None,
                  memory_cap: float | None = None, overlap_degree: int | None = None, max_groups: int | None = None,
-                 dispatcher=None, materializer=place):
+                 dispatcher=None, materializer=algorithm1):
         """``overlap_degree`` None: t derived for the group (a group inside one node gathers over
         the intra-node links); ``budget`` None: the setup's m, or the ``memory_cap``'s.
         ``max_groups``: simulate only the first this many groups (their layers, planning, memory;
@@ -138,7 +140,7 @@ class PolicyRun:
         self.name, self.setup, self.N, self.groups = name, setup, N, D // N
         self.B = self.groups if max_groups is None else min(self.groups, max_groups)  # groups simulated
         self.topo = Topology(num_ranks=N, ranks_per_node=min(G, N))
-        self.cost = ClusterCostModel(setup.hw, setup.shape, self.topo)
+        self.cost = ClusterCostModel(setup.hw, setup.shape, self.topo, relay=True)
         self.rm = name == "fssdp-rm"
         if memory_cap is not None:
             if budget is not None:
@@ -159,10 +161,12 @@ class PolicyRun:
         self.planned = name.startswith("fssdp")
         L, E, B = setup.num_layers, setup.num_experts, self.B
         self.owner_LE = self.policy.initial_owner()
-        self.history_WBLE = np.zeros((setup.load_window, B, L, E)) if self.planned else None
-        # LoadPredictor.error per group: the relative L1 errors of the window's predictions (NaN: none)
-        self.errors_WBL = np.full((setup.load_window, B, L), np.nan) if self.planned else None
-        self.world_history_WLE = np.zeros((setup.load_window, L, E))
+        # Each group plans like the runtime's stage of that group: its own predictor of its own
+        # tokens_ED, the same LayerPlanner; re-shards plan from the world's loads.
+        self.planners_BL = [[LayerPlanner(self.policy, p, l) for l in range(L)]
+                            for p in (LoadPredictor([E] * L, window=setup.load_window)
+                                      for _ in range(B if self.planned else 0))]
+        self.world_predictor = LoadPredictor([E] * L, window=setup.load_window)
         self.observed = 0
         self._ar_cache = None
         self.count_links = self._count_links()
@@ -234,12 +238,12 @@ class PolicyRun:
         flows = []
         for b in range(B):
             tokens_ED = torch.from_numpy(np.ascontiguousarray(tokens_BEN[b], dtype=np.int64))
-            predicted = self._predicted(b, l)
+            planner = self.planners_BL[b][l]
             t0 = time.thread_time()
-            placement_ED = self.policy.pre_gating(l, owner_E, predicted, margin=self._margin(b, l))
+            placement_ED = planner.pre_gating(owner_E)
             t1 = time.thread_time()
-            lp = self.policy.post_gating(l, owner_E, placement_ED, tokens_ED=tokens_ED)
-            plan = self.policy.dispatch(lp, tokens_ED)
+            lp = planner.post_gating(owner_E, placement_ED, tokens_ED)
+            plan = planner.dispatch(lp, tokens_ED)
             t2 = time.thread_time()
             if timed:
                 self.plan_pre_s += (t1 - t0) / B
@@ -271,41 +275,26 @@ class PolicyRun:
         return rows_BN, exchange
 
     # -- pieces ------------------------------------------------------------------------------------
-    def _predicted(self, b: int, l: int) -> torch.Tensor | None:
-        if not self.observed:
-            return None
-        w = min(self.observed, self.setup.load_window)
-        return torch.from_numpy(self.history_WBLE[:w, b, l].mean(0))
-
-    def _margin(self, b: int, l: int) -> float | None:
-        errors = self.errors_WBL[:, b, l]
-        errors = errors[~np.isnan(errors)]
-        return float(errors.mean()) if errors.size else None
-
     def _observe(self, tokens_LED: np.ndarray) -> None:
-        slot = self.observed % self.setup.load_window
+        L, E = tokens_LED.shape[:2]
         load_LE = tokens_LED.sum(2, dtype=np.int64)
         if self.planned:
-            L, E = load_LE.shape
-            load_BLE = tokens_LED.reshape(L, E, self.groups, self.N)[:, :, :self.B].sum(3).transpose(2, 0, 1)
-            for b in range(self.B):
-                for l in range(L):
-                    self.errors_WBL[slot, b, l] = relative_l1_error(self._predicted(b, l),
-                                                                    torch.from_numpy(load_BLE[b, l]))
-            self.history_WBLE[slot] = load_BLE
-        self.world_history_WLE[slot] = load_LE  # for re-shards (FSSDP's only)
+            tokens_LEBN = tokens_LED.reshape(L, E, self.groups, self.N)
+            for b, planners in enumerate(self.planners_BL):
+                for l, planner in enumerate(planners):
+                    planner.observe(torch.from_numpy(np.ascontiguousarray(tokens_LEBN[l, :, b], dtype=np.int64)))
+        for l in range(L):
+            self.world_predictor.observe(l, torch.from_numpy(load_LE[l]))  # for re-shards (FSSDP's only)
         self.observed += 1
 
     def _reshard(self, s: int) -> float:
         if not self.observed or not self.planned:
             return 0.0
-        w = min(self.observed, self.setup.load_window)
-        history = torch.from_numpy(self.world_history_WLE[:w].mean(0))
-        reshard = self.policy.reshard(s, history, owner_LE=self.owner_LE)
-        if reshard is None:
+        done = migrations([self.policy], s, self.world_predictor.predict_all(), self.owner_LE)
+        if not done:
             return 0.0
-        self.owner_LE = reshard.owner_LE
-        copies = reshard.copies_M4
+        self.owner_LE = done[-1].owner_LE
+        copies = torch.cat([r.copies_M4 for r in done])
         if not copies.shape[0]:
             return 0.0
         N, P = self.N, self.setup.shape.params
@@ -411,7 +400,7 @@ def run_cluster(runs: list, source) -> list:
 
 def simulate_cluster(setup: Setup, source, policies, *, group_size: int | None = None,
                      memory_cap: float | None = None, overlap_degree: int | None = None,
-                     max_groups: int | None = None, dispatcher=None, materializer=place) -> list:
+                     max_groups: int | None = None, dispatcher=None, materializer=algorithm1) -> list:
     """One :class:`ClusterResult` per policy name, in order, each at ``group_size`` (the world
     if None), EP's and Uniform's at most at the expert count (the group EP runs; its result says
     which). See :class:`PolicyRun` for the rest."""

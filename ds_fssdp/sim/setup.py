@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ds_fssdp.planner.cost import ExpertShape, Hardware
-from ds_fssdp.planner.knobs import auto_materialization_budget, auto_overlap_degree
+from ds_fssdp.planner.cost import CostModel, ExpertShape, Hardware
+from ds_fssdp.planner.knobs import auto_materialization_budget
 from ds_fssdp.sim.presets import ClusterPreset, ModelPreset
 from ds_fssdp.topology import Topology
 
@@ -86,8 +86,8 @@ class Setup:
 
 
 def derive_overlap_degree(hw: Hardware, topology: Topology, shape: ExpertShape, *, attention_s: float) -> int:
-    bw = hw.inter_bw if topology.num_nodes > 1 else hw.intra_bw
-    return auto_overlap_degree(attention_seconds=attention_s, bandwidth=bw, expert_bytes=shape.expert_bytes)
+    """t for an attention of ``attention_s``: the one t function, :meth:`CostModel.overlap_degree`."""
+    return CostModel(hw, shape, topology).overlap_degree(attention_s)
 
 
 def build_setup(cluster: ClusterPreset, model: ModelPreset, gpus: int, *, tokens_per_gpu: int | None = None,

@@ -56,22 +56,14 @@ import torch
 
 from ds_fssdp.planner.baselines import PolicyConfig, make_policy
 from ds_fssdp.planner.cost import CostModel
+from ds_fssdp.planner.layer import LayerPlanner, migrations
 from ds_fssdp.planner.predict import LoadPredictor
 from ds_fssdp.planner.shard import shard_placement
 from ds_fssdp.sim.setup import GRAD_BYTES, MIGRATE_BYTES, OPT_BYTES, OPT_TRAFFIC_BYTES, PARAM_BYTES, Setup
 from ds_fssdp.planner.dispatch import dispatch as planner_dispatch
-from ds_fssdp.sim.placement import place
+from ds_fssdp.planner.materialize import materialize as algorithm1  # the default materializer
 
 CATEGORIES = ("comp", "a2a", "spag", "rearr", "ar", "opt")
-
-
-class RelayedCostModel(CostModel):
-    """The simulator's cost model: every sparse collective is relayed (see
-    :meth:`CostModel.sparse_collective_time`), including the gathers the policies price
-    themselves (FSSDP's calibration calls :meth:`gather_time`)."""
-
-    def gather_time(self, owner_E: torch.Tensor, placement_ED: torch.Tensor) -> float:
-        return self.sparse_collective_time(owner_E, placement_ED, relay=True)
 
 
 @dataclass
@@ -98,9 +90,12 @@ class PolicyResult:
 
 
 def simulate(setup: Setup, tokens_SLED: np.ndarray, policies, *, dispatcher=planner_dispatch,
-             materializer=place, placement: str = "paper") -> list:
+             materializer=algorithm1, placement: str = "paper", dispatch: str | None = None,
+             dispatch_slack: float = 0.0) -> list:
     """One :class:`PolicyResult` per policy name, in order. ``placement``: FSSDP's pre-gating
-    placement (``planner.place``; "paper" is Algorithm 1, or ``materializer``)."""
+    placement (``planner.place``; "paper" is Algorithm 1, or ``materializer``). ``dispatch``: a
+    dispatch mode for the policy's own dispatcher, as the runtime builds it (with the cost model,
+    so "balanced-time" works; ``dispatcher`` is then not used)."""
     tokens_SLED = np.asarray(tokens_SLED)
     S, L, E, D = tokens_SLED.shape
     if (L, E, D) != (setup.num_layers, setup.num_experts, setup.topology.num_ranks):
@@ -110,16 +105,17 @@ def simulate(setup: Setup, tokens_SLED: np.ndarray, policies, *, dispatcher=plan
         raise ValueError(f"the trace has {S} steps; the simulation needs more than the load window "
                          f"({setup.load_window})")
     return [simulate_policy(name, setup, tokens_SLED, dispatcher=dispatcher, materializer=materializer,
-                            placement=placement) for name in policies]
+                            placement=placement, dispatch=dispatch, dispatch_slack=dispatch_slack) for name in policies]
 
 
 def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatcher=planner_dispatch,
-                    materializer=place, placement: str = "paper") -> PolicyResult:
+                    materializer=algorithm1, placement: str = "paper", dispatch: str | None = None,
+                    dispatch_slack: float = 0.0) -> PolicyResult:
     """``dispatcher`` / ``materializer``: Algorithms 3 and 1 by default (the planner's, in C when
     built); pass others (e.g. the balancing dispatcher) to compare."""
     S, L, E, D = tokens_SLED.shape
     topo, hw, shape = setup.topology, setup.hw, setup.shape
-    cost = RelayedCostModel(hw, shape, topo)
+    cost = CostModel(hw, shape, topo, relay=True)  # every sparse collective relayed, calibration's too
     rm = name == "fssdp-rm"
     budget = setup.budget_rm if rm else setup.budget
     attn_f = setup.attention_fwd_s
@@ -130,9 +126,11 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
                           calibration=setup.calibration,
                           calibration_latency_budget=setup.calibration_budget * attn_f,
                           smartmoe_interval=setup.smartmoe_interval, flexmoe_threshold=setup.flexmoe_threshold,
-                          flexmoe_slots=setup.flexmoe_slots, flexmoe_interval=setup.flexmoe_interval)
-    policy = make_policy(name, config, dispatcher=dispatcher, materializer=materializer)
+                          flexmoe_slots=setup.flexmoe_slots, flexmoe_interval=setup.flexmoe_interval,
+                          dispatch=dispatch or "paper", dispatch_slack=dispatch_slack)
+    policy = make_policy(name, config, dispatcher=None if dispatch else dispatcher, materializer=materializer)
     predictor = LoadPredictor([E] * L, window=setup.load_window)
+    planners = [LayerPlanner(policy, predictor, l) for l in range(L)]
     owner_LE = policy.initial_owner()
     P, psi = shape.params, float(shape.expert_bytes)
     dense_ar_s = cost.allreduce_time(torch.ones(1, D, dtype=torch.bool),
@@ -145,8 +143,7 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
     counted = 0
     for s in range(S):
         br = dict.fromkeys(CATEGORIES, 0.0)
-        reshard = policy.reshard(s, predictor.predict_all(), owner_LE=owner_LE)
-        if reshard is not None:
+        for reshard in migrations([policy], s, predictor.predict_all(), owner_LE):
             copies = reshard.copies_M4
             if copies.shape[0]:
                 traffic_DD = torch.zeros(D * D, dtype=torch.float64).index_add_(
@@ -159,14 +156,12 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
         persistent_D = torch.zeros(D, dtype=torch.float64)
         backward_L = []
         for l in range(L):
-            owner_E = owner_LE[l]
-            predicted = predictor.predict_tokens(l)  # per-rank loads ("joint", "cost"); sums for the others
-            placement_ED = policy.pre_gating(l, owner_E, predicted if predicted is not None else predictor.predict(l),
-                                             margin=predictor.error(l))
+            owner_E, planner = owner_LE[l], planners[l]
+            placement_ED = planner.pre_gating(owner_E)
             tokens_ED = policy.route(torch.from_numpy(tokens_SLED[s, l].astype(np.int64)))
-            lp = policy.post_gating(l, owner_E, placement_ED, tokens_ED=tokens_ED)
-            plan_EDD = policy.dispatch(lp, tokens_ED)
-            predictor.observe(l, tokens_ED)
+            lp = planner.post_gating(owner_E, placement_ED, tokens_ED)
+            plan_EDD = planner.dispatch_dense(lp, tokens_ED)
+            planner.observe(tokens_ED)
 
             rows_D = plan_EDD.sum((0, 1))
             moe_s = float(cost.compute_time_D(rows_D).max())

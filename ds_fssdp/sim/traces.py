@@ -148,9 +148,12 @@ class TraceWriter:
         self.flush_every = flush_every
         self._tokens = []
         self._scalars = {}
+        self._arrays = {}
         self._unflushed = 0
 
-    def append(self, tokens_LED, **scalars) -> None:
+    def append(self, tokens_LED, *, arrays: dict | None = None, **scalars) -> None:
+        """``arrays``: per-step arrays of a fixed shape (the runtime's decision record), stacked
+        over steps; ``scalars``: per-step numbers (``loss``)."""
         tokens_LED = np.asarray(tokens_LED.cpu() if hasattr(tokens_LED, "cpu") else tokens_LED)
         if tokens_LED.ndim != 3:
             raise ValueError(f"TraceWriter.append: tokens_LED must be [layers, experts, ranks], got shape "
@@ -161,10 +164,16 @@ class TraceWriter:
         if set(scalars) != set(self._scalars) and self._tokens:
             raise ValueError(f"TraceWriter.append: scalars {sorted(scalars)} differ from the first step's "
                              f"{sorted(self._scalars)}")
+        arrays = {k: np.asarray(v) for k, v in (arrays or {}).items()}
+        if self._tokens and set(arrays) != set(self._arrays):
+            raise ValueError(f"TraceWriter.append: arrays {sorted(arrays)} differ from the first step's "
+                             f"{sorted(self._arrays)}")
         step = len(self._tokens)
         self._tokens.append(tokens_LED.astype(np.int32))
         for key, value in scalars.items():
             self._scalars.setdefault(key, [None] * step).append(float(value))
+        for key, value in arrays.items():
+            self._arrays.setdefault(key, []).append(value)
         self._unflushed += 1
         if self._unflushed >= self.flush_every:
             self.flush()
@@ -173,6 +182,7 @@ class TraceWriter:
         if not self._tokens:
             return
         arrays = {k: np.asarray(v, dtype=np.float32) for k, v in self._scalars.items()}
+        arrays.update({k: np.stack(v) for k, v in self._arrays.items()})
         save_trace(self.path, Trace(np.stack(self._tokens), self.meta, arrays))
         self._unflushed = 0
 

@@ -5,14 +5,13 @@
 ``ep``, ``uniform`` (:mod:`.ep`), ``fastermoe``, ``smartmoe``, ``flexmoe`` (one file each),
 ``fssdp`` and ``fssdp-rm`` (:mod:`.fssdp`).
 """
-from ds_fssdp.planner.baselines.base import Dispatcher, LayerPlan, Materializer, Policy, PolicyConfig, Reshard
+from ds_fssdp.planner.baselines.base import Clock, Dispatcher, LayerPlan, Materializer, Policy, PolicyConfig, Reshard
 from ds_fssdp.planner.baselines.ep import EPPolicy, UniformPolicy, uniform_tokens
 from ds_fssdp.planner.baselines.fastermoe import FasterMoEPolicy
 from ds_fssdp.planner.baselines.flexmoe import FlexMoEPolicy, balance_ratio
 from ds_fssdp.planner.baselines.fssdp import FSSDPPolicy, FSSDPRematerializePolicy
 from ds_fssdp.planner.baselines.relabel import moved_copies, relabel_owner
 from ds_fssdp.planner.baselines.smartmoe import SmartMoEPolicy, lpt_with_slots
-from ds_fssdp.planner.dispatch import dispatch as _algorithm3
 from ds_fssdp.planner.materialize import materialize as _algorithm1
 
 POLICY_CLASSES = {
@@ -23,7 +22,7 @@ POLICY_CLASSES = {
 POLICY_NAMES = tuple(POLICY_CLASSES)
 
 
-def make_policy(name: str, config: PolicyConfig, *, dispatcher: Dispatcher = _algorithm3,
+def make_policy(name: str, config: PolicyConfig, *, dispatcher: Dispatcher | None = None,
                 materializer: Materializer = _algorithm1) -> Policy:
     """A fresh policy object (policies may keep state across iterations: one per training run)."""
     if name not in POLICY_CLASSES:
@@ -32,7 +31,7 @@ def make_policy(name: str, config: PolicyConfig, *, dispatcher: Dispatcher = _al
 
 
 __all__ = [
-    "Dispatcher", "LayerPlan", "Materializer", "Policy", "PolicyConfig", "Reshard", "EPPolicy", "UniformPolicy",
+    "Clock", "Dispatcher", "LayerPlan", "Materializer", "Policy", "PolicyConfig", "Reshard", "EPPolicy", "UniformPolicy",
     "uniform_tokens", "FasterMoEPolicy", "FlexMoEPolicy", "balance_ratio", "FSSDPPolicy", "FSSDPRematerializePolicy",
     "moved_copies", "relabel_owner", "SmartMoEPolicy", "lpt_with_slots", "POLICY_CLASSES", "POLICY_NAMES", "make_policy"
 ]

@@ -22,23 +22,43 @@ Each iteration a policy is called in the order the runtime runs (paper Figure 1,
 Policies are pure and deterministic: every rank that makes the same calls with the same inputs
 gets the same answers, so the runtime exchanges only ``tokens_ED``. A policy object keeps state
 across iterations only where the baseline it models does (FlexMoE's persistent replicas).
+
+This is THE interface: the runtime (``moe/sharded.py`` through :class:`ds_fssdp.planner.layer.LayerPlanner`,
+``runtime/stage.py`` for ``reshard``), both simulators and the report's replay call the same
+methods with the same inputs. Only the :class:`Clock` differs: what the time-dependent knobs are
+this iteration (the overlap degree t and calibration's latency budget), measured in the runtime,
+modelled in the simulators, read back from the trace in the replay.
 """
 from __future__ import annotations
 
 import math
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from ds_fssdp.planner.calibrate import Calibration
 from ds_fssdp.planner.cost import CostModel
-from ds_fssdp.planner.dispatch import dispatch as algorithm3_dispatch
+from ds_fssdp.planner.dispatch import dispatch as planner_dispatch
+from ds_fssdp.planner.dispatch import dispatch_plan
+from ds_fssdp.planner.plan import DispatchPlan
 from ds_fssdp.planner.materialize import materialize as algorithm1_materialize
 from ds_fssdp.planner.shard import homogeneous_owner, shard_placement
 from ds_fssdp.topology import Topology
 
 Dispatcher = Callable[[torch.Tensor, torch.Tensor, Topology], torch.Tensor]
 Materializer = Callable[..., torch.Tensor]  # materialize(owner_E, load_E, topology, *, overlap_degree, budget, base_ED)
+
+
+@dataclass(frozen=True)
+class Clock:
+    """The knobs that depend on time, for one layer and iteration (None: the config's value)."""
+
+    overlap_degree: int | None = None
+    """t: distinct experts the pre-gating gather may replicate (hidden under the attention)."""
+    latency_budget: float | None = None
+    """Seconds calibration's gather may add to the critical path."""
 
 
 @dataclass(frozen=True)
@@ -53,10 +73,10 @@ class PolicyConfig:
     overlap_degree: int = 0
     """t: distinct experts replicated per layer per iteration (FSSDP, Algorithm 2's hot set)."""
     cost: CostModel | None = None
-    """Latency model; FasterMoE's shadowing, FSSDP's calibration and placement "cost" need it."""
+    """Latency model; FasterMoE's shadowing, FSSDP's calibration and dispatch "balanced-time" need it."""
     placement: str = "paper"
     """FSSDP's pre-gating placement (:func:`ds_fssdp.planner.place`): "paper" (Algorithm 1, or the
-    injected ``materializer``), "joint" or "cost" (both need the predicted ``tokens_ED``)."""
+    injected ``materializer``) or "joint" (it needs the predicted ``tokens_ED``)."""
     reshard_interval: int = 100
     """FSSDP: Algorithm 2 every this many iterations (0: never). Paper: 100."""
     calibration: bool = False
@@ -73,6 +93,10 @@ class PolicyConfig:
     """FlexMoE: check the balance every this many iterations."""
     fastermoe_max_shadow: int | None = None
     """FasterMoE: at most this many shadowed experts per layer (None: no cap)."""
+    dispatch: str = "paper"
+    """The dispatch mode (:func:`ds_fssdp.planner.dispatch.dispatch`) of the default dispatcher."""
+    dispatch_slack: float = 0.0
+    """The ``balanced`` dispatcher's row-cap slack."""
 
     def __post_init__(self):
         if self.num_experts < 1 or self.num_layers < 1:
@@ -124,6 +148,7 @@ class LayerPlan:
     shadow_ED: torch.Tensor
     persistent_ED: torch.Tensor
     rematerialize: bool = False
+    calibration: Calibration | None = None  # what FSSDP's calibration decided (None: it did not run)
 
     @property
     def ephemeral_ED(self) -> torch.Tensor:
@@ -137,13 +162,18 @@ class Policy:
     name = "ep"
     rematerialize = False
 
-    def __init__(self, config: PolicyConfig, *, dispatcher: Dispatcher = algorithm3_dispatch,
+    def __init__(self, config: PolicyConfig, *, dispatcher: Dispatcher | None = None,
                  materializer: Materializer = algorithm1_materialize):
-        """``dispatcher``: plan_EDD from (placement_ED, tokens_ED, topology), Algorithm 3 by default.
-        ``materializer``: Algorithm 1 (FSSDP's placements and calibration); any implementation
-        with :func:`ds_fssdp.planner.materialize`'s signature and results."""
+        """``dispatcher``: plan_EDD from (placement_ED, tokens_ED, topology); None: the planner's
+        dispatcher in ``config.dispatch`` mode (Algorithm 3 for "paper"). ``materializer``:
+        Algorithm 1 (FSSDP's placements and calibration); any implementation with
+        :func:`ds_fssdp.planner.materialize`'s signature and results."""
         self.config = config
         self.topology = config.topology
+        self._own_dispatcher = dispatcher is None
+        if dispatcher is None:
+            dispatcher = functools.partial(planner_dispatch, mode=config.dispatch, cost=config.cost,
+                                           slack=config.dispatch_slack)
         self.dispatcher = dispatcher
         self.materializer = materializer
 
@@ -159,13 +189,13 @@ class Policy:
         return homogeneous_owner(E, D).expand(L, E).clone()
 
     # -- the phases --------------------------------------------------------------------------------
-    def reshard(self, step: int, history_load_LE: torch.Tensor | None, *, owner_LE: torch.Tensor) -> Reshard | None:
+    def reshard(self, step: int, history_load_LE: torch.Tensor | None, *, owner_LE: torch.Tensor,
+                clock: Clock | None = None) -> Reshard | None:
         return None
 
     def pre_gating(self, layer: int, owner_E: torch.Tensor, predicted_load_E: torch.Tensor | None, *,
-                   margin: float | None = None) -> torch.Tensor:
-        """``margin``: the prediction's measured error (``LoadPredictor.error``), for placements that
-        hedge against it (FSSDP's "cost"); the baselines plan nothing before gating."""
+                   clock: Clock | None = None) -> torch.Tensor:
+        """The baselines plan nothing before gating."""
         return shard_placement(owner_E.to("cpu", torch.long), self.topology.num_ranks) | self.persistent_ED(
             layer, owner_E)
 
@@ -178,15 +208,26 @@ class Policy:
         return tokens_ED
 
     def post_gating(self, layer: int, owner_E: torch.Tensor, placement_ED: torch.Tensor, *,
-                    tokens_ED: torch.Tensor) -> LayerPlan:
+                    tokens_ED: torch.Tensor, clock: Clock | None = None) -> LayerPlan:
         return self._plan(owner_E, placement_ED)
 
     def dispatch(self, layer_plan: LayerPlan, tokens_ED: torch.Tensor) -> torch.Tensor:
         return self.dispatcher(layer_plan.placement_ED, tokens_ED, self.topology)
 
+    def dispatch_plan(self, layer_plan: LayerPlan, tokens_ED: torch.Tensor) -> DispatchPlan:
+        """:meth:`dispatch` as the compact plan the runtime uses (the same plan, no dense
+        [E, D, D] tensor on the planner's own dispatcher)."""
+        if not self._own_dispatcher:  # an injected dispatcher may return either form
+            plan = self.dispatch(layer_plan, tokens_ED)
+            return plan if isinstance(plan, DispatchPlan) else DispatchPlan.from_dense(layer_plan.placement_ED, plan)
+        c = self.config
+        return dispatch_plan(layer_plan.placement_ED, tokens_ED, self.topology, mode=c.dispatch, cost=c.cost,
+                             slack=c.dispatch_slack)
+
     # -- helpers -----------------------------------------------------------------------------------
     def _plan(self, owner_E: torch.Tensor, placement_ED: torch.Tensor, *, calibrated_ED: torch.Tensor | None = None,
-              shadow_ED: torch.Tensor | None = None, persistent_ED: torch.Tensor | None = None) -> LayerPlan:
+              shadow_ED: torch.Tensor | None = None, persistent_ED: torch.Tensor | None = None,
+              calibration: Calibration | None = None) -> LayerPlan:
         """Split ``placement_ED`` into the shard and the parts of :class:`LayerPlan` (what is not
         calibrated, shadow or persistent was gathered hidden)."""
         owner_E = owner_E.to("cpu", torch.long)
@@ -200,4 +241,5 @@ class Policy:
         persistent_ED = none if persistent_ED is None else persistent_ED & ~shard_ED
         hidden_ED = placement_ED & ~shard_ED & ~calibrated_ED & ~shadow_ED & ~persistent_ED
         return LayerPlan(owner_E=owner_E, placement_ED=placement_ED, hidden_ED=hidden_ED, calibrated_ED=calibrated_ED,
-                         shadow_ED=shadow_ED, persistent_ED=persistent_ED, rematerialize=self.rematerialize)
+                         shadow_ED=shadow_ED, persistent_ED=persistent_ED, rematerialize=self.rematerialize,
+                         calibration=calibration)

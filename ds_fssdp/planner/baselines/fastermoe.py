@@ -26,7 +26,7 @@ class FasterMoEPolicy(Policy):
     name = "fastermoe"
 
     def post_gating(self, layer: int, owner_E: torch.Tensor, placement_ED: torch.Tensor, *,
-                    tokens_ED: torch.Tensor) -> LayerPlan:
+                    tokens_ED: torch.Tensor, clock=None) -> LayerPlan:
         cost = self.config.cost
         if cost is None:
             raise ValueError(f"{self.name}: shadowing needs PolicyConfig.cost")

@@ -47,10 +47,11 @@ class FlexMoEPolicy(Policy):
         return self._replicas_LED[layer] & ~shard_ED
 
     def post_gating(self, layer: int, owner_E: torch.Tensor, placement_ED: torch.Tensor, *,
-                    tokens_ED: torch.Tensor) -> LayerPlan:
+                    tokens_ED: torch.Tensor, clock=None) -> LayerPlan:
         return self._plan(owner_E, placement_ED, persistent_ED=self.persistent_ED(layer, owner_E))
 
-    def reshard(self, step: int, history_load_LE: torch.Tensor | None, *, owner_LE: torch.Tensor) -> Reshard | None:
+    def reshard(self, step: int, history_load_LE: torch.Tensor | None, *, owner_LE: torch.Tensor,
+                clock=None) -> Reshard | None:
         if history_load_LE is None or step % self.config.flexmoe_interval:
             return None
         owner_LE = owner_LE.to("cpu", torch.long)

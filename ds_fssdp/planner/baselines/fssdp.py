@@ -20,72 +20,76 @@ from __future__ import annotations
 
 import torch
 
-from ds_fssdp.planner.baselines.base import LayerPlan, Policy, Reshard
+from ds_fssdp.planner.baselines.base import Clock, LayerPlan, Policy, Reshard
 from ds_fssdp.planner.baselines.relabel import moved_copies, relabel_owner
-from ds_fssdp.planner.calibrate import calibrate
-from ds_fssdp.planner.knobs import auto_overlap_degree
+from ds_fssdp.planner.calibrate import Calibration, calibrate
 from ds_fssdp.planner.materialize import materialize as algorithm1_materialize
-from ds_fssdp.planner.place import place
+from ds_fssdp.planner.place import PlacementOptions, place
 from ds_fssdp.planner.shard import heterogeneous_sharding, shard_placement
 
 
 class FSSDPPolicy(Policy):
     name = "fssdp"
 
-    def reshard(self, step: int, history_load_LE: torch.Tensor | None, *, owner_LE: torch.Tensor) -> Reshard | None:
+    def reshard(self, step: int, history_load_LE: torch.Tensor | None, *, owner_LE: torch.Tensor,
+                clock: Clock | None = None) -> Reshard | None:
         interval = self.config.reshard_interval
         if history_load_LE is None or interval == 0 or step == 0 or step % interval:
             return None
-        new_LE = heterogeneous_sharding(history_load_LE, self.topology, overlap_degree=self.config.overlap_degree)
+        new_LE = heterogeneous_sharding(history_load_LE, self.topology, overlap_degree=self.overlap_degree(clock))
         new_LE = relabel_owner(owner_LE, new_LE, self.topology, keep_nodes=True)
         return Reshard(owner_LE=new_LE, copies_M4=moved_copies(owner_LE, new_LE))
 
     def pre_gating(self, layer: int, owner_E: torch.Tensor, predicted_load_E: torch.Tensor | None, *,
-                   margin: float | None = None) -> torch.Tensor:
+                   clock: Clock | None = None) -> torch.Tensor:
         """``predicted_load_E``: per-expert loads [E], or the predicted ``tokens_ED`` [E, D] (what
-        placements "joint" and "cost" need); ``margin``: the prediction's measured error. The
-        runtime's :func:`~ds_fssdp.planner.place`, unless another materializer was injected
-        (placement "paper" then uses it on the loads)."""
+        placement "joint" needs). :func:`~ds_fssdp.planner.place`, unless another materializer was
+        injected (placement "paper" then uses it on the loads)."""
+        t = self.overlap_degree(clock)
         if predicted_load_E is None:
             return shard_placement(owner_E.to("cpu", torch.long), self.topology.num_ranks)
         if self.materializer is not algorithm1_materialize and self.config.placement == "paper":
             load_E = predicted_load_E if predicted_load_E.dim() == 1 else predicted_load_E.sum(1)
-            return self.materializer(owner_E, load_E, self.topology, overlap_degree=self.config.overlap_degree,
-                                     budget=self.config.budget)
-        return place(owner_E, predicted_load_E, self.topology, config=self.config, cost=self.config.cost,
-                     margin=margin)
+            return self.materializer(owner_E, load_E, self.topology, overlap_degree=t, budget=self.config.budget)
+        options = PlacementOptions(placement=self.config.placement, overlap_degree=t,
+                                   materialization_budget=self.config.budget)
+        return place(owner_E, predicted_load_E, self.topology, config=options)
 
     def post_gating(self, layer: int, owner_E: torch.Tensor, placement_ED: torch.Tensor, *,
-                    tokens_ED: torch.Tensor) -> LayerPlan:
+                    tokens_ED: torch.Tensor, clock: Clock | None = None) -> LayerPlan:
         cfg = self.config
         if not cfg.calibration:
             return self._plan(owner_E, placement_ED)
         if cfg.cost is None:
             raise ValueError(f"{self.name}: calibration needs PolicyConfig.cost")
         placement_ED = placement_ED.to("cpu", torch.bool)
-        merged_ED = self.calibrate(owner_E, placement_ED, tokens_ED)
-        return self._plan(owner_E, merged_ED, calibrated_ED=merged_ED & ~placement_ED)
+        cal = self.calibrate(owner_E, placement_ED, tokens_ED, clock=clock)
+        return self._plan(owner_E, cal.placement_ED, calibrated_ED=cal.placement_ED & ~placement_ED, calibration=cal)
 
-    def calibrate(self, owner_E: torch.Tensor, placement_ED: torch.Tensor, tokens_ED: torch.Tensor) -> torch.Tensor:
-        """:func:`ds_fssdp.planner.calibrate` with this policy's materializer, dispatcher and the
-        calibration overlap degree; returns the placement to use."""
+    def calibrate(self, owner_E: torch.Tensor, placement_ED: torch.Tensor, tokens_ED: torch.Tensor, *,
+                  clock: Clock | None = None) -> Calibration:
+        """:func:`ds_fssdp.planner.calibrate` with this policy's materializer, dispatcher, the
+        clock's latency budget and :meth:`calibration_overlap_degree`."""
         cfg = self.config
+        budget = self.latency_budget(clock)
         return calibrate(owner_E, placement_ED, tokens_ED, self.topology, cfg.cost,
-                         overlap_degree=self.calibration_overlap_degree(), budget=cfg.budget,
-                         latency_budget=cfg.calibration_latency_budget, dispatcher=self.dispatcher,
-                         materializer=self.materializer).placement_ED
+                         overlap_degree=self.calibration_overlap_degree(clock), budget=cfg.budget,
+                         latency_budget=budget, dispatcher=self.dispatcher, materializer=self.materializer)
 
-    def calibration_overlap_degree(self) -> int:
+    def calibration_overlap_degree(self, clock: Clock | None = None) -> int:
         """Distinct experts calibration may replicate: the t of the hidden gather plus what the
-        binding link absorbs within the calibration latency budget (the calibration gather is on
-        the critical path, so the attention window does not bound it; its budget does)."""
-        cfg, E = self.config, self.config.num_experts
-        if cfg.calibration_latency_budget == float("inf"):
-            return E
-        hw, psi = cfg.cost.hw, cfg.cost.shape.expert_bytes
-        bw = hw.inter_bw if self.topology.num_nodes > 1 else hw.intra_bw
-        extra = auto_overlap_degree(attention_seconds=cfg.calibration_latency_budget, bandwidth=bw, expert_bytes=psi)
-        return min(E, cfg.overlap_degree + extra)
+        binding link moves within the latency budget (the calibration gather is on the critical
+        path, so the attention window does not bound it; its budget does)."""
+        E = self.config.num_experts
+        return min(E, self.overlap_degree(clock) + self.config.cost.overlap_degree(self.latency_budget(clock)))
+
+    def overlap_degree(self, clock: Clock | None) -> int:
+        t = clock.overlap_degree if clock is not None and clock.overlap_degree is not None else None
+        return self.config.overlap_degree if t is None else t
+
+    def latency_budget(self, clock: Clock | None) -> float:
+        b = clock.latency_budget if clock is not None and clock.latency_budget is not None else None
+        return self.config.calibration_latency_budget if b is None else b
 
 
 class FSSDPRematerializePolicy(FSSDPPolicy):

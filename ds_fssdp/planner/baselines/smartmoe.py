@@ -21,7 +21,8 @@ from ds_fssdp.planner.baselines.relabel import moved_copies, relabel_owner
 class SmartMoEPolicy(Policy):
     name = "smartmoe"
 
-    def reshard(self, step: int, history_load_LE: torch.Tensor | None, *, owner_LE: torch.Tensor) -> Reshard | None:
+    def reshard(self, step: int, history_load_LE: torch.Tensor | None, *, owner_LE: torch.Tensor,
+                clock=None) -> Reshard | None:
         interval = self.config.smartmoe_interval
         if history_load_LE is None or step == 0 or step % interval:
             return None

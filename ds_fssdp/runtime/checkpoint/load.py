@@ -112,8 +112,7 @@ def load_expert_state(engine, root: str, meta: dict, *, optimizer: bool, full_st
         same = same_groups(meta, world=world, group_size=stage.group_size)
         planning = files[rank] if same and "predictor" in files[rank] else common  # this group's own
         stage.predictor.load_state_dict(predictor_for(planning["predictor"], same))
-        for shard, w in zip(stage.shards, planning["window_s"]):
-            shard.window_s = w
+        stage.window_s = list(planning["window_s"])
         if same_world:
             set_rng_state(files[rank]["rng"], engine.device)
         elif rank == 0:

@@ -1,0 +1,249 @@
+"""One layer's expert rows on one rank and the replicas that visit it: the sparse collectives,
+re-materialization and memory accounting (Megatron-Core's "experts" part of a layer).
+
+Legend: E experts, D ranks, S owned rows, R replica rows, P elements per expert.
+
+* the owned rows (``rows``, with an fp32 ``master`` beside low-precision rows) and their owners;
+* :meth:`start_gather` / :meth:`gather_now`: a SparseAllGather of a layout's replicas
+  (asynchronous, or on the critical path for what post-gating adds, merged into one buffer);
+* :meth:`hook_replicas`: when the replicas' gradient exists, their SparseReduceScatter starts;
+  :meth:`accumulate_grads` (after the engine's backward) folds everything into ``master.grad``;
+* re-materialization: the replicas of a layer are dropped after its forward and gathered again
+  when the following layer's expert backward is done (:meth:`start_rematerialize`, chained by
+  ``prev``), the re-materializing expert Function (``moe/remat.py``) asks :meth:`rematerialized`;
+* :class:`ReplicaMemory`: bytes of replica rows alive on this rank (all layers) and their peak.
+
+No decisions are made here: layouts come from the planner's placements.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from deepspeed import comm as dist
+
+from ds_fssdp.comm.sparse import SparseAllGather, SparseReduceScatter, Traffic
+from ds_fssdp.moe.experts import ExpertSpec
+from ds_fssdp.planner import gather_layout, shard_placement
+from ds_fssdp.topology import Topology
+
+
+class ReplicaMemory:
+    """Bytes of replica rows alive on this rank (all layers), and the peak since the last reset."""
+
+    def __init__(self):
+        self.current = 0
+        self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+    def release(self, nbytes: int) -> None:
+        self.current -= nbytes
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+
+class ReplicaManager:
+
+    def __init__(self, *, spec: ExpertSpec, owner_E: torch.Tensor, rows_SP: torch.Tensor, topology: Topology,
+                 param_group, rank: int, memory: ReplicaMemory, trainable: bool, hierarchical: bool,
+                 rematerialize: bool):
+        self.spec = spec
+        self.topology = topology
+        self.param_group = param_group
+        self.rank = rank
+        self.memory = memory
+        self.hierarchical = hierarchical  # topology-aware (two-phase) sparse collectives across nodes
+        self.rematerialize = rematerialize
+        self.owner_E = owner_E.to("cpu", torch.long).clone()
+        self.owned_E = torch.nonzero(self.owner_E == rank).flatten()
+        if rows_SP.shape != (self.owned_E.numel(), spec.numel):
+            raise ValueError(f"rows {tuple(rows_SP.shape)} do not match {self.owned_E.numel()} owned experts "
+                             f"of {spec.numel} elements")
+        self.trainable = trainable  # False: frozen experts (no gradient, optimizer state or reduce)
+        self.rows = rows_SP.detach().requires_grad_(trainable)
+        self.master = self.rows  # the optimizer's copy; fp32 beside low-precision rows
+        self.prev = None  # the previous layer's manager (RM: its re-gather starts when this backward is done)
+        self.traffic = Traffic(topology.node_D(), rank)
+        self.pending = []  # SparseReduceScatters started, not finished
+        self._remat = None  # (layout, SparseAllGather or None) for the backward under RM
+        self._remat_buffer = None
+        self._live = {}  # id -> bytes of replica buffers counted in ``memory``
+        self.regather_exposed_s = 0.0
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.spec.numel * self.rows.element_size()
+
+    @property
+    def busy(self) -> bool:
+        """A collective of this layer is pending (owners may change only when not)."""
+        return bool(self.pending) or self._remat is not None
+
+    # -- gathers ---------------------------------------------------------------------------------
+    def layout(self, placement_ED):
+        return gather_layout(self.owner_E, placement_ED, self.rank, topology=self.topology,
+                             hierarchical=self.hierarchical)
+
+    def start_gather(self, layout) -> SparseAllGather:
+        g = SparseAllGather(self.rows, layout, self.param_group, self.traffic).start()
+        self.count(g.replica_RP)
+        return g
+
+    def gather_now(self, placement_ED, layout, replica_RP, extra_ED):
+        """Gather ``extra_ED`` now (critical path) and merge it with the replicas already here
+        into one buffer laid out for the final placement (one reduce, one RM re-gather).
+        Returns (placement_ED, layout, replica_RP, bytes this rank sent)."""
+        shard_ED = shard_placement(self.owner_E, self.topology.num_ranks)
+        delta = self.layout(shard_ED | extra_ED)
+        extra = self.start_gather(delta)
+        extra_RP = extra.finish()
+        placement_ED = placement_ED | extra_ED
+        merged = self.layout(placement_ED)
+        out_RP = replica_RP.new_empty(merged.replica_E.numel(), replica_RP.shape[1])
+        self.count(out_RP)
+        for part_RP, part_E in ((replica_RP, layout.replica_E), (extra_RP, delta.replica_E)):
+            if part_E.numel():
+                pos = torch.searchsorted(merged.replica_E, part_E).to(out_RP.device)
+                out_RP.index_copy_(0, pos, part_RP)
+            self.uncount(part_RP)
+        return placement_ED, merged, out_RP, extra.sent
+
+    # -- backward --------------------------------------------------------------------------------
+    def hook_replicas(self, replica_RP, layout) -> None:
+        """Every rank joins every reduce, so the replicas stay in the graph even when empty."""
+        replica_RP.requires_grad_(True)
+        replica_RP.register_post_accumulate_grad_hook(lambda t, lay=layout: self._replica_backward_done(t, lay))
+
+    def _replica_backward_done(self, replica_RP, layout) -> None:
+        self.uncount(replica_RP)  # the backward no longer needs the weights, only their gradient
+        self._reduce_start(replica_RP.grad, layout)
+
+    def _reduce_start(self, grad_RP, layout) -> None:
+        """This layer's expert backward is done: start its SparseReduceScatter and, under RM, the
+        previous layer's re-gather (it overlaps the attention backward in between)."""
+        if self.trainable:
+            self.pending.append(SparseReduceScatter(grad_RP, layout, self.param_group, self.traffic).start())
+        if self.rematerialize and self.prev is not None:
+            self.prev.start_rematerialize()
+
+    def drop_for_backward(self, layout) -> None:
+        """RM: the replicas of this forward are freed; the backward gathers ``layout`` again."""
+        self._remat = (layout, None)
+
+    def replica_grad_ready(self, grad_RP) -> None:
+        """Called by the re-materializing expert Function once the replicas' gradient exists."""
+        layout, _ = self._remat
+        self._remat = None
+        self.uncount(self._remat_buffer)
+        self._remat_buffer = None
+        self._reduce_start(grad_RP, layout)
+
+    def start_rematerialize(self) -> None:
+        """Start gathering this layer's replicas again for its backward (RM)."""
+        if self._remat is None or self._remat[1] is not None:
+            return
+        layout, _ = self._remat
+        self._remat = (layout, self.start_gather(layout))
+
+    def rematerialized(self) -> torch.Tensor:
+        if self._remat_buffer is not None:  # a checkpoint recompute fetched it for this backward
+            return self._remat_buffer
+        layout, pending = self._remat
+        if pending is None:  # nobody started it (e.g. no following layer in the backward)
+            pending = self.start_gather(layout)
+        t0 = time.perf_counter()
+        replica_RP = self._remat_buffer = pending.finish()
+        self.regather_exposed_s += time.perf_counter() - t0
+        return replica_RP
+
+    @torch.no_grad()
+    def accumulate_grads(self, timer=None) -> dict:
+        """Fold this micro-step's gradients into ``master.grad``: the owned rows' own gradient and
+        the replicas' gradients reduced from other ranks (sums, not yet averaged). Returns the
+        reduce's statistics. ``timer``: DeepSpeed's timers (the exposed wait), or None."""
+        if not self.trainable:
+            self.end_micro_step()
+            return {}
+        acc_SP = self.master.grad
+        if acc_SP is None:
+            acc_SP = self.master.grad = torch.zeros_like(self.master)
+        if self.master is not self.rows and self.rows.grad is not None:
+            acc_SP += self.rows.grad.to(acc_SP.dtype)
+            self.rows.grad = None
+        t0 = time.perf_counter()
+        if timer is not None:
+            timer("fssdp_reduce_wait").start()
+        for reducer in self.pending:
+            rows_S, grad_SP = reducer.finish()
+            acc_SP.index_add_(0, rows_S, grad_SP.to(acc_SP.dtype))
+        if timer is not None:
+            timer("fssdp_reduce_wait").stop()
+        stats = {"reduce_exposed_s": time.perf_counter() - t0}
+        if self.pending:
+            stats["reduce_bytes"] = sum(r.layout.added_pairs for r in self.pending) * self.expert_bytes
+            stats["reduce_bytes_sent_local"] = sum(r.sent for r in self.pending)
+        if self.regather_exposed_s:
+            stats["regather_exposed_s"] = self.regather_exposed_s
+        self.end_micro_step()
+        return stats
+
+    def end_micro_step(self) -> None:
+        self.pending = []
+        self._remat = None
+        self.regather_exposed_s = 0.0
+        for nbytes in self._live.values():
+            self.memory.release(nbytes)
+        self._live = {}
+
+    # -- memory ----------------------------------------------------------------------------------
+    def count(self, replica_RP) -> None:
+        nbytes = replica_RP.numel() * replica_RP.element_size()
+        self.memory.add(nbytes)
+        self._live[id(replica_RP)] = nbytes
+
+    def uncount(self, replica_RP) -> None:
+        nbytes = self._live.pop(id(replica_RP), None)
+        if nbytes is not None:
+            self.memory.release(nbytes)
+
+    # -- owned state -----------------------------------------------------------------------------
+    def set_owners(self, owner_E: torch.Tensor, *, rows: torch.Tensor, master: torch.Tensor) -> None:
+        """Adopt new owners (after a migration moved the rows): between iterations only."""
+        self.owner_E = owner_E.to("cpu", torch.long).clone()
+        self.owned_E = torch.nonzero(self.owner_E == self.rank).flatten()
+        if not self.trainable:
+            same = master is rows
+            rows = rows.detach()
+            master = rows if same else master.detach()
+        self.rows, self.master = rows, master
+
+    def use_precision(self, dtype: torch.dtype, device) -> None:
+        """Compute with ``dtype`` rows on ``device``; keep an fp32 master when ``dtype`` is lower."""
+        fp32 = self.master.detach().to(device=device, dtype=torch.float32)
+        grad = self.trainable
+        self.rows = fp32.to(dtype).requires_grad_(grad) if dtype != torch.float32 else fp32.requires_grad_(grad)
+        self.master = self.rows if dtype == torch.float32 else fp32.clone().requires_grad_(grad)
+
+    @torch.no_grad()
+    def copy_master_to_rows(self) -> None:
+        if self.master is not self.rows:
+            self.rows.copy_(self.master)
+
+    @torch.no_grad()
+    def load_rows(self, full_EP: torch.Tensor) -> None:
+        """Keep the owned experts' rows of a full [E, P] tensor (in master and rows)."""
+        own = full_EP.to(self.master.device).index_select(0, self.owned_E.to(self.master.device))
+        self.master.copy_(own)
+        self.copy_master_to_rows()
+
+    @torch.no_grad()
+    def export_rows(self, group) -> torch.Tensor:
+        """All experts' rows on every rank (collective over ``group``): [E, P]."""
+        full_EP = self.master.new_zeros(self.owner_E.numel(), self.spec.numel)
+        full_EP[self.owned_E.to(full_EP.device)] = self.master.detach()
+        dist.all_reduce(full_EP, group=group)
+        return full_EP

@@ -1,0 +1,80 @@
+"""One MoE layer's decisions for one iteration, in the runtime's order: pure, no communication.
+
+Legend: E experts, D ranks.
+
+The runtime (``moe/sharded.py``), both simulators and the report's replay drive every layer
+through a :class:`LayerPlanner`, so they make the same decisions from the same inputs; only the
+:class:`~ds_fssdp.planner.baselines.Clock` (t and calibration's latency budget) comes from their
+own clocks.
+
+1. :meth:`pre_gating` before the preceding attention: the placement from the predictor's
+   prediction (its per-rank ``tokens_ED`` when it has them, else its per-expert loads);
+2. :meth:`post_gating` once the actual ``tokens_ED`` are known: calibration or shadowing;
+3. :meth:`dispatch`: the compact dispatch plan (:meth:`dispatch_dense` for the dense one);
+4. :meth:`observe`: the predictor learns the loads (once per training forward).
+"""
+from __future__ import annotations
+
+import torch
+
+from ds_fssdp.planner.baselines.base import Clock, LayerPlan, Policy
+from ds_fssdp.planner.baselines.fssdp import FSSDPPolicy
+from ds_fssdp.planner.plan import DispatchPlan
+from ds_fssdp.planner.predict import LoadPredictor
+
+
+class LayerPlanner:
+
+    def __init__(self, policy: Policy, predictor: LoadPredictor, layer: int):
+        self.policy = policy
+        self.predictor = predictor
+        self.layer = layer
+
+    def pre_gating(self, owner_E: torch.Tensor, clock: Clock | None = None) -> torch.Tensor:
+        """placement_ED (bool [E, D]): the shard plus the replicas gathered under the attention."""
+        predicted = self.predictor.predict_tokens(self.layer)
+        if predicted is None:
+            predicted = self.predictor.predict(self.layer)
+        return self.policy.pre_gating(self.layer, owner_E, predicted, clock=clock)
+
+    def post_gating(self, owner_E: torch.Tensor, placement_ED: torch.Tensor, tokens_ED: torch.Tensor,
+                    clock: Clock | None = None) -> LayerPlan:
+        return self.policy.post_gating(self.layer, owner_E, placement_ED, tokens_ED=tokens_ED, clock=clock)
+
+    def dispatch(self, layer_plan: LayerPlan, tokens_ED: torch.Tensor) -> DispatchPlan:
+        return self.policy.dispatch_plan(layer_plan, tokens_ED)
+
+    def dispatch_dense(self, layer_plan: LayerPlan, tokens_ED: torch.Tensor) -> torch.Tensor:
+        return self.policy.dispatch(layer_plan, tokens_ED)
+
+    def observe(self, tokens_ED: torch.Tensor) -> float:
+        """Feed the actual loads to the predictor; returns the error of its last prediction."""
+        return self.predictor.observe(self.layer, tokens_ED)
+
+
+def migrations(policies: list, step: int, load_LE: torch.Tensor | None, owner_LE: torch.Tensor, *,
+               clock: Clock | None = None) -> list:
+    """The re-shards of one step, in order (the runtime's after its optimizer step, the replay's
+    and the simulators' before the iteration): each policy's :meth:`~Policy.reshard` from the
+    owners the previous one left. ``policies``: Algorithm 2's (``reshard_interval``) first, then the
+    policy's own (SmartMoE's permutation), as :func:`migrating_policies` lists them. Returns the
+    :class:`~ds_fssdp.planner.baselines.Reshard` of every one that moved something."""
+    done = []
+    for policy in policies:
+        r = policy.reshard(step, load_LE, owner_LE=owner_LE, clock=clock)
+        if r is not None:
+            done.append(r)
+            owner_LE = r.owner_LE
+    return done
+
+
+def migrating_policies(policy: Policy, *, reshard_interval: int) -> list:
+    """Who re-shards: FSSDP's Algorithm 2 every ``reshard_interval`` steps (the policy itself for
+    FSSDP, a companion FSSDP policy with the same config for the others), then the policy's own
+    (SmartMoE's permutation); a policy with neither: none."""
+    out = []
+    if reshard_interval and not isinstance(policy, FSSDPPolicy):
+        out.append(FSSDPPolicy(policy.config))
+    if isinstance(policy, FSSDPPolicy) or type(policy).reshard is not Policy.reshard:
+        out.append(policy)
+    return out
