@@ -111,8 +111,10 @@ def main():
             print(f"resumed at step {start} from {args.save_dir}", flush=True)
     preemption = None if args.no_preempt_handler else ds_fssdp.Preemption(grace_s=args.preempt_grace,
                                                                           device=device).install()
-    save = lambda step: ds_fssdp.save_step(engine, args.save_dir, step, state={"sampler": sampler},
-                                           keep_last=args.keep_last)
+    # Interval saves may go to the background (--async-save); the last one and a preemption's are
+    # synchronous, so the job never exits with a checkpoint still being written.
+    save = lambda step, background=False: ds_fssdp.save_step(engine, args.save_dir, step, state={"sampler": sampler},
+                                                             keep_last=args.keep_last, async_save=background)
 
     bar = None
     if rank == 0:
@@ -150,7 +152,7 @@ def main():
             break
         if args.save_dir and (step + 1 == args.steps or args.save_interval and (step + 1) % args.save_interval == 0):
             try:
-                save(step + 1)
+                save(step + 1, background=args.async_save and step + 1 < args.steps)
             except CheckpointError as err:  # a full disk: every rank got it; the previous checkpoint stands
                 if step + 1 == args.steps:
                     raise

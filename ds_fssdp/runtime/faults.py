@@ -103,9 +103,9 @@ def _hook(engine, injector: Injector) -> None:
     else:  # converted HF experts: the router ran before the experts' forward
         first.register_forward_pre_hook(lambda *_: point("gate"))
     last.register_full_backward_pre_hook(lambda *_: point("backward"))
-    shard = engine.fssdp.shards[0]
-    exchange = shard._exchange
-    shard._exchange = lambda *args, **kwargs: (point("exchange"), exchange(*args, **kwargs))[1]
+    dispatcher = engine.fssdp.shards[0].dispatcher
+    exchange = dispatcher._exchange
+    dispatcher._exchange = lambda *args, **kwargs: (point("exchange"), exchange(*args, **kwargs))[1]
     optimizer_step = engine.optimizer.step
     engine.optimizer.step = lambda *args, **kwargs: (point("step"), optimizer_step(*args, **kwargs))[1]
     write = checkpoint.write_expert_files

@@ -64,17 +64,21 @@ def resume(engine, save_dir: str, *, state: dict | None = None, which: str = "la
     raise AssertionError("unreachable: the last candidate returns or raises")
 
 
-def save_step(engine, save_dir: str, step: int, *, state: dict | None = None, keep_last: int | None = None) -> str:
+def save_step(engine, save_dir: str, step: int, *, state: dict | None = None, keep_last: int | None = None,
+              async_save: bool = False) -> str:
     """Save checkpoint ``global_step<step>`` with ``state`` (objects with ``state_dict``) and the
     step in ``client_state``; then keep only the ``keep_last`` newest complete checkpoints. A
     failed save (a full disk) raises :class:`CheckpointError` on every rank, leaves the previous
-    checkpoints as they were and removes its unfinished files, so training can go on."""
+    checkpoints as they were and removes its unfinished files, so training can go on.
+    ``async_save``: stage the state now and write it in the background (``engine.save_checkpoint``);
+    its failure is raised by the next save or ``engine.wait_for_checkpoint()``, and pruning counts
+    only committed checkpoints, so the one being written never lets an older one go."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last ({keep_last}) must be >= 1 (or None: keep every checkpoint)")
     tag = TAG.format(step)
     client_state = {CLIENT_KEY: {"step": int(step), "state": {k: v.state_dict() for k, v in (state or {}).items()}}}
     try:
-        engine.save_checkpoint(save_dir, tag=tag, client_state=client_state)
+        engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, async_save=async_save)
     except CheckpointError:
         if dist.get_rank() == 0:
             shutil.rmtree(os.path.join(save_dir, TMP_PREFIX + tag), ignore_errors=True)  # give the space back
