@@ -19,6 +19,7 @@ from deepspeed.utils import logger
 
 from ds_fssdp.config import FSSDPConfig, FSSDPConfigError
 from ds_fssdp.moe.experts_module import FSSDPExperts
+from ds_fssdp.runtime.cpu import skip_shm_comm_build
 from ds_fssdp.runtime.groups import build_groups
 from ds_fssdp.runtime.monitor import StageMonitor
 from ds_fssdp.runtime.health import apply_run_settings, check_combinations, skipped_optimizer_step
@@ -49,6 +50,8 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
     prepare_zero3(layers, ds_config)  # before any collective: it may refuse
     requested, requested_by = requested_group_size(model)
 
+    if get_accelerator().device_name() == "cpu":
+        skip_shm_comm_build()  # before DeepSpeed's comm starts: training never uses that op
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                distributed_port=distributed_port, dist_init_required=dist_init_required)
     world = dist.get_world_size()
