@@ -144,11 +144,16 @@ def test_grouped_gemm_checks_sizes():
         ops.grouped_gemm(torch.zeros(3, 2), torch.zeros(2, 2, 2), [1, 1, 1])
 
 
-def test_combine_topk_sums_in_k_order():
-    y = torch.arange(12.0).reshape(6, 2)
-    w = torch.tensor([[0.5, 0.5], [1.0, 0.0], [0.25, 0.75]])
-    out = ops.combine_topk(y, w)
-    torch.testing.assert_close(out, torch.tensor([[1.0, 2.0], [4.0, 5.0], [9.5, 10.5]]))
+def test_combine_sums_in_k_order():
+    """The layer's combine (ops.unpermute_combine, fed the route's unsend order) adds the k
+    products left to right: 1e8 + 1 rounds to 1e8 in fp32, so k order gives 0 where (1 - 1e8) +
+    1e8 or a pairwise sum would give 1."""
+    y = torch.tensor([[1e8], [1.0], [-1e8], [2.0], [4.0], [8.0]])
+    w = torch.tensor([[1.0, 1.0, 1.0], [0.5, 0.25, 1.0]])
+    out = ops.unpermute_combine(y, torch.arange(6).reshape(2, 3), w)
+    assert out.tolist() == [[0.0], [10.0]]
+    # The rows come in send order: unsend [2, 0, 1] reads row 2 first (-1e8 + 1e8 + 1 = 1).
+    assert ops.unpermute_combine(y[:3], torch.tensor([[2, 0, 1]]), w[:1]).tolist() == [[1.0]]
 
 
 def test_layer_with_biases_and_clamped_activation():
