@@ -15,6 +15,8 @@ import training
 from distributed import spawn
 from training import ds_config, reference_train
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # spawns ranks or launches processes; > 30 s
+
 WORLD, STEPS = 2, 3
 MODES = ("none", "torch", "torch-reentrant", "deepspeed")
 TOL = dict(rtol=2e-5, atol=2e-6)

@@ -4,6 +4,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.distributed  # spawns ranks or launches processes
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -21,6 +21,8 @@ import torch
 
 from distributed import spawn
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # spawns ranks or launches processes; > 30 s
+
 transformers = pytest.importorskip("transformers")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

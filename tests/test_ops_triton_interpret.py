@@ -22,6 +22,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # spawns ranks or launches processes; > 30 s
+
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 # Group sizes. H 24 and F 20 are not multiples of the interpreter's 16-wide tiles; groups of 17
