@@ -51,8 +51,9 @@ RUNS = {
     "fssdp-z0-router-bias": dict(ds_config(world=WORLD, zero=0, fssdp={"router_bias_update_rate": 0.05}),
                                  _model={"aux_free_bias": True}),
 }
-# Runs per spawn: a rank that crashes fails only its spawn's tests; each spawn costs ~10 s of imports.
-SPAWN_SIZE = 6
+# Runs per spawn: a rank that crashes fails only its spawn's tests. Each spawn costs ~15-20 s of CPU
+# (imports, DeepSpeed's first initialize): three spawns took 80-86 s here where one took 65 s.
+SPAWN_SIZE = 8
 CHUNKS = [list(RUNS)[i:i + SPAWN_SIZE] for i in range(0, len(RUNS), SPAWN_SIZE)]
 CHUNK_OF = {name: i for i, names in enumerate(CHUNKS) for name in names}
 # fp32 with SGD: the runs differ from the reference only in summation order (1e-7 relative per
