@@ -15,7 +15,7 @@ import training
 from distributed import spawn
 from training import ds_config, reference_train
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # spawns ranks or launches processes; > 30 s
+pytestmark = pytest.mark.distributed  # spawns ranks or launches processes
 
 WORLD, STEPS = 2, 3
 MODES = ("none", "torch", "torch-reentrant", "deepspeed")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.distributed  # spawns ranks or launches processes
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # spawns ranks or launches processes; > 30 s
 
 ROOT = Path(__file__).resolve().parents[1]
 

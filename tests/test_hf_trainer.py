@@ -21,7 +21,7 @@ import torch
 
 from distributed import spawn
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # spawns ranks or launches processes; > 30 s
+pytestmark = pytest.mark.distributed  # spawns ranks or launches processes
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,7 +13,7 @@ import torch
 from distributed import spawn
 from test_hf_trainer import SGD_CONFIG, make_trainer
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # spawns ranks or launches processes; > 30 s
+pytestmark = pytest.mark.distributed  # spawns ranks or launches processes
 
 transformers = pytest.importorskip("transformers")
 

@@ -5,7 +5,7 @@ import torch
 
 from distributed import spawn
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # spawns ranks or launches processes; > 30 s
+pytestmark = pytest.mark.distributed  # spawns ranks or launches processes
 
 H, F, E, K = 8, 12, 6, 2
 CASES = [

@@ -17,7 +17,7 @@ import torch
 from distributed import spawn
 from test_layer_distributed import ATOL, CASES, _worker
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 2 ranks under the Triton interpreter: > 30 s
+pytestmark = pytest.mark.distributed  # spawns ranks or launches processes
 
 WORLD = 2
 # Two nodes of one rank with swiglu, and a rank without tokens with gelu.
