@@ -13,7 +13,7 @@ computed on first use, after the all-to-all is launched: ``span+finish`` is the 
 the placement (planned in ``prefetch``, before the attention), the layer's statistics (``stats``:
 rows per rank, straggler, link statistics ``DispatchPlan.moved``, EP rows: computed in
 ``ShardedExperts._stats`` after the exchange has returned), timed here for comparison, nor the
-send buffer (``send_rows``: ``permute_rows`` of the hidden states, device work). ``route_device``
+send buffer (``send_rows``: ``ops.permute_tokens`` of the hidden states, device work). ``route_device``
 (the torch-ops route CUDA tensors take) is timed on CPU tensors for reference. Input: one rank's
 top-k routing of ``--tokens`` tokens from a skewed expert distribution, the joint placement of
 counts of that shape. Warm-up first; median and p95 microseconds, single thread; ``--runs`` alternates the arms.
@@ -77,7 +77,7 @@ def main():
             "expert_order": lambda: expert_order(idx_TK, E),
             "span+finish": after_launch,
             "stats": stats,
-            "send_rows": lambda: ops.permute_rows(x_TH, r.send_token),
+            "send_rows": lambda: ops.permute_tokens(x_TH, r.send_token, lambda: r.unsend.view(-1, K)),
             "route_device_on_cpu": lambda: route_device(idx_TK, plan, rank=rank, local_E=local_E)}
     runs = {name: [] for name in arms}
     for run in range(args.runs):

@@ -150,44 +150,48 @@ def bench_gemm(family, *, skewed, device, dtype, rounds, target_s, backward):
 
 # ---------------------------------------------------------------------------------- permutation
 
-def bench_permute(family, *, dedup, device, dtype, rounds, target_s):
+def bench_permute(family, *, device, dtype, rounds, target_s):
+    """The runtime's two permutations (moe/compute.py): the send buffer in the route's send order
+    (destination, expert, token) and the fused unpermute + top-k combine of the return, against
+    what the runtime ran before (index_select; index_select + a weighted sum over k) and copy_."""
     s = shape(family, device)
     T, H, E, K, D = s["T"], s["H"], s["E"], s["K"], s["D"]
     gen = torch.Generator().manual_seed(1)
-    idx_TK = torch.argsort(torch.rand(T, E, generator=gen), 1)[:, :K].to(device)
+    idx_TK = torch.argsort(torch.rand(T, E, generator=gen), 1)[:, :K]
     dest_TK = idx_TK * D // E  # experts held in contiguous blocks per rank
-    layout = ops.permute_layout(idx_TK, dest_TK, num_dests=D, num_experts=E, dedup=dedup)
-    S = layout.token_S.numel()
+    send_A = torch.sort(((dest_TK * E + idx_TK) * T + torch.arange(T).unsqueeze(1)).reshape(-1)).indices
+    token_S = (send_A // K).to(device)
+    rows_TK = torch.empty_like(send_A)
+    rows_TK[send_A] = torch.arange(T * K)
+    rows_TK = rows_TK.reshape(T, K).to(device)
+    S = T * K
     x = torch.randn(T, H, generator=gen).to(device, dtype)
     y = torch.randn(S, H, generator=gen).to(device, dtype)
     w_TK = torch.rand(T, K, generator=gen).to(device)
-    rows_TK = layout.first_TK if dedup else layout.row_TK
-    weights = None if dedup else w_TK
+    unsend = rows_TK.reshape(-1)
     elem = x.element_size()
     out = []
     with torch.no_grad():
         # Gather: S rows read and written.
         src_SH, dst_SH = torch.empty(S, H, device=device, dtype=dtype), torch.empty(S, H, device=device, dtype=dtype)
-        secs = compare({"permute_tokens": lambda: ops.permute_tokens(x, layout),
-                        "index_select": lambda: x.index_select(0, layout.token_S),
+        secs = compare({"permute_tokens": lambda: ops.permute_tokens(x, token_S, rows_TK),
+                        "index_select": lambda: x.index_select(0, token_S),
                         "copy_": lambda: dst_SH.copy_(src_SH)}, device=device, rounds=rounds, target_s=target_s)
-        out.append(_traffic_result("permute_tokens", family, dedup, 2 * S * H * elem, secs, T=T, S=S, H=H))
+        out.append(_traffic_result("permute_tokens", family, 2 * S * H * elem, secs, T=T, S=S, H=H))
         # Combine: S rows read, T rows written (plus the K row indices and weights per token).
         half = (S + T) * H // 2
         src, dst = torch.empty(half, device=device, dtype=dtype), torch.empty(half, device=device, dtype=dtype)
-        cands = {"unpermute_combine": lambda: ops.unpermute_combine(y, rows_TK, weights),
-                 "copy_": lambda: dst.copy_(src)}
-        if not dedup:
-            unsend = layout.row_TK.reshape(-1)
-            cands["index_select+combine_topk"] = lambda: ops.combine_topk(y.index_select(0, unsend), w_TK)
-        secs = compare(cands, device=device, rounds=rounds, target_s=target_s)
-        out.append(_traffic_result("unpermute_combine", family, dedup, (S + T) * H * elem, secs, T=T, S=S, H=H))
+        secs = compare({"unpermute_combine": lambda: ops.unpermute_combine(y, rows_TK, w_TK),
+                        "index_select+weighted_sum": lambda: (y.index_select(0, unsend).reshape(T, K, H).float()
+                                                              * w_TK.unsqueeze(-1)).sum(1).to(dtype),
+                        "copy_": lambda: dst.copy_(src)}, device=device, rounds=rounds, target_s=target_s)
+        out.append(_traffic_result("unpermute_combine", family, (S + T) * H * elem, secs, T=T, S=S, H=H))
     return out
 
 
-def _traffic_result(op, family, dedup, nbytes, secs, **dims):
+def _traffic_result(op, family, nbytes, secs, **dims):
     results = {n: dict(ms=t * 1e3, GBps=nbytes / t / 1e9) for n, t in secs.items()}
-    return dict(kind=op, family=family, dedup=dedup, bytes=nbytes, **dims, results=results,
+    return dict(kind=op, family=family, bytes=nbytes, **dims, results=results,
                 fraction_of_copy=secs["copy_"] / secs[op])
 
 
@@ -224,7 +228,7 @@ def targets(records, device, dtype):
             key = f"gpu_gemm_{r['family']}_{r['groups']}_{r['pass_']}_at_least_grouped_mm"
             out[key] = r["speed_ratios"]["grouped_gemm_vs_torch._grouped_mm"] >= 1.0
         if r["kind"] in ("permute_tokens", "unpermute_combine") and device == "cuda":
-            out[f"gpu_{r['kind']}_{r['family']}_{'dedup' if r['dedup'] else 'all'}_85pct_of_copy"] = \
+            out[f"gpu_{r['kind']}_{r['family']}_85pct_of_copy"] = \
                 r["fraction_of_copy"] >= 0.85
     return out
 
@@ -237,7 +241,7 @@ def report(rec):
         ratios = "  ".join(f"{k.replace('grouped_gemm_vs_', 'x')}={v:.3f}" for k, v in rec["speed_ratios"].items())
         print(f"{head}\n    {body}\n    speed vs: {ratios}  {rec['notes'] or ''}")
     else:
-        head = (f"{rec['kind']} {rec['family']:8s} {'dedup' if rec['dedup'] else 'all  '} T={rec['T']} S={rec['S']} "
+        head = (f"{rec['kind']} {rec['family']:8s} T={rec['T']} S={rec['S']} "
                 f"H={rec['H']} ({rec['bytes'] / 1e6:.1f} MB)")
         body = "  ".join(f"{n} {v['ms']:.3f} ms {v['GBps']:.1f} GB/s" for n, v in rec["results"].items())
         print(f"{head}\n    {body}\n    fraction of copy_: {rec['fraction_of_copy']:.3f}")
@@ -269,8 +273,8 @@ def main():
                 records.append(bench_gemm(family, skewed=skewed, device=device, dtype=dtype, rounds=rounds,
                                           target_s=target_s, backward=backward))
                 report(records[-1])
-        for dedup in (False, True) if args.only != "gemm" else ():
-            for rec in bench_permute(family, dedup=dedup, device=device, dtype=dtype, rounds=rounds, target_s=target_s):
+        if args.only != "gemm":
+            for rec in bench_permute(family, device=device, dtype=dtype, rounds=rounds, target_s=target_s):
                 records.append(rec)
                 report(rec)
     goals = targets(records, device, dtype)

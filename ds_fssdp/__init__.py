@@ -2,17 +2,40 @@
 
     from ds_fssdp import FSSDPMoE, initialize
     engine, optimizer, _, _ = ds_fssdp.initialize(model=model, config="ds_config.json")
+
+The names below are imported on first use (PEP 562), so ``import ds_fssdp`` alone does not
+import DeepSpeed: ``python -m ds_fssdp.sim --json`` must choose where DeepSpeed's logger writes
+before DeepSpeed is imported (it prints its accelerator warning to stdout on import).
 """
-from ds_fssdp.config import FSSDPConfig, FSSDPConfigError
-from ds_fssdp.integrations.deepspeed_moe import MoE  # drop-in for deepspeed.moe.layer.MoE
-from ds_fssdp.moe.experts_module import FSSDPExperts
-from ds_fssdp.moe.layer import FSSDPMoE
-from ds_fssdp.runtime.elastic import destroy_process_group, init_distributed
-from ds_fssdp.runtime.engine import initialize
-from ds_fssdp.runtime.preempt import Preemption
-from ds_fssdp.runtime.resume import resume, save_step
-from ds_fssdp.topology import Topology
+import importlib
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "FSSDPConfig": "ds_fssdp.config",
+    "FSSDPConfigError": "ds_fssdp.config",
+    "MoE": "ds_fssdp.integrations.deepspeed_moe",  # drop-in for deepspeed.moe.layer.MoE
+    "FSSDPExperts": "ds_fssdp.moe.experts_module",
+    "FSSDPMoE": "ds_fssdp.moe.layer",
+    "initialize": "ds_fssdp.runtime.engine",
+    "init_distributed": "ds_fssdp.runtime.elastic",  # restart-safe under torchrun --max-restarts
+    "destroy_process_group": "ds_fssdp.runtime.elastic",
+    "Preemption": "ds_fssdp.runtime.preempt",
+    "resume": "ds_fssdp.runtime.resume",
+    "save_step": "ds_fssdp.runtime.resume",
+    "Topology": "ds_fssdp.topology",
+}
 __all__ = ["FSSDPConfig", "FSSDPConfigError", "FSSDPExperts", "FSSDPMoE", "MoE", "Preemption", "Topology", "__version__",
            "destroy_process_group", "init_distributed", "initialize", "resume", "save_step"]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'ds_fssdp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -8,9 +8,6 @@ from ds_fssdp.ops.activations import ACTIVATIONS
 from ds_fssdp.ops.expert_mlp import expert_mlp
 from ds_fssdp.ops.group_sizes import GroupSizes
 from ds_fssdp.ops.grouped_gemm import grouped_gemm
-from ds_fssdp.ops.permute import combine_topk, permute_rows, permute_tokens, unpermute_combine
-from ds_fssdp.ops.permute_layout import PermuteLayout, assignment_dest, expert_counts, permute_layout
+from ds_fssdp.ops.permute import permute_tokens, unpermute_combine
 
-__all__ = ["ACTIVATIONS", "expert_mlp", "GroupSizes", "grouped_gemm", "combine_topk", "permute_rows",
-           "permute_tokens", "unpermute_combine", "PermuteLayout", "assignment_dest", "expert_counts",
-           "permute_layout"]
+__all__ = ["ACTIVATIONS", "expert_mlp", "GroupSizes", "grouped_gemm", "permute_tokens", "unpermute_combine"]

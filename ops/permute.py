@@ -1,56 +1,46 @@
-"""Token permutation: gather rows into dispatch order, and combine expert outputs back.
+"""Token permutation: the send buffer of a token exchange, and the fused unpermute + top-k combine
+of its return. ``ds_fssdp.moe.compute`` calls both on every MoE layer's forward.
 
 Legend: T tokens, K top-k, A = T * K assignments, S sent rows, R rows, H hidden.
 
-``permute_rows`` and ``combine_topk`` are the plain torch ops the runtime calls today.
-``permute_tokens`` and ``unpermute_combine`` are their kernel-backed successors (Triton on CUDA,
-torch elsewhere; ``dispatch.backend_for``), each the other's backward:
-  permute_tokens     forward gather x_TH[token_S]; backward sums each token's rows (a combine
-                     with unit weights over layout.first_TK), in k order, with no atomics
-  unpermute_combine  forward out_TH[t] = sum_k w[t, k] * y_RH[rows_TK[t, k]]; backward scatters
-                     w * gout back to the rows (a gather) and takes gw[t, k] = <gout[t], y[row]>
+Each runs the Triton kernels on CUDA tensors and the torch reference (``permute_torch``)
+elsewhere (``dispatch.backend_for``), and each one's backward is the other's kind of kernel:
+  permute_tokens     forward  rows_SH[s] = x_TH[token_S[s]] (a gather)
+                     backward gx[t] = sum_k g[rows_TK[t, k]] (a combine with unit weights)
+  unpermute_combine  forward  out_TH[t] = sum_k w[t, k] * y_RH[rows_TK[t, k]] (a combine)
+                     backward gy[rows_TK[t, k]] = w[t, k] * gout[t] (a gather) and
+                              gw[t, k] = <gout[t], y[rows_TK[t, k]]>
+Sums run in k order in fp32 (fp64 for fp64 inputs), one program or row per output, no atomics:
+the results do not depend on the device's scheduling.
 """
 from __future__ import annotations
 
 import importlib
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from ds_fssdp.ops import permute_torch
 from ds_fssdp.ops.dispatch import backend_for
-from ds_fssdp.ops.permute_layout import PermuteLayout
+
+RowsLike = Union[torch.Tensor, Callable[[], torch.Tensor]]
 
 
-def permute_rows(x_TH: torch.Tensor, index_R: torch.Tensor) -> torch.Tensor:
-    """rows_RH[r] = x_TH[index_R[r]] (a token may appear several times). Autograd: the backward
-    sums the row gradients back into their tokens."""
-    return x_TH.index_select(0, index_R)
+def permute_tokens(x_TH: torch.Tensor, token_S: torch.Tensor, rows_TK: RowsLike) -> torch.Tensor:
+    """rows_SH[s] = x_TH[token_S[s]]: one contiguous send buffer in ``token_S``'s order.
 
+    ``rows_TK`` [T, K] is where each token's rows went: every sent row s appears in it exactly
+    once, in its token's line (``token_S[rows_TK[t, k]] == t``), -1 fills the rest. The backward
+    sums each token's row gradients in k order. It may be given as a callable, called in the
+    backward only (the runtime's route computes it after the exchange is launched).
 
-def combine_topk(y_AH: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-    """out_TH[t] = sum_k weights_TK[t, k] * y_AH[t * K + k], summed in k order (deterministic).
-
-    ``y_AH`` is in assignment order. The product is taken in the weights' dtype (fp32 from the
-    gate) and the result returned in ``y_AH``'s dtype.
-    """
-    T, K = weights_TK.shape
-    y_TKH = y_AH.reshape(T, K, y_AH.shape[-1])
-    out_TH = (y_TKH.to(weights_TK.dtype) * weights_TK.unsqueeze(-1)).sum(1)
-    return out_TH.to(y_AH.dtype)
-
-
-def permute_tokens(x_TH: torch.Tensor, layout: PermuteLayout) -> torch.Tensor:
-    """rows_SH[s] = x_TH[layout.token_S[s]]: one contiguous send buffer in the layout's order.
-
-    Example: x [[1], [2]], token_S [1, 0, 1], first_TK [[1, -1], [0, 2]] -> rows [[2], [1], [2]];
+    Example: x [[1], [2]], token_S [1, 0, 1], rows_TK [[1, -1], [0, 2]] -> rows [[2], [1], [2]];
     the backward gives gx[0] = g[1], gx[1] = g[0] + g[2].
     """
-    if x_TH.shape[0] != layout.first_TK.shape[0]:
-        raise ValueError(f"x has {x_TH.shape[0]} tokens, the layout {layout.first_TK.shape[0]}")
-    dev = x_TH.device
-    return _PermuteTokens.apply(x_TH, layout.token_S.to(dev), layout.first_TK.to(dev), _kernels(x_TH))
+    if isinstance(rows_TK, torch.Tensor) and rows_TK.shape[0] != x_TH.shape[0]:
+        raise ValueError(f"x has {x_TH.shape[0]} tokens, rows_TK {rows_TK.shape[0]}")
+    return _PermuteTokens.apply(x_TH, token_S.to(x_TH.device), rows_TK, _kernels(x_TH))
 
 
 def unpermute_combine(y_RH: torch.Tensor, rows_TK: torch.Tensor,
@@ -58,10 +48,9 @@ def unpermute_combine(y_RH: torch.Tensor, rows_TK: torch.Tensor,
     """out_TH[t] = sum_k weights_TK[t, k] * y_RH[rows_TK[t, k]] (weight 1 without weights),
     skipping rows -1, summed in k order in fp32 (fp64 if an input is), returned in y's dtype.
 
-    The valid entries of ``rows_TK`` must be distinct (each row belongs to one assignment): use
-    ``layout.row_TK`` for a buffer of one row per assignment (no dedup), ``layout.first_TK`` for
-    one row per (token, destination). Example: y [[1], [2], [4]], rows [[2, 0], [1, -1]],
-    weights [[0.5, 1], [3, 9]] -> [[3], [6]].
+    The valid entries of ``rows_TK`` must be distinct (each row belongs to one assignment): the
+    runtime passes the inverse of its send order, one row per assignment. Example: y [[1], [2],
+    [4]], rows [[2, 0], [1, -1]], weights [[0.5, 1], [3, 9]] -> [[3], [6]].
     """
     if weights_TK is not None and weights_TK.shape != rows_TK.shape:
         raise ValueError(f"weights_TK {tuple(weights_TK.shape)} and rows_TK {tuple(rows_TK.shape)} differ")
@@ -72,16 +61,15 @@ def unpermute_combine(y_RH: torch.Tensor, rows_TK: torch.Tensor,
 class _PermuteTokens(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x_TH, token_S, first_TK, kernels):
-        ctx.save_for_backward(first_TK)
-        ctx.kernels = kernels
+    def forward(ctx, x_TH, token_S, rows_TK, kernels):
+        ctx.rows_TK, ctx.kernels, ctx.device = rows_TK, kernels, x_TH.device
         return kernels.gather(x_TH, token_S)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g_SH):
-        (first_TK,) = ctx.saved_tensors
-        return ctx.kernels.combine(g_SH, first_TK, None), None, None, None
+        rows_TK = ctx.rows_TK() if callable(ctx.rows_TK) else ctx.rows_TK
+        return ctx.kernels.combine(g_SH, rows_TK.to(ctx.device), None), None, None, None
 
 
 class _UnpermuteCombine(torch.autograd.Function):

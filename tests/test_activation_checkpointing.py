@@ -15,6 +15,8 @@ import training
 from distributed import spawn
 from training import ds_config, reference_train
 
+pytestmark = pytest.mark.distributed  # spawns ranks or launches processes
+
 WORLD, STEPS = 2, 3
 MODES = ("none", "torch", "torch-reentrant", "deepspeed")
 TOL = dict(rtol=2e-5, atol=2e-6)

@@ -16,6 +16,8 @@ from distributed import spawn
 from toy import expert_rows
 from training import MODEL, ds_config
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # spawns ranks or launches processes; > 30 s
+
 ADAMW = {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1, "torch_adam": True}}
 WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 4}}
 NO_CSV = {"metrics_csv": None}

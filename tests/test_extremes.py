@@ -8,6 +8,8 @@ import torch
 from distributed import spawn
 from toy import leaks, toy_batch, toy_config, toy_engine, toy_reference, weights
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # spawns ranks or launches processes; > 30 s
+
 WORLD, GAS, STEPS = 4, 2, 3
 
 

@@ -19,6 +19,8 @@ from distributed import free_port, init_gloo, spawn
 from ds_fssdp import FSSDPConfig, FSSDPConfigError, FSSDPMoE
 from toy import expert_rows, toy_batch, toy_config, toy_engine, weights
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # spawns ranks or launches processes; > 30 s
+
 # -- bad input: config and combinations, before any collective -------------------------------------
 BAD = [
     ({"collective_timeout_s": -1}, "fssdp.collective_timeout_s (-1)"),

@@ -8,6 +8,8 @@ import torch
 from distributed import spawn
 from training import MODEL, assert_matches_reference, ds_config, train_worker
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # spawns ranks or launches processes; > 30 s
+
 WORLD, STEPS = 4, 3
 ADAM = {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1, "torch_adam": True}}
 

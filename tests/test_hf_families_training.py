@@ -22,6 +22,8 @@ import torch
 
 from distributed import spawn
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # spawns ranks or launches processes; > 30 s
+
 transformers = pytest.importorskip("transformers")
 
 from hf_tiny import BIASED, FAMILIES, batch, tiny_model  # noqa: E402

@@ -21,6 +21,8 @@ import torch
 
 from distributed import spawn
 
+pytestmark = pytest.mark.distributed  # spawns ranks or launches processes
+
 transformers = pytest.importorskip("transformers")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

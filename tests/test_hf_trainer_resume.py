@@ -13,6 +13,8 @@ import torch
 from distributed import spawn
 from test_hf_trainer import SGD_CONFIG, make_trainer
 
+pytestmark = pytest.mark.distributed  # spawns ranks or launches processes
+
 transformers = pytest.importorskip("transformers")
 
 WORLD = 2

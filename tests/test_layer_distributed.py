@@ -5,6 +5,8 @@ import torch
 
 from distributed import spawn
 
+pytestmark = pytest.mark.distributed  # spawns ranks or launches processes
+
 H, F, E, K = 8, 12, 6, 2
 CASES = [
     # (seed, ranks_per_node, activation, tokens per rank: a function of the rank)

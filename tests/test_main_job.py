@@ -6,12 +6,15 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from distributed import free_port
 
 from ds_fssdp.report.figures import read_metrics
 from ds_fssdp.report.replay import replay
 from ds_fssdp.sim.traces import load_trace
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # spawns ranks or launches processes; > 30 s
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, LAYERS = 25, 2

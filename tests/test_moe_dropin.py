@@ -18,6 +18,8 @@ import ds_fssdp
 import ds_fssdp.integrations.deepspeed_moe as dropin
 from distributed import spawn
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # spawns ranks or launches processes; > 30 s
+
 H, F, E = 8, 12, 4
 
 

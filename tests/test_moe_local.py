@@ -75,11 +75,37 @@ def test_aux_free_bias_moves_selection_not_weights():
     layer.gate.expert_bias.zero_()
     layer.train()
     layer(x)
-    load = layer.gate.pending_load.clone()
+    load = layer.pending_load_E.clone()
     layer.update_routing_bias()
     expected = 0.05 * torch.sign(load.mean() - load).float()
     torch.testing.assert_close(layer.gate.expert_bias, expected)
-    assert float(layer.gate.pending_load.sum()) == 0
+    assert layer.pending_load_E is None
+
+
+def test_gate_bias_is_bound_like_an_hf_router_bias():
+    """One routing-bias mechanism: the gate only reads its bias; the experts module's rule (the
+    one HF routers' e_score_correction_bias are bound to) moves it, counting each forward's loads
+    once, at the config's rate when the stage sets one; the binding follows a dtype move."""
+    torch.manual_seed(3)
+    layer = FSSDPMoE(hidden_size=4, ffn_hidden_size=4, num_experts=4, k=2, aux_free_bias=True, bias_update_rate=0.05)
+    assert not hasattr(layer.gate, "update_bias") and not hasattr(layer.gate, "pending_load")
+    assert layer.router_bias is layer.gate.expert_bias and layer.bias_update_rate == 0.05
+    assert layer.pending_loads() == []
+    layer.train()
+    x = torch.randn(16, 4)
+    _, _, counts = layer(x)
+    assert [p.tolist() for p in layer.pending_loads()] == [counts.double().tolist()]  # counted once
+    layer.router_bias_update_rate = 0.25  # what the FSSDP stage sets from fssdp.router_bias_update_rate
+    layer.update_routing_bias()
+    torch.testing.assert_close(layer.gate.expert_bias, 0.25 * torch.sign(counts.double().mean() - counts).float())
+    layer.double()
+    assert layer.router_bias is layer.gate.expert_bias and layer.router_bias.dtype == torch.float64
+    layer(x.double())
+    layer.update_routing_bias()
+    assert not torch.equal(layer.gate.expert_bias, 0.25 * torch.sign(counts.double().mean() - counts))
+    # A checkpoint from before carries the gate's old accumulator: it loads.
+    state = dict(layer.state_dict(), **{"gate.pending_load": torch.zeros(4, dtype=torch.float64)})
+    layer.load_state_dict(state)
 
 
 def test_empty_input_and_export_import():
@@ -144,11 +170,16 @@ def test_grouped_gemm_checks_sizes():
         ops.grouped_gemm(torch.zeros(3, 2), torch.zeros(2, 2, 2), [1, 1, 1])
 
 
-def test_combine_topk_sums_in_k_order():
-    y = torch.arange(12.0).reshape(6, 2)
-    w = torch.tensor([[0.5, 0.5], [1.0, 0.0], [0.25, 0.75]])
-    out = ops.combine_topk(y, w)
-    torch.testing.assert_close(out, torch.tensor([[1.0, 2.0], [4.0, 5.0], [9.5, 10.5]]))
+def test_combine_sums_in_k_order():
+    """The layer's combine (ops.unpermute_combine, fed the route's unsend order) adds the k
+    products left to right: 1e8 + 1 rounds to 1e8 in fp32, so k order gives 0 where (1 - 1e8) +
+    1e8 or a pairwise sum would give 1."""
+    y = torch.tensor([[1e8], [1.0], [-1e8], [2.0], [4.0], [8.0]])
+    w = torch.tensor([[1.0, 1.0, 1.0], [0.5, 0.25, 1.0]])
+    out = ops.unpermute_combine(y, torch.arange(6).reshape(2, 3), w)
+    assert out.tolist() == [[0.0], [10.0]]
+    # The rows come in send order: unsend [2, 0, 1] reads row 2 first (-1e8 + 1e8 + 1 = 1).
+    assert ops.unpermute_combine(y[:3], torch.tensor([[2, 0, 1]]), w[:1]).tolist() == [[1.0]]
 
 
 def test_layer_with_biases_and_clamped_activation():

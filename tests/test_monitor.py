@@ -14,6 +14,8 @@ from training import MICRO, MODEL, batch, ds_config
 from ds_fssdp.config import FSSDPConfig, FSSDPConfigError
 from ds_fssdp.runtime.monitor import LAYER_METRICS, STEP_METRICS, StageMonitor
 
+pytestmark = pytest.mark.distributed  # spawns ranks or launches processes
+
 STEPS, GAS, WORLD = 3, 2, 2
 
 

@@ -1,5 +1,5 @@
-"""The torch reference ops (what CPU tensors run) against naive loops, the send layout against the
-runtime's routing, the autograd wiring of the new ops, and the device choice.
+"""The torch reference ops (what CPU tensors run) against naive loops, the runtime's route orders
+as the permutation's inputs, the autograd wiring of the ops, and the device choice.
 
 Tolerances: fp32 results against float64 loops from the same inputs, max error <= 2e-5 of the
 largest magnitude (summation order only); bf16 at 3e-2 of it (its rounding noise, ~8e-3 per
@@ -167,25 +167,28 @@ def test_permute_and_combine(edge, dtype):
 
 def test_permute_ops_pass_gradcheck():
     torch.manual_seed(6)
-    idx = torch.tensor([[0, 2], [1, 2], [2, 0]])
-    dest = torch.tensor([[0, 1], [1, 1], [1, 0]])
-    layout = ops.permute_layout(idx, dest, num_dests=2, num_experts=3, dedup=True)
+    token_S = torch.tensor([1, 0, 2, 1, 0])
+    rows_TK = torch.tensor([[1, 4], [3, 0], [2, -1]])  # token 2 sent once, its second assignment dropped
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda x: ops.permute_tokens(x, layout), (x,))
+    assert torch.autograd.gradcheck(lambda x: ops.permute_tokens(x, token_S, rows_TK), (x,))
+    assert torch.autograd.gradcheck(lambda x: ops.permute_tokens(x, token_S, lambda: rows_TK), (x,))
     y = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
     w = torch.rand(3, 2, dtype=torch.float64, requires_grad=True)
     rows = torch.tensor([[5, 0], [-1, 3], [1, 2]])
     assert torch.autograd.gradcheck(lambda y, w: ops.unpermute_combine(y, rows, w), (y, w))
 
 
-def test_unpermute_combine_matches_combine_topk():
-    """Without dedup, row_TK inverts the send order: fused == index_select + combine_topk."""
+def test_unpermute_combine_equals_unpermute_then_combine():
+    """One row per assignment in a send order: the fused op == index_select back to assignment
+    order, then the weighted sum over k, bit for bit (the same products, added in k order)."""
     torch.manual_seed(7)
-    y = torch.randn(12, 5)
-    w = torch.rand(6, 2)
-    perm = torch.randperm(12)
-    rows_TK = perm.reshape(6, 2)
-    torch.testing.assert_close(ops.unpermute_combine(y, rows_TK, w), ops.combine_topk(y[perm], w))
+    T, K = 6, 3
+    y = torch.randn(T * K, 5)
+    w = torch.rand(T, K)
+    unsend_A = torch.randperm(T * K)
+    y_TKH = y.index_select(0, unsend_A).reshape(T, K, 5) * w.unsqueeze(2)
+    want = y_TKH[:, 0] + y_TKH[:, 1] + y_TKH[:, 2]
+    assert torch.equal(ops.unpermute_combine(y, unsend_A.reshape(T, K), w), want)
 
 
 def test_primitives_worked_examples():
@@ -214,61 +217,21 @@ def random_routing(seed, *, T, K, E, D):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_layout_without_dedup_is_the_routing_send_order(seed):
+def test_route_orders_meet_the_permutation_contract(seed):
+    """What compute.py hands the ops: the route's send_token and unsend (as [T, K]) are the
+    (token_S, rows_TK) of ops.permute_tokens: every sent row once, in its token's line."""
     T, K, E, D = 13, 3, 6, 4
     idx_TK, plan_ED = random_routing(seed, T=T, K=K, E=E, D=D)
     plan_EDD = torch.zeros(E, D, D, dtype=torch.long)
     plan_EDD[:, 1] = plan_ED
-    want = route(idx_TK, plan_EDD, rank=1, local_E=torch.arange(E))
-    dest_TK = ops.assignment_dest(idx_TK, plan_ED)
-    layout = ops.permute_layout(idx_TK, dest_TK, num_dests=D, num_experts=E, dedup=False)
-    assert torch.equal(layout.token_S, want.send_token)
-    assert torch.equal(layout.row_TK.reshape(-1), want.unsend)
-    assert torch.equal(layout.first_TK, layout.row_TK)
-    assert layout.splits_D.tolist() == want.send_splits
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_layout_with_dedup_sends_each_token_once_per_destination(seed):
-    T, K, E, D = 17, 4, 8, 3
-    idx_TK, plan_ED = random_routing(seed, T=T, K=K, E=E, D=D)
-    dest_TK = ops.assignment_dest(idx_TK, plan_ED)
-    layout = ops.permute_layout(idx_TK, dest_TK, num_dests=D, num_experts=E, dedup=True)
-    pairs = sorted({(t, int(dest_TK[t, k])) for t in range(T) for k in range(K)})
-    S = layout.token_S.numel()
-    assert S == len(pairs)
-    dest_of_row = torch.repeat_interleave(torch.arange(D), layout.splits_D)
-    assert sorted(zip(layout.token_S.tolist(), dest_of_row.tolist())) == pairs
-    # Every assignment's row carries its token to its destination; first_TK lists each row once.
-    assert torch.equal(layout.token_S[layout.row_TK], torch.arange(T).unsqueeze(1).expand(T, K))
-    assert torch.equal(dest_of_row[layout.row_TK], dest_TK)
-    firsts = layout.first_TK[layout.first_TK >= 0]
-    assert sorted(firsts.tolist()) == list(range(S))
-    # Order: destination, then the smallest expert the token has there, then token.
-    min_e = {(t, d): min(int(idx_TK[t, k]) for k in range(K) if int(dest_TK[t, k]) == d) for t, d in pairs}
-    keys = [(d, min_e[(t, d)], t) for t, d in zip(layout.token_S.tolist(), dest_of_row.tolist())]
-    assert keys == sorted(keys)
-
-
-def test_layout_worked_example():
-    layout = ops.permute_layout(torch.tensor([[1, 2], [0, 2]]), torch.tensor([[1, 1], [0, 1]]), num_dests=2,
-                                num_experts=3)
-    assert layout.token_S.tolist() == [1, 0, 1] and layout.splits_D.tolist() == [1, 2]
-    assert layout.row_TK.tolist() == [[1, 1], [0, 2]] and layout.first_TK.tolist() == [[1, -1], [0, 2]]
-
-
-def test_assignment_dest_checks_the_plan():
-    idx = torch.tensor([[0], [0], [1]])
-    assert ops.assignment_dest(idx, torch.tensor([[1, 1], [0, 1]])).tolist() == [[0], [1], [1]]
-    with pytest.raises(ValueError, match="disagree with the plan"):
-        ops.assignment_dest(idx, torch.tensor([[1, 0], [0, 1]]))
-
-
-def test_expert_counts():
-    counts, offsets = ops.expert_counts(torch.tensor([[2, 0], [2, 2]]), 3)
-    assert counts.tolist() == [1, 0, 3] and offsets.tolist() == [0, 1, 1]
-    counts, offsets = ops.expert_counts(torch.zeros(0, 2, dtype=torch.long), 2)
-    assert counts.tolist() == [0, 0] and offsets.tolist() == [0, 0]
+    r = route(idx_TK, plan_EDD, rank=1, local_E=torch.arange(E))
+    rows_TK = r.unsend.reshape(T, K)
+    assert sorted(rows_TK.reshape(-1).tolist()) == list(range(T * K))
+    assert torch.equal(r.send_token[rows_TK], torch.arange(T).unsqueeze(1).expand(T, K))
+    x = torch.randn(T, 4, dtype=torch.float64, requires_grad=True)
+    sent = ops.permute_tokens(x, r.send_token, rows_TK)
+    assert torch.equal(sent, x.detach()[r.send_token])
+    assert torch.equal(ops.unpermute_combine(sent, rows_TK), K * x.detach())
 
 
 # ---------------------------------------------------------------- device choice

@@ -22,6 +22,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+pytestmark = pytest.mark.distributed  # spawns ranks or launches processes
+
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 # Group sizes. H 24 and F 20 are not multiples of the interpreter's 16-wide tiles; groups of 17
@@ -40,16 +42,17 @@ GEMM_CASES = {
 }
 GEMM_H, GEMM_F = 24, 20
 
-# Permutation: tokens T, top-k K, experts E, destinations D, how destinations are drawn, dedup.
+# Permutation: tokens T, top-k K, the fraction of assignments dropped (no row; the runtime drops
+# none, the kernels skip -1), and whether the combine has gate weights. The send order is random,
+# as a route's is to the kernels.
 PERMUTE_CASES = {
-    "no-tokens": dict(T=0, K=2, E=4, D=2, dest="random", dedup=True),
-    "one-token": dict(T=1, K=2, E=4, D=2, dest="random", dedup=True),
-    "top-1": dict(T=7, K=1, E=4, D=2, dest="random", dedup=True),
-    "all-one-destination": dict(T=6, K=3, E=5, D=3, dest="zero", dedup=True),
-    "spread-dedup": dict(T=11, K=3, E=6, D=3, dest="random", dedup=True),
-    "spread-no-dedup": dict(T=11, K=3, E=6, D=3, dest="random", dedup=False),
-    "dropped-assignments": dict(T=9, K=2, E=4, D=2, dest="random", dedup=False, drop=0.3),
-    "all-dropped": dict(T=5, K=2, E=4, D=2, dest="random", dedup=False, drop=1.0),
+    "no-tokens": dict(T=0, K=2),
+    "one-token": dict(T=1, K=2),
+    "top-1": dict(T=7, K=1),
+    "top-3": dict(T=11, K=3),
+    "no-weights": dict(T=11, K=3, weighted=False),
+    "dropped-assignments": dict(T=9, K=2, drop=0.3),
+    "all-dropped": dict(T=5, K=2, drop=1.0),
 }
 PERMUTE_H = 40  # several 16-wide blocks under the interpreter, the last one partial
 
@@ -78,7 +81,7 @@ INTERPRET_MLP = ["gelu", "swiglu", "gptoss-bias", "swiglu-lora"]
 ALL_CASES = ([f"gemm/{n}" for n in GEMM_CASES] + [f"gemm/{n}/trans_w" for n in GEMM_CASES]
              + [f"gemm/{n}/bias" for n in GEMM_CASES] + ["gemm/odd-sizes/trans_w/bias", "gemm/tensor-sizes"]
              + [f"permute/{n}" for n in PERMUTE_CASES]
-             + [f"mlp/{n}" for n in MLP_CASES] + ["counts/skewed", "backend"])
+             + ["permute/k-order"] + [f"mlp/{n}" for n in MLP_CASES] + ["backend"])
 # The transposed bias case is the same epilogue as the plain one: the GPU and the torch tests run it.
 INTERPRET_CASES = [c for c in ALL_CASES if (not c.startswith("mlp/") or c[4:] in INTERPRET_MLP)
                    and c != "gemm/odd-sizes/trans_w/bias"]
@@ -197,20 +200,28 @@ def check_mlp(sizes, device, dtype, *, activation, bias=False, act_params=None, 
         assert_close_scaled(a, b, dtype, what=name)
 
 
+def send_layout(T, K, *, gen, drop=0.0):
+    """(token_S, rows_TK): a random send order of the kept assignments, and each assignment's row
+    in it (-1 for a dropped one)."""
+    kept_A = torch.nonzero(torch.rand(T * K, generator=gen) >= drop).flatten()
+    order_S = kept_A[torch.randperm(kept_A.numel(), generator=gen)]
+    rows_A = torch.full((T * K,), -1, dtype=torch.long)
+    rows_A[order_S] = torch.arange(order_S.numel())
+    return order_S // max(K, 1), rows_A.reshape(T, K)
+
+
 def check_permute(spec, device, dtype):
     from ds_fssdp import ops
 
-    T, K, E, D = spec["T"], spec["K"], spec["E"], spec["D"]
+    T, K = spec["T"], spec["K"]
     gen = torch.Generator().manual_seed(T * 31 + K)
-    idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]) if T else torch.zeros(0, K).long()
-    dest = torch.randint(0, D, (T, K), generator=gen) if spec["dest"] == "random" else torch.zeros(T, K).long()
-    layout = ops.permute_layout(idx.to(device), dest.to(device), num_dests=D, num_experts=E, dedup=spec["dedup"])
-    S = layout.token_S.numel()
-    token_S = layout.token_S.cpu()
+    token_S, rows_TK = send_layout(T, K, gen=gen, drop=spec.get("drop", 0.0))
+    S = token_S.numel()
 
-    # permute_tokens: exact gather; backward sums each token's rows.
+    # permute_tokens: exact gather; backward sums each token's rows (given rows_TK lazily, as the
+    # runtime does).
     x, x64 = _leaf(torch.randn(T, PERMUTE_H, generator=gen), device, dtype)
-    rows = ops.permute_tokens(x, layout)
+    rows = ops.permute_tokens(x, token_S.to(device), lambda: rows_TK.to(device))
     assert rows.requires_grad and rows.shape == (S, PERMUTE_H)
     assert torch.equal(rows.detach().cpu(), x.detach().cpu()[token_S]), "gather must copy rows exactly"
     g = torch.randn(S, PERMUTE_H, generator=gen).to(dtype)
@@ -218,18 +229,15 @@ def check_permute(spec, device, dtype):
     (wx,) = torch.autograd.grad(x64.index_select(0, token_S), [x64], g.double())
     assert_close_scaled(gx, wx, dtype, what="permute_tokens dx")
 
-    # unpermute_combine: one row per assignment (row_TK without dedup) with gate weights, or one
-    # row per (token, destination) (first_TK) summed without weights.
-    rows_TK = layout.row_TK.cpu() if not spec["dedup"] else layout.first_TK.cpu()
-    if spec.get("drop"):
-        rows_TK = torch.where(torch.rand(T, K, generator=gen) < spec["drop"], -1, rows_TK)
-    weighted = not spec["dedup"]
+    # unpermute_combine of the returned rows, with gate weights or without.
+    weighted = spec.get("weighted", True)
     y, y64 = _leaf(torch.randn(S, PERMUTE_H, generator=gen), device, dtype)
     w, w64 = _leaf(torch.rand(T, K, generator=gen), device, torch.float32) if weighted else (None, None)
     out = ops.unpermute_combine(y, rows_TK.to(device), w)
     want = x64.new_zeros(T, PERMUTE_H)
+    y64_padded = torch.cat([y64, y64.new_zeros(1, PERMUTE_H)])  # row S: zeros, for the dropped ones
     for k in range(K):
-        part = y64.index_select(0, rows_TK[:, k].clamp(min=0)) * (rows_TK[:, k] >= 0).unsqueeze(1)
+        part = y64_padded.index_select(0, torch.where(rows_TK[:, k] >= 0, rows_TK[:, k], S))
         want = want + (part * w64[:, k:k + 1] if weighted else part)
     assert out.dtype == dtype
     assert_close_scaled(out, want, dtype, what="unpermute_combine")
@@ -241,21 +249,17 @@ def check_permute(spec, device, dtype):
         assert_close_scaled(a, torch.zeros_like(leaves64[0]) if b is None else b,
                             dtype if name == "dy" else torch.float32, what=f"unpermute_combine {name}")
 
-    counts, offsets = ops.expert_counts(idx.to(device), E)
-    want_counts = torch.bincount(idx.reshape(-1), minlength=E)
-    assert torch.equal(counts.cpu(), want_counts)
-    assert torch.equal(offsets.cpu(), want_counts.cumsum(0) - want_counts)
 
-
-def check_counts(device):
+def check_k_order(device):
+    """The combine adds the k products left to right, in fp32: 1e8 + 1 rounds to 1e8, so k order
+    gives 0 where another order would give 1; the send order does not matter, k order does."""
     from ds_fssdp import ops
 
-    gen = torch.Generator().manual_seed(9)
-    # Experts 0 and 5 empty, expert 3 takes most; 37 ids span several blocks of the count kernel.
-    idx = torch.cat([torch.full((25,), 3), torch.randint(1, 5, (12,), generator=gen)]).reshape(-1, 1)
-    counts, offsets = ops.expert_counts(idx.to(device), 6)
-    want = torch.bincount(idx.reshape(-1), minlength=6)
-    assert torch.equal(counts.cpu(), want) and torch.equal(offsets.cpu(), want.cumsum(0) - want)
+    y = torch.tensor([[1.0], [-1e8], [1e8]]).expand(3, PERMUTE_H).contiguous().to(device)
+    out = ops.unpermute_combine(y, torch.tensor([[2, 0, 1]], device=device), torch.ones(1, 3, device=device))
+    assert out.cpu().eq(0).all(), out
+    out = ops.unpermute_combine(y, torch.tensor([[1, 2, 0]], device=device), torch.ones(1, 3, device=device))
+    assert out.cpu().eq(1).all(), out
 
 
 def run_case(name, device, dtype):
@@ -267,13 +271,11 @@ def run_case(name, device, dtype):
         edge, *flags = rest.split("/")
         return check_gemm(GEMM_CASES[edge], device, dtype, trans_w="trans_w" in flags, bias="bias" in flags)
     if kind == "permute":
-        return check_permute(PERMUTE_CASES[rest], device, dtype)
+        return check_k_order(device) if rest == "k-order" else check_permute(PERMUTE_CASES[rest], device, dtype)
     if kind == "mlp":
         case = MLP_CASES[rest]
         return check_mlp(case["sizes"], device, dtype, activation=case["activation"], bias=case.get("bias", False),
                          act_params=case.get("act_params"), lora_rank=case.get("lora_rank", 0))
-    if kind == "counts":
-        return check_counts(device)
     if kind == "backend":
         from ds_fssdp.ops.dispatch import backend_for
         assert backend_for(torch.device(device)) == "triton", "these cases must run the Triton kernels"

@@ -15,6 +15,8 @@ from ds_fssdp import Topology
 from ds_fssdp.report import render
 from ds_fssdp.sim.traces import Trace, save_trace
 
+pytestmark = pytest.mark.distributed  # spawns ranks or launches processes
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 S, E, D = 30, 4, 2
 ASSIGN = 400  # assignments per rank per iteration (tokens x top-k)

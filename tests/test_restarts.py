@@ -110,9 +110,11 @@ def test_chaos_sigkills_under_torchrun_restarts_end_as_the_uninterrupted_run(ref
 def test_sigterm_to_one_rank_mid_step_saves_that_step_everywhere_and_resumes_exactly(reference, tmp_path):
     """Rank 2 gets SIGTERM inside step 8's backward, and again during the save: all four ranks
     finish step 8, agree, save global_step8 (complete, every rank's files) and exit 0; the job
-    started again ends as the uninterrupted run."""
+    started again ends as the uninterrupted run. The interval saves of both starts are written in
+    the background (--async-save): the preemption's save first commits the pending one."""
     stop = 7  # the engine's step counter: the 8th step
-    rc, log, run = torchrun(str(tmp_path), "preempted", faults=f"2:{stop}:backward:term;2:{stop + 1}:save:term")
+    rc, log, run = torchrun(str(tmp_path), "preempted", faults=f"2:{stop}:backward:term;2:{stop + 1}:save:term",
+                            extra=["--async-save"])
     assert rc == 0, log[-4000:]
     assert f"preempted: stopped after step {stop + 1}" in log
     assert "SIGTERM received again; already stopping" in log
@@ -125,7 +127,8 @@ def test_sigterm_to_one_rank_mid_step_saves_that_step_everywhere_and_resumes_exa
         f"rank{r:05d}.pt" for r in range(WORLD)]
     assert losses(run) == reference["losses"][:stop + 1]
 
-    rc, log, run = torchrun(str(tmp_path), "preempted")
+    assert os.path.isdir(os.path.join(ckpt, f"global_step{stop - stop % INTERVAL}"))  # the background save
+    rc, log, run = torchrun(str(tmp_path), "preempted", extra=["--async-save"])
     assert rc == 0, log[-4000:]
     assert f"resumed at step {stop + 1} from" in log
     assert losses(run) == reference["losses"]

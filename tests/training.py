@@ -3,6 +3,7 @@ distributed worker and the single-process reference it is compared with."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 
@@ -56,6 +57,19 @@ def freeze_experts(model) -> None:
             p.requires_grad_(False)
 
 
+def model_for(cfg: dict) -> GPTMoE:
+    """MODEL, with a run's ``"_model"`` overrides (a key of the test's config, not DeepSpeed's)."""
+    return GPTMoE(dataclasses.replace(MODEL, **cfg.get("_model", {})))
+
+
+def layer_tensors(layer) -> dict:
+    """A layer's full expert tensors, and its bound router bias (moved by the routing-bias rule)."""
+    tensors = layer.export_experts()
+    if layer.router_bias is not None:
+        tensors["router_bias"] = layer.router_bias.detach().clone()
+    return tensors
+
+
 def train_worker(rank, world, runs: dict, steps: int):
     """Train every run's config on this rank; return losses, final weights and statistics. A run
     whose fssdp section has ``"_frozen_experts": true`` freezes every expert first."""
@@ -63,8 +77,9 @@ def train_worker(rank, world, runs: dict, steps: int):
     out = {}
     for name, cfg in runs.items():
         torch.manual_seed(0)
-        model = GPTMoE(MODEL)
+        model = model_for(cfg)
         cfg = copy.deepcopy(cfg)
+        cfg.pop("_model", None)
         if cfg["fssdp"].pop("_frozen_experts", False):
             freeze_experts(model)
         client = None
@@ -92,7 +107,7 @@ def train_worker(rank, world, runs: dict, steps: int):
             migrated.append(engine.fssdp.last_step["reshard_bytes_sent"])
         engine.fssdp.close()
         dense = gathered_dense(engine)
-        experts = [{k: v.float() for k, v in l.export_experts().items()} for l in model.moe_layers()]
+        experts = [{k: v.float() for k, v in layer_tensors(l).items()} for l in model.moe_layers()]
         opt = engine.fssdp.optimizer
         states = [{k: tuple(v.shape) for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0}
                   for st in (opt.state.values() if opt is not None else [])]
@@ -131,7 +146,9 @@ def reference_train(cfg: dict, world: int, steps: int):
     """One process, the whole model, every rank's micro-batches: DeepSpeed's data-parallel math
     (loss / (world * gas), global-norm clipping, the same optimizer)."""
     torch.manual_seed(0)
-    model = GPTMoE(MODEL)
+    model = model_for(cfg)
+    for layer in model.moe_layers():  # what the FSSDP stage does with the key
+        layer.router_bias_update_rate = float(cfg["fssdp"].get("router_bias_update_rate", 0.0))
     if cfg["fssdp"].get("_frozen_experts"):
         freeze_experts(model)
     current = {"rank": 0}
@@ -168,7 +185,7 @@ def reference_train(cfg: dict, world: int, steps: int):
         for layer in model.moe_layers():
             layer.update_routing_bias()
     dense = {n: p.detach().clone() for n, p in model.named_parameters()}
-    experts = [l.export_experts() for l in model.moe_layers()]
+    experts = [layer_tensors(l) for l in model.moe_layers()]
     return losses, dense, experts, norms
 
 

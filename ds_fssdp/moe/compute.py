@@ -1,12 +1,16 @@
 """Dispatch, expert compute and combine for one MoE layer, given a route and an exchange.
 
-Legend: T tokens, H hidden, R rows.
+Legend: T tokens, K top-k, H hidden, R rows.
 
 The same function serves the single-process layer (the exchange is the identity) and the
 distributed one (the exchange is the uneven all-to-all), so both run the same expert math.
+Every permutation here is an ``ops`` permutation (Triton on CUDA, the torch reference elsewhere):
+the send buffer is gathered in the route's send order, the return is un-permuted and combined
+over the top k in one pass (summed in k order), and both backwards gather instead of scattering.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Mapping, Optional
 
 import torch
@@ -33,11 +37,16 @@ def local_exchange(x_RH: torch.Tensor, out_splits: list, in_splits: list) -> tor
 def dispatch_compute_combine(x_TH: torch.Tensor, weights_TK: torch.Tensor, route: Route, *, expert_fn: ExpertFn,
                              exchange: Exchange) -> torch.Tensor:
     dev = x_TH.device
-    send_RH = ops.permute_rows(x_TH, route.send_token.to(dev))
+    T, K = weights_TK.shape
+    # Each assignment's row in the send order: the combine's index, and the send buffer's backward.
+    # The route computes it on first use, after the exchange is launched, so it is passed lazily.
+    unsend_TK = functools.cache(lambda: route.unsend.to(dev).view(T, K))
+    send_RH = ops.permute_tokens(x_TH, route.send_token, unsend_TK)
     recv_RH = exchange(send_RH, route.recv_splits, route.send_splits)
-    grouped_RH = recv_RH.index_select(0, route.group_perm.to(dev))
+    # Received rows -> grouped by local expert and back: permutations, each the other's inverse.
+    group_perm, ungroup_perm = route.group_perm.to(dev), route.ungroup_perm.to(dev)
+    grouped_RH = ops.permute_tokens(recv_RH, group_perm, ungroup_perm.view(-1, 1))
     y_RH = expert_fn(grouped_RH, route.group_sizes)
-    y_recv_RH = y_RH.index_select(0, route.ungroup_perm.to(dev))
+    y_recv_RH = ops.permute_tokens(y_RH, ungroup_perm, group_perm.view(-1, 1))
     y_sent_RH = exchange(y_recv_RH, route.send_splits, route.recv_splits)
-    y_AH = y_sent_RH.index_select(0, route.unsend.to(dev))
-    return ops.combine_topk(y_AH, weights_TK)
+    return ops.unpermute_combine(y_sent_RH, unsend_TK(), weights_TK)

@@ -17,9 +17,11 @@ holds the same tokens; the layer dispatches only this TP rank's slice of them an
 the outputs over the TP group (``comm/fold.py``), so each token is computed once per TP group.
 
 Routing bias (DeepSeek-V3's auxiliary-loss-free balancing): a router bias handed to
-:meth:`bind_router_bias` moves after every optimizer step by ``router_bias_update_rate`` times
-``sign(mean load - expert load)``, the loads counted over every training forward since the last
-step (global counts once sharded, so every rank moves it identically).
+:meth:`bind_router_bias` (an HF router's ``e_score_correction_bias``, FSSDPMoE's gate bias) moves
+after every optimizer step by its rate times ``sign(mean load - expert load)``, the loads counted
+over every training forward since the last step (global counts once sharded, so every rank moves
+it identically). The rate is ``fssdp.router_bias_update_rate`` when the config sets it, else the
+one given at binding (FSSDPMoE's ``bias_update_rate``; 0 for HF routers: the key turns them on).
 """
 from __future__ import annotations
 
@@ -51,8 +53,8 @@ class FSSDPExperts(nn.Module):
         self.k = None  # top-k, when known (the trace records it)
         self.sharded = None
         self._local_stats = {}
-        self._router_bias = None  # (tensor [E], where) from bind_router_bias
-        self.router_bias_update_rate = 0.0  # set by the FSSDP stage from the config
+        self._router_bias = None  # (tensor [E], where, its own update rate) from bind_router_bias
+        self.router_bias_update_rate = 0.0  # fssdp.router_bias_update_rate, set by the FSSDP stage (0: unset)
         self.pending_load_E = None  # float64 [E]: loads since the last bias update
         self.fold = None  # comm.fold.TPFold under AutoTP (set at initialize): dispatch this TP rank's slice
 
@@ -158,18 +160,26 @@ class FSSDPExperts(nn.Module):
             self.sharded.load_rows(self.spec.flatten(tensors))
 
     # -- routing bias ----------------------------------------------------------------------------
-    def bind_router_bias(self, bias_E: torch.Tensor, *, where: str) -> None:
-        """Let the optimizer step move ``bias_E`` (a router's selection bias, updated in place)."""
+    def bind_router_bias(self, bias_E: torch.Tensor, *, where: str, update_rate: float = 0.0) -> None:
+        """Let the optimizer step move ``bias_E`` (a router's selection bias, updated in place) by
+        ``update_rate`` unless ``fssdp.router_bias_update_rate`` sets the rate."""
         if tuple(bias_E.shape) != (self.num_experts, ):
             raise ValueError(f"{where}: router bias of shape {tuple(bias_E.shape)}, expected ({self.num_experts},)")
-        self._router_bias = (bias_E, where)
+        if not update_rate >= 0:
+            raise ValueError(f"{where}: bias update rate ({update_rate}) must be >= 0")
+        self._router_bias = (bias_E, where, float(update_rate))
 
     @property
     def router_bias(self):
         return None if self._router_bias is None else self._router_bias[0]
 
+    @property
+    def bias_update_rate(self) -> float:
+        """The bound bias's rate: the config's when set, else its own (0 without a bias)."""
+        return 0.0 if self._router_bias is None else self.router_bias_update_rate or self._router_bias[2]
+
     def observe_load(self, load_E: torch.Tensor) -> None:
-        if self._router_bias is None or not self.router_bias_update_rate:
+        if not self.bias_update_rate:
             return
         if self.pending_load_E is None:
             self.pending_load_E = torch.zeros(self.num_experts, dtype=torch.float64)
@@ -188,5 +198,5 @@ class FSSDPExperts(nn.Module):
         if load_E is None or self._router_bias is None or float(load_E.sum()) <= 0:
             return
         bias_E = self._router_bias[0]
-        step_E = self.router_bias_update_rate * torch.sign(load_E.mean() - load_E)
+        step_E = self.bias_update_rate * torch.sign(load_E.mean() - load_E)
         bias_E.add_(step_E.to(device=bias_E.device, dtype=bias_E.dtype))

@@ -4,7 +4,9 @@ Legend: T tokens, H hidden, E experts, K top-k.
 
 * probabilities: softmax in fp32 over ``x @ W^T`` (``gate.weight`` [E, H], no bias);
 * selection: top-k of the probabilities (plus ``expert_bias`` when the DeepSeek-style
-  aux-loss-free balancing is on: the bias moves selection only, never the weights);
+  aux-loss-free balancing is on: the bias moves selection only, never the weights). The gate
+  only reads the bias, like an HF router its ``e_score_correction_bias``: ``FSSDPMoE`` binds it
+  to its experts module, whose one routing-bias rule moves it after each optimizer step;
 * weights: the selected probabilities, renormalised to sum to 1 when k > 1 and ``normalize_topk``;
 * ``l_aux = E * sum_e f_e * P_e`` with f_e the fraction of this rank's assignments routed to e and
   P_e the mean probability of e (1.0 at perfect balance), plus ``z_loss_coef * mean(logsumexp^2)``.
@@ -31,8 +33,7 @@ class GateOutput:
 class TopKGate(nn.Module):
 
     def __init__(self, hidden_size: int, num_experts: int, k: int, *, normalize_topk: bool = True,
-                 z_loss_coef: float = 0.0, aux_free_bias: bool = False, bias_update_rate: float = 1e-3,
-                 device=None, dtype=None):
+                 z_loss_coef: float = 0.0, aux_free_bias: bool = False, device=None, dtype=None):
         super().__init__()
         if not 1 <= k <= num_experts:
             raise ValueError(f"k ({k}) must be between 1 and num_experts ({num_experts})")
@@ -40,14 +41,11 @@ class TopKGate(nn.Module):
         self.k = k
         self.normalize_topk = normalize_topk
         self.z_loss_coef = z_loss_coef
-        self.bias_update_rate = bias_update_rate
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
         if aux_free_bias:
             self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
-            self.register_buffer("pending_load", torch.zeros(num_experts, device=device, dtype=torch.float64))
         else:
             self.expert_bias = None
-            self.pending_load = None
 
     def forward(self, x_TH: torch.Tensor) -> GateOutput:
         logits_TE = F.linear(x_TH.float(), self.weight.float())
@@ -68,22 +66,11 @@ class TopKGate(nn.Module):
                 l_aux = l_aux + self.z_loss_coef * torch.logsumexp(logits_TE, -1).pow(2).mean()
         return GateOutput(idx_TK=idx_TK, weights_TK=weights_TK, l_aux=l_aux, counts_E=counts_E)
 
-    def accumulate_load(self, load_E: torch.Tensor) -> None:
-        """Add the global assignments per expert of one forward (bias balancing only)."""
-        if self.pending_load is not None:
-            self.pending_load += load_E.to(self.pending_load)
-
-    @torch.no_grad()
-    def update_bias(self) -> None:
-        """DeepSeek-V3 rule, once per optimizer step: raise the bias of under-loaded experts by the
-        update rate and lower it for over-loaded ones, from the loads accumulated since the last
-        update (global counts, so every rank moves its bias identically)."""
-        if self.expert_bias is None:
-            return
-        load_E = self.pending_load
-        if float(load_E.sum()) > 0:
-            self.expert_bias += self.bias_update_rate * torch.sign(load_E.mean() - load_E).float()
-        load_E.zero_()
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Checkpoints from before the one routing-bias rule carry the gate's own load accumulator
+        # (zero after every optimizer step, when checkpoints are written); it is gone.
+        state_dict.pop(prefix + "pending_load", None)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 def uniform_assignment(gate: GateOutput, num_experts: int, *, offset: int = 0) -> GateOutput:

@@ -10,6 +10,12 @@ constants of the clamped activations) and ``ds_fssdp.initialize`` shards it like
 
 ``forward(x)`` with x [..., H] returns ``(out, l_aux, exp_counts)`` like
 ``deepspeed.moe.layer.MoE``: out = sum_k weight_k * expert_{e_k}(x).
+
+``aux_free_bias=True`` gives the gate a selection bias (DeepSeek-V3's auxiliary-loss-free
+balancing), bound like an HF router's ``e_score_correction_bias``: the experts module's routing-
+bias rule moves it after every optimizer step by ``bias_update_rate`` (or by
+``fssdp.router_bias_update_rate`` when the config sets it: the config's rate is every bound
+bias's) times sign(mean load - expert load).
 """
 from __future__ import annotations
 
@@ -32,9 +38,20 @@ class FSSDPMoE(FSSDPExperts):
                          ffn_hidden_size=ffn_hidden_size, num_experts=num_experts, device=device, dtype=dtype)
         self.k = k
         self.gate = TopKGate(hidden_size, num_experts, k, normalize_topk=normalize_topk, z_loss_coef=z_loss_coef,
-                             aux_free_bias=aux_free_bias, bias_update_rate=bias_update_rate, device=device,
-                             dtype=dtype)
+                             aux_free_bias=aux_free_bias, device=device, dtype=dtype)
+        self._bias_update_rate = bias_update_rate
+        self._bind_gate_bias()
         self.reset_parameters(init_std)
+
+    def _bind_gate_bias(self) -> None:
+        if self.gate.expert_bias is not None:
+            self.bind_router_bias(self.gate.expert_bias, where="gate.expert_bias", update_rate=self._bias_update_rate)
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(), .cuda(), .half() may replace the gate's bias buffer: bind the new one.
+        super()._apply(fn, *args, **kwargs)
+        self._bind_gate_bias()
+        return self
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -50,19 +67,5 @@ class FSSDPMoE(FSSDPExperts):
             raise ValueError(f"input last dim {x.shape[-1]} != hidden_size {self.hidden_size}")
         x_TH = x.reshape(-1, self.hidden_size)
         gate = self.gate(x_TH)
-        out_TH, load_E = self.route_and_compute(x_TH, gate.idx_TK, gate.weights_TK, gate.counts_E)
-        if self.training and load_E is not None:
-            self.gate.accumulate_load(load_E)
+        out_TH, _ = self.route_and_compute(x_TH, gate.idx_TK, gate.weights_TK, gate.counts_E)
         return out_TH.reshape(x.shape), gate.l_aux, gate.counts_E
-
-    def pending_loads(self) -> list:
-        own = [self.gate.pending_load] if self.gate.pending_load is not None else []
-        return own + super().pending_loads()
-
-    @torch.no_grad()
-    def update_routing_bias(self) -> None:
-        """Apply the gate's aux-loss-free bias update (no-op without it). ``ds_fssdp``'s engine
-        calls this after every optimizer step; single-process training calls it after
-        ``optimizer.step()``."""
-        self.gate.update_bias()
-        super().update_routing_bias()

@@ -7,6 +7,7 @@ gloo fails with ``connectFullMesh failed ... Connection refused`` (pytorch/pytor
 the default process group is created on a ``PrefixStore`` keyed by the attempt
 (``TORCHELASTIC_RESTART_COUNT``) before DeepSpeed's comm starts, which then adopts it; every
 group created later shares that prefix. Outside torchelastic this is ``deepspeed.init_distributed``.
+On CPU, DeepSpeed's shared-memory comm op (inference all-reduce only) is not JIT-built first.
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import torch.distributed as tdist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT, default_pg_timeout
 from deepspeed.utils import logger
+
+from ds_fssdp.runtime.cpu import skip_shm_comm_build
 
 
 def init_distributed(*, backend: str | None = None, distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT,
@@ -33,6 +36,8 @@ def init_distributed(*, backend: str | None = None, distributed_port: int = TORC
                                  world_size=world, timeout=timeout)
         if rank == 0:
             logger.info(f"fssdp: process group of torchelastic attempt {attempt} on its own store prefix")
+    if get_accelerator().device_name() == "cpu":
+        skip_shm_comm_build()  # before DeepSpeed's comm starts: training never uses that op
     deepspeed.init_distributed(dist_backend=backend, distributed_port=distributed_port,
                                dist_init_required=dist_init_required, timeout=timeout)
 

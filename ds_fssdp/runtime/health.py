@@ -46,7 +46,7 @@ def check_combinations(ds_config: dict, fcfg: FSSDPConfig, *, model) -> None:
     if fcfg.router_bias_update_rate and experts and not any(m.router_bias is not None for m in experts):
         raise FSSDPConfigError(f"fssdp.router_bias_update_rate ({fcfg.router_bias_update_rate}) is set, but no MoE "
                                "layer has a router selection bias to update (e_score_correction_bias of a converted "
-                               "HF model); FSSDPMoE's own gate takes aux_free_bias=True and bias_update_rate instead")
+                               "HF model, or FSSDPMoE(aux_free_bias=True))")
     num_E = [m.num_experts for m in experts]
     if len(set(num_E)) > 1:
         for key, value, active in (("reshard_interval", fcfg.reshard_interval, bool(fcfg.reshard_interval)),

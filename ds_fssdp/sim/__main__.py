@@ -27,11 +27,19 @@ Policies: ep, uniform, fssdp, fssdp-rm.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import sys
 
-import torch
+# --json: stdout carries the JSON alone. DeepSpeed's logger writes to the stdout it finds when it
+# is imported, and it warns "Setting accelerator to CPU" on import, so a script run with --json
+# sends stdout to stderr before anything imports DeepSpeed; main() writes the JSON to the real one.
+_SCRIPT_STDOUT = sys.stdout
+if __name__ == "__main__" and "--json" in sys.argv[1:]:
+    sys.stdout = sys.stderr
+
+import torch  # noqa: E402  (after the redirect above)
 
 from ds_fssdp.config import FSSDPConfig
 from ds_fssdp.planner.baselines import POLICY_NAMES
@@ -96,8 +104,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, out=None) -> int:
+    """Run the CLI; the table or the JSON goes to ``out`` (default: stdout). With ``--json``
+    nothing else does: whatever the run prints goes to stderr."""
     args = parse_args(argv)
+    out = sys.stdout if out is None else out
+    if not args.json:
+        return _run(args, out)
+    with contextlib.redirect_stdout(sys.stderr):
+        return _run(args, out)
+
+
+def _run(args, out) -> int:
     torch.set_num_threads(1)  # small tensors: threads cost more than they give
     cluster, model = cluster_preset(args.cluster), model_preset(args.model)
     at_scale = model.fixed or any(v is not None for v in (args.group_size, args.load_cv, args.memory_cap,
@@ -155,14 +173,14 @@ def main(argv=None) -> int:
         plot_results(png, results, title=f"{summary['label']}; {trace_summary.get('description', '')}")
         summary["png"] = png
     if args.json:
-        json.dump(to_json(summary, trace_summary, results), sys.stdout, indent=1)
-        print()
+        json.dump(to_json(summary, trace_summary, results), out, indent=1)
+        print(file=out)
     else:
-        print(format_table(summary, trace_summary, results))
+        print(format_table(summary, trace_summary, results), file=out)
         if "png" in summary:
-            print(f"chart: {summary['png']}")
+            print(f"chart: {summary['png']}", file=out)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(out=_SCRIPT_STDOUT))

@@ -1,8 +1,8 @@
-"""Triton kernels for token permutation: the row gather, the fused unpermute + top-k combine and
-its backward, and the per-expert counts and offsets.
+"""Triton kernels for token permutation (``ops/permute.py``): the row gather that builds a send
+buffer, the fused unpermute + top-k combine of the exchange's return, and its backward.
 
 Legend: T tokens, K top-k, A = T * K assignments, N source rows, M gathered rows, R rows of an
-expert-output buffer, H hidden, E experts.
+expert-output buffer, H hidden.
 
 Memory-bound: each program moves whole rows (BLOCK_H columns per step); a row index of -1 means
 "no row" (gather writes zeros, combine skips it). Sums run in k order in fp32 (fp64 for fp64
@@ -93,23 +93,6 @@ def combine_backward_kernel(gout_ptr, assign_ptr, weights_ptr, y_ptr, gy_ptr, gw
         tl.store(gw_ptr + a, tl.sum(dot, 0).to(gw_ptr.dtype.element_ty), mask=valid)
 
 
-@triton.jit
-def expert_counts_kernel(idx_ptr, A, counts_ptr, offsets_ptr, E, NUM_BINS: tl.constexpr, BLOCK: tl.constexpr):
-    """counts_E[e] = #{a: idx_A[a] == e}, offsets_E = exclusive cumsum of counts_E. One program;
-    NUM_BINS is a power of two > E (bin E takes the padding of the last block).
-
-    Example, E 3: idx [2, 0, 2, 2] -> counts [1, 0, 3], offsets [0, 1, 1].
-    """
-    hist = tl.zeros((NUM_BINS,), dtype=tl.int32)
-    for a0 in range(0, A, BLOCK):
-        offs = a0 + tl.arange(0, BLOCK)
-        e = tl.load(idx_ptr + offs, mask=offs < A, other=E)
-        hist += tl.histogram(e.to(tl.int32), NUM_BINS)
-    bins = tl.arange(0, NUM_BINS)
-    tl.store(counts_ptr + bins, hist, mask=bins < E)
-    tl.store(offsets_ptr + bins, tl.cumsum(hist, 0) - hist, mask=bins < E)
-
-
 def _row_configs():
     return [triton.Config(dict(BLOCK_H=b), num_warps=w) for b, w in ((1024, 4), (2048, 4), (2048, 8), (4096, 8))]
 
@@ -181,17 +164,6 @@ def combine_backward(gout_TH: torch.Tensor, y_RH: torch.Tensor, assign_R: torch.
     elif R:
         gy_RH.zero_()
     return gy_RH, gw_A
-
-
-def expert_counts(idx_A: torch.Tensor, num_experts: int) -> tuple:
-    """(counts_E, offsets_E) as int64, from one program."""
-    counts_E = torch.empty(num_experts, dtype=torch.long, device=idx_A.device)
-    offsets_E = torch.empty_like(counts_E)
-    if num_experts:
-        block = 16 if INTERPRET else 1024
-        expert_counts_kernel[(1,)](idx_A, idx_A.numel(), counts_E, offsets_E, num_experts,
-                                   NUM_BINS=triton.next_power_of_2(num_experts + 1), BLOCK=block)
-    return counts_E, offsets_E
 
 
 def _rows_contiguous(x_NH: torch.Tensor) -> torch.Tensor:
