@@ -16,6 +16,9 @@ from ds_fssdp.runtime import faults, resume_cli
 from ds_fssdp.runtime.preempt import EXIT_GRACE_EXPIRED, Preemption
 from ds_fssdp.runtime.resume import prune
 
+# Two tests start a Python process (the preemption handler's exit, the example's flag check).
+pytestmark = pytest.mark.distributed
+
 CORPUS_N = torch.arange(10_000, dtype=torch.int64) % 251
 
 
