@@ -81,7 +81,8 @@ def test_fault_specs_parse_or_name_the_bad_entry():
 @pytest.mark.parametrize("argv,message", [
     (["--save-interval", "-1", "--save-dir", "d"], r"--save-interval \(-1\) must be >= 0"),
     (["--keep-last", "0", "--save-dir", "d"], r"--keep-last \(0\) must be >= 1"),
-    (["--save-interval", "5"], "--save-interval and --keep-last need --save-dir"),
+    (["--save-interval", "5"], "--save-interval, --keep-last and --async-save need --save-dir"),
+    (["--async-save"], "--save-interval, --keep-last and --async-save need --save-dir"),
     (["--preempt-grace", "0"], r"--preempt-grace \(0.0\) must be > 0"),
     (["--resume", "newest"], "invalid choice: 'newest'"),
 ])
