@@ -110,9 +110,11 @@ def simulate(setup: Setup, tokens_SLED: np.ndarray, policies, *, dispatcher=plan
 
 def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatcher=planner_dispatch,
                     materializer=algorithm1, placement: str = "paper", dispatch: str | None = None,
-                    dispatch_slack: float = 0.0) -> PolicyResult:
+                    dispatch_slack: float = 0.0, decisions: list | None = None) -> PolicyResult:
     """``dispatcher`` / ``materializer``: Algorithms 3 and 1 by default (the planner's, in C when
-    built); pass others (e.g. the balancing dispatcher) to compare."""
+    built); pass others (e.g. the balancing dispatcher) to compare. ``decisions``: a list that
+    gets, per step, each layer's ``(owner_E, placed_ED, held_ED)`` (the decisions the runtime
+    records in its trace as ``decision_owner``, ``decision_placed``, ``decision_held``)."""
     S, L, E, D = tokens_SLED.shape
     topo, hw, shape = setup.topology, setup.hw, setup.shape
     cost = CostModel(hw, shape, topo, relay=True)  # every sparse collective relayed, calibration's too
@@ -162,6 +164,10 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
             lp = planner.post_gating(owner_E, placement_ED, tokens_ED)
             plan_EDD = planner.dispatch_dense(lp, tokens_ED)
             planner.observe(tokens_ED)
+            if decisions is not None:
+                if l == 0:
+                    decisions.append([])
+                decisions[-1].append((owner_E.clone(), placement_ED.clone(), lp.placement_ED.clone()))
 
             rows_D = plan_EDD.sum((0, 1))
             moe_s = float(cost.compute_time_D(rows_D).max())
