@@ -103,10 +103,11 @@ def test_migration_bytes_count_both_reshards_of_a_step(runs):
 
 @pytest.mark.parametrize("name,sim_name", [("fssdp-rm-paper", "fssdp-rm"), ("ep", "ep"), ("uniform", "uniform")])
 def test_simulator_decisions_equal_the_runtime(runs, name, sim_name):
-    """The simulator (sim/simulate.py) on the runtime's recorded trace makes the runtime's decisions
-    step by step (owners after re-shards, pre-gating placements, final placements) wherever its
-    clock is the runtime's: a fixed t and no calibration (the modelled windows of the other runs
-    are the simulator's own clock; the replay checks those against the recorded clock)."""
+    """Both simulators (sim/simulate.py; sim/cluster.py for the planned policy) on the runtime's
+    recorded trace make the runtime's decisions step by step (owners after re-shards, pre-gating
+    placements, final placements) wherever their clock is the runtime's: a fixed t and no
+    calibration (the modelled windows of the other runs are the simulators' own clock; the replay
+    checks those against the recorded clock)."""
     from ds_fssdp.planner.cost import ExpertShape, Hardware
     from ds_fssdp.sim.setup import Setup
     from ds_fssdp.sim.simulate import simulate_policy
@@ -122,9 +123,17 @@ def test_simulator_decisions_equal_the_runtime(runs, name, sim_name):
                   overlap_degree=m["overlap_degree"], budget=m["materialization_budget"],
                   budget_rm=m["materialization_budget"], flexmoe_slots=0, reshard_interval=m["reshard_interval"],
                   calibration=False, load_window=m["load_window"])
-    decisions = []
+    simulated = {"simulate": []}
     simulate_policy(sim_name, setup, trace.tokens_SLED, placement=m["placement"], dispatch=m["dispatch"],
-                    dispatch_slack=m["dispatch_slack"], decisions=decisions)
-    for key, i in (("decision_owner", 0), ("decision_placed", 1), ("decision_held", 2)):
-        got = np.stack([[layer[i].numpy() for layer in step] for step in decisions])
-        np.testing.assert_array_equal(got, trace.arrays[key], err_msg=key)
+                    dispatch_slack=m["dispatch_slack"], decisions=simulated["simulate"])
+    if sim_name.startswith("fssdp"):  # the cluster simulator records the planned policies' decisions
+        from ds_fssdp.sim.cluster import PolicyRun
+        assert m["dispatch"] == "paper" and m["placement"] == "paper"  # the cluster simulator's defaults
+        simulated["cluster"] = []
+        run = PolicyRun(sim_name, setup, overlap_degree=m["overlap_degree"], decisions=simulated["cluster"])
+        for step in range(S):
+            run.step(step, trace.tokens_SLED[step])
+    for simulator, decisions in simulated.items():
+        for key, i in (("decision_owner", 0), ("decision_placed", 1), ("decision_held", 2)):
+            got = np.stack([[layer[i].numpy() for layer in step] for step in decisions])
+            np.testing.assert_array_equal(got, trace.arrays[key], err_msg=f"{simulator}: {key}")

@@ -121,12 +121,14 @@ class PolicyRun:
 
     def __init__(self, name: str, setup: Setup, *, group_size: int | None = None, budget: int | None = None,
                  memory_cap: float | None = None, overlap_degree: int | None = None, max_groups: int | None = None,
-                 dispatcher=None, materializer=algorithm1):
+                 dispatcher=None, materializer=algorithm1, decisions: list | None = None):
         """``overlap_degree`` None: t derived for the group (a group inside one node gathers over
         the intra-node links); ``budget`` None: the setup's m, or the ``memory_cap``'s.
         ``max_groups``: simulate only the first this many groups (their layers, planning, memory;
         the all-reduce still spans every group). For traces whose groups are alike (the synthetic
-        ones), a cheaper estimate that can only miss a slower group among the others."""
+        ones), a cheaper estimate that can only miss a slower group among the others. ``decisions``:
+        a list that gets, per step, the first group's ``(owner_E, placed_ED, held_ED)`` per layer
+        (planned policies; what the runtime records as ``decision_owner/placed/held``)."""
         if name not in CLUSTER_POLICIES:
             raise ValueError(f"policy ({name!r}) must be one of {CLUSTER_POLICIES} at cluster scale")
         D, G = setup.topology.num_ranks, setup.topology.ranks_per_node
@@ -175,6 +177,7 @@ class PolicyRun:
         self.step_s, self.straggler, self.inter_bytes, self.replicas = [], [], 0.0, 0.0
         self.count_s, self.plan_pre_s, self.plan_post_s = 0.0, 0.0, 0.0
         self.migrated, self.counted, self.peak_total, self.peak_memory = 0, 0, -1.0, {}
+        self.decisions = decisions
 
     # -- per step ----------------------------------------------------------------------------------
     def step(self, s: int, tokens_LED: np.ndarray) -> None:
@@ -245,6 +248,10 @@ class PolicyRun:
             lp = planner.post_gating(owner_E, placement_ED, tokens_ED)
             plan = planner.dispatch(lp, tokens_ED)
             t2 = time.thread_time()
+            if self.decisions is not None and b == 0:
+                if l == 0:
+                    self.decisions.append([])
+                self.decisions[-1].append((owner_E.clone(), placement_ED.clone(), lp.placement_ED.clone()))
             if timed:
                 self.plan_pre_s += (t1 - t0) / B
                 self.plan_post_s += (t2 - t1) / B
