@@ -32,6 +32,21 @@ def hf_grads(model) -> dict:
     return grads
 
 
+def test_router_bias_binding_follows_a_move_of_the_model():
+    """The bias rule moves the tensor the router reads, also after ``.to()`` replaced it (as a move
+    to the GPU does): the binding is by module and name, not by the tensor seen at conversion."""
+    model = fssdp_hf.convert(tiny_model("deepseek_v3"), route_initialize=False).double()
+    (name, module), = [c for c in fssdp_hf.converted_experts(model)][:1]
+    router = model.get_submodule(name.rpartition(".")[0]).gate
+    assert module.router_bias is router.e_score_correction_bias
+    assert module.router_bias.dtype == torch.float64
+    before = router.e_score_correction_bias.clone()
+    module.router_bias_update_rate = 0.5
+    module.observe_load(torch.arange(module.num_experts))
+    module.update_routing_bias()
+    assert not torch.equal(router.e_score_correction_bias, before)
+
+
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_converted_model_matches_original(model_type):
     ref = tiny_model(model_type).eval()

@@ -179,7 +179,7 @@ def _bind_router_bias(model: nn.Module, experts_name: str, module: FSSDPHFExpert
     for owner_name, owner in candidates:
         bias = owner._buffers.get(ROUTER_BIAS) if ROUTER_BIAS in owner._buffers else owner._parameters.get(ROUTER_BIAS)
         if bias is not None and tuple(bias.shape) == (module.num_experts, ):
-            module.bind_router_bias(bias, where=f"{owner_name}.{ROUTER_BIAS}")
+            module.bind_router_bias(owner, ROUTER_BIAS, where=f"{owner_name}.{ROUTER_BIAS}")
             return
 
 

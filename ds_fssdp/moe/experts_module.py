@@ -160,18 +160,22 @@ class FSSDPExperts(nn.Module):
             self.sharded.load_rows(self.spec.flatten(tensors))
 
     # -- routing bias ----------------------------------------------------------------------------
-    def bind_router_bias(self, bias_E: torch.Tensor, *, where: str, update_rate: float = 0.0) -> None:
-        """Let the optimizer step move ``bias_E`` (a router's selection bias, updated in place) by
-        ``update_rate`` unless ``fssdp.router_bias_update_rate`` sets the rate."""
-        if tuple(bias_E.shape) != (self.num_experts, ):
-            raise ValueError(f"{where}: router bias of shape {tuple(bias_E.shape)}, expected ({self.num_experts},)")
+    def bind_router_bias(self, owner: nn.Module, name: str, *, where: str, update_rate: float = 0.0) -> None:
+        """Let the optimizer step move ``owner``'s buffer or parameter ``name`` (a router's [E]
+        selection bias, updated in place) by ``update_rate`` unless ``fssdp.router_bias_update_rate``
+        sets the rate. Bound by name, not by tensor: a move (``.to``, ``.cuda``, ``.half``) replaces
+        the owner's tensor, and the rule must move the one the router reads."""
+        bias_E = _tensor_of(owner, name)
+        if bias_E is None or tuple(bias_E.shape) != (self.num_experts, ):
+            shape = None if bias_E is None else tuple(bias_E.shape)
+            raise ValueError(f"{where}: router bias of shape {shape}, expected ({self.num_experts},)")
         if not update_rate >= 0:
             raise ValueError(f"{where}: bias update rate ({update_rate}) must be >= 0")
-        self._router_bias = (bias_E, where, float(update_rate))
+        self._router_bias = ((owner, name), where, float(update_rate))  # a tuple: no submodule registered
 
     @property
     def router_bias(self):
-        return None if self._router_bias is None else self._router_bias[0]
+        return None if self._router_bias is None else _tensor_of(*self._router_bias[0])
 
     @property
     def bias_update_rate(self) -> float:
@@ -197,6 +201,11 @@ class FSSDPExperts(nn.Module):
         load_E, self.pending_load_E = self.pending_load_E, None
         if load_E is None or self._router_bias is None or float(load_E.sum()) <= 0:
             return
-        bias_E = self._router_bias[0]
+        bias_E = self.router_bias
         step_E = self.bias_update_rate * torch.sign(load_E.mean() - load_E)
         bias_E.add_(step_E.to(device=bias_E.device, dtype=bias_E.dtype))
+
+
+def _tensor_of(owner: nn.Module, name: str):
+    """``owner``'s buffer or parameter ``name`` as it is now (None if it has neither)."""
+    return owner._buffers[name] if name in owner._buffers else owner._parameters.get(name)

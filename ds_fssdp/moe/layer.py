@@ -39,19 +39,9 @@ class FSSDPMoE(FSSDPExperts):
         self.k = k
         self.gate = TopKGate(hidden_size, num_experts, k, normalize_topk=normalize_topk, z_loss_coef=z_loss_coef,
                              aux_free_bias=aux_free_bias, device=device, dtype=dtype)
-        self._bias_update_rate = bias_update_rate
-        self._bind_gate_bias()
-        self.reset_parameters(init_std)
-
-    def _bind_gate_bias(self) -> None:
         if self.gate.expert_bias is not None:
-            self.bind_router_bias(self.gate.expert_bias, where="gate.expert_bias", update_rate=self._bias_update_rate)
-
-    def _apply(self, fn, *args, **kwargs):
-        # .to(), .cuda(), .half() may replace the gate's bias buffer: bind the new one.
-        super()._apply(fn, *args, **kwargs)
-        self._bind_gate_bias()
-        return self
+            self.bind_router_bias(self.gate, "expert_bias", where="gate.expert_bias", update_rate=bias_update_rate)
+        self.reset_parameters(init_std)
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
