@@ -18,9 +18,9 @@ import transformers
 from deepspeed.utils import logger
 
 from ds_fssdp.runtime.checkpoint import LATEST, MANIFEST, CheckpointError, read_manifest, resolve_tag, verify_files
+from ds_fssdp.runtime.resume import WHICH, newest_valid
 
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
-WHICH = ("latest", "latest-valid")
 
 
 def last_complete_checkpoint(output_dir: str, *, which: str = "latest") -> str | None:
@@ -28,7 +28,7 @@ def last_complete_checkpoint(output_dir: str, *, which: str = "latest") -> str |
     engine's checkpoint committed with its manifest); unfinished ones are skipped. Its files are
     checked against the manifest; a bad one raises :class:`CheckpointError` naming the file, or
     with ``which="latest-valid"`` the next older complete one is tried. Every rank may call it."""
-    if which not in WHICH:
+    if which not in WHICH:  # before looking at the directory
         raise ValueError(f"which ({which!r}) must be one of {WHICH}")
     if not os.path.isdir(output_dir):
         return None
@@ -38,18 +38,12 @@ def last_complete_checkpoint(output_dir: str, *, which: str = "latest") -> str |
     complete = [os.path.join(output_dir, name) for _, name in numbered if _finished(os.path.join(output_dir, name))]
     for skipped in (name for _, name in numbered if os.path.join(output_dir, name) not in complete):
         logger.info(f"fssdp: {os.path.join(output_dir, skipped)} is unfinished (a save was cut short); not resuming it")
-    for i, path in enumerate(complete):
-        try:
-            root = _engine_checkpoint(path)
-            verify_files(root, read_manifest(root), digests=True)
-            return path
-        except CheckpointError as err:
-            if which == "latest-valid" and i + 1 < len(complete):
-                logger.warning(f"fssdp: skipping checkpoint {path}: {err}")
-                continue
-            hint = "" if which == "latest-valid" else " (resume with latest-valid to fall back to an older one)"
-            raise CheckpointError(f"newest checkpoint {path} is not valid{hint}: {err}") from err
-    return None
+    return newest_valid(complete, lambda path: verify_files(*_root_and_manifest(path), digests=True), which=which)
+
+
+def _root_and_manifest(path: str) -> tuple:
+    root = _engine_checkpoint(path)
+    return root, read_manifest(root)
 
 
 class PreemptionCallback(transformers.TrainerCallback):

@@ -48,20 +48,33 @@ def resume(engine, save_dir: str, *, state: dict | None = None, which: str = "la
         if dist.get_rank() == 0:
             logger.info(f"fssdp: no checkpoint in {save_dir}; starting from step 0")
         return 0
-    for i, tag in enumerate(candidates):
+    tag = newest_valid(candidates, lambda t: _verify(save_dir, t), which=which,
+                       where=lambda t: os.path.join(save_dir, t), log=dist.get_rank() == 0)
+    load_kwargs.setdefault("verify", False)  # just verified
+    _, client_state = engine.load_checkpoint(save_dir, tag=tag, **load_kwargs)
+    return _restore(client_state or {}, state or {}, engine=engine, where=os.path.join(save_dir, tag))
+
+
+def newest_valid(candidates: list, check, *, which: str, where=str, log: bool = True):
+    """The first of ``candidates`` (newest first) that ``check`` passes (it raises
+    :class:`CheckpointError` otherwise); None when there are none. With ``which="latest"`` the
+    first failure raises, naming the checkpoint (``where(candidate)``) and the file; with
+    ``"latest-valid"`` each failing one is reported and skipped, and only the last one's failure
+    raises."""
+    if which not in WHICH:
+        raise ValueError(f"which ({which!r}) must be one of {WHICH}")
+    for i, candidate in enumerate(candidates):
         try:
-            _verify(save_dir, tag)
+            check(candidate)
+            return candidate
         except CheckpointError as err:
             if which == "latest-valid" and i + 1 < len(candidates):
-                if dist.get_rank() == 0:
-                    logger.warning(f"fssdp: skipping checkpoint {os.path.join(save_dir, tag)}: {err}")
+                if log:
+                    logger.warning(f"fssdp: skipping checkpoint {where(candidate)}: {err}")
                 continue
             hint = "" if which == "latest-valid" else " (resume with latest-valid to fall back to an older one)"
-            raise CheckpointError(f"newest checkpoint {os.path.join(save_dir, tag)} is not valid{hint}: {err}") from err
-        load_kwargs.setdefault("verify", False)  # just verified
-        _, client_state = engine.load_checkpoint(save_dir, tag=tag, **load_kwargs)
-        return _restore(client_state or {}, state or {}, engine=engine, where=os.path.join(save_dir, tag))
-    raise AssertionError("unreachable: the last candidate returns or raises")
+            raise CheckpointError(f"newest checkpoint {where(candidate)} is not valid{hint}: {err}") from err
+    return None
 
 
 def save_step(engine, save_dir: str, step: int, *, state: dict | None = None, keep_last: int | None = None,
