@@ -18,6 +18,7 @@ import transformers
 from deepspeed.utils import logger
 
 from ds_fssdp.runtime.checkpoint import LATEST, MANIFEST, CheckpointError, read_manifest, resolve_tag, verify_files
+from ds_fssdp.runtime.checkpoint.files import read_text
 from ds_fssdp.runtime.resume import WHICH, newest_valid
 
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
@@ -82,5 +83,4 @@ def _engine_checkpoint(path: str) -> str:
     latest = os.path.join(path, LATEST)
     if not os.path.isfile(latest):
         raise CheckpointError(f"{latest} is missing: {path} holds no engine checkpoint")
-    with open(latest) as f:
-        return os.path.join(path, resolve_tag(path, f.read().strip()))
+    return os.path.join(path, resolve_tag(path, read_text(latest).strip()))

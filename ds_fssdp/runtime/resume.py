@@ -24,6 +24,7 @@ from deepspeed.utils import logger
 from ds_fssdp.runtime.checkpoint import (LATEST, MANIFEST, OLD_PREFIX, TMP_PREFIX, CheckpointError, read_manifest,
                                          read_meta, resolve_tag, verify_files)
 from ds_fssdp.runtime.checkpoint.collective import broadcast
+from ds_fssdp.runtime.checkpoint.files import read_text
 
 CLIENT_KEY = "fssdp_resume"  # this module's entry in client_state
 TAG = "global_step{}"
@@ -175,10 +176,7 @@ def _restore(client_state: dict, state: dict, *, engine, where: str) -> int:
 
 def _read_latest(save_dir: str):
     path = os.path.join(save_dir, LATEST)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return f.read().strip() or None
+    return (read_text(path).strip() or None) if os.path.isfile(path) else None
 
 
 def _step(tag: str):
