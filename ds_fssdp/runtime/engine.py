@@ -71,11 +71,11 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
     # token exchanges.
     groups = build_groups(world=world, rank=dist.get_rank(), group_size=group_size, ranks_per_node=ranks_per_node)
     apply_run_settings(fcfg, groups=groups.process_groups())  # collective timeout, deterministic mode
-    stage = FSSDPStage(layers, fcfg, groups.topology, group=groups.tokens, param_group=groups.params,
-                       edp_group=groups.edp)
-    stage.groups = groups
     # DeepSpeed's divisor of the summed gradients (SP and TP are never combined: refused).
-    stage.grad_scale = sp_grad_scale(ds_config, world=world, sp=sp) if tp == 1 else tp_grad_scale(world=world, tp=tp)
+    grad_scale = sp_grad_scale(ds_config, world=world, sp=sp) if tp == 1 else tp_grad_scale(world=world, tp=tp)
+    stage = FSSDPStage(layers, fcfg, groups.topology, group=groups.tokens, param_group=groups.params,
+                       edp_group=groups.edp, grad_scale=grad_scale)
+    stage.groups = groups
     ds_kwargs["model_parameters"] = _without(model_parameters, expert_ids)
     if isinstance(optimizer, torch.optim.Optimizer):
         _strip_params(optimizer, expert_ids)

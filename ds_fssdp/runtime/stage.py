@@ -42,10 +42,11 @@ _SCHEDULED = ("lr", "betas", "momentum")
 class FSSDPStage:
 
     def __init__(self, layers: list, config: FSSDPConfig, topology: Topology, group, *, param_group=None,
-                 edp_group=None, src_rank: int = 0):
+                 edp_group=None, src_rank: int = 0, grad_scale: float | None = None):
         """``group``: this rank's FSSDP group (token exchange; None: the world), ``param_group``: the
         same ranks for the sparse collectives, ``edp_group``: the ranks at this rank's position in
-        every FSSDP group (None: one group), ``topology``: the FSSDP group's nodes."""
+        every FSSDP group (None: one group), ``topology``: the FSSDP group's nodes, ``grad_scale``:
+        DeepSpeed's factor on summed gradients (None: 1 / world)."""
         self.layers = list(layers)
         self.config = config
         self.topology = topology
@@ -59,7 +60,7 @@ class FSSDPStage:
         self.groups = None  # runtime.groups.FSSDPGroups when built by ds_fssdp.initialize
         # Summed expert gradients times this at the step: DeepSpeed's data-parallel average (its
         # divisor is W / s under Ulysses SP, runtime/sequence_parallel.py).
-        self.grad_scale = 1.0 / self.world
+        self.grad_scale = 1.0 / self.world if grad_scale is None else grad_scale
         if self.group_size * self.edp_size != self.world:
             raise ValueError(f"FSSDP group ({self.group_size} ranks) x EDP group ({self.edp_size}) != world "
                              f"({self.world})")
