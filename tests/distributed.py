@@ -42,8 +42,16 @@ def spawn(world_size: int, fn, *args, local_size: int | None = None, **kwargs) -
 def _spawn_once(world_size, fn, args, kwargs, local_size) -> list:
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_entry, args=(world_size, port, local_size, fn, args, kwargs, tmp), nprocs=world_size, join=True)
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+        paths = [os.path.join(tmp, f"rank{r}.pt") for r in range(world_size)]
+        try:
+            mp.spawn(_entry, args=(world_size, port, local_size, fn, args, kwargs, tmp), nprocs=world_size, join=True)
+        except mp.ProcessExitedException as err:
+            # Killed by a signal after every rank had written its result (gloo's abort at exit): the
+            # work is done, and running it again would repeat it in the test's own directories.
+            if err.signal_name is None or not all(map(os.path.exists, paths)):
+                raise
+            print(f"distributed.spawn: {err} after every rank returned; keeping the results", file=sys.stderr)
+        return [torch.load(path, weights_only=False) for path in paths]
 
 
 def _entry(rank, world_size, port, local_size, fn, args, kwargs, tmp):
@@ -64,7 +72,9 @@ def _entry(rank, world_size, port, local_size, fn, args, kwargs, tmp):
         traceback.print_exc()
         sys.stderr.flush()
         raise
-    torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
+    path = os.path.join(tmp, f"rank{rank}.pt")
+    torch.save(result, path + ".part")
+    os.replace(path + ".part", path)  # complete or absent: a rank killed while saving leaves none
     # Without it a gloo worker thread can free a finished work's tensors while the interpreter
     # shuts down and abort the rank ("terminate called without an active exception"; docs/robustness.md).
     if torch.distributed.is_initialized():
