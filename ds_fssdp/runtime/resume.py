@@ -96,6 +96,7 @@ def save_step(engine, save_dir: str, step: int, *, state: dict | None = None, ke
     except CheckpointError:
         if dist.get_rank() == 0:
             shutil.rmtree(os.path.join(save_dir, TMP_PREFIX + tag), ignore_errors=True)  # give the space back
+        dist.barrier()  # every rank sees the directory as rank 0 left it
         raise
     if keep_last is not None and dist.get_rank() == 0:
         prune(save_dir, keep_last=keep_last)
