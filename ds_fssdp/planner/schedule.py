@@ -145,3 +145,17 @@ def choose_degree(costs: ScheduleCosts, load: LayerLoad, *, backward: bool, max_
 def layer_time(costs: ScheduleCosts, load: LayerLoad, degrees: tuple) -> float:
     """Forward + backward of the layer's exchange and expert compute at ``degrees`` (fwd, bwd)."""
     return pipeline_time(costs, load, degrees[0]) + pipeline_time(costs, load, degrees[1], backward=True)
+
+
+def choose_degrees(costs: ScheduleCosts, loads: list, *, max_degree: int = MAX_DEGREE) -> tuple:
+    """(forward, backward) degrees of a layer for every rank at once (the exchange is one collective,
+    so all ranks must chunk it alike): each direction's degree minimises the slowest rank's
+    :func:`pipeline_time` over ``loads`` (one :class:`LayerLoad` per rank; the smaller on a tie)."""
+    def best(backward: bool) -> int:
+        pick, pick_s = 1, None
+        for n in range(1, max_degree + 1):
+            s = max(pipeline_time(costs, ld, n, backward=backward) for ld in loads)
+            if pick_s is None or s < pick_s * (1.0 - 1e-9):
+                pick, pick_s = n, s
+        return pick
+    return best(False), best(True)
