@@ -43,6 +43,16 @@ class HardwareConfig(DeepSpeedConfigModel):
         super().__init__(strict=True, **data)
 
 
+class PipelineDegreeConfig(DeepSpeedConfigModel):
+    """``fssdp.pipeline_degree`` given per direction."""
+
+    forward: Annotated[StrictInt, Field(ge=1)]
+    backward: Annotated[StrictInt, Field(ge=1)]
+
+    def __init__(self, **data):
+        super().__init__(strict=True, **data)
+
+
 class FSSDPConfig(DeepSpeedConfigModel):
     """Typed model of the ``"fssdp"`` section."""
 
@@ -68,6 +78,13 @@ class FSSDPConfig(DeepSpeedConfigModel):
     overlap_degree: Union[Literal["auto"], NonNegInt] = 4
     """t: at most this many distinct experts are replicated per layer per iteration; "auto": the
     expert chunks the measured link bandwidth moves during each layer's measured attention window."""
+
+    pipeline_degree: Union[Literal["auto"], Annotated[StrictInt, Field(ge=1)], PipelineDegreeConfig] = "auto"
+    """Chunks of each MoE layer's token exchange, pipelined with the expert compute
+    (``moe/pipeline.py``): an int for both directions, ``{"forward": n, "backward": n}``, or
+    "auto": per layer and iteration, ``planner.schedule.choose_degrees`` on the stage's schedule
+    costs and the loads of the agreed dispatch plan (every rank takes the same degrees). 1 (or
+    both directions 1): the unchunked exchange. Results equal degree 1 up to fp32 summation order."""
 
     smartmoe_interval: StrictInt = Field(25, ge=1)
     """Policy ``smartmoe``: re-permute experts every this many optimizer steps."""
@@ -190,6 +207,15 @@ class FSSDPConfig(DeepSpeedConfigModel):
         _check_deterministic(cfg)
         return cfg
 
+    def pipeline_degrees(self):
+        """"auto", or (forward, backward) degrees."""
+        pd = self.pipeline_degree
+        if pd == "auto":
+            return "auto"
+        if isinstance(pd, int):
+            return (pd, pd)
+        return (pd.forward, pd.backward)
+
     def resolve_ranks_per_node(self, world_size: int, env: Mapping[str, str] | None = None) -> int:
         """Ranks per node for this world; "auto" reads the launcher's local world size."""
         env = os.environ if env is None else env
@@ -252,7 +278,12 @@ def _format_errors(err: ValidationError, section: Mapping[str, Any]) -> str:
         key = key or "?"
         value = section.get(key, e.get("input"))
         kind, ctx = e["type"], e.get("ctx", {})
-        if key in _AUTO_KEYS:
+        if key.split(".")[0] == "pipeline_degree":
+            value = section.get("pipeline_degree")
+            lines.append(f"{SECTION}.pipeline_degree ({value!r}) must be \"auto\", an int >= 1 or "
+                         "{\"forward\": n, \"backward\": n} with ints n >= 1")
+            key = "pipeline_degree"
+        elif key in _AUTO_KEYS:
             lines.append(f"{SECTION}.{key} ({value!r}) must be \"auto\" or an int >= 0")
         elif key == "group_size":
             lines.append(f"{SECTION}.{key} ({value!r}) must be null or an int >= 1")

@@ -13,13 +13,18 @@ import torch
 
 from ds_fssdp.comm import all_gather_counts, all_to_all
 from ds_fssdp.moe.compute import dispatch_compute_combine
+from ds_fssdp.moe.pipeline import pipelined_dispatch_compute_combine
 from ds_fssdp.moe.routing import expert_order, route
 
 
 class TokenDispatcher:
 
-    def __init__(self, *, group, rank: int, num_experts: int):
+    def __init__(self, *, group, rank: int, num_experts: int, exchange=None, world: int | None = None):
+        """``exchange``: the chunked exchange's :class:`~ds_fssdp.moe.pipeline.ExchangeGroups`
+        (``run_pipelined``); ``world``: the group's ranks."""
         self.group = group
+        self.exchange = exchange
+        self.world = world
         self.rank = rank
         self.num_experts = num_experts
 
@@ -37,6 +42,12 @@ class TokenDispatcher:
     def run(self, x_TH: torch.Tensor, weights_TK: torch.Tensor, r, *, expert_fn) -> torch.Tensor:
         """Send, compute, return, combine: out_TH."""
         return dispatch_compute_combine(x_TH, weights_TK, r, expert_fn=expert_fn, exchange=self._exchange)
+
+    def run_pipelined(self, x_TH: torch.Tensor, weights_TK: torch.Tensor, r, *, experts, degrees: tuple) -> torch.Tensor:
+        """:meth:`run` with the exchange chunked at ``degrees`` (forward, backward) and pipelined
+        with the expert compute (``moe/pipeline.py``)."""
+        return pipelined_dispatch_compute_combine(x_TH, weights_TK, r, experts=experts, degrees=degrees,
+                                                  groups=self.exchange, rank=self.rank, world=self.world)
 
     def _exchange(self, x, out_splits, in_splits):
         return all_to_all(x, out_splits, in_splits, group=self.group)

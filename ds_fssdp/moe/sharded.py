@@ -43,11 +43,13 @@ from ds_fssdp.moe.compute import mlp_fn
 from ds_fssdp.moe.dispatcher import TokenDispatcher
 from ds_fssdp.moe.experts import ExpertSpec
 from ds_fssdp.moe.gate import GateOutput, uniform_assignment
+from ds_fssdp.moe.pipeline import ExchangeGroups, PipelineExperts
 from ds_fssdp.moe.remat import RematExpertMLP
 from ds_fssdp.moe.replicas import ReplicaManager, ReplicaMemory
 from ds_fssdp.planner import LoadPredictor, PolicyConfig, make_policy
 from ds_fssdp.planner.baselines import Clock, LayerPlan
 from ds_fssdp.planner.layer import LayerPlanner
+from ds_fssdp.planner.schedule import ScheduleCosts, choose_degrees, loads_from_plan
 from ds_fssdp.topology import Topology
 
 __all__ = ["ShardedExperts", "ShardOptions", "StepContext", "Decision", "ReplicaMemory", "chain", "decision_arrays"]
@@ -67,6 +69,8 @@ class StepContext:
     planner: LayerPlanner
     clock: Clock
     timers: object | None = None  # DeepSpeed's SynchronizedWallClockTimer for the exposed waits
+    pipeline_degree: object = (1, 1)  # (forward, backward) chunks of the token exchange, or "auto"
+    schedule_costs: ScheduleCosts | None = None  # what "auto" decides from (agreed by every rank)
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,7 @@ class _Iteration:
     replica_RP: torch.Tensor | None  # None under RM: gathered again for the backward
     remat: bool
     hooked: bool  # the replicas' gradient hook is registered (the first pass built a graph)
+    degrees: tuple = (1, 1)  # the pipeline degrees it ran at
 
 
 class ShardedExperts:
@@ -149,8 +154,9 @@ class ShardedExperts:
     def __init__(self, *, spec: ExpertSpec, layer_index: int, owner_E: torch.Tensor, rows_SP: torch.Tensor,
                  topology: Topology, group, param_group=None, predictor: LoadPredictor,
                  options: ShardOptions = ShardOptions(), memory: ReplicaMemory | None = None, trainable: bool = True,
-                 context: Callable[[], StepContext] | None = None):
-        """``context``: the stage's per-iteration inputs (None: :func:`default_context`)."""
+                 context: Callable[[], StepContext] | None = None, exchange: ExchangeGroups | None = None):
+        """``context``: the stage's per-iteration inputs (None: :func:`default_context`);
+        ``exchange``: the chunked token exchange's groups (None: ``group`` for every pair)."""
         self.spec = spec
         self.layer_index = layer_index
         self.topology = topology
@@ -163,7 +169,10 @@ class ShardedExperts:
                                        param_group=group if param_group is None else param_group, rank=self.rank,
                                        memory=memory if memory is not None else ReplicaMemory(), trainable=trainable,
                                        hierarchical=options.hierarchical, rematerialize=options.rematerialize)
-        self.dispatcher = TokenDispatcher(group=group, rank=self.rank, num_experts=E)
+        if exchange is None:
+            exchange = ExchangeGroups(intra=group, inter=None, ranks_per_node=topology.num_ranks)
+        self.dispatcher = TokenDispatcher(group=group, rank=self.rank, num_experts=E, exchange=exchange,
+                                          world=topology.num_ranks)
         self.next = None  # the following MoE layer (prefetch chain, :func:`chain`)
         self.is_last = True
         self._gather = None  # (placement_ED, layout, SparseAllGather) started for the next forward
@@ -249,12 +258,14 @@ class ShardedExperts:
         elif grad and self.trainable:
             self.replicas.hook_replicas(replica_RP, layout)
             hooked = True
-        out_TH = self.dispatcher.run(x_TH, weights_TK, r,
-                                     expert_fn=self._expert_fn(replica_RP, remat=remat, local_E=layout.local_E))
+        token_bytes = x_TH.shape[1] * x_TH.element_size()
+        degrees = self._degrees(ctx, plan, token_bytes)
+        out_TH = self._run(x_TH, weights_TK, r, replica_RP, remat=remat, local_E=layout.local_E, degrees=degrees)
         if not record or remat:
             self.replicas.uncount(replica_RP)  # freed with this frame (RM: not saved for backward)
         if record:
-            self._iterations.append(_Iteration(gate_idx_TK, r, layout, None if remat else replica_RP, remat, hooked))
+            self._iterations.append(_Iteration(gate_idx_TK, r, layout, None if remat else replica_RP, remat, hooked,
+                                               degrees))
         if self.next is not None:
             self.next.prefetch()
         prediction_error = float("nan")  # of the loads the plan assumed
@@ -263,8 +274,9 @@ class ShardedExperts:
             self.last_tokens_ED = tokens_ED
             self.last_decision = Decision.of(self.owner_E, placed_ED, lp, plan, ctx.clock)
         self.stats = self._stats(layout, plan, tokens_ED, lp, gather_exposed=gather_exposed, critical_s=critical_s,
-                                 gather_sent=gather_sent, token_bytes=x_TH.shape[1] * x_TH.element_size(),
+                                 gather_sent=gather_sent, token_bytes=token_bytes,
                                  prediction_error=prediction_error, window=window, ctx=ctx)
+        self.stats["pipeline_degree_fwd"], self.stats["pipeline_degree_bwd"] = degrees
         return out_TH, tokens_ED
 
     def _replay(self, x_TH, idx_TK, weights_TK) -> torch.Tensor:
@@ -279,8 +291,30 @@ class ShardedExperts:
             replica_RP = self.replicas.rematerialized()  # the backward of the same Function reuses it
         elif torch.is_grad_enabled() and self.trainable and not it.hooked:
             self.replicas.hook_replicas(replica_RP, it.layout)  # the first pass ran without a graph (reentrant)
-        expert_fn = self._expert_fn(replica_RP, remat=it.remat, local_E=it.layout.local_E)
-        return self.dispatcher.run(x_TH, weights_TK, it.route, expert_fn=expert_fn)
+        return self._run(x_TH, weights_TK, it.route, replica_RP, remat=it.remat, local_E=it.layout.local_E,
+                         degrees=it.degrees)
+
+    def _degrees(self, ctx: StepContext, plan, token_bytes: int) -> tuple:
+        """(forward, backward) pipeline degrees: the context's, or under "auto" the schedule's
+        choice on the agreed costs and this plan's loads (the same on every rank)."""
+        pd = ctx.pipeline_degree
+        if pd != "auto":
+            return (int(pd[0]), int(pd[1]))
+        if ctx.schedule_costs is None:
+            return (1, 1)
+        loads = loads_from_plan(plan, ranks_per_node=self.topology.ranks_per_node, token_bytes=token_bytes)
+        return tuple(int(d) for d in choose_degrees(ctx.schedule_costs, loads))
+
+    def _run(self, x_TH, weights_TK, r, replica_RP, *, remat: bool, local_E, degrees: tuple) -> torch.Tensor:
+        """Degree (1, 1): today's ``compute.dispatch_compute_combine``; otherwise the chunked
+        pipeline (``moe/pipeline.py``) over the same weights."""
+        if tuple(degrees) == (1, 1):
+            return self.dispatcher.run(x_TH, weights_TK, r,
+                                       expert_fn=self._expert_fn(replica_RP, remat=remat, local_E=local_E))
+        lora = self.lora_factors(local_E) if getattr(self, "lora_factors", None) is not None else None
+        experts = PipelineExperts(spec=self.spec, rows=self.rows, replica=replica_RP, lora=lora,
+                                  source=self.replicas if remat else None)
+        return self.dispatcher.run_pipelined(x_TH, weights_TK, r, experts=experts, degrees=tuple(degrees))
 
     def _expert_fn(self, replica_RP, *, remat: bool, local_E: torch.Tensor):
         """The expert function over the owned rows and this forward's replicas (``local_E``: the

@@ -159,3 +159,39 @@ def choose_degrees(costs: ScheduleCosts, loads: list, *, max_degree: int = MAX_D
                 pick, pick_s = n, s
         return pick
     return best(False), best(True)
+
+
+def loads_from_plan(plan, *, ranks_per_node: int, token_bytes: float) -> list:
+    """One :class:`LayerLoad` per rank from the compact dispatch plan every rank has
+    (:class:`~ds_fssdp.planner.plan.DispatchPlan`; nodes are blocks of ``ranks_per_node`` ranks).
+
+    Per exchange (a dispatch; its combine moves the same rows back): rank d's intra-node link
+    carries the larger of the rows it sends to and receives from other ranks of its node; its
+    node's inter-node link the larger of the rows the node sends to and receives from other nodes
+    (one link per node, shared by its ranks); both times ``token_bytes``. ``local_rows``: rows of
+    d's own tokens it computes itself; ``remote_rows``: rows it computes for other ranks."""
+    traffic = plan.traffic_DD().numpy().astype(np.float64)  # [d, h]: rows d sends h (diagonal: stays)
+    rows_D = plan.rows_D().numpy().astype(np.float64)
+    D = traffic.shape[0]
+    G = int(ranks_per_node)
+    if G < 1 or D % G:
+        raise ValueError(f"loads_from_plan: ranks_per_node ({ranks_per_node}) must divide the ranks ({D})")
+    node = np.arange(D) // G
+    same = node[:, None] == node[None, :]
+    off = traffic * (1 - np.eye(D))
+    intra_out, intra_in = (off * same).sum(1), (off * same).sum(0)
+    cross = traffic * ~same
+    node_out = np.bincount(node, weights=cross.sum(1), minlength=D // G)
+    node_in = np.bincount(node, weights=cross.sum(0), minlength=D // G)
+    local = np.diag(traffic)
+    return [LayerLoad(intra_bytes=float(max(intra_out[d], intra_in[d]) * token_bytes),
+                      inter_bytes=float(max(node_out[node[d]], node_in[node[d]]) * token_bytes),
+                      local_rows=float(local[d]), remote_rows=float(rows_D[d] - local[d])) for d in range(D)]
+
+
+def default_costs(*, bandwidth: float, latency: float, flops: float, row_flops: float) -> ScheduleCosts:
+    """A :class:`ScheduleCosts` from one link speed (bytes/s, both link classes), one collective
+    startup (s), the expert GEMM's FLOP/s and one row's forward FLOPs (2 x elements per expert):
+    what the runtime uses until a fitted model replaces it."""
+    link = Linear(float(latency), 1.0 / float(bandwidth))
+    return ScheduleCosts(a2a_intra=link, a2a_inter=link, gemm=Linear(0.0, float(row_flops) / float(flops)))

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from deepspeed import comm as dist
 
+from ds_fssdp.moe.pipeline import ExchangeGroups
 from ds_fssdp.topology import Topology
 
 
@@ -30,6 +31,7 @@ class FSSDPGroups:
     edp: object  # this rank's EDP group (None with one group)
     edp_ranks: tuple  # global ranks of this rank's EDP group, ascending
     topology: Topology  # the FSSDP group's nodes
+    exchange: ExchangeGroups | None = None  # the chunked token exchange's intra- and inter-node groups
 
     @property
     def edp_size(self) -> int:
@@ -37,7 +39,8 @@ class FSSDPGroups:
 
     def process_groups(self) -> list:
         """Every group the stage uses (None is the default group), for timeouts."""
-        return [self.tokens, self.params] + ([self.edp] if self.edp is not None else [])
+        ex = [] if self.exchange is None else [g for g in (self.exchange.intra, self.exchange.inter) if g is not None]
+        return [self.tokens, self.params] + ([self.edp] if self.edp is not None else []) + ex
 
 
 def fssdp_ranks(world: int, group_size: int) -> list:
@@ -61,7 +64,9 @@ def build_groups(*, world: int, rank: int, group_size: int, ranks_per_node: int)
     if group_size == world:
         params = dist.new_group(ranks=list(range(world)))
         return FSSDPGroups(group_size=world, num_groups=1, group_index=0, tokens=None, params=params, edp=None,
-                           edp_ranks=(rank, ), topology=topology)
+                           edp_ranks=(rank, ), topology=topology,
+                           exchange=build_exchange_groups(world=world, rank=rank, group_size=world,
+                                                          ranks_per_node=ranks_per_node))
     # torch requires every rank to create every group, in the same order.
     tokens = params = edp = None
     for k, ranks in enumerate(fssdp_ranks(world, group_size)):
@@ -73,5 +78,25 @@ def build_groups(*, world: int, rank: int, group_size: int, ranks_per_node: int)
         g = dist.new_group(ranks=ranks)
         if rank in ranks:
             edp, mine = g, tuple(ranks)
+    exchange = build_exchange_groups(world=world, rank=rank, group_size=group_size, ranks_per_node=ranks_per_node)
     return FSSDPGroups(group_size=group_size, num_groups=world // group_size, group_index=index, tokens=tokens,
-                       params=params, edp=edp, edp_ranks=mine, topology=topology)
+                       params=params, edp=edp, edp_ranks=mine, topology=topology, exchange=exchange)
+
+
+def build_exchange_groups(*, world: int, rank: int, group_size: int, ranks_per_node: int) -> ExchangeGroups:
+    """The chunked token exchange's communicators (``moe/pipeline.py``), collective: per FSSDP
+    group one per node (same-node pairs; with one node the whole FSSDP group) and, with more than
+    one node, one more over the FSSDP group's ranks (cross-node pairs). Separate communicators are
+    separate queues (NCCL: streams), so intra- and inter-node chunks do not wait for each other."""
+    G = group_topology(group_size, ranks_per_node).ranks_per_node
+    intra = inter = None
+    for ranks in fssdp_ranks(world, group_size):
+        for n in range(group_size // G):
+            g = dist.new_group(ranks=ranks[n * G:(n + 1) * G])
+            if rank in ranks[n * G:(n + 1) * G]:
+                intra = g
+        if group_size > G:
+            g = dist.new_group(ranks=ranks)
+            if rank in ranks:
+                inter = g
+    return ExchangeGroups(intra=intra, inter=inter, ranks_per_node=G)

@@ -1,0 +1,394 @@
+"""One layer's token exchange split into ragged chunks that pipeline with the expert compute
+(FSMoE, seed 002; the modelled schedule is ``planner/schedule.py``'s docstring), forward degree f
+and backward degree b independent.
+
+Legend: T tokens, K top-k, H hidden, R rows received, S local compute slots, D ranks, P elements
+per expert, f / b the forward / backward degrees.
+
+* **Cuts.** For every (source, destination) pair with n rows, chunk i of n chunks is rows
+  ``[floor(n (i-1) / deg), floor(n i / deg))`` of the pair's block (ragged, never padded; empty
+  and one-row chunks are legal). The **atoms** are the pieces between the union of the forward
+  cuts {i/f} and the backward cuts {j/b}: a forward chunk and a backward chunk are each a run of
+  whole atoms, so the forward's autograd graphs (one per atom) serve the backward's chunks.
+* **Local first.** The rows of this rank's own tokens on experts it holds (source == self) never
+  enter a collective: they are computed first, while chunk 1 is in flight.
+* **Order.** Dispatch i+1 is launched before chunk i is computed, combine i as soon as chunk i is
+  computed: the links run D1 D2 C1 D3 C2 ... Cn, as modelled. The backward runs the same schedule
+  over the output gradients at degree b.
+* **Links.** Same-node pairs go over the node's group, cross-node pairs over a second group of
+  the token group's ranks (same-node splits 0): two communicators, so two queues (NCCL: two
+  streams). One node: the node group only (:class:`ExchangeGroups`).
+* **Autograd.** One Function (:class:`PipelinedExperts`) over the exchange + expert compute +
+  exchange back: its forward computes each atom's expert MLP under ``enable_grad`` on detached
+  leaves (the atom's input rows; the weights: owned rows, replica rows, LoRA factors), its
+  backward runs its own chunked schedule and takes ``torch.autograd.grad`` per backward chunk.
+  Under re-materialization the forward keeps no graph: the backward fetches the replicas once
+  (``source.rematerialized()``), recomputes each atom and hands the summed replica gradient to
+  ``source.replica_grad_ready`` once.
+
+Degree (1, 1) is not this module: the layer runs ``compute.dispatch_compute_combine`` unchanged.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Mapping, Optional, Sequence
+
+import torch
+from deepspeed import comm as dist
+
+from ds_fssdp import ops
+from ds_fssdp.ops.lora import LoraFactors
+
+
+@dataclass(frozen=True)
+class ExchangeGroups:
+    """The token exchange's communicators (built by ``runtime/groups.py``; passed in).
+
+    ``intra``: this rank's node inside its FSSDP group (group ranks ``node * G .. node * G + G - 1``,
+    in that order); with one node, all of the FSSDP group's ranks. ``inter``: all of the FSSDP
+    group's ranks, for the cross-node pairs (None: one node)."""
+    intra: object
+    inter: object | None
+    ranks_per_node: int
+
+
+def atom_cuts(forward: int, backward: int) -> list:
+    """The sorted union of {i / forward} and {j / backward} (Fractions, 0 and 1 included)."""
+    if forward < 1 or backward < 1:
+        raise ValueError(f"pipeline degrees ({forward}, {backward}) must be >= 1")
+    return sorted({Fraction(i, forward) for i in range(forward + 1)} | {Fraction(j, backward)
+                                                                       for j in range(backward + 1)})
+
+
+def cut(n: int, q: Fraction) -> int:
+    """floor(n * q): where a pair of n rows is cut at fraction q."""
+    return n * q.numerator // q.denominator
+
+
+class ChunkPlan:
+    """The cuts of one dispatch (this rank's view), computed once per forward on the host.
+
+    ``units[a]`` for atom a (and ``units[-1]`` for the local rows): the compute-order positions'
+    receive rows (long [n]) and its rows per local slot (list [S])."""
+
+    def __init__(self, *, rank: int, degrees: tuple, send_splits: list, recv_splits: list, group_perm: torch.Tensor,
+                 group_sizes: list):
+        self.rank, self.degrees = rank, tuple(int(d) for d in degrees)
+        self.cuts = atom_cuts(*self.degrees)
+        self.send_splits, self.recv_splits = [int(n) for n in send_splits], [int(n) for n in recv_splits]
+        self.send_off = _offsets(self.send_splits)
+        self.recv_off = _offsets(self.recv_splits)
+        A, S = len(self.cuts) - 1, len(group_sizes)
+        # Unit of every received row: its atom, A for the local rows (source == this rank).
+        unit_R = torch.empty(sum(self.recv_splits), dtype=torch.long)
+        for s, (off, m) in enumerate(zip(self.recv_off, self.recv_splits)):
+            if s == rank:
+                unit_R[off:off + m] = A
+                continue
+            for a in range(A):
+                unit_R[off + cut(m, self.cuts[a]):off + cut(m, self.cuts[a + 1])] = a
+        perm_C = group_perm.to("cpu", torch.long)
+        slot_C = torch.repeat_interleave(torch.arange(S), torch.tensor(group_sizes, dtype=torch.long))
+        unit_C = unit_R[perm_C]
+        order = torch.sort(unit_C, stable=True).indices  # compute order kept inside a unit
+        counts = torch.bincount(unit_C, minlength=A + 1).tolist()
+        self.units = []
+        start = 0
+        for n in counts:
+            pos = order[start:start + n]
+            self.units.append((perm_C[pos], torch.bincount(slot_C[pos], minlength=S).tolist()))
+            start += n
+
+    def chunk(self, degree: int, i: int) -> tuple:
+        """Chunk i (0-based) of ``degree``: its fractions (q0, q1) and its atoms."""
+        q0, q1 = Fraction(i, degree), Fraction(i + 1, degree)
+        atoms = [a for a in range(len(self.cuts) - 1) if self.cuts[a] >= q0 and self.cuts[a + 1] <= q1]
+        return q0, q1, atoms
+
+    def ranges(self, side: str, q0: Fraction, q1: Fraction) -> list:
+        """Rows ``[lo, hi)`` of each peer's block between fractions q0 and q1 (None for this rank),
+        in the send buffer (``side`` "send") or the receive buffer ("recv")."""
+        splits, off = (self.send_splits, self.send_off) if side == "send" else (self.recv_splits, self.recv_off)
+        return [None if d == self.rank else (o + cut(n, q0), o + cut(n, q1)) for d, (o, n) in enumerate(zip(off, splits))]
+
+    def local(self, side: str) -> tuple:
+        """This rank's own block ``[lo, hi)`` in the send or receive buffer."""
+        splits, off = (self.send_splits, self.send_off) if side == "send" else (self.recv_splits, self.recv_off)
+        return off[self.rank], off[self.rank] + splits[self.rank]
+
+
+def _offsets(splits: list) -> list:
+    out, acc = [], 0
+    for n in splits:
+        out.append(acc)
+        acc += n
+    return out
+
+
+class _Pending:
+    """An exchange in flight: its parts' works and receive buffers, landed into ``dst``."""
+
+    def __init__(self, parts: list):
+        self.parts = parts  # (work, recv, [(dst lo, dst hi)] in recv order)
+
+    def land(self, dst: torch.Tensor) -> None:
+        for work, recv, spans in self.parts:
+            work.wait()
+            at = 0
+            for lo, hi in spans:
+                if hi > lo:
+                    dst[lo:hi].copy_(recv[at:at + hi - lo])
+                    at += hi - lo
+
+
+def start_exchange(groups: ExchangeGroups, rank: int, world: int, src: torch.Tensor, src_ranges: list,
+                   dst_ranges: list) -> _Pending:
+    """Send ``src[src_ranges[d]]`` to every peer d, receive ``dst_ranges[d]``'s rows from it
+    (asynchronous, through deepspeed.comm): one all-to-all per link class, every rank joins each."""
+    G = groups.ranks_per_node if groups.inter is not None else world
+    node = rank // G
+    parts = []
+    link_peers = [(groups.intra, list(range(node * G, node * G + G)), lambda d: True)]
+    if groups.inter is not None:
+        link_peers.append((groups.inter, list(range(world)), lambda d: d // G != node))
+    empty = (0, 0)
+    for group, peers, remote in link_peers:
+        srcs = [(src_ranges[d] if src_ranges[d] is not None and remote(d) else empty) for d in peers]
+        dsts = [(dst_ranges[d] if dst_ranges[d] is not None and remote(d) else empty) for d in peers]
+        in_splits = [hi - lo for lo, hi in srcs]
+        out_splits = [hi - lo for lo, hi in dsts]
+        pieces = [src[lo:hi] for lo, hi in srcs if hi > lo]
+        send = torch.cat(pieces) if pieces else src.new_empty((0, ) + tuple(src.shape[1:]))
+        recv = src.new_empty((sum(out_splits), ) + tuple(src.shape[1:]))
+        work = dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=out_splits,
+                                      input_split_sizes=in_splits, group=group, async_op=True)
+        parts.append((work, recv, dsts))
+    return _Pending(parts)
+
+
+@dataclass
+class PipelineExperts:
+    """The expert computation of one forward: the weights autograd sees as inputs and how to
+    build the expert function from their leaves.
+
+    ``rows``: owned rows [S0, P]; ``replica``: replica rows [R, P] (an autograd input), or, under
+    re-materialization (``source`` set), the forward's replicas (not an input: the backward gets
+    them again from ``source.rematerialized()`` and gives their gradient to
+    ``source.replica_grad_ready``); ``lora``: LoRA factors by weight name (``ops.expert_mlp``)."""
+    spec: object  # ExpertSpec
+    rows: torch.Tensor
+    replica: torch.Tensor
+    lora: Optional[Mapping[str, Sequence[LoraFactors]]] = None
+    source: object | None = None  # the replica manager under re-materialization
+
+    @property
+    def remat(self) -> bool:
+        return self.source is not None
+
+    def inputs(self) -> list:
+        """The tensors the Function takes (and returns gradients for), in order."""
+        out = [self.rows] + ([] if self.remat else [self.replica])
+        for name in sorted(self.lora or {}):
+            for f in self.lora[name]:
+                out += [f.a_GIr, f.b_GrO]
+        return out
+
+    def build(self, tensors: list, replica: torch.Tensor | None = None) -> tuple:
+        """(expert_fn, weight views by name, LoRA leaves) over ``tensors`` (leaves, in
+        :meth:`inputs`' order); ``replica``: the replica rows under re-materialization."""
+        rows = tensors[0]
+        k = 1
+        if not self.remat:
+            replica, k = tensors[1], 2
+        lora, leaves = {}, []
+        for name in sorted(self.lora or {}):
+            fs = []
+            for f in self.lora[name]:
+                a, b = tensors[k], tensors[k + 1]
+                k += 2
+                leaves += [a, b]
+                fs.append(LoraFactors(a, b, f.scaling))
+            lora[name] = fs
+        weights = self.spec.views(torch.cat([rows, replica]))
+        fn = functools.partial(ops.expert_mlp, activation=self.spec.activation, act_params=self.spec.act_params,
+                               lora=lora or None)
+        return (lambda x_RH, sizes: fn(x_RH, weights, sizes)), weights, leaves
+
+
+class PipelinedExperts(torch.autograd.Function):
+    """send_RH (send order) -> y_sent_RH (send order): dispatch, expert compute, combine in chunks.
+
+    Interface (for the integrator of per-chunk expansion, e.g. one copy per destination): the
+    exchanged unit is a chunk of each (source, destination) pair's rows cut by :class:`ChunkPlan`;
+    the received rows are grouped per atom through ``plan.units`` (receive positions and rows per
+    local slot); a per-chunk expand would replace the receive positions by expanded ones and the
+    combine send by its sum."""
+
+    @staticmethod
+    def forward(ctx, send_RH, plan: ChunkPlan, experts: PipelineExperts, groups: ExchangeGroups, world: int,
+                record: bool, *tensors):
+        f, _ = plan.degrees
+        rank = plan.rank
+        H = send_RH.shape[1:]
+        x_recv = send_RH.new_empty((sum(plan.recv_splits), ) + tuple(H))
+        y_recv = torch.empty_like(x_recv)
+        y_sent = torch.empty_like(send_RH)
+        keep = record and not experts.remat  # the forward's graphs serve the backward
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+        replica = experts.replica.detach() if experts.remat else None
+        graphs = {}
+
+        def compute(u: int) -> None:
+            pos, sizes = plan.units[u]
+            if pos.numel() == 0:
+                return
+            pos = pos.to(x_recv.device)
+            x = x_recv.index_select(0, pos)
+            if keep:
+                x.requires_grad_(True)
+                with torch.enable_grad():
+                    y = fn(x, sizes)
+                graphs[u] = (x, y)
+            else:
+                y = fn(x, sizes)
+            y_recv.index_copy_(0, pos, y.detach())
+
+        # Identity hooks: this Function's own graphs keep their tensors (an enclosing checkpoint's
+        # hooks would otherwise replace them; its recompute replays the whole Function instead).
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), torch.set_grad_enabled(keep):
+            fn, weights, lora_leaves = experts.build(leaves, replica)
+            pending = start_exchange(groups, rank, world, send_RH, plan.ranges("send", *plan.chunk(f, 0)[:2]),
+                                     plan.ranges("recv", *plan.chunk(f, 0)[:2]))
+            (slo, shi), (rlo, rhi) = plan.local("send"), plan.local("recv")
+            x_recv[rlo:rhi].copy_(send_RH[slo:shi])
+            compute(len(plan.units) - 1)  # the local rows, while chunk 1 is in flight
+            y_sent[slo:shi].copy_(y_recv[rlo:rhi])
+            combines = []
+            for i in range(f):
+                q0, q1, atoms = plan.chunk(f, i)
+                nxt = None
+                if i + 1 < f:
+                    n0, n1, _ = plan.chunk(f, i + 1)
+                    nxt = start_exchange(groups, rank, world, send_RH, plan.ranges("send", n0, n1),
+                                         plan.ranges("recv", n0, n1))
+                pending.land(x_recv)
+                for a in atoms:
+                    compute(a)
+                combines.append(start_exchange(groups, rank, world, y_recv, plan.ranges("recv", q0, q1),
+                                               plan.ranges("send", q0, q1)))
+                pending = nxt
+            for c in combines:
+                c.land(y_sent)
+        ctx.plan, ctx.experts, ctx.groups, ctx.world = plan, experts, groups, world
+        ctx.graphs, ctx.weights, ctx.lora_leaves, ctx.leaves = graphs, weights, lora_leaves, leaves
+        ctx.x_recv = None if keep else x_recv  # re-materialization recomputes from the inputs
+        ctx.needs = [t.requires_grad for t in tensors]
+        return y_sent
+
+    @staticmethod
+    def backward(ctx, dy_sent):
+        plan, experts, groups, world = ctx.plan, ctx.experts, ctx.groups, ctx.world
+        _, b = plan.degrees
+        rank = plan.rank
+        dy_sent = dy_sent.contiguous()
+        dy_recv = dy_sent.new_empty((sum(plan.recv_splits), ) + tuple(dy_sent.shape[1:]))
+        dx_recv = torch.empty_like(dy_recv)
+        dx_send = torch.empty_like(dy_sent)
+        graphs, weights, lora_leaves = ctx.graphs, ctx.weights, ctx.lora_leaves
+        if experts.remat:  # fetch the replicas once, rebuild the weights' graph once
+            replica = experts.source.rematerialized().detach().requires_grad_(experts.rows.requires_grad)
+            leaves = [t.detach().requires_grad_(t.requires_grad) for t in ctx.leaves]
+            with torch.enable_grad():
+                fn, weights, lora_leaves = experts.build(leaves, replica)
+        w_names = list(weights)
+        w_tensors = [weights[n] for n in w_names]
+        targets = [t for t in w_tensors + list(lora_leaves) if t.requires_grad]
+        sums = [None] * len(targets)
+
+        def grads(units: list) -> None:
+            xs, ys, gs = [], [], []
+            for u in units:
+                pos, sizes = plan.units[u]
+                if pos.numel() == 0:
+                    continue
+                pos = pos.to(dy_recv.device)
+                if experts.remat:
+                    with torch.enable_grad():
+                        x = ctx.x_recv.index_select(0, pos).requires_grad_(True)
+                        y = fn(x, sizes)
+                else:
+                    x, y = graphs.pop(u)
+                xs.append((x, pos))
+                ys.append(y)
+                gs.append(dy_recv.index_select(0, pos))
+            if not ys:
+                return
+            out = torch.autograd.grad(ys, [x for x, _ in xs] + targets, gs, allow_unused=True)
+            for (x, pos), g in zip(xs, out[:len(xs)]):
+                dx_recv.index_copy_(0, pos, g if g is not None else torch.zeros_like(x))
+            for j, g in enumerate(out[len(xs):]):
+                if g is not None:
+                    sums[j] = g if sums[j] is None else sums[j] + g
+
+        pending = start_exchange(groups, rank, world, dy_sent, plan.ranges("send", *plan.chunk(b, 0)[:2]),
+                                 plan.ranges("recv", *plan.chunk(b, 0)[:2]))
+        (slo, shi), (rlo, rhi) = plan.local("send"), plan.local("recv")
+        dy_recv[rlo:rhi].copy_(dy_sent[slo:shi])
+        grads([len(plan.units) - 1])
+        dx_send[slo:shi].copy_(dx_recv[rlo:rhi])
+        returns = []
+        for j in range(b):
+            q0, q1, atoms = plan.chunk(b, j)
+            nxt = None
+            if j + 1 < b:
+                n0, n1, _ = plan.chunk(b, j + 1)
+                nxt = start_exchange(groups, rank, world, dy_sent, plan.ranges("send", n0, n1),
+                                     plan.ranges("recv", n0, n1))
+            pending.land(dy_recv)
+            grads(atoms)
+            returns.append(start_exchange(groups, rank, world, dx_recv, plan.ranges("recv", q0, q1),
+                                          plan.ranges("send", q0, q1)))
+            pending = nxt
+        for r in returns:
+            r.land(dx_send)
+        # Weight gradients: named [S + R, ...] sums -> rows; LoRA leaves as they are.
+        by_target = {id(t): g for t, g in zip(targets, sums)}
+        named = {n: (by_target.get(id(t)) if by_target.get(id(t)) is not None else torch.zeros_like(t))
+                 for n, t in zip(w_names, w_tensors)}
+        d_rows_all = torch.cat([named[n].reshape(named[n].shape[0], math.prod(named[n].shape[1:]))
+                                for n in experts.spec.names], dim=1)  # spec.flatten, also for 0 rows
+        S0 = experts.rows.shape[0]
+        d_rows, d_replica = d_rows_all[:S0], d_rows_all[S0:]
+        out = [d_rows if ctx.needs[0] else None]
+        k = 1
+        if experts.remat:
+            experts.source.replica_grad_ready(d_replica)
+        else:
+            out.append(d_replica if ctx.needs[1] else None)
+            k = 2
+        for leaf, need in zip(lora_leaves, ctx.needs[k:]):
+            g = by_target.get(id(leaf))
+            out.append((g if g is not None else torch.zeros_like(leaf)) if need else None)
+        ctx.graphs = ctx.weights = ctx.x_recv = None
+        return (dx_send, None, None, None, None, None, *out)
+
+
+def pipelined_dispatch_compute_combine(x_TH: torch.Tensor, weights_TK: torch.Tensor, route, *,
+                                       experts: PipelineExperts, degrees: tuple, groups: ExchangeGroups, rank: int,
+                                       world: int) -> torch.Tensor:
+    """``compute.dispatch_compute_combine`` with the exchange + expert compute chunked at
+    ``degrees`` (forward, backward): the same send buffer and the same combine around one
+    :class:`PipelinedExperts`."""
+    dev = x_TH.device
+    T, K = weights_TK.shape
+    unsend_TK = functools.cache(lambda: route.unsend.to(dev).view(T, K))
+    send_RH = ops.permute_tokens(x_TH, route.send_token, unsend_TK)
+    plan = ChunkPlan(rank=rank, degrees=degrees, send_splits=route.send_splits, recv_splits=route.recv_splits,
+                     group_perm=route.group_perm, group_sizes=route.group_sizes)
+    tensors = experts.inputs()
+    record = torch.is_grad_enabled() and (send_RH.requires_grad or any(t.requires_grad for t in tensors))
+    y_sent_RH = PipelinedExperts.apply(send_RH, plan, experts, groups, world, record, *tensors)
+    return ops.unpermute_combine(y_sent_RH, unsend_TK(), weights_TK)

@@ -1,0 +1,169 @@
+"""The chunked token-exchange pipeline (moe/pipeline.py) equals the single-process layer: degrees
+1 to 4 with forward != backward, empty and one-row chunks, ragged splits, 1, 2 and 4 logical
+nodes (intra- and inter-node groups), re-materialization on and off, under activation
+checkpointing (reentrant and not); and the schedule's loads_from_plan against a hand count."""
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from distributed import spawn
+
+pytestmark = pytest.mark.distributed  # spawns ranks or launches processes
+
+H, F, E, K = 8, 12, 6, 2
+WORLD = 4
+CASES = [
+    # degrees (forward, backward), ranks per node, tokens per rank, two chained layers, RM, checkpoint
+    dict(seed=1, deg=(2, 3), rpn=4, act="gelu", tokens=(7, 5, 9, 3)),
+    dict(seed=2, deg=(3, 2), rpn=2, act="swiglu", tokens=(4, 11, 6, 8)),
+    dict(seed=3, deg=(4, 4), rpn=2, act="gelu", tokens=(1, 2, 0, 3)),  # empty and one-row chunks
+    dict(seed=4, deg=(1, 4), rpn=1, act="swiglu", tokens=(13, 2, 5, 9)),
+    dict(seed=5, deg=(4, 1), rpn=2, act="gelu", tokens=(6, 0, 17, 4)),
+    dict(seed=6, deg=(3, 2), rpn=2, act="swiglu", tokens=(9, 7, 3, 12), layers=2, remat=True),
+    dict(seed=7, deg=(2, 3), rpn=2, act="gelu", tokens=(5, 8, 11, 2), layers=2, ckpt="torch"),
+    dict(seed=8, deg=(4, 3), rpn=4, act="gelu", tokens=(10, 3, 6, 7), layers=2, remat=True, ckpt="reentrant"),
+    dict(seed=9, deg=(1, 1), rpn=2, act="swiglu", tokens=(7, 5, 9, 3)),  # today's path
+]
+TOL = dict(atol=2e-6, rtol=1e-5)  # fp32: only the summation order of identical products differs
+
+
+def make_layers(case):
+    from ds_fssdp import FSSDPMoE
+    torch.manual_seed(case["seed"])
+    return [FSSDPMoE(hidden_size=H, ffn_hidden_size=F, num_experts=E, k=K, activation=case["act"], init_std=0.3)
+            for _ in range(case.get("layers", 1))]
+
+
+def placements(case, world, n):
+    from ds_fssdp.planner import shard_placement
+    gen = torch.Generator().manual_seed(100 + case["seed"])
+    out = []
+    for _ in range(n):
+        owner_E = torch.randint(0, world, (E, ), generator=gen)
+        out.append((owner_E, shard_placement(owner_E, world) | (torch.rand(E, world, generator=gen) < 0.4)))
+    return out
+
+
+def rank_inputs(case, rank):
+    gen = torch.Generator().manual_seed(1000 * case["seed"] + rank)
+    T = case["tokens"][rank]
+    return torch.randn(T, H, generator=gen), torch.randn(T, H, generator=gen)
+
+
+def model_forward(layers, x, ckpt):
+    def run(x):
+        l_aux = 0.0
+        for layer in layers:
+            x, aux, _ = layer(x)
+            l_aux = l_aux + aux
+        return x, l_aux
+    if ckpt == "torch":
+        return torch.utils.checkpoint.checkpoint(run, x, use_reentrant=False)
+    if ckpt == "reentrant":
+        return torch.utils.checkpoint.checkpoint(run, x, use_reentrant=True)
+    return run(x)
+
+
+def _worker(rank, world, cases):
+    from ds_fssdp import Topology
+    from ds_fssdp.moe.sharded import ShardedExperts, ShardOptions, chain, default_context
+    from ds_fssdp.planner import LoadPredictor
+    from ds_fssdp.runtime.groups import build_exchange_groups
+    groups = {rpn: build_exchange_groups(world=world, rank=rank, group_size=world, ranks_per_node=rpn)
+              for rpn in sorted({c["rpn"] for c in cases})}
+    out = []
+    for case in cases:
+        layers = make_layers(case)
+        topo = Topology(num_ranks=world, ranks_per_node=case["rpn"])
+        shards = []
+        predictor = LoadPredictor([E] * len(layers))
+        for i, (layer, (owner_E, placement_ED)) in enumerate(zip(layers, placements(case, world, len(layers)))):
+            rows = layer.spec.flatten(layer.export_experts())[owner_E == rank]
+            ctx = dataclasses.replace(default_context(E, topo, predictor, i)(), pipeline_degree=case["deg"])
+            s = ShardedExperts(spec=layer.spec, layer_index=i, owner_E=owner_E, rows_SP=rows, topology=topo,
+                               group=None, predictor=predictor, exchange=groups[case["rpn"]],
+                               options=ShardOptions(rematerialize=case.get("remat", False)),
+                               context=lambda c=ctx: c)
+            s.plan_placement = lambda ctx, p=placement_ED: p
+            layer.attach_sharded(s)
+            shards.append(s)
+        chain(shards)
+        x, dy = rank_inputs(case, rank)
+        x.requires_grad_(True)
+        y, l_aux = model_forward(layers, x, case.get("ckpt"))
+        ((y * dy).sum() + 0.1 * l_aux).backward()
+        for s in shards:
+            s.accumulate_grads()
+        out.append(dict(y=y.detach(), x_grad=x.grad, gate_grads=[l.gate.weight.grad for l in layers],
+                        owned=[(s.owned_E, s.master.grad.clone()) for s in shards],
+                        degrees=[(l.last_stats["pipeline_degree_fwd"], l.last_stats["pipeline_degree_bwd"])
+                                 for l in layers]))
+    return out
+
+
+def _reference(case, world):
+    layers = make_layers(case)
+    per_rank = []
+    for rank in range(world):
+        for layer in layers:
+            layer.zero_grad()
+        x, dy = rank_inputs(case, rank)
+        x.requires_grad_(True)
+        y, l_aux = model_forward(layers, x, None)
+        ((y * dy).sum() + 0.1 * l_aux).backward()
+        per_rank.append(dict(y=y.detach(), x_grad=x.grad, gate_grads=[l.gate.weight.grad.clone() for l in layers],
+                             expert_grads=[l.spec.flatten({n: getattr(l, n).grad for n in l.spec.names})
+                                           for l in layers]))
+    sums = [torch.stack([r["expert_grads"][i] for r in per_rank]).sum(0) for i in range(len(layers))]
+    return per_rank, sums
+
+
+def test_pipeline_matches_single_process():
+    results = spawn(WORLD, _worker, CASES)
+    for ci, case in enumerate(CASES):
+        ref, sums = _reference(case, WORLD)
+        for rank in range(WORLD):
+            got, want = results[rank][ci], ref[rank]
+            where = f"case {ci} (seed {case['seed']}, degrees {case['deg']}) rank {rank}"
+            assert got["degrees"] == [case["deg"]] * len(sums), where
+            torch.testing.assert_close(got["y"], want["y"], **TOL, msg=where)
+            torch.testing.assert_close(got["x_grad"], want["x_grad"], **TOL, msg=where)
+            for g, w in zip(got["gate_grads"], want["gate_grads"]):
+                torch.testing.assert_close(g, w, **TOL, msg=where)
+            for (owned_E, grad), total in zip(got["owned"], sums):
+                torch.testing.assert_close(grad, total[owned_E], **TOL, msg=where)
+
+
+def test_loads_from_plan_hand_count():
+    from ds_fssdp.planner.plan import DispatchPlan
+    from ds_fssdp.planner.schedule import LayerLoad, choose_degrees, loads_from_plan
+    # 4 ranks, 2 nodes {0, 1} {2, 3}; experts 0 -> rank 0, 1 -> rank 2, 2 -> rank 3; expert 3 replicated
+    # on ranks 1 and 2: rank 0 sends it 2 tokens to rank 1 and 1 to rank 2; rank 3 sends 4 to rank 2.
+    tokens_ED = np.array([[3, 1, 0, 2], [0, 2, 5, 1], [1, 0, 0, 0], [3, 0, 0, 4]], dtype=np.int64)
+    plan = DispatchPlan(tokens_ED=tokens_ED, holder_E=np.array([0, 2, 3, -1]), rep_X=np.array([3]),
+                        flows_4F=np.array([[0, 0, 0], [1, 2, 2], [0, 0, 3], [2, 1, 4]]))
+    # traffic[d, h]: d=0: 3 stay, 1 -> r3 (e2), 2 -> r1, 1 -> r2 (e3); d=1: 1 -> r0, 2 -> r2;
+    # d=2: 5 stay; d=3: 2 -> r0, 1 -> r2, 4 -> r2.
+    traffic = plan.traffic_DD().numpy()
+    assert traffic.tolist() == [[3, 2, 1, 1], [1, 0, 2, 0], [0, 0, 5, 0], [2, 0, 5, 0]]
+    loads = loads_from_plan(plan, ranks_per_node=2, token_bytes=10)
+    # intra: r0 sends 2 (to r1), receives 1 (from r1); r1 sends 1, receives 2; r2 sends 0, receives 5
+    # (from r3); r3 sends 5, receives 0. Node 0 sends 1+1+2 = 4 across, receives 2+0 = 2 (r3 -> r0);
+    # node 1 sends 2, receives 4.
+    assert loads == [LayerLoad(20.0, 40.0, 3.0, 3.0), LayerLoad(20.0, 40.0, 0.0, 2.0),
+                     LayerLoad(50.0, 40.0, 5.0, 8.0), LayerLoad(50.0, 40.0, 0.0, 1.0)]
+    # One node: every cross-rank row is intra, no inter bytes.
+    one = loads_from_plan(plan, ranks_per_node=4, token_bytes=1)
+    assert [ld.inter_bytes for ld in one] == [0.0] * 4
+    assert [ld.intra_bytes for ld in one] == [4.0, 3.0, 8.0, 7.0]
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        loads_from_plan(plan, ranks_per_node=3, token_bytes=1)
+    f, b = choose_degrees(_costs(), loads)
+    assert 1 <= f <= 8 and 1 <= b <= 8
+
+
+def _costs():
+    from ds_fssdp.planner.schedule import Linear, ScheduleCosts
+    return ScheduleCosts(a2a_intra=Linear(1e-5, 1e-9), a2a_inter=Linear(1e-5, 1e-8), gemm=Linear(1e-6, 1e-6))
