@@ -28,6 +28,13 @@ BAD = [
     ({"ranks_per_node": "two"}, "fssdp.ranks_per_node ('two') must be \"auto\", null or an int >= 1"),
     ({"materialisation_budget": 2}, "fssdp.materialisation_budget (2) is not a known key"),
     ({"router_bias_update_rate": -0.1}, "fssdp.router_bias_update_rate (-0.1)"),
+    ({"pipeline_degree": 0}, "fssdp.pipeline_degree (0) must be \"auto\", an int >= 1 or {\"forward\": n, \"backward\": n}"),
+    ({"pipeline_degree": "max"}, "fssdp.pipeline_degree ('max') must be \"auto\", an int >= 1 or {\"forward\": n, \"backward\": n}"),
+    ({"pipeline_degree": 2.0}, "fssdp.pipeline_degree (2.0) must be \"auto\", an int >= 1 or {\"forward\": n, \"backward\": n}"),
+    ({"pipeline_degree": True}, "fssdp.pipeline_degree (True) must be \"auto\", an int >= 1 or {\"forward\": n, \"backward\": n}"),
+    ({"pipeline_degree": {"forward": 0, "backward": 2}}, "fssdp.pipeline_degree ({'forward': 0, 'backward': 2}) must be \"auto\", an int >= 1 or {\"forward\": n, \"backward\": n}"),
+    ({"pipeline_degree": {"forward": 2}}, "fssdp.pipeline_degree ({'forward': 2}) must be \"auto\", an int >= 1 or {\"forward\": n, \"backward\": n}"),
+    ({"pipeline_degree": {"forward": 2, "backward": 1, "both": 3}}, "fssdp.pipeline_degree ({'forward': 2, 'backward': 1, 'both': 3}) must be \"auto\", an int >= 1 or {\"forward\": n, \"backward\": n}"),
 ]
 
 
@@ -45,6 +52,15 @@ def test_defaults_and_missing_section():
     assert not FSSDPConfig.from_ds_config({"train_batch_size": 8}).enabled
     with pytest.raises(FSSDPConfigError, match="must be an object"):
         FSSDPConfig.from_ds_config({"fssdp": [1, 2]})
+
+
+def test_pipeline_degree_forms():
+    assert FSSDPConfig.from_ds_config({"fssdp": {}}).pipeline_degrees() == "auto"
+    assert FSSDPConfig.from_ds_config({"fssdp": {"pipeline_degree": "auto"}}).pipeline_degrees() == "auto"
+    assert FSSDPConfig.from_ds_config({"fssdp": {"pipeline_degree": 1}}).pipeline_degrees() == (1, 1)
+    assert FSSDPConfig.from_ds_config({"fssdp": {"pipeline_degree": 4}}).pipeline_degrees() == (4, 4)
+    cfg = FSSDPConfig.from_ds_config({"fssdp": {"pipeline_degree": {"forward": 3, "backward": 2}}})
+    assert cfg.pipeline_degrees() == (3, 2)
 
 
 def test_ranks_per_node_resolution():

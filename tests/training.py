@@ -98,7 +98,8 @@ def train_worker(rank, world, runs: dict, steps: int):
                 engine.fssdp.memory.reset_peak()
                 local_bytes.append([l.last_stats["replica_bytes_local"] for l in model.moe_layers()])
                 layer_stats.append([{k: l.last_stats.get(k) for k in ("shadowed", "calibration", "overlap_degree",
-                                                                        "straggler")} for l in model.moe_layers()])
+                                                                        "straggler", "pipeline_degree_fwd",
+                                                                        "pipeline_degree_bwd")} for l in model.moe_layers()])
                 engine.step()
                 losses.append(loss.item())
                 replicas.append(sum(l.last_stats["replicas"] for l in model.moe_layers()))

@@ -189,9 +189,10 @@ def loads_from_plan(plan, *, ranks_per_node: int, token_bytes: float) -> list:
                       local_rows=float(local[d]), remote_rows=float(rows_D[d] - local[d])) for d in range(D)]
 
 
-def default_costs(*, bandwidth: float, latency: float, flops: float, row_flops: float) -> ScheduleCosts:
-    """A :class:`ScheduleCosts` from one link speed (bytes/s, both link classes), one collective
-    startup (s), the expert GEMM's FLOP/s and one row's forward FLOPs (2 x elements per expert):
-    what the runtime uses until a fitted model replaces it."""
-    link = Linear(float(latency), 1.0 / float(bandwidth))
-    return ScheduleCosts(a2a_intra=link, a2a_inter=link, gemm=Linear(0.0, float(row_flops) / float(flops)))
+def default_costs(*, intra_bw: float, inter_bw: float, latency: float, flops: float, row_flops: float) -> ScheduleCosts:
+    """A :class:`ScheduleCosts` from link speeds (bytes/s), one collective startup (s), the expert
+    GEMM's FLOP/s and one row's forward FLOPs through one expert: what the runtime uses until a
+    fitted model replaces it."""
+    return ScheduleCosts(a2a_intra=Linear(float(latency), 1.0 / float(intra_bw)),
+                         a2a_inter=Linear(float(latency), 1.0 / float(inter_bw)),
+                         gemm=Linear(0.0, float(row_flops) / float(flops)))

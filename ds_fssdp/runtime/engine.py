@@ -74,7 +74,7 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
     # DeepSpeed's divisor of the summed gradients (SP and TP are never combined: refused).
     grad_scale = sp_grad_scale(ds_config, world=world, sp=sp) if tp == 1 else tp_grad_scale(world=world, tp=tp)
     stage = FSSDPStage(layers, fcfg, groups.topology, group=groups.tokens, param_group=groups.params,
-                       edp_group=groups.edp, grad_scale=grad_scale)
+                       edp_group=groups.edp, grad_scale=grad_scale, exchange=groups.exchange)
     stage.groups = groups
     ds_kwargs["model_parameters"] = _without(model_parameters, expert_ids)
     if isinstance(optimizer, torch.optim.Optimizer):

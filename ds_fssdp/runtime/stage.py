@@ -29,6 +29,7 @@ from ds_fssdp.moe.sharded import (ReplicaMemory, ShardedExperts, ShardOptions, S
 from ds_fssdp.planner import CostModel, Hardware, LoadPredictor, auto_materialization_budget, homogeneous_owner
 from ds_fssdp.planner.baselines import Clock, PolicyConfig, make_policy
 from ds_fssdp.planner.layer import LayerPlanner, migrating_policies, migrations
+from ds_fssdp.planner.schedule import ScheduleCosts, default_costs
 from ds_fssdp.runtime.expert_dp import make_expert_state
 from ds_fssdp.runtime.grad_norm import install_expert_norm, loss_scale_of
 from ds_fssdp.runtime.health import NonFiniteGuard
@@ -37,16 +38,20 @@ from ds_fssdp.topology import Topology
 
 # Hyperparameters an LR/momentum schedule changes on DeepSpeed's optimizer; mirrored every step.
 _SCHEDULED = ("lr", "betas", "momentum")
+# "auto" pipeline degrees under deterministic without fssdp.hardware: a documented constant
+# (an accelerator node: 100 TFLOP/s, 200 GB/s inside a node, 25 GB/s between nodes, 10 us startup).
+DEFAULT_HARDWARE = Hardware(flops=1e14, intra_bw=2e11, inter_bw=2.5e10, latency=1e-5)
 
 
 class FSSDPStage:
 
     def __init__(self, layers: list, config: FSSDPConfig, topology: Topology, group, *, param_group=None,
-                 edp_group=None, src_rank: int = 0, grad_scale: float | None = None):
+                 edp_group=None, src_rank: int = 0, grad_scale: float | None = None, exchange=None):
         """``group``: this rank's FSSDP group (token exchange; None: the world), ``param_group``: the
         same ranks for the sparse collectives, ``edp_group``: the ranks at this rank's position in
         every FSSDP group (None: one group), ``topology``: the FSSDP group's nodes, ``grad_scale``:
-        DeepSpeed's factor on summed gradients (None: 1 / world)."""
+        DeepSpeed's factor on summed gradients (None: 1 / world), ``exchange``: the chunked token
+        exchange's groups (``runtime/groups.build_exchange_groups``; None: ``group`` for every pair)."""
         self.layers = list(layers)
         self.config = config
         self.topology = topology
@@ -74,6 +79,8 @@ class FSSDPStage:
         self.planners = []  # LayerPlanner per layer
         self.migrators = []  # who re-shards after a step (planner.layer.migrating_policies)
         self.cost = None  # CostModel (measured at attach or from fssdp.hardware), when a decision needs one
+        self.pipeline_degree = config.pipeline_degrees()  # "auto" or (forward, backward)
+        self.schedule_costs = None  # planner.schedule.ScheduleCosts for "auto" degrees, built in attach
         self.window_s = [None] * len(self.layers)  # the overlap windows every rank agreed on (seconds)
         self.timers = None
         for i, layer in enumerate(self.layers):
@@ -91,7 +98,8 @@ class FSSDPStage:
             layer.attach_sharded(ShardedExperts(spec=layer.spec, layer_index=i, owner_E=owner_E, rows_SP=rows_SP,
                                                 topology=topology, group=group, param_group=self.param_group,
                                                 predictor=self.predictor, options=options, memory=self.memory,
-                                                trainable=trainable, context=lambda l=i: self._context(l)))
+                                                trainable=trainable, context=lambda l=i: self._context(l),
+                                                exchange=exchange))
         chain(self.shards)
         self.optimizer = None
         self.expert_state = None  # ReplicatedExperts | PartitionedExperts (runtime/expert_dp.py), set in attach
@@ -251,6 +259,8 @@ class FSSDPStage:
                      or cfg.overlap_degree == "auto")
         if need_cost:
             self.cost = self._cost_model(dtype, device)
+        if self.pipeline_degree == "auto":
+            self.schedule_costs = self._schedule_costs(dtype, device)
         layer = self.layers[0]
         name = "fssdp-rm" if cfg.policy == "fssdp" and cfg.rematerialize else cfg.policy
         budget = cfg.calibration_latency_budget
@@ -294,6 +304,23 @@ class FSSDPStage:
         self.profile["expert_shape"] = dataclasses.asdict(shape)
         return CostModel(hw, shape, self.topology)
 
+    def _schedule_costs(self, dtype, device) -> ScheduleCosts:
+        """What "auto" pipeline degrees are chosen from (the same on every rank): the cost model's
+        hardware (``fssdp.hardware``, else measured and agreed), startup its latency; under
+        ``deterministic`` without ``hardware``, :data:`DEFAULT_HARDWARE` (no timing decides).
+        A fitted model (startup + rate per collective) replaces this when one exists."""
+        if self.cost is not None:
+            hw = self.cost.hw
+        elif self.config.deterministic and self.config.hardware is None:
+            hw = DEFAULT_HARDWARE
+        else:
+            hw = self._cost_model(dtype, device).hw
+        row_flops = 2.0 * self.layers[0].spec.numel
+        costs = default_costs(intra_bw=hw.intra_bw, inter_bw=hw.inter_bw, latency=hw.latency, flops=hw.flops,
+                              row_flops=row_flops)
+        self.profile["schedule_costs"] = dataclasses.asdict(costs)
+        return costs
+
     def clock(self, l: int) -> Clock:
         """Layer ``l``'s t and calibration latency budget this iteration: the config's, or from the
         window every rank agreed on (the one t function: :meth:`CostModel.overlap_degree`)."""
@@ -307,7 +334,8 @@ class FSSDPStage:
         return Clock(overlap_degree=t, latency_budget=float(budget))
 
     def _context(self, l: int) -> StepContext:
-        return StepContext(planner=self.planners[l], clock=self.clock(l), timers=self.timers)
+        return StepContext(planner=self.planners[l], clock=self.clock(l), timers=self.timers,
+                           pipeline_degree=self.pipeline_degree, schedule_costs=self.schedule_costs)
 
     def _agree_on_windows(self, device) -> None:
         """Decisions that use the measured attention windows ("auto" t, calibration's budget) must

@@ -1,0 +1,37 @@
+"""planner.schedule.loads_from_plan: the per-rank loads of the pipeline's degree choice, counted
+by hand on a small plan with a replicated expert and two nodes."""
+import numpy as np
+import pytest
+
+
+def test_loads_from_plan_hand_count():
+    from ds_fssdp.planner.plan import DispatchPlan
+    from ds_fssdp.planner.schedule import LayerLoad, choose_degrees, loads_from_plan
+    # 4 ranks, 2 nodes {0, 1} {2, 3}; experts 0 -> rank 0, 1 -> rank 2, 2 -> rank 3; expert 3 replicated
+    # on ranks 1 and 2: rank 0 sends it 2 tokens to rank 1 and 1 to rank 2; rank 3 sends 4 to rank 2.
+    tokens_ED = np.array([[3, 1, 0, 2], [0, 2, 5, 1], [1, 0, 0, 0], [3, 0, 0, 4]], dtype=np.int64)
+    plan = DispatchPlan(tokens_ED=tokens_ED, holder_E=np.array([0, 2, 3, -1]), rep_X=np.array([3]),
+                        flows_4F=np.array([[0, 0, 0], [1, 2, 2], [0, 0, 3], [2, 1, 4]]))
+    # traffic[d, h]: d=0: 3 stay, 1 -> r3 (e2), 2 -> r1, 1 -> r2 (e3); d=1: 1 -> r0, 2 -> r2;
+    # d=2: 5 stay; d=3: 2 -> r0, 1 -> r2, 4 -> r2.
+    traffic = plan.traffic_DD().numpy()
+    assert traffic.tolist() == [[3, 2, 1, 1], [1, 0, 2, 0], [0, 0, 5, 0], [2, 0, 5, 0]]
+    loads = loads_from_plan(plan, ranks_per_node=2, token_bytes=10)
+    # intra: r0 sends 2 (to r1), receives 1 (from r1); r1 sends 1, receives 2; r2 sends 0, receives 5
+    # (from r3); r3 sends 5, receives 0. Node 0 sends 1+1+2 = 4 across, receives 2+0 = 2 (r3 -> r0);
+    # node 1 sends 2, receives 4.
+    assert loads == [LayerLoad(20.0, 40.0, 3.0, 3.0), LayerLoad(20.0, 40.0, 0.0, 2.0),
+                     LayerLoad(50.0, 40.0, 5.0, 8.0), LayerLoad(50.0, 40.0, 0.0, 1.0)]
+    # One node: every cross-rank row is intra, no inter bytes.
+    one = loads_from_plan(plan, ranks_per_node=4, token_bytes=1)
+    assert [ld.inter_bytes for ld in one] == [0.0] * 4
+    assert [ld.intra_bytes for ld in one] == [4.0, 3.0, 8.0, 7.0]
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        loads_from_plan(plan, ranks_per_node=3, token_bytes=1)
+    f, b = choose_degrees(_costs(), loads)
+    assert 1 <= f <= 8 and 1 <= b <= 8
+
+
+def _costs():
+    from ds_fssdp.planner.schedule import Linear, ScheduleCosts
+    return ScheduleCosts(a2a_intra=Linear(1e-5, 1e-9), a2a_inter=Linear(1e-5, 1e-8), gemm=Linear(1e-6, 1e-6))
