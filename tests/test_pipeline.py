@@ -146,7 +146,9 @@ def test_engine_training_at_degrees_3_2_equals_degree_1():
             for name, extra in {"d1": {"pipeline_degree": 1},
                                 "d32": {"pipeline_degree": {"forward": 3, "backward": 2}},
                                 "d32rm": {"pipeline_degree": {"forward": 3, "backward": 2}, "rematerialize": True},
-                                "auto": {}}.items()}
+                                # slow GEMMs, fast links: "auto" pipelines
+                                "auto": {"hardware": {"flops": 1e7, "intra_bw": 1e12, "inter_bw": 1e12,
+                                                      "latency": 1e-9}}}.items()}
     res = spawn(world, training.train_worker, runs, steps)
     tight = dict(rtol=1e-5, atol=1e-6)  # fp32, SGD with momentum: summation order only
     for rank in range(world):
@@ -156,6 +158,7 @@ def test_engine_training_at_degrees_3_2_equals_degree_1():
             degrees = {(s["pipeline_degree_fwd"], s["pipeline_degree_bwd"]) for it in got["layer_stats"] for s in it}
             if name == "auto":  # the same decision on every rank, iteration by iteration, layer by layer
                 assert got["layer_stats"] == res[0][name]["layer_stats"]
+                assert degrees - {(1, 1)}, degrees
             else:
                 assert degrees == {(3, 2)}, (name, degrees)
             torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(base["losses"]), **tight)

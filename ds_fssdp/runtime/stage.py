@@ -38,7 +38,7 @@ from ds_fssdp.topology import Topology
 
 # Hyperparameters an LR/momentum schedule changes on DeepSpeed's optimizer; mirrored every step.
 _SCHEDULED = ("lr", "betas", "momentum")
-# "auto" pipeline degrees under deterministic without fssdp.hardware: a documented constant
+# "auto" pipeline degrees without fssdp.hardware: a documented constant until a fitted model exists
 # (an accelerator node: 100 TFLOP/s, 200 GB/s inside a node, 25 GB/s between nodes, 10 us startup).
 DEFAULT_HARDWARE = Hardware(flops=1e14, intra_bw=2e11, inter_bw=2.5e10, latency=1e-5)
 
@@ -260,7 +260,7 @@ class FSSDPStage:
         if need_cost:
             self.cost = self._cost_model(dtype, device)
         if self.pipeline_degree == "auto":
-            self.schedule_costs = self._schedule_costs(dtype, device)
+            self.schedule_costs = self._schedule_costs()
         layer = self.layers[0]
         name = "fssdp-rm" if cfg.policy == "fssdp" and cfg.rematerialize else cfg.policy
         budget = cfg.calibration_latency_budget
@@ -304,20 +304,16 @@ class FSSDPStage:
         self.profile["expert_shape"] = dataclasses.asdict(shape)
         return CostModel(hw, shape, self.topology)
 
-    def _schedule_costs(self, dtype, device) -> ScheduleCosts:
-        """What "auto" pipeline degrees are chosen from (the same on every rank): the cost model's
-        hardware (``fssdp.hardware``, else measured and agreed), startup its latency; under
-        ``deterministic`` without ``hardware``, :data:`DEFAULT_HARDWARE` (no timing decides).
-        A fitted model (startup + rate per collective) replaces this when one exists."""
-        if self.cost is not None:
-            hw = self.cost.hw
-        elif self.config.deterministic and self.config.hardware is None:
-            hw = DEFAULT_HARDWARE
-        else:
-            hw = self._cost_model(dtype, device).hw
-        row_flops = 2.0 * self.layers[0].spec.numel
+    def _schedule_costs(self) -> ScheduleCosts:
+        """What "auto" pipeline degrees are chosen from, the same on every rank and in every run:
+        ``fssdp.hardware`` when given, else :data:`DEFAULT_HARDWARE` (no timing decides, so a
+        resumed run takes the same degrees); collective startup is the hardware's latency. A
+        model fitted from measurements (startup + rate per collective) replaces this."""
+        h = self.config.hardware
+        hw = DEFAULT_HARDWARE if h is None else Hardware(flops=float(h.flops), intra_bw=float(h.intra_bw),
+                                                         inter_bw=float(h.inter_bw), latency=float(h.latency))
         costs = default_costs(intra_bw=hw.intra_bw, inter_bw=hw.inter_bw, latency=hw.latency, flops=hw.flops,
-                              row_flops=row_flops)
+                              row_flops=2.0 * self.layers[0].spec.numel)
         self.profile["schedule_costs"] = dataclasses.asdict(costs)
         return costs
 
