@@ -25,6 +25,7 @@ CASES = [
     dict(seed=7, deg=(2, 3), rpn=2, act="gelu", tokens=(5, 8, 11, 2), layers=2, ckpt="torch"),
     dict(seed=8, deg=(4, 3), rpn=4, act="gelu", tokens=(10, 3, 6, 7), layers=2, remat=True, ckpt="reentrant"),
     dict(seed=9, deg=(1, 1), rpn=2, act="swiglu", tokens=(7, 5, 9, 3)),  # today's path
+    dict(seed=10, deg=(3, 2), rpn=2, act="gelu", tokens=(6, 9, 4, 7), lora=True),  # LoRA factors on w_a
 ]
 TOL = dict(atol=2e-6, rtol=1e-5)  # fp32: only the summation order of identical products differs
 
@@ -34,6 +35,15 @@ def make_layers(case):
     torch.manual_seed(case["seed"])
     return [FSSDPMoE(hidden_size=H, ffn_hidden_size=F, num_experts=E, k=K, activation=case["act"], init_std=0.3)
             for _ in range(case.get("layers", 1))]
+
+
+def lora_factors(case):
+    """Per-expert LoRA factors on w_a (leaves) and the callable a layer takes."""
+    from ds_fssdp.ops.lora import LoraFactors
+    gen = torch.Generator().manual_seed(7 + case["seed"])
+    a = torch.randn(E, H, 2, generator=gen).requires_grad_(True)
+    b = torch.randn(E, 2, F, generator=gen).requires_grad_(True)
+    return (a, b), lambda local_E: {"w_a": [LoraFactors(a[local_E], b[local_E], 0.5)]}
 
 
 def placements(case, world, n):
@@ -87,6 +97,8 @@ def _worker(rank, world, cases):
                                options=ShardOptions(rematerialize=case.get("remat", False)),
                                context=lambda c=ctx: c)
             s.plan_placement = lambda ctx, p=placement_ED: p
+            if case.get("lora"):
+                factors, s.lora_factors = lora_factors(case)
             layer.attach_sharded(s)
             shards.append(s)
         chain(shards)
@@ -98,6 +110,7 @@ def _worker(rank, world, cases):
             s.accumulate_grads()
         out.append(dict(y=y.detach(), x_grad=x.grad, gate_grads=[l.gate.weight.grad for l in layers],
                         owned=[(s.owned_E, s.master.grad.clone()) for s in shards],
+                        lora=[f.grad for f in factors] if case.get("lora") else None,
                         degrees=[(l.last_stats["pipeline_degree_fwd"], l.last_stats["pipeline_degree_bwd"])
                                  for l in layers]))
     return out
@@ -105,6 +118,8 @@ def _worker(rank, world, cases):
 
 def _reference(case, world):
     layers = make_layers(case)
+    if case.get("lora"):
+        factors, layers[0].lora_factors = lora_factors(case)
     per_rank = []
     for rank in range(world):
         for layer in layers:
@@ -117,6 +132,8 @@ def _reference(case, world):
                              expert_grads=[l.spec.flatten({n: getattr(l, n).grad for n in l.spec.names})
                                            for l in layers]))
     sums = [torch.stack([r["expert_grads"][i] for r in per_rank]).sum(0) for i in range(len(layers))]
+    if case.get("lora"):  # accumulated over every rank's input
+        sums.append([f.grad for f in factors])
     return per_rank, sums
 
 
@@ -124,6 +141,10 @@ def test_pipeline_matches_single_process():
     results = spawn(WORLD, _worker, CASES)
     for ci, case in enumerate(CASES):
         ref, sums = _reference(case, WORLD)
+        if case.get("lora"):
+            want_lora = sums.pop()
+            for got_sum, want in zip(zip(*[results[r][ci]["lora"] for r in range(WORLD)]), want_lora):
+                torch.testing.assert_close(torch.stack(got_sum).sum(0), want, **TOL)
         for rank in range(WORLD):
             got, want = results[rank][ci], ref[rank]
             where = f"case {ci} (seed {case['seed']}, degrees {case['deg']}) rank {rank}"

@@ -30,9 +30,9 @@ Degree (1, 1) is not this module: the layer runs ``compute.dispatch_compute_comb
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from dataclasses import dataclass
 from fractions import Fraction
 from typing import Mapping, Optional, Sequence
 
@@ -43,7 +43,7 @@ from ds_fssdp import ops
 from ds_fssdp.ops.lora import LoraFactors
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ExchangeGroups:
     """The token exchange's communicators (built by ``runtime/groups.py``; passed in).
 
@@ -169,7 +169,7 @@ def start_exchange(groups: ExchangeGroups, rank: int, world: int, src: torch.Ten
     return _Pending(parts)
 
 
-@dataclass
+@dataclasses.dataclass
 class PipelineExperts:
     """The expert computation of one forward: the weights autograd sees as inputs and how to
     build the expert function from their leaves.
@@ -282,8 +282,11 @@ class PipelinedExperts(torch.autograd.Function):
                 pending = nxt
             for c in combines:
                 c.land(y_sent)
-        ctx.plan, ctx.experts, ctx.groups, ctx.world = plan, experts, groups, world
-        ctx.graphs, ctx.weights, ctx.lora_leaves, ctx.leaves = graphs, weights, lora_leaves, leaves
+        # Under RM nothing here may keep the replicas alive until the backward (the weights' views
+        # hold a copy of them, ``experts.replica`` is the forward's buffer).
+        ctx.plan, ctx.groups, ctx.world = plan, groups, world
+        ctx.experts = dataclasses.replace(experts, replica=None) if experts.remat else experts
+        ctx.graphs, ctx.weights, ctx.lora_leaves, ctx.leaves = graphs, (weights if keep else None), lora_leaves, leaves
         ctx.x_recv = None if keep else x_recv  # re-materialization recomputes from the inputs
         ctx.needs = [t.requires_grad for t in tensors]
         return y_sent
