@@ -38,6 +38,8 @@ LAYER_METRICS = (
     "reduce_exposed_s",  # rank 0's wait for the reduced gradients after the backward
     "load_prediction_error",  # sum |predicted - actual| / sum actual over experts (NaN at first)
     "overlap_degree",  # t in force (varies with "auto")
+    "pipeline_degree_fwd",  # chunks of the forward token exchange (moe/pipeline.py; 1: unchunked)
+    "pipeline_degree_bwd",  # ... of the backward's
 )
 # Per optimizer step, from ``FSSDPStage.last_step``.
 STEP_METRICS = ("global_grad_norm", "replica_bytes_peak", "reshard_bytes_sent")
