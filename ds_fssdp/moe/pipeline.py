@@ -75,21 +75,24 @@ class ChunkPlan:
     receive rows (long [n]) and its rows per local slot (list [S])."""
 
     def __init__(self, *, rank: int, degrees: tuple, send_splits: list, recv_splits: list, group_perm: torch.Tensor,
-                 group_sizes: list):
+                 group_sizes: list, device=None):
+        """``device``: where the receive positions live (the rows' device; one copy each)."""
         self.rank, self.degrees = rank, tuple(int(d) for d in degrees)
         self.cuts = atom_cuts(*self.degrees)
         self.send_splits, self.recv_splits = [int(n) for n in send_splits], [int(n) for n in recv_splits]
         self.send_off = _offsets(self.send_splits)
         self.recv_off = _offsets(self.recv_splits)
         A, S = len(self.cuts) - 1, len(group_sizes)
-        # Unit of every received row: its atom, A for the local rows (source == this rank).
-        unit_R = torch.empty(sum(self.recv_splits), dtype=torch.long)
-        for s, (off, m) in enumerate(zip(self.recv_off, self.recv_splits)):
-            if s == rank:
-                unit_R[off:off + m] = A
-                continue
-            for a in range(A):
-                unit_R[off + cut(m, self.cuts[a]):off + cut(m, self.cuts[a + 1])] = a
+        # Unit of every received row: its atom (where its index in the pair's block falls between
+        # the pair's cuts), A for the local rows (source == this rank).
+        m_D = torch.tensor(self.recv_splits, dtype=torch.long)
+        num = torch.tensor([q.numerator for q in self.cuts[1:]], dtype=torch.long)
+        den = torch.tensor([q.denominator for q in self.cuts[1:]], dtype=torch.long)
+        cuts_DA = torch.div(m_D[:, None] * num[None, :], den[None, :], rounding_mode="floor")  # [D, A]
+        src_R = torch.repeat_interleave(torch.arange(len(m_D)), m_D)
+        j_R = torch.arange(src_R.numel()) - torch.tensor(self.recv_off, dtype=torch.long)[src_R]
+        unit_R = torch.searchsorted(cuts_DA[src_R], j_R[:, None], right=True).squeeze(1)
+        unit_R[src_R == rank] = A
         perm_C = group_perm.to("cpu", torch.long)
         slot_C = torch.repeat_interleave(torch.arange(S), torch.tensor(group_sizes, dtype=torch.long))
         unit_C = unit_R[perm_C]
@@ -99,7 +102,7 @@ class ChunkPlan:
         start = 0
         for n in counts:
             pos = order[start:start + n]
-            self.units.append((perm_C[pos], torch.bincount(slot_C[pos], minlength=S).tolist()))
+            self.units.append((perm_C[pos].to(device), torch.bincount(slot_C[pos], minlength=S).tolist()))
             start += n
 
     def chunk(self, degree: int, i: int) -> tuple:
@@ -245,7 +248,6 @@ class PipelinedExperts(torch.autograd.Function):
             pos, sizes = plan.units[u]
             if pos.numel() == 0:
                 return
-            pos = pos.to(x_recv.device)
             x = x_recv.index_select(0, pos)
             if keep:
                 x.requires_grad_(True)
@@ -317,7 +319,6 @@ class PipelinedExperts(torch.autograd.Function):
                 pos, sizes = plan.units[u]
                 if pos.numel() == 0:
                     continue
-                pos = pos.to(dy_recv.device)
                 if experts.remat:
                     with torch.enable_grad():
                         x = ctx.x_recv.index_select(0, pos).requires_grad_(True)
@@ -390,7 +391,7 @@ def pipelined_dispatch_compute_combine(x_TH: torch.Tensor, weights_TK: torch.Ten
     unsend_TK = functools.cache(lambda: route.unsend.to(dev).view(T, K))
     send_RH = ops.permute_tokens(x_TH, route.send_token, unsend_TK)
     plan = ChunkPlan(rank=rank, degrees=degrees, send_splits=route.send_splits, recv_splits=route.recv_splits,
-                     group_perm=route.group_perm, group_sizes=route.group_sizes)
+                     group_perm=route.group_perm, group_sizes=route.group_sizes, device=dev)
     tensors = experts.inputs()
     record = torch.is_grad_enabled() and (send_RH.requires_grad or any(t.requires_grad for t in tensors))
     y_sent_RH = PipelinedExperts.apply(send_RH, plan, experts, groups, world, record, *tensors)
