@@ -35,3 +35,16 @@ def test_loads_from_plan_hand_count():
 def _costs():
     from ds_fssdp.planner.schedule import Linear, ScheduleCosts
     return ScheduleCosts(a2a_intra=Linear(1e-5, 1e-9), a2a_inter=Linear(1e-5, 1e-8), gemm=Linear(1e-6, 1e-6))
+
+
+def test_pipeline_times_equal_the_scalar_function_exactly():
+    from ds_fssdp.planner.schedule import LayerLoad, Linear, ScheduleCosts, pipeline_time, pipeline_times
+    rng = np.random.default_rng(3)
+    costs = ScheduleCosts(a2a_intra=Linear(1e-5, 5e-12), a2a_inter=Linear(2e-5, 4e-11), gemm=Linear(3e-6, 2e-8),
+                          backward_factor=2.0)
+    loads = [LayerLoad(float(i), float(e), float(l), float(r))
+             for i, e, l, r in rng.integers(0, 3, (40, 4)) * rng.integers(0, 10**6, (40, 4))]
+    for n in range(1, 9):
+        for backward in (False, True):
+            got = pipeline_times(costs, loads, n, backward=backward)
+            assert got.tolist() == [pipeline_time(costs, ld, n, backward=backward) for ld in loads]

@@ -123,6 +123,47 @@ def pipeline_time(costs: ScheduleCosts, load: LayerLoad, degree: int, *, backwar
     return link
 
 
+def pipeline_times(costs: ScheduleCosts, loads: list, degree: int, *, backward: bool = False) -> np.ndarray:
+    """:func:`pipeline_time` of every load at once (float64 [len(loads)]): the same operations in
+    the same order on arrays, so each entry equals the scalar function's value exactly."""
+    if degree < 1:
+        raise ValueError(f"pipeline degree ({degree}) must be >= 1")
+    factor = costs.backward_factor if backward else 1.0
+    a = np.array([(ld.intra_bytes, ld.inter_bytes, ld.local_rows, ld.remote_rows) for ld in loads],
+                 dtype=np.float64).reshape(-1, 4)
+    intra, inter, local, remote = a.T
+
+    def lin(f: Linear, units):
+        return np.where(units <= 0, 0.0, f.startup_s + f.per_unit_s * units)
+
+    def gemm(rows):
+        return factor * lin(costs.gemm, rows)
+
+    def exchange(i_bytes, e_bytes):
+        return np.maximum(lin(costs.a2a_intra, i_bytes), lin(costs.a2a_inter, e_bytes))
+
+    if degree == 1:
+        return 2.0 * exchange(intra, inter) + gemm(local + remote)
+    n = degree
+    x = exchange(intra / n, inter / n)
+    g = gemm(remote / n)
+    link, compute = np.zeros_like(x), gemm(local)
+    done_d = [None] * (n + 1)
+    done_g = [None] * (n + 1)
+    gi = 1
+    for kind, i in _link_order(n):
+        if kind == "d":
+            link = link + x
+            done_d[i] = link
+        else:
+            while gi <= i:
+                compute = np.maximum(compute, done_d[gi]) + g
+                done_g[gi] = compute
+                gi += 1
+            link = np.maximum(link, done_g[i]) + x
+    return link
+
+
 def _link_order(n: int) -> list:
     order = [("d", 1)]
     for i in range(2, n + 1):
@@ -154,7 +195,7 @@ def choose_degrees(costs: ScheduleCosts, loads: list, *, max_degree: int = MAX_D
     def best(backward: bool) -> int:
         pick, pick_s = 1, None
         for n in range(1, max_degree + 1):
-            s = max(pipeline_time(costs, ld, n, backward=backward) for ld in loads)
+            s = float(pipeline_times(costs, loads, n, backward=backward).max())  # = max of pipeline_time
             if pick_s is None or s < pick_s * (1.0 - 1e-9):
                 pick, pick_s = n, s
         return pick
