@@ -369,6 +369,7 @@ def chain(shards: list) -> None:
     for prev, nxt in zip(shards, shards[1:]):
         prev.next = nxt
         nxt.replicas.prev = prev.replicas
+        prev.replicas.above = nxt.replicas  # gradients in the gaps: each backward completes the layer above
         prev.is_last = False
 
 
