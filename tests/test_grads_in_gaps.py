@@ -5,7 +5,8 @@ and the final weights equal the reduce-at-the-step path bitwise (two ranks sum e
 same order) and the single-process reference (fp32 SGD, tight). Under ZeRO 0 (all-reduce) and
 ZeRO 1/2 (reduce-scatter into the partitioned slices), within one node and across two logical
 nodes (the replica reduce's second phase lands inside the backward); forced small slices (many
-collectives per layer) and slices planned from the cost model."""
+collectives per layer) and slices planned from the cost model. The same runs check the replicas
+on the idle link: layer 1's gather starts before layer 0's token exchange, recorded in the stats."""
 import pytest
 import torch
 
@@ -40,7 +41,7 @@ def _worker(rank, world, runs, steps):
     out = {}
     original_before, original_attach = FSSDPStage.before_step, FSSDPStage.attach
     for name, (cfg, slice_bytes) in runs.items():
-        grads, started, folded, slices = [], [], [], []
+        grads, started, folded, slices, early = [], [], [], [], []
 
         def before_step(self, engine, _orig=original_before):
             slices.append(list(self.gap_slice_bytes))
@@ -48,6 +49,8 @@ def _worker(rank, world, runs, steps):
             grads.append([p.grad.detach().clone() for p in self.masters()])
             started.append(list(self._gaps_started))
             folded.append([bool(s.stats.get("folded_in_backward")) for s in self.shards])
+            early.append([{k: s.stats.get(k) for k in ("gather_started_early", "next_gather_started_early",
+                                                       "gather_early_s", "window_s")} for s in self.shards])
 
         def attach(self, engine, _orig=original_attach):
             _orig(self, engine)
@@ -59,7 +62,7 @@ def _worker(rank, world, runs, steps):
             res = train_worker(rank, world, {name: cfg}, steps)[name]
         finally:
             FSSDPStage.before_step, FSSDPStage.attach = original_before, original_attach
-        out[name] = dict(res, grads=grads, started=started, folded=folded, slices=slices)
+        out[name] = dict(res, grads=grads, started=started, folded=folded, slices=slices, early=early)
     return out
 
 
@@ -114,3 +117,16 @@ def test_slices_are_forced_or_planned_and_agreed(trained):
         for r in range(1, WORLD):
             if r % 2 == 0:  # rank 0's EDP group is {0, 2}
                 assert plans[r][step] == plans[0][step]
+
+
+def test_next_layers_gather_starts_before_the_exchange(trained):
+    """Replicas on the idle link: layer 0 starts layer 1's gather after its dispatch plan, before
+    its token exchange and expert compute; layer 1's window (schedule.overlap_window) covers that
+    compute and its attention; layer 0's gather starts with the model's forward, as before."""
+    for rank in range(WORLD):
+        for name in RUNS:
+            for layer0, layer1 in trained[rank][name]["early"]:
+                assert layer0["next_gather_started_early"] and not layer0["gather_started_early"]
+                assert layer0["gather_early_s"] == 0.0
+                assert layer1["gather_started_early"] and not layer1["next_gather_started_early"]
+                assert 0.0 < layer1["gather_early_s"] < layer1["window_s"]
