@@ -40,8 +40,23 @@ def _worker(rank, world, runs, steps):
     from ds_fssdp.runtime.stage import FSSDPStage
     out = {}
     original_before, original_attach = FSSDPStage.before_step, FSSDPStage.attach
+    original_after_backward = FSSDPStage.after_backward
     for name, (cfg, slice_bytes) in runs.items():
-        grads, started, folded, slices, early = [], [], [], [], []
+        grads, started, folded, slices, early, flight = [], [], [], [], [], []
+
+        def after_backward(self, loss=None, _orig=original_after_backward):
+            """In flight after the backward; a re-shard then is refused by name; waiting lands it
+            (what a checkpoint save or load does first), and the step still uses the result."""
+            _orig(self, loss)
+            record = {"in_flight": self.expert_state.in_flight}
+            if record["in_flight"] and len(flight) == 1:  # the first boundary
+                try:
+                    self.expert_state.migrate(0, self.shards[0].owner_E, self.param_group)
+                except RuntimeError as err:
+                    record["refused"] = str(err)
+                self.wait_in_flight()
+                record["after_wait"] = self.expert_state.in_flight
+            flight.append(record)
 
         def before_step(self, engine, _orig=original_before):
             slices.append(list(self.gap_slice_bytes))
@@ -57,12 +72,14 @@ def _worker(rank, world, runs, steps):
             if slice_bytes is not None:
                 self.gap_slice_bytes = [slice_bytes] * len(self.shards)  # forced: many slices per layer
 
-        FSSDPStage.before_step, FSSDPStage.attach = before_step, attach
+        FSSDPStage.before_step, FSSDPStage.attach, FSSDPStage.after_backward = before_step, attach, after_backward
         try:
             res = train_worker(rank, world, {name: cfg}, steps)[name]
         finally:
             FSSDPStage.before_step, FSSDPStage.attach = original_before, original_attach
-        out[name] = dict(res, grads=grads, started=started, folded=folded, slices=slices, early=early)
+            FSSDPStage.after_backward = original_after_backward
+        out[name] = dict(res, grads=grads, started=started, folded=folded, slices=slices, early=early,
+                         flight=flight)
     return out
 
 
@@ -104,6 +121,19 @@ def test_the_upper_layers_reduce_during_the_backward(trained, pair):
         assert all(f == [False, True] for f in gaps["folded"]), gaps["folded"]
         assert sync["started"] == [[]] * STEPS
         assert not any(any(f) for f in sync["folded"])
+
+
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_work_in_flight_only_on_the_boundary_and_waited_before_moving_state(trained, pair):
+    """After a boundary backward layer 1's reduce is in flight (none after the others, none without
+    gaps); re-sharding then is refused by name, and wait_in_flight (checkpoint save and load call
+    it first) lands it; the step's results stay bitwise the reduce at the step's (the test above)."""
+    for rank in range(WORLD):
+        gaps, sync = trained[rank][pair + "-gaps"]["flight"], trained[rank][pair + "-sync"]["flight"]
+        assert [f["in_flight"] for f in gaps] == [0, 1] * STEPS
+        assert [f["in_flight"] for f in sync] == [0, 0] * STEPS
+        assert "in flight" in gaps[1]["refused"] and gaps[1]["after_wait"] == 0
+        assert all("refused" not in f for f in gaps[2:])
 
 
 def test_slices_are_forced_or_planned_and_agreed(trained):
