@@ -93,7 +93,8 @@ class FSSDPConfig(DeepSpeedConfigModel):
 
     rematerialize: StrictBool = False
     """Free replicas after the forward and gather them again for the backward (the expert MLP is
-    recomputed in the backward): replica memory is about one layer's worth instead of all layers'."""
+    recomputed in the backward): replica memory is about two adjacent layers' worth (a layer's and the
+    next one's, gathered during its expert compute) instead of all layers'."""
 
     grads_in_gaps: StrictBool = True
     """On the gradient accumulation boundary micro-step, start each layer's owned-expert gradient
