@@ -153,6 +153,9 @@ class ReplicaManager:
         """This layer's expert backward is done: start its SparseReduceScatter and, under RM, the
         previous layer's re-gather (it overlaps the attention backward in between)."""
         if self.trainable:
+            if self._folded is not None:  # the gradient was declared final: its EDP reduce is running
+                raise RuntimeError("fssdp: a replica reduce started after this layer's gradient was folded during the "
+                                   "backward (gradients in the gaps); set fssdp.grads_in_gaps to false for this model")
             self.pending.append(SparseReduceScatter(grad_RP, layout, self.param_group, self.traffic).start())
         if self.rematerialize and self.prev is not None:
             self.prev.start_rematerialize()
