@@ -110,7 +110,16 @@ class FSSDPConfig(DeepSpeedConfigModel):
 
     rematerialize: StrictBool = False
     """Free replicas after the forward and gather them again for the backward (the expert MLP is
-    recomputed in the backward): replica memory is about one layer's worth instead of all layers'."""
+    recomputed in the backward): replica memory is about two adjacent layers' worth (a layer's and the
+    next one's, gathered during its expert compute) instead of all layers'."""
+
+    grads_in_gaps: StrictBool = True
+    """On the gradient accumulation boundary micro-step, start each layer's owned-expert gradient
+    reduce over the EDP group (all-reduce, or reduce-scatter under ZeRO >= 1) asynchronously during
+    the backward of the layers below it, as soon as its replica reduce has landed and been folded
+    in, in slices sized to the gaps the schedule predicts (``planner/schedule.gap_slice_bytes``);
+    the step waits only for what is still in flight. ``false``: every layer's reduce runs at the
+    step, synchronously. The same sums either way."""
 
     topology_aware: StrictBool = True
     """Sparse collectives cross the inter-node link once per (expert, node) and are forwarded inside

@@ -23,6 +23,8 @@ BAD = [
     ({"load_window": 0}, "fssdp.load_window (0) must be >= 1"),
     ({"enabled": "yes"}, "fssdp.enabled ('yes')"),
     ({"rematerialize": 1}, "fssdp.rematerialize (1)"),
+    ({"grads_in_gaps": "yes"}, "fssdp.grads_in_gaps ('yes')"),
+    ({"grads_in_gaps": 0}, "fssdp.grads_in_gaps (0)"),
     ({"calibration": "no"}, "fssdp.calibration ('no')"),
     ({"ranks_per_node": 0}, "fssdp.ranks_per_node (0)"),
     ({"ranks_per_node": "two"}, "fssdp.ranks_per_node ('two') must be \"auto\", null or an int >= 1"),

@@ -116,18 +116,24 @@ def test_expert_optimizer_state_lives_on_owners_only(spawns):
     assert total == [8, 8]
 
 
-def test_rematerialization_keeps_one_layer_of_replicas(spawns):
+def test_rematerialization_keeps_two_adjacent_layers_of_replicas(spawns):
     """Per micro-step: without RM every layer's replicas are alive at once (peak = their sum);
-    with RM one layer's at a time (peak = the largest layer's)."""
+    with RM a layer's replicas and the next one's, whose gather starts during its expert compute
+    (replicas on the idle link): peak = the largest sum of two adjacent layers', within the
+    budget's two layers of m replicas (knobs.auto_materialization_budget), never more than two
+    layers alive at once."""
     trained = spawns("fssdp-z0", "fssdp-z1-rematerialize")
     checked = 0
     for rank in range(WORLD):
         plain, rm = trained[rank]["fssdp-z0"], trained[rank]["fssdp-z1-rematerialize"]
         for peak, layers in zip(plain["replica_peaks"], plain["replica_bytes_local"]):
             assert peak == sum(layers)
-        for peak, layers in zip(rm["replica_peaks"], rm["replica_bytes_local"]):
-            assert peak == max(layers)
-            checked += sum(1 for b in layers if b > 0) > 1
+        psi = 2 * 16 * 24 * 4  # one gelu expert of MODEL in fp32
+        for peak, layers, alive in zip(rm["replica_peaks"], rm["replica_bytes_local"], rm["replica_layers_peaks"]):
+            assert peak == max(a + b for a, b in zip(layers, layers[1:]))
+            assert peak <= 2 * rm["budget"] * psi
+            assert alive <= 2
+            checked += sum(1 for b in layers if b > 0) > 1 and alive == 2
     assert checked > 0, "no micro-step had replicas in more than one layer"
 
 

@@ -89,12 +89,14 @@ def train_worker(rank, world, runs: dict, steps: int):
         engine, *_ = ds_fssdp.initialize(model=model, config=cfg, optimizer=client)
         gas = cfg["gradient_accumulation_steps"]
         losses, replicas, factors, norms, peaks, local_bytes, migrated, layer_stats = [], [], [], [], [], [], [], []
+        layers_peaks = []
         for step in range(steps):
             for micro in range(gas):
                 x, y = batch(step, micro, rank)
                 loss = engine(x, y)
                 engine.backward(loss)
                 peaks.append(engine.fssdp.memory.peak)
+                layers_peaks.append(engine.fssdp.memory.layers_peak)
                 engine.fssdp.memory.reset_peak()
                 local_bytes.append([l.last_stats["replica_bytes_local"] for l in model.moe_layers()])
                 layer_stats.append([{k: l.last_stats.get(k) for k in ("shadowed", "calibration", "overlap_degree",
@@ -115,6 +117,7 @@ def train_worker(rank, world, runs: dict, steps: int):
         owned = [int(l.sharded.owned_E.numel()) for l in model.moe_layers()]
         out[name] = dict(losses=losses, dense=dense, experts=experts, replicas=replicas, factors=factors,
                          norms=norms, expert_states=states, owned=owned, replica_peaks=peaks,
+                         replica_layers_peaks=layers_peaks,
                          replica_bytes_local=local_bytes, migrated=migrated, layer_stats=layer_stats,
                          budget=engine.fssdp.budget, state_bytes=engine.fssdp.state_bytes(),
                          owners=[l.sharded.owner_E.clone() for l in model.moe_layers()])

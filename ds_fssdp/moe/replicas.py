@@ -8,10 +8,16 @@ Legend: E experts, D ranks, S owned rows, R replica rows, P elements per expert.
   (asynchronous, or on the critical path for what post-gating adds, merged into one buffer);
 * :meth:`hook_replicas`: when the replicas' gradient exists, their SparseReduceScatter starts;
   :meth:`accumulate_grads` (after the engine's backward) folds everything into ``master.grad``;
+  with gradients in the gaps (``gaps`` set by the stage for the boundary micro-step) the fold
+  happens during the backward instead, when the layer below's expert backward is done
+  (:meth:`backward_done_below`, chained by ``above``), and ``gaps`` is told the owned gradient is
+  final (the stage starts its EDP reduce);
 * re-materialization: the replicas of a layer are dropped after its forward and gathered again
   when the following layer's expert backward is done (:meth:`start_rematerialize`, chained by
   ``prev``), the re-materializing expert Function (``moe/remat.py``) asks :meth:`rematerialized`;
-* :class:`ReplicaMemory`: bytes of replica rows alive on this rank (all layers) and their peak.
+* :class:`ReplicaMemory`: bytes of replica rows alive on this rank (all layers) and their peak, and
+  how many layers' replicas are alive at once (the next layer's gather starts during this layer's
+  expert compute, so two layers' live across it).
 
 No decisions are made here: layouts come from the planner's placements.
 """
@@ -29,21 +35,37 @@ from ds_fssdp.topology import Topology
 
 
 class ReplicaMemory:
-    """Bytes of replica rows alive on this rank (all layers), and the peak since the last reset."""
+    """Bytes of replica rows alive on this rank (all layers), and the peak since the last reset;
+    ``layers_peak``: the most layers with replica buffers alive at once (``owner``: the layer's
+    manager; buffers of no rows count no layer)."""
 
     def __init__(self):
         self.current = 0
         self.peak = 0
+        self._by_layer = {}  # id(owner) -> live buffers with rows
+        self.layers_peak = 0
 
-    def add(self, nbytes: int) -> None:
+    def add(self, nbytes: int, owner=None) -> None:
         self.current += nbytes
         self.peak = max(self.peak, self.current)
+        if owner is not None and nbytes:
+            self._by_layer[id(owner)] = self._by_layer.get(id(owner), 0) + 1
+            self.layers_peak = max(self.layers_peak, len(self._by_layer))
 
-    def release(self, nbytes: int) -> None:
+    def release(self, nbytes: int, owner=None) -> None:
         self.current -= nbytes
+        if owner is not None and nbytes and id(owner) in self._by_layer:
+            self._by_layer[id(owner)] -= 1
+            if not self._by_layer[id(owner)]:
+                del self._by_layer[id(owner)]
+
+    @property
+    def layers_alive(self) -> int:
+        return len(self._by_layer)
 
     def reset_peak(self) -> None:
         self.peak = self.current
+        self.layers_peak = len(self._by_layer)
 
 
 class ReplicaManager:
@@ -67,6 +89,10 @@ class ReplicaManager:
         self.rows = rows_SP.detach().requires_grad_(trainable)
         self.master = self.rows  # the optimizer's copy; fp32 beside low-precision rows
         self.prev = None  # the previous layer's manager (RM: its re-gather starts when this backward is done)
+        self.above = None  # the next layer's manager (gradients in the gaps: folded when this backward is done)
+        self.gaps = None  # callable(): owned gradient final this micro-step (set by the stage), or None
+        self._expected = 0  # reduces this micro-step's backward will start (one per hooked forward)
+        self._folded = None  # the fold's statistics once done during the backward
         self.traffic = Traffic(topology.node_D(), rank)
         self.pending = []  # SparseReduceScatters started, not finished
         self._remat = None  # (layout, SparseAllGather or None) for the backward under RM
@@ -115,6 +141,7 @@ class ReplicaManager:
     # -- backward --------------------------------------------------------------------------------
     def hook_replicas(self, replica_RP, layout) -> None:
         """Every rank joins every reduce, so the replicas stay in the graph even when empty."""
+        self._expected += 1
         replica_RP.requires_grad_(True)
         replica_RP.register_post_accumulate_grad_hook(lambda t, lay=layout: self._replica_backward_done(t, lay))
 
@@ -126,12 +153,31 @@ class ReplicaManager:
         """This layer's expert backward is done: start its SparseReduceScatter and, under RM, the
         previous layer's re-gather (it overlaps the attention backward in between)."""
         if self.trainable:
+            if self._folded is not None:  # the gradient was declared final: its EDP reduce is running
+                raise RuntimeError("fssdp: a replica reduce started after this layer's gradient was folded during the "
+                                   "backward (gradients in the gaps); set fssdp.grads_in_gaps to false for this model")
             self.pending.append(SparseReduceScatter(grad_RP, layout, self.param_group, self.traffic).start())
         if self.rematerialize and self.prev is not None:
             self.prev.start_rematerialize()
+        if self.above is not None:
+            self.above.backward_done_below()
+
+    def backward_done_below(self) -> None:
+        """Gradients in the gaps: the backward has reached the layer below, so this layer's owned
+        gradient of this micro-step is accumulated (its leaves' accumulation runs first) and its
+        replica reduces have started: land them, fold them in, tell ``gaps``. Only when every
+        reduce this backward starts has started (else :meth:`accumulate_grads` folds, as without)."""
+        if self.gaps is None or self._folded is not None or not self.trainable:
+            return
+        if not self._expected or len(self.pending) != self._expected:
+            return
+        self._folded = self._fold(None, in_backward=True)
+        self.gaps()
 
     def drop_for_backward(self, layout) -> None:
         """RM: the replicas of this forward are freed; the backward gathers ``layout`` again."""
+        if self.trainable and torch.is_grad_enabled():
+            self._expected += 1
         self._remat = (layout, None)
 
     def replica_grad_ready(self, grad_RP) -> None:
@@ -168,6 +214,14 @@ class ReplicaManager:
         if not self.trainable:
             self.end_micro_step()
             return {}
+        stats = self._folded if self._folded is not None else self._fold(timer)
+        self.end_micro_step()
+        return stats
+
+    @torch.no_grad()
+    def _fold(self, timer, *, in_backward: bool = False) -> dict:
+        """The owned rows' gradient and the landed replica reduces into ``master.grad`` (in this
+        order, whenever it runs: the same sums)."""
         acc_SP = self.master.grad
         if acc_SP is None:
             acc_SP = self.master.grad = torch.zeros_like(self.master)
@@ -188,27 +242,29 @@ class ReplicaManager:
             stats["reduce_bytes_sent_local"] = sum(r.sent for r in self.pending)
         if self.regather_exposed_s:
             stats["regather_exposed_s"] = self.regather_exposed_s
-        self.end_micro_step()
+        stats["folded_in_backward"] = in_backward
         return stats
 
     def end_micro_step(self) -> None:
         self.pending = []
+        self._expected = 0
+        self._folded = None
         self._remat = None
         self.regather_exposed_s = 0.0
         for nbytes in self._live.values():
-            self.memory.release(nbytes)
+            self.memory.release(nbytes, self)
         self._live = {}
 
     # -- memory ----------------------------------------------------------------------------------
     def count(self, replica_RP) -> None:
         nbytes = replica_RP.numel() * replica_RP.element_size()
-        self.memory.add(nbytes)
+        self.memory.add(nbytes, self)
         self._live[id(replica_RP)] = nbytes
 
     def uncount(self, replica_RP) -> None:
         nbytes = self._live.pop(id(replica_RP), None)
         if nbytes is not None:
-            self.memory.release(nbytes)
+            self.memory.release(nbytes, self)
 
     # -- owned state -----------------------------------------------------------------------------
     def set_owners(self, owner_E: torch.Tensor, *, rows: torch.Tensor, master: torch.Tensor) -> None:

@@ -22,8 +22,9 @@ Per iteration:
   SparseAllGather of the added replicas;
 * ``forward()``: all-gather the gate's counts (``tokens_ED``), wait for the replicas (the exposed
   part of the gather is timed), post-gating (what it adds is gathered now, on the critical path),
-  plan the dispatch, exchange tokens, compute owned + replica experts, exchange back, start the
-  next layer's gather;
+  plan the dispatch, start the next layer's gather (replicas on the idle link: it overlaps this
+  layer's token exchange and expert compute, and the next attention), exchange tokens, compute
+  owned + replica experts, exchange back;
 * backward: when the replicas' gradient exists, the SparseReduceScatter starts asynchronously;
   ``accumulate_grads()`` (after the engine's backward) finishes it and folds everything into the
   owner's fp32 gradient.
@@ -49,7 +50,7 @@ from ds_fssdp.moe.replicas import ReplicaManager, ReplicaMemory
 from ds_fssdp.planner import LoadPredictor, PolicyConfig, make_policy
 from ds_fssdp.planner.baselines import Clock, LayerPlan
 from ds_fssdp.planner.layer import LayerPlanner
-from ds_fssdp.planner.schedule import ScheduleCosts, choose_degrees, loads_from_plan
+from ds_fssdp.planner.schedule import ScheduleCosts, choose_degrees, loads_from_plan, overlap_window
 from ds_fssdp.topology import Topology
 
 __all__ = ["ShardedExperts", "ShardOptions", "StepContext", "Decision", "ReplicaMemory", "chain", "decision_arrays"]
@@ -177,8 +178,9 @@ class ShardedExperts:
         self.is_last = True
         self._gather = None  # (placement_ED, layout, SparseAllGather) started for the next forward
         self.stats = {}
-        self.measured_window_s = None  # this rank's moving average of prefetch -> forward
+        self.measured_window_s = None  # this rank's moving average of the overlap window (schedule.overlap_window)
         self._prefetch_t = None
+        self._early_end_t = None  # when the previous layer's expert compute ended, if it started this gather
         self.last_tokens_ED = None  # the last training forward's all-gathered counts (trace recording)
         self.last_decision = None  # and what it decided
         self._iterations = []  # _Iteration per recorded forward of this micro-step (replayed by recomputes)
@@ -201,6 +203,7 @@ class ShardedExperts:
         if self._gather is not None:
             return
         self._prefetch_t = time.perf_counter()
+        self._early_end_t = None
         placement_ED = self.plan_placement(self.context())
         layout = self.replicas.layout(placement_ED)
         self._gather = (placement_ED, layout, self.replicas.start_gather(layout))
@@ -223,7 +226,11 @@ class ShardedExperts:
                                    offset=self.rank * idx_TK.numel())
             idx_TK, counts_E = g.idx_TK, g.counts_E
         self.prefetch()
-        window = time.perf_counter() - self._prefetch_t
+        # The window that hid this gather (one function, planner/schedule.overlap_window): the
+        # previous layer's exchange + expert compute when it started the gather, then the attention.
+        now, early_end = time.perf_counter(), self._early_end_t
+        early_s = 0.0 if early_end is None else early_end - self._prefetch_t
+        window = overlap_window(now - (self._prefetch_t if early_end is None else early_end), early_s)
         m = self.measured_window_s
         self.measured_window_s = window if m is None else 0.9 * m + 0.1 * window
         (placed_ED, layout, gather), self._gather = self._gather, None
@@ -258,16 +265,22 @@ class ShardedExperts:
         elif grad and self.trainable:
             self.replicas.hook_replicas(replica_RP, layout)
             hooked = True
+        # -- replicas on the idle link: the next layer's gather starts now, before this layer's token
+        # exchange and expert compute (on GPUs it would use the link class the exchange leaves idle).
+        early_next = self.next is not None and self.next._gather is None
+        if early_next:
+            self.next.prefetch()
         token_bytes = x_TH.shape[1] * x_TH.element_size()
         degrees = self._degrees(ctx, plan, token_bytes)
         out_TH = self._run(x_TH, weights_TK, r, replica_RP, remat=remat, local_E=layout.local_E, degrees=degrees)
+        if early_next:
+            self.next._early_end_t = time.perf_counter()
         if not record or remat:
             self.replicas.uncount(replica_RP)  # freed with this frame (RM: not saved for backward)
         if record:
             self._iterations.append(_Iteration(gate_idx_TK, r, layout, None if remat else replica_RP, remat, hooked,
                                                degrees))
-        if self.next is not None:
-            self.next.prefetch()
+        # -- end of replicas on the idle link
         prediction_error = float("nan")  # of the loads the plan assumed
         if observe:
             prediction_error = ctx.planner.observe(tokens_ED)
@@ -277,6 +290,8 @@ class ShardedExperts:
                                  gather_sent=gather_sent, token_bytes=token_bytes,
                                  prediction_error=prediction_error, window=window, ctx=ctx)
         self.stats["pipeline_degree_fwd"], self.stats["pipeline_degree_bwd"] = degrees
+        self.stats.update({"gather_early_s": early_s, "gather_started_early": early_end is not None,
+                           "next_gather_started_early": early_next})
         return out_TH, tokens_ED
 
     def _replay(self, x_TH, idx_TK, weights_TK) -> torch.Tensor:
@@ -403,6 +418,7 @@ def chain(shards: list) -> None:
     for prev, nxt in zip(shards, shards[1:]):
         prev.next = nxt
         nxt.replicas.prev = prev.replicas
+        prev.replicas.above = nxt.replicas  # gradients in the gaps: each backward completes the layer above
         prev.is_last = False
 
 

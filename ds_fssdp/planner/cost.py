@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ds_fssdp.planner.knobs import auto_overlap_degree
+from ds_fssdp.planner.schedule import Linear, ScheduleCosts
 from ds_fssdp.topology import Topology
 
 
@@ -237,6 +238,21 @@ class CostModel:
             return 2**31 - 1  # unlimited; callers cap it at E
         return auto_overlap_degree(attention_seconds=seconds, bandwidth=self.binding_bandwidth,
                                    expert_bytes=self.shape.expert_bytes)
+
+    def schedule_costs(self) -> ScheduleCosts:
+        """The linear costs of the layer's schedule (``planner/schedule.py``) this hardware implies:
+        a collective phase's latency plus bytes over the link, a row's forward FLOPs."""
+        return ScheduleCosts(a2a_intra=Linear(self.hw.latency, 1.0 / self.hw.intra_bw),
+                             a2a_inter=Linear(self.hw.latency, 1.0 / self.hw.inter_bw),
+                             gemm=Linear(0.0, self.shape.row_flops / self.hw.flops), backward_factor=2.0)
+
+    def edp_reduce_linear(self, ranks: int, *, partitioned: bool) -> Linear:
+        """One slice of the expert-data-parallel gradient reduce over ``ranks`` ranks, per byte of
+        the slice each rank holds: a ring all-reduce moves 2 (n - 1) / n of it, a reduce-scatter
+        (partitioned state) n - 1 times its piece; over the binding link (an EDP group spans groups)."""
+        n = max(1, int(ranks))
+        factor = float(n - 1) if partitioned else 2.0 * (n - 1) / n
+        return Linear(self.hw.latency, factor / self.binding_bandwidth)
 
     @property
     def binding_bandwidth(self) -> float:

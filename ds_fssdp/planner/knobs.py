@@ -20,7 +20,8 @@ def auto_materialization_budget(*, memory_bytes: int, expert_bytes: int, num_lay
                                 rematerialize: bool) -> int:
     """Replicas per rank per layer. A replica holds its parameters and, until the reduce, a
     gradient of the same size: 2 * Psi bytes. Without re-materialization every layer keeps its
-    replicas through the iteration; with it, the layer computing and the one being prefetched."""
+    replicas through the iteration; with it, the layer computing and the next one, whose gather
+    starts during that compute (replicas on the idle link): two layers live across it."""
     if memory_bytes < 0 or expert_bytes <= 0 or num_layers < 1:
         raise ValueError(f"auto budget needs memory_bytes >= 0 ({memory_bytes}), expert_bytes > 0 ({expert_bytes}) "
                          f"and num_layers >= 1 ({num_layers})")

@@ -237,3 +237,77 @@ def default_costs(*, intra_bw: float, inter_bw: float, latency: float, flops: fl
     return ScheduleCosts(a2a_intra=Linear(float(latency), 1.0 / float(intra_bw)),
                          a2a_inter=Linear(float(latency), 1.0 / float(inter_bw)),
                          gemm=Linear(0.0, float(row_flops) / float(flops)))
+
+# -- gradients in the gaps and replicas on the idle link (issue 24, items 4 and 5) ----------------
+#
+# The owned-expert gradient reduce over the EDP group of a layer runs during the backward of the
+# layers below it, sliced so that each slice fits a gap the schedule leaves on the links (the
+# seconds the layer below's backward keeps them idle while its GEMMs run). A layer's replica gather
+# starts right after the previous layer's dispatch plan, so the window that hides it is the
+# previous layer's exchange + expert compute and this layer's attention.
+
+DEFAULT_GAP_SLICE_BYTES = 4 << 20  # a slice of the EDP gradient reduce where no costs exist (4 MiB)
+MIN_GAP_SLICE_BYTES = 64 << 10  # below this a slice is mostly startup: never cut finer
+
+
+def link_busy_s(costs: ScheduleCosts, load: LayerLoad, degree: int) -> float:
+    """Seconds the links carry one direction's exchanges (dispatch and combine) at ``degree``."""
+    if degree < 1:
+        raise ValueError(f"pipeline degree ({degree}) must be >= 1")
+    return 2.0 * degree * costs.exchange(load.intra_bytes / degree, load.inter_bytes / degree)
+
+
+def idle_link_s(costs: ScheduleCosts, load: LayerLoad, degree: int, *, backward: bool = True) -> float:
+    """The gap: seconds of one direction of the layer's modelled schedule (:func:`pipeline_time`)
+    during which the links are idle (the expert GEMMs run): what a sliced gradient reduce may use."""
+    gap = pipeline_time(costs, load, degree, backward=backward) - link_busy_s(costs, load, degree)
+    return gap if gap > 0.0 else 0.0
+
+
+def gap_slice_bytes(reduce: Linear | None, gap_s: float | None, total_bytes: int, *,
+                    default: int = DEFAULT_GAP_SLICE_BYTES) -> int:
+    """Bytes of one slice of a layer's EDP gradient reduce: the largest slice whose modelled reduce
+    (``reduce``: startup + seconds per byte) fits ``gap_s``, at least
+    :data:`MIN_GAP_SLICE_BYTES`; ``default`` where no costs or no gap exist. Never more than
+    ``total_bytes`` (one slice: the whole reduce), never less than 1."""
+    if total_bytes <= 0:
+        return 1
+    if reduce is None or gap_s is None or not gap_s > 0.0:
+        size = default
+    elif reduce.per_unit_s <= 0.0:
+        size = total_bytes
+    else:
+        room = gap_s - reduce.startup_s
+        size = int(room / reduce.per_unit_s) if room > 0.0 else 0
+        size = max(size, MIN_GAP_SLICE_BYTES)
+    return int(max(1, min(size, total_bytes)))
+
+
+def overlap_window(attention_s: float, previous_expert_s: float = 0.0, *, early: bool = True) -> float:
+    """Seconds that hide a layer's replica gather: its attention's forward, plus, when the gather
+    starts right after the previous MoE layer's dispatch plan (``early``, the runtime's schedule),
+    that layer's token exchange and expert compute (``previous_expert_s``; 0 for the first layer,
+    whose gather starts with the model's forward). The one window function: the runtime derives t
+    from it (``CostModel.overlap_degree``) and a simulator calls it with its modelled times."""
+    if attention_s < 0 or previous_expert_s < 0:
+        raise ValueError(f"overlap window needs attention_s >= 0 ({attention_s}) and previous_expert_s >= 0 "
+                         f"({previous_expert_s})")
+    return attention_s + (previous_expert_s if early else 0.0)
+
+
+def rank_load(traffic_DD, rank: int, node_D, token_bytes: float) -> LayerLoad:
+    """One rank's :class:`LayerLoad` from a dispatch plan's token traffic (``traffic_DD[d, d2]``:
+    tokens rank d sends rank d2, ``DispatchPlan.traffic_DD``): its busiest direction per link
+    class, the rows it computes for its own tokens and for the others'."""
+    t = np.asarray(traffic_DD, dtype=np.float64)
+    node = np.asarray(node_D)
+    same = node == node[rank]
+    other = np.arange(t.shape[0]) != rank
+    intra, inter = same & other, ~same
+
+    def busiest(mask) -> float:
+        return float(max(t[rank, mask].sum(), t[mask, rank].sum())) * float(token_bytes)
+
+    local = float(t[rank, rank])
+    return LayerLoad(intra_bytes=busiest(intra), inter_bytes=busiest(inter), local_rows=local,
+                     remote_rows=float(t[:, rank].sum()) - local)

@@ -166,6 +166,7 @@ class FSSDPEngineMixin:
     """Extends DeepSpeed's engine (``engine.fssdp`` is the stage)."""
 
     def backward(self, loss, *args, **kwargs):
+        self.fssdp.before_backward(self.is_gradient_accumulation_boundary())
         out = super().backward(loss, *args, **kwargs)
         self.fssdp.health.observe_loss(loss)
         self.fssdp.after_backward(loss.detach() if self.fssdp.trace is not None else None)
@@ -204,6 +205,7 @@ class FSSDPEngineMixin:
         in the background while training goes on (``wait_for_checkpoint``). A save first waits for
         the one before it."""
         from ds_fssdp.runtime import checkpoint
+        self.fssdp.wait_in_flight()
         return checkpoint.save(self, save_dir, tag, client_state=client_state, save_latest=save_latest,
                                exclude_frozen_parameters=exclude_frozen_parameters, async_save=async_save,
                                ds_save=super().save_checkpoint)
@@ -224,6 +226,7 @@ class FSSDPEngineMixin:
         ``load_optimizer_states``); ``verify``: check sha256 digests, not only sizes. A pending
         asynchronous save is committed first (it may be the checkpoint being loaded)."""
         from ds_fssdp.runtime import checkpoint
+        self.fssdp.wait_in_flight()
         checkpoint.wait(self)
         return checkpoint.load(self, load_dir, tag, ds_load=super().load_checkpoint,
                                load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,

@@ -24,6 +24,13 @@ The global-norm clip counts each expert once: partitioned slices are disjoint ov
 replicated owners count in group 0 only (the other groups add nothing but their non-finite-loss
 flags). The stage all-reduces the squared norm over the world.
 
+Gradients in the gaps (``fssdp.grads_in_gaps``): :meth:`start_reduce` starts one layer's reduce
+asynchronously during the backward (as soon as its owned gradient is final), in slices of at most
+``slice_elems`` elements per rank, each its own asynchronous collective; ``reduce`` at the step then
+waits for what is still in flight and reduces the layers not started, synchronously, as without.
+Each element is summed over the same ranks either way (bitwise the same sums where the collective's
+order is the same). :meth:`wait_in_flight` lands everything started (checkpoints, re-sharding).
+
 Both give the stage, re-sharding and checkpoints one interface: ``params()`` (what the expert
 optimizer steps), ``full_state(i)`` / ``set_state(i, ...)`` (layer i's full fp32 master and row
 states of the owned rows, gathered from the slices or re-sliced; collective over the EDP group
@@ -59,6 +66,43 @@ class _ExpertState:
     def __init__(self, shards: list):
         self.shards = shards
         self.optimizer = None  # the expert optimizer over params(), set by the stage
+        self._inflight = {}  # layer -> (works, completion) of a reduce started in the gaps
+        self._reduced = set()  # layers whose reduce this step has landed (their gradient is final)
+
+    @staticmethod
+    def _pieces(numel: int, slice_elems: int) -> list:
+        """[start, end) ranges of ``slice_elems`` elements covering ``numel`` (none for 0)."""
+        step = max(1, int(slice_elems))
+        return [(a, min(a + step, numel)) for a in range(0, numel, step)]
+
+    @property
+    def in_flight(self) -> int:
+        """Layers whose gap reduce was started and has not landed."""
+        return len(self._inflight)
+
+    @torch.no_grad()
+    def wait_in_flight(self) -> None:
+        """Land every reduce started in the gaps (their results stay for the step)."""
+        for i in sorted(self._inflight):
+            works, complete = self._inflight.pop(i)
+            for w in works:
+                if w is not None:
+                    w.wait()
+            complete()
+            self._reduced.add(i)
+
+    def start_reduce(self, i: int, scale: float, slice_elems: int) -> int:
+        """Start layer ``i``'s reduce (asynchronous, sliced); returns the collectives issued."""
+        if i in self._inflight or i in self._reduced:
+            raise RuntimeError(f"fssdp: layer {i}'s expert gradient reduce was already started this step")
+        works, complete = self._start(i, scale, slice_elems)
+        self._inflight[i] = (works, complete)
+        return len(works)
+
+    def _check_quiet(self, what: str) -> None:
+        if self._inflight:
+            raise RuntimeError(f"fssdp: {what} while expert gradient reduces of layers {sorted(self._inflight)} are in "
+                               "flight (wait_in_flight first)")
 
     def params(self) -> list:
         raise NotImplementedError
@@ -102,18 +146,35 @@ class ReplicatedExperts(_ExpertState):
     def params(self) -> list:
         return [s.master for s in self.shards]
 
+    @torch.no_grad()
     def reduce(self, scale: float) -> torch.Tensor:
-        """Scale the accumulated gradients, sum them over the EDP group; this rank's part of the
-        global squared norm."""
+        """Scale the accumulated gradients, sum them over the EDP group (the layers not already
+        reduced in the gaps); this rank's part of the global squared norm."""
+        self.wait_in_flight()
         sq = torch.zeros((), dtype=torch.float32, device=self.shards[0].master.device)
-        for s in self.shards:
-            if s.master.grad is None:
-                s.master.grad = torch.zeros_like(s.master)
-            s.master.grad.mul_(scale)
-            if self.edp_group is not None:
-                dist.all_reduce(s.master.grad, group=self.edp_group)
+        for i, s in enumerate(self.shards):
+            if i not in self._reduced:
+                if s.master.grad is None:
+                    s.master.grad = torch.zeros_like(s.master)
+                s.master.grad.mul_(scale)
+                if self.edp_group is not None:
+                    dist.all_reduce(s.master.grad, group=self.edp_group)
             sq += s.master.grad.float().pow(2).sum()
+        self._reduced = set()
         return sq if self.counts_in_norm else torch.zeros_like(sq)
+
+    @torch.no_grad()
+    def _start(self, i: int, scale: float, slice_elems: int) -> tuple:
+        s = self.shards[i]
+        if s.master.grad is None:
+            s.master.grad = torch.zeros_like(s.master)
+        s.master.grad.mul_(scale)
+        works = []
+        if self.edp_group is not None:
+            flat = s.master.grad.view(-1)
+            works = [dist.all_reduce(flat[a:b], group=self.edp_group, async_op=True)
+                     for a, b in self._pieces(flat.numel(), slice_elems)]
+        return works, lambda: None
 
     def publish(self) -> None:
         for s in self.shards:
@@ -136,6 +197,7 @@ class ReplicatedExperts(_ExpertState):
         s.set_owners(owner_E, rows=compute, master=master)
 
     def migrate(self, i: int, new_owner_E, group) -> int:
+        self._check_quiet("re-sharding")
         return migrate_shard(self.shards[i], new_owner_E, self.optimizer, group)
 
     def state_bytes(self) -> dict:
@@ -192,19 +254,49 @@ class PartitionedExperts(_ExpertState):
         dist.all_gather_into_tensor(out_NC.view(-1), mine, group=self.edp_group)
         return torch.cat([out_NC[k, :n] for k, n in enumerate(sizes)])
 
+    def _scaled_flat(self, s, scale: float) -> torch.Tensor:
+        g = s.rows.grad
+        return g.float().reshape(-1) * scale if g is not None else s.rows.new_zeros(s.rows.numel(),
+                                                                                    dtype=torch.float32)
+
     @torch.no_grad()
     def reduce(self, scale: float) -> torch.Tensor:
         """Reduce-scatter the rows' accumulated gradients over the EDP group into the slices'
-        gradients; this rank's part of the global squared norm."""
+        gradients (the layers not already reduced in the gaps); this rank's part of the global
+        squared norm."""
+        self.wait_in_flight()
         sq = torch.zeros((), dtype=torch.float32, device=self.shards[0].rows.device)
-        for s, p in zip(self.shards, self.slices):
-            g = s.rows.grad
-            flat = g.float().reshape(-1) * scale if g is not None else s.rows.new_zeros(s.rows.numel(),
-                                                                                          dtype=torch.float32)
-            p.grad = self._reduce_scatter(flat)
-            s.rows.grad = None
+        for i, (s, p) in enumerate(zip(self.shards, self.slices)):
+            if i not in self._reduced:
+                p.grad = self._reduce_scatter(self._scaled_flat(s, scale))
+                s.rows.grad = None
             sq += p.grad.pow(2).sum()
+        self._reduced = set()
         return sq
+
+    @torch.no_grad()
+    def _start(self, i: int, scale: float, slice_elems: int) -> tuple:
+        """Piece [a, b) of every rank's slice is one reduce-scatter: the same per-element sums as
+        :meth:`_reduce_scatter`'s one collective."""
+        s = self.shards[i]
+        flat = self._scaled_flat(s, scale)
+        s.rows.grad = None
+        sizes = self._sizes(flat.numel())
+        if not flat.numel():
+            out_C = flat[:0]
+            return [], lambda: setattr(self.slices[i], "grad", out_C)
+        offsets = [sum(sizes[:k]) for k in range(self.n)]
+        out_C = flat.new_empty(sizes[0])
+        works = []
+        for a, b in self._pieces(sizes[0], slice_elems):
+            buf_NC = flat.new_zeros(self.n, b - a)
+            for k in range(self.n):
+                end = min(b, sizes[k])
+                if end > a:
+                    buf_NC[k, :end - a] = flat[offsets[k] + a:offsets[k] + end]
+            works.append(dist.reduce_scatter_tensor(out_C[a:b], buf_NC.view(-1), group=self.edp_group, async_op=True))
+        mine = sizes[self.j]
+        return works, lambda: setattr(self.slices[i], "grad", out_C[:mine])
 
     @torch.no_grad()
     def publish(self) -> None:
@@ -237,6 +329,7 @@ class PartitionedExperts(_ExpertState):
     def migrate(self, i: int, new_owner_E, group) -> int:
         """Gather the full state over the EDP group, move it inside the FSSDP group as a re-shard
         does, slice it again. Returns the bytes this rank sent inside the FSSDP group."""
+        self._check_quiet("re-sharding")
         s = self.shards[i]
         new_owner_E = new_owner_E.to("cpu", torch.long)
         old_owner_E = s.owner_E

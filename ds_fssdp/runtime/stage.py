@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import inspect
+import time
 
 import torch
 from deepspeed import comm as dist
@@ -29,7 +30,7 @@ from ds_fssdp.moe.sharded import (ReplicaMemory, ShardedExperts, ShardOptions, S
 from ds_fssdp.planner import CostModel, Hardware, LoadPredictor, auto_materialization_budget, homogeneous_owner
 from ds_fssdp.planner.baselines import Clock, PolicyConfig, make_policy
 from ds_fssdp.planner.layer import LayerPlanner, migrating_policies, migrations
-from ds_fssdp.planner.schedule import ScheduleCosts, default_costs
+from ds_fssdp.planner.schedule import ScheduleCosts, default_costs, gap_slice_bytes, idle_link_s, rank_load
 from ds_fssdp.runtime.expert_dp import make_expert_state
 from ds_fssdp.runtime.grad_norm import install_expert_norm, loss_scale_of
 from ds_fssdp.runtime.health import NonFiniteGuard
@@ -82,6 +83,11 @@ class FSSDPStage:
         self.pipeline_degree = config.pipeline_degrees()  # "auto" or (forward, backward)
         self.schedule_costs = None  # planner.schedule.ScheduleCosts for "auto" degrees, built in attach
         self.window_s = [None] * len(self.layers)  # the overlap windows every rank agreed on (seconds)
+        # Gradients in the gaps: each layer's EDP reduce slice (bytes per rank, agreed over the EDP
+        # group) and what the next step's slice is planned from (this rank's load of each layer).
+        self.gap_slice_bytes = [None] * len(self.layers)
+        self._gap_loads = [None] * len(self.layers)
+        self._gaps_started = []  # layers whose EDP reduce started during this step's backward
         self.timers = None
         for i, layer in enumerate(self.layers):
             if not isinstance(layer, FSSDPExperts):
@@ -179,9 +185,33 @@ class FSSDPStage:
                     f"EDP ranks), expert dtype {dtype}")
 
     # -- per micro-step -------------------------------------------------------------------------
+    def before_backward(self, boundary: bool) -> None:
+        """Gradients in the gaps (``fssdp.grads_in_gaps``), on the accumulation boundary only: each
+        layer's EDP reduce starts when its owned gradient is final during this backward."""
+        gaps = bool(self.config.grads_in_gaps and boundary and self.expert_state is not None)
+        self._gaps_started = []
+        for i, shard in enumerate(self.shards):
+            shard.replicas.gaps = (lambda i=i: self._start_gap_reduce(i)) if gaps else None
+
+    def _start_gap_reduce(self, i: int) -> None:
+        nbytes = self.gap_slice_bytes[i]
+        if nbytes is None:  # no plan yet (first step, or no costs): the documented default
+            nbytes = gap_slice_bytes(None, None, self.shards[i].rows.numel() * 4)
+        self.expert_state.start_reduce(i, self.grad_scale, max(1, nbytes // 4))  # fp32 gradients
+        self._gaps_started.append(i)
+
+    def wait_in_flight(self) -> None:
+        """Land every expert gradient reduce started in the gaps (before a checkpoint or anything
+        that reads or moves expert state between the backward and the step)."""
+        if self.expert_state is not None:
+            self.expert_state.wait_in_flight()
+
     def after_backward(self, loss=None) -> None:
         for shard in self.shards:
             shard.accumulate_grads()
+            shard.replicas.gaps = None
+        if self.config.grads_in_gaps and self.edp_size > 1 and self.cost is not None:
+            self._gap_loads = [self._rank_load(s) for s in self.shards]
         if getattr(self, "trace", None) is not None and all(s.last_tokens_ED is not None for s in self.shards):
             self.trace.append(torch.stack([s.last_tokens_ED for s in self.shards]),
                               loss=float(loss) if loss is not None else float("nan"),
@@ -193,7 +223,9 @@ class FSSDPStage:
     @torch.no_grad()
     def before_step(self, engine) -> None:
         """Average the expert gradients over ranks and arm DeepSpeed's norm with theirs."""
+        t0 = time.perf_counter()
         sq = self.expert_state.reduce(self.grad_scale).to(engine.device)
+        self._edp_reduce_s = time.perf_counter() - t0
         sq += self.health.loss_flag(sq)  # +inf where this rank's loss was not finite: all ranks learn it
         # Over the world: each expert counted once (expert_dp.py), every rank's loss flag heard.
         dist.all_reduce(sq, group=self.group if self.edp_size == 1 else None)
@@ -221,13 +253,44 @@ class FSSDPStage:
         for master in self.masters():
             master.grad = None
         self._agree_on_windows(engine.device)
+        self._plan_gap_slices(engine.device)
         resharded = self.reshard() if applied else 0
         if engine.wall_clock_breakdown() and engine.global_steps % engine.steps_per_print() == 0:
             engine.timers.log(["fssdp_gather_wait", "fssdp_reduce_wait"])
         self.last_step = {"applied": applied, "expert_grad_factor": factor, "global_grad_norm": self.norm.global_norm,
-                          "replica_bytes_peak": self.memory.peak, "reshard_bytes_sent": resharded}
+                          "replica_bytes_peak": self.memory.peak, "reshard_bytes_sent": resharded,
+                          "replica_layers_peak": self.memory.layers_peak,
+                          "edp_reduce_in_gaps": list(self._gaps_started),
+                          "edp_reduce_wait_s": getattr(self, "_edp_reduce_s", 0.0),
+                          "edp_reduce_slice_bytes": list(self.gap_slice_bytes)}
         self.memory.reset_peak()
 
+
+    def _rank_load(self, shard):
+        """This rank's load of a layer's last training forward (its plan's traffic), or None."""
+        d = shard.last_decision
+        if d is None:
+            return None
+        token_bytes = shard.spec.cost_shape(shard.rows.element_size()).token_bytes
+        return rank_load(d.traffic_DD.numpy(), shard.rank, self.topology.node_D().numpy(), token_bytes)
+
+    def _plan_gap_slices(self, device) -> None:
+        """Each layer's EDP reduce slice for the next step: :func:`planner.schedule.gap_slice_bytes`
+        over the gap the layer below's backward leaves on the links (:func:`idle_link_s` of its
+        last load at degree 1) and the modelled reduce; the smallest over the EDP group (every
+        member must cut the same slices). Without a cost model: the fixed default (no collective)."""
+        if not self.config.grads_in_gaps or self.edp_size == 1 or self.cost is None:
+            return
+        costs = self.cost.schedule_costs()
+        reduce = self.cost.edp_reduce_linear(self.edp_size, partitioned=self.expert_state.partitioned)
+        sizes = []
+        for i, s in enumerate(self.shards):
+            below = self._gap_loads[i - 1] if i > 0 else None
+            gap = idle_link_s(costs, below, 1, backward=True) if below is not None else None
+            sizes.append(gap_slice_bytes(reduce, gap, s.rows.numel() * 4))
+        agreed = torch.tensor(sizes, dtype=torch.float64, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.edp_group)
+        self.gap_slice_bytes = [int(v) for v in agreed.tolist()]
 
     def _reduce_router_loads(self, device) -> None:
         """Routing-bias updates count loads over the world: each FSSDP group saw its own."""
@@ -255,8 +318,11 @@ class FSSDPStage:
             logger.info(f"fssdp: materialization_budget auto -> m = {self.budget} ({cfg.replica_memory_bytes} bytes "
                         f"for replicas, {psi} bytes per expert, {len(self.layers)} layers, rematerialize="
                         f"{cfg.rematerialize})")
+        # Gradients in the gaps plans its slices on a configured cost model (never measured for it
+        # alone: without one the slice is the fixed default).
         need_cost = (cfg.calibration or cfg.policy == "fastermoe" or cfg.dispatch == "balanced-time"
-                     or cfg.overlap_degree == "auto")
+                     or cfg.overlap_degree == "auto"
+                     or (cfg.grads_in_gaps and self.edp_size > 1 and cfg.hardware is not None))
         if need_cost:
             self.cost = self._cost_model(dtype, device)
         if self.pipeline_degree == "auto":
@@ -354,6 +420,7 @@ class FSSDPStage:
         rank sent for all of them."""
         if not self.migrators:
             return 0
+        self.wait_in_flight()
         owner_LE = torch.stack([s.owner_E for s in self.shards])
         sent = 0
         for r in migrations(self.migrators, self.steps, self.world_loads(), owner_LE, clock=self.clock(0)):
