@@ -22,6 +22,7 @@ class TokenDispatcher:
         self.group = group
         self.rank = rank
         self.num_experts = num_experts
+        self.timings = None  # moe.timing.LayerTimings: each exchange timed when set
 
     def group_by_expert(self, idx_TK: torch.Tensor):
         """The route's plan-free half (before the count all-gather and the replicas' wait)."""
@@ -39,4 +40,7 @@ class TokenDispatcher:
         return dispatch_compute_combine(x_TH, weights_TK, r, expert_fn=expert_fn, exchange=self._exchange)
 
     def _exchange(self, x, out_splits, in_splits):
-        return all_to_all(x, out_splits, in_splits, group=self.group)
+        if self.timings is None:
+            return all_to_all(x, out_splits, in_splits, group=self.group)
+        return self.timings.exchange(lambda y: all_to_all(y, out_splits, in_splits, group=self.group), x,
+                                     out_splits, in_splits)

@@ -45,6 +45,7 @@ from ds_fssdp.moe.experts import ExpertSpec
 from ds_fssdp.moe.gate import GateOutput, uniform_assignment
 from ds_fssdp.moe.remat import RematExpertMLP
 from ds_fssdp.moe.replicas import ReplicaManager, ReplicaMemory
+from ds_fssdp.moe.timing import LayerTimings
 from ds_fssdp.planner import LoadPredictor, PolicyConfig, make_policy
 from ds_fssdp.planner.baselines import Clock, LayerPlan
 from ds_fssdp.planner.layer import LayerPlanner
@@ -164,6 +165,9 @@ class ShardedExperts:
                                        memory=memory if memory is not None else ReplicaMemory(), trainable=trainable,
                                        hierarchical=options.hierarchical, rematerialize=options.rematerialize)
         self.dispatcher = TokenDispatcher(group=group, rank=self.rank, num_experts=E)
+        # Exchange, GEMM and whole-layer spans (forward and backward): the cost model's refits.
+        self.timings = LayerTimings(rank=self.rank, ranks_per_node=topology.ranks_per_node)
+        self.dispatcher.timings = self.timings
         self.next = None  # the following MoE layer (prefetch chain, :func:`chain`)
         self.is_last = True
         self._gather = None  # (placement_ED, layout, SparseAllGather) started for the next forward
@@ -249,8 +253,8 @@ class ShardedExperts:
         elif grad and self.trainable:
             self.replicas.hook_replicas(replica_RP, layout)
             hooked = True
-        out_TH = self.dispatcher.run(x_TH, weights_TK, r,
-                                     expert_fn=self._expert_fn(replica_RP, remat=remat, local_E=layout.local_E))
+        expert_fn = self._expert_fn(replica_RP, remat=remat, local_E=layout.local_E)
+        out_TH = self.timings.layer(lambda x: self.dispatcher.run(x, weights_TK, r, expert_fn=expert_fn), x_TH, r)
         if not record or remat:
             self.replicas.uncount(replica_RP)  # freed with this frame (RM: not saved for backward)
         if record:
@@ -280,7 +284,8 @@ class ShardedExperts:
         elif torch.is_grad_enabled() and self.trainable and not it.hooked:
             self.replicas.hook_replicas(replica_RP, it.layout)  # the first pass ran without a graph (reentrant)
         expert_fn = self._expert_fn(replica_RP, remat=it.remat, local_E=it.layout.local_E)
-        return self.dispatcher.run(x_TH, weights_TK, it.route, expert_fn=expert_fn)
+        return self.timings.layer(lambda x: self.dispatcher.run(x, weights_TK, it.route, expert_fn=expert_fn), x_TH,
+                                  it.route)
 
     def _expert_fn(self, replica_RP, *, remat: bool, local_E: torch.Tensor):
         """The expert function over the owned rows and this forward's replicas (``local_E``: the
@@ -290,9 +295,10 @@ class ShardedExperts:
         lora = self.lora_factors(local_E) if getattr(self, "lora_factors", None) is not None else None
         if remat:
             rows, spec, source = self.rows, self.spec, self.replicas
-            return lambda xg, sizes: RematExpertMLP.apply(xg, rows, replica_RP, source, spec, sizes)
-        return mlp_fn(self.spec.views(torch.cat([self.rows, replica_RP])), self.spec.activation,
-                      act_params=self.spec.act_params, lora=lora)
+            return self.timings.expert_fn(lambda xg, sizes: RematExpertMLP.apply(xg, rows, replica_RP, source, spec,
+                                                                                 sizes))
+        return self.timings.expert_fn(mlp_fn(self.spec.views(torch.cat([self.rows, replica_RP])), self.spec.activation,
+                                             act_params=self.spec.act_params, lora=lora))
 
     # -- backward ------------------------------------------------------------------------------
     def accumulate_grads(self) -> None:

@@ -40,7 +40,7 @@ LAYER_METRICS = (
     "overlap_degree",  # t in force (varies with "auto")
 )
 # Per optimizer step, from ``FSSDPStage.last_step``.
-STEP_METRICS = ("global_grad_norm", "replica_bytes_peak", "reshard_bytes_sent")
+STEP_METRICS = ("global_grad_norm", "replica_bytes_peak", "reshard_bytes_sent", "cost_fit_error")
 
 
 class StageMonitor:

@@ -29,6 +29,7 @@ from ds_fssdp.moe.sharded import (ReplicaMemory, ShardedExperts, ShardOptions, S
 from ds_fssdp.planner import CostModel, Hardware, LoadPredictor, auto_materialization_budget, homogeneous_owner
 from ds_fssdp.planner.baselines import Clock, PolicyConfig, make_policy
 from ds_fssdp.planner.layer import LayerPlanner, migrating_policies, migrations
+from ds_fssdp.runtime import costfit
 from ds_fssdp.runtime.expert_dp import make_expert_state
 from ds_fssdp.runtime.grad_norm import install_expert_norm, loss_scale_of
 from ds_fssdp.runtime.health import NonFiniteGuard
@@ -75,6 +76,11 @@ class FSSDPStage:
         self.migrators = []  # who re-shards after a step (planner.layer.migrating_policies)
         self.cost = None  # CostModel (measured at attach or from fssdp.hardware), when a decision needs one
         self.window_s = [None] * len(self.layers)  # the overlap windows every rank agreed on (seconds)
+        # The schedule's fitted costs (planner.schedule.ScheduleCosts; runtime/costfit.py): measured at
+        # attach, refitted every cost_refresh_interval steps; equal on every rank.
+        self.schedule_costs = None
+        self.cost_fit = None
+        self._steps_seen = 0
         self.timers = None
         for i, layer in enumerate(self.layers):
             if not isinstance(layer, FSSDPExperts):
@@ -146,6 +152,11 @@ class FSSDPStage:
         self.expert_state.optimizer = self.optimizer
         self.norm = install_expert_norm(engine)
         self._configure_auto_and_policies(dtype, engine.device)
+        self.cost_fit = costfit.measure(group=self.group, topology=self.topology, spec=self.layers[0].spec, dtype=dtype,
+                                        device=engine.device)
+        self.schedule_costs = self.cost_fit.costs
+        self.profile["schedule_costs"] = dataclasses.asdict(self.schedule_costs)
+        logger.info(f"fssdp: schedule costs fitted {self.schedule_costs} (relative error {self.cost_fit.error:.3f})")
         if engine.wall_clock_breakdown():
             self.timers = engine.timers
         if self.config.trace_path and dist.get_rank() == 0:
@@ -214,12 +225,23 @@ class FSSDPStage:
             master.grad = None
         self._agree_on_windows(engine.device)
         resharded = self.reshard() if applied else 0
+        self._steps_seen += 1
+        interval = self.config.cost_refresh_interval
+        if interval and self._steps_seen % interval == 0:
+            self.refit_schedule_costs(engine.device)
         if engine.wall_clock_breakdown() and engine.global_steps % engine.steps_per_print() == 0:
             engine.timers.log(["fssdp_gather_wait", "fssdp_reduce_wait"])
         self.last_step = {"applied": applied, "expert_grad_factor": factor, "global_grad_norm": self.norm.global_norm,
-                          "replica_bytes_peak": self.memory.peak, "reshard_bytes_sent": resharded}
+                          "replica_bytes_peak": self.memory.peak, "reshard_bytes_sent": resharded,
+                          "cost_fit_error": self.cost_fit.error if self.cost_fit is not None else None}
         self.memory.reset_peak()
 
+
+    def refit_schedule_costs(self, device) -> None:
+        """Refit ``schedule_costs`` from every layer's recorded exchange and GEMM timings, agreed by
+        every rank (collective over the world; runtime/costfit.py)."""
+        self.cost_fit.refit([s.timings for s in self.shards], device=device)
+        self.schedule_costs = self.cost_fit.costs
 
     def _reduce_router_loads(self, device) -> None:
         """Routing-bias updates count loads over the world: each FSSDP group saw its own."""
