@@ -6,7 +6,8 @@ Legend: D ranks, L MoE layers, R rows, H hidden.
 At initialize (``measure``): the token all-to-all over the token group at a few sizes (with
 several nodes once with bytes only to this node's peers, once only to other nodes', so each link
 class gets its own fit), and the grouped expert MLP forward and backward over a few row counts;
-one warm-up, then the median of ``repeats``. Every rank's times are agreed (one all-reduce, MAX)
+one warm-up, then the median of ``repeats``. The GEMM's rows are split over the experts a rank
+owns, as the runtime groups them (one expert over all the rows runs out of cache sooner). Every rank's times are agreed (one all-reduce, MAX)
 before ``schedule.fit_schedule_costs``, so every rank fits the same costs.
 
 While training (``CostFit.refit``), each layer's ``moe.timing.LayerTimings`` holds its last
@@ -101,12 +102,14 @@ def measure_exchange(*, group, topology: Topology, token_bytes: int, device, row
     return out
 
 
-def measure_gemm(spec: ExpertSpec, *, dtype, device, rows=None, repeats: int = 3) -> dict:
-    """This rank's times of one expert's MLP over ``rows`` rows: {"gemm_fwd": [(rows, s)],
-    "gemm_bwd": [(rows, s)]} (the backward: input and weight gradients)."""
+def measure_gemm(spec: ExpertSpec, *, dtype, device, rows=None, experts: int = 1, repeats: int = 3) -> dict:
+    """This rank's times of the grouped expert MLP over ``rows`` rows split evenly over ``experts``
+    local experts (as the runtime groups them): {"gemm_fwd": [(rows, s)], "gemm_bwd": [(rows, s)]}
+    (the backward: input and weight gradients)."""
     rows = gemm_rows(spec) if rows is None else rows
     H = spec.shapes[spec.names[0]][0]
-    w = {n: (torch.randn(1, *s, dtype=dtype, device=device) * 0.02).requires_grad_() for n, s in spec.shapes.items()}
+    w = {n: (torch.randn(experts, *s, dtype=dtype, device=device) * 0.02).requires_grad_()
+         for n, s in spec.shapes.items()}
     out = {"gemm_fwd": [], "gemm_bwd": []}
 
     def sync():
@@ -115,11 +118,12 @@ def measure_gemm(spec: ExpertSpec, *, dtype, device, rows=None, repeats: int = 3
 
     for r in rows:
         x = torch.randn(r, H, dtype=dtype, device=device, requires_grad=True)
+        sizes = [r // experts + (e < r % experts) for e in range(experts)]
         fwd, bwd = [], []
         for i in range(repeats + 1):
             sync()
             t0 = time.perf_counter()
-            y = ops.expert_mlp(x, w, [r], activation=spec.activation, act_params=spec.act_params)
+            y = ops.expert_mlp(x, w, sizes, activation=spec.activation, act_params=spec.act_params)
             sync()
             t1 = time.perf_counter()
             y.backward(torch.ones_like(y))
@@ -147,13 +151,15 @@ def agree_max(samples: dict, *, group=None, device="cpu") -> dict:
     return {k: [(u, next(vals)) for u, _ in samples[k]] for k in keys}
 
 
-def measure(*, group, topology: Topology, spec: ExpertSpec, dtype, device, exchange_rows_per_peer=None,
-            gemm_rows_list=None, repeats: int = 3, agree_group=None) -> CostFit:
-    """The initial fit (collective over ``group`` and ``agree_group``, None: the world)."""
+def measure(*, group, topology: Topology, spec: ExpertSpec, dtype, device, experts: int = 1,
+            exchange_rows_per_peer=None, gemm_rows_list=None, repeats: int = 3, agree_group=None) -> CostFit:
+    """The initial fit (collective over ``group`` and ``agree_group``, None: the world);
+    ``experts``: the experts a rank holds (its GEMM's groups)."""
     token_bytes = spec.shapes[spec.names[0]][0] * torch.tensor([], dtype=dtype).element_size()
     samples = measure_exchange(group=group, topology=topology, token_bytes=token_bytes, device=device,
                                rows=exchange_rows_per_peer, repeats=repeats)
-    samples.update(measure_gemm(spec, dtype=dtype, device=device, rows=gemm_rows_list, repeats=repeats))
+    samples.update(measure_gemm(spec, dtype=dtype, device=device, rows=gemm_rows_list, experts=experts,
+                                repeats=repeats))
     samples = agree_max(samples, group=agree_group, device=device)
     if not samples["intra"]:  # one rank (or one rank per node): exchanges cost nothing measurable
         samples["intra"] = [(1.0, 1e-9), (2.0, 1e-9)]

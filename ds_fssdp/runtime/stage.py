@@ -153,7 +153,8 @@ class FSSDPStage:
         self.norm = install_expert_norm(engine)
         self._configure_auto_and_policies(dtype, engine.device)
         self.cost_fit = costfit.measure(group=self.group, topology=self.topology, spec=self.layers[0].spec, dtype=dtype,
-                                        device=engine.device)
+                                        device=engine.device,
+                                        experts=max(1, self.layers[0].num_experts // self.group_size))
         self.schedule_costs = self.cost_fit.costs
         self.profile["schedule_costs"] = dataclasses.asdict(self.schedule_costs)
         logger.info(f"fssdp: schedule costs fitted {self.schedule_costs} (relative error {self.cost_fit.error:.3f})")
