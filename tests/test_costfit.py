@@ -67,3 +67,38 @@ def test_timed_spans_record_forward_and_backward_and_keep_values():
     with torch.no_grad():  # no graph: a forward span only
         t.expert_fn(lambda xg, sizes: xg)(x, [7])
     assert len(t.samples("gemm_fwd")) == 2 and len(t.samples("gemm_bwd")) == 1
+
+
+def _gpu_arms():
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "schedule_arms.py"
+    spec = importlib.util.spec_from_file_location("schedule_arms", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_schedule_arms_skip_without_cuda_and_run_their_logic_on_cpu(tmp_path, monkeypatch):
+    """benchmarks/gpu/schedule_arms.py: no CUDA -> a clean skip; --device cpu runs the same schedule
+    code serially (tiny shapes): every degree measured, auto chosen in range by the fitted model,
+    one copy per destination sends no more rows than one per assignment (its rows are checked
+    equal inside the arm)."""
+    import json
+    import sys
+    arms = _gpu_arms()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["schedule_arms.py", "--json", str(tmp_path / "skip.json")])
+    assert arms.main() == 0
+    assert json.loads((tmp_path / "skip.json").read_text()) == {"skipped": "no CUDA device"}
+    monkeypatch.setattr(sys, "argv", ["schedule_arms.py", "--device", "cpu", "--repeats", "1", "--json",
+                                      str(tmp_path / "cpu.json")])
+    assert arms.main() == 0
+    out = json.loads((tmp_path / "cpu.json").read_text())
+    for fam in ("mixtral", "deepseek"):
+        p, d = out["pipeline"][fam], out["dedup"][fam]
+        for direction in ("forward", "backward"):
+            assert sorted(map(int, p[direction]["measured_ms"])) == list(range(1, 9))
+            assert 1 <= p[direction]["auto_degree"] <= 8
+        assert p["local_rows"] + p["remote_rows"] == p["rows"]
+        assert 0 < d["rows_on"] < d["rows_off"] and d["bytes_saved_fraction"] > 0
