@@ -102,3 +102,45 @@ def test_gpu_schedule_arms_skip_without_cuda_and_run_their_logic_on_cpu(tmp_path
             assert 1 <= p[direction]["auto_degree"] <= 8
         assert p["local_rows"] + p["remote_rows"] == p["rows"]
         assert 0 < d["rows_on"] < d["rows_off"] and d["bytes_saved_fraction"] > 0
+
+
+def test_timed_layer_output_may_be_modified_in_place():
+    """The span's output is the call's own tensor, so code after the layer may modify it in place."""
+    t = LayerTimings(rank=0, ranks_per_node=1)
+    x = torch.randn(4, 3, requires_grad=True)
+    y = t.timed(lambda v: v * 3.0, x, (4.0,), "gemm_fwd", "gemm_bwd")
+    y.add_(1.0)
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 3.0)) and len(t.samples("gemm_bwd")) == 1
+
+
+def test_compute_span_is_the_layer_span_less_its_exchanges():
+    """A layer of exchange -> compute -> exchange: compute_fwd/bwd = layer span - the exchanges in it."""
+    import time as _time
+
+    class Route:
+        send_splits, recv_splits = [3, 5], [3, 4]
+
+    t = LayerTimings(rank=0, ranks_per_node=2)
+
+    def slow(v, s):
+        _time.sleep(s)
+        return v * 1.0
+
+    def body(x):
+        x = t.exchange(lambda v: slow(v, 0.02), x, [3, 4], [3, 5])
+        x = t.expert_fn(lambda v, sizes: slow(v, 0.01))(x, [7])
+        return t.exchange(lambda v: slow(v, 0.02), x, [3, 5], [3, 4])
+
+    x = torch.randn(7, 2, requires_grad=True)
+    t.layer(body, x, Route()).sum().backward()
+    (units, layer_s), = t.samples("layer_fwd")
+    assert units == (5 * 8.0, 0.0, 3.0, 4.0)  # intra bytes: max(5 sent, 4 received) rows of 8 bytes; rows 3 + 4
+    (rows, compute_s), = t.samples("compute_fwd")
+    a2a_fwd = sum(s for _, s in t.samples("a2a")[:2])
+    assert rows == (7.0,) and compute_s == pytest.approx(layer_s - a2a_fwd, abs=1e-9)
+    assert 0.009 < compute_s < layer_s - 0.04
+    (_, compute_b), = t.samples("compute_bwd")
+    (_, layer_b), = t.samples("layer_bwd")
+    assert len(t.samples("a2a")) == 4 and compute_b == pytest.approx(layer_b - sum(s for _, s in t.samples("a2a")[2:]),
+                                                                    abs=1e-9)

@@ -5,8 +5,9 @@ Legend: R rows, H hidden, D ranks.
 
 A span is two clock readings: ``perf_counter`` on the host, CUDA events on a GPU (read only when
 the samples are collected, so nothing here synchronises the device). The forward span is timed
-around the call; the backward span between two identity autograd stamps: the one on the output
-fires when the backward reaches the call, the one on the input when the call's backward is done.
+around the call; the backward span from a gradient hook on the output (the backward reaches the
+call) to an identity autograd stamp on the input (the call's backward is done; the stamp's
+output is used only inside the call).
 
 Kinds and their units:
 
@@ -14,7 +15,10 @@ Kinds and their units:
   larger of what this rank sends and receives over that link class (itself excluded);
 * ``gemm_fwd``, ``gemm_bwd``: the grouped expert MLP, units (rows,);
 * ``layer_fwd``, ``layer_bwd``: the layer's dispatch + expert compute + combine, units
-  (intra_bytes, inter_bytes, local_rows, remote_rows) (``planner.schedule.LayerLoad``'s fields).
+  (intra_bytes, inter_bytes, local_rows, remote_rows) (``planner.schedule.LayerLoad``'s fields);
+* ``compute_fwd``, ``compute_bwd``: the same span less the exchanges inside it, units (rows,):
+  the layer's work on the compute stream (the permutations, the grouped MLP, the combine), what
+  the schedule's ``gemm`` cost stands for (``runtime/costfit.py``).
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from collections import deque
 
 import torch
 
-KINDS = ("a2a", "gemm_fwd", "gemm_bwd", "layer_fwd", "layer_bwd")
+KINDS = ("a2a", "gemm_fwd", "gemm_bwd", "layer_fwd", "layer_bwd", "compute_fwd", "compute_bwd")
 
 
 def _now(device):
@@ -34,11 +38,12 @@ def _now(device):
     return time.perf_counter()
 
 
-def _seconds(start, end) -> float:
+def _seconds(start, end, minus=()) -> float:
+    """Seconds from ``start`` to ``end``, less the ``minus`` spans (start, end) inside it."""
     if isinstance(start, float):
-        return end - start
+        return end - start - sum(e - s for s, e in minus)
     end.synchronize()
-    return start.elapsed_time(end) / 1e3
+    return (start.elapsed_time(end) - sum(s.elapsed_time(e) for s, e in minus)) / 1e3
 
 
 class _Stamp(torch.autograd.Function):
@@ -61,11 +66,12 @@ class LayerTimings:
     def __init__(self, *, rank: int, ranks_per_node: int, capacity: int = 64):
         self.rank = rank
         self.ranks_per_node = ranks_per_node
-        self.spans = {k: deque(maxlen=capacity) for k in KINDS}
+        self.spans = {k: deque(maxlen=capacity) for k in KINDS}  # (units, start, end[, minus])
+        self._a2a_seen = 0  # exchanges recorded so far (spans["a2a"] keeps the last ``capacity``)
 
     def samples(self, kind: str) -> list:
         """[(units, seconds)] of ``kind``, oldest first."""
-        return [(u, _seconds(s, e)) for u, s, e in self.spans[kind]]
+        return [(u, _seconds(*span)) for u, *span in self.spans[kind]]
 
     def clear(self) -> None:
         for q in self.spans.values():
@@ -85,19 +91,33 @@ class LayerTimings:
         return tuple(float(max(a, b) * row_bytes) for a, b in zip(sent, recv))
 
     # -- spans ---------------------------------------------------------------------------------
-    def timed(self, fn, x: torch.Tensor, units: tuple, forward_kind: str, backward_kind: str | None):
-        """``fn(x)`` with its forward span recorded, and (when it builds a graph) its backward span."""
+    def timed(self, fn, x: torch.Tensor, units: tuple, forward_kind: str, backward_kind: str | None, *,
+              compute=None):
+        """``fn(x)`` with its forward span recorded, and (when it builds a graph) its backward span.
+        ``compute``: (rows, forward kind, backward kind) to record each span less its exchanges too."""
         box = {}
+
+        def record(kind, start, end, seen):
+            self.spans[kind].append((units, start, end))
+            self._a2a_seen += kind == "a2a"
+            if compute is not None:
+                inside = [(s, e) for _, s, e in list(self.spans["a2a"])[max(0, len(self.spans["a2a"]) -
+                                                                             (self._a2a_seen - seen)):]]
+                self.spans[compute[1 if kind == forward_kind else 2]].append(((compute[0],), start, end, inside))
+
         if backward_kind is not None and x.requires_grad:
             def done(t):
                 if "start" in box:
-                    self.spans[backward_kind].append((units, box.pop("start"), t))
+                    start, seen = box.pop("start")
+                    record(backward_kind, start, t, seen)
             x = _Stamp.apply(x, done)
-        t0 = _now(x.device)
+        t0, seen = _now(x.device), self._a2a_seen
         y = fn(x)
-        self.spans[forward_kind].append((units, t0, _now(y.device)))
+        record(forward_kind, t0, _now(y.device), seen)
         if backward_kind is not None and y.requires_grad:
-            y = _Stamp.apply(y, lambda t: box.__setitem__("start", t))
+            # A hook, not a stamp: the output stays the caller's own tensor (a custom Function's
+            # output is a view that in-place code downstream may not modify).
+            y.register_hook(lambda g: box.__setitem__("start", (_now(g.device), self._a2a_seen)))
         return y
 
     def exchange(self, fn, x_RH: torch.Tensor, out_splits: list, in_splits: list) -> torch.Tensor:
@@ -117,4 +137,5 @@ class LayerTimings:
         intra, inter = self.link_bytes(route.send_splits, route.recv_splits, x_TH.shape[1] * x_TH.element_size())
         local = float(route.recv_splits[self.rank])
         units = (intra, inter, local, float(sum(route.recv_splits)) - local)
-        return self.timed(fn, x_TH, units, "layer_fwd", "layer_bwd")
+        return self.timed(fn, x_TH, units, "layer_fwd", "layer_bwd", compute=(units[2] + units[3], "compute_fwd",
+                                                                             "compute_bwd"))

@@ -5,13 +5,14 @@ Legend: D ranks, L MoE layers, R rows, H hidden.
 
 At initialize (``measure``): the token all-to-all over the token group at a few sizes (with
 several nodes once with bytes only to this node's peers, once only to other nodes', so each link
-class gets its own fit), and the grouped expert MLP forward and backward over a few row counts;
-one warm-up, then the median of ``repeats``. The GEMM's rows are split over the experts a rank
-owns, as the runtime groups them (one expert over all the rows runs out of cache sooner). Every rank's times are agreed (one all-reduce, MAX)
+class gets its own fit), and the layer's compute between the exchanges (permutations, grouped
+expert MLP over the experts a rank owns, combine) forward and backward over a few row counts;
+one warm-up, then the median of ``repeats``. Every rank's times are agreed (one all-reduce, MAX)
 before ``schedule.fit_schedule_costs``, so every rank fits the same costs.
 
 While training (``CostFit.refit``), each layer's ``moe.timing.LayerTimings`` holds its last
-exchange and GEMM spans. They are agreed in one all-reduce (MAX): an exchange is one collective,
+exchange spans and its compute spans (the layer's span less its exchanges: the permutations, the
+grouped MLP, the combine; the same work the initial GEMM measurement times). They are agreed in one all-reduce (MAX): an exchange is one collective,
 seen by every rank in the same order, so its sample takes the largest bytes any rank moved and
 the shortest time any rank waited (the rank that arrived last waited for no one); GEMM samples
 are every rank's own (each rank writes its slot). The fit uses the initial measurements and the
@@ -103,9 +104,11 @@ def measure_exchange(*, group, topology: Topology, token_bytes: int, device, row
 
 
 def measure_gemm(spec: ExpertSpec, *, dtype, device, rows=None, experts: int = 1, repeats: int = 3) -> dict:
-    """This rank's times of the grouped expert MLP over ``rows`` rows split evenly over ``experts``
-    local experts (as the runtime groups them): {"gemm_fwd": [(rows, s)], "gemm_bwd": [(rows, s)]}
-    (the backward: input and weight gradients)."""
+    """This rank's times of the layer's compute over ``rows`` rows, as ``moe/compute.py`` runs it
+    between the exchanges: the send buffer's gather, the grouping by expert (``experts`` local
+    experts, rows split evenly), the grouped expert MLP, the ungrouping and the combine:
+    {"gemm_fwd": [(rows, s)], "gemm_bwd": [(rows, s)]} (the backward: input and weight
+    gradients)."""
     rows = gemm_rows(spec) if rows is None else rows
     H = spec.shapes[spec.names[0]][0]
     w = {n: (torch.randn(experts, *s, dtype=dtype, device=device) * 0.02).requires_grad_()
@@ -119,11 +122,20 @@ def measure_gemm(spec: ExpertSpec, *, dtype, device, rows=None, experts: int = 1
     for r in rows:
         x = torch.randn(r, H, dtype=dtype, device=device, requires_grad=True)
         sizes = [r // experts + (e < r % experts) for e in range(experts)]
+        gen = torch.Generator().manual_seed(r)
+        send, group = (torch.randperm(r, generator=gen).to(device) for _ in range(2))
+        unsend, ungroup = torch.argsort(send).view(-1, 1), torch.argsort(group)
+        ones = torch.ones(r, 1, dtype=dtype, device=device)
+
+        def layer_compute(x_RH):
+            grouped = ops.permute_tokens(ops.permute_tokens(x_RH, send, unsend), group, ungroup.view(-1, 1))
+            y = ops.expert_mlp(grouped, w, sizes, activation=spec.activation, act_params=spec.act_params)
+            return ops.unpermute_combine(ops.permute_tokens(y, ungroup, group.view(-1, 1)), unsend, ones)
         fwd, bwd = [], []
         for i in range(repeats + 1):
             sync()
             t0 = time.perf_counter()
-            y = ops.expert_mlp(x, w, sizes, activation=spec.activation, act_params=spec.act_params)
+            y = layer_compute(x)
             sync()
             t1 = time.perf_counter()
             y.backward(torch.ones_like(y))
@@ -179,7 +191,7 @@ def agree_run_samples(timings: list, costs: ScheduleCosts, *, group=None, device
     for l, t in enumerate(timings):
         for i, ((intra, inter), s) in enumerate(t.samples("a2a")[-n:]):
             a2a[l, i] = torch.tensor([intra, inter, -s], dtype=torch.float64)
-        for j, kind in enumerate(("gemm_fwd", "gemm_bwd")):
+        for j, kind in enumerate(("compute_fwd", "compute_bwd")):
             for i, ((r,), s) in enumerate(t.samples(kind)[-n:]):
                 gemm[j, rank, l, i] = torch.tensor([r, s], dtype=torch.float64)
     flat = torch.cat([a2a.ravel(), gemm.ravel()]).to(device)
