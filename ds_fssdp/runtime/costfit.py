@@ -12,10 +12,11 @@ before ``schedule.fit_schedule_costs``, so every rank fits the same costs.
 
 While training (``CostFit.refit``), each layer's ``moe.timing.LayerTimings`` holds its last
 exchange spans and its compute spans (the layer's span less its exchanges: the permutations, the
-grouped MLP, the combine; the same work the initial GEMM measurement times). They are agreed in one all-reduce (MAX): an exchange is one collective,
-seen by every rank in the same order, so its sample takes the largest bytes any rank moved and
-the shortest time any rank waited (the rank that arrived last waited for no one); GEMM samples
-are every rank's own (each rank writes its slot). The fit uses the initial measurements and the
+grouped MLP, the combine; the same work the initial measurement times). They are agreed in one
+all-reduce (MAX): an exchange is one collective, seen by every rank in the same order, so its
+sample takes the largest bytes any rank moved and the shortest time any rank waited (the rank
+that arrived last waited for no one); compute samples are every rank's own (each rank writes its
+slot). The fit uses the initial measurements and the
 agreed run samples together.
 """
 from __future__ import annotations
