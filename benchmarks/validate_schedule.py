@@ -197,7 +197,10 @@ def worker(rank, world, args, port, out_path):
     deepspeed.init_distributed(dist_backend="gloo")
     from ds_fssdp.models import GPTMoE, GPTMoEConfig
     spec = GPTMoE(model_cfg(args, GPTMoEConfig)).moe_layers()[0].spec
-    # The fit as at initialize, before any arm (rounds of the same measurements, back to back).
+    # The fit as at initialize, before any arm (rounds of the same measurements, back to back, after
+    # two unrecorded rounds: a fresh process's first large allocations are slow on the CPU).
+    for _ in range(2):
+        measure_round(args, spec, repeats=1)
     upfront, upfront_error, upfront_samples = fit_rounds([measure_round(args, spec, repeats=1)
                                                           for _ in range(args.repeats)])
     results, fits = {}, {}
