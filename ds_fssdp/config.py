@@ -166,6 +166,12 @@ class FSSDPConfig(DeepSpeedConfigModel):
     >= 1 the expert fp32 masters and optimizer moments are partitioned over the EDP group (one copy
     in the world); with stage 0 they are replicated, as DeepSpeed does for dense parameters."""
 
+    cost_refresh_interval: StrictInt = Field(50, ge=0)
+    """Refit the schedule's cost model (the token exchange's and the expert GEMM's startup + rate,
+    measured at initialize; ``runtime/costfit.py``) from the run's own timings of every layer's
+    exchanges and GEMMs, agreed by every rank, every this many optimizer steps (0: never; the
+    initial fit stays). Its fit error is the metric ``cost_fit_error``."""
+
     # -- robustness (runtime/health.py, runtime/checkpoint/, docs/determinism.md) --
     collective_timeout_s: Optional[Annotated[Union[StrictFloat, StrictInt], Field(gt=0)]] = None
     """Seconds a collective may wait for a peer before every waiting rank raises (a dead or hung

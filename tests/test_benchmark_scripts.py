@@ -52,3 +52,15 @@ def test_critical_path_benchmark_runs(tmp_path):
     assert set(r["results"]) == {"span", "plan", "route", "expert_order", "span+finish", "stats", "send_rows",
                                  "route_device_on_cpu"}
     assert all(len(v["run_medians_us"]) == 2 and v["median_us"] > 0 for v in r["results"].values())
+
+
+def test_validate_schedule_benchmark_runs(tmp_path):
+    """benchmarks/validate_schedule.py (2 gloo ranks it spawns itself), tiny settings: every arm
+    reports a positive predicted and measured per-layer time, and the fit it predicted with."""
+    r = run("validate_schedule.py", "--policies", "ep", "--layers", "1", "--d-model", "16", "--ffn-hidden", "32",
+            "--seq-len", "8", "--micro-batch", "2", "--warmup", "1", "--steps", "2", "--repeats", "1",
+            tmp_path=tmp_path)
+    assert set(r["results"]) == {"ep/degree=1"} | ({"ep/degree=auto"} if r["degrees"] == "1 and auto" else set())
+    (layer,) = r["results"]["ep/degree=1"]
+    assert layer["measured_ms"] > 0 and layer["predicted_ms"] > 0 and layer["ratio"] > 0
+    assert r["fits"]["ep/degree=1"]["schedule_costs"]["gemm"]["startup_s"] >= 0

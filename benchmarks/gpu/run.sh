@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The one GPU check of the ds_fssdp.ops kernels: the GPU tests, then the kernel benchmarks; logs
 # and JSON go to $OUT. Run on the device machine (nvidia-h200) from the repository root:
-#     bash benchmarks/gpu/run.sh            (device tool: timeout_s 540; about 5-7 minutes)
-# Budget: tests at most 270 s (Triton compiles and autotuning dominate), benchmarks at most 210 s.
+#     bash benchmarks/gpu/run.sh            (device tool: timeout_s 600; about 6-8 minutes)
+#     ARMS=schedule bash benchmarks/gpu/run.sh   (only the schedule arms: timeout_s 180)
+# Budget: tests at most 270 s (Triton compiles and autotuning dominate), kernel benchmarks at most
+# 210 s, schedule arms (benchmarks/gpu/schedule_arms.py: pipelined layer degree 1 vs auto, one copy
+# per destination off vs on) at most 60 s (--quick; 150 s alone, full size).
 #
 # What the machine lacks: its image (/work/.library/device/KINDS.md) has torch, triton, pytest,
 # pytest-timeout and packaging, but not deepspeed (nor pydantic, hjson) or ds-fssdp, and it
@@ -38,6 +41,13 @@ assert "deepspeed" not in sys.modules, "the stub package must be the ds_fssdp im
 PY
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv >> "$OUT/env.txt" 2>&1
 
+if [ "${ARMS:-all}" = schedule ]; then
+    timeout 150 python3 benchmarks/gpu/schedule_arms.py --json "$OUT/schedule_arms.json" 2>&1 | tee "$OUT/schedule_arms.log"
+    rc=${PIPESTATUS[0]}
+    echo "schedule arms: rc=$rc" | tee "$OUT/summary.txt"
+    exit $rc
+fi
+
 start=$(date +%s)
 timeout 270 python3 -m pytest -q -m gpu tests/test_ops_gpu.py -p no:cacheprovider -rfE \
     --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log"
@@ -49,4 +59,11 @@ timeout 210 python3 benchmarks/kernels.py --json "$OUT/kernels.json" 2>&1 | tee 
 bench_rc=${PIPESTATUS[0]}
 echo "benchmarks: rc=$bench_rc in $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
 grep '^targets:' "$OUT/kernels.log" >> "$OUT/summary.txt"
-exit $(( tests_rc != 0 || bench_rc != 0 ))
+
+start=$(date +%s)
+timeout 60 python3 benchmarks/gpu/schedule_arms.py --quick --repeats 3 --json "$OUT/schedule_arms.json" 2>&1 \
+    | tee "$OUT/schedule_arms.log"
+arms_rc=${PIPESTATUS[0]}
+echo "schedule arms: rc=$arms_rc in $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
+grep -E '^(pipeline|one copy)' "$OUT/schedule_arms.log" >> "$OUT/summary.txt"
+exit $(( tests_rc != 0 || bench_rc != 0 || arms_rc != 0 ))

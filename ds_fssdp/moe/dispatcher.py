@@ -27,6 +27,7 @@ class TokenDispatcher:
         self.world = world
         self.rank = rank
         self.num_experts = num_experts
+        self.timings = None  # moe.timing.LayerTimings: each exchange timed when set
 
     def group_by_expert(self, idx_TK: torch.Tensor):
         """The route's plan-free half (before the count all-gather and the replicas' wait)."""
@@ -50,4 +51,7 @@ class TokenDispatcher:
                                                   groups=self.exchange, rank=self.rank, world=self.world)
 
     def _exchange(self, x, out_splits, in_splits):
-        return all_to_all(x, out_splits, in_splits, group=self.group)
+        if self.timings is None:
+            return all_to_all(x, out_splits, in_splits, group=self.group)
+        return self.timings.exchange(lambda y: all_to_all(y, out_splits, in_splits, group=self.group), x,
+                                     out_splits, in_splits)

@@ -47,6 +47,7 @@ from ds_fssdp.moe.gate import GateOutput, uniform_assignment
 from ds_fssdp.moe.pipeline import ExchangeGroups, PipelineExperts
 from ds_fssdp.moe.remat import RematExpertMLP
 from ds_fssdp.moe.replicas import ReplicaManager, ReplicaMemory
+from ds_fssdp.moe.timing import LayerTimings
 from ds_fssdp.planner import LoadPredictor, PolicyConfig, make_policy
 from ds_fssdp.planner.baselines import Clock, LayerPlan
 from ds_fssdp.planner.layer import LayerPlanner
@@ -174,6 +175,9 @@ class ShardedExperts:
             exchange = ExchangeGroups(intra=group, inter=None, ranks_per_node=topology.num_ranks)
         self.dispatcher = TokenDispatcher(group=group, rank=self.rank, num_experts=E, exchange=exchange,
                                           world=topology.num_ranks)
+        # Exchange, GEMM and whole-layer spans (forward and backward): the cost model's refits.
+        self.timings = LayerTimings(rank=self.rank, ranks_per_node=topology.ranks_per_node)
+        self.dispatcher.timings = self.timings
         self.next = None  # the following MoE layer (prefetch chain, :func:`chain`)
         self.is_last = True
         self._gather = None  # (placement_ED, layout, SparseAllGather) started for the next forward
@@ -324,12 +328,13 @@ class ShardedExperts:
         """Degree (1, 1): today's ``compute.dispatch_compute_combine``; otherwise the chunked
         pipeline (``moe/pipeline.py``) over the same weights."""
         if tuple(degrees) == (1, 1):
-            return self.dispatcher.run(x_TH, weights_TK, r,
-                                       expert_fn=self._expert_fn(replica_RP, remat=remat, local_E=local_E))
+            expert_fn = self._expert_fn(replica_RP, remat=remat, local_E=local_E)
+            return self.timings.layer(lambda x: self.dispatcher.run(x, weights_TK, r, expert_fn=expert_fn), x_TH, r)
         lora = self.lora_factors(local_E) if getattr(self, "lora_factors", None) is not None else None
         experts = PipelineExperts(spec=self.spec, rows=self.rows, replica=replica_RP, lora=lora,
                                   source=self.replicas if remat else None)
-        return self.dispatcher.run_pipelined(x_TH, weights_TK, r, experts=experts, degrees=tuple(degrees))
+        return self.timings.layer(lambda x: self.dispatcher.run_pipelined(x, weights_TK, r, experts=experts,
+                                                                          degrees=tuple(degrees)), x_TH, r)
 
     def _expert_fn(self, replica_RP, *, remat: bool, local_E: torch.Tensor):
         """The expert function over the owned rows and this forward's replicas (``local_E``: the
@@ -339,9 +344,10 @@ class ShardedExperts:
         lora = self.lora_factors(local_E) if getattr(self, "lora_factors", None) is not None else None
         if remat:
             rows, spec, source = self.rows, self.spec, self.replicas
-            return lambda xg, sizes: RematExpertMLP.apply(xg, rows, replica_RP, source, spec, sizes)
-        return mlp_fn(self.spec.views(torch.cat([self.rows, replica_RP])), self.spec.activation,
-                      act_params=self.spec.act_params, lora=lora)
+            return self.timings.expert_fn(lambda xg, sizes: RematExpertMLP.apply(xg, rows, replica_RP, source, spec,
+                                                                                 sizes))
+        return self.timings.expert_fn(mlp_fn(self.spec.views(torch.cat([self.rows, replica_RP])), self.spec.activation,
+                                             act_params=self.spec.act_params, lora=lora))
 
     # -- backward ------------------------------------------------------------------------------
     def accumulate_grads(self) -> None:

@@ -311,3 +311,35 @@ def rank_load(traffic_DD, rank: int, node_D, token_bytes: float) -> LayerLoad:
     local = float(t[rank, rank])
     return LayerLoad(intra_bytes=busiest(intra), inter_bytes=busiest(inter), local_rows=local,
                      remote_rows=float(t[:, rank].sum()) - local)
+
+
+def fit_schedule_costs(intra, inter, gemm_forward, gemm_backward) -> tuple:
+    """The :class:`ScheduleCosts` fitted to measured samples, and the fit's relative error.
+
+    ``intra`` / ``inter``: (bytes, seconds) pairs of exchanges over each link class (``inter``
+    empty on one node: the inter-node link then takes the intra-node fit, never used); ``gemm_forward``
+    / ``gemm_backward``: (rows, seconds) pairs of the grouped expert MLP. Each is a
+    :func:`fit_linear` (startup + rate); ``backward_factor`` is the least-squares scale of the
+    forward fit that best predicts the backward samples. The error is the largest of the four
+    fits' median relative errors (``fit_linear``'s)."""
+    def fit(pairs, what):
+        pairs = [(u, s) for u, s in pairs if u > 0 and s > 0]
+        if len(pairs) < 2:
+            raise ValueError(f"fit_schedule_costs: {what} needs >= 2 samples with units and seconds > 0, got "
+                             f"{len(pairs)}")
+        units, secs = zip(*pairs)
+        return fit_linear(units, secs)
+
+    a2a_intra, e_intra = fit(intra, "intra")
+    a2a_inter, e_inter = fit(inter, "inter") if len(inter) else (a2a_intra, 0.0)
+    gemm, e_fwd = fit(gemm_forward, "gemm_forward")
+    back = [(r, s) for r, s in gemm_backward if r > 0 and s > 0]
+    if len(back) < 2:
+        raise ValueError(f"fit_schedule_costs: gemm_backward needs >= 2 samples with rows and seconds > 0, got "
+                         f"{len(back)}")
+    g = np.array([gemm(r) for r, _ in back])
+    b = np.array([s for _, s in back])
+    factor = float(g @ b / (g @ g)) if float(g @ g) > 0 else 2.0
+    e_bwd = float(np.median(np.abs(factor * g - b) / b))
+    costs = ScheduleCosts(a2a_intra=a2a_intra, a2a_inter=a2a_inter, gemm=gemm, backward_factor=factor)
+    return costs, max(e_intra, e_inter, e_fwd, e_bwd)

@@ -42,7 +42,7 @@ LAYER_METRICS = (
     "pipeline_degree_bwd",  # ... of the backward's
 )
 # Per optimizer step, from ``FSSDPStage.last_step``.
-STEP_METRICS = ("global_grad_norm", "replica_bytes_peak", "reshard_bytes_sent")
+STEP_METRICS = ("global_grad_norm", "replica_bytes_peak", "reshard_bytes_sent", "cost_fit_error")
 
 
 class StageMonitor:

@@ -31,6 +31,7 @@ from ds_fssdp.planner import CostModel, Hardware, LoadPredictor, auto_materializ
 from ds_fssdp.planner.baselines import Clock, PolicyConfig, make_policy
 from ds_fssdp.planner.layer import LayerPlanner, migrating_policies, migrations
 from ds_fssdp.planner.schedule import ScheduleCosts, default_costs, gap_slice_bytes, idle_link_s, rank_load
+from ds_fssdp.runtime import costfit
 from ds_fssdp.runtime.expert_dp import make_expert_state
 from ds_fssdp.runtime.grad_norm import install_expert_norm, loss_scale_of
 from ds_fssdp.runtime.health import NonFiniteGuard
@@ -88,6 +89,10 @@ class FSSDPStage:
         self.gap_slice_bytes = [None] * len(self.layers)
         self._gap_loads = [None] * len(self.layers)
         self._gaps_started = []  # layers whose EDP reduce started during this step's backward
+        # The schedule's fitted costs (runtime/costfit.py): measured at attach, refitted every
+        # cost_refresh_interval steps; equal on every rank.
+        self.cost_fit = None
+        self._steps_seen = 0
         self.timers = None
         for i, layer in enumerate(self.layers):
             if not isinstance(layer, FSSDPExperts):
@@ -160,6 +165,12 @@ class FSSDPStage:
         self.expert_state.optimizer = self.optimizer
         self.norm = install_expert_norm(engine)
         self._configure_auto_and_policies(dtype, engine.device)
+        self.cost_fit = costfit.measure(group=self.group, topology=self.topology, spec=self.layers[0].spec, dtype=dtype,
+                                        device=engine.device,
+                                        experts=max(1, self.layers[0].num_experts // self.group_size))
+        self.schedule_costs = self.cost_fit.costs
+        self.profile["schedule_costs"] = dataclasses.asdict(self.schedule_costs)
+        logger.info(f"fssdp: schedule costs fitted {self.schedule_costs} (relative error {self.cost_fit.error:.3f})")
         if engine.wall_clock_breakdown():
             self.timers = engine.timers
         if self.config.trace_path and dist.get_rank() == 0:
@@ -255,6 +266,10 @@ class FSSDPStage:
         self._agree_on_windows(engine.device)
         self._plan_gap_slices(engine.device)
         resharded = self.reshard() if applied else 0
+        self._steps_seen += 1
+        interval = self.config.cost_refresh_interval
+        if interval and self._steps_seen % interval == 0:
+            self.refit_schedule_costs(engine.device)
         if engine.wall_clock_breakdown() and engine.global_steps % engine.steps_per_print() == 0:
             engine.timers.log(["fssdp_gather_wait", "fssdp_reduce_wait"])
         self.last_step = {"applied": applied, "expert_grad_factor": factor, "global_grad_norm": self.norm.global_norm,
@@ -262,7 +277,8 @@ class FSSDPStage:
                           "replica_layers_peak": self.memory.layers_peak,
                           "edp_reduce_in_gaps": list(self._gaps_started),
                           "edp_reduce_wait_s": getattr(self, "_edp_reduce_s", 0.0),
-                          "edp_reduce_slice_bytes": list(self.gap_slice_bytes)}
+                          "edp_reduce_slice_bytes": list(self.gap_slice_bytes),
+                          "cost_fit_error": self.cost_fit.error if self.cost_fit is not None else None}
         self.memory.reset_peak()
 
 
@@ -291,6 +307,12 @@ class FSSDPStage:
         agreed = torch.tensor(sizes, dtype=torch.float64, device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.edp_group)
         self.gap_slice_bytes = [int(v) for v in agreed.tolist()]
+
+    def refit_schedule_costs(self, device) -> None:
+        """Refit ``schedule_costs`` from every layer's recorded exchange and GEMM timings, agreed by
+        every rank (collective over the world; runtime/costfit.py)."""
+        self.cost_fit.refit([s.timings for s in self.shards], device=device)
+        self.schedule_costs = self.cost_fit.costs
 
     def _reduce_router_loads(self, device) -> None:
         """Routing-bias updates count loads over the world: each FSSDP group saw its own."""
