@@ -274,6 +274,9 @@ def _check_deterministic(cfg: FSSDPConfig) -> None:
     timed = []
     if cfg.overlap_degree == "auto":
         timed.append(f"{SECTION}.overlap_degree (\"auto\"): set an int")
+    if cfg.pipeline_degree == "auto" and cfg.hardware is None:
+        timed.append(f"{SECTION}.pipeline_degree (\"auto\") without {SECTION}.hardware: set an int or "
+                     "{\"forward\": n, \"backward\": n}, or give the hardware")
     if cfg.calibration and cfg.calibration_latency_budget is None:
         timed.append(f"{SECTION}.calibration_latency_budget (None) with calibration: set seconds")
     needs_cost = cfg.calibration or cfg.policy == "fastermoe" or cfg.dispatch == "balanced-time"

@@ -30,6 +30,7 @@ BAD = [
     ({"deterministic": True, "overlap_degree": "auto"}, "fssdp.deterministic (true) refuses decisions taken from "
      "measured timings: fssdp.overlap_degree (\"auto\")"),
     ({"deterministic": True, "policy": "fastermoe"}, "fssdp.hardware (None)"),
+    ({"deterministic": True, "overlap_degree": 2}, "fssdp.pipeline_degree (\"auto\") without fssdp.hardware"),
 ]
 
 

@@ -9,7 +9,7 @@ import torch
 from ds_fssdp.planner.cost import CostModel, ExpertShape, Hardware
 from ds_fssdp.planner.schedule import (DEFAULT_GAP_SLICE_BYTES, MIN_GAP_SLICE_BYTES, LayerLoad, Linear,
                                        ScheduleCosts, gap_slice_bytes, idle_link_s, link_busy_s, overlap_window,
-                                       pipeline_time, rank_load)
+                                       pipeline_time, loads_from_traffic)
 from ds_fssdp.topology import Topology
 
 COSTS = ScheduleCosts(a2a_intra=Linear(1e-5, 1e-9), a2a_inter=Linear(2e-5, 4e-9), gemm=Linear(0.0, 1e-6))
@@ -52,13 +52,14 @@ def test_rank_load_from_a_plans_traffic():
                   [3, 4, 0, 1],
                   [7, 0, 6, 0],
                   [0, 0, 1, 2]])
-    node = np.array([0, 0, 1, 1])
-    ld = rank_load(t, 0, node, 10.0)
+    ld = loads_from_traffic(t, ranks_per_node=2, token_bytes=10.0)[0]
     assert ld.local_rows == 5 and ld.remote_rows == 3 + 7
     assert ld.intra_bytes == max(1, 3) * 10.0  # with rank 1
-    assert ld.inter_bytes == max(2 + 0, 7 + 0) * 10.0  # with ranks 2 and 3
-    ld3 = rank_load(torch.tensor(t), 3, torch.tensor(node), 1.0)
-    assert (ld3.local_rows, ld3.remote_rows, ld3.intra_bytes, ld3.inter_bytes) == (2, 1, 1, 1)
+    # node 0's inter-node link: it sends 2 + 0 + 0 + 1, receives 7 + 0 + 0 + 0
+    assert ld.inter_bytes == max(2 + 0 + 0 + 1, 7 + 0 + 0 + 0) * 10.0
+    ld3 = loads_from_traffic(torch.tensor(t).numpy(), ranks_per_node=2, token_bytes=1.0)[3]
+    # node 1 sends 7 + 0 + 0 + 0, receives 2 + 0 + 0 + 1
+    assert (ld3.local_rows, ld3.remote_rows, ld3.intra_bytes, ld3.inter_bytes) == (2, 1, 1, 7)
 
 
 def test_overlap_window_adds_the_previous_expert_compute_when_early():

@@ -71,6 +71,10 @@ class ScheduleCosts:
     a2a_inter: Linear  # one exchange over bytes on the busiest inter-node link
     gemm: Linear  # forward grouped GEMM over rows (a row through one expert)
     backward_factor: float = 2.0  # backward GEMM work / forward's
+    # Exchanges and compute run at the same time (CUDA: the collectives on their own streams). False
+    # on CPU ranks: gloo's worker threads and the compute share the same cores, so a chunked layer
+    # costs the sum of its parts (every chunk adds a startup) and degree 1 is always chosen.
+    concurrent: bool = True
 
     def exchange(self, intra_bytes: float, inter_bytes: float) -> float:
         """One exchange (or one chunk of it): intra- and inter-node parts on their own streams."""
@@ -104,6 +108,8 @@ def pipeline_time(costs: ScheduleCosts, load: LayerLoad, degree: int, *, backwar
     n = degree
     x = costs.exchange(load.intra_bytes / n, load.inter_bytes / n)
     g = gemm(load.remote_rows / n)
+    if not costs.concurrent:
+        return 2.0 * n * x + gemm(load.local_rows) + n * g
     # Links in the order D1 D2 C1 D3 C2 ... Dn C(n-1) Cn; compute: local, then G1 .. Gn.
     link, compute = 0.0, gemm(load.local_rows)
     done_d = [0.0] * (n + 1)
@@ -147,6 +153,8 @@ def pipeline_times(costs: ScheduleCosts, loads: list, degree: int, *, backward: 
     n = degree
     x = exchange(intra / n, inter / n)
     g = gemm(remote / n)
+    if not costs.concurrent:
+        return 2.0 * n * x + gemm(local) + n * g
     link, compute = np.zeros_like(x), gemm(local)
     done_d = [None] * (n + 1)
     done_g = [None] * (n + 1)
@@ -211,8 +219,15 @@ def loads_from_plan(plan, *, ranks_per_node: int, token_bytes: float) -> list:
     node's inter-node link the larger of the rows the node sends to and receives from other nodes
     (one link per node, shared by its ranks); both times ``token_bytes``. ``local_rows``: rows of
     d's own tokens it computes itself; ``remote_rows``: rows it computes for other ranks."""
-    traffic = plan.traffic_DD().numpy().astype(np.float64)  # [d, h]: rows d sends h (diagonal: stays)
-    rows_D = plan.rows_D().numpy().astype(np.float64)
+    return loads_from_traffic(plan.traffic_DD(), ranks_per_node=ranks_per_node, token_bytes=token_bytes)
+
+
+def loads_from_traffic(traffic_DD, *, ranks_per_node: int, token_bytes: float) -> list:
+    """:func:`loads_from_plan` from the plan's token traffic alone (``traffic_DD[d, h]``: rows rank d
+    sends rank h, the diagonal stays; a recorded decision's ``traffic_DD``): rows rank h computes
+    are its column's sum."""
+    traffic = np.asarray(traffic_DD, dtype=np.float64)
+    rows_D = traffic.sum(0)
     D = traffic.shape[0]
     G = int(ranks_per_node)
     if G < 1 or D % G:
@@ -295,25 +310,7 @@ def overlap_window(attention_s: float, previous_expert_s: float = 0.0, *, early:
     return attention_s + (previous_expert_s if early else 0.0)
 
 
-def rank_load(traffic_DD, rank: int, node_D, token_bytes: float) -> LayerLoad:
-    """One rank's :class:`LayerLoad` from a dispatch plan's token traffic (``traffic_DD[d, d2]``:
-    tokens rank d sends rank d2, ``DispatchPlan.traffic_DD``): its busiest direction per link
-    class, the rows it computes for its own tokens and for the others'."""
-    t = np.asarray(traffic_DD, dtype=np.float64)
-    node = np.asarray(node_D)
-    same = node == node[rank]
-    other = np.arange(t.shape[0]) != rank
-    intra, inter = same & other, ~same
-
-    def busiest(mask) -> float:
-        return float(max(t[rank, mask].sum(), t[mask, rank].sum())) * float(token_bytes)
-
-    local = float(t[rank, rank])
-    return LayerLoad(intra_bytes=busiest(intra), inter_bytes=busiest(inter), local_rows=local,
-                     remote_rows=float(t[:, rank].sum()) - local)
-
-
-def fit_schedule_costs(intra, inter, gemm_forward, gemm_backward) -> tuple:
+def fit_schedule_costs(intra, inter, gemm_forward, gemm_backward, *, concurrent: bool = True) -> tuple:
     """The :class:`ScheduleCosts` fitted to measured samples, and the fit's relative error.
 
     ``intra`` / ``inter``: (bytes, seconds) pairs of exchanges over each link class (``inter``
@@ -321,7 +318,8 @@ def fit_schedule_costs(intra, inter, gemm_forward, gemm_backward) -> tuple:
     / ``gemm_backward``: (rows, seconds) pairs of the grouped expert MLP. Each is a
     :func:`fit_linear` (startup + rate); ``backward_factor`` is the least-squares scale of the
     forward fit that best predicts the backward samples. The error is the largest of the four
-    fits' median relative errors (``fit_linear``'s)."""
+    fits' median relative errors (``fit_linear``'s). ``concurrent``: :attr:`ScheduleCosts.concurrent`
+    (the device's, not fitted)."""
     def fit(pairs, what):
         pairs = [(u, s) for u, s in pairs if u > 0 and s > 0]
         if len(pairs) < 2:
@@ -341,5 +339,6 @@ def fit_schedule_costs(intra, inter, gemm_forward, gemm_backward) -> tuple:
     b = np.array([s for _, s in back])
     factor = float(g @ b / (g @ g)) if float(g @ g) > 0 else 2.0
     e_bwd = float(np.median(np.abs(factor * g - b) / b))
-    costs = ScheduleCosts(a2a_intra=a2a_intra, a2a_inter=a2a_inter, gemm=gemm, backward_factor=factor)
+    costs = ScheduleCosts(a2a_intra=a2a_intra, a2a_inter=a2a_inter, gemm=gemm, backward_factor=factor,
+                          concurrent=concurrent)
     return costs, max(e_intra, e_inter, e_fwd, e_bwd)

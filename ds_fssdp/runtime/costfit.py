@@ -52,7 +52,7 @@ class CostFit:
         merged = {k: list(self.base.get(k, [])) + list(self.run.get(k, [])) for k in ("intra", "inter", "gemm_fwd",
                                                                                       "gemm_bwd")}
         self.costs, self.error = fit_schedule_costs(merged["intra"], merged["inter"], merged["gemm_fwd"],
-                                                    merged["gemm_bwd"])
+                                                    merged["gemm_bwd"], concurrent=self.costs.concurrent)
         self.refits += 1
 
 
@@ -176,7 +176,10 @@ def measure(*, group, topology: Topology, spec: ExpertSpec, dtype, device, exper
     samples = agree_max(samples, group=agree_group, device=device)
     if not samples["intra"]:  # one rank (or one rank per node): exchanges cost nothing measurable
         samples["intra"] = [(1.0, 1e-9), (2.0, 1e-9)]
-    costs, error = fit_schedule_costs(samples["intra"], samples["inter"], samples["gemm_fwd"], samples["gemm_bwd"])
+    # Exchanges overlap the compute only where the collectives have their own streams (CUDA); on
+    # CPU ranks gloo's threads share the compute's cores (planner.schedule.ScheduleCosts.concurrent).
+    costs, error = fit_schedule_costs(samples["intra"], samples["inter"], samples["gemm_fwd"], samples["gemm_bwd"],
+                                      concurrent=torch.device(device).type == "cuda")
     return CostFit(costs=costs, error=error, base=samples)
 
 

@@ -30,7 +30,7 @@ from ds_fssdp.moe.sharded import (ReplicaMemory, ShardedExperts, ShardOptions, S
 from ds_fssdp.planner import CostModel, Hardware, LoadPredictor, auto_materialization_budget, homogeneous_owner
 from ds_fssdp.planner.baselines import Clock, PolicyConfig, make_policy
 from ds_fssdp.planner.layer import LayerPlanner, migrating_policies, migrations
-from ds_fssdp.planner.schedule import ScheduleCosts, default_costs, gap_slice_bytes, idle_link_s, rank_load
+from ds_fssdp.planner.schedule import ScheduleCosts, default_costs, gap_slice_bytes, idle_link_s, loads_from_traffic
 from ds_fssdp.runtime import costfit
 from ds_fssdp.runtime.expert_dp import make_expert_state
 from ds_fssdp.runtime.grad_norm import install_expert_norm, loss_scale_of
@@ -40,9 +40,6 @@ from ds_fssdp.topology import Topology
 
 # Hyperparameters an LR/momentum schedule changes on DeepSpeed's optimizer; mirrored every step.
 _SCHEDULED = ("lr", "betas", "momentum")
-# "auto" pipeline degrees without fssdp.hardware: a documented constant until a fitted model exists
-# (an accelerator node: 100 TFLOP/s, 200 GB/s inside a node, 25 GB/s between nodes, 10 us startup).
-DEFAULT_HARDWARE = Hardware(flops=1e14, intra_bw=2e11, inter_bw=2.5e10, latency=1e-5)
 
 
 class FSSDPStage:
@@ -165,12 +162,16 @@ class FSSDPStage:
         self.expert_state.optimizer = self.optimizer
         self.norm = install_expert_norm(engine)
         self._configure_auto_and_policies(dtype, engine.device)
-        self.cost_fit = costfit.measure(group=self.group, topology=self.topology, spec=self.layers[0].spec, dtype=dtype,
-                                        device=engine.device,
-                                        experts=max(1, self.layers[0].num_experts // self.group_size))
-        self.schedule_costs = self.cost_fit.costs
-        self.profile["schedule_costs"] = dataclasses.asdict(self.schedule_costs)
-        logger.info(f"fssdp: schedule costs fitted {self.schedule_costs} (relative error {self.cost_fit.error:.3f})")
+        if self.pipeline_degree == "auto" and self.config.hardware is None:
+            # The schedule's costs measured here, agreed and fitted (runtime/costfit.py); with
+            # fssdp.hardware they come from it instead (_schedule_costs), and nothing is measured.
+            self.cost_fit = costfit.measure(group=self.group, topology=self.topology, spec=self.layers[0].spec,
+                                            dtype=dtype, device=engine.device,
+                                            experts=max(1, self.layers[0].num_experts // self.group_size))
+            self.schedule_costs = self.cost_fit.costs
+            self.profile["schedule_costs"] = dataclasses.asdict(self.schedule_costs)
+            logger.info(f"fssdp: schedule costs fitted {self.schedule_costs} (relative error "
+                        f"{self.cost_fit.error:.3f})")
         if engine.wall_clock_breakdown():
             self.timers = engine.timers
         if self.config.trace_path and dist.get_rank() == 0:
@@ -268,7 +269,7 @@ class FSSDPStage:
         resharded = self.reshard() if applied else 0
         self._steps_seen += 1
         interval = self.config.cost_refresh_interval
-        if interval and self._steps_seen % interval == 0:
+        if interval and self.cost_fit is not None and self._steps_seen % interval == 0:
             self.refit_schedule_costs(engine.device)
         if engine.wall_clock_breakdown() and engine.global_steps % engine.steps_per_print() == 0:
             engine.timers.log(["fssdp_gather_wait", "fssdp_reduce_wait"])
@@ -288,7 +289,8 @@ class FSSDPStage:
         if d is None:
             return None
         token_bytes = shard.spec.cost_shape(shard.rows.element_size()).token_bytes
-        return rank_load(d.traffic_DD.numpy(), shard.rank, self.topology.node_D().numpy(), token_bytes)
+        return loads_from_traffic(d.traffic_DD.numpy(), ranks_per_node=self.topology.ranks_per_node,
+                                  token_bytes=token_bytes)[shard.rank]
 
     def _plan_gap_slices(self, device) -> None:
         """Each layer's EDP reduce slice for the next step: :func:`planner.schedule.gap_slice_bytes`
@@ -297,7 +299,7 @@ class FSSDPStage:
         member must cut the same slices). Without a cost model: the fixed default (no collective)."""
         if not self.config.grads_in_gaps or self.edp_size == 1 or self.cost is None:
             return
-        costs = self.cost.schedule_costs()
+        costs = self.schedule_costs if self.schedule_costs is not None else self.cost.schedule_costs()
         reduce = self.cost.edp_reduce_linear(self.edp_size, partitioned=self.expert_state.partitioned)
         sizes = []
         for i, s in enumerate(self.shards):
@@ -347,7 +349,7 @@ class FSSDPStage:
                      or (cfg.grads_in_gaps and self.edp_size > 1 and cfg.hardware is not None))
         if need_cost:
             self.cost = self._cost_model(dtype, device)
-        if self.pipeline_degree == "auto":
+        if self.pipeline_degree == "auto" and cfg.hardware is not None:
             self.schedule_costs = self._schedule_costs()
         layer = self.layers[0]
         name = "fssdp-rm" if cfg.policy == "fssdp" and cfg.rematerialize else cfg.policy
@@ -393,13 +395,12 @@ class FSSDPStage:
         return CostModel(hw, shape, self.topology)
 
     def _schedule_costs(self) -> ScheduleCosts:
-        """What "auto" pipeline degrees are chosen from, the same on every rank and in every run:
-        ``fssdp.hardware`` when given, else :data:`DEFAULT_HARDWARE` (no timing decides, so a
-        resumed run takes the same degrees); collective startup is the hardware's latency. A
-        model fitted from measurements (startup + rate per collective) replaces this."""
+        """What "auto" pipeline degrees are chosen from under ``fssdp.hardware`` (a modelled device:
+        exchanges concurrent with the compute; the same on every rank and in every run, nothing is
+        measured); collective startup is the hardware's latency."""
         h = self.config.hardware
-        hw = DEFAULT_HARDWARE if h is None else Hardware(flops=float(h.flops), intra_bw=float(h.intra_bw),
-                                                         inter_bw=float(h.inter_bw), latency=float(h.latency))
+        hw = Hardware(flops=float(h.flops), intra_bw=float(h.intra_bw), inter_bw=float(h.inter_bw),
+                      latency=float(h.latency))
         costs = default_costs(intra_bw=hw.intra_bw, inter_bw=hw.inter_bw, latency=hw.latency, flops=hw.flops,
                               row_flops=2.0 * self.layers[0].spec.numel)
         self.profile["schedule_costs"] = dataclasses.asdict(costs)
