@@ -159,3 +159,26 @@ def choose_degrees(costs: ScheduleCosts, loads: list, *, max_degree: int = MAX_D
                 pick, pick_s = n, s
         return pick
     return best(False), best(True)
+
+
+def link_busy(costs: ScheduleCosts, load: LayerLoad, degree: int) -> tuple:
+    """(intra-node, inter-node) seconds the links spend on one direction's exchanges at ``degree``
+    (n dispatch and n combine chunks, each with its startup): what is not free for other traffic
+    (gradients in the gaps, replicas on the idle link) while :func:`pipeline_time` runs."""
+    if degree < 1:
+        raise ValueError(f"pipeline degree ({degree}) must be >= 1")
+    n = degree
+    return (2.0 * n * costs.a2a_intra(load.intra_bytes / n), 2.0 * n * costs.a2a_inter(load.inter_bytes / n))
+
+
+def drain_in_gaps(work_L, gaps_L) -> float:
+    """Seconds of a queue of transfers left after the gaps: ``work_L[i]`` is issued after step i
+    (a layer's backward, in the order they run) and drains during the gaps ``gaps_L[j]`` of the
+    steps after it (j > i), first issued first served. What the step still waits for (gradients
+    in the gaps: the all-reduce slices sent while the links are not busy with the exchange)."""
+    if len(work_L) != len(gaps_L):
+        raise ValueError(f"work ({len(work_L)}) and gaps ({len(gaps_L)}) must have one entry per layer")
+    queued = 0.0
+    for work, gap in zip(work_L, gaps_L):
+        queued = max(0.0, queued - max(0.0, gap)) + work
+    return queued
