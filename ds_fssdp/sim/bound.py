@@ -15,13 +15,18 @@ Per layer and group, each direction (forward; backward with twice the GEMM work)
   past one node, the whole node link), one startup each way; the combine cannot end before the
   last chunk is computed and sent back (one startup after the compute);
 
-plus each layer's attention forward and backward. Groups run their layers alone: the slowest
-group's sum. Per iteration, plus what every policy pays alike and cannot hide: the extra
-compute and the optimizer step of the most loaded rank with owners balanced over all layers
-(ceil(E L / N) experts). The gradient all-reduce is not in it: the serial accounting of the
-published baselines lets it hide under the whole backward (only the schedule's gaps charge the
-last layer's share). Replica gathers, re-shards, the count all-gather and planning may all be
-hidden or free, so they are not in the bound either.
+plus each layer's attention forward and backward. The gradient all-reduce (dense over the world
+and, with several groups, each EDP group's owned experts, E L / N per rank: even owners move the
+least) can overlap the backward at most, never the forward: a group's bound is
+
+    forward + max(backward, all-reduce)
+
+(under the serial accounting and under the schedule's gaps alike). Groups run their layers
+alone: the slowest group's. Per iteration, plus what every policy pays alike: the extra compute
+and the optimizer step of the most loaded rank with owners balanced over all layers
+(ceil(E L / N) experts). Replica gathers, re-shards, the count all-gather and planning may all be
+hidden or free, so they are not in the bound: where replicas must move (many kept experts, a
+slow link) the bound is loose.
 """
 from __future__ import annotations
 
@@ -29,7 +34,8 @@ import math
 
 import numpy as np
 
-from ds_fssdp.sim.setup import OPT_TRAFFIC_BYTES, Setup
+from ds_fssdp.sim.links import allreduce_links
+from ds_fssdp.sim.setup import GRAD_BYTES, OPT_TRAFFIC_BYTES, Setup
 
 
 class LowerBound:
@@ -40,6 +46,7 @@ class LowerBound:
     def __init__(self, setup: Setup, *, group_size: int, budget: int, groups: int | None = None):
         self.setup, self.N, self.budget, self.groups = setup, group_size, max(0, budget), groups
         self.total, self.counted = 0.0, 0
+        self.allreduce_s = even_allreduce_s(setup, group_size)
 
     def step(self, s: int, tokens_LED: np.ndarray) -> None:
         if s < self.setup.load_window:
@@ -52,7 +59,7 @@ class LowerBound:
         keep = min(E, math.ceil(E / N) + self.budget)
         two_nodes = N > st.topology.ranks_per_node
         bw = hw.intra_bw + (hw.inter_bw if two_nodes else 0.0)
-        group_B = np.zeros(B)
+        forward_B, backward_B = np.zeros(B), np.zeros(B)
         for l in range(L):
             t_EBN = tokens_LED[l].reshape(E, D // N, N)[:, :B].astype(np.float64)
             rows_BN = t_EBN.sum(0)
@@ -62,12 +69,25 @@ class LowerBound:
             lat_B = np.where(out_B > 0, 2.0 * hw.latency, 0.0)
             bal_B = rows_BN.sum(1) / N * g
             one_B = np.where(out_B > 0, hw.latency, 0.0)
-            group_B += (3.0 * attn_f + np.maximum(bal_B + one_B, x_B + lat_B)
-                        + np.maximum(2.0 * bal_B + one_B, x_B + lat_B))
+            forward_B += attn_f + np.maximum(bal_B + one_B, x_B + lat_B)
+            backward_B += 2.0 * attn_f + np.maximum(2.0 * bal_B + one_B, x_B + lat_B)
         owned = math.ceil(E * L / N) * st.shape.params
         tail = st.extra_compute_s + (st.dense_params + owned) * OPT_TRAFFIC_BYTES / hw.hbm_bw
-        self.total += float(group_B.max()) + tail
+        self.total += float((forward_B + np.maximum(backward_B, self.allreduce_s)).max()) + tail
         self.counted += 1
 
     def result(self) -> float:
         return self.total / max(1, self.counted)
+
+
+def even_allreduce_s(setup: Setup, group_size: int) -> float:
+    """The iteration's gradient all-reduce (:meth:`ds_fssdp.sim.cluster.PolicyRun._allreduce`'s
+    collectives) with every rank of a group owning E L / N experts."""
+    D, N = setup.topology.num_ranks, group_size
+    members = [np.ones((1, D), dtype=bool)]
+    sizes = [float(setup.dense_params * GRAD_BYTES)]
+    if D // N > 1:
+        members.append(np.tile(np.eye(N, dtype=bool), (1, D // N)))
+        sizes.extend([setup.num_experts * setup.num_layers / N * setup.shape.params * GRAD_BYTES] * N)
+    links = allreduce_links(np.concatenate(members), np.asarray(sizes), ranks_per_node=setup.topology.ranks_per_node)
+    return float(links.time_B(setup.hw)[0])

@@ -29,7 +29,11 @@ Per iteration and policy, on top of :mod:`.simulate`'s accounting (its categorie
   iteration (busier direction), mean and max over the links, per category (a2a, spag, count, ar,
   rearr).
 
-Policies: ``ep``, ``uniform``, ``fssdp``, ``fssdp-rm`` (:data:`CLUSTER_POLICIES`). EP's layers are
+Layers are priced by :mod:`.pipeline` (the schedule; :data:`~.pipeline.SERIAL` is the accounting
+before) as in :mod:`.simulate`, the gaps and windows per group.
+
+Policies: ``ep``, ``uniform``, ``fsmoe`` (EP with FSMoE's schedule), ``fssdp``, ``fssdp-rm``
+(:data:`CLUSTER_POLICIES`). EP's layers are
 computed for all groups at once; FSSDP plans group by group with the compact dispatch
 (:class:`~ds_fssdp.planner.plan.DispatchPlan`), never an [E, D, D] plan.
 """

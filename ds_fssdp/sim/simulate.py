@@ -33,6 +33,19 @@ per iteration
 * [opt] the optimizer step of the busiest rank: memory bound, 28 bytes of HBM traffic per
   parameter it updates (dense + owned experts + FlexMoE's replicas) over the HBM bandwidth.
 
+The layer schedule (:mod:`.pipeline`; FSSDP's by default, ``fsmoe``'s, or :data:`~.pipeline.SERIAL`,
+which is the accounting above): [comp] keeps attention + the slowest rank's expert compute, [a2a]
+becomes what the pipelined exchange adds to it (``pipeline_time`` forward + backward at the
+chosen degrees, minus that compute), over the bytes left by one copy per destination; the
+gather of layer l + 1 hides in its attention forward plus the time layer l's forward leaves the
+gather's link class free, and t comes from that window (the last step's, through the
+:class:`~ds_fssdp.planner.baselines.Clock`); the reduce in the attention backward plus the time
+its backward leaves that link free; [ar] under gradients in the gaps: each layer's 1/L share of
+the all-reduce is issued after its backward and sent in the backward gaps of the layers below
+(the backward minus its link class's exchange time and the replica reduce sharing it,
+``drain_in_gaps``); the remainder is exposed. Each result carries the workload's lower bound
+(:mod:`.bound`).
+
 Not modelled: contention between overlapped collectives and the token exchanges or the dense
 all-reduce, the gate, norms and element-wise work (same for every policy), planning time.
 
