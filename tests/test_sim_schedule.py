@@ -231,3 +231,32 @@ def test_cli_schedule_flags(capsys):
         main(base + ["--pipeline-degree", "9"])
     with pytest.raises(ValueError, match=r"pipeline_degree \(0\)"):
         ScheduleOptions(pipeline_degree=0)
+
+
+def test_placement_by_time_prices_the_schedule():
+    """Calibration's and balanced-time's cost model prices a plan by the schedule's layer time,
+    the same number for the dense plan (paper engine) and the compact plan (cluster engine), and
+    below the serial price wherever the pipeline hides something."""
+    from ds_fssdp.sim.cluster import ClusterCostModel
+    from ds_fssdp.sim.pipeline import ScheduledCostModel
+    from ds_fssdp.planner import CostModel
+    topo = Topology(num_ranks=8, ranks_per_node=4)
+    sched = LayerSchedule(HW, SHAPE, ranks_per_node=4, top_k=2, options=ScheduleOptions())
+    dense_cost = ScheduledCostModel(HW, SHAPE, topo, relay=True, schedule=sched)
+    compact_cost = ClusterCostModel(HW, SHAPE, topo, relay=True)
+    compact_cost.schedule = sched
+    serial = CostModel(HW, SHAPE, topo, relay=True)
+    gen = torch.Generator().manual_seed(9)
+    owner = homogeneous_owner(16, 8)
+    cheaper = 0
+    for _ in range(6):
+        p = torch.zeros(16, 8, dtype=torch.bool)
+        p[torch.arange(16), owner] = True
+        p |= torch.rand(16, 8, generator=gen) < 0.2
+        plan = dispatch_plan(p, torch.randint(0, 3000, (16, 8), generator=gen), topo)
+        want = sched.layer(plan.dense().sum(0).double().numpy()[None])
+        got = dense_cost.layer_time(plan.dense())
+        assert got == pytest.approx(float(want.forward_B[0] + want.backward_B[0]), rel=1e-12)
+        assert compact_cost.layer_time(plan) == pytest.approx(got, rel=1e-12)
+        cheaper += got < serial.layer_time(plan.dense())
+    assert cheaper == 6

@@ -108,6 +108,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "backward as before, not only its link gaps")
     p.add_argument("--no-idle-link", action="store_true", help="FSSDP: replicas gathered within the attention "
                    "forward only (default: from the previous layer's expert compute on)")
+    p.add_argument("--no-price-by-schedule", action="store_true", help="FSSDP: calibration and the balanced-time "
+                   "dispatch price plans by the serial layer time (default: the schedule's)")
     p.add_argument("--serial", action="store_true", help="today's serial accounting for every policy: degree 1, "
                    "no dedup, no gradient gaps, no idle-link gathers")
     p.add_argument("--png", default=None, help="chart path (default sim_<cluster>_<model>_<gpus>.png)")
@@ -130,7 +132,8 @@ def schedule_options(args) -> ScheduleOptions:
         if not 1 <= d <= MAX_DEGREE:
             raise SystemExit(f"--pipeline-degree ({d}) must be 'auto' or an integer in [1, {MAX_DEGREE}]")
     return ScheduleOptions(pipeline_degree=None if d == "auto" else d, dedup=not args.no_dedup,
-                           grad_gaps=not args.no_grad_gaps, idle_link=not args.no_idle_link)
+                           grad_gaps=not args.no_grad_gaps, idle_link=not args.no_idle_link,
+                           price_by_schedule=not args.no_price_by_schedule)
 
 
 def main(argv=None, *, out=None) -> int:

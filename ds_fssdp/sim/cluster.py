@@ -110,9 +110,22 @@ def check_group_size(group_size: int, topology: Topology) -> None:
 
 class ClusterCostModel(CostModel):
     """The relayed cost model, taking compact plans (what the cluster simulator's dispatcher
-    returns; FSSDP's calibration prices its candidates with :meth:`layer_time`)."""
+    returns; FSSDP's calibration prices its candidates with :meth:`layer_time`). ``schedule``
+    (placement by time): a :class:`~ds_fssdp.sim.pipeline.LayerSchedule` that prices the plan's
+    layer (forward + backward under the schedule) instead of the serial 4 exchanges + compute."""
+
+    schedule: LayerSchedule | None = None
 
     def layer_time(self, plan) -> float:
+        if self.schedule is not None:
+            if isinstance(plan, DispatchPlan):
+                fl = plan.flows_4F
+                traffic = traffic_BNN(plan.tokens_ED[None], plan.holder_E[None],
+                                      np.stack([np.zeros_like(fl[0]), fl[1], fl[2], fl[3]]))
+            else:
+                traffic = plan.sum(0).double().numpy()[None]
+            lt = self.schedule.layer(traffic)
+            return float(lt.forward_B[0] + lt.backward_B[0])
         if not isinstance(plan, DispatchPlan):
             return super().layer_time(plan)
         rows = float(plan.rows_D().max())
@@ -181,6 +194,8 @@ class PolicyRun:
         self.options = policy_options(name, schedule)
         self.sched = LayerSchedule(setup.hw, setup.shape, ranks_per_node=self.topo.ranks_per_node,
                                    top_k=setup.top_k, options=self.options)
+        if self.options.price_by_schedule:
+            self.cost.schedule = self.sched
         self.gather_class = INTER if self.topo.num_nodes > 1 else INTRA
         self.window_BL = np.full((self.B, setup.num_layers), attn_f)  # replica gather windows (last step's)
         self.degree_log = degrees

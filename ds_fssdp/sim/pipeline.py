@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ds_fssdp.planner.cost import Hardware, schedule_costs
+from ds_fssdp.planner.cost import CostModel, Hardware, schedule_costs
 from ds_fssdp.planner.schedule import MAX_DEGREE, LayerLoad, choose_degrees, link_busy, pipeline_time
 from ds_fssdp.sim.links import Links, distinct_fraction, traffic_links
 
@@ -45,6 +45,7 @@ class ScheduleOptions:
     dedup: bool = True  # one copy per destination
     grad_gaps: bool = True  # EDP + dense all-reduce in the backward's link gaps
     idle_link: bool = True  # replica gather from the previous layer's expert compute on
+    price_by_schedule: bool = True  # calibration / balanced-time price plans by the schedule's layer time
 
     def __post_init__(self):
         d = self.pipeline_degree
@@ -52,7 +53,7 @@ class ScheduleOptions:
             raise ValueError(f"pipeline_degree ({d!r}) must be None (auto) or an int in [1, {MAX_DEGREE}]")
 
 
-SERIAL = ScheduleOptions(pipeline_degree=1, dedup=False, grad_gaps=False, idle_link=False)
+SERIAL = ScheduleOptions(pipeline_degree=1, dedup=False, grad_gaps=False, idle_link=False, price_by_schedule=False)
 SCHEDULED = ("fsmoe", "fssdp", "fssdp-rm")  # policies that run the schedule
 
 
@@ -61,7 +62,7 @@ def policy_options(name: str, options: ScheduleOptions | None) -> ScheduleOption
     ``fsmoe`` FSMoE's (the same degree option; no dedup, no replicas), the rest serial."""
     options = ScheduleOptions() if options is None else options
     if name == "fsmoe":
-        return replace(options, dedup=False, idle_link=False)
+        return replace(options, dedup=False, idle_link=False, price_by_schedule=False)
     return options if name in SCHEDULED else SERIAL
 
 
@@ -128,3 +129,18 @@ def binding_class(links: Links, hw: Hardware) -> int:
     intra = float(links.rank_BN.max()) / hw.intra_bw
     inter = float(links.node_Bn.max()) / hw.inter_bw if links.node_Bn.size else 0.0
     return INTER if inter > intra else INTRA
+
+
+class ScheduledCostModel(CostModel):
+    """The paper engine's cost model with the layer priced by the schedule (placement by time):
+    calibration and the ``balanced-time`` dispatch weigh a candidate plan by its forward +
+    backward under :class:`LayerSchedule` (exchange pipelined with the compute, one copy per
+    destination), so keeping tokens local and balancing rows are one objective."""
+
+    def __init__(self, hw: Hardware, shape, topology, *, relay: bool, schedule: LayerSchedule):
+        super().__init__(hw, shape, topology, relay=relay)
+        self.schedule = schedule
+
+    def layer_time(self, plan_EDD) -> float:
+        lt = self.schedule.layer(plan_EDD.sum(0).double().numpy()[None])
+        return float(lt.forward_B[0] + lt.backward_B[0])

@@ -78,7 +78,8 @@ from ds_fssdp.planner.dispatch import dispatch as planner_dispatch
 from ds_fssdp.planner.materialize import materialize as algorithm1  # the default materializer
 from ds_fssdp.sim.bound import LowerBound
 from ds_fssdp.sim.links import allreduce_links
-from ds_fssdp.sim.pipeline import INTER, INTRA, LayerSchedule, ScheduleOptions, binding_class, policy_options
+from ds_fssdp.sim.pipeline import (INTER, INTRA, LayerSchedule, ScheduleOptions, ScheduledCostModel, binding_class,
+                                   policy_options)
 
 CATEGORIES = ("comp", "a2a", "spag", "rearr", "ar", "opt")
 SIM_POLICY_NAMES = POLICY_NAMES + ("fsmoe", )  # the planner's policies and FSMoE's schedule over EP
@@ -151,7 +152,12 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
     ``degrees``: a list that gets, per step, each layer's (forward, backward) degree."""
     S, L, E, D = tokens_SLED.shape
     topo, hw, shape = setup.topology, setup.hw, setup.shape
-    cost = CostModel(hw, shape, topo, relay=True)  # every sparse collective relayed, calibration's too
+    options = policy_options(name, schedule)
+    sched = LayerSchedule(hw, shape, ranks_per_node=topo.ranks_per_node, top_k=setup.top_k, options=options)
+    if options.price_by_schedule:  # placement by time: calibration and balanced-time price the schedule
+        cost = ScheduledCostModel(hw, shape, topo, relay=True, schedule=sched)
+    else:
+        cost = CostModel(hw, shape, topo, relay=True)  # every sparse collective relayed, calibration's too
     rm = name == "fssdp-rm"
     budget = setup.budget_rm if rm else setup.budget
     attn_f = setup.attention_fwd_s
@@ -168,8 +174,6 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
         raise ValueError(f"policy ({name!r}) must be one of {SIM_POLICY_NAMES}")
     policy = make_policy("ep" if name == "fsmoe" else name, config, dispatcher=None if dispatch else dispatcher,
                          materializer=materializer)
-    options = policy_options(name, schedule)
-    sched = LayerSchedule(hw, shape, ranks_per_node=topo.ranks_per_node, top_k=setup.top_k, options=options)
     gather_class = INTER if topo.num_nodes > 1 else INTRA
     window_L = [attn_f] * L  # replica gather windows the last step's schedule left
     predictor = LoadPredictor([E] * L, window=setup.load_window)
