@@ -140,6 +140,9 @@ def test_serial_reproduces_the_numbers_before_and_the_schedule_is_faster():
     for name, want in SERIAL_BEFORE["paper"].items():
         assert serial[name].iteration_s == pytest.approx(want, rel=1e-9), name
     assert serial["fsmoe"].iteration_s == pytest.approx(serial["ep"].iteration_s, rel=1e-12)
+    assert set(serial["fssdp"].degrees["forward"]) == {1} and set(full["ep"].degrees["backward"]) == {1}
+    assert set(full["fsmoe"].degrees["backward"]) != {1} and sum(full["fsmoe"].degrees["forward"].values()) == 7 * 2
+    assert full["fssdp"].dedup_saved_gb > 0 == full["fsmoe"].dedup_saved_gb == serial["fssdp"].dedup_saved_gb
     names4 = list(SERIAL_BEFORE["cluster4"]) + ["fsmoe"]
     serial4 = by_name(simulate_cluster(setup, tokens, names4, group_size=4, schedule=SERIAL))
     full4 = by_name(simulate_cluster(setup, tokens, names4, group_size=4))

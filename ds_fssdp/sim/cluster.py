@@ -80,8 +80,6 @@ class ClusterResult(PolicyResult):
     overlap_degree: int = 0
     groups: int = 1
     groups_simulated: int = 1
-    degrees: dict = field(default_factory=dict)  # "forward"/"backward" -> {degree: layers x groups}
-    dedup_saved_gb: float = 0.0  # link bytes one copy per destination saved per iteration
 
     @property
     def total_s(self) -> float:
@@ -96,8 +94,7 @@ class ClusterResult(PolicyResult):
                    planning_ms={k: 1e3 * v for k, v in self.planning_s.items()}, total_ms=1e3 * self.total_s,
                    link_bytes=self.link_bytes, memory_vs_ep=memory / self.ep_memory_bytes,
                    memory_cap=self.memory_cap, overlap_degree=self.overlap_degree, groups=self.groups,
-                   groups_simulated=self.groups_simulated, degrees=self.degrees,
-                   dedup_saved_gb=self.dedup_saved_gb)
+                   groups_simulated=self.groups_simulated)
         return out
 
 

@@ -98,6 +98,8 @@ class PolicyResult:
     budget: int
     step_s: list = field(default_factory=list)
     lower_bound_s: float | None = None  # the workload's (ds_fssdp.sim.bound), alike for every policy
+    degrees: dict = field(default_factory=dict)  # "forward"/"backward" -> {degree: timed layers (x groups)}
+    dedup_saved_gb: float = 0.0  # link bytes one copy per destination saved per iteration
 
     def to_dict(self) -> dict:
         return {
@@ -108,6 +110,7 @@ class PolicyResult:
             "migrated_experts": self.migrated_experts, "budget": self.budget,
             "lower_bound_ms": None if self.lower_bound_s is None else 1e3 * self.lower_bound_s,
             "vs_lower_bound": None if self.lower_bound_s is None else self.iteration_s / self.lower_bound_s,
+            "degrees": self.degrees, "dedup_saved_gb": self.dedup_saved_gb,
         }
 
 
@@ -133,7 +136,9 @@ def simulate(setup: Setup, tokens_SLED: np.ndarray, policies, *, dispatcher=plan
                                placement=placement, dispatch=dispatch, dispatch_slack=dispatch_slack,
                                schedule=schedule) for name in policies]
     if bound:
-        low = LowerBound(setup, group_size=D, budget=max(setup.budget, setup.budget_rm, setup.flexmoe_slots))
+        # FasterMoE's shadows are not bounded by a budget: with it, any rank may hold every expert.
+        most = E if "fastermoe" in policies else max(setup.budget, setup.budget_rm, setup.flexmoe_slots)
+        low = LowerBound(setup, group_size=D, budget=most)
         for s in range(S):
             low.step(s, tokens_SLED[s])
         for r in results:
@@ -190,6 +195,7 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
     migrated = 0
     peak_total, peak_memory = -1.0, {}
     counted = 0
+    degree_counts, dedup_saved = ({}, {}), 0.0
     for s in range(S):
         br = dict.fromkeys(CATEGORIES, 0.0)
         for reshard in migrations([policy], s, predictor.predict_all(), owner_LE):
@@ -260,6 +266,9 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
                 straggler.append(float(rows_D.max()) / mean_rows if mean_rows > 0 else 1.0)
                 inter_bytes += 4.0 * lt.links.inter_total
                 replicas += float(lp.ephemeral_ED.sum() + lp.persistent_ED.sum()) / L
+                dedup_saved += 4.0 * lt.saved_bytes
+                for counts, deg in zip(degree_counts, lt.degrees[0]):
+                    counts[deg] = counts.get(deg, 0) + 1
 
         br["comp"] += setup.extra_compute_s
         # Layer 0's backward runs last: the dense all-reduce can hide under the others'.
@@ -296,4 +305,6 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
                         breakdown_s={k: v / counted for k, v in totals.items()}, memory_bytes=peak_memory,
                         straggler=float(np.mean(straggler)), inter_node_gb=inter_bytes / counted / 1e9,
                         replicas_per_layer=replicas / counted, migrated_experts=migrated, budget=budget,
-                        step_s=step_s)
+                        step_s=step_s, dedup_saved_gb=dedup_saved / counted / 1e9,
+                        degrees={"forward": dict(sorted(degree_counts[0].items())),
+                                 "backward": dict(sorted(degree_counts[1].items()))})
