@@ -257,5 +257,5 @@ def schedule_costs(hw: Hardware, shape: ExpertShape, *, backward_factor: float =
     an exchange is one latency plus the busiest link's bytes over its bandwidth (intra-node per
     GPU, inter-node per node: :meth:`CostModel.a2a_time`), a routed row through one expert
     ``row_flops`` over the achievable FLOP/s; the backward twice the forward's GEMM work."""
-    return ScheduleCosts(a2a_intra=Linear(hw.latency, 1.0 / hw.intra_bw), a2a_inter=Linear(hw.latency, 1.0 / hw.inter_bw),
-                         gemm=Linear(0.0, shape.row_flops / hw.flops), backward_factor=backward_factor)
+    return ScheduleCosts(a2a_intra=Linear(hw.latency, 1.0 / hw.intra_bw),
+                         a2a_inter=Linear(hw.latency, 1.0 / hw.inter_bw), gemm=Linear(0.0, shape.row_flops / hw.flops), backward_factor=backward_factor)

@@ -146,7 +146,8 @@ class PolicyRun:
                  schedule: ScheduleOptions | None = None, degrees: list | None = None):
         """``overlap_degree`` None: t derived for the group (a group inside one node gathers over
         the intra-node links) and, under the idle-link schedule, per layer and group from the
-        window the last step left it (:class:`~ds_fssdp.planner.baselines.Clock`); given: fixed. ``budget`` None: the setup's m, or the ``memory_cap``'s.
+        window the last step left it (:class:`~ds_fssdp.planner.baselines.Clock`); given: fixed.
+        ``budget`` None: the setup's m, or the ``memory_cap``'s.
         ``max_groups``: simulate only the first this many groups (their layers, planning, memory;
         the all-reduce still spans every group). For traces whose groups are alike (the synthetic
         ones), a cheaper estimate that can only miss a slower group among the others. ``decisions``:
