@@ -18,6 +18,15 @@ rank's own tokens on experts it holds):
   ``pipeline_degree``); forward and backward: :func:`~ds_fssdp.planner.schedule.pipeline_time`,
   the slowest rank's; the links' busy seconds: :func:`~ds_fssdp.planner.schedule.link_busy`.
 
+Replicas on the idle link: layer l + 1's gather may start during layer l's expert compute, so
+its window is l + 1's attention forward plus the time l's forward leaves the gather's link class
+(inter-node when the group spans nodes, else intra-node) free; t comes from that window through
+:meth:`~ds_fssdp.planner.cost.CostModel.overlap_degree` (the last step's window: a decision is
+taken before the layer runs). Two layers' replicas are then alive at once; the memory already
+counts them (every layer's without re-materialization, the largest two consecutive layers'
+with it), so m and the memory cap hold unchanged. The replica reduce gets the attention
+backward plus the time the backward leaves that link free.
+
 At degree 1 without dedup this is the serial accounting the simulators had (4 exchanges + the
 slowest rank's compute; tested). ``ep``, ``uniform`` and the paper engine's published baselines
 keep it (:func:`policy_options`); ``fsmoe`` is EP with FSMoE's schedule (degrees chosen, gradients
