@@ -109,6 +109,7 @@ def test_simulator_decisions_equal_the_runtime(runs, name, sim_name):
     calibration (the modelled windows of the other runs are the simulators' own clock; the replay
     checks those against the recorded clock)."""
     from ds_fssdp.planner.cost import ExpertShape, Hardware
+    from ds_fssdp.sim.pipeline import ScheduleOptions
     from ds_fssdp.sim.setup import Setup
     from ds_fssdp.sim.simulate import simulate_policy
     from ds_fssdp.topology import Topology
@@ -124,8 +125,9 @@ def test_simulator_decisions_equal_the_runtime(runs, name, sim_name):
                   budget_rm=m["materialization_budget"], flexmoe_slots=0, reshard_interval=m["reshard_interval"],
                   calibration=False, load_window=m["load_window"])
     simulated = {"simulate": []}
+    fixed_t = ScheduleOptions(idle_link=False)  # t is the config's, not the modelled idle-link window's
     simulate_policy(sim_name, setup, trace.tokens_SLED, placement=m["placement"], dispatch=m["dispatch"],
-                    dispatch_slack=m["dispatch_slack"], decisions=simulated["simulate"])
+                    dispatch_slack=m["dispatch_slack"], decisions=simulated["simulate"], schedule=fixed_t)
     if sim_name.startswith("fssdp"):  # the cluster simulator records the planned policies' decisions
         from ds_fssdp.sim.cluster import PolicyRun
         assert m["dispatch"] == "paper" and m["placement"] == "paper"  # the cluster simulator's defaults

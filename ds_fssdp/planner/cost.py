@@ -265,3 +265,12 @@ class CostModel:
         compute and four token exchanges (dispatch and combine, forward and backward)."""
         rows_D = plan_EDD.sum((0, 1))
         return float(self.compute_time_D(rows_D).max()) + 4 * self.a2a_time(plan_EDD)
+
+
+def schedule_costs(hw: Hardware, shape: ExpertShape, *, backward_factor: float = 2.0) -> ScheduleCosts:
+    """The :class:`~ds_fssdp.planner.schedule.ScheduleCosts` of modelled hardware (the simulators'):
+    an exchange is one latency plus the busiest link's bytes over its bandwidth (intra-node per
+    GPU, inter-node per node: :meth:`CostModel.a2a_time`), a routed row through one expert
+    ``row_flops`` over the achievable FLOP/s; the backward twice the forward's GEMM work."""
+    return ScheduleCosts(a2a_intra=Linear(hw.latency, 1.0 / hw.intra_bw),
+                         a2a_inter=Linear(hw.latency, 1.0 / hw.inter_bw), gemm=Linear(0.0, shape.row_flops / hw.flops), backward_factor=backward_factor)

@@ -267,9 +267,7 @@ MIN_GAP_SLICE_BYTES = 64 << 10  # below this a slice is mostly startup: never cu
 
 def link_busy_s(costs: ScheduleCosts, load: LayerLoad, degree: int) -> float:
     """Seconds the links carry one direction's exchanges (dispatch and combine) at ``degree``."""
-    if degree < 1:
-        raise ValueError(f"pipeline degree ({degree}) must be >= 1")
-    return 2.0 * degree * costs.exchange(load.intra_bytes / degree, load.inter_bytes / degree)
+    return max(link_busy(costs, load, degree))
 
 
 def idle_link_s(costs: ScheduleCosts, load: LayerLoad, degree: int, *, backward: bool = True) -> float:
@@ -342,3 +340,26 @@ def fit_schedule_costs(intra, inter, gemm_forward, gemm_backward, *, concurrent:
     costs = ScheduleCosts(a2a_intra=a2a_intra, a2a_inter=a2a_inter, gemm=gemm, backward_factor=factor,
                           concurrent=concurrent)
     return costs, max(e_intra, e_inter, e_fwd, e_bwd)
+
+
+def link_busy(costs: ScheduleCosts, load: LayerLoad, degree: int) -> tuple:
+    """(intra-node, inter-node) seconds the links spend on one direction's exchanges at ``degree``
+    (n dispatch and n combine chunks, each with its startup): what is not free for other traffic
+    (gradients in the gaps, replicas on the idle link) while :func:`pipeline_time` runs."""
+    if degree < 1:
+        raise ValueError(f"pipeline degree ({degree}) must be >= 1")
+    n = degree
+    return (2.0 * n * costs.a2a_intra(load.intra_bytes / n), 2.0 * n * costs.a2a_inter(load.inter_bytes / n))
+
+
+def drain_in_gaps(work_L, gaps_L) -> float:
+    """Seconds of a queue of transfers left after the gaps: ``work_L[i]`` is issued after step i
+    (a layer's backward, in the order they run) and drains during the gaps ``gaps_L[j]`` of the
+    steps after it (j > i), first issued first served. What the step still waits for (gradients
+    in the gaps: the all-reduce slices sent while the links are not busy with the exchange)."""
+    if len(work_L) != len(gaps_L):
+        raise ValueError(f"work ({len(work_L)}) and gaps ({len(gaps_L)}) must have one entry per layer")
+    queued = 0.0
+    for work, gap in zip(work_L, gaps_L):
+        queued = max(0.0, queued - max(0.0, gap)) + work
+    return queued

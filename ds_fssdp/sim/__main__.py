@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import sys
@@ -42,7 +43,7 @@ if __name__ == "__main__" and "--json" in sys.argv[1:]:
 import torch  # noqa: E402  (after the redirect above)
 
 from ds_fssdp.config import FSSDPConfig
-from ds_fssdp.planner.baselines import POLICY_NAMES
+from ds_fssdp.planner.schedule import MAX_DEGREE
 from ds_fssdp.planner.dispatch import dispatch as planner_dispatch
 from ds_fssdp.planner.dispatch import dispatch_plan
 from ds_fssdp.sim.cluster import CLUSTER_POLICIES, simulate_cluster
@@ -50,7 +51,8 @@ from ds_fssdp.sim.plot import plot_results
 from ds_fssdp.sim.presets import CLUSTERS, MODELS, cluster_preset, model_preset
 from ds_fssdp.sim.report import format_table, to_json
 from ds_fssdp.sim.setup import build_setup
-from ds_fssdp.sim.simulate import simulate
+from ds_fssdp.sim.pipeline import SERIAL, ScheduleOptions
+from ds_fssdp.sim.simulate import SIM_POLICY_NAMES, simulate
 from ds_fssdp.sim.traces import save_trace
 from ds_fssdp.sim.workload import DEFAULT_LOAD_CV, SYNTHETIC, cv_workload, trace_for_setup
 
@@ -62,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cluster", default="a", choices=sorted(CLUSTERS))
     p.add_argument("--model", default="gpt-s-moe", choices=sorted(MODELS))
     p.add_argument("--gpus", type=int, default=32)
-    p.add_argument("--policies", default=None, help=f"comma-separated, of {','.join(POLICY_NAMES)} (default: all; "
+    p.add_argument("--policies", default=None, help=f"comma-separated, of {','.join(SIM_POLICY_NAMES)} (default: all; "
                    f"at cluster scale {','.join(CLUSTER_POLICIES)})")
     p.add_argument("--group-size", type=int, default=None, help="EP / FSSDP groups of this many GPUs (default: the "
                    "world; EP's at most the expert count)")
@@ -97,11 +99,41 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--calibration", action=argparse.BooleanOptionalAction, default=None,
                    help="FSSDP calibration (default: on in the paper engine, off at cluster scale)")
     p.add_argument("--calibration-budget", type=float, default=1.0, help="in attention forward times")
+    p.add_argument("--pipeline-degree", default="auto", help="FSSDP's and fsmoe's chunks per token exchange: "
+                   "'auto' (chosen per layer, forward and backward, by planner.schedule.choose_degrees) or 1-8 "
+                   "(1: the serial exchange)")
+    p.add_argument("--no-dedup", action="store_true", help="FSSDP: send a token once per expert it picks on a rank "
+                   "(default: one copy per destination)")
+    p.add_argument("--no-grad-gaps", action="store_true", help="FSSDP, fsmoe: the gradient all-reduce overlaps the "
+                   "backward as before, not only its link gaps")
+    p.add_argument("--no-idle-link", action="store_true", help="FSSDP: replicas gathered within the attention "
+                   "forward only (default: from the previous layer's expert compute on)")
+    p.add_argument("--no-price-by-schedule", action="store_true", help="FSSDP: calibration and the balanced-time "
+                   "dispatch price plans by the serial layer time (default: the schedule's)")
+    p.add_argument("--serial", action="store_true", help="today's serial accounting for every policy: degree 1, "
+                   "no dedup, no gradient gaps, no idle-link gathers")
     p.add_argument("--png", default=None, help="chart path (default sim_<cluster>_<model>_<gpus>.png)")
     p.add_argument("--no-png", action="store_true")
     p.add_argument("--save-trace", default=None, help="also write the replayed (remapped/synthetic) trace here")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return p.parse_args(argv)
+
+
+def schedule_options(args) -> ScheduleOptions:
+    """FSSDP's layer schedule from the flags (``--serial``: all off, degree 1)."""
+    if args.serial:
+        return SERIAL
+    d = args.pipeline_degree
+    if d != "auto":
+        try:
+            d = int(d)
+        except ValueError:
+            raise SystemExit(f"--pipeline-degree ({d!r}) must be 'auto' or an integer in [1, {MAX_DEGREE}]")
+        if not 1 <= d <= MAX_DEGREE:
+            raise SystemExit(f"--pipeline-degree ({d}) must be 'auto' or an integer in [1, {MAX_DEGREE}]")
+    return ScheduleOptions(pipeline_degree=None if d == "auto" else d, dedup=not args.no_dedup,
+                           grad_gaps=not args.no_grad_gaps, idle_link=not args.no_idle_link,
+                           price_by_schedule=not args.no_price_by_schedule)
 
 
 def main(argv=None, *, out=None) -> int:
@@ -120,7 +152,7 @@ def _run(args, out) -> int:
     cluster, model = cluster_preset(args.cluster), model_preset(args.model)
     at_scale = model.fixed or any(v is not None for v in (args.group_size, args.load_cv, args.memory_cap,
                                                           args.max_groups))
-    known = CLUSTER_POLICIES if at_scale else POLICY_NAMES
+    known = CLUSTER_POLICIES if at_scale else SIM_POLICY_NAMES
     policies = [p for p in (args.policies or ",".join(known)).split(",") if p]
     unknown = [p for p in policies if p not in known]
     if unknown:
@@ -131,6 +163,7 @@ def _run(args, out) -> int:
     if args.memory_cap is not None and (args.budget is not None or args.budget_rm is not None):
         raise SystemExit(f"--memory-cap ({args.memory_cap}) chooses m: do not also give --budget / --budget-rm")
     memory = None if args.replica_memory_gb is None else args.replica_memory_gb * 1e9
+    schedule = schedule_options(args)
     calibration = (not at_scale) if args.calibration is None else args.calibration
     setup = build_setup(cluster, model, args.gpus, tokens_per_gpu=args.tokens_per_gpu, replica_memory_bytes=memory,
                         overlap_degree=args.overlap_degree, budget=args.budget, budget_rm=args.budget_rm,
@@ -159,15 +192,17 @@ def _run(args, out) -> int:
     if at_scale:
         results = simulate_cluster(setup, source, policies, group_size=args.group_size, memory_cap=args.memory_cap,
                                    overlap_degree=args.overlap_degree, max_groups=args.max_groups,
-                                   dispatcher=functools.partial(dispatch_plan, mode=args.dispatch, slack=slack))
+                                   dispatcher=functools.partial(dispatch_plan, mode=args.dispatch, slack=slack),
+                                   schedule=schedule)
         if trace is None:
             trace_summary = source.summary(setup.load_window)
     else:
         dispatcher = functools.partial(planner_dispatch, mode=args.dispatch, slack=slack)
-        results = simulate(setup, source, policies, dispatcher=dispatcher)
+        results = simulate(setup, source, policies, dispatcher=dispatcher, schedule=schedule)
     summary = setup.summary()
     summary["dispatch"] = args.dispatch
     summary["group_size"] = args.group_size or args.gpus
+    summary["schedule"] = dataclasses.asdict(schedule)
     if not args.no_png:
         png = args.png or f"sim_{cluster.name}_{model.name}_{args.gpus}.png"
         plot_results(png, results, title=f"{summary['label']}; {trace_summary.get('description', '')}")

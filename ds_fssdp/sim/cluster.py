@@ -29,7 +29,11 @@ Per iteration and policy, on top of :mod:`.simulate`'s accounting (its categorie
   iteration (busier direction), mean and max over the links, per category (a2a, spag, count, ar,
   rearr).
 
-Policies: ``ep``, ``uniform``, ``fssdp``, ``fssdp-rm`` (:data:`CLUSTER_POLICIES`). EP's layers are
+Layers are priced by :mod:`.pipeline` (the schedule; :data:`~.pipeline.SERIAL` is the accounting
+before) as in :mod:`.simulate`, the gaps and windows per group.
+
+Policies: ``ep``, ``uniform``, ``fsmoe`` (EP with FSMoE's schedule), ``fssdp``, ``fssdp-rm``
+(:data:`CLUSTER_POLICIES`). EP's layers are
 computed for all groups at once; FSSDP plans group by group with the compact dispatch
 (:class:`~ds_fssdp.planner.plan.DispatchPlan`), never an [E, D, D] plan.
 """
@@ -47,16 +51,21 @@ from ds_fssdp.planner.dispatch import dispatch_plan
 from ds_fssdp.planner.plan import DispatchPlan
 from ds_fssdp.planner.layer import LayerPlanner, migrations
 from ds_fssdp.planner.predict import LoadPredictor
-from ds_fssdp.sim.links import Links, allreduce_links, exchange_links, sparse_collective_links
+from ds_fssdp.planner.baselines import Clock
+from ds_fssdp.planner.schedule import drain_in_gaps
+from ds_fssdp.sim.bound import LowerBound
+from ds_fssdp.sim.links import Links, allreduce_links, exchange_links, sparse_collective_links, traffic_BNN
+from ds_fssdp.sim.pipeline import INTER, INTRA, LayerSchedule, ScheduleOptions, binding_class, policy_options
 from ds_fssdp.sim.memory import budget_for_cap, ep_memory_bytes
 from ds_fssdp.planner.materialize import materialize as algorithm1  # the default materializer
 from ds_fssdp.sim.setup import (GRAD_BYTES, MIGRATE_BYTES, OPT_BYTES, OPT_TRAFFIC_BYTES, PARAM_BYTES, Setup,
                                 derive_overlap_degree)
+from ds_fssdp.planner.schedule import overlap_window
 from ds_fssdp.planner.cost import CostModel
 from ds_fssdp.sim.simulate import CATEGORIES, PolicyResult
 from ds_fssdp.topology import Topology
 
-CLUSTER_POLICIES = ("ep", "uniform", "fssdp", "fssdp-rm")
+CLUSTER_POLICIES = ("ep", "uniform", "fsmoe", "fssdp", "fssdp-rm")
 LINK_CATEGORIES = ("a2a", "spag", "count", "ar", "rearr")
 COUNT_BYTES = 8  # tokens_ED is gathered as int64
 
@@ -99,9 +108,22 @@ def check_group_size(group_size: int, topology: Topology) -> None:
 
 class ClusterCostModel(CostModel):
     """The relayed cost model, taking compact plans (what the cluster simulator's dispatcher
-    returns; FSSDP's calibration prices its candidates with :meth:`layer_time`)."""
+    returns; FSSDP's calibration prices its candidates with :meth:`layer_time`). ``schedule``
+    (placement by time): a :class:`~ds_fssdp.sim.pipeline.LayerSchedule` that prices the plan's
+    layer (forward + backward under the schedule) instead of the serial 4 exchanges + compute."""
+
+    schedule: LayerSchedule | None = None
 
     def layer_time(self, plan) -> float:
+        if self.schedule is not None:
+            if isinstance(plan, DispatchPlan):
+                fl = plan.flows_4F
+                traffic = traffic_BNN(plan.tokens_ED[None], plan.holder_E[None],
+                                      np.stack([np.zeros_like(fl[0]), fl[1], fl[2], fl[3]]))
+            else:
+                traffic = plan.sum(0).double().numpy()[None]
+            lt = self.schedule.layer(traffic)
+            return float(lt.forward_B[0] + lt.backward_B[0])
         if not isinstance(plan, DispatchPlan):
             return super().layer_time(plan)
         rows = float(plan.rows_D().max())
@@ -121,20 +143,26 @@ class PolicyRun:
 
     def __init__(self, name: str, setup: Setup, *, group_size: int | None = None, budget: int | None = None,
                  memory_cap: float | None = None, overlap_degree: int | None = None, max_groups: int | None = None,
-                 dispatcher=None, materializer=algorithm1, decisions: list | None = None):
+                 dispatcher=None, materializer=algorithm1, decisions: list | None = None,
+                 schedule: ScheduleOptions | None = None, degrees: list | None = None):
         """``overlap_degree`` None: t derived for the group (a group inside one node gathers over
-        the intra-node links); ``budget`` None: the setup's m, or the ``memory_cap``'s.
+        the intra-node links) and, under the idle-link schedule, per layer and group from the
+        window the last step left it (:class:`~ds_fssdp.planner.baselines.Clock`); given: fixed.
+        ``budget`` None: the setup's m, or the ``memory_cap``'s.
         ``max_groups``: simulate only the first this many groups (their layers, planning, memory;
         the all-reduce still spans every group). For traces whose groups are alike (the synthetic
         ones), a cheaper estimate that can only miss a slower group among the others. ``decisions``:
         a list that gets, per step, the first group's ``(owner_E, placed_ED, held_ED)`` per layer
-        (planned policies; what the runtime records as ``decision_owner/placed/held``)."""
+        (planned policies; what the runtime records as ``decision_owner/placed/held``).
+        ``schedule``: FSSDP's :class:`~ds_fssdp.sim.pipeline.ScheduleOptions` (default: all on;
+        ``fsmoe`` takes its degree option, EP and Uniform run serially). ``degrees``: a list that
+        gets, per step, each layer's (forward, backward) degree per simulated group."""
         if name not in CLUSTER_POLICIES:
             raise ValueError(f"policy ({name!r}) must be one of {CLUSTER_POLICIES} at cluster scale")
         D, G = setup.topology.num_ranks, setup.topology.ranks_per_node
         N = D if group_size is None else group_size
         check_group_size(N, setup.topology)
-        if name in ("ep", "uniform") and N > setup.num_experts:
+        if name in ("ep", "uniform", "fsmoe") and N > setup.num_experts:
             raise ValueError(f"{name}: group_size ({N}) must be <= the {setup.num_experts} experts (DeepSpeed's "
                              f"ep_size divides the experts)")
         if max_groups is not None and max_groups < 1:
@@ -151,6 +179,7 @@ class PolicyRun:
         self.budget = budget if budget is not None else (setup.budget_rm if self.rm else setup.budget)
         self.memory_cap = memory_cap
         attn_f = setup.attention_fwd_s
+        self.fixed_t = overlap_degree is not None
         if overlap_degree is None:
             overlap_degree = derive_overlap_degree(setup.hw, self.topo, setup.shape, attention_s=attn_f)
         self.overlap_degree = overlap_degree
@@ -159,7 +188,18 @@ class PolicyRun:
                               reshard_interval=setup.reshard_interval, calibration=setup.calibration,
                               calibration_latency_budget=setup.calibration_budget * attn_f)
         dispatcher = dispatcher or functools.partial(dispatch_plan, mode="paper")
-        self.policy = make_policy(name, config, dispatcher=dispatcher, materializer=materializer)
+        self.policy = make_policy("ep" if name == "fsmoe" else name, config, dispatcher=dispatcher,
+                                  materializer=materializer)
+        self.options = policy_options(name, schedule)
+        self.sched = LayerSchedule(setup.hw, setup.shape, ranks_per_node=self.topo.ranks_per_node,
+                                   top_k=setup.top_k, options=self.options)
+        if self.options.price_by_schedule:
+            self.cost.schedule = self.sched
+        self.gather_class = INTER if self.topo.num_nodes > 1 else INTRA
+        self.window_BL = np.full((self.B, setup.num_layers), attn_f)  # replica gather windows (last step's)
+        self.degree_log = degrees
+        self.degree_counts = ({}, {})
+        self.dedup_saved = 0.0
         self.planned = name.startswith("fssdp")
         L, E, B = setup.num_layers, setup.num_experts, self.B
         self.owner_LE = self.policy.initial_owner()
@@ -192,31 +232,60 @@ class PolicyRun:
         backward_BL = np.zeros((B, L))
         attn_f = st.attention_fwd_s
         attn_b = 2.0 * attn_f
+        gaps_BL = np.zeros((B, L))
+        idle_B = np.zeros(B)  # the previous layer's forward time its gather link is free
+        ar_class = binding_class(self._allreduce()[1], hw) if self.options.grad_gaps else INTER
+        layer_degrees = []
         for l in range(L):
             tokens_BEN = tokens_LED[l].reshape(E, self.groups, N)[:, :B].transpose(1, 0, 2)
+            window_B = np.array([overlap_window(attn_f, float(i), early=self.options.idle_link) for i in idle_B])
             if self.planned:
-                rows_BN, exchange = self._plan_layer(l, tokens_BEN, group_B, ephemeral_BLN, timed)
+                holder_BE, flows_4F, spag = self._plan_layer(l, tokens_BEN, ephemeral_BLN, timed)
             else:
                 if self.name == "uniform":
                     tokens_BEN = uniform_tokens_BEN(tokens_BEN)
-                holder_BE = np.broadcast_to(owner_LE[l], (B, E))
-                exchange = exchange_links(tokens_BEN, holder_BE, ranks_per_node=self.topo.ranks_per_node,
-                                          row_bytes=st.shape.token_bytes)
-                rows_BN = exchange.rows_BN
-            moe_B = rows_BN.max(1) * (3.0 * st.shape.row_flops / hw.flops)
+                holder_BE, flows_4F, spag = np.broadcast_to(owner_LE[l], (B, E)), None, None
+            lt = self.sched.layer(traffic_BNN(tokens_BEN, holder_BE, flows_4F))
+            exchange, rows_BN, moe_B = lt.links, lt.links.rows_BN, lt.moe_B
             group_B["comp"] += attn_f + attn_b + moe_B
+            group_B["a2a"] += lt.forward_B + lt.backward_B - moe_B
+            reduce_hidden_B = np.zeros(B)
+            if spag is not None:
+                gather, reduce, calib, times = spag
+                window_b_B = attn_b + (np.maximum(0.0, lt.backward_B - lt.busy_backward_B2[:, self.gather_class])
+                                       if self.options.idle_link else 0.0)
+                # Nothing to gather costs 0, hence max(0, 0 - window) = 0: the paper engine's "if any" is implied.
+                group_B["spag"] += np.maximum(0.0, gather.time_B(hw) - window_B)
+                group_B["spag"] += np.maximum(0.0, reduce.time_B(hw) * times - window_b_B)
+                group_B["spag"] += calib.time_B(hw)
+                if self.gather_class == ar_class:  # the replica reduce shares the all-reduce's links
+                    reduce_hidden_B = np.minimum(reduce.time_B(hw) * times, window_b_B)
+            if self.options.idle_link:
+                idle_B = np.maximum(0.0, lt.forward_B - lt.busy_forward_B2[:, self.gather_class])
+                if l + 1 < L:
+                    self.window_BL[:, l + 1] = [overlap_window(attn_f, float(i)) for i in idle_B]
             backward_BL[:, l] = attn_b + moe_B * 2.0 / 3.0
-            group_B["a2a"] += 4.0 * exchange.time_B(hw)
+            gaps_BL[:, l] = attn_b + lt.backward_B - lt.busy_backward_B2[:, ar_class] - reduce_hidden_B
+            layer_degrees.append(lt.degrees)
             if timed:
                 self._add_links("a2a", exchange, 4.0)
                 self._add_links("count", self.count_links, 1.0)
                 mean = float(rows_BN.mean())
                 self.straggler.append(float(rows_BN.max()) / mean if mean > 0 else 1.0)
                 self.inter_bytes += 4.0 * exchange.inter_total
+                self.dedup_saved += 4.0 * lt.saved_bytes / B
+                for b_deg in lt.degrees:
+                    for counts, deg in zip(self.degree_counts, b_deg):
+                        counts[deg] = counts.get(deg, 0) + 1
+        if self.degree_log is not None:
+            self.degree_log.append(layer_degrees)
         glob["comp"] += st.extra_compute_s
         slowest = int(np.argmax(sum(group_B.values())))
         ar, ar_links = self._allreduce()
-        glob["ar"] += max(0.0, ar - (backward_BL[slowest].sum() - backward_BL[slowest, 0]))
+        if self.options.grad_gaps:  # each layer's share issued after its backward, sent in the gaps below
+            glob["ar"] += drain_in_gaps([ar / L] * L, list(gaps_BL[slowest][::-1]))
+        else:
+            glob["ar"] += max(0.0, ar - (backward_BL[slowest].sum() - backward_BL[slowest, 0]))
         owned_N = np.bincount(owner_LE.ravel(), minlength=N).astype(np.float64) * P
         glob["opt"] += float((st.dense_params + owned_N).max()) * OPT_TRAFFIC_BYTES / hw.hbm_bw
         self._memory(owned_N, ephemeral_BLN)
@@ -229,8 +298,9 @@ class PolicyRun:
                 self.totals[c] += group_B[c][slowest] + glob[c]
             self.step_s.append(sum(group_B[c][slowest] + glob[c] for c in CATEGORIES))
 
-    def _plan_layer(self, l: int, tokens_BEN: np.ndarray, group_B: dict, ephemeral_BLN: np.ndarray, timed: bool):
-        """Plan layer ``l`` group by group (the policy, timed), then charge all groups at once."""
+    def _plan_layer(self, l: int, tokens_BEN: np.ndarray, ephemeral_BLN: np.ndarray, timed: bool):
+        """Plan layer ``l`` group by group (the policy, timed): the holders, the flows and the
+        sparse collectives' links (gather, reduce, calibration, reduce repeats) of all groups."""
         st, hw = self.setup, self.setup.hw
         B, N, E, G = self.B, self.N, st.num_experts, self.topo.ranks_per_node
         psi, attn_b = float(st.shape.expert_bytes), 2.0 * st.attention_fwd_s
@@ -243,9 +313,12 @@ class PolicyRun:
             tokens_ED = torch.from_numpy(np.ascontiguousarray(tokens_BEN[b], dtype=np.int64))
             planner = self.planners_BL[b][l]
             t0 = time.thread_time()
-            placement_ED = planner.pre_gating(owner_E)
+            clock = None
+            if self.options.idle_link and not self.fixed_t:  # t from the window the last step's schedule left
+                clock = Clock(overlap_degree=self.cost.overlap_degree(float(self.window_BL[b, l])))
+            placement_ED = planner.pre_gating(owner_E, clock)
             t1 = time.thread_time()
-            lp = planner.post_gating(owner_E, placement_ED, tokens_ED)
+            lp = planner.post_gating(owner_E, placement_ED, tokens_ED, clock)
             plan = planner.dispatch(lp, tokens_ED)
             t2 = time.thread_time()
             if self.decisions is not None and b == 0:
@@ -260,9 +333,6 @@ class PolicyRun:
             flows.append(np.stack([np.full_like(x, b), h, d, k]))
             hidden_BEN[b], calibrated_BEN[b] = lp.hidden_ED.numpy(), lp.calibrated_ED.numpy()
             ephemeral_BLN[b, l] = (lp.hidden_ED | lp.calibrated_ED | lp.shadow_ED).sum(0).numpy()
-        exchange = exchange_links(tokens_BEN, holder_BE, ranks_per_node=G, row_bytes=st.shape.token_bytes,
-                                  flows_4F=np.concatenate(flows, 1))
-        rows_BN = exchange.rows_BN
         owner_np = owner_E.numpy()
         shard_EN = np.zeros((E, N), dtype=bool)
         shard_EN[np.arange(E), owner_np] = True
@@ -271,15 +341,11 @@ class PolicyRun:
                                          chunk_bytes=psi)
         calib = sparse_collective_links(owner_np, shard_EN | calibrated_BEN, ranks_per_node=G, chunk_bytes=psi)
         times = 2.0 if self.rm else 1.0
-        # Nothing to gather costs 0, hence max(0, 0 - window) = 0: the paper engine's "if any" is implied.
-        group_B["spag"] += np.maximum(0.0, gather.time_B(hw) - st.attention_fwd_s)
-        group_B["spag"] += np.maximum(0.0, reduce.time_B(hw) * times - attn_b)
-        group_B["spag"] += calib.time_B(hw)
         if timed:
             self.replicas += float(ephemeral_BLN[:, l].sum()) / st.num_layers / B
             self._add_links("spag", Links(gather.rank_BN + times * reduce.rank_BN + calib.rank_BN,
                                           gather.node_Bn + times * reduce.node_Bn + calib.node_Bn), 1.0)
-        return rows_BN, exchange
+        return holder_BE, np.concatenate(flows, 1), (gather, reduce, calib, times)
 
     # -- pieces ------------------------------------------------------------------------------------
     def _observe(self, tokens_LED: np.ndarray) -> None:
@@ -378,7 +444,10 @@ class PolicyRun:
                              planning_s={"pre_gating": self.plan_pre_s / c, "post_gating": self.plan_post_s / c},
                              link_bytes=link_bytes, ep_memory_bytes=ep_memory_bytes(self.setup, self.N),
                              memory_cap=self.memory_cap, overlap_degree=self.overlap_degree, groups=self.groups,
-                             groups_simulated=self.B)
+                             groups_simulated=self.B,
+                             degrees={"forward": dict(sorted(self.degree_counts[0].items())),
+                                      "backward": dict(sorted(self.degree_counts[1].items()))},
+                             dedup_saved_gb=self.dedup_saved / c / 1e9)
 
 
 def uniform_tokens_BEN(tokens_BEN: np.ndarray) -> np.ndarray:
@@ -391,28 +460,44 @@ def uniform_tokens_BEN(tokens_BEN: np.ndarray) -> np.ndarray:
     return q_BN[:, None, :] + (shift_EN[None] < r_BN[:, None, :])
 
 
-def run_cluster(runs: list, source) -> list:
+def run_cluster(runs: list, source, *, bound: bool = True) -> list:
     """Feed every step of ``source`` (an iterable of ``tokens_LED``: a [S, L, E, D] array, or a
-    :class:`~ds_fssdp.sim.loadcv.LoadCVSource`) to every run in turn; their results."""
+    :class:`~ds_fssdp.sim.loadcv.LoadCVSource`) to every run in turn; their results, each with
+    the workload's :class:`~ds_fssdp.sim.bound.LowerBound` (the least over the runs' group sizes,
+    with the most replicas any run may hold) as ``lower_bound_s``."""
+    bounds = []
+    if bound and runs:
+        budget = max(r.budget for r in runs if r.planned) if any(r.planned for r in runs) else 0
+        bounds = [LowerBound(runs[0].setup, group_size=r.N, budget=budget, groups=r.B) for r in runs]
     steps = 0
     for s, tokens_LED in enumerate(source):
+        tokens_LED = np.asarray(tokens_LED)
         for run in runs:
-            run.step(s, np.asarray(tokens_LED))
+            run.step(s, tokens_LED)
+        for b in bounds:
+            b.step(s, tokens_LED)
         steps += 1
     window = runs[0].setup.load_window if runs else 0
     if steps <= window:
         raise ValueError(f"the trace has {steps} steps; the simulation needs more than the load window ({window})")
-    return [run.result() for run in runs]
+    results = [run.result() for run in runs]
+    if bounds:
+        low = min(b.result() for b in bounds)
+        for r in results:
+            r.lower_bound_s = low
+    return results
 
 
 def simulate_cluster(setup: Setup, source, policies, *, group_size: int | None = None,
                      memory_cap: float | None = None, overlap_degree: int | None = None,
-                     max_groups: int | None = None, dispatcher=None, materializer=algorithm1) -> list:
+                     max_groups: int | None = None, dispatcher=None, materializer=algorithm1,
+                     schedule: ScheduleOptions | None = None) -> list:
     """One :class:`ClusterResult` per policy name, in order, each at ``group_size`` (the world
     if None), EP's and Uniform's at most at the expert count (the group EP runs; its result says
-    which). See :class:`PolicyRun` for the rest."""
+    which; ``fsmoe`` like EP). See :class:`PolicyRun` for the rest (``schedule``)."""
     N = setup.topology.num_ranks if group_size is None else group_size
     runs = [PolicyRun(name, setup, group_size=N if name.startswith("fssdp") else min(N, setup.num_experts),
                       memory_cap=memory_cap if name.startswith("fssdp") else None, overlap_degree=overlap_degree,
-                      max_groups=max_groups, dispatcher=dispatcher, materializer=materializer) for name in policies]
+                      max_groups=max_groups, dispatcher=dispatcher, materializer=materializer, schedule=schedule)
+            for name in policies]
     return run_cluster(runs, source)

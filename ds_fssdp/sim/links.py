@@ -124,3 +124,56 @@ def allreduce_links(members_KD: np.ndarray, bytes_K: np.ndarray, *, ranks_per_no
     spans_K = nodes_Kn.sum(1) > 1
     node_n = (per_member_K * spans_K) @ nodes_Kn.astype(np.float64)
     return Links(rank_BN=rank_D[None], node_Bn=node_n[None])
+
+
+def traffic_BNN(tokens_BED: np.ndarray, holder_BE: np.ndarray, flows_4F: np.ndarray | None = None) -> np.ndarray:
+    """Rows rank d sends rank h in each group, ``[B, d, h]`` (float64; the diagonal: rows a rank
+    computes for its own tokens), from the same inputs as :func:`exchange_links`."""
+    B, E, N = tokens_BED.shape
+    valid_BE = holder_BE >= 0
+    b_BED = np.broadcast_to(np.arange(B)[:, None, None], (B, E, N))
+    d_BED = np.broadcast_to(np.arange(N)[None, None, :], (B, E, N))
+    h_BED = np.broadcast_to(np.where(valid_BE, holder_BE, 0)[:, :, None], (B, E, N))
+    w_BED = np.where(valid_BE[:, :, None], tokens_BED, 0).astype(np.float64)
+    idx = ((b_BED * N + d_BED) * N + h_BED).ravel()
+    out = np.bincount(idx, weights=w_BED.ravel(), minlength=B * N * N)
+    if flows_4F is not None and flows_4F.shape[1]:
+        fb, fh, fd, k = flows_4F
+        out += np.bincount((fb * N + fd) * N + fh, weights=k.astype(np.float64), minlength=B * N * N)
+    return out.reshape(B, N, N)
+
+
+def distinct_fraction(traffic_BNN: np.ndarray, top_k: int) -> np.ndarray:
+    """One copy per destination: the expected fraction of the rows d sends h that are distinct
+    tokens, ``[B, d, h]``. From counts alone (a token's top-k picks are not in a count trace) it
+    is modelled as k independent picks per token, each landing on h with d's share p of rows to
+    h: a token reaches h with probability 1 - (1 - p)^k, so the distinct tokens are
+    (1 - (1 - p)^k) / (k p) of the rows (1 for k = 1; 1/k when every pick lands on h). An
+    approximation: top-k picks distinct experts, and real routing is correlated."""
+    if top_k < 1:
+        raise ValueError(f"top_k ({top_k}) must be >= 1")
+    total_BD = traffic_BNN.sum(2, keepdims=True)
+    p = np.divide(traffic_BNN, total_BD, out=np.zeros_like(traffic_BNN), where=total_BD > 0)
+    k = float(top_k)
+    return np.divide(1.0 - (1.0 - p) ** k, k * p, out=np.ones_like(p), where=p > 0)
+
+
+def traffic_links(traffic_BNN: np.ndarray, *, ranks_per_node: int, row_bytes: float,
+                  rows_BNN: np.ndarray | None = None) -> Links:
+    """:func:`exchange_links` from a [B, d, h] table of rows sent (``traffic_BNN``, maybe fewer
+    than the rows computed under one copy per destination); ``rows_BNN`` (default: the same) gives
+    the rows each rank computes."""
+    B, N, _ = traffic_BNN.shape
+    G = ranks_per_node
+    n = N // G
+    node_N = np.arange(N) // G
+    same_NN = node_N[:, None] == node_N[None, :]
+    off = traffic_BNN * ~np.eye(N, dtype=bool)
+    intra = off * same_NN
+    inter = off - intra
+    rank_BN = np.maximum(intra.sum(2), intra.sum(1)) * row_bytes
+    out_Bn = inter.sum(2).reshape(B, n, G).sum(2)
+    in_Bn = inter.sum(1).reshape(B, n, G).sum(2)
+    rows = traffic_BNN if rows_BNN is None else rows_BNN
+    return Links(rank_BN=rank_BN, node_Bn=np.maximum(out_Bn, in_Bn) * row_bytes,
+                 inter_total=float(out_Bn.sum()) * row_bytes, rows_BN=rows.sum(1))

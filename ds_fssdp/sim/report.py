@@ -19,8 +19,16 @@ def ratios(results: list) -> dict:
     return out
 
 
+def lower_bound(results: list):
+    """The workload's lower bound (seconds; every result carries the same), or None."""
+    return next((r.lower_bound_s for r in results if getattr(r, "lower_bound_s", None) is not None), None)
+
+
 def to_json(setup_summary: dict, trace_summary: dict, results: list) -> dict:
+    low = lower_bound(results)
     return {"setup": setup_summary, "trace": trace_summary, "results": [r.to_dict() for r in results],
+            "lower_bound_ms": None if low is None else 1e3 * low,
+            "vs_lower_bound": {} if low is None else {r.policy: r.iteration_s / low for r in results},
             **ratios(results)}
 
 
@@ -40,7 +48,8 @@ def format_table(setup_summary: dict, trace_summary: dict, results: list) -> str
         f"{cv}, predictor R^2 (w={t['window']}) {t['r2']:.3f}",
     ]
     r = ratios(results)
-    header = (f"{'policy':<10} {'ms/iter':>9} {'xEP':>6} {'xFMoE':>6} |" +
+    low = lower_bound(results)
+    header = (f"{'policy':<10} {'ms/iter':>9} {'xEP':>6} {'xFMoE':>6} {'/LB':>5} |" +
               "".join(f" {c:>7}" for c in CATEGORIES) + f" | {'strag':>5} {'repl/L':>7} | {'mem GB':>6}"
               f" {'(P/G/O)':>16}")
     lines += ["", header, "-" * len(header)]
@@ -49,10 +58,14 @@ def format_table(setup_summary: dict, trace_summary: dict, results: list) -> str
         total = sum(mem.values()) / 1e9
         vs_ep = r["speedup_vs_ep"].get(res.policy)
         vs_f = r["speedup_vs_fastermoe"].get(res.policy)
-        lines.append(f"{res.policy:<10} {1e3 * res.iteration_s:>9.1f} {_x(vs_ep):>6} {_x(vs_f):>6} |" +
+        vs_lb = None if low is None else res.iteration_s / low
+        lines.append(f"{res.policy:<10} {1e3 * res.iteration_s:>9.1f} {_x(vs_ep):>6} {_x(vs_f):>6} {_x(vs_lb):>5} |" +
                      "".join(f" {1e3 * res.breakdown_s[c]:>7.1f}" for c in CATEGORIES) +
                      f" | {res.straggler:>5.2f} {res.replicas_per_layer:>7.1f} | {total:>6.2f} "
                      f"{mem['param'] / 1e9:>5.2f}/{mem['grad'] / 1e9:.2f}/{mem['opt'] / 1e9:.2f}")
+    if low is not None:
+        lines += ["", f"lower bound {1e3 * low:.1f} ms per iteration (ds_fssdp.sim.bound: balanced compute or the "
+                  f"rows that must cross, attention, optimizer; /LB = each policy's ratio to it)"]
     if r["ep_slowdown_vs_uniform"] is not None:
         lines += ["", f"EP is {r['ep_slowdown_vs_uniform']:.2f}x slower than Uniform (paper: 1.48-2.87x)."]
     for ours in ("fssdp", "fssdp-rm"):

@@ -53,6 +53,7 @@ class Setup:
     calibration: bool = True
     calibration_budget: float = 1.0  # calibration's critical-path latency budget, in attention forwards
     load_window: int = 5
+    top_k: int = 1  # routed experts per token (one copy per destination's model)
     extra_compute_s: float = 0.0  # per iteration, fwd + bwd, alike under every policy (shared experts, dense layers)
     hbm_bytes: float = 0.0  # per GPU (0: unknown)
     label: str = ""
@@ -124,6 +125,6 @@ def build_setup(cluster: ClusterPreset, model: ModelPreset, gpus: int, *, tokens
     return Setup(topology=topology, hw=hw, shape=shape, num_layers=L, num_experts=E, tokens_per_gpu=tokens,
                  attention_flops_per_token=model.attention_flops_per_token(),
                  dense_params=L * model.dense_params_per_layer(E) + model.extra_dense_params(), overlap_degree=t,
-                 budget=m, budget_rm=m_rm, flexmoe_slots=slots, label=label,
+                 budget=m, budget_rm=m_rm, flexmoe_slots=slots, label=label, top_k=model.top_k,
                  extra_compute_s=3.0 * tokens * model.extra_flops_per_token() / hw.flops, hbm_bytes=cluster.hbm_bytes,
                  **options)

@@ -33,6 +33,19 @@ per iteration
 * [opt] the optimizer step of the busiest rank: memory bound, 28 bytes of HBM traffic per
   parameter it updates (dense + owned experts + FlexMoE's replicas) over the HBM bandwidth.
 
+The layer schedule (:mod:`.pipeline`; FSSDP's by default, ``fsmoe``'s, or :data:`~.pipeline.SERIAL`,
+which is the accounting above): [comp] keeps attention + the slowest rank's expert compute, [a2a]
+becomes what the pipelined exchange adds to it (``pipeline_time`` forward + backward at the
+chosen degrees, minus that compute), over the bytes left by one copy per destination; the
+gather of layer l + 1 hides in its attention forward plus the time layer l's forward leaves the
+gather's link class free, and t comes from that window (the last step's, through the
+:class:`~ds_fssdp.planner.baselines.Clock`); the reduce in the attention backward plus the time
+its backward leaves that link free; [ar] under gradients in the gaps: each layer's 1/L share of
+the all-reduce is issued after its backward and sent in the backward gaps of the layers below
+(the backward minus its link class's exchange time and the replica reduce sharing it,
+``drain_in_gaps``); the remainder is exposed. Each result carries the workload's lower bound
+(:mod:`.bound`).
+
 Not modelled: contention between overlapped collectives and the token exchanges or the dense
 all-reduce, the gate, norms and element-wise work (same for every policy), planning time.
 
@@ -54,7 +67,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ds_fssdp.planner.baselines import PolicyConfig, make_policy
+from ds_fssdp.planner.baselines import POLICY_NAMES, Clock, PolicyConfig, make_policy
+from ds_fssdp.planner.schedule import drain_in_gaps
+from ds_fssdp.planner.schedule import overlap_window
 from ds_fssdp.planner.cost import CostModel
 from ds_fssdp.planner.layer import LayerPlanner, migrations
 from ds_fssdp.planner.predict import LoadPredictor
@@ -62,8 +77,13 @@ from ds_fssdp.planner.shard import shard_placement
 from ds_fssdp.sim.setup import GRAD_BYTES, MIGRATE_BYTES, OPT_BYTES, OPT_TRAFFIC_BYTES, PARAM_BYTES, Setup
 from ds_fssdp.planner.dispatch import dispatch as planner_dispatch
 from ds_fssdp.planner.materialize import materialize as algorithm1  # the default materializer
+from ds_fssdp.sim.bound import LowerBound
+from ds_fssdp.sim.links import allreduce_links
+from ds_fssdp.sim.pipeline import (INTER, INTRA, LayerSchedule, ScheduleOptions, ScheduledCostModel, binding_class,
+                                   policy_options)
 
 CATEGORIES = ("comp", "a2a", "spag", "rearr", "ar", "opt")
+SIM_POLICY_NAMES = POLICY_NAMES + ("fsmoe", )  # the planner's policies and FSMoE's schedule over EP
 
 
 @dataclass
@@ -78,6 +98,9 @@ class PolicyResult:
     migrated_experts: int  # expert states copied by reshards over the whole run
     budget: int
     step_s: list = field(default_factory=list)
+    lower_bound_s: float | None = None  # the workload's (ds_fssdp.sim.bound), alike for every policy
+    degrees: dict = field(default_factory=dict)  # "forward"/"backward" -> {degree: timed layers (x groups)}
+    dedup_saved_gb: float = 0.0  # link bytes one copy per destination saved per iteration
 
     def to_dict(self) -> dict:
         return {
@@ -85,17 +108,23 @@ class PolicyResult:
             "breakdown_ms": {k: 1e3 * v for k, v in self.breakdown_s.items()},
             "memory_gb": {k: v / 1e9 for k, v in self.memory_bytes.items()}, "straggler": self.straggler,
             "inter_node_gb": self.inter_node_gb, "replicas_per_layer": self.replicas_per_layer,
-            "migrated_experts": self.migrated_experts, "budget": self.budget
+            "migrated_experts": self.migrated_experts, "budget": self.budget,
+            "lower_bound_ms": None if self.lower_bound_s is None else 1e3 * self.lower_bound_s,
+            "vs_lower_bound": None if self.lower_bound_s is None else self.iteration_s / self.lower_bound_s,
+            "degrees": self.degrees, "dedup_saved_gb": self.dedup_saved_gb,
         }
 
 
 def simulate(setup: Setup, tokens_SLED: np.ndarray, policies, *, dispatcher=planner_dispatch,
              materializer=algorithm1, placement: str = "paper", dispatch: str | None = None,
-             dispatch_slack: float = 0.0) -> list:
+             dispatch_slack: float = 0.0, schedule: ScheduleOptions | None = None, bound: bool = True) -> list:
     """One :class:`PolicyResult` per policy name, in order. ``placement``: FSSDP's pre-gating
     placement (``planner.place``; "paper" is Algorithm 1, or ``materializer``). ``dispatch``: a
     dispatch mode for the policy's own dispatcher, as the runtime builds it (with the cost model,
-    so "balanced-time" works; ``dispatcher`` is then not used)."""
+    so "balanced-time" works; ``dispatcher`` is then not used). ``schedule``: FSSDP's layer
+    schedule (:mod:`ds_fssdp.sim.pipeline`; default all on; the published baselines run serially,
+    ``fsmoe`` is EP with FSMoE's). ``bound``: set every result's ``lower_bound_s``
+    (:class:`~ds_fssdp.sim.bound.LowerBound`, with the most replicas any policy may hold)."""
     tokens_SLED = np.asarray(tokens_SLED)
     S, L, E, D = tokens_SLED.shape
     if (L, E, D) != (setup.num_layers, setup.num_experts, setup.topology.num_ranks):
@@ -104,20 +133,37 @@ def simulate(setup: Setup, tokens_SLED: np.ndarray, policies, *, dispatcher=plan
     if S <= setup.load_window:
         raise ValueError(f"the trace has {S} steps; the simulation needs more than the load window "
                          f"({setup.load_window})")
-    return [simulate_policy(name, setup, tokens_SLED, dispatcher=dispatcher, materializer=materializer,
-                            placement=placement, dispatch=dispatch, dispatch_slack=dispatch_slack) for name in policies]
+    results = [simulate_policy(name, setup, tokens_SLED, dispatcher=dispatcher, materializer=materializer,
+                               placement=placement, dispatch=dispatch, dispatch_slack=dispatch_slack,
+                               schedule=schedule) for name in policies]
+    if bound:
+        # FasterMoE's shadows are not bounded by a budget: with it, any rank may hold every expert.
+        most = E if "fastermoe" in policies else max(setup.budget, setup.budget_rm, setup.flexmoe_slots)
+        low = LowerBound(setup, group_size=D, budget=most)
+        for s in range(S):
+            low.step(s, tokens_SLED[s])
+        for r in results:
+            r.lower_bound_s = low.result()
+    return results
 
 
 def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatcher=planner_dispatch,
                     materializer=algorithm1, placement: str = "paper", dispatch: str | None = None,
-                    dispatch_slack: float = 0.0, decisions: list | None = None) -> PolicyResult:
+                    dispatch_slack: float = 0.0, decisions: list | None = None,
+                    schedule: ScheduleOptions | None = None, degrees: list | None = None) -> PolicyResult:
     """``dispatcher`` / ``materializer``: Algorithms 3 and 1 by default (the planner's, in C when
     built); pass others (e.g. the balancing dispatcher) to compare. ``decisions``: a list that
     gets, per step, each layer's ``(owner_E, placed_ED, held_ED)`` (the decisions the runtime
-    records in its trace as ``decision_owner``, ``decision_placed``, ``decision_held``)."""
+    records in its trace as ``decision_owner``, ``decision_placed``, ``decision_held``).
+    ``degrees``: a list that gets, per step, each layer's (forward, backward) degree."""
     S, L, E, D = tokens_SLED.shape
     topo, hw, shape = setup.topology, setup.hw, setup.shape
-    cost = CostModel(hw, shape, topo, relay=True)  # every sparse collective relayed, calibration's too
+    options = policy_options(name, schedule)
+    sched = LayerSchedule(hw, shape, ranks_per_node=topo.ranks_per_node, top_k=setup.top_k, options=options)
+    if options.price_by_schedule:  # placement by time: calibration and balanced-time price the schedule
+        cost = ScheduledCostModel(hw, shape, topo, relay=True, schedule=sched)
+    else:
+        cost = CostModel(hw, shape, topo, relay=True)  # every sparse collective relayed, calibration's too
     rm = name == "fssdp-rm"
     budget = setup.budget_rm if rm else setup.budget
     attn_f = setup.attention_fwd_s
@@ -130,19 +176,27 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
                           smartmoe_interval=setup.smartmoe_interval, flexmoe_threshold=setup.flexmoe_threshold,
                           flexmoe_slots=setup.flexmoe_slots, flexmoe_interval=setup.flexmoe_interval,
                           dispatch=dispatch or "paper", dispatch_slack=dispatch_slack)
-    policy = make_policy(name, config, dispatcher=None if dispatch else dispatcher, materializer=materializer)
+    if name not in SIM_POLICY_NAMES:
+        raise ValueError(f"policy ({name!r}) must be one of {SIM_POLICY_NAMES}")
+    policy = make_policy("ep" if name == "fsmoe" else name, config, dispatcher=None if dispatch else dispatcher,
+                         materializer=materializer)
+    gather_class = INTER if topo.num_nodes > 1 else INTRA
+    window_L = [attn_f] * L  # replica gather windows the last step's schedule left
     predictor = LoadPredictor([E] * L, window=setup.load_window)
     planners = [LayerPlanner(policy, predictor, l) for l in range(L)]
     owner_LE = policy.initial_owner()
     P, psi = shape.params, float(shape.expert_bytes)
     dense_ar_s = cost.allreduce_time(torch.ones(1, D, dtype=torch.bool),
                                      torch.tensor([float(setup.dense_params * GRAD_BYTES)]))
+    ar_class = binding_class(allreduce_links(np.ones((1, D), dtype=bool), np.array([float(setup.dense_params)]),
+                                             ranks_per_node=topo.ranks_per_node), hw)
     reserved = policy.reserved_slots * L * P
     totals = dict.fromkeys(CATEGORIES, 0.0)
     step_s, straggler, inter_bytes, replicas = [], [], 0.0, 0.0
     migrated = 0
     peak_total, peak_memory = -1.0, {}
     counted = 0
+    degree_counts, dedup_saved = ({}, {}), 0.0
     for s in range(S):
         br = dict.fromkeys(CATEGORIES, 0.0)
         for reshard in migrations([policy], s, predictor.predict_all(), owner_LE):
@@ -156,12 +210,15 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
             owner_LE = reshard.owner_LE
         ephemeral_LD = torch.zeros(L, D, dtype=torch.float64)
         persistent_D = torch.zeros(D, dtype=torch.float64)
-        backward_L = []
+        backward_L, gaps_L, layer_degrees = [], [], []
+        idle = 0.0
         for l in range(L):
             owner_E, planner = owner_LE[l], planners[l]
-            placement_ED = planner.pre_gating(owner_E)
+            window = overlap_window(attn_f, idle, early=options.idle_link)
+            clock = Clock(overlap_degree=cost.overlap_degree(window_L[l])) if options.idle_link else None
+            placement_ED = planner.pre_gating(owner_E, clock)
             tokens_ED = policy.route(torch.from_numpy(tokens_SLED[s, l].astype(np.int64)))
-            lp = planner.post_gating(owner_E, placement_ED, tokens_ED)
+            lp = planner.post_gating(owner_E, placement_ED, tokens_ED, clock)
             plan_EDD = planner.dispatch_dense(lp, tokens_ED)
             planner.observe(tokens_ED)
             if decisions is not None:
@@ -170,17 +227,29 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
                 decisions[-1].append((owner_E.clone(), placement_ED.clone(), lp.placement_ED.clone()))
 
             rows_D = plan_EDD.sum((0, 1))
-            moe_s = float(cost.compute_time_D(rows_D).max())
+            lt = sched.layer(plan_EDD.sum(0).double().numpy()[None])
+            moe_s = float(lt.moe_B[0])
             br["comp"] += attn_f + attn_b + moe_s
             backward_L.append(attn_b + moe_s * 2.0 / 3.0)
-            br["a2a"] += 4.0 * cost.a2a_time(plan_EDD)
+            br["a2a"] += float(lt.forward_B[0] + lt.backward_B[0]) - moe_s
+            layer_degrees.append(lt.degrees[0])
+            reduce_hidden = 0.0
+            window_b = attn_b + (max(0.0, float(lt.backward_B[0] - lt.busy_backward_B2[0, gather_class]))
+                                 if options.idle_link else 0.0)
             shard_ED = shard_placement(owner_E, D)
             if bool(lp.hidden_ED.any()):
                 gather = cost.sparse_collective_time(owner_E, shard_ED | lp.hidden_ED)
-                br["spag"] += max(0.0, gather - attn_f)
+                br["spag"] += max(0.0, gather - window)
             if bool((lp.hidden_ED | lp.calibrated_ED).any()):
                 reduce = cost.sparse_collective_time(owner_E, shard_ED | lp.hidden_ED | lp.calibrated_ED)
-                br["spag"] += max(0.0, reduce * (2.0 if lp.rematerialize else 1.0) - attn_b)
+                br["spag"] += max(0.0, reduce * (2.0 if lp.rematerialize else 1.0) - window_b)
+                if gather_class == ar_class:  # the replica reduce shares the all-reduce's links
+                    reduce_hidden = min(reduce * (2.0 if lp.rematerialize else 1.0), window_b)
+            if options.idle_link:
+                idle = max(0.0, float(lt.forward_B[0] - lt.busy_forward_B2[0, gather_class]))
+                if l + 1 < L:
+                    window_L[l + 1] = overlap_window(attn_f, idle)
+            gaps_L.append(attn_b + float(lt.backward_B[0] - lt.busy_backward_B2[0, ar_class]) - reduce_hidden)
             if bool(lp.calibrated_ED.any()):
                 br["spag"] += cost.sparse_collective_time(owner_E, shard_ED | lp.calibrated_ED)
             if bool(lp.shadow_ED.any()):
@@ -196,12 +265,20 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
             if s >= setup.load_window:
                 mean_rows = float(rows_D.double().mean())
                 straggler.append(float(rows_D.max()) / mean_rows if mean_rows > 0 else 1.0)
-                inter_bytes += 4.0 * cost.a2a_bytes(plan_EDD)[1]
+                inter_bytes += 4.0 * lt.links.inter_total
                 replicas += float(lp.ephemeral_ED.sum() + lp.persistent_ED.sum()) / L
+                dedup_saved += 4.0 * lt.saved_bytes
+                for counts, deg in zip(degree_counts, lt.degrees[0]):
+                    counts[deg] = counts.get(deg, 0) + 1
 
         br["comp"] += setup.extra_compute_s
         # Layer 0's backward runs last: the dense all-reduce can hide under the others'.
-        br["ar"] += max(0.0, dense_ar_s - (sum(backward_L) - backward_L[0]))
+        if options.grad_gaps:  # each layer's share issued after its backward, sent in the gaps below
+            br["ar"] += drain_in_gaps([dense_ar_s / L] * L, gaps_L[::-1])
+        else:
+            br["ar"] += max(0.0, dense_ar_s - (sum(backward_L) - backward_L[0]))
+        if degrees is not None:
+            degrees.append(layer_degrees)
         owned_D = torch.bincount(owner_LE.flatten(), minlength=D).double() * P
         updated_D = setup.dense_params + owned_D + persistent_D * P
         br["opt"] += float(updated_D.max()) * OPT_TRAFFIC_BYTES / hw.hbm_bw
@@ -229,4 +306,6 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
                         breakdown_s={k: v / counted for k, v in totals.items()}, memory_bytes=peak_memory,
                         straggler=float(np.mean(straggler)), inter_node_gb=inter_bytes / counted / 1e9,
                         replicas_per_layer=replicas / counted, migrated_experts=migrated, budget=budget,
-                        step_s=step_s)
+                        step_s=step_s, dedup_saved_gb=dedup_saved / counted / 1e9,
+                        degrees={"forward": dict(sorted(degree_counts[0].items())),
+                                 "backward": dict(sorted(degree_counts[1].items()))})

@@ -1,0 +1,155 @@
+"""The layer schedule in the simulators (issue 24): both engines price a layer's exchange and
+expert compute through :mod:`ds_fssdp.planner.schedule` (the runtime's decision functions), with
+costs from the modelled hardware (:func:`ds_fssdp.planner.cost.schedule_costs`).
+
+Legend: B groups, N ranks of a group, d source rank, h destination rank.
+
+Per layer and group, from the rows each rank sends each rank (``traffic_BNN``, the diagonal a
+rank's own tokens on experts it holds):
+
+* one copy per destination (``dedup``): the bytes d sends h shrink by
+  :func:`~ds_fssdp.sim.links.distinct_fraction` (k independent picks per token: an approximation,
+  count traces carry no per-token picks); the rows computed do not;
+* one :class:`~ds_fssdp.planner.schedule.LayerLoad` per rank: the exchange is one collective, so
+  every rank's chunk lands when the busiest intra-node link and the busiest inter-node link of
+  the group have moved their share (the group's largest bytes), with the rank's own local rows
+  (computed first) and remote rows;
+* degrees: :func:`~ds_fssdp.planner.schedule.choose_degrees` over the group's loads (or the fixed
+  ``pipeline_degree``); forward and backward: :func:`~ds_fssdp.planner.schedule.pipeline_time`,
+  the slowest rank's; the links' busy seconds: :func:`~ds_fssdp.planner.schedule.link_busy`.
+
+Replicas on the idle link: layer l + 1's gather may start during layer l's expert compute, so
+its window is l + 1's attention forward plus the time l's forward leaves the gather's link class
+(inter-node when the group spans nodes, else intra-node) free; t comes from that window through
+:meth:`~ds_fssdp.planner.cost.CostModel.overlap_degree` (the last step's window: a decision is
+taken before the layer runs). Two layers' replicas are then alive at once; the memory already
+counts them (every layer's without re-materialization, the largest two consecutive layers'
+with it), so m and the memory cap hold unchanged. The replica reduce gets the attention
+backward plus the time the backward leaves that link free.
+
+At degree 1 without dedup this is the serial accounting the simulators had (4 exchanges + the
+slowest rank's compute; tested). ``ep``, ``uniform`` and the paper engine's published baselines
+keep it (:func:`policy_options`); ``fsmoe`` is EP with FSMoE's schedule (degrees chosen, gradients
+in the gaps, no replicas, no dedup).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ds_fssdp.planner.cost import CostModel, Hardware, schedule_costs
+from ds_fssdp.planner.schedule import MAX_DEGREE, LayerLoad, choose_degrees, link_busy, pipeline_time
+from ds_fssdp.sim.links import Links, distinct_fraction, traffic_links
+
+INTRA, INTER = 0, 1  # link classes (columns of the busy arrays)
+
+
+@dataclass(frozen=True)
+class ScheduleOptions:
+    """How the simulator schedules FSSDP's layers (``--pipeline-degree``, ``--no-dedup``,
+    ``--no-grad-gaps``, ``--no-idle-link``)."""
+
+    pipeline_degree: int | None = None  # None: chosen per layer (choose_degrees); n: both directions
+    dedup: bool = True  # one copy per destination
+    grad_gaps: bool = True  # EDP + dense all-reduce in the backward's link gaps
+    idle_link: bool = True  # replica gather from the previous layer's expert compute on
+    price_by_schedule: bool = True  # calibration / balanced-time price plans by the schedule's layer time
+
+    def __post_init__(self):
+        d = self.pipeline_degree
+        if d is not None and not (isinstance(d, int) and 1 <= d <= MAX_DEGREE):
+            raise ValueError(f"pipeline_degree ({d!r}) must be None (auto) or an int in [1, {MAX_DEGREE}]")
+
+
+SERIAL = ScheduleOptions(pipeline_degree=1, dedup=False, grad_gaps=False, idle_link=False, price_by_schedule=False)
+SCHEDULED = ("fsmoe", "fssdp", "fssdp-rm")  # policies that run the schedule
+
+
+def policy_options(name: str, options: ScheduleOptions | None) -> ScheduleOptions:
+    """The schedule a policy runs: FSSDP's the given ``options`` (default: everything on),
+    ``fsmoe`` FSMoE's (the same degree option; no dedup, no replicas), the rest serial."""
+    options = ScheduleOptions() if options is None else options
+    if name == "fsmoe":
+        return replace(options, dedup=False, idle_link=False, price_by_schedule=False)
+    return options if name in SCHEDULED else SERIAL
+
+
+@dataclass
+class LayerTimes:
+    """One layer of B groups under the schedule."""
+
+    links: Links  # the exchange's bytes (after dedup) and rows computed
+    moe_B: np.ndarray  # forward + backward expert compute of the slowest rank
+    forward_B: np.ndarray  # exchange + expert compute + exchange back, slowest rank
+    backward_B: np.ndarray
+    degrees: list  # (forward, backward) per group
+    busy_forward_B2: np.ndarray  # seconds the [intra, inter] links carry the exchange
+    busy_backward_B2: np.ndarray
+    saved_bytes: float = 0.0  # link bytes (GPU + node links, all groups) one exchange saves by dedup
+
+
+class LayerSchedule:
+    """Prices a layer for one engine: hardware, ranks per node, token bytes, top-k, options."""
+
+    def __init__(self, hw: Hardware, shape, *, ranks_per_node: int, top_k: int, options: ScheduleOptions):
+        self.hw, self.shape, self.G, self.top_k, self.options = hw, shape, ranks_per_node, top_k, options
+        self.costs = schedule_costs(hw, shape)
+
+    def loads(self, links: Links, local_BN: np.ndarray) -> list:
+        """Per group, one :class:`LayerLoad` per rank (the group's busiest links' bytes)."""
+        intra_B, inter_B = links.rank_BN.max(1), links.node_Bn.max(1)
+        remote_BN = links.rows_BN - local_BN
+        return [[LayerLoad(float(intra_B[b]), float(inter_B[b]), float(lo), float(re))
+                 for lo, re in zip(local_BN[b], remote_BN[b])] for b in range(local_BN.shape[0])]
+
+    def layer(self, traffic_BNN: np.ndarray) -> LayerTimes:
+        opt, row_bytes = self.options, float(self.shape.token_bytes)
+        local_BN = np.diagonal(traffic_BNN, axis1=1, axis2=2).copy()
+        plain = traffic_links(traffic_BNN, ranks_per_node=self.G, row_bytes=row_bytes)
+        links = plain
+        if opt.dedup and self.top_k > 1:
+            links = traffic_links(traffic_BNN * distinct_fraction(traffic_BNN, self.top_k), ranks_per_node=self.G,
+                                  row_bytes=row_bytes, rows_BNN=traffic_BNN)
+        B = traffic_BNN.shape[0]
+        fwd, bwd = np.zeros(B), np.zeros(B)
+        busy_f, busy_b = np.zeros((B, 2)), np.zeros((B, 2))
+        degrees = []
+        for b, loads in enumerate(self.loads(links, local_BN)):
+            unique = list(dict.fromkeys(loads))  # ranks with equal loads cost one evaluation
+            if opt.pipeline_degree is None:
+                deg = choose_degrees(self.costs, unique)
+            else:
+                deg = (opt.pipeline_degree, opt.pipeline_degree)
+            degrees.append(deg)
+            fwd[b] = max(pipeline_time(self.costs, ld, deg[0]) for ld in unique)
+            bwd[b] = max(pipeline_time(self.costs, ld, deg[1], backward=True) for ld in unique)
+            busy_f[b] = link_busy(self.costs, unique[0], deg[0])
+            busy_b[b] = link_busy(self.costs, unique[0], deg[1])
+        moe_B = links.rows_BN.max(1) * (3.0 * self.shape.row_flops / self.hw.flops)
+        return LayerTimes(links=links, moe_B=moe_B, forward_B=fwd, backward_B=bwd, degrees=degrees,
+                          busy_forward_B2=busy_f, busy_backward_B2=busy_b,
+                          saved_bytes=float(plain.rank_BN.sum() + plain.node_Bn.sum() - links.rank_BN.sum()
+                                            - links.node_Bn.sum()))
+
+
+def binding_class(links: Links, hw: Hardware) -> int:
+    """The link class a collective's time is bound by (:data:`INTRA` or :data:`INTER`)."""
+    intra = float(links.rank_BN.max()) / hw.intra_bw
+    inter = float(links.node_Bn.max()) / hw.inter_bw if links.node_Bn.size else 0.0
+    return INTER if inter > intra else INTRA
+
+
+class ScheduledCostModel(CostModel):
+    """The paper engine's cost model with the layer priced by the schedule (placement by time):
+    calibration and the ``balanced-time`` dispatch weigh a candidate plan by its forward +
+    backward under :class:`LayerSchedule` (exchange pipelined with the compute, one copy per
+    destination), so keeping tokens local and balancing rows are one objective."""
+
+    def __init__(self, hw: Hardware, shape, topology, *, relay: bool, schedule: LayerSchedule):
+        super().__init__(hw, shape, topology, relay=relay)
+        self.schedule = schedule
+
+    def layer_time(self, plan_EDD) -> float:
+        lt = self.schedule.layer(plan_EDD.sum(0).double().numpy()[None])
+        return float(lt.forward_B[0] + lt.backward_B[0])
