@@ -240,11 +240,9 @@ class CostModel:
                                    expert_bytes=self.shape.expert_bytes)
 
     def schedule_costs(self) -> ScheduleCosts:
-        """The linear costs of the layer's schedule (``planner/schedule.py``) this hardware implies:
-        a collective phase's latency plus bytes over the link, a row's forward FLOPs."""
-        return ScheduleCosts(a2a_intra=Linear(self.hw.latency, 1.0 / self.hw.intra_bw),
-                             a2a_inter=Linear(self.hw.latency, 1.0 / self.hw.inter_bw),
-                             gemm=Linear(0.0, self.shape.row_flops / self.hw.flops), backward_factor=2.0)
+        """The linear costs of the layer's schedule (``planner/schedule.py``) this hardware implies
+        (:func:`schedule_costs`)."""
+        return schedule_costs(self.hw, self.shape)
 
     def edp_reduce_linear(self, ranks: int, *, partitioned: bool) -> Linear:
         """One slice of the expert-data-parallel gradient reduce over ``ranks`` ranks, per byte of

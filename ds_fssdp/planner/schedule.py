@@ -245,14 +245,6 @@ def loads_from_traffic(traffic_DD, *, ranks_per_node: int, token_bytes: float) -
                       local_rows=float(local[d]), remote_rows=float(rows_D[d] - local[d])) for d in range(D)]
 
 
-def default_costs(*, intra_bw: float, inter_bw: float, latency: float, flops: float, row_flops: float) -> ScheduleCosts:
-    """A :class:`ScheduleCosts` from link speeds (bytes/s), one collective startup (s), the expert
-    GEMM's FLOP/s and one row's forward FLOPs through one expert: what the runtime uses until a
-    fitted model replaces it."""
-    return ScheduleCosts(a2a_intra=Linear(float(latency), 1.0 / float(intra_bw)),
-                         a2a_inter=Linear(float(latency), 1.0 / float(inter_bw)),
-                         gemm=Linear(0.0, float(row_flops) / float(flops)))
-
 # -- gradients in the gaps and replicas on the idle link (issue 24, items 4 and 5) ----------------
 #
 # The owned-expert gradient reduce over the EDP group of a layer runs during the backward of the

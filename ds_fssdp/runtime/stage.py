@@ -30,7 +30,8 @@ from ds_fssdp.moe.sharded import (ReplicaMemory, ShardedExperts, ShardOptions, S
 from ds_fssdp.planner import CostModel, Hardware, LoadPredictor, auto_materialization_budget, homogeneous_owner
 from ds_fssdp.planner.baselines import Clock, PolicyConfig, make_policy
 from ds_fssdp.planner.layer import LayerPlanner, migrating_policies, migrations
-from ds_fssdp.planner.schedule import ScheduleCosts, default_costs, gap_slice_bytes, idle_link_s, loads_from_traffic
+from ds_fssdp.planner.cost import schedule_costs
+from ds_fssdp.planner.schedule import ScheduleCosts, gap_slice_bytes, idle_link_s, loads_from_traffic
 from ds_fssdp.runtime import costfit
 from ds_fssdp.runtime.expert_dp import make_expert_state
 from ds_fssdp.runtime.grad_norm import install_expert_norm, loss_scale_of
@@ -350,7 +351,7 @@ class FSSDPStage:
         if need_cost:
             self.cost = self._cost_model(dtype, device)
         if self.pipeline_degree == "auto" and cfg.hardware is not None:
-            self.schedule_costs = self._schedule_costs()
+            self.schedule_costs = self._schedule_costs(dtype)
         layer = self.layers[0]
         name = "fssdp-rm" if cfg.policy == "fssdp" and cfg.rematerialize else cfg.policy
         budget = cfg.calibration_latency_budget
@@ -394,15 +395,14 @@ class FSSDPStage:
         self.profile["expert_shape"] = dataclasses.asdict(shape)
         return CostModel(hw, shape, self.topology)
 
-    def _schedule_costs(self) -> ScheduleCosts:
+    def _schedule_costs(self, dtype) -> ScheduleCosts:
         """What "auto" pipeline degrees are chosen from under ``fssdp.hardware`` (a modelled device:
         exchanges concurrent with the compute; the same on every rank and in every run, nothing is
         measured); collective startup is the hardware's latency."""
         h = self.config.hardware
         hw = Hardware(flops=float(h.flops), intra_bw=float(h.intra_bw), inter_bw=float(h.inter_bw),
                       latency=float(h.latency))
-        costs = default_costs(intra_bw=hw.intra_bw, inter_bw=hw.inter_bw, latency=hw.latency, flops=hw.flops,
-                              row_flops=2.0 * self.layers[0].spec.numel)
+        costs = schedule_costs(hw, self.layers[0].spec.cost_shape(torch.tensor([], dtype=dtype).element_size()))
         self.profile["schedule_costs"] = dataclasses.asdict(costs)
         return costs
 
