@@ -54,12 +54,12 @@ def test_rank_load_from_a_plans_traffic():
                   [0, 0, 1, 2]])
     ld = loads_from_traffic(t, ranks_per_node=2, token_bytes=10.0)[0]
     assert ld.local_rows == 5 and ld.remote_rows == 3 + 7
-    assert ld.intra_bytes == max(1, 3) * 10.0  # with rank 1
+    assert ld.intra_bytes == 3 * 10.0  # the busiest intra-node link: rank 0's or rank 1's (3 rows)
     # node 0's inter-node link: it sends 2 + 0 + 0 + 1, receives 7 + 0 + 0 + 0
     assert ld.inter_bytes == max(2 + 0 + 0 + 1, 7 + 0 + 0 + 0) * 10.0
     ld3 = loads_from_traffic(torch.tensor(t).numpy(), ranks_per_node=2, token_bytes=1.0)[3]
     # node 1 sends 7 + 0 + 0 + 0, receives 2 + 0 + 0 + 1
-    assert (ld3.local_rows, ld3.remote_rows, ld3.intra_bytes, ld3.inter_bytes) == (2, 1, 1, 7)
+    assert (ld3.local_rows, ld3.remote_rows, ld3.intra_bytes, ld3.inter_bytes) == (2, 1, 3, 7)
 
 
 def test_overlap_window_adds_the_previous_expert_compute_when_early():

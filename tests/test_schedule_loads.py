@@ -19,13 +19,14 @@ def test_loads_from_plan_hand_count():
     loads = loads_from_plan(plan, ranks_per_node=2, token_bytes=10)
     # intra: r0 sends 2 (to r1), receives 1 (from r1); r1 sends 1, receives 2; r2 sends 0, receives 5
     # (from r3); r3 sends 5, receives 0. Node 0 sends 1+1+2 = 4 across, receives 2+0 = 2 (r3 -> r0);
-    # node 1 sends 2, receives 4.
-    assert loads == [LayerLoad(20.0, 40.0, 3.0, 3.0), LayerLoad(20.0, 40.0, 0.0, 2.0),
+    # node 1 sends 2, receives 4. One collective: every rank gets the busiest links' bytes (intra 5
+    # rows: r2 / r3; inter 4 rows: either node).
+    assert loads == [LayerLoad(50.0, 40.0, 3.0, 3.0), LayerLoad(50.0, 40.0, 0.0, 2.0),
                      LayerLoad(50.0, 40.0, 5.0, 8.0), LayerLoad(50.0, 40.0, 0.0, 1.0)]
     # One node: every cross-rank row is intra, no inter bytes.
     one = loads_from_plan(plan, ranks_per_node=4, token_bytes=1)
     assert [ld.inter_bytes for ld in one] == [0.0] * 4
-    assert [ld.intra_bytes for ld in one] == [4.0, 3.0, 8.0, 7.0]
+    assert [ld.intra_bytes for ld in one] == [8.0] * 4  # r2 receives 1 + 2 + 5
     with pytest.raises(ValueError, match="ranks_per_node"):
         loads_from_plan(plan, ranks_per_node=3, token_bytes=1)
     f, b = choose_degrees(_costs(), loads)

@@ -214,20 +214,24 @@ def loads_from_plan(plan, *, ranks_per_node: int, token_bytes: float) -> list:
     """One :class:`LayerLoad` per rank from the compact dispatch plan every rank has
     (:class:`~ds_fssdp.planner.plan.DispatchPlan`; nodes are blocks of ``ranks_per_node`` ranks).
 
-    Per exchange (a dispatch; its combine moves the same rows back): rank d's intra-node link
-    carries the larger of the rows it sends to and receives from other ranks of its node; its
-    node's inter-node link the larger of the rows the node sends to and receives from other nodes
-    (one link per node, shared by its ranks); both times ``token_bytes``. ``local_rows``: rows of
-    d's own tokens it computes itself; ``remote_rows``: rows it computes for other ranks."""
+    Per exchange (a dispatch; its combine moves the same rows back): a rank's intra-node link
+    carries the larger of the rows it sends to and receives from other ranks of its node, a node's
+    inter-node link the larger of the rows the node sends to and receives from other nodes (one
+    link per node, shared by its ranks). The exchange is one collective, so every rank's
+    ``intra_bytes`` / ``inter_bytes`` are the group's busiest intra-node / inter-node link's, times
+    ``token_bytes``. ``local_rows``: rows of d's own tokens it computes itself; ``remote_rows``:
+    rows it computes for other ranks."""
     return loads_from_traffic(plan.traffic_DD(), ranks_per_node=ranks_per_node, token_bytes=token_bytes)
 
 
-def loads_from_traffic(traffic_DD, *, ranks_per_node: int, token_bytes: float) -> list:
+def loads_from_traffic(traffic_DD, *, ranks_per_node: int, token_bytes: float, sent_DD=None) -> list:
     """:func:`loads_from_plan` from the plan's token traffic alone (``traffic_DD[d, h]``: rows rank d
     sends rank h, the diagonal stays; a recorded decision's ``traffic_DD``): rows rank h computes
-    are its column's sum."""
-    traffic = np.asarray(traffic_DD, dtype=np.float64)
-    rows_D = traffic.sum(0)
+    are its column's sum. ``sent_DD``: the rows that actually cross (one copy per destination sends
+    fewer than it computes; the simulators' estimate), default ``traffic_DD``."""
+    rows_D = np.asarray(traffic_DD, dtype=np.float64).sum(0)
+    local = np.diag(np.asarray(traffic_DD, dtype=np.float64))
+    traffic = np.asarray(traffic_DD if sent_DD is None else sent_DD, dtype=np.float64)
     D = traffic.shape[0]
     G = int(ranks_per_node)
     if G < 1 or D % G:
@@ -239,10 +243,12 @@ def loads_from_traffic(traffic_DD, *, ranks_per_node: int, token_bytes: float) -
     cross = traffic * ~same
     node_out = np.bincount(node, weights=cross.sum(1), minlength=D // G)
     node_in = np.bincount(node, weights=cross.sum(0), minlength=D // G)
-    local = np.diag(traffic)
-    return [LayerLoad(intra_bytes=float(max(intra_out[d], intra_in[d]) * token_bytes),
-                      inter_bytes=float(max(node_out[node[d]], node_in[node[d]]) * token_bytes),
-                      local_rows=float(local[d]), remote_rows=float(rows_D[d] - local[d])) for d in range(D)]
+    # The exchange (or a chunk of it) is one collective: a rank's rows have landed when the group's
+    # busiest intra-node link and busiest inter-node link have moved theirs.
+    intra = float(np.maximum(intra_out, intra_in).max()) * token_bytes
+    inter = float(np.maximum(node_out, node_in).max()) * token_bytes
+    return [LayerLoad(intra_bytes=intra, inter_bytes=inter, local_rows=float(local[d]),
+                      remote_rows=float(rows_D[d] - local[d])) for d in range(D)]
 
 
 # -- gradients in the gaps and replicas on the idle link (issue 24, items 4 and 5) ----------------

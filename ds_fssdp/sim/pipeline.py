@@ -10,10 +10,10 @@ rank's own tokens on experts it holds):
 * one copy per destination (``dedup``): the bytes d sends h shrink by
   :func:`~ds_fssdp.sim.links.distinct_fraction` (k independent picks per token: an approximation,
   count traces carry no per-token picks); the rows computed do not;
-* one :class:`~ds_fssdp.planner.schedule.LayerLoad` per rank: the exchange is one collective, so
-  every rank's chunk lands when the busiest intra-node link and the busiest inter-node link of
-  the group have moved their share (the group's largest bytes), with the rank's own local rows
-  (computed first) and remote rows;
+* one :class:`~ds_fssdp.planner.schedule.LayerLoad` per rank, from the group's traffic by the
+  runtime's function (:func:`~ds_fssdp.planner.schedule.loads_from_traffic`): the rank's intra-node
+  link bytes (busier direction), its node's inter-node link bytes, its own local rows (computed
+  first) and remote rows;
 * degrees: :func:`~ds_fssdp.planner.schedule.choose_degrees` over the group's loads (or the fixed
   ``pipeline_degree``); forward and backward: :func:`~ds_fssdp.planner.schedule.pipeline_time`,
   the slowest rank's; the links' busy seconds: :func:`~ds_fssdp.planner.schedule.link_busy`.
@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ds_fssdp.planner.cost import CostModel, Hardware, schedule_costs
-from ds_fssdp.planner.schedule import MAX_DEGREE, LayerLoad, choose_degrees, link_busy, pipeline_time
+from ds_fssdp.planner.schedule import MAX_DEGREE, choose_degrees, link_busy, loads_from_traffic, pipeline_time
 from ds_fssdp.sim.links import Links, distinct_fraction, traffic_links
 
 INTRA, INTER = 0, 1  # link classes (columns of the busy arrays)
@@ -96,26 +96,24 @@ class LayerSchedule:
         self.hw, self.shape, self.G, self.top_k, self.options = hw, shape, ranks_per_node, top_k, options
         self.costs = schedule_costs(hw, shape)
 
-    def loads(self, links: Links, local_BN: np.ndarray) -> list:
-        """Per group, one :class:`LayerLoad` per rank (the group's busiest links' bytes)."""
-        intra_B, inter_B = links.rank_BN.max(1), links.node_Bn.max(1)
-        remote_BN = links.rows_BN - local_BN
-        return [[LayerLoad(float(intra_B[b]), float(inter_B[b]), float(lo), float(re))
-                 for lo, re in zip(local_BN[b], remote_BN[b])] for b in range(local_BN.shape[0])]
-
     def layer(self, traffic_BNN: np.ndarray) -> LayerTimes:
         opt, row_bytes = self.options, float(self.shape.token_bytes)
-        local_BN = np.diagonal(traffic_BNN, axis1=1, axis2=2).copy()
         plain = traffic_links(traffic_BNN, ranks_per_node=self.G, row_bytes=row_bytes)
         links = plain
+        frac_BNN = None
         if opt.dedup and self.top_k > 1:
-            links = traffic_links(traffic_BNN * distinct_fraction(traffic_BNN, self.top_k), ranks_per_node=self.G,
-                                  row_bytes=row_bytes, rows_BNN=traffic_BNN)
+            frac_BNN = distinct_fraction(traffic_BNN, self.top_k)
+            links = traffic_links(traffic_BNN * frac_BNN, ranks_per_node=self.G, row_bytes=row_bytes,
+                                  rows_BNN=traffic_BNN)
         B = traffic_BNN.shape[0]
         fwd, bwd = np.zeros(B), np.zeros(B)
         busy_f, busy_b = np.zeros((B, 2)), np.zeros((B, 2))
         degrees = []
-        for b, loads in enumerate(self.loads(links, local_BN)):
+        for b in range(B):
+            # The runtime's loads (schedule.loads_from_traffic), with the bytes one copy per
+            # destination leaves on the links.
+            sent = traffic_BNN[b] * frac_BNN[b] if frac_BNN is not None else None
+            loads = loads_from_traffic(traffic_BNN[b], ranks_per_node=self.G, token_bytes=row_bytes, sent_DD=sent)
             unique = list(dict.fromkeys(loads))  # ranks with equal loads cost one evaluation
             if opt.pipeline_degree is None:
                 deg = choose_degrees(self.costs, unique)
@@ -124,8 +122,8 @@ class LayerSchedule:
             degrees.append(deg)
             fwd[b] = max(pipeline_time(self.costs, ld, deg[0]) for ld in unique)
             bwd[b] = max(pipeline_time(self.costs, ld, deg[1], backward=True) for ld in unique)
-            busy_f[b] = link_busy(self.costs, unique[0], deg[0])
-            busy_b[b] = link_busy(self.costs, unique[0], deg[1])
+            busy_f[b] = np.max([link_busy(self.costs, ld, deg[0]) for ld in unique], axis=0)
+            busy_b[b] = np.max([link_busy(self.costs, ld, deg[1]) for ld in unique], axis=0)
         moe_B = links.rows_BN.max(1) * (3.0 * self.shape.row_flops / self.hw.flops)
         return LayerTimes(links=links, moe_B=moe_B, forward_B=fwd, backward_B=bwd, degrees=degrees,
                           busy_forward_B2=busy_f, busy_backward_B2=busy_b,
