@@ -99,6 +99,11 @@ class FSSDPConfig(DeepSpeedConfigModel):
     """Sparse collectives cross the inter-node link once per (expert, node) and are forwarded inside
     the node; gradients are summed inside a node before one partial sum leaves it."""
 
+    one_copy_per_destination: StrictBool = True
+    """A token crosses to a rank once, however many of its top-k experts that rank computes; the
+    receiver expands it to its rows and returns one gate-weighted partial sum (moe/dedup.py).
+    Same results up to fp32 summation order; false: one row per (token, expert) assignment."""
+
     reshard_interval: StrictInt = Field(0, ge=0)
     """Re-plan the owners of all layers every this many optimizer steps (0: never)."""
 

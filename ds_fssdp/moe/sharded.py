@@ -8,7 +8,8 @@ Three parts, each with one job (Megatron-Core's router / dispatcher / experts):
   the dispatch, observe; the same object the simulators and the report's replay drive;
 * the replica manager (``moe/replicas.py``): owned rows, gathers, reduces, re-materialization,
   memory accounting;
-* the token dispatcher (``moe/dispatcher.py``): route plus ``compute.dispatch_compute_combine``.
+* the token dispatcher (``moe/dispatcher.py``): route plus ``compute.dispatch_compute_combine``
+  (with ``one_copy_per_destination``: ``dispatch_compute_combine_dedup``).
 
 What changes per step (the policy's planner, the clock: t and calibration's latency budget,
 DeepSpeed's timers) comes from ``context()``, a callable the stage passes in; nothing is set on
@@ -40,6 +41,7 @@ import torch
 from deepspeed import comm as dist
 
 from ds_fssdp.moe.compute import mlp_fn
+from ds_fssdp.moe.dedup import DedupRoute
 from ds_fssdp.moe.dispatcher import TokenDispatcher
 from ds_fssdp.moe.experts import ExpertSpec
 from ds_fssdp.moe.gate import GateOutput, uniform_assignment
@@ -59,6 +61,7 @@ class ShardOptions:
     uniform: bool = False  # policy "uniform": spread each rank's assignments evenly over the experts
     rematerialize: bool = False
     hierarchical: bool = True  # topology-aware (two-phase) sparse collectives across nodes
+    one_copy_per_destination: bool = True  # a token crosses to a rank once (moe/dedup.py)
 
 
 @dataclass(frozen=True)
@@ -163,7 +166,8 @@ class ShardedExperts:
                                        param_group=group if param_group is None else param_group, rank=self.rank,
                                        memory=memory if memory is not None else ReplicaMemory(), trainable=trainable,
                                        hierarchical=options.hierarchical, rematerialize=options.rematerialize)
-        self.dispatcher = TokenDispatcher(group=group, rank=self.rank, num_experts=E)
+        self.dispatcher = TokenDispatcher(group=group, rank=self.rank, num_experts=E,
+                                          dedup=options.one_copy_per_destination)
         self.next = None  # the following MoE layer (prefetch chain, :func:`chain`)
         self.is_last = True
         self._gather = None  # (placement_ED, layout, SparseAllGather) started for the next forward
@@ -265,6 +269,8 @@ class ShardedExperts:
         self.stats = self._stats(layout, plan, tokens_ED, lp, gather_exposed=gather_exposed, critical_s=critical_s,
                                  gather_sent=gather_sent, token_bytes=x_TH.shape[1] * x_TH.element_size(),
                                  prediction_error=prediction_error, window=window, ctx=ctx)
+        self.stats.update(_dedup_stats(r, plan, token_bytes=x_TH.shape[1] * x_TH.element_size(),
+                                       weight_bytes=weights_TK.element_size(), k=idx_TK.shape[1]))
         return out_TH, tokens_ED
 
     def _replay(self, x_TH, idx_TK, weights_TK) -> torch.Tensor:
@@ -370,6 +376,20 @@ def chain(shards: list) -> None:
         prev.next = nxt
         nxt.replicas.prev = prev.replicas
         prev.is_last = False
+
+
+def _dedup_stats(r, plan, *, token_bytes: int, weight_bytes: int, k: int) -> dict:
+    """The group's forward token-exchange bytes (dispatch + combine, rows that change rank) not
+    sent thanks to one copy per destination, and the routing entries sent instead (K longs and K
+    weights per unique row that changes rank). ``a2a_bytes_intra`` / ``_inter`` count one row per
+    assignment: what crossed is their sum minus ``a2a_bytes_saved``, plus ``a2a_meta_bytes``."""
+    if not isinstance(r, DedupRoute):
+        return {"a2a_bytes_saved": 0, "a2a_meta_bytes": 0}
+    off = ~torch.eye(r.uniq_DD.shape[0], dtype=torch.bool)
+    moved_rows = int(plan.traffic_DD()[off].sum())
+    unique_rows = int(r.uniq_DD[off].sum())
+    return {"a2a_bytes_saved": (moved_rows - unique_rows) * token_bytes * 2,
+            "a2a_meta_bytes": unique_rows * k * (8 + weight_bytes)}
 
 
 def _timer(timers, name: str, start: bool) -> None:
