@@ -1,143 +1,181 @@
-"""One copy per destination (``fssdp.one_copy_per_destination``, moe/dedup.py): a token crosses to a
-rank once, its rows are expanded there and returned as one gate-weighted row.
+"""One copy per destination (``fssdp.one_copy_per_destination``, moe/dedup.py) on gloo ranks: a token
+crosses to a rank once, its rows are expanded there and returned as one gate-weighted row.
 
-* The index math, in one process over every rank of a plan: one sent row per distinct (token,
-  destination) pair, and the receiver rebuilds exactly the per-assignment path's compute rows.
-* The flow on one rank (the exchange the identity) equals the per-assignment flow, with gradients.
-* On 4 gloo ranks as 2 logical nodes: the sharded layer with it on and off equals the
-  single-process layer (outputs, input, gate and expert gradients), top-k 2 and 4 with experts
-  crowded on few ranks, a rank with no tokens, ranks that receive nothing; the bytes saved.
+* 4 ranks as 2 logical nodes: the sharded layer with it on and off equals the single-process layer
+  (outputs, input, gate-weight and expert gradients), top-k 2 and 4 with experts crowded on few
+  ranks, a rank with no tokens, a rank no one sends to; rows sent = distinct (token, destination)
+  pairs; the group's bytes saved.
 * The engine on 2 ranks (2 logical nodes), SGD for several steps: on equals off and the single
-  process, also with re-materialization under activation checkpointing.
-"""
-import dataclasses
+  process, top-k 2 and 4, and with re-materialization under activation checkpointing; the bytes
+  saved reach the metrics CSV.
 
+The index math alone (no ranks): tests/test_dedup_tables.py.
+"""
 import pytest
 import torch
 
 from ds_fssdp import Topology
-from ds_fssdp.moe.compute import dispatch_compute_combine, dispatch_compute_combine_dedup, local_exchange
-from ds_fssdp.moe.dedup import DedupRoute, receive_tables, send_tables
-from ds_fssdp.moe.routing import route, route_reference
-from ds_fssdp.planner import homogeneous_owner
-from ds_fssdp.planner.dispatch import dispatch_plan
-from ds_fssdp.planner.joint import joint_materialize
+from ds_fssdp.moe.dedup import DedupRoute
+from test_dedup_tables import _pairs
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # spawns ranks; > 30 s
 
 
-def _topk(gen, T, E, K, skew=1.5):
-    """T tokens' top-K distinct experts, skewed towards a few."""
-    logits = torch.randn(T, E, generator=gen) + torch.randn(E, generator=gen) * skew
-    return logits.topk(K, dim=1).indices if T else torch.zeros(0, K, dtype=torch.long)
-
-
-def _world(seed, E, D, G, K, tokens, budget=2):
-    """Every rank's routing, one plan agreeing with all of them, and each rank's local experts."""
-    gen = torch.Generator().manual_seed(seed)
-    idx = [_topk(gen, T, E, K) for T in tokens]
-    tokens_ED = torch.stack([torch.bincount(i.reshape(-1), minlength=E) for i in idx], 1)
-    topo = Topology(num_ranks=D, ranks_per_node=G)
-    placement_ED = joint_materialize(homogeneous_owner(E, D), tokens_ED.double(), topo, overlap_degree=4,
-                                     budget=budget)
-    plan = dispatch_plan(placement_ED, tokens_ED, topo, mode="balanced", slack=0.03)
-    local = [torch.nonzero(placement_ED[:, d]).flatten() for d in range(D)]
-    return idx, plan, local
-
-
-def _pairs(r, rank_tokens):
-    """The distinct (token, destination) pairs of a route, from its send order (brute force)."""
-    dest = torch.repeat_interleave(torch.arange(len(r.send_splits)), torch.tensor(r.send_splits))
-    return sorted(set(zip(r.send_token.tolist(), dest.tolist())))
-
-
-WORLDS = [  # (seed, E, D, G, K, tokens per rank, replicas per rank)
-    (1, 16, 4, 2, 2, (40, 0, 25, 31), 2),
-    (2, 8, 4, 2, 4, (30, 17, 1, 22), 2),
-    (3, 32, 8, 4, 4, (60, 45, 0, 12, 80, 33, 7, 50), 2),
-    (4, 6, 2, 1, 3, (9, 13), 0),
+H, F = 8, 12
+LAYER_CASES = [  # owners crowd experts on few ranks, so tokens pick several experts on one rank
+    dict(seed=1, E=8, K=2, activation="gelu", owner=(0, 0, 0, 1, 1, 2, 2, 3), replicas=0.3, tokens=(7, 0, 9, 5)),
+    # rank 3 holds nothing: no rank sends to it
+    dict(seed=2, E=8, K=4, activation="swiglu", owner=(0, 0, 0, 0, 0, 1, 1, 2), replicas=0.0, tokens=(12, 6, 3, 10)),
+    dict(seed=3, E=6, K=4, activation="gelu", owner=(0, 1, 1, 2, 3, 3), replicas=0.4, tokens=(16, 16, 1, 16)),
 ]
+LAYER_ATOL = 1e-6  # fp32: on and off differ only in the summation order of the top-k combine
 
 
-@pytest.mark.parametrize("seed,E,D,G,K,tokens,budget", WORLDS)
-def test_one_sent_row_per_distinct_token_destination(seed, E, D, G, K, tokens, budget):
-    idx, plan, local = _world(seed, E, D, G, K, tokens, budget)
-    saved = 0
-    for rank in range(D):
-        r = route(idx[rank], plan, rank=rank, local_E=local[rank])
-        s = send_tables(r, tokens[rank], K)
-        pairs = _pairs(r, tokens[rank])
-        assert s.token_U.tolist() == [t for t, _ in sorted(pairs, key=lambda p: (p[1], p[0]))]
-        assert s.splits == [sum(1 for _, d in pairs if d == h) for h in range(D)]
-        assert sum(s.splits) == len(pairs) < tokens[rank] * K or tokens[rank] == 0 or K == 1
-        # A token's sent rows, in destination order, each once; -1 fills the rest.
-        listed = s.uniq_TK[s.uniq_TK >= 0]
-        assert sorted(listed.tolist()) == list(range(len(pairs)))
-        assert torch.equal(s.token_U[s.uniq_TK.clamp(min=0)][s.uniq_TK >= 0],
-                           torch.nonzero(s.uniq_TK >= 0)[:, 0])
-        # The routing entries: one per assignment, at the assignment's own slot.
-        assert int((s.meta_UK >= 0).sum()) == tokens[rank] * K
-        saved += sum(r.send_splits[h] - s.splits[h] for h in range(D) if h != rank)
-    assert saved > 0  # the worlds crowd experts: some token picks two experts on one rank
+def _layer(case):
+    from ds_fssdp import FSSDPMoE
+    torch.manual_seed(case["seed"])
+    return FSSDPMoE(hidden_size=H, ffn_hidden_size=F, num_experts=case["E"], k=case["K"],
+                    activation=case["activation"], z_loss_coef=0.01, init_std=0.3)
 
 
-@pytest.mark.parametrize("seed,E,D,G,K,tokens,budget", WORLDS)
-def test_receiver_rebuilds_the_per_assignment_compute_rows(seed, E, D, G, K, tokens, budget):
-    """Every rank's exchange emulated: the compute rows a receiver expands are, row for row, the
-    (source, token) rows of the per-assignment path."""
-    idx, plan, local = _world(seed, E, D, G, K, tokens, budget)
-    routes = [route_reference(idx[d], plan, rank=d, local_E=local[d]) for d in range(D)]
-    sends = [send_tables(r, tokens[d], K) for d, r in enumerate(routes)]
-    for h in range(D):
-        r = routes[h]
-        recv_splits = [sends[s].splits[h] for s in range(D)]
-        # Source s's rows for h: its (destination h) block of unique rows, with their entries.
-        blocks = [sum(sends[s].splits[:h]) for s in range(D)]
-        meta = torch.cat([sends[s].meta_UK[blocks[s]:blocks[s] + recv_splits[s]] for s in range(D)])
-        who = torch.cat([torch.stack([torch.full((recv_splits[s], ), s), sends[s].token_U[blocks[s]:blocks[s] +
-                                                                                        recv_splits[s]]], 1)
-                         for s in range(D)])
-        rows_UK, token_C = receive_tables(r, meta, recv_splits)
-        # The per-assignment path: compute row c is receive row group_perm[c], from source s at
-        # position p of its block, which is source s's send row (its block for h) p.
-        recv_end = torch.cumsum(torch.tensor(r.recv_splits), 0)
-        want = []
-        for c in range(r.group_perm.numel()):
-            row = int(r.group_perm[c])
-            s = int(torch.searchsorted(recv_end, torch.tensor(row), right=True))  # the block holding row
-            p = row - int(recv_end[s]) + r.recv_splits[s]
-            want.append((s, int(routes[s].send_token[sum(routes[s].send_splits[:h]) + p])))
-        assert [tuple(x) for x in who[token_C].tolist()] == want
-        assert torch.equal(torch.sort(rows_UK[rows_UK >= 0]).values, torch.arange(token_C.numel()))
+def _placement(case, world):
+    from ds_fssdp.planner import shard_placement
+    gen = torch.Generator().manual_seed(100 + case["seed"])
+    owner_E = torch.tensor(case["owner"])
+    placement_ED = shard_placement(owner_E, world) | (torch.rand(case["E"], world, generator=gen) < case["replicas"])
+    if case["replicas"] == 0:
+        placement_ED = shard_placement(owner_E, world)
+    return owner_E, placement_ED
 
 
-def _expert_fn(W_EHH):
-    def fn(x_CH, sizes):
-        out, i = [], 0
-        for e, n in enumerate(sizes):
-            out.append(torch.tanh(x_CH[i:i + n] @ W_EHH[e]))
-            i += n
-        return torch.cat(out) if out else x_CH[:0]
-    return fn
+def _inputs(case, rank):
+    gen = torch.Generator().manual_seed(1000 * case["seed"] + rank)
+    T = case["tokens"][rank]
+    return torch.randn(T, H, generator=gen) * 2, torch.randn(T, H, generator=gen)
 
 
-@pytest.mark.parametrize("K", [1, 2, 4])
-def test_one_rank_flow_equals_per_assignment_flow(K):
-    gen = torch.Generator().manual_seed(K)
-    T, E, H = 23, 6, 5
-    idx_TK = _topk(gen, T, E, K)
-    counts = torch.bincount(idx_TK.reshape(-1), minlength=E).view(-1, 1, 1)
-    r = route(idx_TK, counts, rank=0, local_E=torch.arange(E))
-    s = send_tables(r, T, K)
-    assert s.splits == [T]  # one destination: every token once
-    rows_UK, token_C = receive_tables(r, s.meta_UK, s.splits)
-    dr = DedupRoute(route=r, send=s, recv_splits=s.splits, rows_UK=rows_UK, token_C=token_C,
-                    uniq_DD=torch.tensor([s.splits]))
-    fn = _expert_fn(torch.randn(E, H, H, generator=gen))
-    x = torch.randn(T, H, generator=gen, requires_grad=True)
-    w = torch.rand(T, K, generator=gen, requires_grad=True)
-    g = torch.randn(T, H, generator=gen)
-    got, want = [], []
-    for out, flow, route_ in ((got, dispatch_compute_combine_dedup, dr), (want, dispatch_compute_combine, r)):
-        y = flow(x, w, route_, expert_fn=fn, exchange=local_exchange)
-        out += [y.detach(), *torch.autograd.grad((y * g).sum(), [x, w])]
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+def _layer_worker(rank, world, cases):
+    from ds_fssdp.moe.sharded import ShardedExperts, ShardOptions
+    from ds_fssdp.planner import LoadPredictor
+    out = []
+    for case in cases:
+        for dedup in (True, False):
+            layer = _layer(case)
+            owner_E, placement_ED = _placement(case, world)
+            rows = layer.spec.flatten(layer.export_experts())[owner_E == rank]
+            sharded = ShardedExperts(spec=layer.spec, layer_index=0, owner_E=owner_E, rows_SP=rows,
+                                     topology=Topology(num_ranks=world, ranks_per_node=2), group=None,
+                                     predictor=LoadPredictor(case["E"]),
+                                     options=ShardOptions(one_copy_per_destination=dedup))
+            sharded.plan_placement = lambda ctx, p=placement_ED: p
+            layer.attach_sharded(sharded)
+            x, dy = _inputs(case, rank)
+            x.requires_grad_(True)
+            y, l_aux, _ = layer(x)
+            r = sharded._iterations[-1].route
+            assert isinstance(r, DedupRoute) == dedup
+            plain = r.route if dedup else r
+            remote_pairs = [(t, d) for t, d in _pairs(plain, x.shape[0]) if d != rank]
+            remote_rows = sum(n for d, n in enumerate(plain.send_splits) if d != rank)
+            ((y * dy).sum() + 0.1 * l_aux).backward()
+            sharded.accumulate_grads()
+            out.append(dict(y=y.detach(), x_grad=x.grad, gate_grad=layer.gate.weight.grad,
+                            owned_E=sharded.owned_E, owned_grad=sharded.master.grad.clone(), stats=layer.last_stats,
+                            sent=sum(r.send.splits) if dedup else None, pairs=len(_pairs(plain, x.shape[0])),
+                            saved_rows=remote_rows - len(remote_pairs)))
+    return out
+
+
+def _layer_reference(case, world):
+    layer = _layer(case)
+    per_rank = []
+    for rank in range(world):
+        layer.zero_grad()
+        x, dy = _inputs(case, rank)
+        x.requires_grad_(True)
+        y, l_aux, _ = layer(x)
+        ((y * dy).sum() + 0.1 * l_aux).backward()
+        per_rank.append(dict(y=y.detach(), x_grad=x.grad, gate_grad=layer.gate.weight.grad.clone(),
+                             expert_grads=layer.spec.flatten({n: getattr(layer, n).grad for n in layer.spec.names})))
+    return per_rank, torch.stack([r["expert_grads"] for r in per_rank]).sum(0)
+
+
+def test_sharded_layer_on_and_off_equal_the_single_process_layer():
+    from distributed import spawn
+    world = 4
+    results = spawn(world, _layer_worker, LAYER_CASES)
+    tol = dict(atol=LAYER_ATOL, rtol=1e-5)
+    for ci, case in enumerate(LAYER_CASES):
+        ref, expert_sum = _layer_reference(case, world)
+        on = [results[r][2 * ci] for r in range(world)]
+        off = [results[r][2 * ci + 1] for r in range(world)]
+        for rank in range(world):
+            for got in (on[rank], off[rank]):
+                torch.testing.assert_close(got["y"], ref[rank]["y"], **tol)
+                torch.testing.assert_close(got["x_grad"], ref[rank]["x_grad"], **tol)
+                torch.testing.assert_close(got["gate_grad"], ref[rank]["gate_grad"], **tol)
+                torch.testing.assert_close(got["owned_grad"], expert_sum[got["owned_E"]], **tol)
+            for key in ("y", "x_grad", "gate_grad", "owned_grad"):
+                torch.testing.assert_close(on[rank][key], off[rank][key], **tol)
+            # The rows sent: one per distinct (token, destination).
+            assert on[rank]["sent"] == on[rank]["pairs"]
+            assert off[rank]["stats"]["a2a_bytes_saved"] == off[rank]["stats"]["a2a_meta_bytes"] == 0
+        # The group's bytes saved (dispatch + combine), on every rank alike.
+        saved_rows = sum(on[r]["saved_rows"] for r in range(world))
+        assert saved_rows > 0
+        assert all(on[r]["stats"]["a2a_bytes_saved"] == saved_rows * H * 4 * 2 for r in range(world))
+        assert on[0]["stats"]["a2a_bytes_intra"] == off[0]["stats"]["a2a_bytes_intra"]
+
+
+ENGINE_WORLD, ENGINE_STEPS = 2, 3
+ENGINE_TOL = dict(rtol=2e-5, atol=2e-6)
+
+
+def _engine_runs(tmp):
+    import os
+    from training import ds_config
+
+    def cfg(dedup, **extra):
+        model = extra.pop("_model", {})
+        c = ds_config(world=ENGINE_WORLD, zero=1, fssdp=dict({"ranks_per_node": 1, "one_copy_per_destination": dedup,
+                                                                "metrics_csv": None}, **extra))
+        return dict(c, _model=model) if model else c
+    runs = {"on": cfg(True, metrics_csv=os.path.join(tmp, "on.csv")),
+            "off": cfg(False, metrics_csv=os.path.join(tmp, "off.csv")),
+            "on-k4": cfg(True, _model={"k": 4}),
+            # Re-materialization under activation checkpointing (the recompute replays the route).
+            "on-rm-ckpt": cfg(True, rematerialize=True, _model={"activation_checkpointing": "torch"})}
+    return runs
+
+
+def test_engine_sgd_steps_on_equal_off_and_the_single_process(tmp_path):
+    import csv
+    from distributed import spawn
+    from training import assert_matches_reference, train_worker
+    runs = _engine_runs(str(tmp_path))
+    trained = spawn(ENGINE_WORLD, train_worker, runs, ENGINE_STEPS)
+    for on, off in (("on", "off"), ("on-rm-ckpt", "off")):
+        for res in trained:
+            a, b = res[on], res[off]
+            torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]), **ENGINE_TOL)
+            torch.testing.assert_close(torch.tensor(a["norms"]), torch.tensor(b["norms"]), **ENGINE_TOL)
+            for n, p in a["dense"].items():
+                torch.testing.assert_close(p, b["dense"][n], **ENGINE_TOL)
+            for la, lb in zip(a["experts"], b["experts"]):
+                for n in la:
+                    torch.testing.assert_close(la[n], lb[n], **ENGINE_TOL)
+    assert sum(trained[0]["on-rm-ckpt"]["replicas"]) > 0
+    for name in ("on", "on-k4", "on-rm-ckpt"):
+        assert_matches_reference([r[name] for r in trained], runs[name], world=ENGINE_WORLD, steps=ENGINE_STEPS,
+                                 tol=ENGINE_TOL, name=name)
+    # The bytes saved reach the metrics CSV (0 with it off).
+    for name, positive in (("on", True), ("off", False)):
+        with open(tmp_path / f"{name}.csv") as f:
+            rows = list(csv.DictReader(f))
+        assert len(rows) == ENGINE_STEPS
+        saved = [float(row[f"layer{l}/a2a_bytes_saved"]) for row in rows for l in range(2)]
+        meta = [float(row[f"layer{l}/a2a_meta_bytes"]) for row in rows for l in range(2)]
+        if positive:  # rows left their rank every step; some steps had two picks on one remote rank
+            assert sum(saved) > 0 and all(m > 0 for m in meta), (saved, meta)
+        else:
+            assert all(v == 0 for v in saved + meta), (saved, meta)
