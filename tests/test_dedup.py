@@ -1,10 +1,11 @@
 """One copy per destination (``fssdp.one_copy_per_destination``, moe/dedup.py) on gloo ranks: a token
 crosses to a rank once, its rows are expanded there and returned as one gate-weighted row.
 
-* 4 ranks as 2 logical nodes: the sharded layer with it on and off equals the single-process layer
-  (outputs, input, gate-weight and expert gradients), top-k 2 and 4 with experts crowded on few
-  ranks, a rank with no tokens, a rank no one sends to; rows sent = distinct (token, destination)
-  pairs; the group's bytes saved.
+* 4 ranks as 2 logical nodes: the sharded layer with it off, on over one hop and on over two (to a
+  relay in the destination's node, then inside it) equals the single-process layer (outputs,
+  input, gate-weight and expert gradients), top-k 2 and 4 with experts crowded on few ranks, a rank
+  with no tokens, a rank no one sends to; rows sent = distinct (token, destination) pairs (two
+  hops: distinct (token, node) pairs first); the group's bytes saved, all links and across nodes.
 * The engine on 2 ranks (2 logical nodes), SGD for several steps: on equals off and the single
   process, top-k 2 and 4, and with re-materialization under activation checkpointing; the bytes
   saved reach the metrics CSV.
@@ -54,35 +55,41 @@ def _inputs(case, rank):
     return torch.randn(T, H, generator=gen) * 2, torch.randn(T, H, generator=gen)
 
 
+MODES = ("two-hops", "one-hop", "off")  # on (relays across the 2 nodes), on with one hop (hierarchical off), off
+
+
 def _layer_worker(rank, world, cases):
     from ds_fssdp.moe.sharded import ShardedExperts, ShardOptions
     from ds_fssdp.planner import LoadPredictor
     out = []
     for case in cases:
-        for dedup in (True, False):
+        for mode in MODES:
             layer = _layer(case)
             owner_E, placement_ED = _placement(case, world)
             rows = layer.spec.flatten(layer.export_experts())[owner_E == rank]
+            options = ShardOptions(one_copy_per_destination=mode != "off", hierarchical=mode != "one-hop")
             sharded = ShardedExperts(spec=layer.spec, layer_index=0, owner_E=owner_E, rows_SP=rows,
                                      topology=Topology(num_ranks=world, ranks_per_node=2), group=None,
-                                     predictor=LoadPredictor(case["E"]),
-                                     options=ShardOptions(one_copy_per_destination=dedup))
+                                     predictor=LoadPredictor(case["E"]), options=options)
             sharded.plan_placement = lambda ctx, p=placement_ED: p
             layer.attach_sharded(sharded)
             x, dy = _inputs(case, rank)
             x.requires_grad_(True)
             y, l_aux, _ = layer(x)
             r = sharded._iterations[-1].route
-            assert isinstance(r, DedupRoute) == dedup
-            plain = r.route if dedup else r
-            remote_pairs = [(t, d) for t, d in _pairs(plain, x.shape[0]) if d != rank]
-            remote_rows = sum(n for d, n in enumerate(plain.send_splits) if d != rank)
+            assert isinstance(r, DedupRoute) == (mode != "off")
+            plain = r.route if mode != "off" else r
+            pairs = _pairs(plain, x.shape[0])
+            remote = sum(n for d, n in enumerate(plain.send_splits) if d != rank)
+            other_node = sum(n for d, n in enumerate(plain.send_splits) if d // 2 != rank // 2)
             ((y * dy).sum() + 0.1 * l_aux).backward()
             sharded.accumulate_grads()
             out.append(dict(y=y.detach(), x_grad=x.grad, gate_grad=layer.gate.weight.grad,
                             owned_E=sharded.owned_E, owned_grad=sharded.master.grad.clone(), stats=layer.last_stats,
-                            sent=sum(r.send.splits) if dedup else None, pairs=len(_pairs(plain, x.shape[0])),
-                            saved_rows=remote_rows - len(remote_pairs)))
+                            sent=[sum(h.splits) for h in r.hops] if mode != "off" else None,
+                            pairs=len(pairs), node_pairs=len({(t, d // 2) for t, d in pairs}),
+                            saved_rows=remote - sum(1 for _, d in pairs if d != rank),
+                            saved_inter_rows=other_node - len({(t, d // 2) for t, d in pairs if d // 2 != rank // 2})))
     return out
 
 
@@ -105,25 +112,33 @@ def test_sharded_layer_on_and_off_equal_the_single_process_layer():
     world = 4
     results = spawn(world, _layer_worker, LAYER_CASES)
     tol = dict(atol=LAYER_ATOL, rtol=1e-5)
+    n = len(MODES)
     for ci, case in enumerate(LAYER_CASES):
         ref, expert_sum = _layer_reference(case, world)
-        on = [results[r][2 * ci] for r in range(world)]
-        off = [results[r][2 * ci + 1] for r in range(world)]
+        runs = {m: [results[r][n * ci + i] for r in range(world)] for i, m in enumerate(MODES)}
+        on, one, off = runs["two-hops"], runs["one-hop"], runs["off"]
         for rank in range(world):
-            for got in (on[rank], off[rank]):
+            for got in (on[rank], one[rank], off[rank]):
                 torch.testing.assert_close(got["y"], ref[rank]["y"], **tol)
                 torch.testing.assert_close(got["x_grad"], ref[rank]["x_grad"], **tol)
                 torch.testing.assert_close(got["gate_grad"], ref[rank]["gate_grad"], **tol)
                 torch.testing.assert_close(got["owned_grad"], expert_sum[got["owned_E"]], **tol)
             for key in ("y", "x_grad", "gate_grad", "owned_grad"):
                 torch.testing.assert_close(on[rank][key], off[rank][key], **tol)
-            # The rows sent: one per distinct (token, destination).
-            assert on[rank]["sent"] == on[rank]["pairs"]
+                torch.testing.assert_close(one[rank][key], off[rank][key], **tol)
+            # The rows sent: one per distinct (token, destination); two hops: first one per
+            # distinct (token, destination node).
+            assert one[rank]["sent"] == [one[rank]["pairs"]]
+            assert len(on[rank]["sent"]) == 2 and on[rank]["sent"][0] == on[rank]["node_pairs"]
             assert off[rank]["stats"]["a2a_bytes_saved"] == off[rank]["stats"]["a2a_meta_bytes"] == 0
         # The group's bytes saved (dispatch + combine), on every rank alike.
-        saved_rows = sum(on[r]["saved_rows"] for r in range(world))
+        row_bytes = H * 4 * 2
+        saved_rows = sum(one[r]["saved_rows"] for r in range(world))
+        saved_inter = sum(on[r]["saved_inter_rows"] for r in range(world))
         assert saved_rows > 0
-        assert all(on[r]["stats"]["a2a_bytes_saved"] == saved_rows * H * 4 * 2 for r in range(world))
+        assert all(one[r]["stats"]["a2a_bytes_saved"] == saved_rows * row_bytes for r in range(world))
+        assert all(on[r]["stats"]["a2a_bytes_saved_inter"] == saved_inter * row_bytes for r in range(world))
+        assert on[0]["stats"]["a2a_bytes_saved_inter"] >= one[0]["stats"]["a2a_bytes_saved_inter"]
         assert on[0]["stats"]["a2a_bytes_intra"] == off[0]["stats"]["a2a_bytes_intra"]
 
 

@@ -72,20 +72,22 @@ def combine_received(y_CH: torch.Tensor, rows_UK: torch.Tensor, weights_UK: torc
 
 def dispatch_compute_combine_dedup(x_TH: torch.Tensor, weights_TK: torch.Tensor, droute: DedupRoute, *,
                                    expert_fn: ExpertFn, exchange: Exchange) -> torch.Tensor:
-    """:func:`dispatch_compute_combine` with one copy per destination: the same expert rows in
-    the same order; the top-k sum runs as per-destination partial sums (k order) summed over
-    destinations in rank order (fp32 summation order differs from the per-assignment path's)."""
-    s = droute.send
+    """:func:`dispatch_compute_combine` with one copy per destination (over one or two hops): the
+    same expert rows in the same order; the top-k sum runs as per-destination partial sums (k
+    order) summed over each hop's destinations in rank order (fp32 summation order differs from
+    the per-assignment path's)."""
     dev = x_TH.device
-    token_U, uniq_TK = s.token_U.to(dev), s.uniq_TK.to(dev)
-    send_UH = ops.permute_tokens(x_TH, token_U, uniq_TK)
-    recv_UH = exchange(send_UH, droute.recv_splits, s.splits)
-    # The gate weights travel with their rows (with autograd): a token's weights, zero on the
-    # slots the destination does not compute.
-    w_UK = torch.where(s.meta_UK.to(dev) >= 0, ops.permute_tokens(weights_TK, token_U, uniq_TK), 0)
-    w_recv_UK = exchange(w_UK, droute.recv_splits, s.splits)
+    x_RH, w_RK = x_TH, weights_TK
+    for hop in droute.hops:
+        token_U, uniq_TK = hop.token_U.to(dev), hop.uniq_TK.to(dev)
+        x_RH = exchange(ops.permute_tokens(x_RH, token_U, uniq_TK), hop.recv_splits, hop.splits)
+        # The gate weights travel with their rows (with autograd), zero on the slots the row does
+        # not carry to this destination.
+        w_UK = torch.where(hop.mask_UK.to(dev), ops.permute_tokens(w_RK, token_U, uniq_TK), 0)
+        w_RK = exchange(w_UK, hop.recv_splits, hop.splits)
     rows_UK, token_C = droute.rows_UK.to(dev), droute.token_C.to(dev)
-    y_CH = expert_fn(expand_received(recv_UH, token_C, rows_UK), droute.route.group_sizes)
-    ret_UH = combine_received(y_CH, rows_UK, w_recv_UK)
-    back_UH = exchange(ret_UH, s.splits, droute.recv_splits)
-    return ops.unpermute_combine(back_UH, uniq_TK)  # a token's partial rows, destination order
+    y_CH = expert_fn(expand_received(x_RH, token_C, rows_UK), droute.route.group_sizes)
+    out_RH = combine_received(y_CH, rows_UK, w_RK)
+    for hop in reversed(droute.hops):  # each hop's sender sums a row's partial rows (destination order)
+        out_RH = ops.unpermute_combine(exchange(out_RH, hop.splits, hop.recv_splits), hop.uniq_TK.to(dev))
+    return out_RH

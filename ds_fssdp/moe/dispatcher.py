@@ -5,10 +5,12 @@ dispatcher: local index math, the exchange, the expert compute, the exchange bac
 Legend: T tokens, K top-k, H hidden, E experts.
 
 With ``dedup`` (``fssdp.one_copy_per_destination``, ``moe/dedup.py``) a token crosses to a rank
-once: :meth:`route` adds two small exchanges after the plan, one all-gather of every rank's
-unique rows per destination (D ints each: the receive counts, which the plan does not hold, and
-the group's bytes saved) and one all-to-all of the routing entries (K longs per unique row); the
-gate weights travel in :meth:`run` (one more all-to-all, and its backward).
+once: :meth:`route` adds two small exchanges per hop after the plan, one all-gather of every
+rank's unique rows per destination (D ints each: the receive counts, which the plan does not
+hold, and the group's bytes saved) and one all-to-all of the routing entries (K longs per unique
+row, 2K to a relay); the gate weights travel in :meth:`run` (one more all-to-all per hop, and its
+backward). With several nodes of several ranks (``ranks_per_node``) there are two hops: to the
+relay in the destination's node, then inside that node.
 
 The route is split around the plan: :meth:`group` (the assignments grouped by expert) needs no
 plan and runs before the count all-gather; :meth:`route` cuts it by the plan afterwards.
@@ -19,17 +21,21 @@ import torch
 
 from ds_fssdp.comm import all_gather_counts, all_to_all
 from ds_fssdp.moe.compute import dispatch_compute_combine, dispatch_compute_combine_dedup
-from ds_fssdp.moe.dedup import DedupRoute, receive_tables, send_tables
+from ds_fssdp.moe.dedup import DedupRoute, hop_entries, hop_tables, receive_tables, relay_of, slot_targets
 from ds_fssdp.moe.routing import expert_order, route
+from ds_fssdp.planner.plan import DispatchPlan
 
 
 class TokenDispatcher:
 
-    def __init__(self, *, group, rank: int, num_experts: int, dedup: bool = False):
+    def __init__(self, *, group, rank: int, num_experts: int, dedup: bool = False, ranks_per_node: int | None = None):
+        """``ranks_per_node``: with ``dedup`` and several nodes of several ranks, rows cross to
+        a node once, to a relay there, which forwards them inside its node (None: one hop)."""
         self.group = group
         self.rank = rank
         self.num_experts = num_experts
         self.dedup = dedup
+        self.ranks_per_node = ranks_per_node or 1
 
     def group_by_expert(self, idx_TK: torch.Tensor):
         """The route's plan-free half (before the count all-gather and the replicas' wait)."""
@@ -46,12 +52,26 @@ class TokenDispatcher:
         if not self.dedup:
             return r
         T, K = idx_TK.shape
-        s = send_tables(r, T, K)
-        uniq_DD = all_gather_counts(torch.tensor(s.splits, dtype=torch.long, device=idx_TK.device), self.group).t()
-        recv_splits = uniq_DD[:, self.rank].tolist()
-        meta_UK = all_to_all(s.meta_UK, recv_splits, s.splits, group=self.group)
-        rows_UK, token_C = receive_tables(r, meta_UK, recv_splits, check=not meta_UK.is_cuda)
-        return DedupRoute(route=r, send=s, recv_splits=recv_splits, rows_UK=rows_UK, token_C=token_C, uniq_DD=uniq_DD)
+        dev = idx_TK.device
+        traffic_DD = plan.traffic_DD() if isinstance(plan, DispatchPlan) else plan.sum(0).to("cpu", torch.long)
+        D = traffic_DD.shape[0]
+        dest_TK, pos_TK = slot_targets(r, T, K, traffic_DD[:self.rank].sum(0))
+        G = self.ranks_per_node
+        two_hops = 1 < G < D
+        hop_dest_TK = relay_of(dest_TK, self.rank, G) if two_hops else dest_TK
+        hops = []
+        for last in ((False, True) if two_hops else (True, )):
+            hop = hop_tables(hop_dest_TK, D)
+            hop.uniq_DD = all_gather_counts(torch.tensor(hop.splits, dtype=torch.long, device=dev), self.group).t()
+            hop.recv_splits = hop.uniq_DD[:, self.rank].tolist()
+            fields = (pos_TK, ) if last else (dest_TK, pos_TK)  # a relay needs the final destinations
+            hops.append(hop)
+            entries = all_to_all(hop_entries(hop, *fields), hop.recv_splits, hop.splits, group=self.group)
+            pos_TK = entries[:, -K:]
+            if not last:
+                hop_dest_TK = dest_TK = entries[:, :K]  # the relay: on to the final destinations in its node
+        rows_UK, token_C = receive_tables(r, pos_TK, check=not pos_TK.is_cuda)
+        return DedupRoute(route=r, hops=hops, rows_UK=rows_UK, token_C=token_C)
 
     def run(self, x_TH: torch.Tensor, weights_TK: torch.Tensor, r, *, expert_fn) -> torch.Tensor:
         """Send, compute, return, combine: out_TH."""

@@ -61,7 +61,8 @@ class ShardOptions:
     uniform: bool = False  # policy "uniform": spread each rank's assignments evenly over the experts
     rematerialize: bool = False
     hierarchical: bool = True  # topology-aware (two-phase) sparse collectives across nodes
-    one_copy_per_destination: bool = True  # a token crosses to a rank once (moe/dedup.py)
+    one_copy_per_destination: bool = True  # a token crosses to a rank once (moe/dedup.py); with
+    # hierarchical and several nodes: to a node once, forwarded inside it
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,8 @@ class ShardedExperts:
                                        memory=memory if memory is not None else ReplicaMemory(), trainable=trainable,
                                        hierarchical=options.hierarchical, rematerialize=options.rematerialize)
         self.dispatcher = TokenDispatcher(group=group, rank=self.rank, num_experts=E,
-                                          dedup=options.one_copy_per_destination)
+                                          dedup=options.one_copy_per_destination,
+                                          ranks_per_node=topology.ranks_per_node if options.hierarchical else None)
         self.next = None  # the following MoE layer (prefetch chain, :func:`chain`)
         self.is_last = True
         self._gather = None  # (placement_ED, layout, SparseAllGather) started for the next forward
@@ -269,7 +271,7 @@ class ShardedExperts:
         self.stats = self._stats(layout, plan, tokens_ED, lp, gather_exposed=gather_exposed, critical_s=critical_s,
                                  gather_sent=gather_sent, token_bytes=x_TH.shape[1] * x_TH.element_size(),
                                  prediction_error=prediction_error, window=window, ctx=ctx)
-        self.stats.update(_dedup_stats(r, plan, token_bytes=x_TH.shape[1] * x_TH.element_size(),
+        self.stats.update(_dedup_stats(r, plan, ranks_per_node=self.topology.ranks_per_node, token_bytes=x_TH.shape[1] * x_TH.element_size(),
                                        weight_bytes=weights_TK.element_size(), k=idx_TK.shape[1]))
         return out_TH, tokens_ED
 
@@ -378,18 +380,24 @@ def chain(shards: list) -> None:
         prev.is_last = False
 
 
-def _dedup_stats(r, plan, *, token_bytes: int, weight_bytes: int, k: int) -> dict:
+def _dedup_stats(r, plan, *, ranks_per_node: int, token_bytes: int, weight_bytes: int, k: int) -> dict:
     """The group's forward token-exchange bytes (dispatch + combine, rows that change rank) not
-    sent thanks to one copy per destination, and the routing entries sent instead (K longs and K
-    weights per unique row that changes rank). ``a2a_bytes_intra`` / ``_inter`` count one row per
-    assignment: what crossed is their sum minus ``a2a_bytes_saved``, plus ``a2a_meta_bytes``."""
+    sent thanks to one copy per destination, all links and across nodes (negative where relays'
+    forwarding inside nodes cost more than the copies saved), and the routing entries sent
+    instead (per row that changes rank: K longs, 2K to a relay, and K weights).
+    ``a2a_bytes_intra`` / ``_inter`` count one row per assignment: what crossed is their sum
+    minus ``a2a_bytes_saved``, plus ``a2a_meta_bytes``."""
     if not isinstance(r, DedupRoute):
-        return {"a2a_bytes_saved": 0, "a2a_meta_bytes": 0}
-    off = ~torch.eye(r.uniq_DD.shape[0], dtype=torch.bool)
-    moved_rows = int(plan.traffic_DD()[off].sum())
-    unique_rows = int(r.uniq_DD[off].sum())
-    return {"a2a_bytes_saved": (moved_rows - unique_rows) * token_bytes * 2,
-            "a2a_meta_bytes": unique_rows * k * (8 + weight_bytes)}
+        return {"a2a_bytes_saved": 0, "a2a_bytes_saved_inter": 0, "a2a_meta_bytes": 0}
+    node_D = torch.arange(r.hops[0].uniq_DD.shape[0]) // ranks_per_node
+    off = node_D.unsqueeze(1) != node_D.unsqueeze(0)  # [s, d] in other nodes
+    moved = [int(h.uniq_DD.sum() - h.uniq_DD.diagonal().sum()) for h in r.hops]
+    inter = sum(int(h.uniq_DD[off].sum()) for h in r.hops)
+    moved_intra, moved_inter = plan.moved(ranks_per_node)
+    widths = [k * 8 * (1 if i == len(r.hops) - 1 else 2) + k * weight_bytes for i in range(len(r.hops))]
+    return {"a2a_bytes_saved": (moved_intra + moved_inter - sum(moved)) * token_bytes * 2,
+            "a2a_bytes_saved_inter": (moved_inter - inter) * token_bytes * 2,
+            "a2a_meta_bytes": sum(m * w for m, w in zip(moved, widths))}
 
 
 def _timer(timers, name: str, start: bool) -> None:
