@@ -7,7 +7,8 @@ One engine per arm (same model, same initial weights, same batches), all built u
 same processes; after a warm-up they run in alternating order (A B C ... then reversed), a few
 steps at a time, and the times of each arm's steps are summed. Arms: the ``fssdp`` policies
 (``fssdp``, ``fssdp-rm`` = with re-materialization, ``fssdp-joint`` / ``fssdp-paper`` = with
-that ``placement``, ``fssdp-copies`` = with ``one_copy_per_destination`` off, ``ep``, ``uniform``, ``fastermoe``, ``smartmoe``) through ``ds_fssdp.initialize``, and ``deepspeed-moe``: ``deepspeed.moe.layer.MoE``
+that ``placement``, ``fssdp-copies`` = with ``one_copy_per_destination`` off, ``ep``, ``uniform``,
+``fastermoe``, ``smartmoe``) through ``ds_fssdp.initialize``, and ``deepspeed-moe``: ``deepspeed.moe.layer.MoE``
 (same shapes, top-2, dropless: ``drop_tokens=False``, expert parallel over all ranks) through
 ``deepspeed.initialize``. The MoE layers' experts: gelu, no biases.
 

@@ -127,5 +127,6 @@ def receive_tables(route: Route, pos_UK: torch.Tensor, *, check: bool = True) ->
     C, K = ungroup.numel(), pos_UK.shape[1]
     token_C = invert_rows(rows_UK, C) // K  # -1 // K == -1: a compute row no received slot expands to
     if check and (int(valid.sum()) != C or bool((token_C < 0).any())):
-        raise RuntimeError(f"one copy per destination: {int(valid.sum())} received routing entries for {C} compute rows")
+        raise RuntimeError(f"one copy per destination: {int(valid.sum())} received routing entries for {C} "
+                           "compute rows")
     return rows_UK, token_C

@@ -271,7 +271,8 @@ class ShardedExperts:
         self.stats = self._stats(layout, plan, tokens_ED, lp, gather_exposed=gather_exposed, critical_s=critical_s,
                                  gather_sent=gather_sent, token_bytes=x_TH.shape[1] * x_TH.element_size(),
                                  prediction_error=prediction_error, window=window, ctx=ctx)
-        self.stats.update(_dedup_stats(r, plan, ranks_per_node=self.topology.ranks_per_node, token_bytes=x_TH.shape[1] * x_TH.element_size(),
+        self.stats.update(_dedup_stats(r, plan, ranks_per_node=self.topology.ranks_per_node,
+                                       token_bytes=x_TH.shape[1] * x_TH.element_size(),
                                        weight_bytes=weights_TK.element_size(), k=idx_TK.shape[1]))
         return out_TH, tokens_ED
 
