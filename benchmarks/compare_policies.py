@@ -7,7 +7,8 @@ One engine per arm (same model, same initial weights, same batches), all built u
 same processes; after a warm-up they run in alternating order (A B C ... then reversed), a few
 steps at a time, and the times of each arm's steps are summed. Arms: the ``fssdp`` policies
 (``fssdp``, ``fssdp-rm`` = with re-materialization, ``fssdp-joint`` / ``fssdp-paper`` = with
-that ``placement``, ``ep``, ``uniform``, ``fastermoe``, ``smartmoe``) through ``ds_fssdp.initialize``, and ``deepspeed-moe``: ``deepspeed.moe.layer.MoE``
+that ``placement``, ``fssdp-copies`` = with ``one_copy_per_destination`` off, ``ep``, ``uniform``,
+``fastermoe``, ``smartmoe``) through ``ds_fssdp.initialize``, and ``deepspeed-moe``: ``deepspeed.moe.layer.MoE``
 (same shapes, top-2, dropless: ``drop_tokens=False``, expert parallel over all ranks) through
 ``deepspeed.initialize``. The MoE layers' experts: gelu, no biases.
 
@@ -46,6 +47,7 @@ from ds_fssdp.runtime.cpu import skip_shm_comm_build
 
 ARMS = ("fssdp", "fssdp-rm", "ep", "uniform", "fastermoe", "smartmoe", "deepspeed-moe")
 PLACEMENT_ARMS = {"fssdp-joint": "joint", "fssdp-paper": "paper"}  # fssdp, that placement
+COPIES_ARM = "fssdp-copies"  # fssdp with one_copy_per_destination off (one row per assignment)
 
 
 def parse_args():
@@ -102,9 +104,9 @@ def build_arm(arm: str, args, world: int):
         del config["optimizer"]
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
         return engine, model
-    policy = "fssdp" if arm == "fssdp-rm" or arm in PLACEMENT_ARMS else arm
+    policy = "fssdp" if arm in ("fssdp-rm", COPIES_ARM) or arm in PLACEMENT_ARMS else arm
     config["fssdp"] = {"policy": policy, "materialization_budget": args.budget, "overlap_degree": args.overlap_degree,
-                       "rematerialize": arm == "fssdp-rm"}
+                       "rematerialize": arm == "fssdp-rm", "one_copy_per_destination": arm != COPIES_ARM}
     if arm in PLACEMENT_ARMS:
         config["fssdp"]["placement"] = PLACEMENT_ARMS[arm]
     engine, *_ = ds_fssdp.initialize(model=model, config=config)
@@ -210,6 +212,8 @@ def main():
                 "reduce_exposed_s": per_step("reduce_exposed_s") + per_step("regather_exposed_s"),
                 "a2a_bytes_intra": per_step("a2a_bytes_intra"),
                 "a2a_bytes_inter": per_step("a2a_bytes_inter"),
+                "a2a_bytes_saved": per_step("a2a_bytes_saved"),
+                "a2a_meta_bytes": per_step("a2a_meta_bytes"),
                 "gather_bytes": per_step("gather_bytes"),
             })
             res["exposed_share"] = (res["gather_exposed_s"] + res["reduce_exposed_s"]) / res["step_s"]
@@ -218,7 +222,7 @@ def main():
     # Every rank measured the same wall time windows (barriers); report rank 0's view.
     if rank == 0:
         for arm, res in results.items():
-            for ref in ("uniform", "ep", "deepspeed-moe"):
+            for ref in ("uniform", "ep", "deepspeed-moe", COPIES_ARM):
                 if ref in results:
                     res[f"vs_{ref}"] = res["tokens_per_s"] / results[ref]["tokens_per_s"]
         print_table(results, args, world)

@@ -123,7 +123,15 @@ class FSSDPConfig(DeepSpeedConfigModel):
 
     topology_aware: StrictBool = True
     """Sparse collectives cross the inter-node link once per (expert, node) and are forwarded inside
-    the node; gradients are summed inside a node before one partial sum leaves it."""
+    the node; gradients are summed inside a node before one partial sum leaves it. With
+    ``one_copy_per_destination`` tokens too cross to a node once and are forwarded inside it."""
+
+    one_copy_per_destination: StrictBool = True
+    """A token crosses to a rank once, however many of its top-k experts that rank computes; the
+    receiver expands it to its rows and returns one gate-weighted partial sum (moe/dedup.py); with
+    ``topology_aware`` and several nodes it crosses to a node once, to a relay that forwards it
+    inside the node. Same results up to fp32 summation order; false: one row per (token, expert)
+    assignment."""
 
     reshard_interval: StrictInt = Field(0, ge=0)
     """Re-plan the owners of all layers every this many optimizer steps (0: never)."""

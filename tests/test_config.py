@@ -26,6 +26,8 @@ BAD = [
     ({"grads_in_gaps": "yes"}, "fssdp.grads_in_gaps ('yes')"),
     ({"grads_in_gaps": 0}, "fssdp.grads_in_gaps (0)"),
     ({"calibration": "no"}, "fssdp.calibration ('no')"),
+    ({"one_copy_per_destination": "yes"}, "fssdp.one_copy_per_destination ('yes')"),
+    ({"one_copy_per_destination": 0}, "fssdp.one_copy_per_destination (0)"),
     ({"ranks_per_node": 0}, "fssdp.ranks_per_node (0)"),
     ({"ranks_per_node": "two"}, "fssdp.ranks_per_node ('two') must be \"auto\", null or an int >= 1"),
     ({"materialisation_budget": 2}, "fssdp.materialisation_budget (2) is not a known key"),
@@ -51,6 +53,7 @@ def test_bad_values_name_key_and_value(section, message):
 def test_defaults_and_missing_section():
     cfg = FSSDPConfig.from_ds_config({"fssdp": {}})
     assert cfg.enabled and cfg.policy == "fssdp" and cfg.load_window == 5 and cfg.ranks_per_node == "auto"
+    assert cfg.one_copy_per_destination is True
     assert not FSSDPConfig.from_ds_config({"train_batch_size": 8}).enabled
     with pytest.raises(FSSDPConfigError, match="must be an object"):
         FSSDPConfig.from_ds_config({"fssdp": [1, 2]})

@@ -4,7 +4,11 @@ Legend: T tokens, K top-k, H hidden, R rows.
 
 The same function serves the single-process layer (the exchange is the identity) and the
 distributed one (the exchange is the uneven all-to-all), so both run the same expert math.
-Every permutation here is an ``ops`` permutation (Triton on CUDA, the torch reference elsewhere):
+:func:`dispatch_compute_combine_dedup` is the one-copy-per-destination form (``moe/dedup.py``):
+one row per (token, destination) crosses, the receiver expands it to its rows
+(:func:`expand_received`) and combines their outputs with the gate weights into one returned
+row (:func:`combine_received`); both take index tensors, so a chunked exchange can call them per
+chunk. Every permutation here is an ``ops`` permutation (Triton on CUDA, the torch reference elsewhere):
 the send buffer is gathered in the route's send order, the return is un-permuted and combined
 over the top k in one pass (summed in k order), and both backwards gather instead of scattering.
 """
@@ -16,6 +20,7 @@ from typing import Callable, Mapping, Optional
 import torch
 
 from ds_fssdp import ops
+from ds_fssdp.moe.dedup import DedupRoute
 from ds_fssdp.moe.routing import Route
 
 Exchange = Callable[[torch.Tensor, list, list], torch.Tensor]
@@ -50,3 +55,39 @@ def dispatch_compute_combine(x_TH: torch.Tensor, weights_TK: torch.Tensor, route
     y_recv_RH = ops.permute_tokens(y_RH, ungroup_perm, group_perm.view(-1, 1))
     y_sent_RH = exchange(y_recv_RH, route.send_splits, route.recv_splits)
     return ops.unpermute_combine(y_sent_RH, unsend_TK(), weights_TK)
+
+
+def expand_received(recv_UH: torch.Tensor, token_C: torch.Tensor, rows_UK: torch.Tensor) -> torch.Tensor:
+    """Received unique rows -> compute rows (grouped by local expert): ``x_CH[c] = recv_UH[token_C[c]]``.
+    The backward sums each received row's compute-row gradients in k order (``rows_UK``: the
+    compute row of each received row's slot k, or -1), before the return exchange."""
+    return ops.permute_tokens(recv_UH, token_C, rows_UK)
+
+
+def combine_received(y_CH: torch.Tensor, rows_UK: torch.Tensor, weights_UK: torch.Tensor) -> torch.Tensor:
+    """Expert outputs -> one returned row per received row: ``sum_k weights_UK[u, k] * y_CH[rows_UK[u, k]]``
+    (k order, -1 skipped); gradients to ``y_CH`` and to the weights."""
+    return ops.unpermute_combine(y_CH, rows_UK, weights_UK)
+
+
+def dispatch_compute_combine_dedup(x_TH: torch.Tensor, weights_TK: torch.Tensor, droute: DedupRoute, *,
+                                   expert_fn: ExpertFn, exchange: Exchange) -> torch.Tensor:
+    """:func:`dispatch_compute_combine` with one copy per destination (over one or two hops): the
+    same expert rows in the same order; the top-k sum runs as per-destination partial sums (k
+    order) summed over each hop's destinations in rank order (fp32 summation order differs from
+    the per-assignment path's)."""
+    dev = x_TH.device
+    x_RH, w_RK = x_TH, weights_TK
+    for hop in droute.hops:
+        token_U, uniq_TK = hop.token_U.to(dev), hop.uniq_TK.to(dev)
+        x_RH = exchange(ops.permute_tokens(x_RH, token_U, uniq_TK), hop.recv_splits, hop.splits)
+        # The gate weights travel with their rows (with autograd), zero on the slots the row does
+        # not carry to this destination.
+        w_UK = torch.where(hop.mask_UK.to(dev), ops.permute_tokens(w_RK, token_U, uniq_TK), 0)
+        w_RK = exchange(w_UK, hop.recv_splits, hop.splits)
+    rows_UK, token_C = droute.rows_UK.to(dev), droute.token_C.to(dev)
+    y_CH = expert_fn(expand_received(x_RH, token_C, rows_UK), droute.route.group_sizes)
+    out_RH = combine_received(y_CH, rows_UK, w_RK)
+    for hop in reversed(droute.hops):  # each hop's sender sums a row's partial rows (destination order)
+        out_RH = ops.unpermute_combine(exchange(out_RH, hop.splits, hop.recv_splits), hop.uniq_TK.to(dev))
+    return out_RH

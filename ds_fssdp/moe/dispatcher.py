@@ -4,6 +4,14 @@ dispatcher: local index math, the exchange, the expert compute, the exchange bac
 
 Legend: T tokens, K top-k, H hidden, E experts.
 
+With ``dedup`` (``fssdp.one_copy_per_destination``, ``moe/dedup.py``) a token crosses to a rank
+once: :meth:`route` adds two small exchanges per hop after the plan, one all-gather of every
+rank's unique rows per destination (D ints each: the receive counts, which the plan does not
+hold, and the group's bytes saved) and one all-to-all of the routing entries (K longs per unique
+row, 2K to a relay); the gate weights travel in :meth:`run` (one more all-to-all per hop, and its
+backward). With several nodes of several ranks (``ranks_per_node``) there are two hops: to the
+relay in the destination's node, then inside that node.
+
 The route is split around the plan: :meth:`group` (the assignments grouped by expert) needs no
 plan and runs before the count all-gather; :meth:`route` cuts it by the plan afterwards.
 """
@@ -12,22 +20,29 @@ from __future__ import annotations
 import torch
 
 from ds_fssdp.comm import all_gather_counts, all_to_all
-from ds_fssdp.moe.compute import dispatch_compute_combine
+from ds_fssdp.moe.compute import dispatch_compute_combine, dispatch_compute_combine_dedup
+from ds_fssdp.moe.dedup import DedupRoute, hop_entries, hop_tables, receive_tables, relay_of, slot_targets
 from ds_fssdp.moe.pipeline import pipelined_dispatch_compute_combine
 from ds_fssdp.moe.routing import expert_order, route
+from ds_fssdp.planner.plan import DispatchPlan
 
 
 class TokenDispatcher:
 
-    def __init__(self, *, group, rank: int, num_experts: int, exchange=None, world: int | None = None):
+    def __init__(self, *, group, rank: int, num_experts: int, exchange=None, world: int | None = None,
+                 dedup: bool = False, ranks_per_node: int | None = None):
         """``exchange``: the chunked exchange's :class:`~ds_fssdp.moe.pipeline.ExchangeGroups`
-        (``run_pipelined``); ``world``: the group's ranks."""
+        (``run_pipelined``); ``world``: the group's ranks. ``ranks_per_node``: with ``dedup`` and
+        several nodes of several ranks, rows cross to a node once, to a relay there, which forwards
+        them inside its node (None: one hop)."""
         self.group = group
         self.exchange = exchange
         self.world = world
         self.rank = rank
         self.num_experts = num_experts
         self.timings = None  # moe.timing.LayerTimings: each exchange timed when set
+        self.dedup = dedup
+        self.ranks_per_node = ranks_per_node or 1
 
     def group_by_expert(self, idx_TK: torch.Tensor):
         """The route's plan-free half (before the count all-gather and the replicas' wait)."""
@@ -38,15 +53,44 @@ class TokenDispatcher:
         return all_gather_counts(counts_E, self.group)
 
     def route(self, idx_TK: torch.Tensor, plan, *, local_E: torch.Tensor, grouped=None):
-        return route(idx_TK, plan, rank=self.rank, local_E=local_E, grouped=grouped)
+        """A :class:`~ds_fssdp.moe.routing.Route`, or with ``dedup`` a :class:`DedupRoute`
+        (collective: every rank of the group calls it)."""
+        r = route(idx_TK, plan, rank=self.rank, local_E=local_E, grouped=grouped)
+        if not self.dedup:
+            return r
+        T, K = idx_TK.shape
+        dev = idx_TK.device
+        traffic_DD = plan.traffic_DD() if isinstance(plan, DispatchPlan) else plan.sum(0).to("cpu", torch.long)
+        D = traffic_DD.shape[0]
+        dest_TK, pos_TK = slot_targets(r, T, K, traffic_DD[:self.rank].sum(0))
+        G = self.ranks_per_node
+        two_hops = 1 < G < D
+        hop_dest_TK = relay_of(dest_TK, self.rank, G) if two_hops else dest_TK
+        hops = []
+        for last in ((False, True) if two_hops else (True, )):
+            hop = hop_tables(hop_dest_TK, D)
+            hop.uniq_DD = all_gather_counts(torch.tensor(hop.splits, dtype=torch.long, device=dev), self.group).t()
+            hop.recv_splits = hop.uniq_DD[:, self.rank].tolist()
+            fields = (pos_TK, ) if last else (dest_TK, pos_TK)  # a relay needs the final destinations
+            hops.append(hop)
+            entries = all_to_all(hop_entries(hop, *fields), hop.recv_splits, hop.splits, group=self.group)
+            pos_TK = entries[:, -K:]
+            if not last:
+                hop_dest_TK = dest_TK = entries[:, :K]  # the relay: on to the final destinations in its node
+        rows_UK, token_C = receive_tables(r, pos_TK, check=not pos_TK.is_cuda)
+        return DedupRoute(route=r, hops=hops, rows_UK=rows_UK, token_C=token_C)
 
     def run(self, x_TH: torch.Tensor, weights_TK: torch.Tensor, r, *, expert_fn) -> torch.Tensor:
         """Send, compute, return, combine: out_TH."""
+        if isinstance(r, DedupRoute):
+            return dispatch_compute_combine_dedup(x_TH, weights_TK, r, expert_fn=expert_fn, exchange=self._exchange)
         return dispatch_compute_combine(x_TH, weights_TK, r, expert_fn=expert_fn, exchange=self._exchange)
 
     def run_pipelined(self, x_TH: torch.Tensor, weights_TK: torch.Tensor, r, *, experts, degrees: tuple) -> torch.Tensor:
         """:meth:`run` with the exchange chunked at ``degrees`` (forward, backward) and pipelined
         with the expert compute (``moe/pipeline.py``)."""
+        if isinstance(r, DedupRoute):  # TODO(integration): one copy per destination inside the chunks
+            r = r.route
         return pipelined_dispatch_compute_combine(x_TH, weights_TK, r, experts=experts, degrees=degrees,
                                                   groups=self.exchange, rank=self.rank, world=self.world)
 

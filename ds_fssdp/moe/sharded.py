@@ -8,7 +8,8 @@ Three parts, each with one job (Megatron-Core's router / dispatcher / experts):
   the dispatch, observe; the same object the simulators and the report's replay drive;
 * the replica manager (``moe/replicas.py``): owned rows, gathers, reduces, re-materialization,
   memory accounting;
-* the token dispatcher (``moe/dispatcher.py``): route plus ``compute.dispatch_compute_combine``.
+* the token dispatcher (``moe/dispatcher.py``): route plus ``compute.dispatch_compute_combine``
+  (with ``one_copy_per_destination``: ``dispatch_compute_combine_dedup``).
 
 What changes per step (the policy's planner, the clock: t and calibration's latency budget,
 DeepSpeed's timers) comes from ``context()``, a callable the stage passes in; nothing is set on
@@ -41,6 +42,7 @@ import torch
 from deepspeed import comm as dist
 
 from ds_fssdp.moe.compute import mlp_fn
+from ds_fssdp.moe.dedup import DedupRoute
 from ds_fssdp.moe.dispatcher import TokenDispatcher
 from ds_fssdp.moe.experts import ExpertSpec
 from ds_fssdp.moe.gate import GateOutput, uniform_assignment
@@ -63,6 +65,8 @@ class ShardOptions:
     uniform: bool = False  # policy "uniform": spread each rank's assignments evenly over the experts
     rematerialize: bool = False
     hierarchical: bool = True  # topology-aware (two-phase) sparse collectives across nodes
+    one_copy_per_destination: bool = True  # a token crosses to a rank once (moe/dedup.py); with
+    # hierarchical and several nodes: to a node once, forwarded inside it
 
 
 @dataclass(frozen=True)
@@ -174,7 +178,8 @@ class ShardedExperts:
         if exchange is None:
             exchange = ExchangeGroups(intra=group, inter=None, ranks_per_node=topology.num_ranks)
         self.dispatcher = TokenDispatcher(group=group, rank=self.rank, num_experts=E, exchange=exchange,
-                                          world=topology.num_ranks)
+                                          world=topology.num_ranks, dedup=options.one_copy_per_destination,
+                                          ranks_per_node=topology.ranks_per_node if options.hierarchical else None)
         # Exchange, GEMM and whole-layer spans (forward and backward): the cost model's refits.
         self.timings = LayerTimings(rank=self.rank, ranks_per_node=topology.ranks_per_node)
         self.dispatcher.timings = self.timings
@@ -296,6 +301,9 @@ class ShardedExperts:
         self.stats["pipeline_degree_fwd"], self.stats["pipeline_degree_bwd"] = degrees
         self.stats.update({"gather_early_s": early_s, "gather_started_early": early_end is not None,
                            "next_gather_started_early": early_next})
+        self.stats.update(_dedup_stats(r, plan, ranks_per_node=self.topology.ranks_per_node,
+                                       token_bytes=x_TH.shape[1] * x_TH.element_size(),
+                                       weight_bytes=weights_TK.element_size(), k=idx_TK.shape[1]))
         return out_TH, tokens_ED
 
     def _replay(self, x_TH, idx_TK, weights_TK) -> torch.Tensor:
@@ -327,14 +335,16 @@ class ShardedExperts:
     def _run(self, x_TH, weights_TK, r, replica_RP, *, remat: bool, local_E, degrees: tuple) -> torch.Tensor:
         """Degree (1, 1): today's ``compute.dispatch_compute_combine``; otherwise the chunked
         pipeline (``moe/pipeline.py``) over the same weights."""
+        plain = r.route if isinstance(r, DedupRoute) else r  # the timing's units: rows per assignment
         if tuple(degrees) == (1, 1):
             expert_fn = self._expert_fn(replica_RP, remat=remat, local_E=local_E)
-            return self.timings.layer(lambda x: self.dispatcher.run(x, weights_TK, r, expert_fn=expert_fn), x_TH, r)
+            return self.timings.layer(lambda x: self.dispatcher.run(x, weights_TK, r, expert_fn=expert_fn), x_TH,
+                                      plain)
         lora = self.lora_factors(local_E) if getattr(self, "lora_factors", None) is not None else None
         experts = PipelineExperts(spec=self.spec, rows=self.rows, replica=replica_RP, lora=lora,
                                   source=self.replicas if remat else None)
         return self.timings.layer(lambda x: self.dispatcher.run_pipelined(x, weights_TK, r, experts=experts,
-                                                                          degrees=tuple(degrees)), x_TH, r)
+                                                                          degrees=tuple(degrees)), x_TH, plain)
 
     def _expert_fn(self, replica_RP, *, remat: bool, local_E: torch.Tensor):
         """The expert function over the owned rows and this forward's replicas (``local_E``: the
@@ -426,6 +436,26 @@ def chain(shards: list) -> None:
         nxt.replicas.prev = prev.replicas
         prev.replicas.above = nxt.replicas  # gradients in the gaps: each backward completes the layer above
         prev.is_last = False
+
+
+def _dedup_stats(r, plan, *, ranks_per_node: int, token_bytes: int, weight_bytes: int, k: int) -> dict:
+    """The group's forward token-exchange bytes (dispatch + combine, rows that change rank) not
+    sent thanks to one copy per destination, all links and across nodes (negative where relays'
+    forwarding inside nodes cost more than the copies saved), and the routing entries sent
+    instead (per row that changes rank: K longs, 2K to a relay, and K weights).
+    ``a2a_bytes_intra`` / ``_inter`` count one row per assignment: what crossed is their sum
+    minus ``a2a_bytes_saved``, plus ``a2a_meta_bytes``."""
+    if not isinstance(r, DedupRoute):
+        return {"a2a_bytes_saved": 0, "a2a_bytes_saved_inter": 0, "a2a_meta_bytes": 0}
+    node_D = torch.arange(r.hops[0].uniq_DD.shape[0]) // ranks_per_node
+    off = node_D.unsqueeze(1) != node_D.unsqueeze(0)  # [s, d] in other nodes
+    moved = [int(h.uniq_DD.sum() - h.uniq_DD.diagonal().sum()) for h in r.hops]
+    inter = sum(int(h.uniq_DD[off].sum()) for h in r.hops)
+    moved_intra, moved_inter = plan.moved(ranks_per_node)
+    widths = [k * 8 * (1 if i == len(r.hops) - 1 else 2) + k * weight_bytes for i in range(len(r.hops))]
+    return {"a2a_bytes_saved": (moved_intra + moved_inter - sum(moved)) * token_bytes * 2,
+            "a2a_bytes_saved_inter": (moved_inter - inter) * token_bytes * 2,
+            "a2a_meta_bytes": sum(m * w for m, w in zip(moved, widths))}
 
 
 def _timer(timers, name: str, start: bool) -> None:

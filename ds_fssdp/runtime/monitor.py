@@ -34,6 +34,9 @@ LAYER_METRICS = (
     "reduce_bytes",  # SparseReduceScatter, group total
     "a2a_bytes_intra",  # token dispatch + combine inside nodes
     "a2a_bytes_inter",  # ... across nodes
+    "a2a_bytes_saved",  # ... of those (one row per assignment), not sent: one copy per destination
+    "a2a_bytes_saved_inter",  # ... of which across nodes (relays: one copy per destination node)
+    "a2a_meta_bytes",  # the routing entries (slots, weights) sent instead
     "gather_exposed_s",  # rank 0's wait for the replicas (not hidden behind the attention)
     "reduce_exposed_s",  # rank 0's wait for the reduced gradients after the backward
     "load_prediction_error",  # sum |predicted - actual| / sum actual over experts (NaN at first)

@@ -73,7 +73,8 @@ class FSSDPStage:
         self.memory = ReplicaMemory()
         self.budget = None if config.materialization_budget == "auto" else config.materialization_budget  # m; attach
         options = ShardOptions(uniform=config.policy == "uniform", rematerialize=config.rematerialize,
-                               hierarchical=config.topology_aware)
+                               hierarchical=config.topology_aware,
+                               one_copy_per_destination=config.one_copy_per_destination)
         # What each layer's forward asks its stage for (``_context``), built in attach.
         self.policy = None  # the planner's policy object: every decision of every layer
         self.planners = []  # LayerPlanner per layer
