@@ -7,7 +7,8 @@ One engine per arm (same model, same initial weights, same batches), all built u
 same processes; after a warm-up they run in alternating order (A B C ... then reversed), a few
 steps at a time, and the times of each arm's steps are summed. Arms: the ``fssdp`` policies
 (``fssdp``, ``fssdp-rm`` = with re-materialization, ``fssdp-joint`` / ``fssdp-paper`` = with
-that ``placement``, ``fssdp-copies`` = with ``one_copy_per_destination`` off, ``ep``, ``uniform``,
+that ``placement``, ``fssdp-copies`` = with ``one_copy_per_destination`` off, ``fssdp-serial`` = with
+``pipeline_degree`` 1, ``one_copy_per_destination`` and ``grads_in_gaps`` off, ``ep``, ``uniform``,
 ``fastermoe``, ``smartmoe``) through ``ds_fssdp.initialize``, and ``deepspeed-moe``: ``deepspeed.moe.layer.MoE``
 (same shapes, top-2, dropless: ``drop_tokens=False``, expert parallel over all ranks) through
 ``deepspeed.initialize``. The MoE layers' experts: gelu, no biases.
@@ -48,6 +49,9 @@ from ds_fssdp.runtime.cpu import skip_shm_comm_build
 ARMS = ("fssdp", "fssdp-rm", "ep", "uniform", "fastermoe", "smartmoe", "deepspeed-moe")
 PLACEMENT_ARMS = {"fssdp-joint": "joint", "fssdp-paper": "paper"}  # fssdp, that placement
 COPIES_ARM = "fssdp-copies"  # fssdp with one_copy_per_destination off (one row per assignment)
+# fssdp with the layer schedule's switches off: pipeline_degree 1, one copy per assignment, the EDP
+# reduce at the step (the schedule before issue 24, except that replicas are gathered early)
+SERIAL_ARM = "fssdp-serial"
 
 
 def parse_args():
@@ -104,9 +108,12 @@ def build_arm(arm: str, args, world: int):
         del config["optimizer"]
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
         return engine, model
-    policy = "fssdp" if arm in ("fssdp-rm", COPIES_ARM) or arm in PLACEMENT_ARMS else arm
+    policy = "fssdp" if arm in ("fssdp-rm", COPIES_ARM, SERIAL_ARM) or arm in PLACEMENT_ARMS else arm
     config["fssdp"] = {"policy": policy, "materialization_budget": args.budget, "overlap_degree": args.overlap_degree,
-                       "rematerialize": arm == "fssdp-rm", "one_copy_per_destination": arm != COPIES_ARM}
+                       "rematerialize": arm == "fssdp-rm",
+                       "one_copy_per_destination": arm not in (COPIES_ARM, SERIAL_ARM)}
+    if arm == SERIAL_ARM:
+        config["fssdp"].update(pipeline_degree=1, grads_in_gaps=False)
     if arm in PLACEMENT_ARMS:
         config["fssdp"]["placement"] = PLACEMENT_ARMS[arm]
     engine, *_ = ds_fssdp.initialize(model=model, config=config)
@@ -222,7 +229,7 @@ def main():
     # Every rank measured the same wall time windows (barriers); report rank 0's view.
     if rank == 0:
         for arm, res in results.items():
-            for ref in ("uniform", "ep", "deepspeed-moe", COPIES_ARM):
+            for ref in ("uniform", "ep", "deepspeed-moe", COPIES_ARM, SERIAL_ARM):
                 if ref in results:
                     res[f"vs_{ref}"] = res["tokens_per_s"] / results[ref]["tokens_per_s"]
         print_table(results, args, world)

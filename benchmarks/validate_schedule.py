@@ -12,8 +12,8 @@ The script spawns its 2 ranks itself (gloo, one torch thread each). Steps:
    times agreed, ``schedule.fit_schedule_costs``), at sizes that span the run's (rows per peer and
    GEMM rows up to the layer's assignments per rank and beyond). Fitted once, before any arm: it
    is not fitted to the timings it predicts.
-2. Per arm (policy ep, fssdp; pipeline degree 1, and "auto" where the config has
-   ``fssdp.pipeline_degree``): a GPT-MoE on Zipf-skewed bytes through ``ds_fssdp.initialize``,
+2. Per arm (policy ep, fssdp; pipeline degree 1, "auto" and a fixed (forward, backward) pair,
+   ``--degrees``): a GPT-MoE on Zipf-skewed bytes through ``ds_fssdp.initialize``,
    ``--warmup`` steps, then ``--steps`` timed steps. Each layer records its own forward and
    backward span of dispatch + expert compute + combine (``moe/timing.py``: the runtime's own
    instrumentation) and the load that iteration had: bytes this rank moved per exchange over each
@@ -24,8 +24,10 @@ The script spawns its 2 ranks itself (gloo, one torch thread each). Steps:
    timed steps of each, their ratio predicted / measured per (arm, layer), and whether it is within
    ``--target`` (0.2: 20%).
 
-The model has no CPU-specific term: at degree 1 the schedule is serial (exchange, GEMM, exchange)
-on the same cores, which is what the CPU does. What the model does not count (the permutations
+On CPU ranks the costs are not concurrent (``ScheduleCosts.concurrent`` False, as the runtime's
+fit sets it): gloo's threads and the compute share the same cores, so a chunked layer is modelled
+as the sum of its parts; "auto" then chooses degree 1, and the fixed-degree arm checks the chunked
+accounting. What the model does not count (the permutations
 around the exchange, the combine) is inside the measured span, so it shows up in the ratio.
 """
 from __future__ import annotations
@@ -48,6 +50,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policies", default="ep,fssdp")
+    p.add_argument("--degrees", default="1,auto,3x2", help="pipeline degrees: 1, auto, or FxB (forward x backward)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--ffn-hidden", type=int, default=512)
@@ -76,24 +79,21 @@ def batches(args, rank: int):
 
 
 def arms(args) -> list:
-    from ds_fssdp.config import FSSDPConfig
-    degrees = [1, "auto"] if "pipeline_degree" in FSSDPConfig.model_fields else [1]
+    """(policy, degree) per arm: degree 1, "auto", or a fixed (forward, backward) pair ("3x2")."""
+    degrees = []
+    for d in args.degrees.split(","):
+        degrees.append(d if d in ("1", "auto") else tuple(int(v) for v in d.split("x")))
+    degrees = [1 if d == "1" else d for d in degrees]
     return [(p, d) for p in args.policies.split(",") for d in degrees]
 
 
 def ds_config(args, policy: str, degree) -> dict:
     fssdp = {"policy": policy, "materialization_budget": 2, "overlap_degree": 4, "cost_refresh_interval": 0,
              "metrics_csv": None}
-    if arms_have_degree():
-        fssdp["pipeline_degree"] = degree
+    fssdp["pipeline_degree"] = {"forward": degree[0], "backward": degree[1]} if isinstance(degree, tuple) else degree
     return {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "SGD", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 0},
             "zero_allow_untested_optimizer": True, "steps_per_print": 10**9, "fssdp": fssdp}
-
-
-def arms_have_degree() -> bool:
-    from ds_fssdp.config import FSSDPConfig
-    return "pipeline_degree" in FSSDPConfig.model_fields
 
 
 def fit_sizes(args, world: int) -> tuple:
@@ -127,7 +127,9 @@ def fit_rounds(rounds: list):
     merged = {k: [(u, statistics.median(r[k][i][1] for r in rounds)) for i, (u, _) in enumerate(rounds[0][k])]
               for k in rounds[0]}
     merged = costfit.agree_max(merged)
-    costs, error = fit_schedule_costs(merged["intra"], merged["inter"], merged["gemm_fwd"], merged["gemm_bwd"])
+    # CPU ranks: gloo's threads share the compute's cores (ScheduleCosts.concurrent, as costfit.measure)
+    costs, error = fit_schedule_costs(merged["intra"], merged["inter"], merged["gemm_fwd"], merged["gemm_bwd"],
+                                      concurrent=False)
     return costs, error, merged
 
 
@@ -141,7 +143,7 @@ def run_arm(args, rank, policy, degree, upfront):
     (one round after each), and the predictions of both fits."""
     import ds_fssdp
     from ds_fssdp.models import GPTMoE, GPTMoEConfig
-    from ds_fssdp.planner.schedule import LayerLoad, choose_degrees, layer_time
+    from ds_fssdp.planner.schedule import LayerLoad, layer_time
     torch.manual_seed(args.seed)
     model = GPTMoE(model_cfg(args, GPTMoEConfig))
     spec = model.moe_layers()[0].spec
@@ -161,7 +163,7 @@ def run_arm(args, rank, policy, degree, upfront):
             (_, bwd_s), = layer.timings.samples("layer_bwd")[-1:]
             m_row.append(fwd_s + bwd_s)
             l_row.append(LayerLoad(*units))
-            c_row.append(layer.stats.get("pipeline_degree"))  # the runtime's (fwd, bwd) where it pipelines
+            c_row.append((layer.stats["pipeline_degree_fwd"], layer.stats["pipeline_degree_bwd"]))  # the runtime's
         measured.append(m_row)
         loads.append(l_row)
         chosen.append(c_row)
@@ -174,7 +176,7 @@ def run_arm(args, rank, policy, degree, upfront):
         for l_row, c_row in zip(loads, chosen):
             row = []
             for load, ch in zip(l_row, c_row):
-                degrees = (1, 1) if degree == 1 else tuple(ch) if ch is not None else choose_degrees(c, [load])
+                degrees = tuple(ch)  # the degrees the runtime ran at (its own decision under "auto")
                 row.append(layer_time(c, load, degrees))
             out.append(row)
         return out
@@ -225,8 +227,7 @@ def worker(rank, world, args, port, out_path):
     if rank == 0:
         out = {"script": "benchmarks/validate_schedule.py", "args": vars(args), "host": platform.node(),
                "cpus": os.cpu_count(), "ranks": world, "load_average_at_end": os.getloadavg(),
-               "degrees": "1 and auto" if arms_have_degree() else
-               "1 only: this checkout has no fssdp.pipeline_degree yet (the chunked pipeline is another change)",
+               "degrees": args.degrees,
                "fits": fits, "upfront_fit": {"schedule_costs": dataclasses.asdict(upfront),
                                              "fit_error": upfront_error, "samples": upfront_samples},
                "results": results,

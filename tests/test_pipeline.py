@@ -159,6 +159,29 @@ def test_pipeline_matches_single_process():
 
 
 
+AUTO_HARDWARE = {"flops": 1e7, "intra_bw": 1e12, "inter_bw": 1e12, "latency": 1e-9}
+
+
+def _check_degrees_recomputed(run: dict, hardware: dict) -> None:
+    """The degrees the runtime recorded equal the schedule's decision recomputed from each recorded
+    plan's traffic, by the runtime's function (loads_from_traffic + choose_degrees on the costs of
+    the configured hardware) and by the simulator's layer pricing (sim/pipeline.LayerSchedule)."""
+    import numpy as np
+    from ds_fssdp.planner.cost import ExpertShape, Hardware, schedule_costs
+    from ds_fssdp.planner.schedule import choose_degrees, loads_from_traffic
+    from ds_fssdp.sim.pipeline import LayerSchedule, ScheduleOptions
+    hw, shape = Hardware(**hardware), ExpertShape(**run["expert_shape"])
+    costs = schedule_costs(hw, shape)
+    assert dataclasses.asdict(costs) == run["schedule_costs"]
+    sim = LayerSchedule(hw, shape, ranks_per_node=1, top_k=2, options=ScheduleOptions(dedup=False))
+    for step in run["decisions"]:
+        for degrees, traffic in step:
+            traffic_DD = np.asarray(traffic, dtype=np.int64)
+            loads = loads_from_traffic(traffic_DD, ranks_per_node=1, token_bytes=run["token_bytes"])
+            assert tuple(degrees) == choose_degrees(costs, loads)
+            assert tuple(degrees) == tuple(sim.layer(traffic_DD[None]).degrees[0])
+
+
 def test_engine_training_at_degrees_3_2_equals_degree_1():
     import training
     from training import ds_config
@@ -168,8 +191,7 @@ def test_engine_training_at_degrees_3_2_equals_degree_1():
                                 "d32": {"pipeline_degree": {"forward": 3, "backward": 2}},
                                 "d32rm": {"pipeline_degree": {"forward": 3, "backward": 2}, "rematerialize": True},
                                 # slow GEMMs, fast links: "auto" pipelines
-                                "auto": {"hardware": {"flops": 1e7, "intra_bw": 1e12, "inter_bw": 1e12,
-                                                      "latency": 1e-9}}}.items()}
+                                "auto": {"hardware": AUTO_HARDWARE, "one_copy_per_destination": False}}.items()}
     res = spawn(world, training.train_worker, runs, steps)
     tight = dict(rtol=1e-5, atol=1e-6)  # fp32, SGD with momentum: summation order only
     for rank in range(world):
@@ -180,6 +202,7 @@ def test_engine_training_at_degrees_3_2_equals_degree_1():
             if name == "auto":  # the same decision on every rank, iteration by iteration, layer by layer
                 assert got["layer_stats"] == res[0][name]["layer_stats"]
                 assert degrees - {(1, 1)}, degrees
+                _check_degrees_recomputed(got, AUTO_HARDWARE)
             else:
                 assert degrees == {(3, 2)}, (name, degrees)
             torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(base["losses"]), **tight)

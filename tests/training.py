@@ -89,6 +89,7 @@ def train_worker(rank, world, runs: dict, steps: int):
         engine, *_ = ds_fssdp.initialize(model=model, config=cfg, optimizer=client)
         gas = cfg["gradient_accumulation_steps"]
         losses, replicas, factors, norms, peaks, local_bytes, migrated, layer_stats = [], [], [], [], [], [], [], []
+        decisions = []  # per micro-step, per layer: (degrees, traffic_DD) of the layer's Decision
         layers_peaks = []
         for step in range(steps):
             for micro in range(gas):
@@ -102,6 +103,8 @@ def train_worker(rank, world, runs: dict, steps: int):
                 layer_stats.append([{k: l.last_stats.get(k) for k in ("shadowed", "calibration", "overlap_degree",
                                                                         "straggler", "pipeline_degree_fwd",
                                                                         "pipeline_degree_bwd")} for l in model.moe_layers()])
+                decisions.append([(list(l.sharded.last_decision.degrees), l.sharded.last_decision.traffic_DD.tolist())
+                                  for l in model.moe_layers()])
                 engine.step()
                 losses.append(loss.item())
                 replicas.append(sum(l.last_stats["replicas"] for l in model.moe_layers()))
@@ -119,6 +122,10 @@ def train_worker(rank, world, runs: dict, steps: int):
                          norms=norms, expert_states=states, owned=owned, replica_peaks=peaks,
                          replica_layers_peaks=layers_peaks,
                          replica_bytes_local=local_bytes, migrated=migrated, layer_stats=layer_stats,
+                         decisions=decisions, token_bytes=model.moe_layers()[0].sharded.spec.cost_shape(4).token_bytes,
+                         expert_shape=dataclasses.asdict(model.moe_layers()[0].sharded.spec.cost_shape(4)),
+                         schedule_costs=None if engine.fssdp.schedule_costs is None else
+                         dataclasses.asdict(engine.fssdp.schedule_costs),
                          budget=engine.fssdp.budget, state_bytes=engine.fssdp.state_bytes(),
                          owners=[l.sharded.owner_E.clone() for l in model.moe_layers()])
     return out

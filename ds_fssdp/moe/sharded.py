@@ -92,9 +92,10 @@ class Decision:
     plan_digest: int  # of the compact dispatch plan (equal plans, equal digests)
     rows_D: torch.Tensor  # long [D]: rows each rank computes
     traffic_DD: torch.Tensor  # long [D, D]: tokens rank d sends rank d2
+    degrees: tuple = (-1, -1)  # (forward, backward) pipeline degrees (-1: not decided here, the replay)
 
     @classmethod
-    def of(cls, owner_E, placed_ED, lp: LayerPlan, plan, clock: Clock) -> "Decision":
+    def of(cls, owner_E, placed_ED, lp: LayerPlan, plan, clock: Clock, degrees: tuple = (-1, -1)) -> "Decision":
         """From what a layer's planner returned (``lp.placement_ED``: the final placement)."""
         cal = lp.calibration
         return cls(owner_E=owner_E.to("cpu", torch.long).clone(), placed_ED=placed_ED.to("cpu", torch.bool).clone(),
@@ -103,7 +104,7 @@ class Decision:
                    latency_budget=float("nan") if clock.latency_budget is None else float(clock.latency_budget),
                    calibration_t=-1 if cal is None else int(cal.overlap_degree),
                    calibration_accepted=cal is not None and bool(cal.accepted), plan_digest=plan_digest(plan),
-                   rows_D=plan.rows_D(), traffic_DD=plan.traffic_DD())
+                   rows_D=plan.rows_D(), traffic_DD=plan.traffic_DD(), degrees=tuple(int(d) for d in degrees))
 
 
 def decision_arrays(decisions: list) -> dict:
@@ -119,7 +120,8 @@ def decision_arrays(decisions: list) -> dict:
             "decision_calibration_accepted": stack(lambda d: d.calibration_accepted, bool),
             "decision_plan_digest": stack(lambda d: d.plan_digest, np.int64),
             "decision_rows": stack(lambda d: d.rows_D.numpy(), np.int64),
-            "decision_traffic": stack(lambda d: d.traffic_DD.numpy(), np.int64)}
+            "decision_traffic": stack(lambda d: d.traffic_DD.numpy(), np.int64),
+            "decision_degrees": stack(lambda d: d.degrees, np.int64)}
 
 
 def plan_digest(plan) -> int:
@@ -294,7 +296,7 @@ class ShardedExperts:
         if observe:
             prediction_error = ctx.planner.observe(tokens_ED)
             self.last_tokens_ED = tokens_ED
-            self.last_decision = Decision.of(self.owner_E, placed_ED, lp, plan, ctx.clock)
+            self.last_decision = Decision.of(self.owner_E, placed_ED, lp, plan, ctx.clock, degrees)
         self.stats = self._stats(layout, plan, tokens_ED, lp, gather_exposed=gather_exposed, critical_s=critical_s,
                                  gather_sent=gather_sent, token_bytes=token_bytes,
                                  prediction_error=prediction_error, window=window, ctx=ctx)
@@ -323,14 +325,18 @@ class ShardedExperts:
 
     def _degrees(self, ctx: StepContext, plan, token_bytes: int) -> tuple:
         """(forward, backward) pipeline degrees: the context's, or under "auto" the schedule's
-        choice on the agreed costs and this plan's loads (the same on every rank)."""
+        choice on the agreed costs and this plan's loads (the same on every rank). The loads are
+        the plan's rows per assignment, not the fewer bytes one copy per destination sends: what
+        every rank, the simulators and a recorded trace know alike."""
         pd = ctx.pipeline_degree
         if pd != "auto":
             return (int(pd[0]), int(pd[1]))
         if ctx.schedule_costs is None:
             return (1, 1)
-        loads = loads_from_plan(plan, ranks_per_node=self.topology.ranks_per_node, token_bytes=token_bytes)
-        return tuple(int(d) for d in choose_degrees(ctx.schedule_costs, loads))
+        costs = ctx.schedule_costs
+        loads = loads_from_plan(plan, ranks_per_node=self.topology.ranks_per_node, token_bytes=token_bytes) \
+            if costs.concurrent else []  # not concurrent: degree 1 whatever the loads (choose_degrees)
+        return tuple(int(d) for d in choose_degrees(costs, loads))
 
     def _run(self, x_TH, weights_TK, r, replica_RP, *, remat: bool, local_E, degrees: tuple) -> torch.Tensor:
         """Degree (1, 1): today's ``compute.dispatch_compute_combine``; otherwise the chunked

@@ -200,6 +200,10 @@ def choose_degrees(costs: ScheduleCosts, loads: list, *, max_degree: int = MAX_D
     """(forward, backward) degrees of a layer for every rank at once (the exchange is one collective,
     so all ranks must chunk it alike): each direction's degree minimises the slowest rank's
     :func:`pipeline_time` over ``loads`` (one :class:`LayerLoad` per rank; the smaller on a tie)."""
+    if not costs.concurrent:
+        # Serial parts: n chunks cost 2n exchange startups and n + 1 GEMM startups for the same
+        # bytes and rows, never less than one chunk's, so degree 1 (and the loads are not needed).
+        return 1, 1
     def best(backward: bool) -> int:
         pick, pick_s = 1, None
         for n in range(1, max_degree + 1):

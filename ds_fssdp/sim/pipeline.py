@@ -112,11 +112,15 @@ class LayerSchedule:
         for b in range(B):
             # The runtime's loads (schedule.loads_from_traffic), with the bytes one copy per
             # destination leaves on the links.
+            # The decision, as the runtime takes it: from the plan's rows (schedule.loads_from_traffic);
+            # the time, from what crosses (one copy per destination sends fewer rows than it computes).
+            plan_loads = loads_from_traffic(traffic_BNN[b], ranks_per_node=self.G, token_bytes=row_bytes)
             sent = traffic_BNN[b] * frac_BNN[b] if frac_BNN is not None else None
-            loads = loads_from_traffic(traffic_BNN[b], ranks_per_node=self.G, token_bytes=row_bytes, sent_DD=sent)
+            loads = plan_loads if sent is None else loads_from_traffic(traffic_BNN[b], ranks_per_node=self.G,
+                                                                        token_bytes=row_bytes, sent_DD=sent)
             unique = list(dict.fromkeys(loads))  # ranks with equal loads cost one evaluation
             if opt.pipeline_degree is None:
-                deg = choose_degrees(self.costs, unique)
+                deg = choose_degrees(self.costs, list(dict.fromkeys(plan_loads)))
             else:
                 deg = (opt.pipeline_degree, opt.pipeline_degree)
             degrees.append(deg)
