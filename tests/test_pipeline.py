@@ -2,8 +2,8 @@
 1 to 4 with forward != backward, empty and one-row chunks, ragged splits, 1, 2 and 4 logical
 nodes (intra- and inter-node groups), re-materialization on and off, under activation
 checkpointing (reentrant and not), one copy per destination on (the default; more in
-tests/test_pipeline_dedup.py) and off (``dedup=False``: one row per assignment); and multi-step training through ds_fssdp.initialize at degrees
-(3, 2) equals degree 1."""
+tests/test_pipeline_dedup.py) and off (``dedup=False``: one row per assignment); and multi-step
+training through ds_fssdp.initialize at degrees (3, 2) equals degree 1."""
 import dataclasses
 
 import pytest

@@ -22,7 +22,8 @@ import torch
 from ds_fssdp.comm import all_gather_counts, all_to_all
 from ds_fssdp.moe.compute import dispatch_compute_combine, dispatch_compute_combine_dedup
 from ds_fssdp.moe.dedup import DedupRoute, hop_entries, hop_tables, receive_tables, relay_of, slot_targets
-from ds_fssdp.moe.pipeline import pipelined_dispatch_compute_combine, pipelined_dispatch_compute_combine_dedup
+from ds_fssdp.moe.pipeline import (pipelined_dispatch_compute_combine,
+                                   pipelined_dispatch_compute_combine_dedup)
 from ds_fssdp.moe.routing import expert_order, route
 from ds_fssdp.planner.plan import DispatchPlan
 

@@ -26,7 +26,14 @@ per expert, f / b the forward / backward degrees.
   (``source.rematerialized()``), recomputes each atom and hands the summed replica gradient to
   ``source.replica_grad_ready`` once.
 
-Degree (1, 1) is not this module: the layer runs ``compute.dispatch_compute_combine`` unchanged.
+* **One copy per destination** (:func:`pipelined_dispatch_compute_combine_dedup`): the chunks
+  carry the last hop's unique rows (one per (token, destination)); a relay hop, if any, runs
+  unchunked before (its return after); the gate weights cross once per hop, unchunked, with
+  autograd; each unit expands its received rows, computes and combines them with their weights
+  (``compute.expand_received`` / ``combine_received``) before its combine exchange.
+
+Degree (1, 1) is not this module: the layer runs ``compute.dispatch_compute_combine`` (or its
+``_dedup`` form) unchanged.
 """
 from __future__ import annotations
 
