@@ -23,9 +23,8 @@ CASES = [
     dict(seed=4, deg=(1, 4), rpn=1, act="swiglu", tokens=(13, 2, 5, 9)),
     dict(seed=5, deg=(4, 1), rpn=2, act="gelu", tokens=(6, 0, 17, 4), dedup=False),
     dict(seed=6, deg=(3, 2), rpn=2, act="swiglu", tokens=(9, 7, 3, 12), layers=2, remat=True),
-    dict(seed=7, deg=(2, 3), rpn=2, act="gelu", tokens=(5, 8, 11, 2), layers=2, ckpt="torch"),
-    dict(seed=8, deg=(4, 3), rpn=4, act="gelu", tokens=(10, 3, 6, 7), layers=2, remat=True, ckpt="reentrant",
-         dedup=False),
+    dict(seed=7, deg=(2, 3), rpn=2, act="gelu", tokens=(5, 8, 11, 2), layers=2, ckpt="torch", dedup=False),
+    dict(seed=8, deg=(4, 3), rpn=4, act="gelu", tokens=(10, 3, 6, 7), layers=2, remat=True, ckpt="reentrant"),
     dict(seed=9, deg=(1, 1), rpn=2, act="swiglu", tokens=(7, 5, 9, 3)),  # today's path
     dict(seed=10, deg=(3, 2), rpn=2, act="gelu", tokens=(6, 9, 4, 7), lora=True),  # LoRA factors on w_a
     dict(seed=11, deg=(2, 3), rpn=2, act="gelu", tokens=(8, 3, 5, 7), lora=True, dedup=False),

@@ -8,7 +8,8 @@ are expanded, computed and combined with their gate weights before the chunk ret
   re-materialization on one case, activation checkpointing on one: outputs, input gradients,
   gate-weight gradients and owned expert gradients equal the single-process layer (fp32 tight);
   the hidden-width rows that change rank in the forward are 2 x the hops' distinct (row,
-  destination) pairs (dispatch and combine), fewer than one per assignment.
+  destination) pairs (dispatch and combine), fewer than one per assignment, and the layers'
+  ``a2a_bytes_saved`` is the difference.
 * The engine on 2 ranks, SGD, 3 steps, degrees {"forward": 3, "backward": 2}, one copy per
   destination and gradients in the gaps: losses and weights equal degree 1 (one FSSDP group of 2,
   and FSSDP groups of 1 with their EDP groups).
@@ -187,6 +188,8 @@ def test_pipelined_one_copy_per_destination_matches_single_process():
         # dispatch + combine: each moved row crosses twice in the forward
         assert sum(results[r][ci]["rows_sent"] for r in range(WORLD)) == 2 * moved, where
         fewer += moved < moved_per_assignment
+        # the layers' stats report what the chunks did not send (dispatch + combine, fp32 rows)
+        assert sum(results[0][ci]["saved"]) == (moved_per_assignment - moved) * H * 4 * 2, where
         for rank in range(WORLD):
             got, want = results[rank][ci], ref[rank]
             where = f"case {ci} (seed {case['seed']}, degrees {case['deg']}) rank {rank}"
