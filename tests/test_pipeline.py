@@ -1,8 +1,9 @@
 """The chunked token-exchange pipeline (moe/pipeline.py) equals the single-process layer: degrees
 1 to 4 with forward != backward, empty and one-row chunks, ragged splits, 1, 2 and 4 logical
 nodes (intra- and inter-node groups), re-materialization on and off, under activation
-checkpointing (reentrant and not); and multi-step training through ds_fssdp.initialize at degrees
-(3, 2) equals degree 1."""
+checkpointing (reentrant and not), one copy per destination on (the default; more in
+tests/test_pipeline_dedup.py) and off (``dedup=False``: one row per assignment); and multi-step
+training through ds_fssdp.initialize at degrees (3, 2) equals degree 1."""
 import dataclasses
 
 import pytest
@@ -17,15 +18,16 @@ WORLD = 4
 CASES = [
     # degrees (forward, backward), ranks per node, tokens per rank, two chained layers, RM, checkpoint
     dict(seed=1, deg=(2, 3), rpn=4, act="gelu", tokens=(7, 5, 9, 3)),
-    dict(seed=2, deg=(3, 2), rpn=2, act="swiglu", tokens=(4, 11, 6, 8)),
+    dict(seed=2, deg=(3, 2), rpn=2, act="swiglu", tokens=(4, 11, 6, 8), dedup=False),
     dict(seed=3, deg=(4, 4), rpn=2, act="gelu", tokens=(1, 2, 0, 3)),  # empty and one-row chunks
     dict(seed=4, deg=(1, 4), rpn=1, act="swiglu", tokens=(13, 2, 5, 9)),
-    dict(seed=5, deg=(4, 1), rpn=2, act="gelu", tokens=(6, 0, 17, 4)),
+    dict(seed=5, deg=(4, 1), rpn=2, act="gelu", tokens=(6, 0, 17, 4), dedup=False),
     dict(seed=6, deg=(3, 2), rpn=2, act="swiglu", tokens=(9, 7, 3, 12), layers=2, remat=True),
-    dict(seed=7, deg=(2, 3), rpn=2, act="gelu", tokens=(5, 8, 11, 2), layers=2, ckpt="torch"),
+    dict(seed=7, deg=(2, 3), rpn=2, act="gelu", tokens=(5, 8, 11, 2), layers=2, ckpt="torch", dedup=False),
     dict(seed=8, deg=(4, 3), rpn=4, act="gelu", tokens=(10, 3, 6, 7), layers=2, remat=True, ckpt="reentrant"),
     dict(seed=9, deg=(1, 1), rpn=2, act="swiglu", tokens=(7, 5, 9, 3)),  # today's path
     dict(seed=10, deg=(3, 2), rpn=2, act="gelu", tokens=(6, 9, 4, 7), lora=True),  # LoRA factors on w_a
+    dict(seed=11, deg=(2, 3), rpn=2, act="gelu", tokens=(8, 3, 5, 7), lora=True, dedup=False),
 ]
 TOL = dict(atol=2e-6, rtol=1e-5)  # fp32: only the summation order of identical products differs
 
@@ -94,7 +96,8 @@ def _worker(rank, world, cases):
             ctx = dataclasses.replace(default_context(E, topo, predictor, i)(), pipeline_degree=case["deg"])
             s = ShardedExperts(spec=layer.spec, layer_index=i, owner_E=owner_E, rows_SP=rows, topology=topo,
                                group=None, predictor=predictor, exchange=groups[case["rpn"]],
-                               options=ShardOptions(rematerialize=case.get("remat", False)),
+                               options=ShardOptions(rematerialize=case.get("remat", False),
+                                                    one_copy_per_destination=case.get("dedup", True)),
                                context=lambda c=ctx: c)
             s.plan_placement = lambda ctx, p=placement_ED: p
             if case.get("lora"):
@@ -111,6 +114,7 @@ def _worker(rank, world, cases):
         out.append(dict(y=y.detach(), x_grad=x.grad, gate_grads=[l.gate.weight.grad for l in layers],
                         owned=[(s.owned_E, s.master.grad.clone()) for s in shards],
                         lora=[f.grad for f in factors] if case.get("lora") else None,
+                        dedup=[l.last_stats["a2a_meta_bytes"] > 0 for l in layers],  # routing entries sent
                         degrees=[(l.last_stats["pipeline_degree_fwd"], l.last_stats["pipeline_degree_bwd"])
                                  for l in layers]))
     return out
@@ -149,6 +153,7 @@ def test_pipeline_matches_single_process():
             got, want = results[rank][ci], ref[rank]
             where = f"case {ci} (seed {case['seed']}, degrees {case['deg']}) rank {rank}"
             assert got["degrees"] == [case["deg"]] * len(sums), where
+            assert got["dedup"] == [case.get("dedup", True)] * len(sums), where
             torch.testing.assert_close(got["y"], want["y"], **TOL, msg=where)
             torch.testing.assert_close(got["x_grad"], want["x_grad"], **TOL, msg=where)
             for g, w in zip(got["gate_grads"], want["gate_grads"]):

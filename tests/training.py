@@ -100,9 +100,9 @@ def train_worker(rank, world, runs: dict, steps: int):
                 layers_peaks.append(engine.fssdp.memory.layers_peak)
                 engine.fssdp.memory.reset_peak()
                 local_bytes.append([l.last_stats["replica_bytes_local"] for l in model.moe_layers()])
-                layer_stats.append([{k: l.last_stats.get(k) for k in ("shadowed", "calibration", "overlap_degree",
-                                                                        "straggler", "pipeline_degree_fwd",
-                                                                        "pipeline_degree_bwd")} for l in model.moe_layers()])
+                keys = ("shadowed", "calibration", "overlap_degree", "straggler", "pipeline_degree_fwd",
+                        "pipeline_degree_bwd", "a2a_bytes_saved")
+                layer_stats.append([{k: l.last_stats.get(k) for k in keys} for l in model.moe_layers()])
                 decisions.append([(list(l.sharded.last_decision.degrees), l.sharded.last_decision.traffic_DD.tolist())
                                   for l in model.moe_layers()])
                 engine.step()

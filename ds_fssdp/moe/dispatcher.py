@@ -22,7 +22,8 @@ import torch
 from ds_fssdp.comm import all_gather_counts, all_to_all
 from ds_fssdp.moe.compute import dispatch_compute_combine, dispatch_compute_combine_dedup
 from ds_fssdp.moe.dedup import DedupRoute, hop_entries, hop_tables, receive_tables, relay_of, slot_targets
-from ds_fssdp.moe.pipeline import pipelined_dispatch_compute_combine
+from ds_fssdp.moe.pipeline import (pipelined_dispatch_compute_combine,
+                                   pipelined_dispatch_compute_combine_dedup)
 from ds_fssdp.moe.routing import expert_order, route
 from ds_fssdp.planner.plan import DispatchPlan
 
@@ -88,9 +89,12 @@ class TokenDispatcher:
 
     def run_pipelined(self, x_TH: torch.Tensor, weights_TK: torch.Tensor, r, *, experts, degrees: tuple) -> torch.Tensor:
         """:meth:`run` with the exchange chunked at ``degrees`` (forward, backward) and pipelined
-        with the expert compute (``moe/pipeline.py``)."""
-        if isinstance(r, DedupRoute):  # TODO(integration): one copy per destination inside the chunks
-            r = r.route
+        with the expert compute (``moe/pipeline.py``); a :class:`DedupRoute` sends one row per
+        (token, destination) in the chunks (its relay hop, if any, unchunked first)."""
+        if isinstance(r, DedupRoute):
+            return pipelined_dispatch_compute_combine_dedup(x_TH, weights_TK, r, experts=experts, degrees=degrees,
+                                                            groups=self.exchange, rank=self.rank, world=self.world,
+                                                            exchange=self._exchange)
         return pipelined_dispatch_compute_combine(x_TH, weights_TK, r, experts=experts, degrees=degrees,
                                                   groups=self.exchange, rank=self.rank, world=self.world)
 

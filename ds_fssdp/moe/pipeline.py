@@ -26,7 +26,14 @@ per expert, f / b the forward / backward degrees.
   (``source.rematerialized()``), recomputes each atom and hands the summed replica gradient to
   ``source.replica_grad_ready`` once.
 
-Degree (1, 1) is not this module: the layer runs ``compute.dispatch_compute_combine`` unchanged.
+* **One copy per destination** (:func:`pipelined_dispatch_compute_combine_dedup`): the chunks
+  carry the last hop's unique rows (one per (token, destination)); a relay hop, if any, runs
+  unchunked before (its return after); the gate weights cross once per hop, unchunked, with
+  autograd; each unit expands its received rows, computes and combines them with their weights
+  (``compute.expand_received`` / ``combine_received``) before its combine exchange.
+
+Degree (1, 1) is not this module: the layer runs ``compute.dispatch_compute_combine`` (or its
+``_dedup`` form) unchanged.
 """
 from __future__ import annotations
 
@@ -40,6 +47,7 @@ import torch
 from deepspeed import comm as dist
 
 from ds_fssdp import ops
+from ds_fssdp.moe.compute import combine_received, expand_received
 from ds_fssdp.ops.lora import LoraFactors
 
 
@@ -72,11 +80,16 @@ class ChunkPlan:
     """The cuts of one dispatch (this rank's view), computed once per forward on the host.
 
     ``units[a]`` for atom a (and ``units[-1]`` for the local rows): the compute-order positions'
-    receive rows (long [n]) and its rows per local slot (list [S])."""
+    receive rows (long [n]), its rows per local slot (list [S]) and None; with ``expand``: its
+    received rows (long [u]), its rows per local slot and its ``(token_c, rows_uk)`` tables
+    (:func:`_expanded_units`)."""
 
-    def __init__(self, *, rank: int, degrees: tuple, send_splits: list, recv_splits: list, group_perm: torch.Tensor,
-                 group_sizes: list, device=None):
-        """``device``: where the receive positions live (the rows' device; one copy each)."""
+    def __init__(self, *, rank: int, degrees: tuple, send_splits: list, recv_splits: list,
+                 group_perm: torch.Tensor | None, group_sizes: list, device=None, expand: tuple | None = None):
+        """``device``: where the receive positions live (the rows' device; one copy each).
+        ``expand``: one copy per destination's receiver tables ``(rows_UK, token_C)``
+        (``moe/dedup.py``; the splits are then the unique rows'): each unit's received rows expand
+        to their compute rows (``group_perm`` unused)."""
         self.rank, self.degrees = rank, tuple(int(d) for d in degrees)
         self.cuts = atom_cuts(*self.degrees)
         self.send_splits, self.recv_splits = [int(n) for n in send_splits], [int(n) for n in recv_splits]
@@ -93,8 +106,11 @@ class ChunkPlan:
         j_R = torch.arange(src_R.numel()) - torch.tensor(self.recv_off, dtype=torch.long)[src_R]
         unit_R = torch.searchsorted(cuts_DA[src_R], j_R[:, None], right=True).squeeze(1)
         unit_R[src_R == rank] = A
-        perm_C = group_perm.to("cpu", torch.long)
         slot_C = torch.repeat_interleave(torch.arange(S), torch.tensor(group_sizes, dtype=torch.long))
+        if expand is not None:
+            self.units = _expanded_units(unit_R, slot_C, *expand, A=A, S=S, device=device)
+            return
+        perm_C = group_perm.to("cpu", torch.long)
         unit_C = unit_R[perm_C]
         order = torch.sort(unit_C, stable=True).indices  # compute order kept inside a unit
         counts = torch.bincount(unit_C, minlength=A + 1).tolist()
@@ -102,7 +118,7 @@ class ChunkPlan:
         start = 0
         for n in counts:
             pos = order[start:start + n]
-            self.units.append((perm_C[pos].to(device), torch.bincount(slot_C[pos], minlength=S).tolist()))
+            self.units.append((perm_C[pos].to(device), torch.bincount(slot_C[pos], minlength=S).tolist(), None))
             start += n
 
     def chunk(self, degree: int, i: int) -> tuple:
@@ -121,6 +137,28 @@ class ChunkPlan:
         """This rank's own block ``[lo, hi)`` in the send or receive buffer."""
         splits, off = (self.send_splits, self.send_off) if side == "send" else (self.recv_splits, self.recv_off)
         return off[self.rank], off[self.rank] + splits[self.rank]
+
+
+def _expanded_units(unit_U: torch.Tensor, slot_C: torch.Tensor, rows_UK: torch.Tensor, token_C: torch.Tensor, *,
+                    A: int, S: int, device) -> list:
+    """Per unit (atoms, then the local rows): its received rows (ascending), its rows per local
+    slot, and its own ``expand_received`` tables ``(token_c, rows_uk)`` over those rows and its
+    compute rows (compute order kept: a compute row belongs to the unit of the row it expands from)."""
+    rows_UK, token_C = rows_UK.to("cpu", torch.long), token_C.to("cpu", torch.long)
+    unit_C = unit_U[token_C]
+    local_U = torch.full((unit_U.numel(), ), -1, dtype=torch.long)
+    local_C = torch.full((unit_C.numel(), ), -1, dtype=torch.long)
+    units = []
+    for a in range(A + 1):
+        u = torch.nonzero(unit_U == a).flatten()
+        c = torch.nonzero(unit_C == a).flatten()
+        local_U[u] = torch.arange(u.numel())
+        local_C[c] = torch.arange(c.numel())
+        rows_uk = rows_UK[u]
+        rows_uk = torch.where(rows_uk >= 0, local_C[rows_uk.clamp(min=0)], -1) if c.numel() else rows_uk.clone()
+        units.append((u.to(device), torch.bincount(slot_C[c], minlength=S).tolist(),
+                      (local_U[token_C[c]].to(device), rows_uk.to(device))))
+    return units
 
 
 def _offsets(splits: list) -> list:
@@ -221,18 +259,29 @@ class PipelineExperts:
         return (lambda x_RH, sizes: fn(x_RH, weights, sizes)), weights, leaves
 
 
+def _unit_fn(fn, x, w, sizes: list, tables) -> torch.Tensor:
+    """One unit's expert compute: rows -> rows, or with one copy per destination (``tables``)
+    received rows -> expanded compute rows -> one gate-weighted row per received row."""
+    if tables is None:
+        return fn(x, sizes)
+    token_c, rows_uk = tables
+    return combine_received(fn(expand_received(x, token_c, rows_uk), sizes), rows_uk, w)
+
+
 class PipelinedExperts(torch.autograd.Function):
     """send_RH (send order) -> y_sent_RH (send order): dispatch, expert compute, combine in chunks.
 
-    Interface (for the integrator of per-chunk expansion, e.g. one copy per destination): the
-    exchanged unit is a chunk of each (source, destination) pair's rows cut by :class:`ChunkPlan`;
-    the received rows are grouped per atom through ``plan.units`` (receive positions and rows per
-    local slot); a per-chunk expand would replace the receive positions by expanded ones and the
-    combine send by its sum."""
+    The exchanged unit is a chunk of each (source, destination) pair's rows cut by
+    :class:`ChunkPlan`; the received rows are grouped per atom through ``plan.units``. With one
+    copy per destination (the plan's ``expand``), ``w_recv_UK`` holds the received rows' gate
+    weights (receive order, an autograd input): each unit expands its received rows to its compute
+    rows (``compute.expand_received``), runs the grouped GEMM and combines its outputs into one row
+    per received row (``compute.combine_received``) before the unit's combine exchange; otherwise
+    ``w_recv_UK`` is None and each compute row returns as it is."""
 
     @staticmethod
-    def forward(ctx, send_RH, plan: ChunkPlan, experts: PipelineExperts, groups: ExchangeGroups, world: int,
-                record: bool, *tensors):
+    def forward(ctx, send_RH, w_recv_UK, plan: ChunkPlan, experts: PipelineExperts, groups: ExchangeGroups,
+                world: int, record: bool, *tensors):
         f, _ = plan.degrees
         rank = plan.rank
         H = send_RH.shape[1:]
@@ -245,17 +294,19 @@ class PipelinedExperts(torch.autograd.Function):
         graphs = {}
 
         def compute(u: int) -> None:
-            pos, sizes = plan.units[u]
+            pos, sizes, tables = plan.units[u]
             if pos.numel() == 0:
                 return
             x = x_recv.index_select(0, pos)
+            w = None if w_recv_UK is None else w_recv_UK.detach().index_select(0, pos)
             if keep:
                 x.requires_grad_(True)
+                w = None if w is None else w.requires_grad_(True)
                 with torch.enable_grad():
-                    y = fn(x, sizes)
-                graphs[u] = (x, y)
+                    y = _unit_fn(fn, x, w, sizes, tables)
+                graphs[u] = (x, w, y)
             else:
-                y = fn(x, sizes)
+                y = _unit_fn(fn, x, w, sizes, tables)
             y_recv.index_copy_(0, pos, y.detach())
 
         # Identity hooks: this Function's own graphs keep their tensors (an enclosing checkpoint's
@@ -290,6 +341,9 @@ class PipelinedExperts(torch.autograd.Function):
         ctx.experts = dataclasses.replace(experts, replica=None) if experts.remat else experts
         ctx.graphs, ctx.weights, ctx.lora_leaves, ctx.leaves = graphs, (weights if keep else None), lora_leaves, leaves
         ctx.x_recv = None if keep else x_recv  # re-materialization recomputes from the inputs
+        ctx.w_recv = None if keep or w_recv_UK is None else w_recv_UK.detach()
+        ctx.has_w, ctx.needs_w = w_recv_UK is not None, w_recv_UK is not None and w_recv_UK.requires_grad
+        ctx.w_meta = None if w_recv_UK is None else (w_recv_UK.shape, w_recv_UK.dtype)
         ctx.needs = [t.requires_grad for t in tensors]
         return y_sent
 
@@ -302,6 +356,9 @@ class PipelinedExperts(torch.autograd.Function):
         dy_recv = dy_sent.new_empty((sum(plan.recv_splits), ) + tuple(dy_sent.shape[1:]))
         dx_recv = torch.empty_like(dy_recv)
         dx_send = torch.empty_like(dy_sent)
+        dw_recv = None
+        if ctx.has_w:  # every received row belongs to one unit: all of it is written
+            dw_recv = torch.empty(ctx.w_meta[0], dtype=ctx.w_meta[1], device=dy_sent.device)
         graphs, weights, lora_leaves = ctx.graphs, ctx.weights, ctx.lora_leaves
         if experts.remat:  # fetch the replicas once, rebuild the weights' graph once
             replica = experts.source.rematerialized().detach().requires_grad_(experts.rows.requires_grad)
@@ -314,26 +371,31 @@ class PipelinedExperts(torch.autograd.Function):
         sums = [None] * len(targets)
 
         def grads(units: list) -> None:
-            xs, ys, gs = [], [], []
+            xs, ws, ys, gs = [], [], [], []
             for u in units:
-                pos, sizes = plan.units[u]
+                pos, sizes, tables = plan.units[u]
                 if pos.numel() == 0:
                     continue
                 if experts.remat:
                     with torch.enable_grad():
                         x = ctx.x_recv.index_select(0, pos).requires_grad_(True)
-                        y = fn(x, sizes)
+                        w = None if not ctx.has_w else ctx.w_recv.index_select(0, pos).requires_grad_(True)
+                        y = _unit_fn(fn, x, w, sizes, tables)
                 else:
-                    x, y = graphs.pop(u)
+                    x, w, y = graphs.pop(u)
                 xs.append((x, pos))
+                if w is not None:
+                    ws.append((w, pos))
                 ys.append(y)
                 gs.append(dy_recv.index_select(0, pos))
             if not ys:
                 return
-            out = torch.autograd.grad(ys, [x for x, _ in xs] + targets, gs, allow_unused=True)
-            for (x, pos), g in zip(xs, out[:len(xs)]):
-                dx_recv.index_copy_(0, pos, g if g is not None else torch.zeros_like(x))
-            for j, g in enumerate(out[len(xs):]):
+            leaves = [x for x, _ in xs] + [w for w, _ in ws]
+            out = torch.autograd.grad(ys, leaves + targets, gs, allow_unused=True)
+            dsts = [dx_recv] * len(xs) + [dw_recv] * len(ws)
+            for dst, (x, pos), g in zip(dsts, xs + ws, out[:len(leaves)]):
+                dst.index_copy_(0, pos, g if g is not None else torch.zeros_like(x))
+            for j, g in enumerate(out[len(leaves):]):
                 if g is not None:
                     sums[j] = g if sums[j] is None else sums[j] + g
 
@@ -376,8 +438,8 @@ class PipelinedExperts(torch.autograd.Function):
         for leaf, need in zip(lora_leaves, ctx.needs[k:]):
             g = by_target.get(id(leaf))
             out.append((g if g is not None else torch.zeros_like(leaf)) if need else None)
-        ctx.graphs = ctx.weights = ctx.x_recv = None
-        return (dx_send, None, None, None, None, None, *out)
+        ctx.graphs = ctx.weights = ctx.x_recv = ctx.w_recv = None
+        return (dx_send, dw_recv if ctx.needs_w else None, None, None, None, None, None, *out)
 
 
 def pipelined_dispatch_compute_combine(x_TH: torch.Tensor, weights_TK: torch.Tensor, route, *,
@@ -394,5 +456,42 @@ def pipelined_dispatch_compute_combine(x_TH: torch.Tensor, weights_TK: torch.Ten
                      group_perm=route.group_perm, group_sizes=route.group_sizes, device=dev)
     tensors = experts.inputs()
     record = torch.is_grad_enabled() and (send_RH.requires_grad or any(t.requires_grad for t in tensors))
-    y_sent_RH = PipelinedExperts.apply(send_RH, plan, experts, groups, world, record, *tensors)
+    y_sent_RH = PipelinedExperts.apply(send_RH, None, plan, experts, groups, world, record, *tensors)
     return ops.unpermute_combine(y_sent_RH, unsend_TK(), weights_TK)
+
+
+def pipelined_dispatch_compute_combine_dedup(x_TH: torch.Tensor, weights_TK: torch.Tensor, droute, *,
+                                             experts: PipelineExperts, degrees: tuple, groups: ExchangeGroups,
+                                             rank: int, world: int, exchange) -> torch.Tensor:
+    """``compute.dispatch_compute_combine_dedup`` with the last hop chunked at ``degrees``: one row
+    per (token, destination) crosses in the chunks. With two hops (``droute.hops``: to the relay
+    in the destination's node, then inside it) the relay hop runs unchunked first through
+    ``exchange`` (the whole group's all-to-all, with autograd), as its return does last; the last
+    hop's rows go through :class:`PipelinedExperts` with their receiver's tables. The gate weights
+    of each hop's rows (zero on the slots a row does not carry there) cross in one unchunked
+    all-to-all per hop (K values per row, with autograd) before the chunks; the receiver applies
+    them per unit, so the return carries one row per received row and each hop's sender sums a
+    token's partial rows over its destinations (destination order)."""
+    dev = x_TH.device
+    x_RH, w_RK = x_TH, weights_TK
+    *relay_hops, last = droute.hops
+    for hop in relay_hops:
+        token_U, uniq_TK = hop.token_U.to(dev), hop.uniq_TK.to(dev)
+        x_RH = exchange(ops.permute_tokens(x_RH, token_U, uniq_TK), hop.recv_splits, hop.splits)
+        w_UK = torch.where(hop.mask_UK.to(dev), ops.permute_tokens(w_RK, token_U, uniq_TK), 0)
+        w_RK = exchange(w_UK, hop.recv_splits, hop.splits)
+    token_U, uniq_TK = last.token_U.to(dev), last.uniq_TK.to(dev)
+    send_UH = ops.permute_tokens(x_RH, token_U, uniq_TK)
+    w_recv_UK = exchange(torch.where(last.mask_UK.to(dev), ops.permute_tokens(w_RK, token_U, uniq_TK), 0),
+                         last.recv_splits, last.splits)
+    plan = ChunkPlan(rank=rank, degrees=degrees, send_splits=last.splits, recv_splits=last.recv_splits,
+                     group_perm=None, group_sizes=droute.route.group_sizes, device=dev,
+                     expand=(droute.rows_UK, droute.token_C))
+    tensors = experts.inputs()
+    record = torch.is_grad_enabled() and (send_UH.requires_grad or w_recv_UK.requires_grad
+                                          or any(t.requires_grad for t in tensors))
+    out_RH = PipelinedExperts.apply(send_UH, w_recv_UK, plan, experts, groups, world, record, *tensors)
+    out_RH = ops.unpermute_combine(out_RH, uniq_TK)
+    for hop in reversed(relay_hops):
+        out_RH = ops.unpermute_combine(exchange(out_RH, hop.splits, hop.recv_splits), hop.uniq_TK.to(dev))
+    return out_RH

@@ -9,7 +9,8 @@ Three parts, each with one job (Megatron-Core's router / dispatcher / experts):
 * the replica manager (``moe/replicas.py``): owned rows, gathers, reduces, re-materialization,
   memory accounting;
 * the token dispatcher (``moe/dispatcher.py``): route plus ``compute.dispatch_compute_combine``
-  (with ``one_copy_per_destination``: ``dispatch_compute_combine_dedup``).
+  (with ``one_copy_per_destination``: ``dispatch_compute_combine_dedup``; at pipeline degrees
+  other than (1, 1) their chunked forms in ``moe/pipeline.py``).
 
 What changes per step (the policy's planner, the clock: t and calibration's latency budget,
 DeepSpeed's timers) comes from ``context()``, a callable the stage passes in; nothing is set on
