@@ -103,7 +103,8 @@ def train_worker(rank, world, runs: dict, steps: int):
                 keys = ("shadowed", "calibration", "overlap_degree", "straggler", "pipeline_degree_fwd",
                         "pipeline_degree_bwd", "a2a_bytes_saved")
                 layer_stats.append([{k: l.last_stats.get(k) for k in keys} for l in model.moe_layers()])
-                decisions.append([(list(l.sharded.last_decision.degrees), l.sharded.last_decision.traffic_DD.tolist())
+                decisions.append([None if l.sharded.last_decision is None else
+                                  (list(l.sharded.last_decision.degrees), l.sharded.last_decision.traffic_DD.tolist())
                                   for l in model.moe_layers()])
                 engine.step()
                 losses.append(loss.item())
