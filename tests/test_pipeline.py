@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from distributed import spawn
+from layer_cases import model_forward, rank_inputs
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # spawns ranks (about 2 minutes)
 
@@ -58,26 +59,6 @@ def placements(case, world, n):
     return out
 
 
-def rank_inputs(case, rank):
-    gen = torch.Generator().manual_seed(1000 * case["seed"] + rank)
-    T = case["tokens"][rank]
-    return torch.randn(T, H, generator=gen), torch.randn(T, H, generator=gen)
-
-
-def model_forward(layers, x, ckpt):
-    def run(x):
-        l_aux = 0.0
-        for layer in layers:
-            x, aux, _ = layer(x)
-            l_aux = l_aux + aux
-        return x, l_aux
-    if ckpt == "torch":
-        return torch.utils.checkpoint.checkpoint(run, x, use_reentrant=False)
-    if ckpt == "reentrant":
-        return torch.utils.checkpoint.checkpoint(run, x, use_reentrant=True)
-    return run(x)
-
-
 def _worker(rank, world, cases):
     from ds_fssdp import Topology
     from ds_fssdp.moe.sharded import ShardedExperts, ShardOptions, chain, default_context
@@ -105,7 +86,7 @@ def _worker(rank, world, cases):
             layer.attach_sharded(s)
             shards.append(s)
         chain(shards)
-        x, dy = rank_inputs(case, rank)
+        x, dy = rank_inputs(case, rank, H)
         x.requires_grad_(True)
         y, l_aux = model_forward(layers, x, case.get("ckpt"))
         ((y * dy).sum() + 0.1 * l_aux).backward()
@@ -128,7 +109,7 @@ def _reference(case, world):
     for rank in range(world):
         for layer in layers:
             layer.zero_grad()
-        x, dy = rank_inputs(case, rank)
+        x, dy = rank_inputs(case, rank, H)
         x.requires_grad_(True)
         y, l_aux = model_forward(layers, x, None)
         ((y * dy).sum() + 0.1 * l_aux).backward()

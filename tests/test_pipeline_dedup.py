@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from distributed import spawn
+from layer_cases import model_forward, rank_inputs
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # spawns ranks (about a minute)
 
@@ -50,22 +51,6 @@ def placement(case, world, layer):
     gen = torch.Generator().manual_seed(100 * case["seed"] + layer)
     owner_E = torch.tensor(case["owner"])
     return owner_E, shard_placement(owner_E, world) | (torch.rand(case["E"], world, generator=gen) < 0.3)
-
-
-def rank_inputs(case, rank):
-    gen = torch.Generator().manual_seed(1000 * case["seed"] + rank)
-    T = case["tokens"][rank]
-    return torch.randn(T, H, generator=gen), torch.randn(T, H, generator=gen)
-
-
-def model_forward(layers, x, ckpt):
-    def run(x):
-        l_aux = 0.0
-        for layer in layers:
-            x, aux, _ = layer(x)
-            l_aux = l_aux + aux
-        return x, l_aux
-    return torch.utils.checkpoint.checkpoint(run, x, use_reentrant=False) if ckpt else run(x)
 
 
 class RowCounter:
@@ -119,7 +104,7 @@ def _worker(rank, world, cases):
             layer.attach_sharded(s)
             shards.append(s)
         chain(shards)
-        x, dy = rank_inputs(case, rank)
+        x, dy = rank_inputs(case, rank, H)
         x.requires_grad_(True)
         with RowCounter(rank, world) as counter:
             y, l_aux = model_forward(layers, x, case.get("ckpt"))
@@ -147,7 +132,7 @@ def _reference(case, world):
     for rank in range(world):
         for layer in layers:
             layer.zero_grad()
-        x, dy = rank_inputs(case, rank)
+        x, dy = rank_inputs(case, rank, H)
         x.requires_grad_(True)
         y, l_aux = model_forward(layers, x, False)
         ((y * dy).sum() + 0.1 * l_aux).backward()

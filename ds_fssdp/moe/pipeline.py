@@ -131,7 +131,8 @@ class ChunkPlan:
         """Rows ``[lo, hi)`` of each peer's block between fractions q0 and q1 (None for this rank),
         in the send buffer (``side`` "send") or the receive buffer ("recv")."""
         splits, off = (self.send_splits, self.send_off) if side == "send" else (self.recv_splits, self.recv_off)
-        return [None if d == self.rank else (o + cut(n, q0), o + cut(n, q1)) for d, (o, n) in enumerate(zip(off, splits))]
+        return [None if d == self.rank else (o + cut(n, q0), o + cut(n, q1))
+                for d, (o, n) in enumerate(zip(off, splits))]
 
     def local(self, side: str) -> tuple:
         """This rank's own block ``[lo, hi)`` in the send or receive buffer."""
@@ -268,6 +269,38 @@ def _unit_fn(fn, x, w, sizes: list, tables) -> torch.Tensor:
     return combine_received(fn(expand_received(x, token_c, rows_uk), sizes), rows_uk, w)
 
 
+
+def run_chunks(plan: ChunkPlan, degree: int, groups: ExchangeGroups, world: int, src_RH: torch.Tensor,
+               recv_RH: torch.Tensor, back_recv_RH: torch.Tensor, back_sent_RH: torch.Tensor, work) -> None:
+    """One direction of the chunked schedule, in ``planner/schedule.py``'s order: chunk 1 of
+    ``src_RH`` (send order) is launched, this rank's own rows are copied into ``recv_RH`` (receive
+    order) and worked on while it flies; then per chunk i: launch chunk i + 1, land chunk i, ``work``
+    its atoms (``work(units)`` fills ``back_recv_RH`` at their rows), send their results back into
+    ``back_sent_RH`` (send order); every return landed at the end. The forward sends rows and
+    returns outputs; the backward sends output gradients and returns input gradients."""
+    rank = plan.rank
+    q0, q1, _ = plan.chunk(degree, 0)
+    pending = start_exchange(groups, rank, world, src_RH, plan.ranges("send", q0, q1), plan.ranges("recv", q0, q1))
+    (slo, shi), (rlo, rhi) = plan.local("send"), plan.local("recv")
+    recv_RH[rlo:rhi].copy_(src_RH[slo:shi])
+    work([len(plan.units) - 1])  # the local rows, while chunk 1 is in flight
+    back_sent_RH[slo:shi].copy_(back_recv_RH[rlo:rhi])
+    returns = []
+    for i in range(degree):
+        q0, q1, atoms = plan.chunk(degree, i)
+        nxt = None
+        if i + 1 < degree:
+            n0, n1, _ = plan.chunk(degree, i + 1)
+            nxt = start_exchange(groups, rank, world, src_RH, plan.ranges("send", n0, n1), plan.ranges("recv", n0, n1))
+        pending.land(recv_RH)
+        work(atoms)
+        returns.append(start_exchange(groups, rank, world, back_recv_RH, plan.ranges("recv", q0, q1),
+                                      plan.ranges("send", q0, q1)))
+        pending = nxt
+    for r in returns:
+        r.land(back_sent_RH)
+
+
 class PipelinedExperts(torch.autograd.Function):
     """send_RH (send order) -> y_sent_RH (send order): dispatch, expert compute, combine in chunks.
 
@@ -283,7 +316,6 @@ class PipelinedExperts(torch.autograd.Function):
     def forward(ctx, send_RH, w_recv_UK, plan: ChunkPlan, experts: PipelineExperts, groups: ExchangeGroups,
                 world: int, record: bool, *tensors):
         f, _ = plan.degrees
-        rank = plan.rank
         H = send_RH.shape[1:]
         x_recv = send_RH.new_empty((sum(plan.recv_splits), ) + tuple(H))
         y_recv = torch.empty_like(x_recv)
@@ -313,28 +345,8 @@ class PipelinedExperts(torch.autograd.Function):
         # hooks would otherwise replace them; its recompute replays the whole Function instead).
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), torch.set_grad_enabled(keep):
             fn, weights, lora_leaves = experts.build(leaves, replica)
-            pending = start_exchange(groups, rank, world, send_RH, plan.ranges("send", *plan.chunk(f, 0)[:2]),
-                                     plan.ranges("recv", *plan.chunk(f, 0)[:2]))
-            (slo, shi), (rlo, rhi) = plan.local("send"), plan.local("recv")
-            x_recv[rlo:rhi].copy_(send_RH[slo:shi])
-            compute(len(plan.units) - 1)  # the local rows, while chunk 1 is in flight
-            y_sent[slo:shi].copy_(y_recv[rlo:rhi])
-            combines = []
-            for i in range(f):
-                q0, q1, atoms = plan.chunk(f, i)
-                nxt = None
-                if i + 1 < f:
-                    n0, n1, _ = plan.chunk(f, i + 1)
-                    nxt = start_exchange(groups, rank, world, send_RH, plan.ranges("send", n0, n1),
-                                         plan.ranges("recv", n0, n1))
-                pending.land(x_recv)
-                for a in atoms:
-                    compute(a)
-                combines.append(start_exchange(groups, rank, world, y_recv, plan.ranges("recv", q0, q1),
-                                               plan.ranges("send", q0, q1)))
-                pending = nxt
-            for c in combines:
-                c.land(y_sent)
+            run_chunks(plan, f, groups, world, send_RH, x_recv, y_recv, y_sent,
+                       lambda units: [compute(u) for u in units])
         # Under RM nothing here may keep the replicas alive until the backward (the weights' views
         # hold a copy of them, ``experts.replica`` is the forward's buffer).
         ctx.plan, ctx.groups, ctx.world = plan, groups, world
@@ -351,7 +363,6 @@ class PipelinedExperts(torch.autograd.Function):
     def backward(ctx, dy_sent):
         plan, experts, groups, world = ctx.plan, ctx.experts, ctx.groups, ctx.world
         _, b = plan.degrees
-        rank = plan.rank
         dy_sent = dy_sent.contiguous()
         dy_recv = dy_sent.new_empty((sum(plan.recv_splits), ) + tuple(dy_sent.shape[1:]))
         dx_recv = torch.empty_like(dy_recv)
@@ -399,27 +410,7 @@ class PipelinedExperts(torch.autograd.Function):
                 if g is not None:
                     sums[j] = g if sums[j] is None else sums[j] + g
 
-        pending = start_exchange(groups, rank, world, dy_sent, plan.ranges("send", *plan.chunk(b, 0)[:2]),
-                                 plan.ranges("recv", *plan.chunk(b, 0)[:2]))
-        (slo, shi), (rlo, rhi) = plan.local("send"), plan.local("recv")
-        dy_recv[rlo:rhi].copy_(dy_sent[slo:shi])
-        grads([len(plan.units) - 1])
-        dx_send[slo:shi].copy_(dx_recv[rlo:rhi])
-        returns = []
-        for j in range(b):
-            q0, q1, atoms = plan.chunk(b, j)
-            nxt = None
-            if j + 1 < b:
-                n0, n1, _ = plan.chunk(b, j + 1)
-                nxt = start_exchange(groups, rank, world, dy_sent, plan.ranges("send", n0, n1),
-                                     plan.ranges("recv", n0, n1))
-            pending.land(dy_recv)
-            grads(atoms)
-            returns.append(start_exchange(groups, rank, world, dx_recv, plan.ranges("recv", q0, q1),
-                                          plan.ranges("send", q0, q1)))
-            pending = nxt
-        for r in returns:
-            r.land(dx_send)
+        run_chunks(plan, b, groups, world, dy_sent, dy_recv, dx_recv, dx_send, grads)
         # Weight gradients: named [S + R, ...] sums -> rows; LoRA leaves as they are.
         by_target = {id(t): g for t, g in zip(targets, sums)}
         named = {n: (by_target.get(id(t)) if by_target.get(id(t)) is not None else torch.zeros_like(t))
