@@ -59,6 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--zipf", type=float, default=1.2)
+    p.add_argument("--budget", type=int, default=2, help="fssdp.materialization_budget (m)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeats", type=int, default=5, help="timed repeats of each cost-fit measurement")
@@ -88,7 +89,7 @@ def arms(args) -> list:
 
 
 def ds_config(args, policy: str, degree) -> dict:
-    fssdp = {"policy": policy, "materialization_budget": 2, "overlap_degree": 4, "cost_refresh_interval": 0,
+    fssdp = {"policy": policy, "materialization_budget": args.budget, "overlap_degree": 4, "cost_refresh_interval": 0,
              "metrics_csv": None}
     fssdp["pipeline_degree"] = {"forward": degree[0], "backward": degree[1]} if isinstance(degree, tuple) else degree
     return {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
