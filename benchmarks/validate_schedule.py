@@ -149,6 +149,8 @@ def run_arm(args, rank, policy, degree, upfront):
     model = GPTMoE(model_cfg(args, GPTMoEConfig))
     spec = model.moe_layers()[0].spec
     engine, *_ = ds_fssdp.initialize(model=model, config=ds_config(args, policy, degree))
+    for layer in engine.fssdp.shards:
+        layer.timings.enabled = True  # the spans are what this script measures (no refits here)
     data = batches(args, rank)
     measured, loads, chosen, rounds = [], [], [], []
     for step in range(args.warmup + args.steps):

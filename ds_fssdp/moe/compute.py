@@ -70,6 +70,15 @@ def combine_received(y_CH: torch.Tensor, rows_UK: torch.Tensor, weights_UK: torc
     return ops.unpermute_combine(y_CH, rows_UK, weights_UK)
 
 
+def hop_buffers(x_RH: torch.Tensor, w_RK: torch.Tensor, hop) -> tuple:
+    """One hop's send buffers (``moe/dedup.Hop``): one row per (input row, destination) and its gate
+    weights, which travel with it (with autograd), zero on the slots the row does not carry there."""
+    dev = x_RH.device
+    token_U, uniq_TK = hop.token_U.to(dev), hop.uniq_TK.to(dev)
+    w_UK = torch.where(hop.mask_UK.to(dev), ops.permute_tokens(w_RK, token_U, uniq_TK), 0)
+    return ops.permute_tokens(x_RH, token_U, uniq_TK), w_UK
+
+
 def dispatch_compute_combine_dedup(x_TH: torch.Tensor, weights_TK: torch.Tensor, droute: DedupRoute, *,
                                    expert_fn: ExpertFn, exchange: Exchange) -> torch.Tensor:
     """:func:`dispatch_compute_combine` with one copy per destination (over one or two hops): the
@@ -79,11 +88,8 @@ def dispatch_compute_combine_dedup(x_TH: torch.Tensor, weights_TK: torch.Tensor,
     dev = x_TH.device
     x_RH, w_RK = x_TH, weights_TK
     for hop in droute.hops:
-        token_U, uniq_TK = hop.token_U.to(dev), hop.uniq_TK.to(dev)
-        x_RH = exchange(ops.permute_tokens(x_RH, token_U, uniq_TK), hop.recv_splits, hop.splits)
-        # The gate weights travel with their rows (with autograd), zero on the slots the row does
-        # not carry to this destination.
-        w_UK = torch.where(hop.mask_UK.to(dev), ops.permute_tokens(w_RK, token_U, uniq_TK), 0)
+        send_UH, w_UK = hop_buffers(x_RH, w_RK, hop)
+        x_RH = exchange(send_UH, hop.recv_splits, hop.splits)
         w_RK = exchange(w_UK, hop.recv_splits, hop.splits)
     rows_UK, token_C = droute.rows_UK.to(dev), droute.token_C.to(dev)
     y_CH = expert_fn(expand_received(x_RH, token_C, rows_UK), droute.route.group_sizes)

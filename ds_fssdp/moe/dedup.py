@@ -63,9 +63,9 @@ class DedupRoute:
     rows_UK: torch.Tensor  # long [U_recv, K]
     token_C: torch.Tensor  # long [C]
 
-    def rows_moved(self) -> int:
-        """Rows that changed rank, over every hop, over the group."""
-        return sum(int(h.uniq_DD.sum() - h.uniq_DD.diagonal().sum()) for h in self.hops)
+    def rows_moved(self) -> list:
+        """Rows that changed rank over the group, per hop."""
+        return [int(h.uniq_DD.sum() - h.uniq_DD.diagonal().sum()) for h in self.hops]
 
 
 def slot_targets(route: Route, num_tokens: int, k: int, offset_D: torch.Tensor) -> tuple:

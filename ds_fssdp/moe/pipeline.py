@@ -47,7 +47,7 @@ import torch
 from deepspeed import comm as dist
 
 from ds_fssdp import ops
-from ds_fssdp.moe.compute import combine_received, expand_received
+from ds_fssdp.moe.compute import combine_received, expand_received, hop_buffers
 from ds_fssdp.ops.lora import LoraFactors
 
 
@@ -467,14 +467,11 @@ def pipelined_dispatch_compute_combine_dedup(x_TH: torch.Tensor, weights_TK: tor
     x_RH, w_RK = x_TH, weights_TK
     *relay_hops, last = droute.hops
     for hop in relay_hops:
-        token_U, uniq_TK = hop.token_U.to(dev), hop.uniq_TK.to(dev)
-        x_RH = exchange(ops.permute_tokens(x_RH, token_U, uniq_TK), hop.recv_splits, hop.splits)
-        w_UK = torch.where(hop.mask_UK.to(dev), ops.permute_tokens(w_RK, token_U, uniq_TK), 0)
+        send_UH, w_UK = hop_buffers(x_RH, w_RK, hop)
+        x_RH = exchange(send_UH, hop.recv_splits, hop.splits)
         w_RK = exchange(w_UK, hop.recv_splits, hop.splits)
-    token_U, uniq_TK = last.token_U.to(dev), last.uniq_TK.to(dev)
-    send_UH = ops.permute_tokens(x_RH, token_U, uniq_TK)
-    w_recv_UK = exchange(torch.where(last.mask_UK.to(dev), ops.permute_tokens(w_RK, token_U, uniq_TK), 0),
-                         last.recv_splits, last.splits)
+    send_UH, w_UK = hop_buffers(x_RH, w_RK, last)
+    w_recv_UK = exchange(w_UK, last.recv_splits, last.splits)
     plan = ChunkPlan(rank=rank, degrees=degrees, send_splits=last.splits, recv_splits=last.recv_splits,
                      group_perm=None, group_sizes=droute.route.group_sizes, device=dev,
                      expand=(droute.rows_UK, droute.token_C))
@@ -482,7 +479,7 @@ def pipelined_dispatch_compute_combine_dedup(x_TH: torch.Tensor, weights_TK: tor
     record = torch.is_grad_enabled() and (send_UH.requires_grad or w_recv_UK.requires_grad
                                           or any(t.requires_grad for t in tensors))
     out_RH = PipelinedExperts.apply(send_UH, w_recv_UK, plan, experts, groups, world, record, *tensors)
-    out_RH = ops.unpermute_combine(out_RH, uniq_TK)
+    out_RH = ops.unpermute_combine(out_RH, last.uniq_TK.to(dev))
     for hop in reversed(relay_hops):
         out_RH = ops.unpermute_combine(exchange(out_RH, hop.splits, hop.recv_splits), hop.uniq_TK.to(dev))
     return out_RH

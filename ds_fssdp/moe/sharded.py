@@ -304,8 +304,7 @@ class ShardedExperts:
         self.stats["pipeline_degree_fwd"], self.stats["pipeline_degree_bwd"] = degrees
         self.stats.update({"gather_early_s": early_s, "gather_started_early": early_end is not None,
                            "next_gather_started_early": early_next})
-        self.stats.update(_dedup_stats(r, plan, ranks_per_node=self.topology.ranks_per_node,
-                                       token_bytes=x_TH.shape[1] * x_TH.element_size(),
+        self.stats.update(_dedup_stats(r, plan, ranks_per_node=self.topology.ranks_per_node, token_bytes=token_bytes,
                                        weight_bytes=weights_TK.element_size(), k=idx_TK.shape[1]))
         return out_TH, tokens_ED
 
@@ -456,7 +455,7 @@ def _dedup_stats(r, plan, *, ranks_per_node: int, token_bytes: int, weight_bytes
         return {"a2a_bytes_saved": 0, "a2a_bytes_saved_inter": 0, "a2a_meta_bytes": 0}
     node_D = torch.arange(r.hops[0].uniq_DD.shape[0]) // ranks_per_node
     off = node_D.unsqueeze(1) != node_D.unsqueeze(0)  # [s, d] in other nodes
-    moved = [int(h.uniq_DD.sum() - h.uniq_DD.diagonal().sum()) for h in r.hops]
+    moved = r.rows_moved()
     inter = sum(int(h.uniq_DD[off].sum()) for h in r.hops)
     moved_intra, moved_inter = plan.moved(ranks_per_node)
     widths = [k * 8 * (1 if i == len(r.hops) - 1 else 2) + k * weight_bytes for i in range(len(r.hops))]

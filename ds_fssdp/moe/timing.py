@@ -68,6 +68,9 @@ class LayerTimings:
         self.ranks_per_node = ranks_per_node
         self.spans = {k: deque(maxlen=capacity) for k in KINDS}  # (units, start, end[, minus])
         self._a2a_seen = 0  # exchanges recorded so far (spans["a2a"] keeps the last ``capacity``)
+        # Off: every method runs its function untimed (the stage switches it off when no refit
+        # reads the spans: fixed degrees, costs from fssdp.hardware, cost_refresh_interval 0).
+        self.enabled = True
 
     def samples(self, kind: str) -> list:
         """[(units, seconds)] of ``kind``, oldest first."""
@@ -122,11 +125,15 @@ class LayerTimings:
 
     def exchange(self, fn, x_RH: torch.Tensor, out_splits: list, in_splits: list) -> torch.Tensor:
         """``fn(x_RH)``, an all-to-all sending ``in_splits`` rows and receiving ``out_splits``."""
+        if not self.enabled:
+            return fn(x_RH)
         units = self.link_bytes(in_splits, out_splits, x_RH.shape[1] * x_RH.element_size())
         return self.timed(fn, x_RH, units, "a2a", "a2a")
 
     def expert_fn(self, expert_fn):
         """The expert function (rows grouped by local expert, group sizes) -> rows, timed."""
+        if not self.enabled:
+            return expert_fn
         def run(x_RH, group_sizes):
             return self.timed(lambda x: expert_fn(x, group_sizes), x_RH, (float(x_RH.shape[0]),), "gemm_fwd",
                               "gemm_bwd")
@@ -134,6 +141,8 @@ class LayerTimings:
 
     def layer(self, fn, x_TH: torch.Tensor, route) -> torch.Tensor:
         """``fn(x_TH)``: the layer's dispatch, compute and combine over ``route``."""
+        if not self.enabled:
+            return fn(x_TH)
         intra, inter = self.link_bytes(route.send_splits, route.recv_splits, x_TH.shape[1] * x_TH.element_size())
         local = float(route.recv_splits[self.rank])
         units = (intra, inter, local, float(sum(route.recv_splits)) - local)

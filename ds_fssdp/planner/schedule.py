@@ -95,43 +95,12 @@ class LayerLoad:
 def pipeline_time(costs: ScheduleCosts, load: LayerLoad, degree: int, *, backward: bool = False) -> float:
     """Modelled seconds of one direction of the layer's exchange + expert compute + exchange back
     at ``degree`` (the module docstring's schedule)."""
-    if degree < 1:
-        raise ValueError(f"pipeline degree ({degree}) must be >= 1")
-    factor = costs.backward_factor if backward else 1.0
-
-    def gemm(rows: float) -> float:
-        return factor * costs.gemm(rows)
-
-    if degree == 1:
-        x = costs.exchange(load.intra_bytes, load.inter_bytes)
-        return 2.0 * x + gemm(load.local_rows + load.remote_rows)
-    n = degree
-    x = costs.exchange(load.intra_bytes / n, load.inter_bytes / n)
-    g = gemm(load.remote_rows / n)
-    if not costs.concurrent:
-        return 2.0 * n * x + gemm(load.local_rows) + n * g
-    # Links in the order D1 D2 C1 D3 C2 ... Dn C(n-1) Cn; compute: local, then G1 .. Gn.
-    link, compute = 0.0, gemm(load.local_rows)
-    done_d = [0.0] * (n + 1)
-    done_g = [0.0] * (n + 1)
-    order = _link_order(n)
-    gi = 1
-    for kind, i in order:
-        if kind == "d":
-            link = link + x
-            done_d[i] = link
-        else:
-            while gi <= i:  # compute every chunk up to i (each after its dispatch)
-                compute = max(compute, done_d[gi]) + g
-                done_g[gi] = compute
-                gi += 1
-            link = max(link, done_g[i]) + x
-    return link
+    return float(pipeline_times(costs, [load], degree, backward=backward)[0])
 
 
 def pipeline_times(costs: ScheduleCosts, loads: list, degree: int, *, backward: bool = False) -> np.ndarray:
-    """:func:`pipeline_time` of every load at once (float64 [len(loads)]): the same operations in
-    the same order on arrays, so each entry equals the scalar function's value exactly."""
+    """:func:`pipeline_time` of every load at once (float64 [len(loads)]): the one implementation
+    of the modelled schedule."""
     if degree < 1:
         raise ValueError(f"pipeline degree ({degree}) must be >= 1")
     factor = costs.backward_factor if backward else 1.0
@@ -182,13 +151,8 @@ def _link_order(n: int) -> list:
 
 
 def choose_degree(costs: ScheduleCosts, load: LayerLoad, *, backward: bool, max_degree: int = MAX_DEGREE) -> int:
-    """The degree with the least :func:`pipeline_time` (the smaller on a tie)."""
-    best, best_s = 1, pipeline_time(costs, load, 1, backward=backward)
-    for n in range(2, max_degree + 1):
-        s = pipeline_time(costs, load, n, backward=backward)
-        if s < best_s * (1.0 - 1e-9):
-            best, best_s = n, s
-    return best
+    """The degree of one direction for one load (:func:`choose_degrees`' rule)."""
+    return choose_degrees(costs, [load], max_degree=max_degree)[1 if backward else 0]
 
 
 def layer_time(costs: ScheduleCosts, load: LayerLoad, degrees: tuple) -> float:

@@ -88,6 +88,7 @@ class FSSDPStage:
         self.gap_slice_bytes = [None] * len(self.layers)
         self._gap_loads = [None] * len(self.layers)
         self._gaps_started = []  # layers whose EDP reduce started during this step's backward
+        self._edp_reduce_s = 0.0  # the step's wait for the EDP reduces still in flight
         # The schedule's fitted costs (runtime/costfit.py): measured at attach, refitted every
         # cost_refresh_interval steps; equal on every rank.
         self.cost_fit = None
@@ -174,6 +175,9 @@ class FSSDPStage:
             self.profile["schedule_costs"] = dataclasses.asdict(self.schedule_costs)
             logger.info(f"fssdp: schedule costs fitted {self.schedule_costs} (relative error "
                         f"{self.cost_fit.error:.3f})")
+        refits = self.cost_fit is not None and bool(self.config.cost_refresh_interval)
+        for shard in self.shards:
+            shard.timings.enabled = refits  # the spans feed the refits only
         if engine.wall_clock_breakdown():
             self.timers = engine.timers
         if self.config.trace_path and dist.get_rank() == 0:
@@ -279,7 +283,7 @@ class FSSDPStage:
                           "replica_bytes_peak": self.memory.peak, "reshard_bytes_sent": resharded,
                           "replica_layers_peak": self.memory.layers_peak,
                           "edp_reduce_in_gaps": list(self._gaps_started),
-                          "edp_reduce_wait_s": getattr(self, "_edp_reduce_s", 0.0),
+                          "edp_reduce_wait_s": self._edp_reduce_s,
                           "edp_reduce_slice_bytes": list(self.gap_slice_bytes),
                           "cost_fit_error": self.cost_fit.error if self.cost_fit is not None else None}
         self.memory.reset_peak()

@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ds_fssdp.planner.cost import CostModel, Hardware, schedule_costs
-from ds_fssdp.planner.schedule import MAX_DEGREE, choose_degrees, link_busy, loads_from_traffic, pipeline_time
+from ds_fssdp.planner.schedule import MAX_DEGREE, choose_degrees, link_busy, loads_from_traffic, pipeline_times
 from ds_fssdp.sim.links import Links, distinct_fraction, traffic_links
 
 INTRA, INTER = 0, 1  # link classes (columns of the busy arrays)
@@ -124,8 +124,8 @@ class LayerSchedule:
             else:
                 deg = (opt.pipeline_degree, opt.pipeline_degree)
             degrees.append(deg)
-            fwd[b] = max(pipeline_time(self.costs, ld, deg[0]) for ld in unique)
-            bwd[b] = max(pipeline_time(self.costs, ld, deg[1], backward=True) for ld in unique)
+            fwd[b] = pipeline_times(self.costs, unique, deg[0]).max()
+            bwd[b] = pipeline_times(self.costs, unique, deg[1], backward=True).max()
             busy_f[b] = np.max([link_busy(self.costs, ld, deg[0]) for ld in unique], axis=0)
             busy_b[b] = np.max([link_busy(self.costs, ld, deg[1]) for ld in unique], axis=0)
         moe_B = links.rows_BN.max(1) * (3.0 * self.shape.row_flops / self.hw.flops)
