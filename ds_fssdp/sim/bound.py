@@ -1,32 +1,50 @@
 """A lower bound on the iteration time of a workload, under any policy the simulators model.
 
-Legend: L layers, E experts, B groups, N ranks of a group, d a source rank.
+Legend: L layers, E experts, B groups, N ranks of a group, G ranks per node in a group, n nodes
+of a group, d a source rank, R replicas per rank, S distinct experts per node, C choices (R, S).
 
-Per layer and group, each direction (forward; backward with twice the GEMM work) takes at least
+Per layer and group, each layer chooses c = (R, S): every rank holds at most R ephemeral
+replicas (gathered every step) and every node at most S distinct experts (S <= G (own + R)).
+A rank holds at most its owned ceil(E / N) experts, ``persistent`` replicas kept across steps
+(FlexMoE's slots) and its R, ``own`` in all, so it keeps at most its ``own`` largest experts'
+rows. Each direction's exchange + expert compute (forward; backward with twice the GEMM work)
+takes at least
 
-    max(balanced compute + latency, 2 latency + dispatch + combine of the rows that must leave a rank)
+    max(balanced compute + latency, 2 latency + dispatch + combine of what must leave)
 
 * balanced compute: the group's rows over its N ranks (no policy computes less on its slowest
   rank);
-* rows that must leave rank d: its rows on experts it cannot hold. A rank holds at most its
-  owned ceil(E / N) experts plus ``budget`` replicas per layer, so it keeps at most its
-  (ceil(E / N) + budget) largest experts' rows; the rest cross, each token at most once per
-  destination (so at least rows / k tokens), over the rank's two links together (intra-node and,
-  past one node, the whole node link), one startup each way; the combine cannot end before the
-  last chunk is computed and sent back (one startup after the compute);
+* what must leave a rank: its rows on experts it does not hold, over its two links together
+  (intra-node and, past one node, the whole node link); what must leave a node: its ranks' rows
+  on experts none of them holds, over the node link. Each token crosses at most once per
+  destination (:func:`leaving_bytes`: with the simulators' one copy per destination, a
+  destination of ``own`` experts takes at most the share of them of a source's rows);
+* one startup each way; the combine cannot end before the last chunk is computed and sent back
+  (one startup after the compute);
 
-plus each layer's attention forward and backward. The gradient all-reduce (dense over the world
-and, with several groups, each EDP group's owned experts, E L / N per rank: even owners move the
-least) can overlap the backward at most, never the forward: a group's bound is
+plus each layer's attention forward and backward. Ephemeral replicas move every step: R put R
+expert chunks on each holder's intra-node link, and a node's S less its free G (own - R) come in
+over its node link (:func:`~ds_fssdp.sim.links.sparse_collective_links`), one latency + the
+busier. The simulators charge layer l's gather g_l beyond its window, and the window is l's
+attention forward plus at most layer l - 1's forward exchange + compute m_{l-1} (``overlap_window``);
+calibration's gathers and FasterMoE's shadow broadcasts are charged whole. So the forward is at
+least
 
-    forward + max(backward, all-reduce)
+    sum_l max(attention + m_{l-1}, g_l) + m_{L-1}          (m_{-1} = 0)
 
-(under the serial accounting and under the schedule's gaps alike). Groups run their layers
-alone: the slowest group's. Per iteration, plus what every policy pays alike: the extra compute
-and the optimizer step of the most loaded rank with owners balanced over all layers
-(ceil(E L / N) experts). Replica gathers, re-shards, the count all-gather and planning may all be
-hidden or free, so they are not in the bound: where replicas must move (many kept experts, a
-slow link) the bound is loose.
+The gradient all-reduce (dense over the world and, with several groups, each EDP group's owned
+experts, E L / N per rank: even owners move the least) can overlap the backward at most, never
+the forward, and the replicas' reduce is not charged (a looser bound): a group's bound is the
+least over c_1..c_L of
+
+    forward + max(backward, all-reduce) >= forward + v backward + (1 - v) all-reduce
+
+for every v in [0, 1]. For a given v the least over c_1..c_L is a shortest path over the layers
+(:func:`chain_bound`: the pair terms couple only consecutive layers); the bound is the best over
+a grid of v with 0 and 1. Groups run their layers alone: the slowest group's. Per iteration, plus
+what every policy pays alike: the extra compute and the optimizer step of the most loaded rank
+with owners balanced over all layers (ceil(E L / N) experts). Re-shards, the count all-gather and
+planning may all be hidden or free, so they are not in the bound.
 """
 from __future__ import annotations
 
@@ -37,14 +55,20 @@ import numpy as np
 from ds_fssdp.sim.links import allreduce_links
 from ds_fssdp.sim.setup import GRAD_BYTES, OPT_TRAFFIC_BYTES, Setup
 
+WEIGHTS = np.linspace(0.0, 1.0, 11)  # the v grid of the backward / all-reduce relaxation
+
 
 class LowerBound:
     """Fed the world's ``tokens_LED`` step by step like a :class:`~ds_fssdp.sim.cluster.PolicyRun`;
-    ``result()``: mean seconds per timed step. ``budget``: the most replicas per rank per layer
-    any policy may hold; ``groups``: only the first this many groups (as the runs simulate)."""
+    ``result()``: mean seconds per timed step. ``budget``: the most ephemeral replicas per rank
+    per layer any policy may hold (gathered every step); ``persistent``: the most replicas per
+    rank per layer any policy keeps across steps (FlexMoE's slots; not gathered per step);
+    ``groups``: only the first this many groups (as the runs simulate)."""
 
-    def __init__(self, setup: Setup, *, group_size: int, budget: int, groups: int | None = None):
+    def __init__(self, setup: Setup, *, group_size: int, budget: int, groups: int | None = None,
+                 persistent: int = 0):
         self.setup, self.N, self.budget, self.groups = setup, group_size, max(0, budget), groups
+        self.persistent = max(0, persistent)
         self.total, self.counted = 0.0, 0
         self.allreduce_s = even_allreduce_s(setup, group_size)
 
@@ -54,30 +78,106 @@ class LowerBound:
         st, hw, N = self.setup, self.setup.hw, self.N
         L, E, D = tokens_LED.shape
         B = D // N if self.groups is None else min(D // N, self.groups)
-        attn_f = st.attention_fwd_s
+        G = min(N, st.topology.ranks_per_node)
+        n = N // G
+        attn_f, lat = st.attention_fwd_s, hw.latency
         g = st.shape.row_flops / hw.flops
-        keep = min(E, math.ceil(E / N) + self.budget)
-        two_nodes = N > st.topology.ranks_per_node
-        bw = hw.intra_bw + (hw.inter_bw if two_nodes else 0.0)
-        forward_B, backward_B = np.zeros(B), np.zeros(B)
+        psi, tb, k = float(st.shape.expert_bytes), float(st.shape.token_bytes), max(1, st.top_k)
+        base = math.ceil(E / N) + self.persistent  # experts a rank holds without a gather
+        R = np.arange(min(self.budget, E) + 1)
+        keep_R = np.minimum(E, base + R)
+        # A node's distinct experts: its ranks' free ones, and up to G R gathered (one node: none).
+        S = np.arange(min(E, G * base), min(E, G * (base + R[-1])) + 1) if n > 1 else np.zeros(1, dtype=np.int64)
+        fits_RS = (S[None, :] <= np.minimum(E, G * keep_R)[:, None]) if n > 1 else np.ones((R.size, 1), dtype=bool)
+        bw = hw.intra_bw + (hw.inter_bw if n > 1 else 0.0)
+        gather_RS = np.maximum(np.where(R > 0, lat + R * psi / hw.intra_bw, 0.0)[:, None],
+                               np.where(S > G * base, lat + (S - G * base) * psi / hw.inter_bw, 0.0)[None, :])
+        forward_LRSB = np.zeros((L, R.size, S.size, B))
+        backward_LRSB = np.zeros((L, R.size, S.size, B))
         for l in range(L):
             t_EBN = tokens_LED[l].reshape(E, D // N, N)[:, :B].astype(np.float64)
             rows_BN = t_EBN.sum(0)
-            kept_BN = -np.sort(-t_EBN, axis=0)[:keep].sum(0)
-            out_B = (rows_BN - kept_BN).max(1) / max(1, st.top_k) * st.shape.token_bytes
-            x_B = 2.0 * out_B / bw
-            lat_B = np.where(out_B > 0, 2.0 * hw.latency, 0.0)
+            top_KBN = top_rows(t_EBN)
+            rows_1BN = rows_BN[None]
+            share_RBN = np.divide(top_KBN[keep_R], rows_1BN, out=np.zeros((R.size, B, N)), where=rows_1BN > 0)
+            out_RB = leaving_bytes(rows_1BN, top_KBN[keep_R], k, tb, share=share_RBN).max(2)  # what a rank sends
+            x_RB = np.where(out_RB > 0, 2.0 * lat + 2.0 * out_RB / bw, 0.0)
+            one_RB = np.where(out_RB > 0, lat, 0.0)
+            if n > 1:  # what must leave a node over its link: rows on experts the node does not hold
+                t_EBn = t_EBN.reshape(E, B, n, G).sum(3)
+                # per rank, by the node's s experts, with destinations of keep_R experts each
+                common_SB = leaving_bytes(t_EBn.sum(0)[None], top_rows(t_EBn)[S], k, tb).max(2)
+                ranks_RSBN = leaving_bytes(rows_1BN[None], top_KBN[S][None], k, tb, share=share_RBN[:, None])
+                cross_RSB = np.maximum(common_SB[None], ranks_RSBN.reshape(R.size, S.size, B, n, G).sum(4).max(3))
+                x_RSB = np.where(cross_RSB > 0, 2.0 * lat + 2.0 * cross_RSB / hw.inter_bw, 0.0)
+            else:
+                x_RSB = np.zeros((R.size, 1, B))
+            x_RSB = np.maximum(x_RB[:, None], x_RSB)
             bal_B = rows_BN.sum(1) / N * g
-            one_B = np.where(out_B > 0, hw.latency, 0.0)
-            forward_B += attn_f + np.maximum(bal_B + one_B, x_B + lat_B)
-            backward_B += 2.0 * attn_f + np.maximum(2.0 * bal_B + one_B, x_B + lat_B)
+            forward_LRSB[l] = np.maximum(bal_B + one_RB[:, None], x_RSB)
+            backward_LRSB[l] = 2.0 * attn_f + np.maximum(2.0 * bal_B + one_RB[:, None], x_RSB)
         owned = math.ceil(E * L / N) * st.shape.params
         tail = st.extra_compute_s + (st.dense_params + owned) * OPT_TRAFFIC_BYTES / hw.hbm_bw
-        self.total += float((forward_B + np.maximum(backward_B, self.allreduce_s)).max()) + tail
+        m_LCB, b_LCB, g_C = forward_LRSB[:, fits_RS], backward_LRSB[:, fits_RS], gather_RS[fits_RS]
+        low_B = np.array([max(chain_bound(m_LCB[:, :, b], b_LCB[:, :, b], g_C, attn_f, v, self.allreduce_s)
+                              for v in WEIGHTS) for b in range(B)])
+        self.total += float(low_B.max()) + tail
         self.counted += 1
 
     def result(self) -> float:
         return self.total / max(1, self.counted)
+
+
+def leaving_bytes(rows: np.ndarray, kept: np.ndarray, k: int, token_bytes: float, *,
+                  share: np.ndarray | None = None) -> np.ndarray:
+    """The least bytes a source sends for its ``rows`` of which at most ``kept`` stay.
+
+    Each token crosses at most once per destination, so at least (rows - kept) / k tokens cross
+    (``share`` None: a node's ranks together). For one rank, whose rows to any one destination
+    are at most ``share`` of its rows (a destination holds few experts), the simulators' one copy
+    per destination (:func:`~ds_fssdp.sim.links.distinct_fraction`: r_h rows to destination h
+    send r_h (1 - (1 - p_h)^k) / (k p_h) with p_h = r_h / rows) sends rows / k times the sum over
+    h of phi(p_h), phi(p) = 1 - (1 - p)^k. The p_h sum to q, the share that leaves, each at most
+    ``share``; phi is concave with phi(0) = 0, so the sum is least with as many p_h at ``share``
+    as fit and one remainder: floor(q / share) phi(share) + phi(rest) (>= phi(q) >= q; and no
+    more than k q: a policy without dedup sends q rows)."""
+    out = np.maximum(0.0, rows - kept)
+    if share is None:
+        return out / k * token_bytes
+    q = np.divide(out, rows, out=np.zeros_like(out), where=rows > 0)
+    q, p = np.broadcast_arrays(q, share)
+    full = np.floor(np.divide(q, p, out=np.zeros_like(q), where=p > 0) + 1e-12)
+    rest = np.maximum(0.0, q - full * p)
+    phi = lambda x: 1.0 - (1.0 - x) ** k  # noqa: E731
+    return rows * (full * phi(p) + phi(rest)) / k * token_bytes
+
+
+def top_rows(t_E__: np.ndarray) -> np.ndarray:
+    """Rows on the k largest experts for k = 0..E, per column: float64 [E + 1, ...]."""
+    top = np.cumsum(-np.sort(-t_E__, axis=0), axis=0)
+    return np.concatenate([np.zeros((1, ) + t_E__.shape[1:]), top])
+
+
+def chain_bound(m_LC: np.ndarray, b_LC: np.ndarray, g_C: np.ndarray, attention_s: float, v: float,
+                allreduce_s: float) -> float:
+    """The least over one choice per layer (of C) of sum_l max(attention + m_{l-1}, g_l) + m_{L-1}
+    + v sum_l b_l + (1 - v) all-reduce (the module docstring; ``m_LC`` a layer's forward exchange
+    + compute, ``b_LC`` its backward with attention, ``g_C`` a choice's gather): a shortest path
+    over the layers. With the previous layer's choices sorted by a = attention + m, a choice of
+    gather g costs min(least V with a <= g, plus g; least V + a with a > g)."""
+    L = m_LC.shape[0]
+    value_C = np.maximum(attention_s, g_C) + v * b_LC[0]  # layer 0: its window is its attention alone
+    for l in range(1, L):
+        a_C = attention_s + m_LC[l - 1]
+        order = np.argsort(a_C, kind="stable")
+        a_sorted, v_sorted = a_C[order], value_C[order]
+        below = np.minimum.accumulate(v_sorted)  # least V among the i + 1 smallest a
+        above = np.minimum.accumulate((v_sorted + a_sorted)[::-1])[::-1]  # least V + a from i on
+        i = np.searchsorted(a_sorted, g_C, side="right")  # previous choices with a <= g
+        with_g = np.where(i > 0, below[np.maximum(i - 1, 0)] + g_C, np.inf)
+        with_a = np.where(i < a_C.size, above[np.minimum(i, a_C.size - 1)], np.inf)
+        value_C = np.minimum(with_g, with_a) + v * b_LC[l]
+    return float((value_C + m_LC[L - 1]).min()) + (1.0 - v) * allreduce_s
 
 
 def even_allreduce_s(setup: Setup, group_size: int) -> float:

@@ -468,7 +468,8 @@ def run_cluster(runs: list, source, *, bound: bool = True) -> list:
     bounds = []
     if bound and runs:
         budget = max(r.budget for r in runs if r.planned) if any(r.planned for r in runs) else 0
-        bounds = [LowerBound(runs[0].setup, group_size=r.N, budget=budget, groups=r.B) for r in runs]
+        shapes = dict.fromkeys((r.N, r.B) for r in runs)  # runs of one group shape share a bound
+        bounds = [LowerBound(runs[0].setup, group_size=N, budget=budget, groups=B) for N, B in shapes]
     steps = 0
     for s, tokens_LED in enumerate(source):
         tokens_LED = np.asarray(tokens_LED)

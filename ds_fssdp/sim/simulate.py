@@ -138,8 +138,10 @@ def simulate(setup: Setup, tokens_SLED: np.ndarray, policies, *, dispatcher=plan
                                schedule=schedule) for name in policies]
     if bound:
         # FasterMoE's shadows are not bounded by a budget: with it, any rank may hold every expert.
-        most = E if "fastermoe" in policies else max(setup.budget, setup.budget_rm, setup.flexmoe_slots)
-        low = LowerBound(setup, group_size=D, budget=most)
+        # FlexMoE's slots are kept across steps (not gathered every step).
+        most = E if "fastermoe" in policies else max(setup.budget, setup.budget_rm)
+        kept = setup.flexmoe_slots if "flexmoe" in policies else 0
+        low = LowerBound(setup, group_size=D, budget=most, persistent=kept)
         for s in range(S):
             low.step(s, tokens_SLED[s])
         for r in results:

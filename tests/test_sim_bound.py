@@ -1,0 +1,108 @@
+"""The simulators' lower bound (ds_fssdp/sim/bound.py): its shortest path over the layers equals
+brute force over every choice sequence; its least bytes to leave a source are never more than the
+simulators' one copy per destination sends for any split that respects a destination's share;
+pricing the replicas' gathers only raises it, holding more only lowers it; and it stays below
+every policy of both engines where the replicas' gathers and the node links bind."""
+import itertools
+
+import numpy as np
+import pytest
+
+from ds_fssdp import Topology
+from ds_fssdp.planner import ExpertShape, Hardware
+from ds_fssdp.sim.bound import LowerBound, chain_bound, leaving_bytes
+from ds_fssdp.sim.cluster import simulate_cluster
+from ds_fssdp.sim.links import distinct_fraction
+from ds_fssdp.sim.setup import Setup, derive_overlap_degree
+from ds_fssdp.sim.simulate import simulate
+from ds_fssdp.sim.synth import synthetic_trace
+
+SHAPE = ExpertShape(hidden=512, ffn=2048)
+
+
+def setup_with(hw, *, budget=3, budget_rm=6, flexmoe_slots=2, layers=3) -> Setup:
+    topo = Topology(num_ranks=8, ranks_per_node=4)
+    tokens, d, s = 16384, 512, 1024
+    flops = 8.0 * d * d + 2.0 * s * d
+    return Setup(topology=topo, hw=hw, shape=SHAPE, num_layers=layers, num_experts=16, tokens_per_gpu=tokens,
+                 attention_flops_per_token=flops, dense_params=2 * 4 * d * d,
+                 overlap_degree=derive_overlap_degree(hw, topo, SHAPE, attention_s=tokens * flops / hw.flops),
+                 budget=budget, budget_rm=budget_rm, flexmoe_slots=flexmoe_slots, reshard_interval=8,
+                 smartmoe_interval=4, top_k=2)
+
+
+def skewed(setup, steps=10, seed=3, std=0.12):
+    return synthetic_trace(steps=steps, num_layers=setup.num_layers, num_experts=16, num_ranks=8,
+                           assignments_per_rank=2 * setup.tokens_per_gpu, target_std=std, top_k=2,
+                           seed=seed).tokens_SLED
+
+
+def test_chain_bound_is_the_least_over_every_choice_sequence():
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        L, C = int(rng.integers(1, 5)), int(rng.integers(1, 5))
+        m, b, g = rng.uniform(0, 1, (L, C)), rng.uniform(0, 1, (L, C)), rng.uniform(0, 2, C)
+        attn, v, ar = float(rng.uniform(0, 0.5)), float(rng.choice([0.0, 0.3, 1.0])), float(rng.uniform(0, 3))
+        best = np.inf
+        for cs in itertools.product(range(C), repeat=L):
+            fwd = sum(max(attn + (m[l - 1, cs[l - 1]] if l else 0.0), g[cs[l]]) for l in range(L)) + m[L - 1, cs[-1]]
+            best = min(best, fwd + v * sum(b[l, cs[l]] for l in range(L)) + (1 - v) * ar)
+        assert chain_bound(m, b, g, attn, v, ar) == pytest.approx(best, rel=1e-12), trial
+
+
+def test_leaving_bytes_never_exceeds_what_one_copy_per_destination_sends():
+    rng = np.random.default_rng(1)
+    k, tb = 4, 10.0
+    for trial in range(300):
+        rows = float(rng.integers(1, 1000))
+        kept = float(rng.uniform(0, rows))
+        share = float(rng.uniform(0.01, 1.0))
+        # a split of what leaves over destinations, each at most ``share`` of the rows
+        left, split = rows - kept, []
+        while left > 1e-9:
+            r = min(left, float(rng.uniform(0, share * rows)) or left)
+            split.append(r)
+            left -= r
+        r_h = np.array(split)
+        p_h = r_h / rows
+        sent = float((r_h * distinct_fraction(np.array([[np.append(r_h, kept)]]), k)[0, 0, :-1]).sum()) * tb
+        assert sent == pytest.approx(float((r_h * (1 - (1 - p_h) ** k) / (k * p_h)).sum()) * tb)
+        low = float(leaving_bytes(np.array(rows), np.array(kept), k, tb, share=np.array(share)))
+        assert (rows - kept) / k * tb * (1 - 1e-12) <= low <= sent * (1 + 1e-12), trial
+        assert float(leaving_bytes(np.array(rows), np.array(kept), k, tb)) == pytest.approx((rows - kept) / k * tb)
+    # the extreme: every destination at its share, and one remainder
+    rows, share = 100.0, 0.25
+    r_h = np.array([25.0, 25.0, 10.0])
+    want = float((r_h * (1 - (1 - r_h / rows) ** k) / (k * r_h / rows)).sum()) * tb
+    assert float(leaving_bytes(np.array(rows), np.array(40.0), k, tb, share=np.array(share))) == pytest.approx(want)
+
+
+def bound(setup, tokens, **kw):
+    low = LowerBound(setup, group_size=8, **kw)
+    for s, t in enumerate(tokens):
+        low.step(s, t)
+    return low.result()
+
+
+def test_priced_replicas_raise_the_bound_and_more_replicas_lower_it():
+    # a slow node link: what crosses nodes, and the replicas that avoid it, both cost
+    hw = Hardware(flops=100e12, intra_bw=50e9, inter_bw=5e9, latency=10e-6, hbm_bw=2e12)
+    setup = setup_with(hw)
+    tokens = skewed(setup)
+    none, priced, free = bound(setup, tokens, budget=0), bound(setup, tokens, budget=6), bound(setup, tokens, budget=0,
+                                                                                                persistent=6)
+    assert free < priced < none
+    assert bound(setup, tokens, budget=12) <= priced * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("hw", [Hardware(flops=100e12, intra_bw=200e9, inter_bw=25e9, latency=10e-6, hbm_bw=2e12),
+                                Hardware(flops=100e12, intra_bw=50e9, inter_bw=5e9, latency=10e-6, hbm_bw=2e12)],
+                         ids=["fast-links", "slow-links"])
+def test_bound_is_below_every_policy_of_both_engines(hw):
+    setup = setup_with(hw, budget=6, budget_rm=10)
+    tokens = skewed(setup)
+    for results in (simulate(setup, tokens, ["ep", "uniform", "fastermoe", "smartmoe", "flexmoe", "fssdp",
+                                             "fssdp-rm", "fsmoe"]),
+                    simulate_cluster(setup, tokens, ["ep", "uniform", "fsmoe", "fssdp", "fssdp-rm"], group_size=8)):
+        for r in results:
+            assert 0 < r.lower_bound_s <= r.iteration_s, (r.policy, r.lower_bound_s, r.iteration_s)
