@@ -64,4 +64,5 @@ def test_validate_schedule_benchmark_runs(tmp_path):
     assert all(layer["predicted_ms"] > 0 for v in r["results"].values() for layer in v)
     (layer,) = r["results"]["ep/degree=1"]
     assert layer["measured_ms"] > 0 and layer["predicted_ms"] > 0 and layer["ratio"] > 0
+    assert layer["predicted_without_other_ms"] == layer["predicted_ms"]  # EP, one layer: no replica gather
     assert r["fits"]["ep/degree=1"]["schedule_costs"]["gemm"]["startup_s"] >= 0
