@@ -284,9 +284,8 @@ class ShardedExperts:
             self.next.prefetch()
         token_bytes = x_TH.shape[1] * x_TH.element_size()
         degrees = self._degrees(ctx, plan, token_bytes)
-        other = self._other_bytes(early_next) if self.timings.enabled else (0.0,) * 4
         out_TH = self._run(x_TH, weights_TK, r, replica_RP, remat=remat, local_E=layout.local_E, degrees=degrees,
-                           other=other)
+                           other=lambda: self._other_bytes(early_next))
         if early_next:
             self.next._early_end_t = time.perf_counter()
         if not record or remat:
@@ -345,15 +344,17 @@ class ShardedExperts:
         backward (``planner.schedule.LayerLoad.other_*_bytes``; units of ``LayerTimings.link_bytes``):
         (fwd intra, fwd inter, bwd intra, bwd inter).
 
-        Forward: the next layer's gather when this forward started it (``early_next``), right
-        before the span: its first phase runs asynchronously during it (the rest waits for its
-        ``finish`` in the next forward). Backward: none. This layer's replica reduce starts when
+        Called when the forward span starts. Forward: the next layer's gather when this forward
+        started it (``early_next``, right before the span) and its first, asynchronous phase has
+        not landed yet (it runs during the span; the rest waits for its ``finish`` in the next
+        forward; measured on 2 CPU ranks, it had landed before the span in about half the steps).
+        Backward: none. This layer's replica reduce starts when
         the replicas' gradient is accumulated, which autograd does after the span: the replicas
         enter the expert compute through the ``torch.cat`` with the owned rows made before the
         span, whose backward runs after the span's input stamp (measured on 2 CPU ranks: every
         reduce was issued after its layer's backward span and had landed before the next layer's
         backward span began; benchmarks/results/README.md). Not counted either: RM's re-gathers."""
-        if early_next and self.next._gather is not None:
+        if early_next and self.next._gather is not None and self.next._gather[2].in_flight:
             phases = self.next._gather[1].phases
             if phases:
                 return (*self.timings.link_bytes(phases[0].send_splits, phases[0].recv_splits,
@@ -361,7 +362,7 @@ class ShardedExperts:
         return (0.0, 0.0, 0.0, 0.0)
 
     def _run(self, x_TH, weights_TK, r, replica_RP, *, remat: bool, local_E, degrees: tuple,
-             other: tuple = (0.0, 0.0, 0.0, 0.0)) -> torch.Tensor:
+             other=None) -> torch.Tensor:
         """Degree (1, 1): today's ``compute.dispatch_compute_combine``; otherwise the chunked
         pipeline (``moe/pipeline.py``) over the same weights. ``other``: the timing's other bytes
         (:meth:`_other_bytes`)."""

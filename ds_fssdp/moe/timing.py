@@ -142,12 +142,14 @@ class LayerTimings:
                               "gemm_bwd")
         return run
 
-    def layer(self, fn, x_TH: torch.Tensor, route, *, other: tuple = (0.0, 0.0, 0.0, 0.0)) -> torch.Tensor:
-        """``fn(x_TH)``: the layer's dispatch, compute and combine over ``route``. ``other``: bytes
-        of other collectives in flight during the forward and the backward, (fwd intra, fwd inter,
-        bwd intra, bwd inter) (:meth:`link_bytes` of each)."""
+    def layer(self, fn, x_TH: torch.Tensor, route, *, other=None) -> torch.Tensor:
+        """``fn(x_TH)``: the layer's dispatch, compute and combine over ``route``. ``other``: a
+        callable, called right before the forward span starts, returning the bytes of other
+        collectives in flight during the forward and the backward, (fwd intra, fwd inter, bwd
+        intra, bwd inter) (:meth:`link_bytes` of each); None: none."""
         if not self.enabled:
             return fn(x_TH)
+        other = (0.0, 0.0, 0.0, 0.0) if other is None else tuple(other())
         if len(other) != 4:
             raise ValueError(f"other: (fwd intra, fwd inter, bwd intra, bwd inter) bytes, got {other!r}")
         intra, inter = self.link_bytes(route.send_splits, route.recv_splits, x_TH.shape[1] * x_TH.element_size())
