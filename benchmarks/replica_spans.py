@@ -17,7 +17,8 @@ options), run through that script's arm with probes added (nothing here changes 
 Per (kind, layer): counts of (issued after, landed by) over the timed steps and the median
 seconds from issue to the boundary it was first seen landed at (an upper bound of its duration).
 Also, per layer and rank: median forward and backward spans against ``schedule.pipeline_time``
-of the same loads with the arm's fitted costs, with and without the other collectives' bytes;
+of the same loads with the arm's fitted costs, with and without the other collectives' bytes,
+and the spans less their token exchanges against the fitted compute (``gemm``);
 and per span start, how far apart the two ranks reach it (same host clock): the earlier rank
 waits that long inside its span, in the exchange.
 """
@@ -144,6 +145,14 @@ def _run_arm(args, rank, policy, degree, upfront):
                            "predicted_forward_ms": ms([pipeline_time(costs, ld, 1) for ld in full]),
                            "predicted_forward_without_other_ms": ms([pipeline_time(costs, ld, 1) for ld in plain]),
                            "predicted_backward_ms": ms([pipeline_time(costs, ld, 1, backward=True) for ld in full]),
+                           # the spans less the token exchanges in them, against the fitted compute
+                           "compute_forward_ms": ms([s for _, s in t.samples("compute_fwd")[-args.steps:]]),
+                           "compute_backward_ms": ms([s for _, s in t.samples("compute_bwd")[-args.steps:]]),
+                           "predicted_compute_forward_ms": ms([costs.gemm(ld.local_rows + ld.remote_rows)
+                                                               for ld in plain]),
+                           "predicted_compute_backward_ms": ms([costs.backward_factor * costs.gemm(ld.local_rows +
+                                                                                                   ld.remote_rows)
+                                                                for ld in plain]),
                            "other_bytes_last": list(f[-1][0][4:])}
     out["probe"] = {"collectives": collectives, "layers": layers,
                     "span_starts": [(w, t) for w, t in _STATE["clock"] if w.endswith(("fwd start", "bwd start"))]}

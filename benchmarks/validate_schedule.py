@@ -19,7 +19,8 @@ The script spawns its 2 ranks itself (gloo, one torch thread each). Steps:
    instrumentation) and the load that iteration had: bytes this rank moved per exchange over each
    link class, its rows for its own tokens and for other ranks', and the bytes of other
    collectives in flight during each direction (the next layer's replica gather, started early,
-   during this layer's forward) (``schedule.LayerLoad``).
+   when it has not landed as this layer's forward span starts; ``benchmarks/replica_spans.py``
+   measures which are) (``schedule.LayerLoad``).
 3. Per step and layer: measured = forward + backward span; predicted = ``schedule.layer_time``
    of that step's load at the arm's degrees. The exchange synchronises the ranks, so the layer's
    time is its slowest rank's: both sides take the max over the 2 ranks. Reported: median over the
