@@ -348,12 +348,12 @@ class ShardedExperts:
         started it (``early_next``, right before the span) and its first, asynchronous phase has
         not landed yet (it runs during the span; the rest waits for its ``finish`` in the next
         forward; measured on 2 CPU ranks, it had landed before the span in about half the steps).
-        Backward: none. This layer's replica reduce starts when
-        the replicas' gradient is accumulated, which autograd does after the span: the replicas
-        enter the expert compute through the ``torch.cat`` with the owned rows made before the
-        span, whose backward runs after the span's input stamp (measured on 2 CPU ranks: every
-        reduce was issued after its layer's backward span and had landed before the next layer's
-        backward span began; benchmarks/results/README.md). Not counted either: RM's re-gathers."""
+        Backward: none. This layer's replica reduce starts when the replicas' gradient is
+        accumulated, which autograd does after the span: the replicas enter the expert compute
+        through the ``torch.cat`` with the owned rows made before the span, whose backward runs
+        after the span's input stamp (measured on 2 CPU ranks, ``benchmarks/replica_spans.py``:
+        every reduce was issued after its layer's backward span and had landed before the next
+        layer's backward span began). Not counted either: RM's re-gathers."""
         if early_next and self.next._gather is not None and self.next._gather[2].in_flight:
             phases = self.next._gather[1].phases
             if phases:
