@@ -17,7 +17,10 @@ The script spawns its 2 ranks itself (gloo, one torch thread each). Steps:
    ``--warmup`` steps, then ``--steps`` timed steps. Each layer records its own forward and
    backward span of dispatch + expert compute + combine (``moe/timing.py``: the runtime's own
    instrumentation) and the load that iteration had: bytes this rank moved per exchange over each
-   link class, its rows for its own tokens and for other ranks' (``schedule.LayerLoad``).
+   link class, its rows for its own tokens and for other ranks', and the bytes of other
+   collectives in flight during each direction (the next layer's replica gather, started early,
+   when it has not landed as this layer's forward span starts; ``benchmarks/replica_spans.py``
+   measures which are) (``schedule.LayerLoad``).
 3. Per step and layer: measured = forward + backward span; predicted = ``schedule.layer_time``
    of that step's load at the arm's degrees. The exchange synchronises the ranks, so the layer's
    time is its slowest rank's: both sides take the max over the 2 ranks. Reported: median over the
@@ -27,7 +30,9 @@ The script spawns its 2 ranks itself (gloo, one torch thread each). Steps:
 On CPU ranks the costs are not concurrent (``ScheduleCosts.concurrent`` False, as the runtime's
 fit sets it): gloo's threads and the compute share the same cores, so a chunked layer is modelled
 as the sum of its parts; "auto" then chooses degree 1, and the fixed-degree arm checks the chunked
-accounting. What the model does not count (the permutations
+accounting; the other collectives' bytes are priced as one more exchange of the direction
+(``schedule.other_traffic_s``; "without other" in the JSON: the same prediction without them).
+What the model does not count (the permutations
 around the exchange, the combine) is inside the measured span, so it shows up in the ratio.
 """
 from __future__ import annotations
@@ -174,16 +179,19 @@ def run_arm(args, rank, policy, degree, upfront):
     engine.fssdp.close()
     costs, error, samples = fit_rounds(rounds)
 
-    def predict(c):
+    def predict(c, *, other=True):
         out = []
         for l_row, c_row in zip(loads, chosen):
             row = []
             for load, ch in zip(l_row, c_row):
                 degrees = tuple(ch)  # the degrees the runtime ran at (its own decision under "auto")
+                if not other:
+                    load = LayerLoad(load.intra_bytes, load.inter_bytes, load.local_rows, load.remote_rows)
                 row.append(layer_time(c, load, degrees))
             out.append(row)
         return out
     return {"measured": measured, "predicted": predict(costs), "predicted_upfront": predict(upfront),
+            "predicted_without_other": predict(costs, other=False),
             "loads": [[list(vars(ld).values()) for ld in row] for row in loads], "costs": costs, "error": error,
             "samples": samples}
 
@@ -211,17 +219,20 @@ def worker(rank, world, args, port, out_path):
     results, fits = {}, {}
     for policy, degree in arms(args):
         arm = run_arm(args, rank, policy, degree, upfront)
-        t = torch.tensor([arm["measured"], arm["predicted"], arm["predicted_upfront"]], dtype=torch.float64)
+        t = torch.tensor([arm["measured"], arm["predicted"], arm["predicted_upfront"],
+                          arm["predicted_without_other"]], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the layer takes its slowest rank's time
-        m, p, pu = t.tolist()
+        m, p, pu, po = t.tolist()
         per_layer = []
         for l in range(args.layers):
             med_m = statistics.median(row[l] for row in m)
             med_p = statistics.median(row[l] for row in p)
             med_pu = statistics.median(row[l] for row in pu)
+            med_po = statistics.median(row[l] for row in po)
             per_layer.append({"measured_ms": med_m * 1e3, "predicted_ms": med_p * 1e3, "ratio": med_p / med_m,
                               "within_target": abs(med_p / med_m - 1) <= args.target,
                               "predicted_upfront_ms": med_pu * 1e3, "ratio_upfront": med_pu / med_m,
+                              "predicted_without_other_ms": med_po * 1e3, "ratio_without_other": med_po / med_m,
                               "load_rank0_first_step": arm["loads"][0][l]})
         name = f"{policy}/degree={degree}"
         results[name] = per_layer
@@ -253,13 +264,13 @@ def main(argv=None):
         with open(path) as f:
             out = json.load(f)
     print(f"degrees: {out['degrees']}; machine load average at the end {out['load_average_at_end']}")
-    print(f"{'arm':24s} {'layer':>5s} {'predicted ms':>13s} {'measured ms':>12s} {'ratio':>6s}  (fit up front: "
-          f"predicted, ratio)")
+    print(f"{'arm':24s} {'layer':>5s} {'predicted ms':>13s} {'measured ms':>12s} {'ratio':>6s}  (without other "
+          f"collectives: ratio; fit up front: predicted, ratio)")
     for arm, layers in out["results"].items():
         for l, r in enumerate(layers):
             flag = "" if r["within_target"] else f"  outside {args.target:.0%}"
             print(f"{arm:24s} {l:5d} {r['predicted_ms']:13.2f} {r['measured_ms']:12.2f} {r['ratio']:6.3f}  "
-                  f"({r['predicted_upfront_ms']:.2f}, {r['ratio_upfront']:.3f}){flag}")
+                  f"({r['ratio_without_other']:.3f}; {r['predicted_upfront_ms']:.2f}, {r['ratio_upfront']:.3f}){flag}")
         f = out["fits"][arm]
         c = f["schedule_costs"]
         print(f"  fit: a2a {c['a2a_intra']['startup_s'] * 1e6:.0f} us + {c['a2a_intra']['per_unit_s'] * 1e9:.3f} ns/B,"

@@ -64,4 +64,21 @@ def test_validate_schedule_benchmark_runs(tmp_path):
     assert all(layer["predicted_ms"] > 0 for v in r["results"].values() for layer in v)
     (layer,) = r["results"]["ep/degree=1"]
     assert layer["measured_ms"] > 0 and layer["predicted_ms"] > 0 and layer["ratio"] > 0
+    assert layer["predicted_without_other_ms"] == layer["predicted_ms"]  # EP, one layer: no replica gather
     assert r["fits"]["ep/degree=1"]["schedule_costs"]["gemm"]["startup_s"] >= 0
+
+
+def test_replica_spans_probe_runs(tmp_path):
+    """benchmarks/replica_spans.py, tiny settings: per layer, the gathers and reduces it saw, and
+    every replica reduce issued only after its own layer's backward span ended (autograd order, not
+    timing: the reason the layer's backward units carry no other bytes)."""
+    r = run("replica_spans.py", "--layers", "2", "--d-model", "16", "--ffn-hidden", "32", "--seq-len", "8",
+            "--micro-batch", "2", "--warmup", "1", "--steps", "3", "--repeats", "1", tmp_path=tmp_path)
+    for rank in ("rank0", "rank1"):
+        got = r["probe"][rank]
+        assert set(got["collectives"]) == {"gather L0", "gather L1", "reduce L0", "reduce L1"}
+        assert set(got["layers"]) == {"L0", "L1"} and got["layers"]["L1"]["other_bytes_last"] == [0.0] * 4
+        for layer in ("L0", "L1"):
+            issued = {after for (after, _), _n in got["collectives"][f"reduce {layer}"]["issued_after_landed_by"]}
+            assert issued == {f"{layer} bwd end"}
+    assert set(r["probe"]["span_start_skew"]) == {"L0 fwd start", "L0 bwd start", "L1 fwd start", "L1 bwd start"}

@@ -135,7 +135,8 @@ def test_compute_span_is_the_layer_span_less_its_exchanges():
     x = torch.randn(7, 2, requires_grad=True)
     t.layer(body, x, Route()).sum().backward()
     (units, layer_s), = t.samples("layer_fwd")
-    assert units == (5 * 8.0, 0.0, 3.0, 4.0)  # intra bytes: max(5 sent, 4 received) rows of 8 bytes; rows 3 + 4
+    # intra bytes: max(5 sent, 4 received) rows of 8 bytes; rows 3 + 4; no other collectives in flight
+    assert units == (5 * 8.0, 0.0, 3.0, 4.0, 0.0, 0.0, 0.0, 0.0)
     (rows, compute_s), = t.samples("compute_fwd")
     a2a_fwd = sum(s for _, s in t.samples("a2a")[:2])
     assert rows == (7.0,) and compute_s == pytest.approx(layer_s - a2a_fwd, abs=1e-9)
@@ -144,3 +145,44 @@ def test_compute_span_is_the_layer_span_less_its_exchanges():
     (_, layer_b), = t.samples("layer_bwd")
     assert len(t.samples("a2a")) == 4 and compute_b == pytest.approx(layer_b - sum(s for _, s in t.samples("a2a")[2:]),
                                                                     abs=1e-9)
+
+
+def test_layer_units_carry_the_other_collectives_bytes_as_a_layer_load():
+    """The whole-layer spans' units end with the other collectives' bytes the caller passes
+    (forward intra, inter, backward intra, inter) and are a LayerLoad's fields in its order."""
+    from ds_fssdp.planner.schedule import LayerLoad
+
+    class Route:
+        send_splits, recv_splits = [3, 5], [3, 4]
+
+    t = LayerTimings(rank=0, ranks_per_node=2)
+    x = torch.randn(7, 2, requires_grad=True)
+    t.layer(lambda v: v * 2.0, x, Route(), other=lambda: (100.0, 0.0, 60.0, 5.0)).sum().backward()
+    (units_f, _), = t.samples("layer_fwd")
+    (units_b, _), = t.samples("layer_bwd")
+    assert units_f == units_b == (40.0, 0.0, 3.0, 4.0, 100.0, 0.0, 60.0, 5.0)
+    assert LayerLoad(*units_f) == LayerLoad(40.0, 0.0, 3.0, 4.0, other_fwd_intra_bytes=100.0, other_fwd_inter_bytes=0.0,
+                                            other_bwd_intra_bytes=60.0, other_bwd_inter_bytes=5.0)
+    with pytest.raises(ValueError, match="other"):
+        t.layer(lambda v: v, x, Route(), other=lambda: (1.0, 2.0))
+
+
+def test_sharded_other_bytes_are_the_next_layers_early_gather_first_phase():
+    """moe/sharded.py ShardedExperts._other_bytes: the forward carries the first phase of the next
+    layer's gather when this forward started it and it has not landed (link_bytes of its splits,
+    whole expert rows), else nothing; the backward nothing (the replica reduce starts after the span)."""
+    from types import SimpleNamespace as NS
+
+    from ds_fssdp.moe.sharded import ShardedExperts
+    phase = NS(send_splits=[0, 2, 1, 0], recv_splits=[0, 1, 0, 3])  # rank 1 of ranks {0, 1}, {2, 3}
+    second = NS(send_splits=[9, 9, 9, 9], recv_splits=[9, 9, 9, 9])  # a later (intra-node) phase: not in flight
+    gather = NS(in_flight=True)
+    nxt = NS(_gather=(None, NS(phases=[phase, second]), gather), expert_bytes=100)
+    me = NS(timings=LayerTimings(rank=1, ranks_per_node=2), next=nxt)
+    # intra: rank 0 sends and receives nothing (rank 1 is self); inter: max(1 sent, 3 received) rows
+    assert ShardedExperts._other_bytes(me, True) == (0.0, 300.0, 0.0, 0.0)
+    assert ShardedExperts._other_bytes(me, False) == (0.0, 0.0, 0.0, 0.0)
+    gather.in_flight = False  # landed before the span started
+    assert ShardedExperts._other_bytes(me, True) == (0.0, 0.0, 0.0, 0.0)
+    nxt._gather = (None, NS(phases=[]), NS(in_flight=False))  # nothing to gather
+    assert ShardedExperts._other_bytes(me, True) == (0.0, 0.0, 0.0, 0.0)

@@ -42,6 +42,10 @@ def _worker(rank, world, tmp):
         run_samples.append({k: len(v) for k, v in stage.cost_fit.run.items()})
     out.update(errors=errors, costs=costs, run_samples=run_samples, refits=stage.cost_fit.refits,
                spans={k: len(v) for k, v in stage.shards[0].timings.spans.items()})
+    # The layer units' other bytes (moe/sharded.py _other_bytes) beside what the gathers sent.
+    out["layer_units"] = [list(s.timings.samples("layer_fwd")[-1][0]) for s in stage.shards]
+    out["expert_bytes"] = stage.shards[1].expert_bytes
+    out["early"] = [s.stats["next_gather_started_early"] for s in stage.shards]
     stage.close()
     return out
 
@@ -58,6 +62,14 @@ def test_costs_are_fitted_agreed_and_refitted(tmp_path):
     # destination (the default) the rows, their gate weights and the combined rows back.
     assert r0["spans"]["a2a"] == 3 * 6 and r0["spans"]["gemm_fwd"] == r0["spans"]["gemm_bwd"] == 3
     assert r0["spans"]["layer_fwd"] == r0["spans"]["layer_bwd"] == 3
+    # Layer 0's forward carries layer 1's early gather when still in flight at its start (whole
+    # expert rows, one node: intra only); the last layer starts none; no backward bytes (the
+    # replica reduce starts after the span).
+    for r in (r0, r1):
+        assert r["early"] == [True, False] and len(r["layer_units"]) == 2
+        (*_, f_intra, f_inter, b_intra, b_inter), last = r["layer_units"]
+        assert f_intra % r["expert_bytes"] == 0 and f_inter == b_intra == b_inter == 0.0
+        assert last[4:] == [0.0, 0.0, 0.0, 0.0]
     assert r0["run_samples"][-1]["intra"] > 0 and r0["run_samples"][-1]["gemm_fwd"] == 2 * 2 * 3  # ranks x layers x steps
     assert all(math.isfinite(e) and e >= 0 for e in r0["errors"])
     c = r0["costs"][-1]

@@ -49,3 +49,39 @@ def test_pipeline_times_equal_the_scalar_function_exactly():
         for backward in (False, True):
             got = pipeline_times(costs, loads, n, backward=backward)
             assert got.tolist() == [pipeline_time(costs, ld, n, backward=backward) for ld in loads]
+
+
+def test_other_traffic_is_priced_only_without_concurrency():
+    """A layer's other collectives in flight (LayerLoad.other_*_bytes: the replicas' gather and
+    reduce) cost nothing with concurrent costs (the idle link; every concurrent caller unchanged),
+    and add one fitted exchange of their bytes to that direction, at every degree, when not."""
+    import dataclasses
+
+    from ds_fssdp.planner.schedule import (LayerLoad, Linear, ScheduleCosts, choose_degrees, idle_link_s, layer_time,
+                                           other_traffic_s, pipeline_time, pipeline_times)
+    conc = ScheduleCosts(a2a_intra=Linear(1e-5, 5e-10), a2a_inter=Linear(2e-5, 4e-9), gemm=Linear(3e-6, 2e-8),
+                         backward_factor=2.0)
+    serial = dataclasses.replace(conc, concurrent=False)
+    plain = LayerLoad(4e5, 1e5, 300.0, 900.0)
+    other = dataclasses.replace(plain, other_fwd_intra_bytes=2e6, other_fwd_inter_bytes=1e5,
+                                other_bwd_intra_bytes=0.0, other_bwd_inter_bytes=3e5)
+    fwd_s = max(1e-5 + 5e-10 * 2e6, 2e-5 + 4e-9 * 1e5)  # exchange(2e6 intra, 1e5 inter): the intra part
+    bwd_s = 2e-5 + 4e-9 * 3e5  # nothing intra: the inter part alone
+    assert other_traffic_s(serial, other) == pytest.approx(fwd_s)
+    assert other_traffic_s(serial, other, backward=True) == pytest.approx(bwd_s)
+    assert other_traffic_s(conc, other) == other_traffic_s(conc, other, backward=True) == 0.0
+    assert other_traffic_s(serial, plain) == other_traffic_s(serial, plain, backward=True) == 0.0
+    for n in range(1, 5):
+        for backward, extra in ((False, fwd_s), (True, bwd_s)):
+            assert pipeline_time(conc, other, n, backward=backward) == pipeline_time(conc, plain, n, backward=backward)
+            assert pipeline_time(serial, other, n, backward=backward) == pytest.approx(
+                pipeline_time(serial, plain, n, backward=backward) + extra, rel=1e-12)
+            got = pipeline_times(serial, [plain, other], n, backward=backward)
+            assert got.tolist() == [pipeline_time(serial, ld, n, backward=backward) for ld in (plain, other)]
+    assert layer_time(serial, other, (1, 1)) == pytest.approx(layer_time(serial, plain, (1, 1)) + fwd_s + bwd_s)
+    # The decisions do not move: concurrent degrees equal the plain load's, non-concurrent stay (1, 1);
+    # on non-concurrent costs the other traffic is link time, not a gap.
+    assert choose_degrees(conc, [other]) == choose_degrees(conc, [plain])
+    assert choose_degrees(serial, [other]) == (1, 1)
+    assert idle_link_s(serial, other, 1) == pytest.approx(idle_link_s(serial, plain, 1))
+    assert idle_link_s(conc, other, 2) == idle_link_s(conc, plain, 2)

@@ -58,6 +58,11 @@ class SparseAllGather:
             self._work, self._recv = self._issue(self.layout.phases[0], self._rows_SP, async_op=True)
         return self
 
+    @property
+    def in_flight(self) -> bool:
+        """The first phase was started and has not landed yet (a non-blocking query)."""
+        return self._work is not None and not self._work.is_completed()
+
     def finish(self) -> torch.Tensor:
         phases = self.layout.phases
         if phases:

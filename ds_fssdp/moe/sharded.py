@@ -284,7 +284,8 @@ class ShardedExperts:
             self.next.prefetch()
         token_bytes = x_TH.shape[1] * x_TH.element_size()
         degrees = self._degrees(ctx, plan, token_bytes)
-        out_TH = self._run(x_TH, weights_TK, r, replica_RP, remat=remat, local_E=layout.local_E, degrees=degrees)
+        out_TH = self._run(x_TH, weights_TK, r, replica_RP, remat=remat, local_E=layout.local_E, degrees=degrees,
+                           other=lambda: self._other_bytes(early_next))
         if early_next:
             self.next._early_end_t = time.perf_counter()
         if not record or remat:
@@ -338,19 +339,44 @@ class ShardedExperts:
             if costs.concurrent else []  # not concurrent: degree 1 whatever the loads (choose_degrees)
         return tuple(int(d) for d in choose_degrees(costs, loads))
 
-    def _run(self, x_TH, weights_TK, r, replica_RP, *, remat: bool, local_E, degrees: tuple) -> torch.Tensor:
+    def _other_bytes(self, early_next: bool) -> tuple:
+        """Bytes of the replicas' collectives in flight during this layer's timed forward and
+        backward (``planner.schedule.LayerLoad.other_*_bytes``; units of ``LayerTimings.link_bytes``):
+        (fwd intra, fwd inter, bwd intra, bwd inter).
+
+        Called when the forward span starts. Forward: the next layer's gather when this forward
+        started it (``early_next``, right before the span) and its first, asynchronous phase has
+        not landed yet (it runs during the span; the rest waits for its ``finish`` in the next
+        forward; measured on 2 CPU ranks, it had landed before the span in about half the steps).
+        Backward: none. This layer's replica reduce starts when the replicas' gradient is
+        accumulated, which autograd does after the span: the replicas enter the expert compute
+        through the ``torch.cat`` with the owned rows made before the span, whose backward runs
+        after the span's input stamp (measured on 2 CPU ranks, ``benchmarks/replica_spans.py``:
+        every reduce was issued after its layer's backward span and had landed before the next
+        layer's backward span began). Not counted either: RM's re-gathers."""
+        if early_next and self.next._gather is not None and self.next._gather[2].in_flight:
+            phases = self.next._gather[1].phases
+            if phases:
+                return (*self.timings.link_bytes(phases[0].send_splits, phases[0].recv_splits,
+                                                 self.next.expert_bytes), 0.0, 0.0)
+        return (0.0, 0.0, 0.0, 0.0)
+
+    def _run(self, x_TH, weights_TK, r, replica_RP, *, remat: bool, local_E, degrees: tuple,
+             other=None) -> torch.Tensor:
         """Degree (1, 1): today's ``compute.dispatch_compute_combine``; otherwise the chunked
-        pipeline (``moe/pipeline.py``) over the same weights."""
+        pipeline (``moe/pipeline.py``) over the same weights. ``other``: the timing's other bytes
+        (:meth:`_other_bytes`)."""
         plain = r.route if isinstance(r, DedupRoute) else r  # the timing's units: rows per assignment
         if tuple(degrees) == (1, 1):
             expert_fn = self._expert_fn(replica_RP, remat=remat, local_E=local_E)
             return self.timings.layer(lambda x: self.dispatcher.run(x, weights_TK, r, expert_fn=expert_fn), x_TH,
-                                      plain)
+                                      plain, other=other)
         lora = self.lora_factors(local_E) if getattr(self, "lora_factors", None) is not None else None
         experts = PipelineExperts(spec=self.spec, rows=self.rows, replica=replica_RP, lora=lora,
                                   source=self.replicas if remat else None)
         return self.timings.layer(lambda x: self.dispatcher.run_pipelined(x, weights_TK, r, experts=experts,
-                                                                          degrees=tuple(degrees)), x_TH, plain)
+                                                                          degrees=tuple(degrees)), x_TH, plain,
+                                  other=other)
 
     def _expert_fn(self, replica_RP, *, remat: bool, local_E: torch.Tensor):
         """The expert function over the owned rows and this forward's replicas (``local_E``: the

@@ -15,7 +15,10 @@ Kinds and their units:
   larger of what this rank sends and receives over that link class (itself excluded);
 * ``gemm_fwd``, ``gemm_bwd``: the grouped expert MLP, units (rows,);
 * ``layer_fwd``, ``layer_bwd``: the layer's dispatch + expert compute + combine, units
-  (intra_bytes, inter_bytes, local_rows, remote_rows) (``planner.schedule.LayerLoad``'s fields);
+  (intra_bytes, inter_bytes, local_rows, remote_rows, other_fwd_intra_bytes, other_fwd_inter_bytes,
+  other_bwd_intra_bytes, other_bwd_inter_bytes) (``planner.schedule.LayerLoad``'s fields, in its
+  order: the last four are the other collectives in flight during each direction, the replicas'
+  sparse collectives the layer passes in, ``moe/sharded.py``);
 * ``compute_fwd``, ``compute_bwd``: the same span less the exchanges inside it, units (rows,):
   the layer's work on the compute stream (the permutations, the grouped MLP, the combine), what
   the schedule's ``gemm`` cost stands for (``runtime/costfit.py``).
@@ -139,12 +142,18 @@ class LayerTimings:
                               "gemm_bwd")
         return run
 
-    def layer(self, fn, x_TH: torch.Tensor, route) -> torch.Tensor:
-        """``fn(x_TH)``: the layer's dispatch, compute and combine over ``route``."""
+    def layer(self, fn, x_TH: torch.Tensor, route, *, other=None) -> torch.Tensor:
+        """``fn(x_TH)``: the layer's dispatch, compute and combine over ``route``. ``other``: a
+        callable, called right before the forward span starts, returning the bytes of other
+        collectives in flight during the forward and the backward, (fwd intra, fwd inter, bwd
+        intra, bwd inter) (:meth:`link_bytes` of each); None: none."""
         if not self.enabled:
             return fn(x_TH)
+        other = (0.0, 0.0, 0.0, 0.0) if other is None else tuple(other())
+        if len(other) != 4:
+            raise ValueError(f"other: (fwd intra, fwd inter, bwd intra, bwd inter) bytes, got {other!r}")
         intra, inter = self.link_bytes(route.send_splits, route.recv_splits, x_TH.shape[1] * x_TH.element_size())
         local = float(route.recv_splits[self.rank])
-        units = (intra, inter, local, float(sum(route.recv_splits)) - local)
+        units = (intra, inter, local, float(sum(route.recv_splits)) - local, *(float(b) for b in other))
         return self.timed(fn, x_TH, units, "layer_fwd", "layer_bwd", compute=(units[2] + units[3], "compute_fwd",
                                                                              "compute_bwd"))

@@ -21,6 +21,17 @@ The modelled schedule, per direction (forward, backward), on one rank:
 
 The backward is the same pipeline over the gradients with ``backward_factor`` times the GEMM
 work (input and weight gradients).
+
+Other traffic in the layer's span (``LayerLoad.other_*_bytes``): collectives that are not the
+layer's token exchange but are in flight while a direction runs. In the runtime's schedule: during
+layer l's forward, layer l+1's replica SparseAllGather (started early, right before l's exchange:
+replicas on the idle link; its first, asynchronous phase). During a backward, none: l's replica
+SparseReduceScatter starts only after l's backward (measured; ``moe/sharded.py``
+``_other_bytes``), so the runtime records 0 there. With concurrent costs such transfers use the
+link the exchange leaves idle and the schedule prices nothing for them here (their exposure is
+the replicas' window, :func:`overlap_window`). Without (CPU ranks: gloo's threads move them on the
+compute's cores), a direction costs its schedule plus one :meth:`ScheduleCosts.exchange` of those
+bytes (:func:`other_traffic_s`): the same sum-of-parts accounting as a chunked layer there.
 """
 from __future__ import annotations
 
@@ -90,6 +101,13 @@ class LayerLoad:
     inter_bytes: float
     local_rows: float
     remote_rows: float
+    # Other collectives in flight during the forward / backward (module docstring: the next layer's
+    # replica gather in the forward; nothing the runtime records in the backward), on this rank's
+    # intra-node and inter-node link, units as ``intra_bytes``. Priced only when not concurrent.
+    other_fwd_intra_bytes: float = 0.0
+    other_fwd_inter_bytes: float = 0.0
+    other_bwd_intra_bytes: float = 0.0
+    other_bwd_inter_bytes: float = 0.0
 
 
 def pipeline_time(costs: ScheduleCosts, load: LayerLoad, degree: int, *, backward: bool = False) -> float:
@@ -108,22 +126,19 @@ def pipeline_times(costs: ScheduleCosts, loads: list, degree: int, *, backward: 
                  dtype=np.float64).reshape(-1, 4)
     intra, inter, local, remote = a.T
 
-    def lin(f: Linear, units):
-        return np.where(units <= 0, 0.0, f.startup_s + f.per_unit_s * units)
-
     def gemm(rows):
-        return factor * lin(costs.gemm, rows)
+        return factor * _lin(costs.gemm, rows)
 
     def exchange(i_bytes, e_bytes):
-        return np.maximum(lin(costs.a2a_intra, i_bytes), lin(costs.a2a_inter, e_bytes))
+        return _exchange(costs, i_bytes, e_bytes)
 
     if degree == 1:
-        return 2.0 * exchange(intra, inter) + gemm(local + remote)
+        return 2.0 * exchange(intra, inter) + gemm(local + remote) + _other_traffic(costs, loads, backward)
     n = degree
     x = exchange(intra / n, inter / n)
     g = gemm(remote / n)
     if not costs.concurrent:
-        return 2.0 * n * x + gemm(local) + n * g
+        return 2.0 * n * x + gemm(local) + n * g + _other_traffic(costs, loads, backward)
     link, compute = np.zeros_like(x), gemm(local)
     done_d = [None] * (n + 1)
     done_g = [None] * (n + 1)
@@ -139,6 +154,31 @@ def pipeline_times(costs: ScheduleCosts, loads: list, degree: int, *, backward: 
                 gi += 1
             link = np.maximum(link, done_g[i]) + x
     return link
+
+
+def _lin(f: Linear, units):
+    return np.where(units <= 0, 0.0, f.startup_s + f.per_unit_s * units)
+
+
+def _exchange(costs: ScheduleCosts, intra_bytes, inter_bytes):
+    return np.maximum(_lin(costs.a2a_intra, intra_bytes), _lin(costs.a2a_inter, inter_bytes))
+
+
+def _other_traffic(costs: ScheduleCosts, loads: list, backward: bool) -> np.ndarray:
+    """:func:`other_traffic_s` of every load (float64 [len(loads)])."""
+    if costs.concurrent:
+        return np.zeros(len(loads))
+    a = np.array([(ld.other_bwd_intra_bytes, ld.other_bwd_inter_bytes) if backward else
+                  (ld.other_fwd_intra_bytes, ld.other_fwd_inter_bytes) for ld in loads],
+                 dtype=np.float64).reshape(-1, 2)
+    return _exchange(costs, a[:, 0], a[:, 1])
+
+
+def other_traffic_s(costs: ScheduleCosts, load: LayerLoad, *, backward: bool = False) -> float:
+    """Seconds one direction of the layer pays for the other collectives in flight during it
+    (``load.other_*_bytes``, module docstring): 0 with concurrent costs (they use the idle link),
+    else one :meth:`ScheduleCosts.exchange` of their bytes. Part of :func:`pipeline_time`."""
+    return float(_other_traffic(costs, [load], backward)[0])
 
 
 def _link_order(n: int) -> list:
@@ -239,7 +279,8 @@ def link_busy_s(costs: ScheduleCosts, load: LayerLoad, degree: int) -> float:
 def idle_link_s(costs: ScheduleCosts, load: LayerLoad, degree: int, *, backward: bool = True) -> float:
     """The gap: seconds of one direction of the layer's modelled schedule (:func:`pipeline_time`)
     during which the links are idle (the expert GEMMs run): what a sliced gradient reduce may use."""
-    gap = pipeline_time(costs, load, degree, backward=backward) - link_busy_s(costs, load, degree)
+    gap = (pipeline_time(costs, load, degree, backward=backward) - link_busy_s(costs, load, degree)
+           - other_traffic_s(costs, load, backward=backward))  # other traffic keeps the links busy too
     return gap if gap > 0.0 else 0.0
 
 
