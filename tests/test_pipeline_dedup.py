@@ -55,17 +55,18 @@ def placement(case, world, layer):
 
 class RowCounter:
     """Hidden-width rows this rank sends to other ranks through deepspeed.comm's all_to_all_single
-    while installed (the exchanges of the forward; the count all-gather and the gate weights,
-    K wide, are not hidden-width)."""
+    while installed (the exchanges of the forward; a relay hop's rows carry their K gate weights
+    as more columns, H + K wide; the count all-gather and the last hop's gate weights, K wide,
+    are not hidden-width)."""
 
-    def __init__(self, rank, world):
+    def __init__(self, rank, world, k):
         import deepspeed.comm as dist
-        self.dist, self.rank, self.world, self.rows = dist, rank, world, 0
+        self.dist, self.rank, self.world, self.rows, self.k = dist, rank, world, 0, k
         self.orig = dist.all_to_all_single
 
     def __enter__(self):
         def counted(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **kw):
-            if input.dim() == 2 and input.shape[1] == H and input.is_floating_point():
+            if input.dim() == 2 and input.shape[1] in (H, H + self.k) and input.is_floating_point():
                 splits = list(input_split_sizes)
                 self.rows += sum(splits) - (splits[self.rank] if len(splits) == self.world else 0)
             return self.orig(output, input, output_split_sizes=output_split_sizes,
@@ -106,7 +107,7 @@ def _worker(rank, world, cases):
         chain(shards)
         x, dy = rank_inputs(case, rank, H)
         x.requires_grad_(True)
-        with RowCounter(rank, world) as counter:
+        with RowCounter(rank, world, case["K"]) as counter:
             y, l_aux = model_forward(layers, x, case.get("ckpt"))
         routes = [s._iterations[-1].route for s in shards]
         assert all(isinstance(r, DedupRoute) for r in routes)

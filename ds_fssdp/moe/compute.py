@@ -79,6 +79,17 @@ def hop_buffers(x_RH: torch.Tensor, w_RK: torch.Tensor, hop) -> tuple:
     return ops.permute_tokens(x_RH, token_U, uniq_TK), w_UK
 
 
+def exchange_with_weights(send_UH: torch.Tensor, w_UK: torch.Tensor, hop, exchange: Exchange) -> tuple:
+    """One hop's rows and their gate weights over the exchange: as K more columns of the rows in
+    one exchange (and one in the backward) when they share a dtype, the values unchanged; else
+    two exchanges."""
+    if w_UK.dtype != send_UH.dtype:
+        return exchange(send_UH, hop.recv_splits, hop.splits), exchange(w_UK, hop.recv_splits, hop.splits)
+    both_RX = exchange(torch.cat([send_UH, w_UK], 1), hop.recv_splits, hop.splits)
+    H = send_UH.shape[1]
+    return both_RX[:, :H], both_RX[:, H:]
+
+
 def dispatch_compute_combine_dedup(x_TH: torch.Tensor, weights_TK: torch.Tensor, droute: DedupRoute, *,
                                    expert_fn: ExpertFn, exchange: Exchange) -> torch.Tensor:
     """:func:`dispatch_compute_combine` with one copy per destination (over one or two hops): the
@@ -88,9 +99,7 @@ def dispatch_compute_combine_dedup(x_TH: torch.Tensor, weights_TK: torch.Tensor,
     dev = x_TH.device
     x_RH, w_RK = x_TH, weights_TK
     for hop in droute.hops:
-        send_UH, w_UK = hop_buffers(x_RH, w_RK, hop)
-        x_RH = exchange(send_UH, hop.recv_splits, hop.splits)
-        w_RK = exchange(w_UK, hop.recv_splits, hop.splits)
+        x_RH, w_RK = exchange_with_weights(*hop_buffers(x_RH, w_RK, hop), hop, exchange)
     rows_UK, token_C = droute.rows_UK.to(dev), droute.token_C.to(dev)
     y_CH = expert_fn(expand_received(x_RH, token_C, rows_UK), droute.route.group_sizes)
     out_RH = combine_received(y_CH, rows_UK, w_RK)

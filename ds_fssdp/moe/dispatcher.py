@@ -8,8 +8,9 @@ With ``dedup`` (``fssdp.one_copy_per_destination``, ``moe/dedup.py``) a token cr
 once: :meth:`route` adds two small exchanges per hop after the plan, one all-gather of every
 rank's unique rows per destination (D ints each: the receive counts, which the plan does not
 hold, and the group's bytes saved) and one all-to-all of the routing entries (K longs per unique
-row, 2K to a relay); the gate weights travel in :meth:`run` (one more all-to-all per hop, and its
-backward). With several nodes of several ranks (``ranks_per_node``) there are two hops: to the
+row, 2K to a relay); the gate weights travel in :meth:`run`, as K more columns of the rows
+when they share the rows' dtype (``compute.exchange_with_weights``; else one more all-to-all per
+hop, and its backward; chunked, the last hop's weights cross unchunked first). With several nodes of several ranks (``ranks_per_node``) there are two hops: to the
 relay in the destination's node, then inside that node.
 
 The route is split around the plan: :meth:`group` (the assignments grouped by expert) needs no

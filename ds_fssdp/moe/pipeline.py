@@ -47,7 +47,7 @@ import torch
 from deepspeed import comm as dist
 
 from ds_fssdp import ops
-from ds_fssdp.moe.compute import combine_received, expand_received, hop_buffers
+from ds_fssdp.moe.compute import combine_received, exchange_with_weights, expand_received, hop_buffers
 from ds_fssdp.ops.lora import LoraFactors
 
 
@@ -457,19 +457,18 @@ def pipelined_dispatch_compute_combine_dedup(x_TH: torch.Tensor, weights_TK: tor
     """``compute.dispatch_compute_combine_dedup`` with the last hop chunked at ``degrees``: one row
     per (token, destination) crosses in the chunks. With two hops (``droute.hops``: to the relay
     in the destination's node, then inside it) the relay hop runs unchunked first through
-    ``exchange`` (the whole group's all-to-all, with autograd), as its return does last; the last
+    ``exchange`` (the whole group's all-to-all, with autograd; the gate weights ride with the rows,
+    ``compute.exchange_with_weights``), as its return does last; the last
     hop's rows go through :class:`PipelinedExperts` with their receiver's tables. The gate weights
-    of each hop's rows (zero on the slots a row does not carry there) cross in one unchunked
-    all-to-all per hop (K values per row, with autograd) before the chunks; the receiver applies
+    of the last hop's rows (zero on the slots a row does not carry there) cross in one unchunked
+    all-to-all (K values per row, with autograd) before the chunks; the receiver applies
     them per unit, so the return carries one row per received row and each hop's sender sums a
     token's partial rows over its destinations (destination order)."""
     dev = x_TH.device
     x_RH, w_RK = x_TH, weights_TK
     *relay_hops, last = droute.hops
     for hop in relay_hops:
-        send_UH, w_UK = hop_buffers(x_RH, w_RK, hop)
-        x_RH = exchange(send_UH, hop.recv_splits, hop.splits)
-        w_RK = exchange(w_UK, hop.recv_splits, hop.splits)
+        x_RH, w_RK = exchange_with_weights(*hop_buffers(x_RH, w_RK, hop), hop, exchange)
     send_UH, w_UK = hop_buffers(x_RH, w_RK, last)
     w_recv_UK = exchange(w_UK, last.recv_splits, last.splits)
     plan = ChunkPlan(rank=rank, degrees=degrees, send_splits=last.splits, recv_splits=last.recv_splits,
