@@ -126,12 +126,17 @@ class FSSDPConfig(DeepSpeedConfigModel):
     the node; gradients are summed inside a node before one partial sum leaves it. With
     ``one_copy_per_destination`` tokens too cross to a node once and are forwarded inside it."""
 
-    one_copy_per_destination: StrictBool = True
+    one_copy_per_destination: Union[Literal["auto"], StrictBool] = True
     """A token crosses to a rank once, however many of its top-k experts that rank computes; the
     receiver expands it to its rows and returns one gate-weighted partial sum (moe/dedup.py); with
     ``topology_aware`` and several nodes it crosses to a node once, to a relay that forwards it
     inside the node. Same results up to fp32 summation order; false: one row per (token, expert)
-    assignment."""
+    assignment. ``"auto"``: per layer and step, where the schedule's cost model says the layer is
+    faster with it (``planner/schedule.choose_one_copy``: the rows it saves against its routing
+    entries, gate weights and two small collectives), from the plan's traffic and the agreed costs
+    (measured at initialize, or ``hardware``'s), so every rank takes the same decision. Not the
+    default: with measured costs the choice, hence the fp32 summation order, can differ between a
+    run and its resumption."""
 
     reshard_interval: StrictInt = Field(0, ge=0)
     """Re-plan the owners of all layers every this many optimizer steps (0: never)."""
@@ -285,6 +290,9 @@ def _check_deterministic(cfg: FSSDPConfig) -> None:
     if cfg.pipeline_degree == "auto" and cfg.hardware is None:
         timed.append(f"{SECTION}.pipeline_degree (\"auto\") without {SECTION}.hardware: set an int or "
                      "{\"forward\": n, \"backward\": n}, or give the hardware")
+    if cfg.one_copy_per_destination == "auto" and cfg.hardware is None:
+        timed.append(f"{SECTION}.one_copy_per_destination (\"auto\") without {SECTION}.hardware: set true or false, "
+                     "or give the hardware")
     if cfg.calibration and cfg.calibration_latency_budget is None:
         timed.append(f"{SECTION}.calibration_latency_budget (None) with calibration: set seconds")
     needs_cost = cfg.calibration or cfg.policy == "fastermoe" or cfg.dispatch == "balanced-time"

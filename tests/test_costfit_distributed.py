@@ -58,9 +58,10 @@ def test_costs_are_fitted_agreed_and_refitted(tmp_path):
     assert r0["one_node"][2]["intra"] == 3 and r0["one_node"][2]["inter"] == 0
     assert r0["two_nodes"][2]["inter"] == 3
     assert r0["refits"] == 3
-    # Each step's forward and backward recorded 3 exchanges per layer each way: under one copy per
-    # destination (the default) the rows, their gate weights and the combined rows back.
-    assert r0["spans"]["a2a"] == 3 * 6 and r0["spans"]["gemm_fwd"] == r0["spans"]["gemm_bwd"] == 3
+    # Each step's forward and backward recorded 2 exchanges per layer each way: under one copy per
+    # destination (the default) the rows with their gate weights as more columns, and the combined
+    # rows back.
+    assert r0["spans"]["a2a"] == 3 * 4 and r0["spans"]["gemm_fwd"] == r0["spans"]["gemm_bwd"] == 3
     assert r0["spans"]["layer_fwd"] == r0["spans"]["layer_bwd"] == 3
     # Layer 0's forward carries layer 1's early gather when still in flight at its start (whole
     # expert rows, one node: intra only); the last layer starts none; no backward bytes (the

@@ -99,7 +99,7 @@ def test_ranks_without_experts_and_bounded_replicas(trained):
 
 # -- determinism -----------------------------------------------------------------------------------
 DET_MODEL = dict(num_experts=8, k=2)
-DET_FSSDP = {"reshard_interval": 2, "deterministic": True, "pipeline_degree": 1}
+DET_FSSDP = {"reshard_interval": 2, "deterministic": True, "pipeline_degree": 1, "one_copy_per_destination": True}
 
 
 def _det_worker(rank, world, steps):

@@ -31,6 +31,8 @@ BAD = [
      "measured timings: fssdp.overlap_degree (\"auto\")"),
     ({"deterministic": True, "policy": "fastermoe"}, "fssdp.hardware (None)"),
     ({"deterministic": True, "overlap_degree": 2}, "fssdp.pipeline_degree (\"auto\") without fssdp.hardware"),
+    ({"deterministic": True, "overlap_degree": 2, "pipeline_degree": 1, "one_copy_per_destination": "auto"},
+     "fssdp.one_copy_per_destination (\"auto\") without fssdp.hardware"),
 ]
 
 

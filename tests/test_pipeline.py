@@ -146,27 +146,37 @@ def test_pipeline_matches_single_process():
 
 
 AUTO_HARDWARE = {"flops": 1e7, "intra_bw": 1e12, "inter_bw": 1e12, "latency": 1e-9}
+SLOW_LINKS = {"flops": 1e12, "intra_bw": 1e6, "inter_bw": 1e6, "latency": 1e-9}  # one copy per destination pays
 
 
-def _check_degrees_recomputed(run: dict, hardware: dict) -> None:
-    """The degrees the runtime recorded equal the schedule's decision recomputed from each recorded
-    plan's traffic, by the runtime's function (loads_from_traffic + choose_degrees on the costs of
-    the configured hardware) and by the simulator's layer pricing (sim/pipeline.LayerSchedule)."""
+def _check_degrees_recomputed(run: dict, hardware: dict, *, one_copy: bool) -> list:
+    """The degrees (and, under ``one_copy`` "auto", one copy per destination) the runtime recorded
+    equal the schedule's decisions recomputed from each recorded plan's traffic, by the runtime's
+    functions (loads_from_traffic + choose_degrees, choose_one_copy, on the costs of the configured
+    hardware) and by the simulator's layer pricing (sim/pipeline.LayerSchedule). The one-copy
+    decisions recorded."""
     import numpy as np
     from ds_fssdp.planner.cost import ExpertShape, Hardware, schedule_costs
-    from ds_fssdp.planner.schedule import choose_degrees, loads_from_traffic
+    from ds_fssdp.planner.schedule import choose_degrees, choose_one_copy, loads_from_traffic
     from ds_fssdp.sim.pipeline import LayerSchedule, ScheduleOptions
     hw, shape = Hardware(**hardware), ExpertShape(**run["expert_shape"])
     costs = schedule_costs(hw, shape)
     assert dataclasses.asdict(costs) == run["schedule_costs"]
-    sim = LayerSchedule(hw, shape, ranks_per_node=1, top_k=2, options=ScheduleOptions(dedup=False))
+    sim = LayerSchedule(hw, shape, ranks_per_node=1, top_k=2, options=ScheduleOptions(dedup="auto" if one_copy else False))
     recorded = [d for step in run["decisions"] for d in step if d is not None]
     assert recorded
-    for degrees, traffic in recorded:
+    for degrees, traffic, taken in recorded:
         traffic_DD = np.asarray(traffic, dtype=np.int64)
         loads = loads_from_traffic(traffic_DD, ranks_per_node=1, token_bytes=run["token_bytes"])
         assert tuple(degrees) == choose_degrees(costs, loads)
-        assert tuple(degrees) == tuple(sim.layer(traffic_DD[None]).degrees[0])
+        lt = sim.layer(traffic_DD[None])
+        assert tuple(degrees) == tuple(lt.degrees[0])
+        if one_copy:
+            assert bool(taken) == choose_one_copy(costs, traffic_DD, ranks_per_node=1, token_bytes=run["token_bytes"],
+                                                  top_k=2, weight_bytes=4, degrees=tuple(degrees)) == lt.one_copy[0]
+        else:
+            assert taken == 0
+    return [t for _, _, t in recorded]
 
 
 def test_engine_training_at_degrees_3_2_equals_degree_1():
@@ -178,18 +188,24 @@ def test_engine_training_at_degrees_3_2_equals_degree_1():
                                 "d32": {"pipeline_degree": {"forward": 3, "backward": 2}},
                                 "d32rm": {"pipeline_degree": {"forward": 3, "backward": 2}, "rematerialize": True},
                                 # slow GEMMs, fast links: "auto" pipelines
-                                "auto": {"hardware": AUTO_HARDWARE, "one_copy_per_destination": False}}.items()}
+                                "auto": {"hardware": AUTO_HARDWARE, "one_copy_per_destination": False},
+                                # slow links: one copy per destination chosen where it pays
+                                "auto1c": {"hardware": SLOW_LINKS, "one_copy_per_destination": "auto"}}.items()}
     res = spawn(world, training.train_worker, runs, steps)
     tight = dict(rtol=1e-5, atol=1e-6)  # fp32, SGD with momentum: summation order only
     for rank in range(world):
         base = res[rank]["d1"]
-        for name in ("d32", "d32rm", "auto"):
+        for name in ("d32", "d32rm", "auto", "auto1c"):
             got = res[rank][name]
             degrees = {(s["pipeline_degree_fwd"], s["pipeline_degree_bwd"]) for it in got["layer_stats"] for s in it}
             if name == "auto":  # the same decision on every rank, iteration by iteration, layer by layer
                 assert got["layer_stats"] == res[0][name]["layer_stats"]
                 assert degrees - {(1, 1)}, degrees
-                _check_degrees_recomputed(got, AUTO_HARDWARE)
+                _check_degrees_recomputed(got, AUTO_HARDWARE, one_copy=False)
+            elif name == "auto1c":
+                assert got["layer_stats"] == res[0][name]["layer_stats"]
+                taken = _check_degrees_recomputed(got, SLOW_LINKS, one_copy=True)
+                assert any(taken), taken
             else:
                 assert degrees == {(3, 2)}, (name, degrees)
             torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(base["losses"]), **tight)

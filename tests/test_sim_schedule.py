@@ -222,6 +222,13 @@ def test_cli_schedule_flags(capsys):
         assert r["vs_lower_bound"] == pytest.approx(r["iteration_ms"] / out["lower_bound_ms"])
         assert r["vs_lower_bound"] >= 1.0 and out["vs_lower_bound"][name] == pytest.approx(r["vs_lower_bound"])
     assert res["fssdp"]["dedup_saved_gb"] > 0 and res["fsmoe"]["dedup_saved_gb"] == 0
+    assert out["setup"]["schedule"]["dedup"] is True
+    assert main(base + ["--dedup", "auto"]) == 0
+    auto = {r["policy"]: r for r in json.loads(capsys.readouterr().out)["results"]}
+    assert 0 <= auto["fssdp"]["dedup_saved_gb"] <= res["fssdp"]["dedup_saved_gb"] and auto["fsmoe"]["dedup_saved_gb"] == 0
+    assert main(base + ["--no-dedup"]) == 0
+    off = {r["policy"]: r for r in json.loads(capsys.readouterr().out)["results"]}
+    assert off["fssdp"]["dedup_saved_gb"] == 0
     assert main(base + ["--serial"]) == 0
     ser = {r["policy"]: r for r in json.loads(capsys.readouterr().out)["results"]}
     assert ser["fsmoe"]["iteration_ms"] == pytest.approx(ser["ep"]["iteration_ms"])

@@ -89,7 +89,7 @@ def train_worker(rank, world, runs: dict, steps: int):
         engine, *_ = ds_fssdp.initialize(model=model, config=cfg, optimizer=client)
         gas = cfg["gradient_accumulation_steps"]
         losses, replicas, factors, norms, peaks, local_bytes, migrated, layer_stats = [], [], [], [], [], [], [], []
-        decisions = []  # per micro-step, per layer: (degrees, traffic_DD) of the layer's Decision
+        decisions = []  # per micro-step, per layer: (degrees, traffic_DD, one_copy) of the layer's Decision
         layers_peaks = []
         for step in range(steps):
             for micro in range(gas):
@@ -101,10 +101,11 @@ def train_worker(rank, world, runs: dict, steps: int):
                 engine.fssdp.memory.reset_peak()
                 local_bytes.append([l.last_stats["replica_bytes_local"] for l in model.moe_layers()])
                 keys = ("shadowed", "calibration", "overlap_degree", "straggler", "pipeline_degree_fwd",
-                        "pipeline_degree_bwd", "a2a_bytes_saved")
+                        "pipeline_degree_bwd", "a2a_bytes_saved", "one_copy")
                 layer_stats.append([{k: l.last_stats.get(k) for k in keys} for l in model.moe_layers()])
                 decisions.append([None if l.sharded.last_decision is None else
-                                  (list(l.sharded.last_decision.degrees), l.sharded.last_decision.traffic_DD.tolist())
+                                  (list(l.sharded.last_decision.degrees), l.sharded.last_decision.traffic_DD.tolist(),
+                                   l.sharded.last_decision.one_copy)
                                   for l in model.moe_layers()])
                 engine.step()
                 losses.append(loss.item())

@@ -54,11 +54,11 @@ class TokenDispatcher:
         """tokens_ED: every rank's counts per expert (the one synchronisation the plan needs)."""
         return all_gather_counts(counts_E, self.group)
 
-    def route(self, idx_TK: torch.Tensor, plan, *, local_E: torch.Tensor, grouped=None):
-        """A :class:`~ds_fssdp.moe.routing.Route`, or with ``dedup`` a :class:`DedupRoute`
-        (collective: every rank of the group calls it)."""
+    def route(self, idx_TK: torch.Tensor, plan, *, local_E: torch.Tensor, grouped=None, dedup: bool | None = None):
+        """A :class:`~ds_fssdp.moe.routing.Route`, or with ``dedup`` (None: the dispatcher's) a
+        :class:`DedupRoute` (collective: every rank of the group calls it, with the same ``dedup``)."""
         r = route(idx_TK, plan, rank=self.rank, local_E=local_E, grouped=grouped)
-        if not self.dedup:
+        if not (self.dedup if dedup is None else dedup):
             return r
         T, K = idx_TK.shape
         dev = idx_TK.device

@@ -54,7 +54,8 @@ from ds_fssdp.moe.timing import LayerTimings
 from ds_fssdp.planner import LoadPredictor, PolicyConfig, make_policy
 from ds_fssdp.planner.baselines import Clock, LayerPlan
 from ds_fssdp.planner.layer import LayerPlanner
-from ds_fssdp.planner.schedule import ScheduleCosts, choose_degrees, loads_from_plan, overlap_window
+from ds_fssdp.planner.plan import DispatchPlan
+from ds_fssdp.planner.schedule import ScheduleCosts, choose_degrees, choose_one_copy, loads_from_plan, overlap_window
 from ds_fssdp.topology import Topology
 
 __all__ = ["ShardedExperts", "ShardOptions", "StepContext", "Decision", "ReplicaMemory", "chain", "decision_arrays"]
@@ -66,8 +67,9 @@ class ShardOptions:
     uniform: bool = False  # policy "uniform": spread each rank's assignments evenly over the experts
     rematerialize: bool = False
     hierarchical: bool = True  # topology-aware (two-phase) sparse collectives across nodes
-    one_copy_per_destination: bool = True  # a token crosses to a rank once (moe/dedup.py); with
-    # hierarchical and several nodes: to a node once, forwarded inside it
+    one_copy_per_destination: bool | str = True  # a token crosses to a rank once (moe/dedup.py); with
+    # hierarchical and several nodes: to a node once, forwarded inside it; "auto": per layer and step
+    # where the schedule's costs say it pays (planner.schedule.choose_one_copy)
 
 
 @dataclass(frozen=True)
@@ -94,9 +96,11 @@ class Decision:
     rows_D: torch.Tensor  # long [D]: rows each rank computes
     traffic_DD: torch.Tensor  # long [D, D]: tokens rank d sends rank d2
     degrees: tuple = (-1, -1)  # (forward, backward) pipeline degrees (-1: not decided here, the replay)
+    one_copy: int = -1  # one copy per destination taken (1) or not (0); -1: not decided here
 
     @classmethod
-    def of(cls, owner_E, placed_ED, lp: LayerPlan, plan, clock: Clock, degrees: tuple = (-1, -1)) -> "Decision":
+    def of(cls, owner_E, placed_ED, lp: LayerPlan, plan, clock: Clock, degrees: tuple = (-1, -1),
+           one_copy: int = -1) -> "Decision":
         """From what a layer's planner returned (``lp.placement_ED``: the final placement)."""
         cal = lp.calibration
         return cls(owner_E=owner_E.to("cpu", torch.long).clone(), placed_ED=placed_ED.to("cpu", torch.bool).clone(),
@@ -105,7 +109,8 @@ class Decision:
                    latency_budget=float("nan") if clock.latency_budget is None else float(clock.latency_budget),
                    calibration_t=-1 if cal is None else int(cal.overlap_degree),
                    calibration_accepted=cal is not None and bool(cal.accepted), plan_digest=plan_digest(plan),
-                   rows_D=plan.rows_D(), traffic_DD=plan.traffic_DD(), degrees=tuple(int(d) for d in degrees))
+                   rows_D=plan.rows_D(), traffic_DD=plan.traffic_DD(), degrees=tuple(int(d) for d in degrees),
+                   one_copy=int(one_copy))
 
 
 def decision_arrays(decisions: list) -> dict:
@@ -122,7 +127,8 @@ def decision_arrays(decisions: list) -> dict:
             "decision_plan_digest": stack(lambda d: d.plan_digest, np.int64),
             "decision_rows": stack(lambda d: d.rows_D.numpy(), np.int64),
             "decision_traffic": stack(lambda d: d.traffic_DD.numpy(), np.int64),
-            "decision_degrees": stack(lambda d: d.degrees, np.int64)}
+            "decision_degrees": stack(lambda d: d.degrees, np.int64),
+            "decision_one_copy": stack(lambda d: d.one_copy, np.int64)}
 
 
 def plan_digest(plan) -> int:
@@ -181,7 +187,7 @@ class ShardedExperts:
         if exchange is None:
             exchange = ExchangeGroups(intra=group, inter=None, ranks_per_node=topology.num_ranks)
         self.dispatcher = TokenDispatcher(group=group, rank=self.rank, num_experts=E, exchange=exchange,
-                                          world=topology.num_ranks, dedup=options.one_copy_per_destination,
+                                          world=topology.num_ranks, dedup=options.one_copy_per_destination is True,
                                           ranks_per_node=topology.ranks_per_node if options.hierarchical else None)
         # Exchange, GEMM and whole-layer spans (forward and backward): the cost model's refits.
         self.timings = LayerTimings(rank=self.rank, ranks_per_node=topology.ranks_per_node)
@@ -266,7 +272,11 @@ class ShardedExperts:
             critical_s = time.perf_counter() - t1
             gather_sent += extra_sent
         plan = ctx.planner.dispatch(lp, tokens_ED)
-        r = self.dispatcher.route(idx_TK, plan, local_E=layout.local_E, grouped=grouped)
+        token_bytes = x_TH.shape[1] * x_TH.element_size()
+        degrees = self._degrees(ctx, plan, token_bytes)
+        one_copy = self._one_copy(ctx, plan, token_bytes=token_bytes, top_k=idx_TK.shape[1],
+                                  weight_bytes=weights_TK.element_size(), degrees=degrees)
+        r = self.dispatcher.route(idx_TK, plan, local_E=layout.local_E, grouped=grouped, dedup=one_copy)
         grad = torch.is_grad_enabled()
         # A forward that a backward may follow (or recompute, under checkpointing) is recorded.
         record = grad or observe
@@ -282,8 +292,6 @@ class ShardedExperts:
         early_next = self.next is not None and self.next._gather is None
         if early_next:
             self.next.prefetch()
-        token_bytes = x_TH.shape[1] * x_TH.element_size()
-        degrees = self._degrees(ctx, plan, token_bytes)
         out_TH = self._run(x_TH, weights_TK, r, replica_RP, remat=remat, local_E=layout.local_E, degrees=degrees,
                            other=lambda: self._other_bytes(early_next))
         if early_next:
@@ -298,11 +306,12 @@ class ShardedExperts:
         if observe:
             prediction_error = ctx.planner.observe(tokens_ED)
             self.last_tokens_ED = tokens_ED
-            self.last_decision = Decision.of(self.owner_E, placed_ED, lp, plan, ctx.clock, degrees)
+            self.last_decision = Decision.of(self.owner_E, placed_ED, lp, plan, ctx.clock, degrees, one_copy)
         self.stats = self._stats(layout, plan, tokens_ED, lp, gather_exposed=gather_exposed, critical_s=critical_s,
                                  gather_sent=gather_sent, token_bytes=token_bytes,
                                  prediction_error=prediction_error, window=window, ctx=ctx)
         self.stats["pipeline_degree_fwd"], self.stats["pipeline_degree_bwd"] = degrees
+        self.stats["one_copy"] = int(one_copy)
         self.stats.update({"gather_early_s": early_s, "gather_started_early": early_end is not None,
                            "next_gather_started_early": early_next})
         self.stats.update(_dedup_stats(r, plan, ranks_per_node=self.topology.ranks_per_node, token_bytes=token_bytes,
@@ -360,6 +369,21 @@ class ShardedExperts:
                 return (*self.timings.link_bytes(phases[0].send_splits, phases[0].recv_splits,
                                                  self.next.expert_bytes), 0.0, 0.0)
         return (0.0, 0.0, 0.0, 0.0)
+
+    def _one_copy(self, ctx: StepContext, plan, *, token_bytes: int, top_k: int, weight_bytes: int,
+                  degrees: tuple) -> bool:
+        """One copy per destination this iteration: the option's, or under "auto" the schedule's
+        choice (``choose_one_copy``) on the agreed costs and this plan's traffic at ``degrees`` (the
+        same on every rank; without costs, on)."""
+        opt = self.options.one_copy_per_destination
+        if opt != "auto":
+            return bool(opt)
+        if ctx.schedule_costs is None:
+            return True
+        traffic_DD = plan.traffic_DD() if isinstance(plan, DispatchPlan) else plan.sum(0)
+        return choose_one_copy(ctx.schedule_costs, traffic_DD.to("cpu", torch.long).numpy(),
+                               ranks_per_node=self.topology.ranks_per_node, token_bytes=token_bytes, top_k=top_k,
+                               weight_bytes=weight_bytes, degrees=tuple(degrees))
 
     def _run(self, x_TH, weights_TK, r, replica_RP, *, remat: bool, local_E, degrees: tuple,
              other=None) -> torch.Tensor:

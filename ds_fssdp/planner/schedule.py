@@ -259,6 +259,79 @@ def loads_from_traffic(traffic_DD, *, ranks_per_node: int, token_bytes: float, s
                       remote_rows=float(rows_D[d] - local[d])) for d in range(D)]
 
 
+# -- one copy per destination, where it pays (issue 24, item 3) -------------------------------------
+#
+# A token that picks several experts of one rank crosses to it once; its routing entries (K longs
+# per row sent: the receiver's positions) go ahead in one more all-to-all after one all-gather of
+# the counts, and its gate weights travel with it (as K more columns of the rows at degree 1, in
+# their own all-to-all each way when chunked). Where few tokens share a destination (many ranks,
+# top-k spread) the rows it saves can cost less than those; so "auto" takes it per layer and step
+# when the modelled layer is faster with it. The rows it saves come from the plan's traffic alone
+# (k independent picks per token: :func:`distinct_fraction`), so every rank, the simulators and a
+# recorded trace decide alike.
+
+INDEX_BYTES = 8  # a routing entry (long)
+
+
+def distinct_fraction(traffic_DD, top_k: int) -> np.ndarray:
+    """One copy per destination: the expected fraction of the rows d sends h that are distinct
+    tokens, ``[..., d, h]``. From counts alone (a token's top-k picks are not in a plan or a count
+    trace) it is modelled as k independent picks per token, each landing on h with d's share p of
+    rows to h: a token reaches h with probability 1 - (1 - p)^k, so the distinct tokens are
+    (1 - (1 - p)^k) / (k p) of the rows (1 for k = 1; 1/k when every pick lands on h). An
+    approximation: top-k picks distinct experts, and real routing is correlated."""
+    if top_k < 1:
+        raise ValueError(f"top_k ({top_k}) must be >= 1")
+    traffic = np.asarray(traffic_DD, dtype=np.float64)
+    total = traffic.sum(-1, keepdims=True)
+    p = np.divide(traffic, total, out=np.zeros_like(traffic), where=total > 0)
+    k = float(top_k)
+    return np.divide(1.0 - (1.0 - p) ** k, k * p, out=np.ones_like(p), where=p > 0)
+
+
+def one_copy_overhead_s(costs: ScheduleCosts, sent_DD, *, ranks_per_node: int, top_k: int, weight_bytes: float,
+                        degrees: tuple) -> tuple:
+    """(forward, backward) seconds per rank (float64 [D] each) one copy per destination adds to the
+    layer, for ``sent_DD`` rows crossing: the count all-gather (one startup), the routing entries'
+    all-to-all (K longs per row sent), and the gate weights (K values per row each way: more bytes
+    on the rows' exchange at degree (1, 1), else an all-to-all of their own each way)."""
+    sent = np.asarray(sent_DD, dtype=np.float64)
+    D, G = sent.shape[0], int(ranks_per_node)
+    node = np.arange(D) // G
+    same = node[:, None] == node[None, :]
+    off = sent * (1 - np.eye(D))
+    intra_rows, inter_rows = (off * same).sum(1), (off * ~same).sum(1)
+    count = _lin(costs.a2a_intra, np.full(D, float(D * INDEX_BYTES)))
+    entries = _exchange(costs, intra_rows * top_k * INDEX_BYTES, inter_rows * top_k * INDEX_BYTES)
+    w_intra, w_inter = intra_rows * top_k * weight_bytes, inter_rows * top_k * weight_bytes
+    if tuple(degrees) == (1, 1):  # riding with the rows: their bytes at the exchange's rate
+        weights_fwd = weights_bwd = w_intra * costs.a2a_intra.per_unit_s + w_inter * costs.a2a_inter.per_unit_s
+    else:
+        weights_fwd = weights_bwd = _exchange(costs, w_intra, w_inter)
+    return count + entries + weights_fwd, weights_bwd
+
+
+def choose_one_copy(costs: ScheduleCosts, traffic_DD, *, ranks_per_node: int, token_bytes: float, top_k: int,
+                    weight_bytes: float, degrees: tuple) -> bool:
+    """Whether one copy per destination makes the layer faster at ``degrees``: the slowest rank's
+    forward + backward (:func:`pipeline_times`) with the rows it sends (``traffic_DD`` times
+    :func:`distinct_fraction`) and :func:`one_copy_overhead_s`, against with every row (the same
+    on every rank: the plan's traffic and the agreed costs)."""
+    if top_k <= 1:
+        return False  # nothing to share a destination
+    traffic = np.asarray(traffic_DD, dtype=np.float64)
+    sent = traffic * distinct_fraction(traffic, top_k)
+    plain = loads_from_traffic(traffic, ranks_per_node=ranks_per_node, token_bytes=token_bytes)
+    fewer = loads_from_traffic(traffic, ranks_per_node=ranks_per_node, token_bytes=token_bytes, sent_DD=sent)
+    over_f, over_b = one_copy_overhead_s(costs, sent, ranks_per_node=ranks_per_node, top_k=top_k,
+                                         weight_bytes=weight_bytes, degrees=degrees)
+
+    def layer(loads, extra_f=0.0, extra_b=0.0):
+        return float((pipeline_times(costs, loads, degrees[0]) + extra_f
+                      + pipeline_times(costs, loads, degrees[1], backward=True) + extra_b).max())
+    return layer(fewer, over_f, over_b) < layer(plain)
+
+
 # -- gradients in the gaps and replicas on the idle link (issue 24, items 4 and 5) ----------------
 #
 # The owned-expert gradient reduce over the EDP group of a layer runs during the backward of the

@@ -183,9 +183,11 @@ def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
         return Replay(settings=s, owner_SLE=np.zeros((0, L, E), np.int64), held_SLED=np.zeros((0, L, E, D), bool),
                       rows_SLD=np.zeros((0, L, D), np.int64), ep_rows_SLD=np.zeros((0, L, D), np.int64), decisions={})
     rec = {k: np.stack([d[k] for d in steps]) for k in steps[0]}
-    # The pipeline degrees follow the run's schedule costs (fitted at initialize and refitted from
-    # timings: not in the trace); tests/test_pipeline.py checks them against the recorded traffic.
+    # The pipeline degrees and one copy per destination follow the run's schedule costs (fitted at
+    # initialize and refitted from timings: not in the trace); tests/test_pipeline.py checks them
+    # against the recorded traffic.
     rec.pop("decision_degrees")
+    rec.pop("decision_one_copy")
     # Static EP: every owner computes all its experts' rows.
     ep_rows = np.zeros((S, L, D), dtype=np.int64)
     load_SLE = trace.tokens_SLED.sum(3, dtype=np.int64)

@@ -165,7 +165,7 @@ class FSSDPStage:
         self.expert_state.optimizer = self.optimizer
         self.norm = install_expert_norm(engine)
         self._configure_auto_and_policies(dtype, engine.device)
-        if self.pipeline_degree == "auto" and self.config.hardware is None:
+        if self._schedule_decided() and self.config.hardware is None:
             # The schedule's costs measured here, agreed and fitted (runtime/costfit.py); with
             # fssdp.hardware they come from it instead (_schedule_costs), and nothing is measured.
             self.cost_fit = costfit.measure(group=self.group, topology=self.topology, spec=self.layers[0].spec,
@@ -355,7 +355,7 @@ class FSSDPStage:
                      or (cfg.grads_in_gaps and self.edp_size > 1 and cfg.hardware is not None))
         if need_cost:
             self.cost = self._cost_model(dtype, device)
-        if self.pipeline_degree == "auto" and cfg.hardware is not None:
+        if self._schedule_decided() and cfg.hardware is not None:
             self.schedule_costs = self._schedule_costs(dtype)
         layer = self.layers[0]
         name = "fssdp-rm" if cfg.policy == "fssdp" and cfg.rematerialize else cfg.policy
@@ -400,8 +400,13 @@ class FSSDPStage:
         self.profile["expert_shape"] = dataclasses.asdict(shape)
         return CostModel(hw, shape, self.topology)
 
+    def _schedule_decided(self) -> bool:
+        """Whether a layer decision comes from the schedule's costs ("auto" pipeline degrees or one
+        copy per destination)."""
+        return self.pipeline_degree == "auto" or self.config.one_copy_per_destination == "auto"
+
     def _schedule_costs(self, dtype) -> ScheduleCosts:
-        """What "auto" pipeline degrees are chosen from under ``fssdp.hardware`` (a modelled device:
+        """What "auto" pipeline degrees and one copy per destination are chosen from under ``fssdp.hardware`` (a modelled device:
         exchanges concurrent with the compute; the same on every rank and in every run, nothing is
         measured); collective startup is the hardware's latency."""
         h = self.config.hardware

@@ -102,8 +102,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pipeline-degree", default="auto", help="FSSDP's and fsmoe's chunks per token exchange: "
                    "'auto' (chosen per layer, forward and backward, by planner.schedule.choose_degrees) or 1-8 "
                    "(1: the serial exchange)")
-    p.add_argument("--no-dedup", action="store_true", help="FSSDP: send a token once per expert it picks on a rank "
-                   "(default: one copy per destination)")
+    p.add_argument("--dedup", choices=("auto", "on", "off"), default="on", help="FSSDP: one copy per destination "
+                   "(a token crosses to a rank once): always (the runtime's default), where the modelled layer "
+                   "is faster with it (planner.schedule.choose_one_copy), or never")
+    p.add_argument("--no-dedup", action="store_true", help="the same as --dedup off")
     p.add_argument("--no-grad-gaps", action="store_true", help="FSSDP, fsmoe: the gradient all-reduce overlaps the "
                    "backward as before, not only its link gaps")
     p.add_argument("--no-idle-link", action="store_true", help="FSSDP: replicas gathered within the attention "
@@ -131,7 +133,8 @@ def schedule_options(args) -> ScheduleOptions:
             raise SystemExit(f"--pipeline-degree ({d!r}) must be 'auto' or an integer in [1, {MAX_DEGREE}]")
         if not 1 <= d <= MAX_DEGREE:
             raise SystemExit(f"--pipeline-degree ({d}) must be 'auto' or an integer in [1, {MAX_DEGREE}]")
-    return ScheduleOptions(pipeline_degree=None if d == "auto" else d, dedup=not args.no_dedup,
+    dedup = False if args.no_dedup else {"auto": "auto", "on": True, "off": False}[args.dedup]
+    return ScheduleOptions(pipeline_degree=None if d == "auto" else d, dedup=dedup,
                            grad_gaps=not args.no_grad_gaps, idle_link=not args.no_idle_link,
                            price_by_schedule=not args.no_price_by_schedule)
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ds_fssdp.planner.cost import Hardware
+from ds_fssdp.planner.schedule import distinct_fraction  # noqa: F401  (the simulators' dedup estimate)
 
 
 @dataclass
@@ -141,21 +142,6 @@ def traffic_BNN(tokens_BED: np.ndarray, holder_BE: np.ndarray, flows_4F: np.ndar
         fb, fh, fd, k = flows_4F
         out += np.bincount((fb * N + fd) * N + fh, weights=k.astype(np.float64), minlength=B * N * N)
     return out.reshape(B, N, N)
-
-
-def distinct_fraction(traffic_BNN: np.ndarray, top_k: int) -> np.ndarray:
-    """One copy per destination: the expected fraction of the rows d sends h that are distinct
-    tokens, ``[B, d, h]``. From counts alone (a token's top-k picks are not in a count trace) it
-    is modelled as k independent picks per token, each landing on h with d's share p of rows to
-    h: a token reaches h with probability 1 - (1 - p)^k, so the distinct tokens are
-    (1 - (1 - p)^k) / (k p) of the rows (1 for k = 1; 1/k when every pick lands on h). An
-    approximation: top-k picks distinct experts, and real routing is correlated."""
-    if top_k < 1:
-        raise ValueError(f"top_k ({top_k}) must be >= 1")
-    total_BD = traffic_BNN.sum(2, keepdims=True)
-    p = np.divide(traffic_BNN, total_BD, out=np.zeros_like(traffic_BNN), where=total_BD > 0)
-    k = float(top_k)
-    return np.divide(1.0 - (1.0 - p) ** k, k * p, out=np.ones_like(p), where=p > 0)
 
 
 def traffic_links(traffic_BNN: np.ndarray, *, ranks_per_node: int, row_bytes: float,

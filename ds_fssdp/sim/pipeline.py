@@ -7,9 +7,12 @@ Legend: B groups, N ranks of a group, d source rank, h destination rank.
 Per layer and group, from the rows each rank sends each rank (``traffic_BNN``, the diagonal a
 rank's own tokens on experts it holds):
 
-* one copy per destination (``dedup``): the bytes d sends h shrink by
-  :func:`~ds_fssdp.sim.links.distinct_fraction` (k independent picks per token: an approximation,
-  count traces carry no per-token picks); the rows computed do not;
+* one copy per destination (``dedup``: on, off, or ``"auto"``: per layer and group where
+  :func:`~ds_fssdp.planner.schedule.choose_one_copy`, the runtime's function, says it pays): the
+  bytes d sends h shrink by :func:`~ds_fssdp.planner.schedule.distinct_fraction` (k independent
+  picks per token: an approximation, count traces carry no per-token picks), the rows computed do
+  not, and the layer pays :func:`~ds_fssdp.planner.schedule.one_copy_overhead_s` (the count
+  all-gather, the routing entries, the gate weights);
 * one :class:`~ds_fssdp.planner.schedule.LayerLoad` per rank, from the group's traffic by the
   runtime's function (:func:`~ds_fssdp.planner.schedule.loads_from_traffic`): the rank's intra-node
   link bytes (busier direction), its node's inter-node link bytes, its own local rows (computed
@@ -34,12 +37,13 @@ in the gaps, no replicas, no dedup).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from ds_fssdp.planner.cost import CostModel, Hardware, schedule_costs
-from ds_fssdp.planner.schedule import MAX_DEGREE, choose_degrees, link_busy, loads_from_traffic, pipeline_times
+from ds_fssdp.planner.schedule import (MAX_DEGREE, choose_degrees, choose_one_copy, link_busy, loads_from_traffic,
+                                      one_copy_overhead_s, pipeline_times)
 from ds_fssdp.sim.links import Links, distinct_fraction, traffic_links
 
 INTRA, INTER = 0, 1  # link classes (columns of the busy arrays)
@@ -51,12 +55,15 @@ class ScheduleOptions:
     ``--no-grad-gaps``, ``--no-idle-link``)."""
 
     pipeline_degree: int | None = None  # None: chosen per layer (choose_degrees); n: both directions
-    dedup: bool = True  # one copy per destination
+    dedup: bool | str = True  # one copy per destination: on (the runtime's default), off, or "auto": per layer
+    # where it pays (choose_one_copy)
     grad_gaps: bool = True  # EDP + dense all-reduce in the backward's link gaps
     idle_link: bool = True  # replica gather from the previous layer's expert compute on
     price_by_schedule: bool = True  # calibration / balanced-time price plans by the schedule's layer time
 
     def __post_init__(self):
+        if self.dedup not in (True, False, "auto"):
+            raise ValueError(f"dedup ({self.dedup!r}) must be True, False or \"auto\"")
         d = self.pipeline_degree
         if d is not None and not (isinstance(d, int) and 1 <= d <= MAX_DEGREE):
             raise ValueError(f"pipeline_degree ({d!r}) must be None (auto) or an int in [1, {MAX_DEGREE}]")
@@ -87,6 +94,7 @@ class LayerTimes:
     busy_forward_B2: np.ndarray  # seconds the [intra, inter] links carry the exchange
     busy_backward_B2: np.ndarray
     saved_bytes: float = 0.0  # link bytes (GPU + node links, all groups) one exchange saves by dedup
+    one_copy: list = field(default_factory=list)  # per group: one copy per destination taken
 
 
 class LayerSchedule:
@@ -95,44 +103,50 @@ class LayerSchedule:
     def __init__(self, hw: Hardware, shape, *, ranks_per_node: int, top_k: int, options: ScheduleOptions):
         self.hw, self.shape, self.G, self.top_k, self.options = hw, shape, ranks_per_node, top_k, options
         self.costs = schedule_costs(hw, shape)
+        self.weight_bytes = float(shape.param_bytes)  # gate weights travel in the rows' dtype
 
     def layer(self, traffic_BNN: np.ndarray) -> LayerTimes:
         opt, row_bytes = self.options, float(self.shape.token_bytes)
         plain = traffic_links(traffic_BNN, ranks_per_node=self.G, row_bytes=row_bytes)
-        links = plain
-        frac_BNN = None
-        if opt.dedup and self.top_k > 1:
-            frac_BNN = distinct_fraction(traffic_BNN, self.top_k)
-            links = traffic_links(traffic_BNN * frac_BNN, ranks_per_node=self.G, row_bytes=row_bytes,
-                                  rows_BNN=traffic_BNN)
+        frac_BNN = distinct_fraction(traffic_BNN, self.top_k) if opt.dedup and self.top_k > 1 else None
         B = traffic_BNN.shape[0]
         fwd, bwd = np.zeros(B), np.zeros(B)
         busy_f, busy_b = np.zeros((B, 2)), np.zeros((B, 2))
-        degrees = []
+        degrees, taken, sent_BNN = [], [], traffic_BNN.copy()
         for b in range(B):
-            # The runtime's loads (schedule.loads_from_traffic), with the bytes one copy per
-            # destination leaves on the links.
-            # The decision, as the runtime takes it: from the plan's rows (schedule.loads_from_traffic);
-            # the time, from what crosses (one copy per destination sends fewer rows than it computes).
+            # The decisions, as the runtime takes them: from the plan's rows (schedule.loads_from_traffic,
+            # choose_degrees, choose_one_copy); the time, from what crosses (one copy per destination
+            # sends fewer rows than it computes, and its routing entries and gate weights besides).
             plan_loads = loads_from_traffic(traffic_BNN[b], ranks_per_node=self.G, token_bytes=row_bytes)
-            sent = traffic_BNN[b] * frac_BNN[b] if frac_BNN is not None else None
-            loads = plan_loads if sent is None else loads_from_traffic(traffic_BNN[b], ranks_per_node=self.G,
-                                                                        token_bytes=row_bytes, sent_DD=sent)
-            unique = list(dict.fromkeys(loads))  # ranks with equal loads cost one evaluation
             if opt.pipeline_degree is None:
                 deg = choose_degrees(self.costs, list(dict.fromkeys(plan_loads)))
             else:
                 deg = (opt.pipeline_degree, opt.pipeline_degree)
             degrees.append(deg)
-            fwd[b] = pipeline_times(self.costs, unique, deg[0]).max()
-            bwd[b] = pipeline_times(self.costs, unique, deg[1], backward=True).max()
+            one_copy = frac_BNN is not None and (opt.dedup is True or choose_one_copy(
+                self.costs, traffic_BNN[b], ranks_per_node=self.G, token_bytes=row_bytes, top_k=self.top_k,
+                weight_bytes=self.weight_bytes, degrees=deg))
+            taken.append(bool(one_copy))
+            if not one_copy:
+                unique = list(dict.fromkeys(plan_loads))  # ranks with equal loads cost one evaluation
+                fwd[b] = pipeline_times(self.costs, unique, deg[0]).max()
+                bwd[b] = pipeline_times(self.costs, unique, deg[1], backward=True).max()
+            else:
+                sent_BNN[b] = traffic_BNN[b] * frac_BNN[b]
+                unique = loads_from_traffic(traffic_BNN[b], ranks_per_node=self.G, token_bytes=row_bytes,
+                                            sent_DD=sent_BNN[b])
+                over_f, over_b = one_copy_overhead_s(self.costs, sent_BNN[b], ranks_per_node=self.G,
+                                                     top_k=self.top_k, weight_bytes=self.weight_bytes, degrees=deg)
+                fwd[b] = (pipeline_times(self.costs, unique, deg[0]) + over_f).max()
+                bwd[b] = (pipeline_times(self.costs, unique, deg[1], backward=True) + over_b).max()
             busy_f[b] = np.max([link_busy(self.costs, ld, deg[0]) for ld in unique], axis=0)
             busy_b[b] = np.max([link_busy(self.costs, ld, deg[1]) for ld in unique], axis=0)
+        links = traffic_links(sent_BNN, ranks_per_node=self.G, row_bytes=row_bytes, rows_BNN=traffic_BNN)
         moe_B = links.rows_BN.max(1) * (3.0 * self.shape.row_flops / self.hw.flops)
         return LayerTimes(links=links, moe_B=moe_B, forward_B=fwd, backward_B=bwd, degrees=degrees,
                           busy_forward_B2=busy_f, busy_backward_B2=busy_b,
                           saved_bytes=float(plain.rank_BN.sum() + plain.node_Bn.sum() - links.rank_BN.sum()
-                                            - links.node_Bn.sum()))
+                                            - links.node_Bn.sum()), one_copy=taken)
 
 
 def binding_class(links: Links, hw: Hardware) -> int:
