@@ -36,22 +36,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import validate_schedule as vs  # noqa: E402
 
+from ds_fssdp.moe.timing import _Stamp  # noqa: E402  (identity whose backward calls back)
+
 _STATE = {"events": [], "clock": [], "layer_of": {}, "works": [], "timings": {}}
 _ARM = vs.run_arm  # validate_schedule's own arm
-
-
-class _End(torch.autograd.Function):
-    """Identity; its backward calls ``cb()`` (the layer's backward is done)."""
-
-    @staticmethod
-    def forward(ctx, x, cb):
-        ctx.cb = cb
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.cb()
-        return g, None
 
 
 def _install():
@@ -91,7 +79,7 @@ def _install():
                 y.register_hook(lambda g: poll(f"{name} bwd start"))
             return y
         if x.requires_grad:
-            x = _End.apply(x, lambda: poll(f"{name} bwd end"))
+            x = _Stamp.apply(x, lambda _t: poll(f"{name} bwd end"))  # identity; its backward calls back
         return orig_layer(self, wrapped, x, route, **kw)
 
     def exchange(self, fn, x, out_splits, in_splits):

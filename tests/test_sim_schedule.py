@@ -267,3 +267,18 @@ def test_placement_by_time_prices_the_schedule():
         assert compact_cost.layer_time(plan) == pytest.approx(got, rel=1e-12)
         cheaper += got < serial.layer_time(plan.dense())
     assert cheaper == 6
+
+
+def test_paper_engine_honours_a_given_overlap_degree():
+    """With replicas on the idle link t comes from the window, unless given (``fixed_t``, the
+    CLI's --overlap-degree): then the setup's t plans the replicas, as without the idle link."""
+    import dataclasses
+    tokens = trace(steps=8)
+    reps = {}
+    for t in (1, 8):
+        setup = dataclasses.replace(small_setup(), overlap_degree=t)
+        given = simulate(setup, tokens, ["fssdp"], fixed_t=True, bound=False)[0]
+        no_idle = simulate(setup, tokens, ["fssdp"], schedule=ScheduleOptions(idle_link=False), bound=False)[0]
+        assert given.replicas_per_layer == no_idle.replicas_per_layer
+        reps[t] = given.replicas_per_layer
+    assert reps[1] < reps[8]

@@ -86,7 +86,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="remap: Dirichlet alpha splitting a recorded expert into several (default: equal split)")
     p.add_argument("--tokens-per-gpu", type=int, default=None)
     p.add_argument("--replica-memory-gb", type=float, default=None)
-    p.add_argument("--overlap-degree", type=int, default=None, help="t (default: from the attention window)")
+    p.add_argument("--overlap-degree", type=int, default=None, help="t, fixed for every layer and step (default: "
+                   "from each replica gather's window: the attention forward, and with the idle link the previous "
+                   "layer's expert compute)")
     p.add_argument("--budget", type=int, default=None, help="m for fssdp (default: from replica memory)")
     p.add_argument("--budget-rm", type=int, default=None, help="m for fssdp-rm (default: from replica memory)")
     p.add_argument("--flexmoe-slots", type=int, default=None)
@@ -201,7 +203,8 @@ def _run(args, out) -> int:
             trace_summary = source.summary(setup.load_window)
     else:
         dispatcher = functools.partial(planner_dispatch, mode=args.dispatch, slack=slack)
-        results = simulate(setup, source, policies, dispatcher=dispatcher, schedule=schedule)
+        results = simulate(setup, source, policies, dispatcher=dispatcher, schedule=schedule,
+                           fixed_t=args.overlap_degree is not None)
     summary = setup.summary()
     summary["dispatch"] = args.dispatch
     summary["group_size"] = args.group_size or args.gpus

@@ -117,14 +117,16 @@ class PolicyResult:
 
 def simulate(setup: Setup, tokens_SLED: np.ndarray, policies, *, dispatcher=planner_dispatch,
              materializer=algorithm1, placement: str = "paper", dispatch: str | None = None,
-             dispatch_slack: float = 0.0, schedule: ScheduleOptions | None = None, bound: bool = True) -> list:
+             dispatch_slack: float = 0.0, schedule: ScheduleOptions | None = None, bound: bool = True,
+             fixed_t: bool = False) -> list:
     """One :class:`PolicyResult` per policy name, in order. ``placement``: FSSDP's pre-gating
     placement (``planner.place``; "paper" is Algorithm 1, or ``materializer``). ``dispatch``: a
     dispatch mode for the policy's own dispatcher, as the runtime builds it (with the cost model,
     so "balanced-time" works; ``dispatcher`` is then not used). ``schedule``: FSSDP's layer
     schedule (:mod:`ds_fssdp.sim.pipeline`; default all on; the published baselines run serially,
     ``fsmoe`` is EP with FSMoE's). ``bound``: set every result's ``lower_bound_s``
-    (:class:`~ds_fssdp.sim.bound.LowerBound`, with the most replicas any policy may hold)."""
+    (:class:`~ds_fssdp.sim.bound.LowerBound`, with the most replicas any policy may hold).
+    ``fixed_t``: FSSDP's t is the setup's ``overlap_degree`` (given), not the replicas' window's."""
     tokens_SLED = np.asarray(tokens_SLED)
     S, L, E, D = tokens_SLED.shape
     if (L, E, D) != (setup.num_layers, setup.num_experts, setup.topology.num_ranks):
@@ -135,7 +137,7 @@ def simulate(setup: Setup, tokens_SLED: np.ndarray, policies, *, dispatcher=plan
                          f"({setup.load_window})")
     results = [simulate_policy(name, setup, tokens_SLED, dispatcher=dispatcher, materializer=materializer,
                                placement=placement, dispatch=dispatch, dispatch_slack=dispatch_slack,
-                               schedule=schedule) for name in policies]
+                               schedule=schedule, fixed_t=fixed_t) for name in policies]
     if bound:
         # FasterMoE's shadows are not bounded by a budget: with it, any rank may hold every expert.
         # FlexMoE's slots are kept across steps (not gathered every step).
@@ -152,7 +154,8 @@ def simulate(setup: Setup, tokens_SLED: np.ndarray, policies, *, dispatcher=plan
 def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatcher=planner_dispatch,
                     materializer=algorithm1, placement: str = "paper", dispatch: str | None = None,
                     dispatch_slack: float = 0.0, decisions: list | None = None,
-                    schedule: ScheduleOptions | None = None, degrees: list | None = None) -> PolicyResult:
+                    schedule: ScheduleOptions | None = None, degrees: list | None = None,
+                    fixed_t: bool = False) -> PolicyResult:
     """``dispatcher`` / ``materializer``: Algorithms 3 and 1 by default (the planner's, in C when
     built); pass others (e.g. the balancing dispatcher) to compare. ``decisions``: a list that
     gets, per step, each layer's ``(owner_E, placed_ED, held_ED)`` (the decisions the runtime
@@ -217,7 +220,10 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
         for l in range(L):
             owner_E, planner = owner_LE[l], planners[l]
             window = overlap_window(attn_f, idle, early=options.idle_link)
-            clock = Clock(overlap_degree=cost.overlap_degree(window_L[l])) if options.idle_link else None
+            # t from the window the last step's schedule left, unless given (then the setup's, as
+            # without the idle link: the planner's configured overlap degree)
+            clock = Clock(overlap_degree=cost.overlap_degree(window_L[l])) if options.idle_link and not fixed_t \
+                else None
             placement_ED = planner.pre_gating(owner_E, clock)
             tokens_ED = policy.route(torch.from_numpy(tokens_SLED[s, l].astype(np.int64)))
             lp = planner.post_gating(owner_E, placement_ED, tokens_ED, clock)
