@@ -1,8 +1,34 @@
-"""Inputs and the forward of stacked MoE layers, shared by the chunked-exchange tests
-(test_pipeline.py, test_pipeline_dedup.py)."""
+"""Inputs, sharded layers and the forward of stacked MoE layers, shared by the chunked-exchange
+tests (test_pipeline.py, test_pipeline_dedup.py)."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+
+
+def attach_shards(layers, placements, *, rank: int, topo, exchange, degrees, options, prepare=None) -> list:
+    """Each layer sharded over ``topo``'s ranks with its (owner_E, placement_ED) of ``placements``
+    (the placement fixed, not planned), at pipeline ``degrees``, chained; ``prepare(shard)`` runs
+    before each is attached. In a spawned rank (imports inside)."""
+    from ds_fssdp.moe.sharded import ShardedExperts, chain, default_context
+    from ds_fssdp.planner import LoadPredictor
+    E = layers[0].num_experts
+    predictor = LoadPredictor([E] * len(layers))
+    shards = []
+    for i, (layer, (owner_E, placement_ED)) in enumerate(zip(layers, placements)):
+        rows = layer.spec.flatten(layer.export_experts())[owner_E == rank]
+        ctx = dataclasses.replace(default_context(E, topo, predictor, i)(), pipeline_degree=degrees)
+        s = ShardedExperts(spec=layer.spec, layer_index=i, owner_E=owner_E, rows_SP=rows, topology=topo,
+                           group=None, predictor=predictor, exchange=exchange, options=options,
+                           context=lambda c=ctx: c)
+        s.plan_placement = lambda ctx, p=placement_ED: p
+        if prepare is not None:
+            prepare(s)
+        layer.attach_sharded(s)
+        shards.append(s)
+    chain(shards)
+    return shards
 
 
 def rank_inputs(case: dict, rank: int, hidden: int) -> tuple:

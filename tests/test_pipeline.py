@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from distributed import spawn
-from layer_cases import model_forward, rank_inputs
+from layer_cases import attach_shards, model_forward, rank_inputs
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # spawns ranks (about 2 minutes)
 
@@ -61,31 +61,26 @@ def placements(case, world, n):
 
 def _worker(rank, world, cases):
     from ds_fssdp import Topology
-    from ds_fssdp.moe.sharded import ShardedExperts, ShardOptions, chain, default_context
-    from ds_fssdp.planner import LoadPredictor
+    from ds_fssdp.moe.sharded import ShardOptions
     from ds_fssdp.runtime.groups import build_exchange_groups
     groups = {rpn: build_exchange_groups(world=world, rank=rank, group_size=world, ranks_per_node=rpn)
               for rpn in sorted({c["rpn"] for c in cases})}
     out = []
     for case in cases:
         layers = make_layers(case)
-        topo = Topology(num_ranks=world, ranks_per_node=case["rpn"])
-        shards = []
-        predictor = LoadPredictor([E] * len(layers))
-        for i, (layer, (owner_E, placement_ED)) in enumerate(zip(layers, placements(case, world, len(layers)))):
-            rows = layer.spec.flatten(layer.export_experts())[owner_E == rank]
-            ctx = dataclasses.replace(default_context(E, topo, predictor, i)(), pipeline_degree=case["deg"])
-            s = ShardedExperts(spec=layer.spec, layer_index=i, owner_E=owner_E, rows_SP=rows, topology=topo,
-                               group=None, predictor=predictor, exchange=groups[case["rpn"]],
+        factors = []
+
+        def with_lora(s):
+            if case.get("lora"):
+                f, s.lora_factors = lora_factors(case)
+                factors[:] = f
+
+        shards = attach_shards(layers, placements(case, world, len(layers)), rank=rank,
+                               topo=Topology(num_ranks=world, ranks_per_node=case["rpn"]),
+                               exchange=groups[case["rpn"]], degrees=case["deg"],
                                options=ShardOptions(rematerialize=case.get("remat", False),
                                                     one_copy_per_destination=case.get("dedup", True)),
-                               context=lambda c=ctx: c)
-            s.plan_placement = lambda ctx, p=placement_ED: p
-            if case.get("lora"):
-                factors, s.lora_factors = lora_factors(case)
-            layer.attach_sharded(s)
-            shards.append(s)
-        chain(shards)
+                               prepare=with_lora)
         x, dy = rank_inputs(case, rank, H)
         x.requires_grad_(True)
         y, l_aux = model_forward(layers, x, case.get("ckpt"))
@@ -162,7 +157,8 @@ def _check_degrees_recomputed(run: dict, hardware: dict, *, one_copy: bool) -> l
     hw, shape = Hardware(**hardware), ExpertShape(**run["expert_shape"])
     costs = schedule_costs(hw, shape)
     assert dataclasses.asdict(costs) == run["schedule_costs"]
-    sim = LayerSchedule(hw, shape, ranks_per_node=1, top_k=2, options=ScheduleOptions(dedup="auto" if one_copy else False))
+    sim = LayerSchedule(hw, shape, ranks_per_node=1, top_k=2,
+                        options=ScheduleOptions(dedup="auto" if one_copy else False))
     recorded = [d for step in run["decisions"] for d in step if d is not None]
     assert recorded
     for degrees, traffic, taken in recorded:

@@ -14,13 +14,12 @@ are expanded, computed and combined with their gate weights before the chunk ret
   destination and gradients in the gaps: losses and weights equal degree 1 (one FSSDP group of 2,
   and FSSDP groups of 1 with their EDP groups).
 """
-import dataclasses
 
 import pytest
 import torch
 
 from distributed import spawn
-from layer_cases import model_forward, rank_inputs
+from layer_cases import attach_shards, model_forward, rank_inputs
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # spawns ranks (about a minute)
 
@@ -81,30 +80,18 @@ class RowCounter:
 def _worker(rank, world, cases):
     from ds_fssdp import Topology
     from ds_fssdp.moe.dedup import DedupRoute
-    from ds_fssdp.moe.sharded import ShardedExperts, ShardOptions, chain, default_context
-    from ds_fssdp.planner import LoadPredictor
+    from ds_fssdp.moe.sharded import ShardOptions
     from ds_fssdp.runtime.groups import build_exchange_groups
     groups = {rpn: build_exchange_groups(world=world, rank=rank, group_size=world, ranks_per_node=rpn)
               for rpn in sorted({c["rpn"] for c in cases})}
     out = []
     for case in cases:
         layers = make_layers(case)
-        topo = Topology(num_ranks=world, ranks_per_node=case["rpn"])
-        predictor = LoadPredictor([case["E"]] * len(layers))
-        shards = []
-        for i, layer in enumerate(layers):
-            owner_E, placement_ED = placement(case, world, i)
-            rows = layer.spec.flatten(layer.export_experts())[owner_E == rank]
-            ctx = dataclasses.replace(default_context(case["E"], topo, predictor, i)(), pipeline_degree=case["deg"])
-            options = ShardOptions(rematerialize=case.get("remat", False), one_copy_per_destination=True,
-                                   hierarchical=case.get("hierarchical", True))
-            s = ShardedExperts(spec=layer.spec, layer_index=i, owner_E=owner_E, rows_SP=rows, topology=topo,
-                               group=None, predictor=predictor, exchange=groups[case["rpn"]], options=options,
-                               context=lambda c=ctx: c)
-            s.plan_placement = lambda ctx, p=placement_ED: p
-            layer.attach_sharded(s)
-            shards.append(s)
-        chain(shards)
+        options = ShardOptions(rematerialize=case.get("remat", False), one_copy_per_destination=True,
+                               hierarchical=case.get("hierarchical", True))
+        shards = attach_shards(layers, [placement(case, world, i) for i in range(len(layers))], rank=rank,
+                               topo=Topology(num_ranks=world, ranks_per_node=case["rpn"]),
+                               exchange=groups[case["rpn"]], degrees=case["deg"], options=options)
         x, dy = rank_inputs(case, rank, H)
         x.requires_grad_(True)
         with RowCounter(rank, world, case["K"]) as counter:

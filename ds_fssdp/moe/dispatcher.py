@@ -10,8 +10,9 @@ rank's unique rows per destination (D ints each: the receive counts, which the p
 hold, and the group's bytes saved) and one all-to-all of the routing entries (K longs per unique
 row, 2K to a relay); the gate weights travel in :meth:`run`, as K more columns of the rows
 when they share the rows' dtype (``compute.exchange_with_weights``; else one more all-to-all per
-hop, and its backward; chunked, the last hop's weights cross unchunked first). With several nodes of several ranks (``ranks_per_node``) there are two hops: to the
-relay in the destination's node, then inside that node.
+hop, and its backward; chunked, the last hop's weights cross unchunked first). With several nodes
+of several ranks (``ranks_per_node``) there are two hops: to the relay in the destination's node,
+then inside that node.
 
 The route is split around the plan: :meth:`group` (the assignments grouped by expert) needs no
 plan and runs before the count all-gather; :meth:`route` cuts it by the plan afterwards.
@@ -88,7 +89,8 @@ class TokenDispatcher:
             return dispatch_compute_combine_dedup(x_TH, weights_TK, r, expert_fn=expert_fn, exchange=self._exchange)
         return dispatch_compute_combine(x_TH, weights_TK, r, expert_fn=expert_fn, exchange=self._exchange)
 
-    def run_pipelined(self, x_TH: torch.Tensor, weights_TK: torch.Tensor, r, *, experts, degrees: tuple) -> torch.Tensor:
+    def run_pipelined(self, x_TH: torch.Tensor, weights_TK: torch.Tensor, r, *, experts,
+                      degrees: tuple) -> torch.Tensor:
         """:meth:`run` with the exchange chunked at ``degrees`` (forward, backward) and pipelined
         with the expert compute (``moe/pipeline.py``); a :class:`DedupRoute` sends one row per
         (token, destination) in the chunks (its relay hop, if any, unchunked first)."""

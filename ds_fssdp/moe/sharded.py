@@ -33,6 +33,7 @@ Per iteration:
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from dataclasses import dataclass
@@ -54,8 +55,8 @@ from ds_fssdp.moe.timing import LayerTimings
 from ds_fssdp.planner import LoadPredictor, PolicyConfig, make_policy
 from ds_fssdp.planner.baselines import Clock, LayerPlan
 from ds_fssdp.planner.layer import LayerPlanner
-from ds_fssdp.planner.plan import DispatchPlan
-from ds_fssdp.planner.schedule import ScheduleCosts, choose_degrees, choose_one_copy, loads_from_plan, overlap_window
+from ds_fssdp.planner.schedule import (INDEX_BYTES, ScheduleCosts, choose_degrees, choose_one_copy, loads_from_traffic,
+                                      overlap_window)
 from ds_fssdp.topology import Topology
 
 __all__ = ["ShardedExperts", "ShardOptions", "StepContext", "Decision", "ReplicaMemory", "chain", "decision_arrays"]
@@ -273,8 +274,9 @@ class ShardedExperts:
             gather_sent += extra_sent
         plan = ctx.planner.dispatch(lp, tokens_ED)
         token_bytes = x_TH.shape[1] * x_TH.element_size()
-        degrees = self._degrees(ctx, plan, token_bytes)
-        one_copy = self._one_copy(ctx, plan, token_bytes=token_bytes, top_k=idx_TK.shape[1],
+        traffic_DD = functools.cache(lambda: plan.traffic_DD().numpy())  # what "auto" decides from, once
+        degrees = self._degrees(ctx, traffic_DD, token_bytes)
+        one_copy = self._one_copy(ctx, traffic_DD, token_bytes=token_bytes, top_k=idx_TK.shape[1],
                                   weight_bytes=weights_TK.element_size(), degrees=degrees)
         r = self.dispatcher.route(idx_TK, plan, local_E=layout.local_E, grouped=grouped, dedup=one_copy)
         grad = torch.is_grad_enabled()
@@ -333,18 +335,19 @@ class ShardedExperts:
         return self._run(x_TH, weights_TK, it.route, replica_RP, remat=it.remat, local_E=it.layout.local_E,
                          degrees=it.degrees)
 
-    def _degrees(self, ctx: StepContext, plan, token_bytes: int) -> tuple:
+    def _degrees(self, ctx: StepContext, traffic_DD, token_bytes: int) -> tuple:
         """(forward, backward) pipeline degrees: the context's, or under "auto" the schedule's
-        choice on the agreed costs and this plan's loads (the same on every rank). The loads are
-        the plan's rows per assignment, not the fewer bytes one copy per destination sends: what
-        every rank, the simulators and a recorded trace know alike."""
+        choice on the agreed costs and the loads of this plan's traffic (``traffic_DD()``; the same
+        on every rank). The loads are the plan's rows per assignment, not the fewer bytes one copy
+        per destination sends: what every rank, the simulators and a recorded trace know alike."""
         pd = ctx.pipeline_degree
         if pd != "auto":
             return (int(pd[0]), int(pd[1]))
         if ctx.schedule_costs is None:
             return (1, 1)
         costs = ctx.schedule_costs
-        loads = loads_from_plan(plan, ranks_per_node=self.topology.ranks_per_node, token_bytes=token_bytes) \
+        rpn = self.topology.ranks_per_node
+        loads = loads_from_traffic(traffic_DD(), ranks_per_node=rpn, token_bytes=token_bytes) \
             if costs.concurrent else []  # not concurrent: degree 1 whatever the loads (choose_degrees)
         return tuple(int(d) for d in choose_degrees(costs, loads))
 
@@ -370,20 +373,18 @@ class ShardedExperts:
                                                  self.next.expert_bytes), 0.0, 0.0)
         return (0.0, 0.0, 0.0, 0.0)
 
-    def _one_copy(self, ctx: StepContext, plan, *, token_bytes: int, top_k: int, weight_bytes: int,
+    def _one_copy(self, ctx: StepContext, traffic_DD, *, token_bytes: int, top_k: int, weight_bytes: int,
                   degrees: tuple) -> bool:
         """One copy per destination this iteration: the option's, or under "auto" the schedule's
-        choice (``choose_one_copy``) on the agreed costs and this plan's traffic at ``degrees`` (the
-        same on every rank; without costs, on)."""
+        choice (``choose_one_copy``) on the agreed costs and this plan's traffic (``traffic_DD()``)
+        at ``degrees`` (the same on every rank; without costs, on)."""
         opt = self.options.one_copy_per_destination
         if opt != "auto":
             return bool(opt)
         if ctx.schedule_costs is None:
             return True
-        traffic_DD = plan.traffic_DD() if isinstance(plan, DispatchPlan) else plan.sum(0)
-        return choose_one_copy(ctx.schedule_costs, traffic_DD.to("cpu", torch.long).numpy(),
-                               ranks_per_node=self.topology.ranks_per_node, token_bytes=token_bytes, top_k=top_k,
-                               weight_bytes=weight_bytes, degrees=tuple(degrees))
+        return choose_one_copy(ctx.schedule_costs, traffic_DD(), ranks_per_node=self.topology.ranks_per_node,
+                               token_bytes=token_bytes, top_k=top_k, weight_bytes=weight_bytes, degrees=tuple(degrees))
 
     def _run(self, x_TH, weights_TK, r, replica_RP, *, remat: bool, local_E, degrees: tuple,
              other=None) -> torch.Tensor:
@@ -508,7 +509,7 @@ def _dedup_stats(r, plan, *, ranks_per_node: int, token_bytes: int, weight_bytes
     moved = r.rows_moved()
     inter = sum(int(h.uniq_DD[off].sum()) for h in r.hops)
     moved_intra, moved_inter = plan.moved(ranks_per_node)
-    widths = [k * 8 * (1 if i == len(r.hops) - 1 else 2) + k * weight_bytes for i in range(len(r.hops))]
+    widths = [k * INDEX_BYTES * (1 if i == len(r.hops) - 1 else 2) + k * weight_bytes for i in range(len(r.hops))]
     return {"a2a_bytes_saved": (moved_intra + moved_inter - sum(moved)) * token_bytes * 2,
             "a2a_bytes_saved_inter": (moved_inter - inter) * token_bytes * 2,
             "a2a_meta_bytes": sum(m * w for m, w in zip(moved, widths))}

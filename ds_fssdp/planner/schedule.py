@@ -240,23 +240,28 @@ def loads_from_traffic(traffic_DD, *, ranks_per_node: int, token_bytes: float, s
     rows_D = np.asarray(traffic_DD, dtype=np.float64).sum(0)
     local = np.diag(np.asarray(traffic_DD, dtype=np.float64))
     traffic = np.asarray(traffic_DD if sent_DD is None else sent_DD, dtype=np.float64)
-    D = traffic.shape[0]
-    G = int(ranks_per_node)
-    if G < 1 or D % G:
-        raise ValueError(f"loads_from_plan: ranks_per_node ({ranks_per_node}) must divide the ranks ({D})")
-    node = np.arange(D) // G
-    same = node[:, None] == node[None, :]
-    off = traffic * (1 - np.eye(D))
-    intra_out, intra_in = (off * same).sum(1), (off * same).sum(0)
-    cross = traffic * ~same
+    D, G = traffic.shape[0], int(ranks_per_node)
+    node, intra, cross = _by_link(traffic, G)
+    intra_out, intra_in = intra.sum(1), intra.sum(0)
     node_out = np.bincount(node, weights=cross.sum(1), minlength=D // G)
     node_in = np.bincount(node, weights=cross.sum(0), minlength=D // G)
     # The exchange (or a chunk of it) is one collective: a rank's rows have landed when the group's
     # busiest intra-node link and busiest inter-node link have moved theirs.
-    intra = float(np.maximum(intra_out, intra_in).max()) * token_bytes
-    inter = float(np.maximum(node_out, node_in).max()) * token_bytes
-    return [LayerLoad(intra_bytes=intra, inter_bytes=inter, local_rows=float(local[d]),
+    intra_bytes = float(np.maximum(intra_out, intra_in).max()) * token_bytes
+    inter_bytes = float(np.maximum(node_out, node_in).max()) * token_bytes
+    return [LayerLoad(intra_bytes=intra_bytes, inter_bytes=inter_bytes, local_rows=float(local[d]),
                       remote_rows=float(rows_D[d] - local[d])) for d in range(D)]
+
+
+def _by_link(traffic_DD: np.ndarray, ranks_per_node: int) -> tuple:
+    """(node of each rank [D], rows d sends h inside its node, rows d sends h across nodes), the
+    diagonal (rows that stay) in neither."""
+    D, G = traffic_DD.shape[0], int(ranks_per_node)
+    if G < 1 or D % G:
+        raise ValueError(f"loads_from_plan: ranks_per_node ({ranks_per_node}) must divide the ranks ({D})")
+    node = np.arange(D) // G
+    same = node[:, None] == node[None, :]
+    return node, traffic_DD * (1 - np.eye(D)) * same, traffic_DD * ~same
 
 
 # -- one copy per destination, where it pays (issue 24, item 3) -------------------------------------
@@ -296,11 +301,9 @@ def one_copy_overhead_s(costs: ScheduleCosts, sent_DD, *, ranks_per_node: int, t
     all-to-all (K longs per row sent), and the gate weights (K values per row each way: more bytes
     on the rows' exchange at degree (1, 1), else an all-to-all of their own each way)."""
     sent = np.asarray(sent_DD, dtype=np.float64)
-    D, G = sent.shape[0], int(ranks_per_node)
-    node = np.arange(D) // G
-    same = node[:, None] == node[None, :]
-    off = sent * (1 - np.eye(D))
-    intra_rows, inter_rows = (off * same).sum(1), (off * ~same).sum(1)
+    D = sent.shape[0]
+    _, intra, cross = _by_link(sent, ranks_per_node)
+    intra_rows, inter_rows = intra.sum(1), cross.sum(1)
     count = _lin(costs.a2a_intra, np.full(D, float(D * INDEX_BYTES)))
     entries = _exchange(costs, intra_rows * top_k * INDEX_BYTES, inter_rows * top_k * INDEX_BYTES)
     w_intra, w_inter = intra_rows * top_k * weight_bytes, inter_rows * top_k * weight_bytes

@@ -382,9 +382,7 @@ class FSSDPStage:
         agreed on by every rank: the decisions decide the collectives."""
         cfg, layer = self.config, self.layers[0]
         if cfg.hardware is not None:
-            h = cfg.hardware
-            hw = Hardware(flops=float(h.flops), intra_bw=float(h.intra_bw), inter_bw=float(h.inter_bw),
-                          latency=float(h.latency))
+            hw = self._configured_hardware()
         else:
             bw = measure_link_bandwidth(group=self.param_group, chunk_bytes=self.shards[0].expert_bytes, device=device)
             self.profile["link_bandwidth"] = bw
@@ -405,14 +403,18 @@ class FSSDPStage:
         copy per destination)."""
         return self.pipeline_degree == "auto" or self.config.one_copy_per_destination == "auto"
 
-    def _schedule_costs(self, dtype) -> ScheduleCosts:
-        """What "auto" pipeline degrees and one copy per destination are chosen from under ``fssdp.hardware`` (a modelled device:
-        exchanges concurrent with the compute; the same on every rank and in every run, nothing is
-        measured); collective startup is the hardware's latency."""
+    def _configured_hardware(self) -> Hardware:
         h = self.config.hardware
-        hw = Hardware(flops=float(h.flops), intra_bw=float(h.intra_bw), inter_bw=float(h.inter_bw),
-                      latency=float(h.latency))
-        costs = schedule_costs(hw, self.layers[0].spec.cost_shape(torch.tensor([], dtype=dtype).element_size()))
+        return Hardware(flops=float(h.flops), intra_bw=float(h.intra_bw), inter_bw=float(h.inter_bw),
+                        latency=float(h.latency))
+
+    def _schedule_costs(self, dtype) -> ScheduleCosts:
+        """What "auto" pipeline degrees and one copy per destination are chosen from under
+        ``fssdp.hardware`` (a modelled device: exchanges concurrent with the compute; the same on
+        every rank and in every run, nothing is measured); collective startup is the hardware's
+        latency."""
+        costs = schedule_costs(self._configured_hardware(),
+                               self.layers[0].spec.cost_shape(torch.tensor([], dtype=dtype).element_size()))
         self.profile["schedule_costs"] = dataclasses.asdict(costs)
         return costs
 

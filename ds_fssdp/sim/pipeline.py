@@ -127,20 +127,18 @@ class LayerSchedule:
                 self.costs, traffic_BNN[b], ranks_per_node=self.G, token_bytes=row_bytes, top_k=self.top_k,
                 weight_bytes=self.weight_bytes, degrees=deg))
             taken.append(bool(one_copy))
-            if not one_copy:
-                unique = list(dict.fromkeys(plan_loads))  # ranks with equal loads cost one evaluation
-                fwd[b] = pipeline_times(self.costs, unique, deg[0]).max()
-                bwd[b] = pipeline_times(self.costs, unique, deg[1], backward=True).max()
-            else:
+            if one_copy:
                 sent_BNN[b] = traffic_BNN[b] * frac_BNN[b]
-                unique = loads_from_traffic(traffic_BNN[b], ranks_per_node=self.G, token_bytes=row_bytes,
-                                            sent_DD=sent_BNN[b])
+                loads = loads_from_traffic(traffic_BNN[b], ranks_per_node=self.G, token_bytes=row_bytes,
+                                           sent_DD=sent_BNN[b])
                 over_f, over_b = one_copy_overhead_s(self.costs, sent_BNN[b], ranks_per_node=self.G,
                                                      top_k=self.top_k, weight_bytes=self.weight_bytes, degrees=deg)
-                fwd[b] = (pipeline_times(self.costs, unique, deg[0]) + over_f).max()
-                bwd[b] = (pipeline_times(self.costs, unique, deg[1], backward=True) + over_b).max()
-            busy_f[b] = np.max([link_busy(self.costs, ld, deg[0]) for ld in unique], axis=0)
-            busy_b[b] = np.max([link_busy(self.costs, ld, deg[1]) for ld in unique], axis=0)
+            else:
+                loads, over_f, over_b = list(dict.fromkeys(plan_loads)), 0.0, 0.0  # equal loads: one evaluation
+            fwd[b] = (pipeline_times(self.costs, loads, deg[0]) + over_f).max()
+            bwd[b] = (pipeline_times(self.costs, loads, deg[1], backward=True) + over_b).max()
+            # Every rank's load carries the group's busiest links (loads_from_traffic): one is enough.
+            busy_f[b], busy_b[b] = link_busy(self.costs, loads[0], deg[0]), link_busy(self.costs, loads[0], deg[1])
         links = traffic_links(sent_BNN, ranks_per_node=self.G, row_bytes=row_bytes, rows_BNN=traffic_BNN)
         moe_B = links.rows_BN.max(1) * (3.0 * self.shape.row_flops / self.hw.flops)
         return LayerTimes(links=links, moe_B=moe_B, forward_B=fwd, backward_B=bwd, degrees=degrees,
