@@ -76,8 +76,9 @@ class FSSDPConfig(DeepSpeedConfigModel):
     """Per-rank memory for replicas (parameters and their gradients), for budget "auto"."""
 
     overlap_degree: Union[Literal["auto"], NonNegInt] = 4
-    """t: at most this many distinct experts are replicated per layer per iteration; "auto": the
-    expert chunks the measured link bandwidth moves during each layer's measured attention window."""
+    """t: at most this many distinct experts are replicated per layer per iteration; "auto": per
+    layer, searched by the modelled layer time from the expert chunks the measured link moves
+    during the layer's measured window (``planner/overlap.py``)."""
 
     pipeline_degree: Union[Literal["auto"], Annotated[StrictInt, Field(ge=1)], PipelineDegreeConfig] = "auto"
     """Chunks of each MoE layer's token exchange, pipelined with the expert compute

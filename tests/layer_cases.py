@@ -22,7 +22,7 @@ def attach_shards(layers, placements, *, rank: int, topo, exchange, degrees, opt
         s = ShardedExperts(spec=layer.spec, layer_index=i, owner_E=owner_E, rows_SP=rows, topology=topo,
                            group=None, predictor=predictor, exchange=exchange, options=options,
                            context=lambda c=ctx: c)
-        s.plan_placement = lambda ctx, p=placement_ED: p
+        s.plan_placement = lambda ctx, p=placement_ED: (p, -1)
         if prepare is not None:
             prepare(s)
         layer.attach_sharded(s)

@@ -177,12 +177,12 @@ def test_sharded_other_bytes_are_the_next_layers_early_gather_first_phase():
     phase = NS(send_splits=[0, 2, 1, 0], recv_splits=[0, 1, 0, 3])  # rank 1 of ranks {0, 1}, {2, 3}
     second = NS(send_splits=[9, 9, 9, 9], recv_splits=[9, 9, 9, 9])  # a later (intra-node) phase: not in flight
     gather = NS(in_flight=True)
-    nxt = NS(_gather=(None, NS(phases=[phase, second]), gather), expert_bytes=100)
+    nxt = NS(_gather=(None, -1, NS(phases=[phase, second]), gather), expert_bytes=100)
     me = NS(timings=LayerTimings(rank=1, ranks_per_node=2), next=nxt)
     # intra: rank 0 sends and receives nothing (rank 1 is self); inter: max(1 sent, 3 received) rows
     assert ShardedExperts._other_bytes(me, True) == (0.0, 300.0, 0.0, 0.0)
     assert ShardedExperts._other_bytes(me, False) == (0.0, 0.0, 0.0, 0.0)
     gather.in_flight = False  # landed before the span started
     assert ShardedExperts._other_bytes(me, True) == (0.0, 0.0, 0.0, 0.0)
-    nxt._gather = (None, NS(phases=[]), NS(in_flight=False))  # nothing to gather
+    nxt._gather = (None, -1, NS(phases=[]), NS(in_flight=False))  # nothing to gather
     assert ShardedExperts._other_bytes(me, True) == (0.0, 0.0, 0.0, 0.0)

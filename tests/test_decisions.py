@@ -31,6 +31,8 @@ RUNS = {}
 for name, kwargs in {
     # t and calibration's budget from the measured, agreed windows: the recorded clock matters.
     "fssdp-calibrated-auto": dict(calibration=True, overlap_degree="auto", hardware=HW, reshard_interval=2),
+    # a slow node link: the window hides no expert, and the search by time takes some (the compute is slower)
+    "fssdp-auto-by-time": dict(overlap_degree="auto", hardware=dict(HW, inter_bw=1e5), calibration=True),
     "fssdp-rm-paper": dict(rematerialize=True, placement="paper", dispatch="paper", reshard_interval=3),
     "fssdp-time-calibrated": dict(dispatch="balanced-time", hardware=HW, calibration=True,
                                   calibration_latency_budget=1e-3),
@@ -74,13 +76,21 @@ def test_the_runs_made_decisions_worth_comparing(runs):
     placed = {n: r["trace"].arrays["decision_placed"] for n, r in runs.items()}
     E = held["ep"].shape[2]
     assert held["ep"].sum((2, 3)).max() == E and held["uniform"].sum((2, 3)).max() == E
-    for n in ("fssdp-calibrated-auto", "fssdp-rm-paper", "fssdp-time-calibrated"):
+    for n in ("fssdp-calibrated-auto", "fssdp-auto-by-time", "fssdp-rm-paper", "fssdp-time-calibrated"):
         assert placed[n].sum((2, 3)).max() > E, n  # pre-gating replicas
     assert (held["fastermoe"] & ~placed["fastermoe"]).any()  # shadows
     cal = runs["fssdp-calibrated-auto"]["trace"].arrays
     assert (cal["decision_calibration_t"] >= 0).all()  # calibration ran on every layer and step
     assert np.isfinite(cal["decision_latency_budget"][1:]).all()  # the agreed window, after step 1
     assert len(np.unique(cal["decision_t"])) >= 1 and (cal["decision_t"] >= 0).all()
+    # "auto": t searched by the modelled time from the agreed window (planner/overlap.py), never below its t
+    assert np.isnan(runs["ep"]["trace"].arrays["decision_window_s"]).all()
+    for n in ("fssdp-calibrated-auto", "fssdp-auto-by-time"):
+        rec = runs[n]["trace"].arrays
+        assert np.isfinite(rec["decision_window_s"][1:]).all()
+        assert (rec["decision_overlap_t"] >= rec["decision_t"]).all()
+    slow = runs["fssdp-auto-by-time"]["trace"].arrays
+    assert (slow["decision_overlap_t"] > slow["decision_t"]).any(), (slow["decision_t"], slow["decision_overlap_t"])
     for n in ("fssdp-calibrated-auto", "fssdp-rm-paper", "smartmoe-reshard"):
         owners = runs[n]["trace"].arrays["decision_owner"]
         assert (owners != owners[0]).any(), f"{n}: no re-shard moved an expert"

@@ -71,7 +71,7 @@ def _layer_worker(rank, world, cases):
             sharded = ShardedExperts(spec=layer.spec, layer_index=0, owner_E=owner_E, rows_SP=rows,
                                      topology=Topology(num_ranks=world, ranks_per_node=2), group=None,
                                      predictor=LoadPredictor(case["E"]), options=options)
-            sharded.plan_placement = lambda ctx, p=placement_ED: p
+            sharded.plan_placement = lambda ctx, p=placement_ED: (p, -1)
             layer.attach_sharded(sharded)
             x, dy = _inputs(case, rank)
             x.requires_grad_(True)

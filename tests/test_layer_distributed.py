@@ -53,7 +53,7 @@ def _worker(rank, world, cases):
         topo = Topology(num_ranks=world, ranks_per_node=case["rpn"] or world)
         sharded = ShardedExperts(spec=layer.spec, layer_index=0, owner_E=owner_E, rows_SP=rows, topology=topo,
                                  group=None, predictor=LoadPredictor(E))
-        sharded.plan_placement = lambda ctx: placement_ED
+        sharded.plan_placement = lambda ctx: (placement_ED, -1)
         layer.attach_sharded(sharded)
         x, dy = rank_inputs(case, rank)
         x.requires_grad_(True)

@@ -91,6 +91,8 @@ class Decision:
     held_ED: torch.Tensor  # bool [E, D]: the final placement (after post-gating)
     overlap_degree: int  # the clock's t
     latency_budget: float  # the clock's calibration budget (inf: none)
+    window_s: float  # the clock's window that t is searched from (nan: none, t is the clock's)
+    overlap_t: int  # the t the pre-gating placement was planned with (-1: a policy without one)
     calibration_t: int  # calibration's t (-1: it did not run)
     calibration_accepted: bool
     plan_digest: int  # of the compact dispatch plan (equal plans, equal digests)
@@ -101,13 +103,16 @@ class Decision:
 
     @classmethod
     def of(cls, owner_E, placed_ED, lp: LayerPlan, plan, clock: Clock, degrees: tuple = (-1, -1),
-           one_copy: int = -1) -> "Decision":
-        """From what a layer's planner returned (``lp.placement_ED``: the final placement)."""
+           one_copy: int = -1, *, overlap_t: int = -1) -> "Decision":
+        """From what a layer's planner returned (``lp.placement_ED``: the final placement,
+        ``overlap_t``: the t of ``placed_ED``)."""
         cal = lp.calibration
         return cls(owner_E=owner_E.to("cpu", torch.long).clone(), placed_ED=placed_ED.to("cpu", torch.bool).clone(),
                    held_ED=lp.placement_ED.to("cpu", torch.bool).clone(),
                    overlap_degree=-1 if clock.overlap_degree is None else int(clock.overlap_degree),
                    latency_budget=float("nan") if clock.latency_budget is None else float(clock.latency_budget),
+                   window_s=float("nan") if clock.window_s is None else float(clock.window_s),
+                   overlap_t=int(overlap_t),
                    calibration_t=-1 if cal is None else int(cal.overlap_degree),
                    calibration_accepted=cal is not None and bool(cal.accepted), plan_digest=plan_digest(plan),
                    rows_D=plan.rows_D(), traffic_DD=plan.traffic_DD(), degrees=tuple(int(d) for d in degrees),
@@ -123,6 +128,8 @@ def decision_arrays(decisions: list) -> dict:
             "decision_held": stack(lambda d: d.held_ED.numpy(), bool),
             "decision_t": stack(lambda d: d.overlap_degree, np.int64),
             "decision_latency_budget": stack(lambda d: d.latency_budget, np.float64),
+            "decision_window_s": stack(lambda d: d.window_s, np.float64),
+            "decision_overlap_t": stack(lambda d: d.overlap_t, np.int64),
             "decision_calibration_t": stack(lambda d: d.calibration_t, np.int64),
             "decision_calibration_accepted": stack(lambda d: d.calibration_accepted, bool),
             "decision_plan_digest": stack(lambda d: d.plan_digest, np.int64),
@@ -195,7 +202,7 @@ class ShardedExperts:
         self.dispatcher.timings = self.timings
         self.next = None  # the following MoE layer (prefetch chain, :func:`chain`)
         self.is_last = True
-        self._gather = None  # (placement_ED, layout, SparseAllGather) started for the next forward
+        self._gather = None  # (placement_ED, t, layout, SparseAllGather) started for the next forward
         self.stats = {}
         self.measured_window_s = None  # this rank's moving average of the overlap window (schedule.overlap_window)
         self._prefetch_t = None
@@ -214,8 +221,9 @@ class ShardedExperts:
     expert_bytes = property(lambda self: self.replicas.expert_bytes)
 
     # -- placement -----------------------------------------------------------------------------
-    def plan_placement(self, ctx: StepContext) -> torch.Tensor:
-        return ctx.planner.pre_gating(self.owner_E, ctx.clock)
+    def plan_placement(self, ctx: StepContext) -> tuple:
+        """``(placement_ED, t)``: this iteration's pre-gating placement and its overlap degree."""
+        return ctx.planner.pre_gating_t(self.owner_E, ctx.clock)
 
     def prefetch(self) -> None:
         """Plan this iteration's placement and start its SparseAllGather (asynchronous)."""
@@ -223,9 +231,9 @@ class ShardedExperts:
             return
         self._prefetch_t = time.perf_counter()
         self._early_end_t = None
-        placement_ED = self.plan_placement(self.context())
+        placement_ED, t = self.plan_placement(self.context())
         layout = self.replicas.layout(placement_ED)
-        self._gather = (placement_ED, layout, self.replicas.start_gather(layout))
+        self._gather = (placement_ED, t, layout, self.replicas.start_gather(layout))
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, x_TH: torch.Tensor, idx_TK: torch.Tensor, weights_TK: torch.Tensor, counts_E: torch.Tensor, *,
@@ -252,7 +260,7 @@ class ShardedExperts:
         window = overlap_window(now - (self._prefetch_t if early_end is None else early_end), early_s)
         m = self.measured_window_s
         self.measured_window_s = window if m is None else 0.9 * m + 0.1 * window
-        (placed_ED, layout, gather), self._gather = self._gather, None
+        (placed_ED, overlap_t, layout, gather), self._gather = self._gather, None
         grouped = self.dispatcher.group_by_expert(idx_TK)  # before the waits: needs no plan
         tokens_ED = self.dispatcher.all_gather_counts(counts_E)
         t0 = time.perf_counter()
@@ -262,7 +270,7 @@ class ShardedExperts:
         gather_exposed = time.perf_counter() - t0
         gather_sent = gather.sent
         # Post-gating returns what it decided; what it adds is gathered now, on the critical path.
-        lp = ctx.planner.post_gating(self.owner_E, placed_ED, tokens_ED, ctx.clock)
+        lp = ctx.planner.post_gating(self.owner_E, placed_ED, tokens_ED, ctx.clock, overlap_t=overlap_t)
         extra_ED = (lp.calibrated_ED | lp.shadow_ED) & ~placed_ED
         critical_s = 0.0
         placement_ED = placed_ED
@@ -308,10 +316,12 @@ class ShardedExperts:
         if observe:
             prediction_error = ctx.planner.observe(tokens_ED)
             self.last_tokens_ED = tokens_ED
-            self.last_decision = Decision.of(self.owner_E, placed_ED, lp, plan, ctx.clock, degrees, one_copy)
+            self.last_decision = Decision.of(self.owner_E, placed_ED, lp, plan, ctx.clock, degrees, one_copy,
+                                             overlap_t=overlap_t)
         self.stats = self._stats(layout, plan, tokens_ED, lp, gather_exposed=gather_exposed, critical_s=critical_s,
                                  gather_sent=gather_sent, token_bytes=token_bytes,
                                  prediction_error=prediction_error, window=window, ctx=ctx)
+        self.stats["overlap_degree"] = overlap_t  # the t planned with (the clock's, or searched from it)
         self.stats["pipeline_degree_fwd"], self.stats["pipeline_degree_bwd"] = degrees
         self.stats["one_copy"] = int(one_copy)
         self.stats.update({"gather_early_s": early_s, "gather_started_early": early_end is not None,
@@ -366,8 +376,9 @@ class ShardedExperts:
         after the span's input stamp (measured on 2 CPU ranks, ``benchmarks/replica_spans.py``:
         every reduce was issued after its layer's backward span and had landed before the next
         layer's backward span began). Not counted either: RM's re-gathers."""
-        if early_next and self.next._gather is not None and self.next._gather[2].in_flight:
-            phases = self.next._gather[1].phases
+        if early_next and self.next._gather is not None:
+            _, _, layout, gather = self.next._gather
+            phases = layout.phases if gather.in_flight else None
             if phases:
                 return (*self.timings.link_bytes(phases[0].send_splits, phases[0].recv_splits,
                                                  self.next.expert_bytes), 0.0, 0.0)

@@ -18,11 +18,12 @@ from ds_fssdp.planner.schedule import Linear, ScheduleCosts
 from ds_fssdp.topology import Topology
 
 
-def exposed_transfer(gather_s: float, window_s: float) -> float:
+def exposed_transfer(gather_s: float, window_s: float, *, rematerialize: bool = False) -> float:
     """Seconds of a layer's replica transfer the attention does not hide: the gather past the
     forward window (:meth:`CostModel.overlap_window`) plus the reduce, as long, past the
-    backward's (twice the window)."""
-    f, b = gather_s - window_s, gather_s - 2.0 * window_s
+    backward's (twice the window); under re-materialization the backward gathers again before its
+    reduce."""
+    f, b = gather_s - window_s, (2.0 if rematerialize else 1.0) * gather_s - 2.0 * window_s
     return (f if f > 0.0 else 0.0) + (b if b > 0.0 else 0.0)
 
 

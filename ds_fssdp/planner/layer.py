@@ -9,11 +9,14 @@ own clocks.
 
 1. :meth:`pre_gating` before the preceding attention: the placement from the predictor's
    prediction (its per-rank ``tokens_ED`` when it has them, else its per-expert loads);
-2. :meth:`post_gating` once the actual ``tokens_ED`` are known: calibration or shadowing;
+2. :meth:`post_gating` once the actual ``tokens_ED`` are known: calibration or shadowing, from
+   the t pre-gating planned with (:meth:`pre_gating_t`);
 3. :meth:`dispatch`: the compact dispatch plan (:meth:`dispatch_dense` for the dense one);
 4. :meth:`observe`: the predictor learns the loads (once per training forward).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -32,13 +35,22 @@ class LayerPlanner:
 
     def pre_gating(self, owner_E: torch.Tensor, clock: Clock | None = None) -> torch.Tensor:
         """placement_ED (bool [E, D]): the shard plus the replicas gathered under the attention."""
+        return self.pre_gating_t(owner_E, clock)[0]
+
+    def pre_gating_t(self, owner_E: torch.Tensor, clock: Clock | None = None) -> tuple:
+        """``(placement_ED, t)``: with the overlap degree it was planned with (FSSDP's t, searched
+        by the modelled time when the policy does; -1: a policy without one)."""
         predicted = self.predictor.predict_tokens(self.layer)
         if predicted is None:
             predicted = self.predictor.predict(self.layer)
-        return self.policy.pre_gating(self.layer, owner_E, predicted, clock=clock)
+        return self.policy.pre_gating_t(self.layer, owner_E, predicted, clock=clock)
 
     def post_gating(self, owner_E: torch.Tensor, placement_ED: torch.Tensor, tokens_ED: torch.Tensor,
-                    clock: Clock | None = None) -> LayerPlan:
+                    clock: Clock | None = None, *, overlap_t: int = -1) -> LayerPlan:
+        """``overlap_t``: the t :meth:`pre_gating_t` planned ``placement_ED`` with; calibration
+        builds on it (the clock's t is the window's, which a t searched by time exceeds)."""
+        if clock is not None and overlap_t >= 0:
+            clock = dataclasses.replace(clock, overlap_degree=overlap_t)
         return self.policy.post_gating(self.layer, owner_E, placement_ED, tokens_ED=tokens_ED, clock=clock)
 
     def dispatch(self, layer_plan: LayerPlan, tokens_ED: torch.Tensor) -> DispatchPlan:

@@ -46,6 +46,7 @@ class ReplaySettings:
     calibration_latency_budget: float | None = None  # None: the recorded window
     smartmoe_interval: int = _FIELDS["smartmoe_interval"].default
     rematerialize: bool = False
+    overlap_by_time: bool = False  # overlap_degree "auto": t searched from the recorded window
     hardware: dict | None = None  # the run's cost model: Hardware's fields
     expert_shape: dict | None = None  # and ExpertShape's
     notes: list = field(default_factory=list)
@@ -64,7 +65,7 @@ class ReplaySettings:
                               calibration=self.calibration,
                               calibration_latency_budget=float("inf") if budget is None else float(budget),
                               smartmoe_interval=self.smartmoe_interval, dispatch=self.dispatch,
-                              dispatch_slack=self.dispatch_slack)
+                              dispatch_slack=self.dispatch_slack, overlap_by_time=self.overlap_by_time)
         name = "fssdp-rm" if self.policy == "fssdp" and self.rematerialize else self.policy
         return make_policy(name, config)
 
@@ -79,6 +80,7 @@ class ReplaySettings:
         t = meta.get("overlap_degree", s.overlap_degree)
         recorded = "decision_t" in trace.arrays
         if t == "auto":
+            s.overlap_by_time = True
             t = trace.num_experts
             if not recorded:
                 notes.append('overlap_degree "auto" was measured per layer at run time; replayed as unlimited')
@@ -162,22 +164,23 @@ def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
     migrators = migrating_policies(policy, reshard_interval=s.reshard_interval)
     clock_t = trace.arrays.get("decision_t")
     clock_b = trace.arrays.get("decision_latency_budget")
+    clock_w = trace.arrays.get("decision_window_s")
     owner_LE = homogeneous_owner(E, D).expand(L, E).clone()
     tokens = torch.from_numpy(trace.tokens_SLED.astype(np.int64))
     steps, reshards = [], []
     for step in range(S):
-        clocks = [_clock(s, clock_t, clock_b, step, l) for l in range(L)]
+        clocks = [_clock(s, clock_t, clock_b, clock_w, step, l) for l in range(L)]
         reshards.append(migrations(migrators, step, predictor.predict_all(), owner_LE, clock=clocks[0]))
         for r in reshards[-1]:
             owner_LE = r.owner_LE
         decisions = []
         for l, planner in enumerate(planners):
             tokens_ED = tokens[step, l]
-            placed_ED = planner.pre_gating(owner_LE[l], clocks[l])
-            lp = planner.post_gating(owner_LE[l], placed_ED, tokens_ED, clocks[l])
+            placed_ED, overlap_t = planner.pre_gating_t(owner_LE[l], clocks[l])
+            lp = planner.post_gating(owner_LE[l], placed_ED, tokens_ED, clocks[l], overlap_t=overlap_t)
             plan = planner.dispatch(lp, tokens_ED)
             planner.observe(tokens_ED)
-            decisions.append(Decision.of(owner_LE[l], placed_ED, lp, plan, clocks[l]))
+            decisions.append(Decision.of(owner_LE[l], placed_ED, lp, plan, clocks[l], overlap_t=overlap_t))
         steps.append(decision_arrays(decisions))
     if not steps:
         return Replay(settings=s, owner_SLE=np.zeros((0, L, E), np.int64), held_SLED=np.zeros((0, L, E, D), bool),
@@ -206,19 +209,22 @@ def compare(trace: Trace, rep: Replay) -> list:
         if got is None:
             diffs.append((key, None, None))
             continue
-        same = got == want if key != "decision_latency_budget" else (got == want) | (np.isnan(got) & np.isnan(want))
+        same = got == want
+        if np.issubdtype(want.dtype, np.floating):  # nan: no budget, no window
+            same |= np.isnan(got) & np.isnan(want)
         bad = np.argwhere(~same.reshape(same.shape[0], same.shape[1], -1).all(2))
         if bad.size:
             diffs.append((key, int(bad[0, 0]), int(bad[0, 1])))
     return diffs
 
 
-def _clock(s: ReplaySettings, clock_t, clock_b, step: int, l: int) -> Clock:
+def _clock(s: ReplaySettings, clock_t, clock_b, clock_w, step: int, l: int) -> Clock:
     """The recorded clock of (step, layer), else the settings' (a trace without a decision record)."""
     if clock_t is None:
         budget = s.calibration_latency_budget
         return Clock(overlap_degree=s.overlap_degree, latency_budget=float("inf") if budget is None else float(budget))
-    return Clock(overlap_degree=int(clock_t[step, l]), latency_budget=float(clock_b[step, l]))
+    w = None if clock_w is None or np.isnan(clock_w[step, l]) else float(clock_w[step, l])
+    return Clock(overlap_degree=int(clock_t[step, l]), latency_budget=float(clock_b[step, l]), window_s=w)
 
 
 def _straggler(rows_SLD: np.ndarray) -> np.ndarray:

@@ -367,7 +367,7 @@ class FSSDPStage:
                               calibration=cfg.calibration,
                               calibration_latency_budget=float("inf") if budget is None else float(budget),
                               smartmoe_interval=cfg.smartmoe_interval, dispatch=cfg.dispatch,
-                              dispatch_slack=float(cfg.dispatch_slack))
+                              dispatch_slack=float(cfg.dispatch_slack), overlap_by_time=cfg.overlap_degree == "auto")
         self.policy = make_policy(name, config)
         self.migrators = migrating_policies(self.policy, reshard_interval=cfg.reshard_interval)
         # One policy object decides for every layer; a layer with another expert count gets its own.
@@ -420,15 +420,17 @@ class FSSDPStage:
 
     def clock(self, l: int) -> Clock:
         """Layer ``l``'s t and calibration latency budget this iteration: the config's, or from the
-        window every rank agreed on (the one t function: :meth:`CostModel.overlap_degree`)."""
+        window every rank agreed on (the one t function: :meth:`CostModel.overlap_degree`; "auto"
+        also hands the policy the window, from which it searches t by the modelled layer time)."""
         cfg, w = self.config, self.window_s[l]
-        t = cfg.overlap_degree
+        t, window = cfg.overlap_degree, None
         if t == "auto":
             t = 0 if w is None else min(self.layers[l].num_experts, self.cost.overlap_degree(w))
+            window = w
         budget = cfg.calibration_latency_budget
         if budget is None:
             budget = float("inf") if w is None else w
-        return Clock(overlap_degree=t, latency_budget=float(budget))
+        return Clock(overlap_degree=t, latency_budget=float(budget), window_s=window)
 
     def _context(self, l: int) -> StepContext:
         return StepContext(planner=self.planners[l], clock=self.clock(l), timers=self.timers,

@@ -112,6 +112,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "backward as before, not only its link gaps")
     p.add_argument("--no-idle-link", action="store_true", help="FSSDP: replicas gathered within the attention "
                    "forward only (default: from the previous layer's expert compute on)")
+    p.add_argument("--t-by", choices=("time", "window"), default="time", help="FSSDP with the idle link: t per "
+                   "layer searched by the modelled layer time from the window's t up (planner/overlap.py), or the "
+                   "window's t alone")
     p.add_argument("--no-price-by-schedule", action="store_true", help="FSSDP: calibration and the balanced-time "
                    "dispatch price plans by the serial layer time (default: the schedule's)")
     p.add_argument("--serial", action="store_true", help="today's serial accounting for every policy: degree 1, "
@@ -138,7 +141,7 @@ def schedule_options(args) -> ScheduleOptions:
     dedup = False if args.no_dedup else {"auto": "auto", "on": True, "off": False}[args.dedup]
     return ScheduleOptions(pipeline_degree=None if d == "auto" else d, dedup=dedup,
                            grad_gaps=not args.no_grad_gaps, idle_link=not args.no_idle_link,
-                           price_by_schedule=not args.no_price_by_schedule)
+                           price_by_schedule=not args.no_price_by_schedule, t_by_time=args.t_by == "time")
 
 
 def main(argv=None, *, out=None) -> int:

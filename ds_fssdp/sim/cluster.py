@@ -183,14 +183,15 @@ class PolicyRun:
         if overlap_degree is None:
             overlap_degree = derive_overlap_degree(setup.hw, self.topo, setup.shape, attention_s=attn_f)
         self.overlap_degree = overlap_degree
+        self.options = policy_options(name, schedule)
         config = PolicyConfig(num_experts=setup.num_experts, num_layers=setup.num_layers, topology=self.topo,
                               budget=self.budget, overlap_degree=overlap_degree, cost=self.cost,
                               reshard_interval=setup.reshard_interval, calibration=setup.calibration,
-                              calibration_latency_budget=setup.calibration_budget * attn_f)
+                              calibration_latency_budget=setup.calibration_budget * attn_f,
+                              overlap_by_time=self.options.idle_link and self.options.t_by_time and not self.fixed_t)
         dispatcher = dispatcher or functools.partial(dispatch_plan, mode="paper")
         self.policy = make_policy("ep" if name == "fsmoe" else name, config, dispatcher=dispatcher,
                                   materializer=materializer)
-        self.options = policy_options(name, schedule)
         self.sched = LayerSchedule(setup.hw, setup.shape, ranks_per_node=self.topo.ranks_per_node,
                                    top_k=setup.top_k, options=self.options)
         if self.options.price_by_schedule:
@@ -315,10 +316,11 @@ class PolicyRun:
             t0 = time.thread_time()
             clock = None
             if self.options.idle_link and not self.fixed_t:  # t from the window the last step's schedule left
-                clock = Clock(overlap_degree=self.cost.overlap_degree(float(self.window_BL[b, l])))
-            placement_ED = planner.pre_gating(owner_E, clock)
+                window = float(self.window_BL[b, l])
+                clock = Clock(overlap_degree=self.cost.overlap_degree(window), window_s=window)
+            placement_ED, overlap_t = planner.pre_gating_t(owner_E, clock)
             t1 = time.thread_time()
-            lp = planner.post_gating(owner_E, placement_ED, tokens_ED, clock)
+            lp = planner.post_gating(owner_E, placement_ED, tokens_ED, clock, overlap_t=overlap_t)
             plan = planner.dispatch(lp, tokens_ED)
             t2 = time.thread_time()
             if self.decisions is not None and b == 0:

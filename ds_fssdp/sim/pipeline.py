@@ -60,6 +60,8 @@ class ScheduleOptions:
     grad_gaps: bool = True  # EDP + dense all-reduce in the backward's link gaps
     idle_link: bool = True  # replica gather from the previous layer's expert compute on
     price_by_schedule: bool = True  # calibration / balanced-time price plans by the schedule's layer time
+    t_by_time: bool = True  # with the idle link: t searched by the modelled layer time from the window's t up
+    # (planner/overlap.py), not only what the window hides
 
     def __post_init__(self):
         if self.dedup not in (True, False, "auto"):
@@ -69,7 +71,8 @@ class ScheduleOptions:
             raise ValueError(f"pipeline_degree ({d!r}) must be None (auto) or an int in [1, {MAX_DEGREE}]")
 
 
-SERIAL = ScheduleOptions(pipeline_degree=1, dedup=False, grad_gaps=False, idle_link=False, price_by_schedule=False)
+SERIAL = ScheduleOptions(pipeline_degree=1, dedup=False, grad_gaps=False, idle_link=False, price_by_schedule=False,
+                         t_by_time=False)
 SCHEDULED = ("fsmoe", "fssdp", "fssdp-rm")  # policies that run the schedule
 
 
@@ -78,7 +81,7 @@ def policy_options(name: str, options: ScheduleOptions | None) -> ScheduleOption
     ``fsmoe`` FSMoE's (the same degree option; no dedup, no replicas), the rest serial."""
     options = ScheduleOptions() if options is None else options
     if name == "fsmoe":
-        return replace(options, dedup=False, idle_link=False, price_by_schedule=False)
+        return replace(options, dedup=False, idle_link=False, price_by_schedule=False, t_by_time=False)
     return options if name in SCHEDULED else SERIAL
 
 

@@ -178,6 +178,7 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
                           reshard_interval=setup.reshard_interval,
                           calibration=setup.calibration,
                           calibration_latency_budget=setup.calibration_budget * attn_f,
+                          overlap_by_time=options.idle_link and options.t_by_time and not fixed_t,
                           smartmoe_interval=setup.smartmoe_interval, flexmoe_threshold=setup.flexmoe_threshold,
                           flexmoe_slots=setup.flexmoe_slots, flexmoe_interval=setup.flexmoe_interval,
                           dispatch=dispatch or "paper", dispatch_slack=dispatch_slack)
@@ -222,11 +223,11 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
             window = overlap_window(attn_f, idle, early=options.idle_link)
             # t from the window the last step's schedule left, unless given (then the setup's, as
             # without the idle link: the planner's configured overlap degree)
-            clock = Clock(overlap_degree=cost.overlap_degree(window_L[l])) if options.idle_link and not fixed_t \
-                else None
-            placement_ED = planner.pre_gating(owner_E, clock)
+            clock = Clock(overlap_degree=cost.overlap_degree(window_L[l]), window_s=float(window_L[l])) \
+                if options.idle_link and not fixed_t else None
+            placement_ED, overlap_t = planner.pre_gating_t(owner_E, clock)
             tokens_ED = policy.route(torch.from_numpy(tokens_SLED[s, l].astype(np.int64)))
-            lp = planner.post_gating(owner_E, placement_ED, tokens_ED, clock)
+            lp = planner.post_gating(owner_E, placement_ED, tokens_ED, clock, overlap_t=overlap_t)
             plan_EDD = planner.dispatch_dense(lp, tokens_ED)
             planner.observe(tokens_ED)
             if decisions is not None:

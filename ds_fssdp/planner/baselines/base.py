@@ -59,6 +59,9 @@ class Clock:
     """t: distinct experts the pre-gating gather may replicate (hidden under the attention)."""
     latency_budget: float | None = None
     """Seconds calibration's gather may add to the critical path."""
+    window_s: float | None = None
+    """Seconds before the layer that hide its pre-gating gather (what ``overlap_degree`` came from);
+    with ``PolicyConfig.overlap_by_time`` FSSDP searches t from there (``planner/overlap.py``)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,9 @@ class PolicyConfig:
     injected ``materializer``) or "joint" (it needs the predicted ``tokens_ED``)."""
     reshard_interval: int = 100
     """FSSDP: Algorithm 2 every this many iterations (0: never). Paper: 100."""
+    overlap_by_time: bool = False
+    """FSSDP: t per layer by the modelled layer time, from the clock's window up (needs ``cost`` and
+    a clock with ``window_s``; :func:`ds_fssdp.planner.overlap.choose_overlap_degree`)."""
     calibration: bool = False
     """FSSDP: after gating, add replicas for the actual loads when the modelled gain pays."""
     calibration_latency_budget: float = math.inf
@@ -198,6 +204,12 @@ class Policy:
         """The baselines plan nothing before gating."""
         return shard_placement(owner_E.to("cpu", torch.long), self.topology.num_ranks) | self.persistent_ED(
             layer, owner_E)
+
+    def pre_gating_t(self, layer: int, owner_E: torch.Tensor, predicted_load_E: torch.Tensor | None, *,
+                     clock: Clock | None = None) -> tuple:
+        """``(placement_ED, t)``: :meth:`pre_gating`'s placement and the overlap degree it was planned
+        with (-1: the policy has none)."""
+        return self.pre_gating(layer, owner_E, predicted_load_E, clock=clock), -1
 
     def persistent_ED(self, layer: int, owner_E: torch.Tensor) -> torch.Tensor:
         """Persistent replicas of ``layer`` beyond the shard (bool [E, D]); the runtime gathers

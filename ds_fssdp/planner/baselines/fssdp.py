@@ -24,6 +24,7 @@ from ds_fssdp.planner.baselines.base import Clock, LayerPlan, Policy, Reshard
 from ds_fssdp.planner.baselines.relabel import moved_copies, relabel_owner
 from ds_fssdp.planner.calibrate import Calibration, calibrate
 from ds_fssdp.planner.materialize import materialize as algorithm1_materialize
+from ds_fssdp.planner.overlap import OverlapChoice, choose_overlap_degree, layer_seconds
 from ds_fssdp.planner.place import PlacementOptions, place
 from ds_fssdp.planner.shard import heterogeneous_sharding, shard_placement
 
@@ -44,16 +45,49 @@ class FSSDPPolicy(Policy):
                    clock: Clock | None = None) -> torch.Tensor:
         """``predicted_load_E``: per-expert loads [E], or the predicted ``tokens_ED`` [E, D] (what
         placement "joint" needs). :func:`~ds_fssdp.planner.place`, unless another materializer was
-        injected (placement "paper" then uses it on the loads)."""
+        injected (placement "paper" then uses it on the loads); t by the modelled time when
+        :meth:`by_time`."""
+        return self.pre_gating_t(layer, owner_E, predicted_load_E, clock=clock)[0]
+
+    def pre_gating_t(self, layer: int, owner_E: torch.Tensor, predicted_load_E: torch.Tensor | None, *,
+                     clock: Clock | None = None) -> tuple:
         t = self.overlap_degree(clock)
         if predicted_load_E is None:
-            return shard_placement(owner_E.to("cpu", torch.long), self.topology.num_ranks)
+            return shard_placement(owner_E.to("cpu", torch.long), self.topology.num_ranks), t
+        if self.by_time(clock):
+            choice = self.overlap_choice(owner_E, predicted_load_E, clock)
+            return choice.placement_ED, choice.overlap_degree
+        return self._place(owner_E, predicted_load_E, t), t
+
+    def _place(self, owner_E: torch.Tensor, predicted_load_E: torch.Tensor, t: int) -> torch.Tensor:
         if self.materializer is not algorithm1_materialize and self.config.placement == "paper":
             load_E = predicted_load_E if predicted_load_E.dim() == 1 else predicted_load_E.sum(1)
             return self.materializer(owner_E, load_E, self.topology, overlap_degree=t, budget=self.config.budget)
         options = PlacementOptions(placement=self.config.placement, overlap_degree=t,
                                    materialization_budget=self.config.budget)
         return place(owner_E, predicted_load_E, self.topology, config=options)
+
+    def by_time(self, clock: Clock | None) -> bool:
+        """Whether t is searched by the modelled time (:mod:`ds_fssdp.planner.overlap`): configured,
+        with a cost model and a clock that knows its window."""
+        return (self.config.overlap_by_time and self.config.cost is not None and clock is not None
+                and clock.window_s is not None)
+
+    def overlap_choice(self, owner_E: torch.Tensor, predicted_load_E: torch.Tensor, clock: Clock) -> OverlapChoice:
+        """t and its placement by the modelled layer time on the predicted tokens (per-rank when the
+        predictor has them, else each expert's load spread evenly over the ranks)."""
+        cfg, topo = self.config, self.topology
+        owner_E = owner_E.to("cpu", torch.long)
+        tokens_ED = predicted_load_E.to("cpu", torch.float64)
+        if tokens_ED.dim() == 1:
+            tokens_ED = tokens_ED[:, None].expand(-1, topo.num_ranks) / topo.num_ranks
+        tokens_ED = tokens_ED.round().long()
+        return choose_overlap_degree(
+            lambda t: self._place(owner_E, predicted_load_E, t),
+            lambda placement_ED: layer_seconds(cfg.cost, owner_E, placement_ED, tokens_ED, topo,
+                                               dispatcher=self.dispatcher, window_s=float(clock.window_s),
+                                               rematerialize=self.rematerialize),
+            window_t=min(self.overlap_degree(clock), cfg.num_experts), max_t=cfg.num_experts)
 
     def post_gating(self, layer: int, owner_E: torch.Tensor, placement_ED: torch.Tensor, *,
                     tokens_ED: torch.Tensor, clock: Clock | None = None) -> LayerPlan:

@@ -1,0 +1,72 @@
+"""t by time: how many distinct experts a layer's pre-gating gather replicates, from the modelled
+layer time rather than from what fits the window alone.
+
+Legend: E experts, D ranks.
+
+The window's t (:meth:`~ds_fssdp.planner.cost.CostModel.overlap_degree` of the seconds the schedule
+leaves before the layer) is the most a gather hides. A larger t exposes part of the gather but can
+balance the compute enough to pay for it (a small expert, a skewed load); a big expert's exposed
+gather costs more than it balances. So t is searched: the window's t, then doubled up to E, each
+candidate's placement priced as its modelled layer time (compute and the four token exchanges on
+the predicted ``tokens_ED``) plus the gather and reduce the windows do not hide
+(:func:`~ds_fssdp.planner.cost.exposed_transfer`), and the search stops at the first candidate that
+is not faster (or adds no replica: the memory budget is full). The window's t is always a
+candidate, so a layer never prices worse than without the search.
+
+Pure: the runtime, both simulators and the report's replay reach it through
+``FSSDPPolicy.pre_gating`` with the same inputs (the owners, the predicted ``tokens_ED`` and the
+clock's window), so they take the same t.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ds_fssdp.planner.cost import CostModel, exposed_transfer
+from ds_fssdp.topology import Topology
+
+
+@dataclass(frozen=True)
+class OverlapChoice:
+    overlap_degree: int  # t taken
+    placement_ED: torch.Tensor  # its pre-gating placement
+    modelled_s: float  # its modelled layer time with the exposed gather and reduce
+    window_t: int  # the window's t (the first candidate)
+    tried: int  # candidates priced
+
+
+def layer_seconds(cost: CostModel, owner_E: torch.Tensor, placement_ED: torch.Tensor, tokens_ED: torch.Tensor,
+                  topology: Topology, *, dispatcher: Callable, window_s: float, rematerialize: bool) -> float:
+    """Modelled forward + backward of the MoE part of a layer under ``placement_ED``: the slowest
+    rank's compute and four exchanges of the dispatch of ``tokens_ED``, plus the gather and the reduce
+    past the windows that hide them."""
+    plan_EDD = dispatcher(placement_ED, tokens_ED, topology)
+    exposed = exposed_transfer(cost.gather_time(owner_E, placement_ED), window_s, rematerialize=rematerialize)
+    return cost.layer_time(plan_EDD) + exposed
+
+
+def choose_overlap_degree(place_at: Callable[[int], torch.Tensor], seconds_of: Callable[[torch.Tensor], float], *,
+                          window_t: int, max_t: int) -> OverlapChoice:
+    """The t in (window_t, 2 window_t, 4 window_t, ..., max_t) whose placement ``place_at(t)`` has the
+    least ``seconds_of``; the doubling stops at the first that is not faster or adds nothing. Ties
+    keep the smaller t (fewer bytes moved). ``window_t`` 0 tries 1 next."""
+    if window_t < 0 or max_t < 0:
+        raise ValueError(f"choose_overlap_degree: window_t ({window_t}) and max_t ({max_t}) must be >= 0")
+    t = min(window_t, max_t)
+    best_ED = place_at(t)
+    best_s = seconds_of(best_ED)
+    choice = OverlapChoice(t, best_ED, best_s, t, 1)
+    tried = 1
+    while t < max_t:
+        t = min(max_t, max(1, 2 * t))
+        placement_ED = place_at(t)
+        if torch.equal(placement_ED, choice.placement_ED):
+            break
+        tried += 1
+        s = seconds_of(placement_ED)
+        if not s < choice.modelled_s:
+            break
+        choice = OverlapChoice(t, placement_ED, s, choice.window_t, tried)
+    return OverlapChoice(choice.overlap_degree, choice.placement_ED, choice.modelled_s, choice.window_t, tried)
