@@ -3,6 +3,7 @@ brute force over every choice sequence; its least bytes to leave a source are ne
 simulators' one copy per destination sends for any split that respects a destination's share;
 pricing the replicas' gathers only raises it, holding more only lowers it; and it stays below
 every policy of both engines where the replicas' gathers and the node links bind."""
+import dataclasses
 import itertools
 
 import numpy as np
@@ -20,8 +21,8 @@ from ds_fssdp.sim.synth import synthetic_trace
 SHAPE = ExpertShape(hidden=512, ffn=2048)
 
 
-def setup_with(hw, *, budget=3, budget_rm=6, flexmoe_slots=2, layers=3) -> Setup:
-    topo = Topology(num_ranks=8, ranks_per_node=4)
+def setup_with(hw, *, budget=3, budget_rm=6, flexmoe_slots=2, layers=3, ranks_per_node=4) -> Setup:
+    topo = Topology(num_ranks=8, ranks_per_node=ranks_per_node)
     tokens, d, s = 16384, 512, 1024
     flops = 8.0 * d * d + 2.0 * s * d
     return Setup(topology=topo, hw=hw, shape=SHAPE, num_layers=layers, num_experts=16, tokens_per_gpu=tokens,
@@ -42,12 +43,14 @@ def test_chain_bound_is_the_least_over_every_choice_sequence():
     for trial in range(20):
         L, C = int(rng.integers(1, 5)), int(rng.integers(1, 5))
         m, b, g = rng.uniform(0, 1, (L, C)), rng.uniform(0, 1, (L, C)), rng.uniform(0, 2, C)
+        u = m * rng.uniform(0, 1, (L, C)) * (trial % 2)  # the link the next gather uses, busy <= m
         attn, v, ar = float(rng.uniform(0, 0.5)), float(rng.choice([0.0, 0.3, 1.0])), float(rng.uniform(0, 3))
         best = np.inf
         for cs in itertools.product(range(C), repeat=L):
-            fwd = sum(max(attn + (m[l - 1, cs[l - 1]] if l else 0.0), g[cs[l]]) for l in range(L)) + m[L - 1, cs[-1]]
+            fwd = sum(max(attn + (m[l - 1, cs[l - 1]] if l else 0.0), g[cs[l]] + (u[l - 1, cs[l - 1]] if l else 0.0))
+                      for l in range(L)) + m[L - 1, cs[-1]]
             best = min(best, fwd + v * sum(b[l, cs[l]] for l in range(L)) + (1 - v) * ar)
-        assert chain_bound(m, b, g, attn, v, ar) == pytest.approx(best, rel=1e-12), trial
+        assert chain_bound(m, b, g, attn, v, ar, u) == pytest.approx(best, rel=1e-12), trial
 
 
 def test_leaving_bytes_never_exceeds_what_one_copy_per_destination_sends():
@@ -95,14 +98,22 @@ def test_priced_replicas_raise_the_bound_and_more_replicas_lower_it():
     assert bound(setup, tokens, budget=12) <= priced * (1 + 1e-12)
 
 
-@pytest.mark.parametrize("hw", [Hardware(flops=100e12, intra_bw=200e9, inter_bw=25e9, latency=10e-6, hbm_bw=2e12),
-                                Hardware(flops=100e12, intra_bw=50e9, inter_bw=5e9, latency=10e-6, hbm_bw=2e12)],
-                         ids=["fast-links", "slow-links"])
-def test_bound_is_below_every_policy_of_both_engines(hw):
-    setup = setup_with(hw, budget=6, budget_rm=10)
+@pytest.mark.parametrize("hw,ranks_per_node", [
+    (Hardware(flops=100e12, intra_bw=200e9, inter_bw=25e9, latency=10e-6, hbm_bw=2e12), 4),
+    (Hardware(flops=100e12, intra_bw=50e9, inter_bw=5e9, latency=10e-6, hbm_bw=2e12), 4),
+    (Hardware(flops=100e12, intra_bw=20e9, inter_bw=5e9, latency=10e-6, hbm_bw=2e12), 8)],
+    ids=["fast-links", "slow-links", "one-node"])
+def test_bound_is_below_every_policy_of_both_engines(hw, ranks_per_node):
+    """FSSDP's t searched by time exposes gathers on the link the previous layer's exchange holds:
+    the case the bound's busy term (``chain_bound``'s u) must still be below."""
+    setup = setup_with(hw, budget=6, budget_rm=10, ranks_per_node=ranks_per_node)
     tokens = skewed(setup)
     for results in (simulate(setup, tokens, ["ep", "uniform", "fastermoe", "smartmoe", "flexmoe", "fssdp",
                                              "fssdp-rm", "fsmoe"]),
-                    simulate_cluster(setup, tokens, ["ep", "uniform", "fsmoe", "fssdp", "fssdp-rm"], group_size=8)):
+                    simulate_cluster(setup, tokens, ["ep", "uniform", "fsmoe", "fssdp", "fssdp-rm"], group_size=8),
+                    # every expert gathered every step: the most exposed gathers either engine runs
+                    simulate(dataclasses.replace(setup, overlap_degree=16), tokens, ["fssdp", "fssdp-rm"],
+                             fixed_t=True),
+                    simulate_cluster(setup, tokens, ["fssdp", "fssdp-rm"], group_size=8, overlap_degree=16)):
         for r in results:
             assert 0 < r.lower_bound_s <= r.iteration_s, (r.policy, r.lower_bound_s, r.iteration_s)

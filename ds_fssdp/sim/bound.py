@@ -26,11 +26,13 @@ plus each layer's attention forward and backward. Ephemeral replicas move every 
 expert chunks on each holder's intra-node link, and a node's S less its free G (own - R) come in
 over its node link (:func:`~ds_fssdp.sim.links.sparse_collective_links`), one latency + the
 busier. The simulators charge layer l's gather g_l beyond its window, and the window is l's
-attention forward plus at most layer l - 1's forward exchange + compute m_{l-1} (``overlap_window``);
+attention forward plus layer l - 1's forward exchange + compute m_{l-1} less the time u_{l-1} its
+exchange holds the link the gather uses (``overlap_window`` of the idle time: the node link past
+one node, else the rank's), at least 2 latencies + twice the bytes that must leave over it;
 calibration's gathers and FasterMoE's shadow broadcasts are charged whole. So the forward is at
 least
 
-    sum_l max(attention + m_{l-1}, g_l) + m_{L-1}          (m_{-1} = 0)
+    sum_l max(attention + m_{l-1}, g_l + u_{l-1}) + m_{L-1}          (m_{-1} = u_{-1} = 0)
 
 The gradient all-reduce (dense over the world and, with several groups, each EDP group's owned
 experts, E L / N per rank: even owners move the least) can overlap the backward at most, never
@@ -94,6 +96,7 @@ class LowerBound:
                                np.where(S > G * base, lat + (S - G * base) * psi / hw.inter_bw, 0.0)[None, :])
         forward_LRSB = np.zeros((L, R.size, S.size, B))
         backward_LRSB = np.zeros((L, R.size, S.size, B))
+        busy_LRSB = np.zeros((L, R.size, S.size, B))
         for l in range(L):
             t_EBN = tokens_LED[l].reshape(E, D // N, N)[:, :B].astype(np.float64)
             rows_BN = t_EBN.sum(0)
@@ -110,8 +113,10 @@ class LowerBound:
                 ranks_RSBN = leaving_bytes(rows_1BN[None], top_KBN[S][None], k, tb, share=share_RBN[:, None])
                 cross_RSB = np.maximum(common_SB[None], ranks_RSBN.reshape(R.size, S.size, B, n, G).sum(4).max(3))
                 x_RSB = np.where(cross_RSB > 0, 2.0 * lat + 2.0 * cross_RSB / hw.inter_bw, 0.0)
+                busy_LRSB[l] = x_RSB  # the node link: the gathers' link past one node
             else:
                 x_RSB = np.zeros((R.size, 1, B))
+                busy_LRSB[l] = np.where(out_RB > 0, 2.0 * lat + 2.0 * out_RB / hw.intra_bw, 0.0)[:, None]
             x_RSB = np.maximum(x_RB[:, None], x_RSB)
             bal_B = rows_BN.sum(1) / N * g
             forward_LRSB[l] = np.maximum(bal_B + one_RB[:, None], x_RSB)
@@ -119,7 +124,9 @@ class LowerBound:
         owned = math.ceil(E * L / N) * st.shape.params
         tail = st.extra_compute_s + (st.dense_params + owned) * OPT_TRAFFIC_BYTES / hw.hbm_bw
         m_LCB, b_LCB, g_C = forward_LRSB[:, fits_RS], backward_LRSB[:, fits_RS], gather_RS[fits_RS]
-        low_B = np.array([max(chain_bound(m_LCB[:, :, b], b_LCB[:, :, b], g_C, attn_f, v, self.allreduce_s)
+        u_LCB = busy_LRSB[:, fits_RS]
+        low_B = np.array([max(chain_bound(m_LCB[:, :, b], b_LCB[:, :, b], g_C, attn_f, v, self.allreduce_s,
+                                          u_LCB[:, :, b])
                               for v in WEIGHTS) for b in range(B)])
         self.total += float(low_B.max()) + tail
         self.counted += 1
@@ -159,16 +166,20 @@ def top_rows(t_E__: np.ndarray) -> np.ndarray:
 
 
 def chain_bound(m_LC: np.ndarray, b_LC: np.ndarray, g_C: np.ndarray, attention_s: float, v: float,
-                allreduce_s: float) -> float:
-    """The least over one choice per layer (of C) of sum_l max(attention + m_{l-1}, g_l) + m_{L-1}
-    + v sum_l b_l + (1 - v) all-reduce (the module docstring; ``m_LC`` a layer's forward exchange
-    + compute, ``b_LC`` its backward with attention, ``g_C`` a choice's gather): a shortest path
-    over the layers. With the previous layer's choices sorted by a = attention + m, a choice of
-    gather g costs min(least V with a <= g, plus g; least V + a with a > g)."""
+                allreduce_s: float, busy_LC: np.ndarray | None = None) -> float:
+    """The least over one choice per layer (of C) of sum_l max(attention + m_{l-1}, g_l + u_{l-1})
+    + m_{L-1} + v sum_l b_l + (1 - v) all-reduce (the module docstring; ``m_LC`` a layer's forward
+    exchange + compute, ``b_LC`` its backward with attention, ``g_C`` a choice's gather, ``busy_LC``
+    u: the seconds the layer's forward exchange holds the link the next gather uses, at most m;
+    None: 0): a shortest path over the layers. The pair term is u + max(a, g) with
+    a = attention + m - u; with the previous layer's choices sorted by a, a choice of gather g
+    costs min(least V' with a <= g, plus g; least V' + a with a > g), V' = V + u."""
     L = m_LC.shape[0]
+    busy_LC = np.zeros_like(m_LC) if busy_LC is None else busy_LC
     value_C = np.maximum(attention_s, g_C) + v * b_LC[0]  # layer 0: its window is its attention alone
     for l in range(1, L):
-        a_C = attention_s + m_LC[l - 1]
+        a_C = attention_s + m_LC[l - 1] - busy_LC[l - 1]
+        value_C = value_C + busy_LC[l - 1]
         order = np.argsort(a_C, kind="stable")
         a_sorted, v_sorted = a_C[order], value_C[order]
         below = np.minimum.accumulate(v_sorted)  # least V among the i + 1 smallest a
