@@ -82,3 +82,15 @@ def test_replica_spans_probe_runs(tmp_path):
             issued = {after for (after, _), _n in got["collectives"][f"reduce {layer}"]["issued_after_landed_by"]}
             assert issued == {f"{layer} bwd end"}
     assert set(r["probe"]["span_start_skew"]) == {"L0 fwd start", "L0 bwd start", "L1 fwd start", "L1 bwd start"}
+
+
+def test_t_by_time_benchmark_runs(tmp_path):
+    """benchmarks/t_by_time.py, one small workload: both arms of both FSSDP policies, and the ratio
+    it reports is theirs."""
+    r = run("t_by_time.py", "--clusters", "a", "--models", "gpt-s-moe", "--gpus", "16", "--steps", "8",
+            tmp_path=tmp_path)
+    (row, ) = r["rows"]
+    for pol in ("fssdp", "fssdp-rm"):
+        assert row[f"{pol}_window_ms"] > 0 and row[f"{pol}_time_ms"] > 0
+        assert row[f"{pol}_ratio"] == row[f"{pol}_time_ms"] / row[f"{pol}_window_ms"]
+    assert r["worst_ratio"] == max(row["fssdp_ratio"], row["fssdp-rm_ratio"])
