@@ -38,7 +38,8 @@ def main():
     p.add_argument("--models", default="gpt-s-moe,gpt-l-moe,phi-3.5-moe")
     p.add_argument("--gpus", default="16,32")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--trace", default=os.path.join(HERE, "..", "..", "shared", "data", "trace_e8.npz"))
+    p.add_argument("--trace", default=os.path.join(HERE, "..", "..", "shared", "data", "trace_e8.npz"),
+                   help="a routing trace, or \"synthetic\" (default: the shared trace beside the checkout)")
     p.add_argument("--json", default=None, help="also write the rows here")
     args = p.parse_args()
     rows = []

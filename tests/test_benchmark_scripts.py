@@ -21,7 +21,7 @@ def run(script, *args, tmp_path):
 def test_planning_benchmark_runs(tmp_path):
     r = run("planning.py", "--experts", "16", "--ranks", "8", "--nodes", "2", "--repeats", "20", "--runs", "2",
             tmp_path=tmp_path)
-    assert set(r["results"]) == {"joint+balanced", "paper", "joint_materialize", "balanced_dispatch"}
+    assert set(r["results"]) == {"joint+balanced", "paper", "paper+t-by-time", "joint_materialize", "balanced_dispatch"}
     assert all(len(v["run_medians_us"]) == 2 and v["median_us"] > 0 for v in r["results"].values())
 
 
@@ -88,7 +88,7 @@ def test_t_by_time_benchmark_runs(tmp_path):
     """benchmarks/t_by_time.py, one small workload: both arms of both FSSDP policies, and the ratio
     it reports is theirs."""
     r = run("t_by_time.py", "--clusters", "a", "--models", "gpt-s-moe", "--gpus", "16", "--steps", "8",
-            tmp_path=tmp_path)
+            "--trace", "synthetic", tmp_path=tmp_path)  # a clean clone has no shared trace beside it
     (row, ) = r["rows"]
     for pol in ("fssdp", "fssdp-rm"):
         assert row[f"{pol}_window_ms"] > 0 and row[f"{pol}_time_ms"] > 0

@@ -80,7 +80,7 @@ def _skewed_tokens(seed: int) -> torch.Tensor:
 
 
 def _priced(policy, cost, owner_E, placement_ED, tokens_ED, window):
-    return layer_seconds(cost, owner_E, placement_ED, tokens_ED.long(), TOPO, dispatcher=policy.dispatcher,
+    return layer_seconds(cost, owner_E, placement_ED, tokens_ED.long(), plan_of=policy.compact_plan,
                          window_s=window, rematerialize=policy.rematerialize)
 
 

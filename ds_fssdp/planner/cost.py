@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ds_fssdp.planner.knobs import auto_overlap_degree
+from ds_fssdp.planner.plan import DispatchPlan
 from ds_fssdp.planner.schedule import Linear, ScheduleCosts
 from ds_fssdp.topology import Topology
 
@@ -259,9 +260,12 @@ class CostModel:
         return min(self.hw.intra_bw, self.hw.inter_bw) if self.topology.num_nodes > 1 else self.hw.intra_bw
 
     # -- one layer ------------------------------------------------------------------------------
-    def layer_time(self, plan_EDD: torch.Tensor) -> float:
+    def layer_time(self, plan_EDD) -> float:
         """Critical path of the MoE part of one layer (forward + backward): the slowest rank's
-        compute and four token exchanges (dispatch and combine, forward and backward)."""
+        compute and four token exchanges (dispatch and combine, forward and backward).
+        ``plan_EDD``: the dense plan, or a compact :class:`~ds_fssdp.planner.plan.DispatchPlan`."""
+        if isinstance(plan_EDD, DispatchPlan):
+            return float(self.flow_layer_times(plan_EDD.traffic_DD()[None])[0])
         rows_D = plan_EDD.sum((0, 1))
         return float(self.compute_time_D(rows_D).max()) + 4 * self.a2a_time(plan_EDD)
 

@@ -25,7 +25,6 @@ from typing import Callable
 import torch
 
 from ds_fssdp.planner.cost import CostModel, exposed_transfer
-from ds_fssdp.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -37,14 +36,15 @@ class OverlapChoice:
     tried: int  # candidates priced
 
 
-def layer_seconds(cost: CostModel, owner_E: torch.Tensor, placement_ED: torch.Tensor, tokens_ED: torch.Tensor,
-                  topology: Topology, *, dispatcher: Callable, window_s: float, rematerialize: bool) -> float:
+def layer_seconds(cost: CostModel, owner_E: torch.Tensor, placement_ED: torch.Tensor, tokens_ED: torch.Tensor, *,
+                  plan_of: Callable, window_s: float, rematerialize: bool) -> float:
     """Modelled forward + backward of the MoE part of a layer under ``placement_ED``: the slowest
-    rank's compute and four exchanges of the dispatch of ``tokens_ED``, plus the gather and the reduce
-    past the windows that hide them."""
-    plan_EDD = dispatcher(placement_ED, tokens_ED, topology)
+    rank's compute and four exchanges of the dispatch of ``tokens_ED`` (``plan_of(placement_ED,
+    tokens_ED)``, the policy's compact plan), plus the gather and the reduce past the windows that
+    hide them."""
+    plan = plan_of(placement_ED, tokens_ED)
     exposed = exposed_transfer(cost.gather_time(owner_E, placement_ED), window_s, rematerialize=rematerialize)
-    return cost.layer_time(plan_EDD) + exposed
+    return cost.layer_time(plan) + exposed
 
 
 def choose_overlap_degree(place_at: Callable[[int], torch.Tensor], seconds_of: Callable[[torch.Tensor], float], *,

@@ -66,12 +66,11 @@ class DispatchPlan:  # read-only by convention (slots, not frozen: built every l
         included: the tokens that stay)."""
         E, D = self.tokens_ED.shape
         single = np.flatnonzero(self.holder_E >= 0)
-        onehot = np.zeros((single.size, D), dtype=np.int64)
-        onehot[np.arange(single.size), self.holder_E[single]] = 1
-        traffic = self.tokens_ED[single].T @ onehot  # [d, h]
         _, h, d, k = self.flows_4F
-        np.add.at(traffic, (d, h), k)
-        return torch.from_numpy(traffic)
+        index = np.concatenate([(np.arange(D)[None, :] * D + self.holder_E[single][:, None]).ravel(), d * D + h])
+        counts = np.concatenate([self.tokens_ED[single].ravel(), k]).astype(np.int64)
+        traffic = np.bincount(index, weights=counts, minlength=D * D)  # float64: exact below 2**53 tokens
+        return torch.from_numpy(np.rint(traffic).astype(np.int64).reshape(D, D))
 
     def moved(self, ranks_per_node: int) -> tuple[int, int]:
         """Tokens that change rank, over all experts: (within a node, between nodes); nodes are

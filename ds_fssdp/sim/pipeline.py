@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ds_fssdp.planner.cost import CostModel, Hardware, schedule_costs
+from ds_fssdp.planner.plan import DispatchPlan
 from ds_fssdp.planner.schedule import (MAX_DEGREE, choose_degrees, choose_one_copy, link_busy, loads_from_traffic,
                                       one_copy_overhead_s, pipeline_times)
 from ds_fssdp.sim.links import Links, distinct_fraction, traffic_links
@@ -168,5 +169,6 @@ class ScheduledCostModel(CostModel):
         self.schedule = schedule
 
     def layer_time(self, plan_EDD) -> float:
-        lt = self.schedule.layer(plan_EDD.sum(0).double().numpy()[None])
+        traffic_DD = plan_EDD.traffic_DD() if isinstance(plan_EDD, DispatchPlan) else plan_EDD.sum(0)
+        lt = self.schedule.layer(traffic_DD.double().numpy()[None])
         return float(lt.forward_B[0] + lt.backward_B[0])

@@ -229,11 +229,15 @@ class Policy:
     def dispatch_plan(self, layer_plan: LayerPlan, tokens_ED: torch.Tensor) -> DispatchPlan:
         """:meth:`dispatch` as the compact plan the runtime uses (the same plan, no dense
         [E, D, D] tensor on the planner's own dispatcher)."""
+        return self.compact_plan(layer_plan.placement_ED, tokens_ED)
+
+    def compact_plan(self, placement_ED: torch.Tensor, tokens_ED: torch.Tensor) -> DispatchPlan:
+        """The dispatch of ``tokens_ED`` over ``placement_ED`` as a compact plan."""
         if not self._own_dispatcher:  # an injected dispatcher may return either form
-            plan = self.dispatch(layer_plan, tokens_ED)
-            return plan if isinstance(plan, DispatchPlan) else DispatchPlan.from_dense(layer_plan.placement_ED, plan)
+            plan = self.dispatcher(placement_ED, tokens_ED, self.topology)
+            return plan if isinstance(plan, DispatchPlan) else DispatchPlan.from_dense(placement_ED, plan)
         c = self.config
-        return dispatch_plan(layer_plan.placement_ED, tokens_ED, self.topology, mode=c.dispatch, cost=c.cost,
+        return dispatch_plan(placement_ED, tokens_ED, self.topology, mode=c.dispatch, cost=c.cost,
                              slack=c.dispatch_slack)
 
     # -- helpers -----------------------------------------------------------------------------------

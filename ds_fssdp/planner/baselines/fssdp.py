@@ -84,9 +84,8 @@ class FSSDPPolicy(Policy):
         tokens_ED = tokens_ED.round().long()
         return choose_overlap_degree(
             lambda t: self._place(owner_E, predicted_load_E, t),
-            lambda placement_ED: layer_seconds(cfg.cost, owner_E, placement_ED, tokens_ED, topo,
-                                               dispatcher=self.dispatcher, window_s=float(clock.window_s),
-                                               rematerialize=self.rematerialize),
+            lambda placement_ED: layer_seconds(cfg.cost, owner_E, placement_ED, tokens_ED, plan_of=self.compact_plan,
+                                               window_s=float(clock.window_s), rematerialize=self.rematerialize),
             window_t=min(self.overlap_degree(clock), cfg.num_experts), max_t=cfg.num_experts)
 
     def post_gating(self, layer: int, owner_E: torch.Tensor, placement_ED: torch.Tensor, *,
