@@ -320,8 +320,7 @@ class ShardedExperts:
                                              overlap_t=overlap_t)
         self.stats = self._stats(layout, plan, tokens_ED, lp, gather_exposed=gather_exposed, critical_s=critical_s,
                                  gather_sent=gather_sent, token_bytes=token_bytes,
-                                 prediction_error=prediction_error, window=window, ctx=ctx)
-        self.stats["overlap_degree"] = overlap_t  # the t planned with (the clock's, or searched from it)
+                                 prediction_error=prediction_error, window=window, overlap_t=overlap_t, ctx=ctx)
         self.stats["pipeline_degree_fwd"], self.stats["pipeline_degree_bwd"] = degrees
         self.stats["one_copy"] = int(one_copy)
         self.stats.update({"gather_early_s": early_s, "gather_started_early": early_end is not None,
@@ -437,7 +436,7 @@ class ShardedExperts:
 
     # -- the record ----------------------------------------------------------------------------
     def _stats(self, layout, plan, tokens_ED, lp: LayerPlan, *, gather_exposed, critical_s, gather_sent,
-               token_bytes, prediction_error, window, ctx: StepContext) -> dict:
+               token_bytes, prediction_error, window, overlap_t: int, ctx: StepContext) -> dict:
         rows_D = plan.rows_D().double()
         moved_intra, moved_inter = plan.moved(self.topology.ranks_per_node)
         ep_rows_D = torch.zeros_like(rows_D).index_add_(0, self.owner_E, tokens_ED.sum(1).double())
@@ -465,7 +464,7 @@ class ShardedExperts:
             "replica_bytes_peak": self.memory.peak,
             "load_prediction_error": prediction_error,
             "window_s": window,
-            "overlap_degree": ctx.clock.overlap_degree,
+            "overlap_degree": overlap_t,  # the t planned with (the clock's, or searched from it)
         }
         cal = lp.calibration
         if cal is not None:

@@ -19,6 +19,7 @@ clock's window), so they take the same t.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -55,10 +56,8 @@ def choose_overlap_degree(place_at: Callable[[int], torch.Tensor], seconds_of: C
     if window_t < 0 or max_t < 0:
         raise ValueError(f"choose_overlap_degree: window_t ({window_t}) and max_t ({max_t}) must be >= 0")
     t = min(window_t, max_t)
-    best_ED = place_at(t)
-    best_s = seconds_of(best_ED)
-    choice = OverlapChoice(t, best_ED, best_s, t, 1)
-    tried = 1
+    placement_ED = place_at(t)
+    choice, tried = OverlapChoice(t, placement_ED, seconds_of(placement_ED), t, 1), 1
     while t < max_t:
         t = min(max_t, max(1, 2 * t))
         placement_ED = place_at(t)
@@ -69,4 +68,4 @@ def choose_overlap_degree(place_at: Callable[[int], torch.Tensor], seconds_of: C
         if not s < choice.modelled_s:
             break
         choice = OverlapChoice(t, placement_ED, s, choice.window_t, tried)
-    return OverlapChoice(choice.overlap_degree, choice.placement_ED, choice.modelled_s, choice.window_t, tried)
+    return dataclasses.replace(choice, tried=tried)
