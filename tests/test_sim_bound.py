@@ -1,7 +1,8 @@
 """The simulators' lower bound (ds_fssdp/sim/bound.py): its shortest path over the layers equals
 brute force over every choice sequence; its least bytes to leave a source are never more than the
 simulators' one copy per destination sends for any split that respects a destination's share;
-pricing the replicas' gathers only raises it, holding more only lowers it; and it stays below
+pricing the replicas' gathers only raises it, holding more only lowers it; persistent slots still
+pay their gradients over the node link, replicas past FSSDP's m their reduce twice; and it stays below
 every policy of both engines where the replicas' gathers and the node links bind."""
 import dataclasses
 import itertools
@@ -96,6 +97,32 @@ def test_priced_replicas_raise_the_bound_and_more_replicas_lower_it():
                                                                                                 persistent=6)
     assert free < priced < none
     assert bound(setup, tokens, budget=12) <= priced * (1 + 1e-12)
+
+
+def test_persistent_slots_still_pay_their_gradients_over_the_node_link():
+    # Slots for every expert let a node keep all of its tokens' rows: nothing is gathered, yet every
+    # expert a node holds beyond its owned ones syncs its gradient over the node link in the backward.
+    fast = Hardware(flops=100e12, intra_bw=50e9, inter_bw=50e9, latency=10e-6, hbm_bw=2e12)
+    slow = dataclasses.replace(fast, inter_bw=1e9)
+    setup = setup_with(fast)
+    tokens = skewed(setup)
+    everywhere = {"budget": 0, "persistent": setup.num_experts}
+    assert bound(dataclasses.replace(setup, hw=slow), tokens, **everywhere) > bound(setup, tokens, **everywhere) * 1.05
+    # one node: no node link to cross, the bound does not see it
+    one = setup_with(fast, ranks_per_node=8)
+    assert bound(dataclasses.replace(one, hw=slow), tokens, **everywhere) == pytest.approx(
+        bound(one, tokens, **everywhere), rel=1e-12)
+
+
+def test_replicas_past_the_plain_budget_pay_their_reduce_twice():
+    # past m only fssdp-rm (gathered again for the backward) or FasterMoE's shadows hold replicas
+    hw = Hardware(flops=100e12, intra_bw=50e9, inter_bw=1e9, latency=10e-6, hbm_bw=2e12)
+    setup = setup_with(hw)
+    tokens = skewed(setup)
+    once, twice, none = (bound(setup, tokens, budget=2), bound(setup, tokens, budget=2, plain=0),
+                         bound(setup, tokens, budget=0))
+    assert once < twice <= none * (1 + 1e-12)
+    assert bound(setup, tokens, budget=2, plain=2) == once
 
 
 @pytest.mark.parametrize("hw,ranks_per_node", [

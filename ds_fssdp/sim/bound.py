@@ -34,10 +34,22 @@ least
 
     sum_l max(attention + m_{l-1}, g_l + u_{l-1}) + m_{L-1}          (m_{-1} = u_{-1} = 0)
 
+Every expert a node holds beyond its owned G ceil(E / N) is held by its owner elsewhere too, so its
+gradient crosses that node's link in the backward: an ephemeral replica's reduce (the simulators
+charge it past the attention backward plus the time the layer's backward leaves the link free),
+a persistent slot's all-reduce (a ring moves at least the expert's bytes through every node it
+spans; the paper engine charges it whole), a shadow's reduce (charged whole). The same holds for
+R replicas on a rank's own link. Past the most replicas a policy holds without re-materializing
+them (``plain``; FSSDP's m), only ``fssdp-rm``, which gathers them again for the backward, and
+FasterMoE, whose shadows' broadcast and reduce are charged whole, hold them: the reduce is charged
+twice there. So a layer's backward b_l (attention backward, exchange and
+expert compute) is at least max(b_l, r_l + u_l), r_l that reduce (latency + the busier link,
+like g_l but beyond the owned experts alone: persistent slots save the gather, not the reduce)
+and u_l the backward exchange on its link, the forward's bytes.
+
 The gradient all-reduce (dense over the world and, with several groups, each EDP group's owned
 experts, E L / N per rank: even owners move the least) can overlap the backward at most, never
-the forward, and the replicas' reduce is not charged (a looser bound): a group's bound is the
-least over c_1..c_L of
+the forward: a group's bound is the least over c_1..c_L of
 
     forward + max(backward, all-reduce) >= forward + v backward + (1 - v) all-reduce
 
@@ -64,13 +76,16 @@ class LowerBound:
     """Fed the world's ``tokens_LED`` step by step like a :class:`~ds_fssdp.sim.cluster.PolicyRun`;
     ``result()``: mean seconds per timed step. ``budget``: the most ephemeral replicas per rank
     per layer any policy may hold (gathered every step); ``persistent``: the most replicas per
-    rank per layer any policy keeps across steps (FlexMoE's slots; not gathered per step);
+    rank per layer any policy keeps across steps (FlexMoE's slots; not gathered per step); ``plain``:
+    the most ephemeral replicas per rank a policy holds whose reduce runs once (more are
+    re-materialized or broadcast: the reduce is charged twice; None: ``budget``);
     ``groups``: only the first this many groups (as the runs simulate)."""
 
     def __init__(self, setup: Setup, *, group_size: int, budget: int, groups: int | None = None,
-                 persistent: int = 0):
+                 persistent: int = 0, plain: int | None = None):
         self.setup, self.N, self.budget, self.groups = setup, group_size, max(0, budget), groups
         self.persistent = max(0, persistent)
+        self.plain = self.budget if plain is None else max(0, plain)
         self.total, self.counted = 0.0, 0
         self.allreduce_s = even_allreduce_s(setup, group_size)
 
@@ -88,12 +103,17 @@ class LowerBound:
         base = math.ceil(E / N) + self.persistent  # experts a rank holds without a gather
         R = np.arange(min(self.budget, E) + 1)
         keep_R = np.minimum(E, base + R)
-        # A node's distinct experts: its ranks' free ones, and up to G R gathered (one node: none).
-        S = np.arange(min(E, G * base), min(E, G * (base + R[-1])) + 1) if n > 1 else np.zeros(1, dtype=np.int64)
+        # A node's distinct experts: from its owned ones (fewer than its free ones: nothing gathered,
+        # nothing reduced) to its free ones and up to G R gathered (one node: none).
+        own = math.ceil(E / N)
+        S = np.arange(min(E, G * own), min(E, G * (base + R[-1])) + 1) if n > 1 else np.zeros(1, dtype=np.int64)
         fits_RS = (S[None, :] <= np.minimum(E, G * keep_R)[:, None]) if n > 1 else np.ones((R.size, 1), dtype=bool)
         bw = hw.intra_bw + (hw.inter_bw if n > 1 else 0.0)
         gather_RS = np.maximum(np.where(R > 0, lat + R * psi / hw.intra_bw, 0.0)[:, None],
                                np.where(S > G * base, lat + (S - G * base) * psi / hw.inter_bw, 0.0)[None, :])
+        reduce_RS = np.maximum(np.where(R > 0, lat + R * psi / hw.intra_bw, 0.0)[:, None],
+                               np.where(S > G * own, lat + (S - G * own) * psi / hw.inter_bw, 0.0)[None, :])
+        reduce_RS = reduce_RS * np.where(R > self.plain, 2.0, 1.0)[:, None]  # re-materialized: gathered again
         forward_LRSB = np.zeros((L, R.size, S.size, B))
         backward_LRSB = np.zeros((L, R.size, S.size, B))
         busy_LRSB = np.zeros((L, R.size, S.size, B))
@@ -120,7 +140,8 @@ class LowerBound:
             x_RSB = np.maximum(x_RB[:, None], x_RSB)
             bal_B = rows_BN.sum(1) / N * g
             forward_LRSB[l] = np.maximum(bal_B + one_RB[:, None], x_RSB)
-            backward_LRSB[l] = 2.0 * attn_f + np.maximum(2.0 * bal_B + one_RB[:, None], x_RSB)
+            backward_LRSB[l] = np.maximum(2.0 * attn_f + np.maximum(2.0 * bal_B + one_RB[:, None], x_RSB),
+                                          reduce_RS[:, :, None] + busy_LRSB[l])
         owned = math.ceil(E * L / N) * st.shape.params
         tail = st.extra_compute_s + (st.dense_params + owned) * OPT_TRAFFIC_BYTES / hw.hbm_bw
         m_LCB, b_LCB, g_C = forward_LRSB[:, fits_RS], backward_LRSB[:, fits_RS], gather_RS[fits_RS]

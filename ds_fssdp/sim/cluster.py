@@ -470,8 +470,10 @@ def run_cluster(runs: list, source, *, bound: bool = True) -> list:
     bounds = []
     if bound and runs:
         budget = max(r.budget for r in runs if r.planned) if any(r.planned for r in runs) else 0
+        # past the most a run holds without re-materializing, the reduce runs twice (fssdp-rm)
+        plain = max([r.budget for r in runs if r.planned and not r.rm], default=0)
         shapes = dict.fromkeys((r.N, r.B) for r in runs)  # runs of one group shape share a bound
-        bounds = [LowerBound(runs[0].setup, group_size=N, budget=budget, groups=B) for N, B in shapes]
+        bounds = [LowerBound(runs[0].setup, group_size=N, budget=budget, groups=B, plain=plain) for N, B in shapes]
     steps = 0
     for s, tokens_LED in enumerate(source):
         tokens_LED = np.asarray(tokens_LED)

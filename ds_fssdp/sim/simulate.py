@@ -140,10 +140,11 @@ def simulate(setup: Setup, tokens_SLED: np.ndarray, policies, *, dispatcher=plan
                                schedule=schedule, fixed_t=fixed_t) for name in policies]
     if bound:
         # FasterMoE's shadows are not bounded by a budget: with it, any rank may hold every expert.
-        # FlexMoE's slots are kept across steps (not gathered every step).
+        # FlexMoE's slots are kept across steps (not gathered every step). Past FSSDP's m, replicas
+        # are re-materialized (fssdp-rm) or broadcast (FasterMoE): their reduce is charged twice.
         most = E if "fastermoe" in policies else max(setup.budget, setup.budget_rm)
         kept = setup.flexmoe_slots if "flexmoe" in policies else 0
-        low = LowerBound(setup, group_size=D, budget=most, persistent=kept)
+        low = LowerBound(setup, group_size=D, budget=most, persistent=kept, plain=setup.budget)
         for s in range(S):
             low.step(s, tokens_SLED[s])
         for r in results:
