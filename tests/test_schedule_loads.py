@@ -1,7 +1,13 @@
 """planner.schedule.loads_from_plan: the per-rank loads of the pipeline's degree choice, counted
-by hand on a small plan with a replicated expert and two nodes."""
+by hand on a small plan with a replicated expert and two nodes; relay_loads (two hops) counted
+token by token, and the relay hop priced around the pipeline."""
+import dataclasses
+
 import numpy as np
 import pytest
+
+from ds_fssdp.planner.schedule import (LayerLoad, Linear, ScheduleCosts, distinct_fraction, link_busy, pipeline_time,
+                                      relay_loads)
 
 
 def test_loads_from_plan_hand_count():
@@ -85,3 +91,56 @@ def test_other_traffic_is_priced_only_without_concurrency():
     assert choose_degrees(serial, [other]) == (1, 1)
     assert idle_link_s(serial, other, 1) == pytest.approx(idle_link_s(serial, plain, 1))
     assert idle_link_s(conc, other, 2) == idle_link_s(conc, plain, 2)
+
+
+def test_relay_loads_hand_count():
+    """Two hops (several nodes of several ranks, one copy per destination): relay_loads against a
+    count token by token of the runtime's route: d -> the rank of each destination node with d's
+    local index (distinct tokens per node), then inside the node to each destination (distinct
+    tokens per rank); rows whose relay is their destination land with the first hop."""
+    rng = np.random.default_rng(0)
+    for D, G, k in ((8, 4, 2), (8, 2, 4), (12, 3, 2)):
+        t = rng.integers(0, 50, (D, D)).astype(float)
+        loads = relay_loads(t, ranks_per_node=G, token_bytes=3.0, top_k=k)
+        n, node, loc = D // G, np.arange(D) // G, np.arange(D) % G
+        sent = t * distinct_fraction(t, k)
+        to_node = np.stack([t[:, node == m].sum(1) for m in range(n)], 1)
+        frac = distinct_fraction(to_node, k)
+        hop1, hop2, local = np.zeros((D, D)), np.zeros((D, D)), np.diag(t).copy()
+        for d in range(D):
+            for m in range(n):
+                if m != node[d]:
+                    hop1[d, m * G + loc[d]] += to_node[d, m] * frac[d, m]
+            for h in range(D):
+                r = node[h] * G + loc[d]
+                if r != h:
+                    hop2[r, h] += sent[d, h]
+                elif d != h:
+                    local[h] += t[d, h]
+        out = np.array([hop1[node == m].sum() for m in range(n)])
+        into = np.array([hop1[:, node == m].sum() for m in range(n)])
+        assert all(ld.relay_bytes == pytest.approx(3.0 * max(out.max(), into.max())) for ld in loads)
+        # the relay hop leaves a node only (d's relay in d's node is d: nothing crosses inside)
+        assert all(node[r] != node[d] for d, r in zip(*np.nonzero(hop1)))
+        assert all(node[r] == node[h] for r, h in zip(*np.nonzero(hop2)))
+        assert all(ld.intra_bytes == pytest.approx(3.0 * max(hop2.sum(1).max(), hop2.sum(0).max())) for ld in loads)
+        assert all(ld.inter_bytes == 0.0 for ld in loads)
+        assert [ld.local_rows for ld in loads] == pytest.approx(local)
+        assert [ld.local_rows + ld.remote_rows for ld in loads] == pytest.approx(t.sum(0))
+
+
+def test_relay_hop_runs_around_the_pipeline():
+    """The relay hop and its return are unchunked exchanges on the node link before and after the
+    pipeline inside the node, at every degree, with or without concurrency; the links carry them."""
+    costs = ScheduleCosts(a2a_intra=Linear(1e-5, 1e-9), a2a_inter=Linear(2e-5, 4e-9), gemm=Linear(3e-5, 1e-6))
+    serial = dataclasses.replace(costs, concurrent=False)
+    base = LayerLoad(intra_bytes=4e5, inter_bytes=0.0, local_rows=300.0, remote_rows=900.0)
+    relay = dataclasses.replace(base, relay_bytes=2e5)
+    hop = 2.0 * costs.a2a_inter(2e5)
+    for c in (costs, serial):
+        for n in (1, 2, 3, 8):
+            for backward in (False, True):
+                assert pipeline_time(c, relay, n, backward=backward) == pytest.approx(
+                    pipeline_time(c, base, n, backward=backward) + hop, rel=1e-12)
+            assert link_busy(c, relay, n)[1] == pytest.approx(link_busy(c, base, n)[1] + hop, rel=1e-12)
+            assert link_busy(c, relay, n)[0] == link_busy(c, base, n)[0]

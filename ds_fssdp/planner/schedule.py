@@ -22,6 +22,13 @@ The modelled schedule, per direction (forward, backward), on one rank:
 The backward is the same pipeline over the gradients with ``backward_factor`` times the GEMM
 work (input and weight gradients).
 
+Two hops (one copy per destination with several nodes of several ranks and ``topology_aware``:
+``moe/dispatcher.py``): a token crosses to a node once, to the relay there with its source's local
+index, which forwards it inside the node. The runtime sends that relay hop unchunked before the
+pipeline and its return after it (``moe/pipeline.py``), so the pipeline above runs over the hop
+inside the node alone (``LayerLoad.inter_bytes`` 0) and each direction adds the relay hop twice
+(``LayerLoad.relay_bytes``, the busiest node link's; :func:`relay_loads`).
+
 Other traffic in the layer's span (``LayerLoad.other_*_bytes``): collectives that are not the
 layer's token exchange but are in flight while a direction runs. In the runtime's schedule: during
 layer l's forward, layer l+1's replica SparseAllGather (started early, right before l's exchange:
@@ -108,6 +115,9 @@ class LayerLoad:
     other_fwd_inter_bytes: float = 0.0
     other_bwd_intra_bytes: float = 0.0
     other_bwd_inter_bytes: float = 0.0
+    # Two hops (module docstring): the relay hop's bytes on the busiest node link, sent unchunked
+    # before the pipeline (its return after it) in each direction; 0: one hop.
+    relay_bytes: float = 0.0
 
 
 def pipeline_time(costs: ScheduleCosts, load: LayerLoad, degree: int, *, backward: bool = False) -> float:
@@ -122,9 +132,10 @@ def pipeline_times(costs: ScheduleCosts, loads: list, degree: int, *, backward: 
     if degree < 1:
         raise ValueError(f"pipeline degree ({degree}) must be >= 1")
     factor = costs.backward_factor if backward else 1.0
-    a = np.array([(ld.intra_bytes, ld.inter_bytes, ld.local_rows, ld.remote_rows) for ld in loads],
-                 dtype=np.float64).reshape(-1, 4)
-    intra, inter, local, remote = a.T
+    a = np.array([(ld.intra_bytes, ld.inter_bytes, ld.local_rows, ld.remote_rows, ld.relay_bytes) for ld in loads],
+                 dtype=np.float64).reshape(-1, 5)
+    intra, inter, local, remote, relay = a.T
+    relay_s = 2.0 * _lin(costs.a2a_inter, relay)  # the relay hop and its return, around the pipeline
 
     def gemm(rows):
         return factor * _lin(costs.gemm, rows)
@@ -133,12 +144,12 @@ def pipeline_times(costs: ScheduleCosts, loads: list, degree: int, *, backward: 
         return _exchange(costs, i_bytes, e_bytes)
 
     if degree == 1:
-        return 2.0 * exchange(intra, inter) + gemm(local + remote) + _other_traffic(costs, loads, backward)
+        return 2.0 * exchange(intra, inter) + gemm(local + remote) + _other_traffic(costs, loads, backward) + relay_s
     n = degree
     x = exchange(intra / n, inter / n)
     g = gemm(remote / n)
     if not costs.concurrent:
-        return 2.0 * n * x + gemm(local) + n * g + _other_traffic(costs, loads, backward)
+        return 2.0 * n * x + gemm(local) + n * g + _other_traffic(costs, loads, backward) + relay_s
     link, compute = np.zeros_like(x), gemm(local)
     done_d = [None] * (n + 1)
     done_g = [None] * (n + 1)
@@ -153,7 +164,7 @@ def pipeline_times(costs: ScheduleCosts, loads: list, degree: int, *, backward: 
                 done_g[gi] = compute
                 gi += 1
             link = np.maximum(link, done_g[i]) + x
-    return link
+    return link + relay_s
 
 
 def _lin(f: Linear, units):
@@ -251,6 +262,50 @@ def loads_from_traffic(traffic_DD, *, ranks_per_node: int, token_bytes: float, s
     inter_bytes = float(np.maximum(node_out, node_in).max()) * token_bytes
     return [LayerLoad(intra_bytes=intra_bytes, inter_bytes=inter_bytes, local_rows=float(local[d]),
                       remote_rows=float(rows_D[d] - local[d])) for d in range(D)]
+
+
+def relay_loads(traffic_DD, *, ranks_per_node: int, token_bytes: float, top_k: int) -> list:
+    """:func:`loads_from_traffic` of the two-hop exchange (module docstring) from the plan's
+    ``traffic_DD`` (rows per assignment), the rows that cross estimated by :func:`distinct_fraction`
+    (k independent picks; every rank, the simulators and a recorded trace estimate alike):
+
+    * the relay hop: d sends node m the distinct tokens of its rows to m (the node's share p of
+      d's rows in :func:`distinct_fraction`), to the rank of m with d's local index; its bytes are
+      the busiest node link's (larger of out and in), ``relay_bytes`` of every rank;
+    * the hop inside the node: the relay (m, j) sends h of node m the distinct tokens of every
+      source with local index j to h (the per-rank one copy); ``intra_bytes`` is the busiest
+      rank link's, ``inter_bytes`` 0;
+    * ``local_rows``: d's own tokens on its experts and the rows whose relay is their destination
+      (they land with the relay hop); ``remote_rows`` the rest it computes.
+
+    One node, or one rank per node: :func:`loads_from_traffic` of the one-hop one copy."""
+    t = np.asarray(traffic_DD, dtype=np.float64)
+    D, G = t.shape[0], int(ranks_per_node)
+    if G < 1 or D % G:
+        raise ValueError(f"relay_loads: ranks_per_node ({ranks_per_node}) must divide the ranks ({D})")
+    sent = t * distinct_fraction(t, top_k)
+    n = D // G
+    if n == 1 or G == 1:
+        return loads_from_traffic(t, ranks_per_node=G, token_bytes=token_bytes, sent_DD=sent)
+    node = np.arange(D) // G
+    to_node_Dn = t.reshape(D, n, G).sum(2)
+    hop_Dn = to_node_Dn * distinct_fraction(to_node_Dn, top_k)
+    hop_Dn[np.arange(D), node] = 0.0  # a node's own tokens take the hop inside it alone
+    node_out = hop_Dn.sum(1).reshape(n, G).sum(1)
+    relay = float(np.maximum(node_out, hop_Dn.sum(0)).max()) * token_bytes
+    # rows relay (m, j) forwards to h in m: sources of local index j, [j, h]
+    fwd_GD = sent.reshape(n, G, D).sum(0)
+    moved_GD = fwd_GD.copy()
+    moved_GD.reshape(G, n, G)[np.arange(G), :, np.arange(G)] = 0.0
+    relay_out = moved_GD.reshape(G, n, G).sum(2).T.reshape(D)  # relay (m, j)
+    relay_in = moved_GD.sum(0)
+    intra = float(np.maximum(relay_out, relay_in).max()) * token_bytes
+    rows_D = t.sum(0)
+    landed_GD = t.reshape(n, G, D).sum(0)  # rows of sources with local index j to h
+    # rows landing with the relay hop at their destination: sources of h's local index
+    local = landed_GD.reshape(G, n, G)[np.arange(G), :, np.arange(G)].T.reshape(D)
+    return [LayerLoad(intra_bytes=intra, inter_bytes=0.0, local_rows=float(local[d]),
+                      remote_rows=float(rows_D[d] - local[d]), relay_bytes=relay) for d in range(D)]
 
 
 def _by_link(traffic_DD: np.ndarray, ranks_per_node: int) -> tuple:
@@ -432,7 +487,8 @@ def link_busy(costs: ScheduleCosts, load: LayerLoad, degree: int) -> tuple:
     if degree < 1:
         raise ValueError(f"pipeline degree ({degree}) must be >= 1")
     n = degree
-    return (2.0 * n * costs.a2a_intra(load.intra_bytes / n), 2.0 * n * costs.a2a_inter(load.inter_bytes / n))
+    return (2.0 * n * costs.a2a_intra(load.intra_bytes / n),
+            2.0 * n * costs.a2a_inter(load.inter_bytes / n) + 2.0 * costs.a2a_inter(load.relay_bytes))
 
 
 def drain_in_gaps(work_L, gaps_L) -> float:

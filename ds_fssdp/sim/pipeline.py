@@ -12,7 +12,10 @@ rank's own tokens on experts it holds):
   bytes d sends h shrink by :func:`~ds_fssdp.planner.schedule.distinct_fraction` (k independent
   picks per token: an approximation, count traces carry no per-token picks), the rows computed do
   not, and the layer pays :func:`~ds_fssdp.planner.schedule.one_copy_overhead_s` (the count
-  all-gather, the routing entries, the gate weights);
+  all-gather, the routing entries, the gate weights); with several nodes of several ranks it runs
+  as the runtime's two hops (``topology_aware``, its default): the relay hop across nodes
+  unchunked around a pipeline inside the node (:func:`~ds_fssdp.planner.schedule.relay_loads`;
+  the link bytes reported stay the one-hop ones);
 * one :class:`~ds_fssdp.planner.schedule.LayerLoad` per rank, from the group's traffic by the
   runtime's function (:func:`~ds_fssdp.planner.schedule.loads_from_traffic`): the rank's intra-node
   link bytes (busier direction), its node's inter-node link bytes, its own local rows (computed
@@ -44,7 +47,7 @@ import numpy as np
 from ds_fssdp.planner.cost import CostModel, Hardware, schedule_costs
 from ds_fssdp.planner.plan import DispatchPlan
 from ds_fssdp.planner.schedule import (MAX_DEGREE, choose_degrees, choose_one_copy, link_busy, loads_from_traffic,
-                                      one_copy_overhead_s, pipeline_times)
+                                      one_copy_overhead_s, pipeline_times, relay_loads)
 from ds_fssdp.sim.links import Links, distinct_fraction, traffic_links
 
 INTRA, INTER = 0, 1  # link classes (columns of the busy arrays)
@@ -133,8 +136,7 @@ class LayerSchedule:
             taken.append(bool(one_copy))
             if one_copy:
                 sent_BNN[b] = traffic_BNN[b] * frac_BNN[b]
-                loads = loads_from_traffic(traffic_BNN[b], ranks_per_node=self.G, token_bytes=row_bytes,
-                                           sent_DD=sent_BNN[b])
+                loads = relay_loads(traffic_BNN[b], ranks_per_node=self.G, token_bytes=row_bytes, top_k=self.top_k)
                 over_f, over_b = one_copy_overhead_s(self.costs, sent_BNN[b], ranks_per_node=self.G,
                                                      top_k=self.top_k, weight_bytes=self.weight_bytes, degrees=deg)
             else:
