@@ -1,7 +1,7 @@
-"""One copy per destination where it pays (planner/schedule.choose_one_copy): its overhead is what
-the runtime adds (the count all-gather, the routing entries, the gate weights), it is taken only
-when the modelled layer is faster with it, and the simulator's layer pricing takes the same
-decision by the same call."""
+"""One copy per destination where it pays (planner/schedule.choose_one_copy; across nodes as the
+runtime's two hops): its overhead is what the runtime adds (the count all-gather, the routing
+entries, the gate weights), it is taken only when the modelled layer is faster with it, and the
+simulator's layer pricing takes the same decision by the same call."""
 import numpy as np
 import pytest
 
@@ -57,10 +57,23 @@ def test_simulator_takes_the_runtimes_decision():
     taken = []
     for b in range(8):
         want = choose_one_copy(c, traffic_BNN[b], ranks_per_node=2, token_bytes=shape.token_bytes, top_k=4,
-                               weight_bytes=shape.param_bytes, degrees=tuple(lts["auto"].degrees[b]))
+                               weight_bytes=shape.param_bytes, degrees=tuple(lts["auto"].degrees[b]), relay=True)
         ref = lts[want]
         assert lts["auto"].forward_B[b] == ref.forward_B[b] and lts["auto"].backward_B[b] == ref.backward_B[b], b
         assert np.array_equal(lts["auto"].links.rank_BN[b], ref.links.rank_BN[b]), b
         taken.append(want)
     assert set(taken) == {True, False}
     assert lts[False].saved_bytes == 0 < lts["auto"].saved_bytes < lts[True].saved_bytes
+
+
+def test_two_hops_across_nodes_can_lose_what_one_hop_gains():
+    """Across nodes the runtime's one copy per destination runs as two hops (``relay``), the relay
+    hop unchunked: where the chunked exchange hides behind the compute, the bytes it saves were
+    hidden anyway and the relay hop is exposed. One node: nothing to relay, the same decision."""
+    c = ScheduleCosts(a2a_intra=Linear(1e-5, 2e-12), a2a_inter=Linear(1e-5, 1e-11), gemm=Linear(1e-5, 1e-7),
+                      concurrent=True)
+    t = np.random.default_rng(1).integers(0, 4000, (8, 8)).astype(float)
+    kw = dict(ranks_per_node=4, token_bytes=4096, top_k=4, weight_bytes=2, degrees=(4, 4))
+    assert choose_one_copy(c, t, **kw) and not choose_one_copy(c, t, relay=True, **kw)
+    one_node = dict(kw, ranks_per_node=8)
+    assert choose_one_copy(c, t, **one_node) == choose_one_copy(c, t, relay=True, **one_node)

@@ -394,7 +394,8 @@ class ShardedExperts:
         if ctx.schedule_costs is None:
             return True
         return choose_one_copy(ctx.schedule_costs, traffic_DD(), ranks_per_node=self.topology.ranks_per_node,
-                               token_bytes=token_bytes, top_k=top_k, weight_bytes=weight_bytes, degrees=tuple(degrees))
+                               token_bytes=token_bytes, top_k=top_k, weight_bytes=weight_bytes, degrees=tuple(degrees),
+                               relay=self.options.hierarchical)
 
     def _run(self, x_TH, weights_TK, r, replica_RP, *, remat: bool, local_E, degrees: tuple,
              other=None) -> torch.Tensor:

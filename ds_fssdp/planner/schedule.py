@@ -370,17 +370,21 @@ def one_copy_overhead_s(costs: ScheduleCosts, sent_DD, *, ranks_per_node: int, t
 
 
 def choose_one_copy(costs: ScheduleCosts, traffic_DD, *, ranks_per_node: int, token_bytes: float, top_k: int,
-                    weight_bytes: float, degrees: tuple) -> bool:
+                    weight_bytes: float, degrees: tuple, relay: bool = False) -> bool:
     """Whether one copy per destination makes the layer faster at ``degrees``: the slowest rank's
     forward + backward (:func:`pipeline_times`) with the rows it sends (``traffic_DD`` times
     :func:`distinct_fraction`) and :func:`one_copy_overhead_s`, against with every row (the same
-    on every rank: the plan's traffic and the agreed costs)."""
+    on every rank: the plan's traffic and the agreed costs). ``relay``: one copy per destination
+    runs as two hops across nodes (``topology_aware``): priced by :func:`relay_loads`."""
     if top_k <= 1:
         return False  # nothing to share a destination
     traffic = np.asarray(traffic_DD, dtype=np.float64)
     sent = traffic * distinct_fraction(traffic, top_k)
     plain = loads_from_traffic(traffic, ranks_per_node=ranks_per_node, token_bytes=token_bytes)
-    fewer = loads_from_traffic(traffic, ranks_per_node=ranks_per_node, token_bytes=token_bytes, sent_DD=sent)
+    if relay:
+        fewer = relay_loads(traffic, ranks_per_node=ranks_per_node, token_bytes=token_bytes, top_k=top_k)
+    else:
+        fewer = loads_from_traffic(traffic, ranks_per_node=ranks_per_node, token_bytes=token_bytes, sent_DD=sent)
     over_f, over_b = one_copy_overhead_s(costs, sent, ranks_per_node=ranks_per_node, top_k=top_k,
                                          weight_bytes=weight_bytes, degrees=degrees)
 

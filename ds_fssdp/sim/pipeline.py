@@ -132,7 +132,7 @@ class LayerSchedule:
             degrees.append(deg)
             one_copy = frac_BNN is not None and (opt.dedup is True or choose_one_copy(
                 self.costs, traffic_BNN[b], ranks_per_node=self.G, token_bytes=row_bytes, top_k=self.top_k,
-                weight_bytes=self.weight_bytes, degrees=deg))
+                weight_bytes=self.weight_bytes, degrees=deg, relay=True))
             taken.append(bool(one_copy))
             if one_copy:
                 sent_BNN[b] = traffic_BNN[b] * frac_BNN[b]
