@@ -133,7 +133,7 @@ class FSSDPConfig(DeepSpeedConfigModel):
     ``topology_aware`` and several nodes it crosses to a node once, to a relay that forwards it
     inside the node. Same results up to fp32 summation order; false: one row per (token, expert)
     assignment. ``"auto"``: per layer and step, where the schedule's cost model says the layer is
-    faster with it (``planner/schedule.choose_one_copy``: the rows it saves against its routing
+    faster with it (``planner/onecopy.choose_one_copy``: the rows it saves against its routing
     entries, gate weights and two small collectives), from the plan's traffic and the agreed costs
     (measured at initialize, or ``hardware``'s), so every rank takes the same decision. Not the
     default: with measured costs the choice, hence the fp32 summation order, can differ between a

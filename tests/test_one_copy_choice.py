@@ -1,4 +1,4 @@
-"""One copy per destination where it pays (planner/schedule.choose_one_copy; across nodes as the
+"""One copy per destination where it pays (planner/onecopy.choose_one_copy; across nodes as the
 runtime's two hops): its overhead is what the runtime adds (the count all-gather, the routing
 entries, the gate weights), it is taken only when the modelled layer is faster with it, and the
 simulator's layer pricing takes the same decision by the same call."""
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from ds_fssdp.planner.cost import ExpertShape, Hardware, schedule_costs
-from ds_fssdp.planner.schedule import (INDEX_BYTES, Linear, ScheduleCosts, choose_one_copy, distinct_fraction,
-                                       one_copy_overhead_s)
+from ds_fssdp.planner.onecopy import INDEX_BYTES, choose_one_copy, distinct_fraction, one_copy_overhead_s
+from ds_fssdp.planner.schedule import Linear, ScheduleCosts
 from ds_fssdp.sim.pipeline import LayerSchedule, ScheduleOptions
 
 

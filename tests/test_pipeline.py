@@ -152,7 +152,8 @@ def _check_degrees_recomputed(run: dict, hardware: dict, *, one_copy: bool) -> l
     decisions recorded."""
     import numpy as np
     from ds_fssdp.planner.cost import ExpertShape, Hardware, schedule_costs
-    from ds_fssdp.planner.schedule import choose_degrees, choose_one_copy, loads_from_traffic
+    from ds_fssdp.planner.onecopy import choose_one_copy
+    from ds_fssdp.planner.schedule import choose_degrees, loads_from_traffic
     from ds_fssdp.sim.pipeline import LayerSchedule, ScheduleOptions
     hw, shape = Hardware(**hardware), ExpertShape(**run["expert_shape"])
     costs = schedule_costs(hw, shape)

@@ -6,8 +6,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from ds_fssdp.planner.schedule import (LayerLoad, Linear, ScheduleCosts, distinct_fraction, link_busy, pipeline_time,
-                                      relay_loads)
+from ds_fssdp.planner.onecopy import distinct_fraction, relay_loads
+from ds_fssdp.planner.schedule import LayerLoad, Linear, ScheduleCosts, link_busy, pipeline_time
 
 
 def test_loads_from_plan_hand_count():

@@ -55,8 +55,8 @@ from ds_fssdp.moe.timing import LayerTimings
 from ds_fssdp.planner import LoadPredictor, PolicyConfig, make_policy
 from ds_fssdp.planner.baselines import Clock, LayerPlan
 from ds_fssdp.planner.layer import LayerPlanner
-from ds_fssdp.planner.schedule import (INDEX_BYTES, ScheduleCosts, choose_degrees, choose_one_copy, loads_from_traffic,
-                                      overlap_window)
+from ds_fssdp.planner.onecopy import INDEX_BYTES, choose_one_copy
+from ds_fssdp.planner.schedule import ScheduleCosts, choose_degrees, loads_from_traffic, overlap_window
 from ds_fssdp.topology import Topology
 
 __all__ = ["ShardedExperts", "ShardOptions", "StepContext", "Decision", "ReplicaMemory", "chain", "decision_arrays"]
@@ -70,7 +70,7 @@ class ShardOptions:
     hierarchical: bool = True  # topology-aware (two-phase) sparse collectives across nodes
     one_copy_per_destination: bool | str = True  # a token crosses to a rank once (moe/dedup.py); with
     # hierarchical and several nodes: to a node once, forwarded inside it; "auto": per layer and step
-    # where the schedule's costs say it pays (planner.schedule.choose_one_copy)
+    # where the schedule's costs say it pays (planner.onecopy.choose_one_copy)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ Two hops (one copy per destination with several nodes of several ranks and ``top
 index, which forwards it inside the node. The runtime sends that relay hop unchunked before the
 pipeline and its return after it (``moe/pipeline.py``), so the pipeline above runs over the hop
 inside the node alone (``LayerLoad.inter_bytes`` 0) and each direction adds the relay hop twice
-(``LayerLoad.relay_bytes``, the busiest node link's; :func:`relay_loads`).
+(``LayerLoad.relay_bytes``, the busiest node link's; :func:`~ds_fssdp.planner.onecopy.relay_loads`).
 
 Other traffic in the layer's span (``LayerLoad.other_*_bytes``): collectives that are not the
 layer's token exchange but are in flight while a direction runs. In the runtime's schedule: during
@@ -264,50 +264,6 @@ def loads_from_traffic(traffic_DD, *, ranks_per_node: int, token_bytes: float, s
                       remote_rows=float(rows_D[d] - local[d])) for d in range(D)]
 
 
-def relay_loads(traffic_DD, *, ranks_per_node: int, token_bytes: float, top_k: int) -> list:
-    """:func:`loads_from_traffic` of the two-hop exchange (module docstring) from the plan's
-    ``traffic_DD`` (rows per assignment), the rows that cross estimated by :func:`distinct_fraction`
-    (k independent picks; every rank, the simulators and a recorded trace estimate alike):
-
-    * the relay hop: d sends node m the distinct tokens of its rows to m (the node's share p of
-      d's rows in :func:`distinct_fraction`), to the rank of m with d's local index; its bytes are
-      the busiest node link's (larger of out and in), ``relay_bytes`` of every rank;
-    * the hop inside the node: the relay (m, j) sends h of node m the distinct tokens of every
-      source with local index j to h (the per-rank one copy); ``intra_bytes`` is the busiest
-      rank link's, ``inter_bytes`` 0;
-    * ``local_rows``: d's own tokens on its experts and the rows whose relay is their destination
-      (they land with the relay hop); ``remote_rows`` the rest it computes.
-
-    One node, or one rank per node: :func:`loads_from_traffic` of the one-hop one copy."""
-    t = np.asarray(traffic_DD, dtype=np.float64)
-    D, G = t.shape[0], int(ranks_per_node)
-    if G < 1 or D % G:
-        raise ValueError(f"relay_loads: ranks_per_node ({ranks_per_node}) must divide the ranks ({D})")
-    sent = t * distinct_fraction(t, top_k)
-    n = D // G
-    if n == 1 or G == 1:
-        return loads_from_traffic(t, ranks_per_node=G, token_bytes=token_bytes, sent_DD=sent)
-    node = np.arange(D) // G
-    to_node_Dn = t.reshape(D, n, G).sum(2)
-    hop_Dn = to_node_Dn * distinct_fraction(to_node_Dn, top_k)
-    hop_Dn[np.arange(D), node] = 0.0  # a node's own tokens take the hop inside it alone
-    node_out = hop_Dn.sum(1).reshape(n, G).sum(1)
-    relay = float(np.maximum(node_out, hop_Dn.sum(0)).max()) * token_bytes
-    # rows relay (m, j) forwards to h in m: sources of local index j, [j, h]
-    fwd_GD = sent.reshape(n, G, D).sum(0)
-    moved_GD = fwd_GD.copy()
-    moved_GD.reshape(G, n, G)[np.arange(G), :, np.arange(G)] = 0.0
-    relay_out = moved_GD.reshape(G, n, G).sum(2).T.reshape(D)  # relay (m, j)
-    relay_in = moved_GD.sum(0)
-    intra = float(np.maximum(relay_out, relay_in).max()) * token_bytes
-    rows_D = t.sum(0)
-    landed_GD = t.reshape(n, G, D).sum(0)  # rows of sources with local index j to h
-    # rows landing with the relay hop at their destination: sources of h's local index
-    local = landed_GD.reshape(G, n, G)[np.arange(G), :, np.arange(G)].T.reshape(D)
-    return [LayerLoad(intra_bytes=intra, inter_bytes=0.0, local_rows=float(local[d]),
-                      remote_rows=float(rows_D[d] - local[d]), relay_bytes=relay) for d in range(D)]
-
-
 def _by_link(traffic_DD: np.ndarray, ranks_per_node: int) -> tuple:
     """(node of each rank [D], rows d sends h inside its node, rows d sends h across nodes), the
     diagonal (rows that stay) in neither."""
@@ -317,81 +273,6 @@ def _by_link(traffic_DD: np.ndarray, ranks_per_node: int) -> tuple:
     node = np.arange(D) // G
     same = node[:, None] == node[None, :]
     return node, traffic_DD * (1 - np.eye(D)) * same, traffic_DD * ~same
-
-
-# -- one copy per destination, where it pays (issue 24, item 3) -------------------------------------
-#
-# A token that picks several experts of one rank crosses to it once; its routing entries (K longs
-# per row sent: the receiver's positions) go ahead in one more all-to-all after one all-gather of
-# the counts, and its gate weights travel with it (as K more columns of the rows at degree 1, in
-# their own all-to-all each way when chunked). Where few tokens share a destination (many ranks,
-# top-k spread) the rows it saves can cost less than those; so "auto" takes it per layer and step
-# when the modelled layer is faster with it. The rows it saves come from the plan's traffic alone
-# (k independent picks per token: :func:`distinct_fraction`), so every rank, the simulators and a
-# recorded trace decide alike.
-
-INDEX_BYTES = 8  # a routing entry (long)
-
-
-def distinct_fraction(traffic_DD, top_k: int) -> np.ndarray:
-    """One copy per destination: the expected fraction of the rows d sends h that are distinct
-    tokens, ``[..., d, h]``. From counts alone (a token's top-k picks are not in a plan or a count
-    trace) it is modelled as k independent picks per token, each landing on h with d's share p of
-    rows to h: a token reaches h with probability 1 - (1 - p)^k, so the distinct tokens are
-    (1 - (1 - p)^k) / (k p) of the rows (1 for k = 1; 1/k when every pick lands on h). An
-    approximation: top-k picks distinct experts, and real routing is correlated."""
-    if top_k < 1:
-        raise ValueError(f"top_k ({top_k}) must be >= 1")
-    traffic = np.asarray(traffic_DD, dtype=np.float64)
-    total = traffic.sum(-1, keepdims=True)
-    p = np.divide(traffic, total, out=np.zeros_like(traffic), where=total > 0)
-    k = float(top_k)
-    return np.divide(1.0 - (1.0 - p) ** k, k * p, out=np.ones_like(p), where=p > 0)
-
-
-def one_copy_overhead_s(costs: ScheduleCosts, sent_DD, *, ranks_per_node: int, top_k: int, weight_bytes: float,
-                        degrees: tuple) -> tuple:
-    """(forward, backward) seconds per rank (float64 [D] each) one copy per destination adds to the
-    layer, for ``sent_DD`` rows crossing: the count all-gather (one startup), the routing entries'
-    all-to-all (K longs per row sent), and the gate weights (K values per row each way: more bytes
-    on the rows' exchange at degree (1, 1), else an all-to-all of their own each way)."""
-    sent = np.asarray(sent_DD, dtype=np.float64)
-    D = sent.shape[0]
-    _, intra, cross = _by_link(sent, ranks_per_node)
-    intra_rows, inter_rows = intra.sum(1), cross.sum(1)
-    count = _lin(costs.a2a_intra, np.full(D, float(D * INDEX_BYTES)))
-    entries = _exchange(costs, intra_rows * top_k * INDEX_BYTES, inter_rows * top_k * INDEX_BYTES)
-    w_intra, w_inter = intra_rows * top_k * weight_bytes, inter_rows * top_k * weight_bytes
-    if tuple(degrees) == (1, 1):  # riding with the rows: their bytes at the exchange's rate
-        weights_fwd = weights_bwd = w_intra * costs.a2a_intra.per_unit_s + w_inter * costs.a2a_inter.per_unit_s
-    else:
-        weights_fwd = weights_bwd = _exchange(costs, w_intra, w_inter)
-    return count + entries + weights_fwd, weights_bwd
-
-
-def choose_one_copy(costs: ScheduleCosts, traffic_DD, *, ranks_per_node: int, token_bytes: float, top_k: int,
-                    weight_bytes: float, degrees: tuple, relay: bool = False) -> bool:
-    """Whether one copy per destination makes the layer faster at ``degrees``: the slowest rank's
-    forward + backward (:func:`pipeline_times`) with the rows it sends (``traffic_DD`` times
-    :func:`distinct_fraction`) and :func:`one_copy_overhead_s`, against with every row (the same
-    on every rank: the plan's traffic and the agreed costs). ``relay``: one copy per destination
-    runs as two hops across nodes (``topology_aware``): priced by :func:`relay_loads`."""
-    if top_k <= 1:
-        return False  # nothing to share a destination
-    traffic = np.asarray(traffic_DD, dtype=np.float64)
-    sent = traffic * distinct_fraction(traffic, top_k)
-    plain = loads_from_traffic(traffic, ranks_per_node=ranks_per_node, token_bytes=token_bytes)
-    if relay:
-        fewer = relay_loads(traffic, ranks_per_node=ranks_per_node, token_bytes=token_bytes, top_k=top_k)
-    else:
-        fewer = loads_from_traffic(traffic, ranks_per_node=ranks_per_node, token_bytes=token_bytes, sent_DD=sent)
-    over_f, over_b = one_copy_overhead_s(costs, sent, ranks_per_node=ranks_per_node, top_k=top_k,
-                                         weight_bytes=weight_bytes, degrees=degrees)
-
-    def layer(loads, extra_f=0.0, extra_b=0.0):
-        return float((pipeline_times(costs, loads, degrees[0]) + extra_f
-                      + pipeline_times(costs, loads, degrees[1], backward=True) + extra_b).max())
-    return layer(fewer, over_f, over_b) < layer(plain)
 
 
 # -- gradients in the gaps and replicas on the idle link (issue 24, items 4 and 5) ----------------

@@ -106,7 +106,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(1: the serial exchange)")
     p.add_argument("--dedup", choices=("auto", "on", "off"), default="on", help="FSSDP: one copy per destination "
                    "(a token crosses to a rank once): always (the runtime's default), where the modelled layer "
-                   "is faster with it (planner.schedule.choose_one_copy), or never")
+                   "is faster with it (planner.onecopy.choose_one_copy), or never")
     p.add_argument("--no-dedup", action="store_true", help="the same as --dedup off")
     p.add_argument("--no-grad-gaps", action="store_true", help="FSSDP, fsmoe: the gradient all-reduce overlaps the "
                    "backward as before, not only its link gaps")

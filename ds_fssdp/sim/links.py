@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ds_fssdp.planner.cost import Hardware
-from ds_fssdp.planner.schedule import distinct_fraction  # noqa: F401  (the simulators' dedup estimate)
+from ds_fssdp.planner.onecopy import distinct_fraction  # noqa: F401  (the simulators' dedup estimate)
 
 
 @dataclass

@@ -8,13 +8,13 @@ Per layer and group, from the rows each rank sends each rank (``traffic_BNN``, t
 rank's own tokens on experts it holds):
 
 * one copy per destination (``dedup``: on, off, or ``"auto"``: per layer and group where
-  :func:`~ds_fssdp.planner.schedule.choose_one_copy`, the runtime's function, says it pays): the
-  bytes d sends h shrink by :func:`~ds_fssdp.planner.schedule.distinct_fraction` (k independent
+  :func:`~ds_fssdp.planner.onecopy.choose_one_copy`, the runtime's function, says it pays): the
+  bytes d sends h shrink by :func:`~ds_fssdp.planner.onecopy.distinct_fraction` (k independent
   picks per token: an approximation, count traces carry no per-token picks), the rows computed do
-  not, and the layer pays :func:`~ds_fssdp.planner.schedule.one_copy_overhead_s` (the count
+  not, and the layer pays :func:`~ds_fssdp.planner.onecopy.one_copy_overhead_s` (the count
   all-gather, the routing entries, the gate weights); with several nodes of several ranks it runs
   as the runtime's two hops (``topology_aware``, its default): the relay hop across nodes
-  unchunked around a pipeline inside the node (:func:`~ds_fssdp.planner.schedule.relay_loads`;
+  unchunked around a pipeline inside the node (:func:`~ds_fssdp.planner.onecopy.relay_loads`;
   the link bytes reported stay the one-hop ones);
 * one :class:`~ds_fssdp.planner.schedule.LayerLoad` per rank, from the group's traffic by the
   runtime's function (:func:`~ds_fssdp.planner.schedule.loads_from_traffic`): the rank's intra-node
@@ -46,8 +46,8 @@ import numpy as np
 
 from ds_fssdp.planner.cost import CostModel, Hardware, schedule_costs
 from ds_fssdp.planner.plan import DispatchPlan
-from ds_fssdp.planner.schedule import (MAX_DEGREE, choose_degrees, choose_one_copy, link_busy, loads_from_traffic,
-                                      one_copy_overhead_s, pipeline_times, relay_loads)
+from ds_fssdp.planner.onecopy import choose_one_copy, one_copy_overhead_s, relay_loads
+from ds_fssdp.planner.schedule import MAX_DEGREE, choose_degrees, link_busy, loads_from_traffic, pipeline_times
 from ds_fssdp.sim.links import Links, distinct_fraction, traffic_links
 
 INTRA, INTER = 0, 1  # link classes (columns of the busy arrays)
