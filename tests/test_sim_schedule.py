@@ -12,8 +12,8 @@ from ds_fssdp.planner import ExpertShape, Hardware
 from ds_fssdp.planner.cost import schedule_costs
 from ds_fssdp.planner.dispatch import dispatch_plan
 from ds_fssdp.planner.onecopy import one_copy_overhead_s, relay_loads
-from ds_fssdp.planner.schedule import (LayerLoad, choose_degrees, drain_in_gaps, link_busy, loads_from_traffic, pipeline_time,
-                                      pipeline_times)
+from ds_fssdp.planner.schedule import (LayerLoad, choose_degrees, drain_in_gaps, link_busy, loads_from_traffic,
+                                      pipeline_time, pipeline_times)
 from ds_fssdp.planner.shard import homogeneous_owner
 from ds_fssdp.sim.__main__ import main
 from ds_fssdp.sim.cluster import PolicyRun, run_cluster, simulate_cluster
