@@ -75,7 +75,7 @@ def choose_one_copy(costs: ScheduleCosts, traffic_DD, *, ranks_per_node: int, to
     sent = traffic * distinct_fraction(traffic, top_k)
     plain = loads_from_traffic(traffic, ranks_per_node=ranks_per_node, token_bytes=token_bytes)
     if relay:
-        fewer = relay_loads(traffic, ranks_per_node=ranks_per_node, token_bytes=token_bytes, top_k=top_k)
+        fewer = relay_loads(traffic, ranks_per_node=ranks_per_node, token_bytes=token_bytes, top_k=top_k, sent_DD=sent)
     else:
         fewer = loads_from_traffic(traffic, ranks_per_node=ranks_per_node, token_bytes=token_bytes, sent_DD=sent)
     over_f, over_b = one_copy_overhead_s(costs, sent, ranks_per_node=ranks_per_node, top_k=top_k,
@@ -87,7 +87,7 @@ def choose_one_copy(costs: ScheduleCosts, traffic_DD, *, ranks_per_node: int, to
     return layer(fewer, over_f, over_b) < layer(plain)
 
 
-def relay_loads(traffic_DD, *, ranks_per_node: int, token_bytes: float, top_k: int) -> list:
+def relay_loads(traffic_DD, *, ranks_per_node: int, token_bytes: float, top_k: int, sent_DD=None) -> list:
     """:func:`loads_from_traffic` of the two-hop exchange (module docstring) from the plan's
     ``traffic_DD`` (rows per assignment), the rows that cross estimated by :func:`distinct_fraction`
     (k independent picks; every rank, the simulators and a recorded trace estimate alike):
@@ -101,12 +101,13 @@ def relay_loads(traffic_DD, *, ranks_per_node: int, token_bytes: float, top_k: i
     * ``local_rows``: d's own tokens on its experts and the rows whose relay is their destination
       (they land with the relay hop); ``remote_rows`` the rest it computes.
 
-    One node, or one rank per node: :func:`loads_from_traffic` of the one-hop one copy."""
+    One node, or one rank per node: :func:`loads_from_traffic` of the one-hop one copy. ``sent_DD``:
+    ``traffic_DD`` times its :func:`distinct_fraction`, where the caller has it already."""
     t = np.asarray(traffic_DD, dtype=np.float64)
     D, G = t.shape[0], int(ranks_per_node)
     if G < 1 or D % G:
         raise ValueError(f"relay_loads: ranks_per_node ({ranks_per_node}) must divide the ranks ({D})")
-    sent = t * distinct_fraction(t, top_k)
+    sent = t * distinct_fraction(t, top_k) if sent_DD is None else np.asarray(sent_DD, dtype=np.float64)
     n = D // G
     if n == 1 or G == 1:
         return loads_from_traffic(t, ranks_per_node=G, token_bytes=token_bytes, sent_DD=sent)

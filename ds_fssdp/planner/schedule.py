@@ -131,11 +131,17 @@ def pipeline_times(costs: ScheduleCosts, loads: list, degree: int, *, backward: 
     of the modelled schedule."""
     if degree < 1:
         raise ValueError(f"pipeline degree ({degree}) must be >= 1")
-    factor = costs.backward_factor if backward else 1.0
     a = np.array([(ld.intra_bytes, ld.inter_bytes, ld.local_rows, ld.remote_rows, ld.relay_bytes) for ld in loads],
                  dtype=np.float64).reshape(-1, 5)
-    intra, inter, local, remote, relay = a.T
-    relay_s = 2.0 * _lin(costs.a2a_inter, relay)  # the relay hop and its return, around the pipeline
+    relay_s = 2.0 * _lin(costs.a2a_inter, a[:, 4])  # the relay hop and its return, around the pipeline
+    return _one_hop_times(costs, loads, a[:, :4], degree, backward) + relay_s
+
+
+def _one_hop_times(costs: ScheduleCosts, loads: list, a: np.ndarray, degree: int, backward: bool) -> np.ndarray:
+    """The pipeline of :func:`pipeline_times` over one hop: ``a`` the loads' (intra, inter, local,
+    remote) columns."""
+    factor = costs.backward_factor if backward else 1.0
+    intra, inter, local, remote = a.T
 
     def gemm(rows):
         return factor * _lin(costs.gemm, rows)
@@ -144,12 +150,12 @@ def pipeline_times(costs: ScheduleCosts, loads: list, degree: int, *, backward: 
         return _exchange(costs, i_bytes, e_bytes)
 
     if degree == 1:
-        return 2.0 * exchange(intra, inter) + gemm(local + remote) + _other_traffic(costs, loads, backward) + relay_s
+        return 2.0 * exchange(intra, inter) + gemm(local + remote) + _other_traffic(costs, loads, backward)
     n = degree
     x = exchange(intra / n, inter / n)
     g = gemm(remote / n)
     if not costs.concurrent:
-        return 2.0 * n * x + gemm(local) + n * g + _other_traffic(costs, loads, backward) + relay_s
+        return 2.0 * n * x + gemm(local) + n * g + _other_traffic(costs, loads, backward)
     link, compute = np.zeros_like(x), gemm(local)
     done_d = [None] * (n + 1)
     done_g = [None] * (n + 1)
@@ -164,7 +170,7 @@ def pipeline_times(costs: ScheduleCosts, loads: list, degree: int, *, backward: 
                 done_g[gi] = compute
                 gi += 1
             link = np.maximum(link, done_g[i]) + x
-    return link + relay_s
+    return link
 
 
 def _lin(f: Linear, units):

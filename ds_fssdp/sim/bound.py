@@ -100,19 +100,21 @@ class LowerBound:
         attn_f, lat = st.attention_fwd_s, hw.latency
         g = st.shape.row_flops / hw.flops
         psi, tb, k = float(st.shape.expert_bytes), float(st.shape.token_bytes), max(1, st.top_k)
-        base = math.ceil(E / N) + self.persistent  # experts a rank holds without a gather
+        own = math.ceil(E / N)  # experts a rank owns
+        base = own + self.persistent  # experts a rank holds without a gather
         R = np.arange(min(self.budget, E) + 1)
         keep_R = np.minimum(E, base + R)
         # A node's distinct experts: from its owned ones (fewer than its free ones: nothing gathered,
         # nothing reduced) to its free ones and up to G R gathered (one node: none).
-        own = math.ceil(E / N)
         S = np.arange(min(E, G * own), min(E, G * (base + R[-1])) + 1) if n > 1 else np.zeros(1, dtype=np.int64)
         fits_RS = (S[None, :] <= np.minimum(E, G * keep_R)[:, None]) if n > 1 else np.ones((R.size, 1), dtype=bool)
         bw = hw.intra_bw + (hw.inter_bw if n > 1 else 0.0)
-        gather_RS = np.maximum(np.where(R > 0, lat + R * psi / hw.intra_bw, 0.0)[:, None],
-                               np.where(S > G * base, lat + (S - G * base) * psi / hw.inter_bw, 0.0)[None, :])
-        reduce_RS = np.maximum(np.where(R > 0, lat + R * psi / hw.intra_bw, 0.0)[:, None],
-                               np.where(S > G * own, lat + (S - G * own) * psi / hw.inter_bw, 0.0)[None, :])
+        rank_R = np.where(R > 0, lat + R * psi / hw.intra_bw, 0.0)  # R chunks on a holder's link
+
+        def node_S(held):  # what enters a node's link beyond ``held`` experts per rank
+            return np.where(S > G * held, lat + (S - G * held) * psi / hw.inter_bw, 0.0)
+        gather_RS = np.maximum(rank_R[:, None], node_S(base)[None, :])
+        reduce_RS = np.maximum(rank_R[:, None], node_S(own)[None, :])
         reduce_RS = reduce_RS * np.where(R > self.plain, 2.0, 1.0)[:, None]  # re-materialized: gathered again
         forward_LRSB = np.zeros((L, R.size, S.size, B))
         backward_LRSB = np.zeros((L, R.size, S.size, B))

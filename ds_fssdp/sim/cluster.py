@@ -469,7 +469,7 @@ def run_cluster(runs: list, source, *, bound: bool = True) -> list:
     with the most replicas any run may hold) as ``lower_bound_s``."""
     bounds = []
     if bound and runs:
-        budget = max(r.budget for r in runs if r.planned) if any(r.planned for r in runs) else 0
+        budget = max([r.budget for r in runs if r.planned], default=0)
         # past the most a run holds without re-materializing, the reduce runs twice (fssdp-rm)
         plain = max([r.budget for r in runs if r.planned and not r.rm], default=0)
         shapes = dict.fromkeys((r.N, r.B) for r in runs)  # runs of one group shape share a bound

@@ -136,7 +136,8 @@ class LayerSchedule:
             taken.append(bool(one_copy))
             if one_copy:
                 sent_BNN[b] = traffic_BNN[b] * frac_BNN[b]
-                loads = relay_loads(traffic_BNN[b], ranks_per_node=self.G, token_bytes=row_bytes, top_k=self.top_k)
+                loads = relay_loads(traffic_BNN[b], ranks_per_node=self.G, token_bytes=row_bytes, top_k=self.top_k,
+                                    sent_DD=sent_BNN[b])
                 over_f, over_b = one_copy_overhead_s(self.costs, sent_BNN[b], ranks_per_node=self.G,
                                                      top_k=self.top_k, weight_bytes=self.weight_bytes, degrees=deg)
             else:
