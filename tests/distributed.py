@@ -1,12 +1,17 @@
 """Spawn gloo CPU ranks that run one function and return its results to the test.
 
-Every rank imports torch and deepspeed (several seconds), so tests group many checks per spawn.
-DeepSpeed's shared-memory inference all-reduce is never used in training; its first-use JIT build
-(about a minute) is skipped in the spawned ranks.
+Ranks are forked from a fork server that has imported torch and deepspeed once (importing them
+takes several seconds per process, over a second of a 2-core machine per rank). A rank starts as
+a spawned one would: the test process's environment, working directory and ``sys.path`` at the
+call (not the server's, which started with the first call), a fresh interpreter's ``random``
+state. DeepSpeed's shared-memory inference all-reduce is never used in training; its first-use JIT
+build (about a minute) is skipped in the ranks.
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
+import random
 import socket
 import sys
 import tempfile
@@ -15,6 +20,9 @@ import traceback
 import torch
 import torch.distributed
 import torch.multiprocessing as mp
+
+PRELOAD = ["torch", "torch.distributed", "deepspeed", "deepspeed.comm.torch", "distributed"]
+multiprocessing.set_forkserver_preload(PRELOAD)
 
 
 def free_port() -> int:
@@ -44,7 +52,8 @@ def _spawn_once(world_size, fn, args, kwargs, local_size) -> list:
     with tempfile.TemporaryDirectory() as tmp:
         paths = [os.path.join(tmp, f"rank{r}.pt") for r in range(world_size)]
         try:
-            mp.spawn(_entry, args=(world_size, port, local_size, fn, args, kwargs, tmp), nprocs=world_size, join=True)
+            mp.start_processes(_entry, args=(world_size, port, local_size, fn, args, kwargs, tmp, caller_state()),
+                               nprocs=world_size, join=True, start_method="forkserver")
         except mp.ProcessExitedException as err:
             # Killed by a signal after every rank had written its result (gloo's abort at exit): the
             # work is done, and running it again would repeat it in the test's own directories.
@@ -54,7 +63,25 @@ def _spawn_once(world_size, fn, args, kwargs, local_size) -> list:
         return [torch.load(path, weights_only=False) for path in paths]
 
 
-def _entry(rank, world_size, port, local_size, fn, args, kwargs, tmp):
+def caller_state() -> tuple:
+    """What a spawned rank would inherit from the caller: environment, working directory, sys.path."""
+    return dict(os.environ), os.getcwd(), list(sys.path)
+
+
+def rank_process(rank: int, world_size: int, port: int, fn, args: tuple, tmp: str):
+    """One rank of :func:`spawn` as an unstarted process, for a test that starts, waits for or kills
+    ranks itself; ``fn(rank, world_size, *args)``'s result goes to ``tmp``."""
+    ctx = multiprocessing.get_context("forkserver")
+    return ctx.Process(target=_entry, args=(rank, world_size, port, None, fn, args, {}, tmp, caller_state()))
+
+
+def _entry(rank, world_size, port, local_size, fn, args, kwargs, tmp, state):
+    environ, cwd, path = state
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    sys.path[:] = path
+    random.seed()  # forked: reseed from the OS, as a fresh interpreter does
     os.environ.update({
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),

@@ -4,7 +4,6 @@ the step boundary, written and committed in the background while training goes o
 Two launches of 2 gloo ranks: one whose ranks are killed during the background write, then one
 that carries every other check (and loads what the killed save left behind)."""
 import functools
-import multiprocessing
 import os
 import signal
 import threading
@@ -132,10 +131,8 @@ def _killed_worker(rank, world, save_dir):
 def _launch_killed(save_dir) -> list:
     """Both ranks die by SIGKILL: rank 1 during its write, rank 0 (killed by the test, as torchrun
     stops the survivors) while it waits to commit. Returns the exit codes."""
-    ctx = multiprocessing.get_context("spawn")
     port = distributed.free_port()
-    procs = [ctx.Process(target=distributed._entry,
-                         args=(r, 2, port, None, _killed_worker, (save_dir, ), {}, save_dir)) for r in range(2)]
+    procs = [distributed.rank_process(r, 2, port, _killed_worker, (save_dir, ), save_dir) for r in range(2)]
     for p in procs:
         p.start()
     procs[1].join(timeout=240)
