@@ -328,15 +328,20 @@ def test_fixed_presets():
 
 def test_cli_1024_gpus_fixed_preset(capsys):
     """A 1,024-GPU run of a fixed preset at cluster scale: time, memory, planning and links per
-    policy (mixtral-8x7b: t = 0 at 4096 tokens, so calibration on lets FSSDP replicate)."""
+    policy (mixtral-8x7b: t = 0 at 4096 tokens, so calibration on lets FSSDP replicate). The first
+    two groups of each policy are simulated (``--max-groups``; a synthetic trace's groups are alike),
+    the world's all-reduce over all 1,024 ranks; every group runs in
+    test_groups_plan_alone_and_meet_at_the_allreduce."""
     assert main(["--trace", "synthetic", "--cluster", "b", "--model", "mixtral-8x7b", "--gpus", "1024", "--steps", "6",
-                 "--group-size", "64", "--memory-cap", "1.2", "--calibration", "--json", "--no-png"]) == 0
+                 "--group-size", "64", "--memory-cap", "1.2", "--calibration", "--max-groups", "2", "--json",
+                 "--no-png"]) == 0
     out = json.loads(capsys.readouterr().out)
     res = {r["policy"]: r for r in out["results"]}
     assert set(res) == set(CLUSTER_POLICIES) and out["setup"]["gpus"] == 1024 and out["setup"]["num_experts"] == 8
     assert out["trace"]["load_cv"] == pytest.approx(0.5, rel=0.1)
     for name, r in res.items():
         assert r["group_size"] == (64 if name.startswith("fssdp") else 8)  # EP groups hold at most E = 8 ranks
+        assert (r["groups"], r["groups_simulated"]) == (1024 // r["group_size"], 2)
         assert r["iteration_ms"] > 0 and r["iteration_s"] == pytest.approx(
             r["iteration_ms"] / 1e3)
         assert set(r["memory_gb"]) == {"param", "grad", "opt"} and r["memory_vs_ep"] <= 1.2 + 1e-9
