@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from ds_fssdp.planner.onecopy import distinct_fraction, relay_loads
+from ds_fssdp.planner.onecopy import distinct_fraction, relay_loads, relay_traffic
 from ds_fssdp.planner.schedule import LayerLoad, Linear, ScheduleCosts, link_busy, pipeline_time
 
 
@@ -127,6 +127,10 @@ def test_relay_loads_hand_count():
         assert all(ld.inter_bytes == 0.0 for ld in loads)
         assert [ld.local_rows for ld in loads] == pytest.approx(local)
         assert [ld.local_rows + ld.remote_rows for ld in loads] == pytest.approx(t.sum(0))
+        rank_D, node_n, crossing, landed = relay_traffic(t, ranks_per_node=G, top_k=k)  # per link
+        assert rank_D == pytest.approx(np.maximum(hop2.sum(1), hop2.sum(0)))
+        assert node_n == pytest.approx(np.maximum(out, into)) and crossing == pytest.approx(hop1.sum())
+        assert landed == pytest.approx(local)
 
 
 def test_relay_hop_runs_around_the_pipeline():

@@ -14,7 +14,7 @@ when the modelled layer is faster with it. The rows it saves come from the plan'
 recorded trace decide alike.
 
 Across nodes (``topology_aware`` and several nodes of several ranks) it runs as two hops
-(``moe/dispatcher.py``): :func:`relay_loads` gives that exchange's loads for the schedule.
+(``moe/dispatcher.py``): :func:`relay_loads` gives that exchange's loads for the schedule, :func:`relay_traffic` its rows per link.
 """
 from __future__ import annotations
 
@@ -90,14 +90,11 @@ def choose_one_copy(costs: ScheduleCosts, traffic_DD, *, ranks_per_node: int, to
 def relay_loads(traffic_DD, *, ranks_per_node: int, token_bytes: float, top_k: int, sent_DD=None) -> list:
     """:func:`loads_from_traffic` of the two-hop exchange (module docstring) from the plan's
     ``traffic_DD`` (rows per assignment), the rows that cross estimated by :func:`distinct_fraction`
-    (k independent picks; every rank, the simulators and a recorded trace estimate alike):
+    (k independent picks; every rank, the simulators and a recorded trace estimate alike), per link
+    by :func:`relay_traffic`:
 
-    * the relay hop: d sends node m the distinct tokens of its rows to m (the node's share p of
-      d's rows in :func:`distinct_fraction`), to the rank of m with d's local index; its bytes are
-      the busiest node link's (larger of out and in), ``relay_bytes`` of every rank;
-    * the hop inside the node: the relay (m, j) sends h of node m the distinct tokens of every
-      source with local index j to h (the per-rank one copy); ``intra_bytes`` is the busiest
-      rank link's, ``inter_bytes`` 0;
+    * ``relay_bytes`` (every rank's): the busiest node link's relay hop;
+    * ``intra_bytes``: the busiest rank link's hop inside the node, ``inter_bytes`` 0;
     * ``local_rows``: d's own tokens on its experts and the rows whose relay is their destination
       (they land with the relay hop); ``remote_rows`` the rest it computes.
 
@@ -108,25 +105,53 @@ def relay_loads(traffic_DD, *, ranks_per_node: int, token_bytes: float, top_k: i
     if G < 1 or D % G:
         raise ValueError(f"relay_loads: ranks_per_node ({ranks_per_node}) must divide the ranks ({D})")
     sent = t * distinct_fraction(t, top_k) if sent_DD is None else np.asarray(sent_DD, dtype=np.float64)
+    if D // G == 1 or G == 1:
+        return loads_from_traffic(t, ranks_per_node=G, token_bytes=token_bytes, sent_DD=sent)
+    rank_D, node_n, _, local = relay_traffic(t, ranks_per_node=G, top_k=top_k, sent_DD=sent)
+    intra, relay = float(rank_D.max()) * token_bytes, float(node_n.max()) * token_bytes
+    rows_D = t.sum(0)
+    return [LayerLoad(intra_bytes=intra, inter_bytes=0.0, local_rows=float(local[d]),
+                      remote_rows=float(rows_D[d] - local[d]), relay_bytes=relay) for d in range(D)]
+
+
+def relay_traffic(traffic_DD, *, ranks_per_node: int, top_k: int, sent_DD=None) -> tuple:
+    """The rows of one copy per destination over each link, as the runtime routes them (module
+    docstring), from the plan's ``traffic_DD``: ``(rank_D, node_n, crossing, landed_D)``.
+
+    * With several nodes of several ranks, two hops. The relay hop: d sends node m the distinct
+      tokens of its rows to m (the node's share p of d's rows in :func:`distinct_fraction`), to
+      the rank of m with d's local index. The hop inside the node: the relay (m, j) sends h of
+      node m the distinct tokens of every source with local index j to h (``sent_DD``, the
+      per-rank one copy). ``rank_D``: each rank's intra-node link (busier direction: the hop inside
+      the node); ``node_n``: each node's link (busier direction: the relay hop); ``crossing``: rows
+      that cross nodes; ``landed_D``: rows h computes that need no hop inside its node (its own
+      tokens on its experts, and rows whose relay is h).
+    * Else one hop of ``sent_DD`` (rows d sends h; default ``traffic_DD`` times its
+      :func:`distinct_fraction`), ``landed_D`` the diagonal of ``traffic_DD``."""
+    t = np.asarray(traffic_DD, dtype=np.float64)
+    D, G = t.shape[0], int(ranks_per_node)
+    if G < 1 or D % G:
+        raise ValueError(f"relay_traffic: ranks_per_node ({ranks_per_node}) must divide the ranks ({D})")
+    sent = t * distinct_fraction(t, top_k) if sent_DD is None else np.asarray(sent_DD, dtype=np.float64)
     n = D // G
     if n == 1 or G == 1:
-        return loads_from_traffic(t, ranks_per_node=G, token_bytes=token_bytes, sent_DD=sent)
+        node, intra, cross = _by_link(sent, G)
+        out_n = np.bincount(node, weights=cross.sum(1), minlength=n)
+        in_n = np.bincount(node, weights=cross.sum(0), minlength=n)
+        return (np.maximum(intra.sum(1), intra.sum(0)), np.maximum(out_n, in_n), float(cross.sum()),
+                np.diag(t).copy())
     node = np.arange(D) // G
     to_node_Dn = t.reshape(D, n, G).sum(2)
     hop_Dn = to_node_Dn * distinct_fraction(to_node_Dn, top_k)
     hop_Dn[np.arange(D), node] = 0.0  # a node's own tokens take the hop inside it alone
     node_out = hop_Dn.sum(1).reshape(n, G).sum(1)
-    relay = float(np.maximum(node_out, hop_Dn.sum(0)).max()) * token_bytes
     # rows relay (m, j) forwards to h in m: sources of local index j, [j, h]
     fwd_GD = sent.reshape(n, G, D).sum(0)
     moved_GD = fwd_GD.copy()
     moved_GD.reshape(G, n, G)[np.arange(G), :, np.arange(G)] = 0.0
     relay_out = moved_GD.reshape(G, n, G).sum(2).T.reshape(D)  # relay (m, j)
     relay_in = moved_GD.sum(0)
-    intra = float(np.maximum(relay_out, relay_in).max()) * token_bytes
-    rows_D = t.sum(0)
     landed_GD = t.reshape(n, G, D).sum(0)  # rows of sources with local index j to h
     # rows landing with the relay hop at their destination: sources of h's local index
     local = landed_GD.reshape(G, n, G)[np.arange(G), :, np.arange(G)].T.reshape(D)
-    return [LayerLoad(intra_bytes=intra, inter_bytes=0.0, local_rows=float(local[d]),
-                      remote_rows=float(rows_D[d] - local[d]), relay_bytes=relay) for d in range(D)]
+    return np.maximum(relay_out, relay_in), np.maximum(node_out, hop_Dn.sum(0)), float(hop_Dn.sum()), local

@@ -14,8 +14,8 @@ rank's own tokens on experts it holds):
   not, and the layer pays :func:`~ds_fssdp.planner.onecopy.one_copy_overhead_s` (the count
   all-gather, the routing entries, the gate weights); with several nodes of several ranks it runs
   as the runtime's two hops (``topology_aware``, its default): the relay hop across nodes
-  unchunked around a pipeline inside the node (:func:`~ds_fssdp.planner.onecopy.relay_loads`;
-  the link bytes reported stay the one-hop ones);
+  unchunked around a pipeline inside the node (:func:`~ds_fssdp.planner.onecopy.relay_loads`),
+  its link bytes (reported, and the bytes saved) :func:`~ds_fssdp.planner.onecopy.relay_traffic`'s;
 * one :class:`~ds_fssdp.planner.schedule.LayerLoad` per rank, from the group's traffic by the
   runtime's function (:func:`~ds_fssdp.planner.schedule.loads_from_traffic`): the rank's intra-node
   link bytes (busier direction), its node's inter-node link bytes, its own local rows (computed
@@ -46,7 +46,7 @@ import numpy as np
 
 from ds_fssdp.planner.cost import CostModel, Hardware, schedule_costs
 from ds_fssdp.planner.plan import DispatchPlan
-from ds_fssdp.planner.onecopy import choose_one_copy, one_copy_overhead_s, relay_loads
+from ds_fssdp.planner.onecopy import choose_one_copy, one_copy_overhead_s, relay_loads, relay_traffic
 from ds_fssdp.planner.schedule import MAX_DEGREE, choose_degrees, link_busy, loads_from_traffic, pipeline_times
 from ds_fssdp.sim.links import Links, distinct_fraction, traffic_links
 
@@ -100,7 +100,9 @@ class LayerTimes:
     degrees: list  # (forward, backward) per group
     busy_forward_B2: np.ndarray  # seconds the [intra, inter] links carry the exchange
     busy_backward_B2: np.ndarray
-    saved_bytes: float = 0.0  # link bytes (GPU + node links, all groups) one exchange saves by dedup
+    # link bytes (GPU + node links, all groups) one exchange saves by dedup: negative where the relays'
+    # forwarding inside nodes moves more than the copies save (as the runtime's ``a2a_bytes_saved``)
+    saved_bytes: float = 0.0
     one_copy: list = field(default_factory=list)  # per group: one copy per destination taken
 
 
@@ -119,7 +121,7 @@ class LayerSchedule:
         B = traffic_BNN.shape[0]
         fwd, bwd = np.zeros(B), np.zeros(B)
         busy_f, busy_b = np.zeros((B, 2)), np.zeros((B, 2))
-        degrees, taken, sent_BNN = [], [], traffic_BNN.copy()
+        degrees, taken, sent_BNN, routed = [], [], traffic_BNN.copy(), {}
         for b in range(B):
             # The decisions, as the runtime takes them: from the plan's rows (schedule.loads_from_traffic,
             # choose_degrees, choose_one_copy); the time, from what crosses (one copy per destination
@@ -136,6 +138,8 @@ class LayerSchedule:
             taken.append(bool(one_copy))
             if one_copy:
                 sent_BNN[b] = traffic_BNN[b] * frac_BNN[b]
+                routed[b] = relay_traffic(traffic_BNN[b], ranks_per_node=self.G, top_k=self.top_k,
+                                          sent_DD=sent_BNN[b])
                 loads = relay_loads(traffic_BNN[b], ranks_per_node=self.G, token_bytes=row_bytes, top_k=self.top_k,
                                     sent_DD=sent_BNN[b])
                 over_f, over_b = one_copy_overhead_s(self.costs, sent_BNN[b], ranks_per_node=self.G,
@@ -147,6 +151,10 @@ class LayerSchedule:
             # Every rank's load carries the group's busiest links (loads_from_traffic): one is enough.
             busy_f[b], busy_b[b] = link_busy(self.costs, loads[0], deg[0]), link_busy(self.costs, loads[0], deg[1])
         links = traffic_links(sent_BNN, ranks_per_node=self.G, row_bytes=row_bytes, rows_BNN=traffic_BNN)
+        for b, (rank_N, node_n, crossing, _) in routed.items():  # one copy per destination as routed (two hops)
+            links.inter_total += (crossing - float(traffic_links(sent_BNN[b:b + 1], ranks_per_node=self.G,
+                                                                 row_bytes=1.0).inter_total)) * row_bytes
+            links.rank_BN[b], links.node_Bn[b] = rank_N * row_bytes, node_n * row_bytes
         moe_B = links.rows_BN.max(1) * (3.0 * self.shape.row_flops / self.hw.flops)
         return LayerTimes(links=links, moe_B=moe_B, forward_B=fwd, backward_B=bwd, degrees=degrees,
                           busy_forward_B2=busy_f, busy_backward_B2=busy_b,

@@ -100,7 +100,7 @@ class PolicyResult:
     step_s: list = field(default_factory=list)
     lower_bound_s: float | None = None  # the workload's (ds_fssdp.sim.bound), alike for every policy
     degrees: dict = field(default_factory=dict)  # "forward"/"backward" -> {degree: timed layers (x groups)}
-    dedup_saved_gb: float = 0.0  # link bytes one copy per destination saved per iteration
+    dedup_saved_gb: float = 0.0  # link bytes one copy per destination saved per iteration (< 0: relays moved more)
 
     def to_dict(self) -> dict:
         return {
