@@ -14,7 +14,8 @@ when the modelled layer is faster with it. The rows it saves come from the plan'
 recorded trace decide alike.
 
 Across nodes (``topology_aware`` and several nodes of several ranks) it runs as two hops
-(``moe/dispatcher.py``): :func:`relay_loads` gives that exchange's loads for the schedule, :func:`relay_traffic` its rows per link.
+(``moe/dispatcher.py``): :func:`relay_loads` gives that exchange's loads for the schedule,
+:func:`relay_traffic` its rows per link.
 """
 from __future__ import annotations
 
@@ -87,7 +88,8 @@ def choose_one_copy(costs: ScheduleCosts, traffic_DD, *, ranks_per_node: int, to
     return layer(fewer, over_f, over_b) < layer(plain)
 
 
-def relay_loads(traffic_DD, *, ranks_per_node: int, token_bytes: float, top_k: int, sent_DD=None) -> list:
+def relay_loads(traffic_DD, *, ranks_per_node: int, token_bytes: float, top_k: int, sent_DD=None,
+                routed: tuple | None = None) -> list:
     """:func:`loads_from_traffic` of the two-hop exchange (module docstring) from the plan's
     ``traffic_DD`` (rows per assignment), the rows that cross estimated by :func:`distinct_fraction`
     (k independent picks; every rank, the simulators and a recorded trace estimate alike), per link
@@ -99,7 +101,8 @@ def relay_loads(traffic_DD, *, ranks_per_node: int, token_bytes: float, top_k: i
       (they land with the relay hop); ``remote_rows`` the rest it computes.
 
     One node, or one rank per node: :func:`loads_from_traffic` of the one-hop one copy. ``sent_DD``:
-    ``traffic_DD`` times its :func:`distinct_fraction`, where the caller has it already."""
+    ``traffic_DD`` times its :func:`distinct_fraction`, and ``routed``: its :func:`relay_traffic`,
+    where the caller has them already."""
     t = np.asarray(traffic_DD, dtype=np.float64)
     D, G = t.shape[0], int(ranks_per_node)
     if G < 1 or D % G:
@@ -107,7 +110,9 @@ def relay_loads(traffic_DD, *, ranks_per_node: int, token_bytes: float, top_k: i
     sent = t * distinct_fraction(t, top_k) if sent_DD is None else np.asarray(sent_DD, dtype=np.float64)
     if D // G == 1 or G == 1:
         return loads_from_traffic(t, ranks_per_node=G, token_bytes=token_bytes, sent_DD=sent)
-    rank_D, node_n, _, local = relay_traffic(t, ranks_per_node=G, top_k=top_k, sent_DD=sent)
+    if routed is None:
+        routed = relay_traffic(t, ranks_per_node=G, top_k=top_k, sent_DD=sent)
+    rank_D, node_n, _, local = routed
     intra, relay = float(rank_D.max()) * token_bytes, float(node_n.max()) * token_bytes
     rows_D = t.sum(0)
     return [LayerLoad(intra_bytes=intra, inter_bytes=0.0, local_rows=float(local[d]),
@@ -115,31 +120,25 @@ def relay_loads(traffic_DD, *, ranks_per_node: int, token_bytes: float, top_k: i
 
 
 def relay_traffic(traffic_DD, *, ranks_per_node: int, top_k: int, sent_DD=None) -> tuple:
-    """The rows of one copy per destination over each link, as the runtime routes them (module
-    docstring), from the plan's ``traffic_DD``: ``(rank_D, node_n, crossing, landed_D)``.
+    """The rows of one copy per destination over each link as the runtime routes them across
+    several nodes of several ranks (module docstring), from the plan's ``traffic_DD``:
+    ``(rank_D, node_n, crossing, landed_D)``.
 
-    * With several nodes of several ranks, two hops. The relay hop: d sends node m the distinct
-      tokens of its rows to m (the node's share p of d's rows in :func:`distinct_fraction`), to
-      the rank of m with d's local index. The hop inside the node: the relay (m, j) sends h of
-      node m the distinct tokens of every source with local index j to h (``sent_DD``, the
-      per-rank one copy). ``rank_D``: each rank's intra-node link (busier direction: the hop inside
-      the node); ``node_n``: each node's link (busier direction: the relay hop); ``crossing``: rows
-      that cross nodes; ``landed_D``: rows h computes that need no hop inside its node (its own
-      tokens on its experts, and rows whose relay is h).
-    * Else one hop of ``sent_DD`` (rows d sends h; default ``traffic_DD`` times its
-      :func:`distinct_fraction`), ``landed_D`` the diagonal of ``traffic_DD``."""
+    The relay hop: d sends node m the distinct tokens of its rows to m (the node's share p of d's
+    rows in :func:`distinct_fraction`), to the rank of m with d's local index. The hop inside the
+    node: the relay (m, j) sends h of node m the distinct tokens of every source with local index j
+    to h (``sent_DD``, the per-rank one copy; default ``traffic_DD`` times its
+    :func:`distinct_fraction`). ``rank_D``: each rank's intra-node link (busier direction: the hop
+    inside the node); ``node_n``: each node's link (busier direction: the relay hop); ``crossing``:
+    rows that cross nodes; ``landed_D``: rows h computes that need no hop inside its node (its own
+    tokens on its experts, and rows whose relay is h)."""
     t = np.asarray(traffic_DD, dtype=np.float64)
     D, G = t.shape[0], int(ranks_per_node)
-    if G < 1 or D % G:
-        raise ValueError(f"relay_traffic: ranks_per_node ({ranks_per_node}) must divide the ranks ({D})")
+    if G < 2 or D % G or D // G < 2:
+        raise ValueError(f"relay_traffic: two hops need several nodes of several ranks: ranks_per_node "
+                         f"({ranks_per_node}) >= 2 dividing the ranks ({D}) at least twice")
     sent = t * distinct_fraction(t, top_k) if sent_DD is None else np.asarray(sent_DD, dtype=np.float64)
     n = D // G
-    if n == 1 or G == 1:
-        node, intra, cross = _by_link(sent, G)
-        out_n = np.bincount(node, weights=cross.sum(1), minlength=n)
-        in_n = np.bincount(node, weights=cross.sum(0), minlength=n)
-        return (np.maximum(intra.sum(1), intra.sum(0)), np.maximum(out_n, in_n), float(cross.sum()),
-                np.diag(t).copy())
     node = np.arange(D) // G
     to_node_Dn = t.reshape(D, n, G).sum(2)
     hop_Dn = to_node_Dn * distinct_fraction(to_node_Dn, top_k)

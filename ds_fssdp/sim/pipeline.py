@@ -118,7 +118,8 @@ class LayerSchedule:
         opt, row_bytes = self.options, float(self.shape.token_bytes)
         plain = traffic_links(traffic_BNN, ranks_per_node=self.G, row_bytes=row_bytes)
         frac_BNN = distinct_fraction(traffic_BNN, self.top_k) if opt.dedup and self.top_k > 1 else None
-        B = traffic_BNN.shape[0]
+        B, N = traffic_BNN.shape[:2]
+        two_hops = 1 < self.G < N  # one copy per destination runs as the runtime's two hops
         fwd, bwd = np.zeros(B), np.zeros(B)
         busy_f, busy_b = np.zeros((B, 2)), np.zeros((B, 2))
         degrees, taken, sent_BNN, routed = [], [], traffic_BNN.copy(), {}
@@ -138,10 +139,11 @@ class LayerSchedule:
             taken.append(bool(one_copy))
             if one_copy:
                 sent_BNN[b] = traffic_BNN[b] * frac_BNN[b]
-                routed[b] = relay_traffic(traffic_BNN[b], ranks_per_node=self.G, top_k=self.top_k,
-                                          sent_DD=sent_BNN[b])
+                if two_hops:
+                    routed[b] = relay_traffic(traffic_BNN[b], ranks_per_node=self.G, top_k=self.top_k,
+                                              sent_DD=sent_BNN[b])
                 loads = relay_loads(traffic_BNN[b], ranks_per_node=self.G, token_bytes=row_bytes, top_k=self.top_k,
-                                    sent_DD=sent_BNN[b])
+                                    sent_DD=sent_BNN[b], routed=routed.get(b))
                 over_f, over_b = one_copy_overhead_s(self.costs, sent_BNN[b], ranks_per_node=self.G,
                                                      top_k=self.top_k, weight_bytes=self.weight_bytes, degrees=deg)
             else:
@@ -151,10 +153,12 @@ class LayerSchedule:
             # Every rank's load carries the group's busiest links (loads_from_traffic): one is enough.
             busy_f[b], busy_b[b] = link_busy(self.costs, loads[0], deg[0]), link_busy(self.costs, loads[0], deg[1])
         links = traffic_links(sent_BNN, ranks_per_node=self.G, row_bytes=row_bytes, rows_BNN=traffic_BNN)
-        for b, (rank_N, node_n, crossing, _) in routed.items():  # one copy per destination as routed (two hops)
-            links.inter_total += (crossing - float(traffic_links(sent_BNN[b:b + 1], ranks_per_node=self.G,
-                                                                 row_bytes=1.0).inter_total)) * row_bytes
-            links.rank_BN[b], links.node_Bn[b] = rank_N * row_bytes, node_n * row_bytes
+        if routed:  # one copy per destination over two hops: the routed bytes in place of one hop's
+            idx = list(routed)
+            links.inter_total -= traffic_links(sent_BNN[idx], ranks_per_node=self.G, row_bytes=row_bytes).inter_total
+            for b, (rank_N, node_n, crossing, _) in routed.items():
+                links.inter_total += crossing * row_bytes
+                links.rank_BN[b], links.node_Bn[b] = rank_N * row_bytes, node_n * row_bytes
         moe_B = links.rows_BN.max(1) * (3.0 * self.shape.row_flops / self.hw.flops)
         return LayerTimes(links=links, moe_B=moe_B, forward_B=fwd, backward_B=bwd, degrees=degrees,
                           busy_forward_B2=busy_f, busy_backward_B2=busy_b,
