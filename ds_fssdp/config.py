@@ -83,8 +83,9 @@ class FSSDPConfig(DeepSpeedConfigModel):
     pipeline_degree: Union[Literal["auto"], Annotated[StrictInt, Field(ge=1)], PipelineDegreeConfig] = "auto"
     """Chunks of each MoE layer's token exchange, pipelined with the expert compute
     (``moe/pipeline.py``): an int for both directions, ``{"forward": n, "backward": n}``, or
-    "auto": per layer and iteration, ``planner.schedule.choose_degrees`` on the stage's schedule
-    costs and the loads of the agreed dispatch plan (every rank takes the same degrees). 1 (or
+    "auto": per layer and iteration, ``planner.onecopy.choose_exchange`` on the stage's schedule
+    costs and the agreed dispatch plan's traffic, priced as the exchange that runs (one copy per
+    destination, two hops across nodes; every rank takes the same degrees). 1 (or
     both directions 1): the unchunked exchange. Results equal degree 1 up to fp32 summation order."""
 
     smartmoe_interval: StrictInt = Field(25, ge=1)
@@ -133,7 +134,7 @@ class FSSDPConfig(DeepSpeedConfigModel):
     ``topology_aware`` and several nodes it crosses to a node once, to a relay that forwards it
     inside the node. Same results up to fp32 summation order; false: one row per (token, expert)
     assignment. ``"auto"``: per layer and step, where the schedule's cost model says the layer is
-    faster with it (``planner/onecopy.choose_one_copy``: the rows it saves against its routing
+    faster with it (``planner/onecopy.choose_exchange``: the rows it saves against its routing
     entries, gate weights and two small collectives), from the plan's traffic and the agreed costs
     (measured at initialize, or ``hardware``'s), so every rank takes the same decision. Not the
     default: with measured costs the choice, hence the fp32 summation order, can differ between a

@@ -163,3 +163,33 @@ def test_one_rank_flow_equals_per_assignment_flow(K):
         out += [y.detach(), *torch.autograd.grad((y * g).sum(), [x, w])]
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_staged_hop_is_the_same_rows_in_destination_stage_order():
+    """A staged hop (a relay's last hop when both hops are chunked, ``moe/relay.py``) sends the same
+    distinct (row, destination) rows in the order (destination, stage, row), with each row's sent
+    rows in destination order as unstaged, and counts them per (destination, stage)."""
+    gen = torch.Generator().manual_seed(7)
+    T, K, D, A = 23, 3, 4, 3
+    dest_TK = torch.randint(-1, D, (T, K), generator=gen)
+    stage_T = torch.randint(0, A, (T, ), generator=gen)
+    stage_TK = torch.where(dest_TK == 0, A - 1, stage_T.unsqueeze(1))  # a row's stage may differ by destination
+    stage = lambda t, d: A - 1 if d == 0 else int(stage_T[t])  # noqa: E731
+    plain, staged = hop_tables(dest_TK, D), hop_tables(dest_TK, D, stage_TK=stage_TK, stages=A)
+    assert plain.stage_splits is None and staged.splits == plain.splits
+    dest_U = torch.repeat_interleave(torch.arange(D), torch.tensor(staged.splits))
+    key_U = [(int(d), stage(t, d), int(t)) for d, t in zip(dest_U, staged.token_U)]
+    assert key_U == sorted(key_U) and len(set(key_U)) == len(key_U)
+    assert sorted(key_U) == sorted((int(d), stage(t, d), int(t))
+                                   for d, t in zip(torch.repeat_interleave(torch.arange(D), torch.tensor(plain.splits)),
+                                                   plain.token_U))
+    want = torch.zeros(D, A, dtype=torch.long)
+    for d, s, _ in key_U:
+        want[d, s] += 1
+    assert torch.equal(staged.stage_splits, want)
+    for t in range(T):  # a row's sent rows: its distinct destinations in order, carrying its slots
+        sent = [int(u) for u in staged.uniq_TK[t] if u >= 0]
+        assert [int(dest_U[u]) for u in sent] == sorted({int(d) for d in dest_TK[t] if d >= 0})
+        assert all(int(staged.token_U[u]) == t for u in sent)
+        for u in sent:
+            assert torch.equal(staged.mask_UK[u], dest_TK[t] == dest_U[u])

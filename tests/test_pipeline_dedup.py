@@ -2,10 +2,10 @@
 gloo ranks: one row per (token, destination) crosses in the chunks, each chunk's received rows
 are expanded, computed and combined with their gate weights before the chunk returns.
 
-* The sharded layer over 1 and 2 logical nodes (two hops: the relay hop unchunked, the last hop
-  chunked; and one hop with ``hierarchical`` off), top-k 2 and 4 with experts crowded on few ranks
-  (co-located picks), degrees (2, 3) and (4, 1), tiny token counts (empty and one-row chunks),
-  re-materialization on one case, activation checkpointing on one: outputs, input gradients,
+* The sharded layer over 1 and 2 logical nodes (two hops, both chunked: ``moe/relay.py``; and one
+  hop with ``hierarchical`` off), top-k 2 and 4 with experts crowded on few ranks (co-located
+  picks), degrees (2, 3), (4, 1), (1, 3) and (3, 2), tiny token counts (empty and one-row chunks),
+  re-materialization on two cases, activation checkpointing on two: outputs, input gradients,
   gate-weight gradients and owned expert gradients equal the single-process layer (fp32 tight);
   the hidden-width rows that change rank in the forward are 2 x the hops' distinct (row,
   destination) pairs (dispatch and combine), fewer than one per assignment, and the layers'
@@ -34,6 +34,11 @@ CASES = [  # owners crowd experts on few ranks: a token often picks several expe
          layers=2, remat=True),
     dict(seed=5, E=8, K=4, owner=(0, 0, 0, 1, 2, 2, 3, 3), rpn=4, deg=(2, 3), tokens=(5, 8, 1, 2), act="gelu",
          layers=2, ckpt=True),
+    # two hops, both chunked (moe/relay.py): empty and one-row chunks, forward degree 1, checkpointing
+    dict(seed=6, E=8, K=4, owner=(0, 0, 0, 1, 1, 2, 3, 3), rpn=2, deg=(4, 1), tokens=(1, 0, 2, 1), act="swiglu"),
+    dict(seed=7, E=8, K=2, owner=(0, 1, 1, 1, 2, 2, 3, 0), rpn=2, deg=(1, 3), tokens=(6, 9, 4, 7), act="gelu"),
+    dict(seed=8, E=8, K=4, owner=(0, 0, 1, 1, 2, 2, 3, 3), rpn=2, deg=(3, 2), tokens=(5, 8, 1, 2), act="swiglu",
+         layers=2, ckpt=True, remat=True),
 ]
 TOL = dict(atol=2e-6, rtol=1e-5)  # fp32: only the summation order of identical products differs
 
@@ -108,6 +113,7 @@ def _worker(rank, world, cases):
         out.append(dict(y=y.detach(), x_grad=x.grad, gate_grads=[l.gate.weight.grad for l in layers],
                         owned=[(s.owned_E, s.master.grad.clone()) for s in shards], rows_sent=counter.rows,
                         sends=sends, hops=[len(r.hops) for r in routes],
+                        staged=[r.hops[-1].stage_splits is not None for r in routes],
                         degrees=[(l.last_stats["pipeline_degree_fwd"], l.last_stats["pipeline_degree_bwd"])
                                  for l in layers],
                         saved=[l.last_stats["a2a_bytes_saved"] for l in layers]))
@@ -167,6 +173,7 @@ def test_pipelined_one_copy_per_destination_matches_single_process():
             got, want = results[rank][ci], ref[rank]
             where = f"case {ci} (seed {case['seed']}, degrees {case['deg']}) rank {rank}"
             assert got["hops"] == [2 if two_hops else 1] * len(sums), where
+            assert got["staged"] == [two_hops] * len(sums), where  # both hops chunked (degrees are not (1, 1))
             assert got["degrees"] == [case["deg"]] * len(sums), where
             torch.testing.assert_close(got["y"], want["y"], **TOL, msg=where)
             torch.testing.assert_close(got["x_grad"], want["x_grad"], **TOL, msg=where)
@@ -194,12 +201,29 @@ def test_engine_pipelined_one_copy_per_destination_equals_degree_1():
             got = res[rank][name]
             degrees = {(s["pipeline_degree_fwd"], s["pipeline_degree_bwd"]) for it in got["layer_stats"] for s in it}
             assert degrees == {(3, 2)}, (name, degrees)
-            torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **tight)
-            for n, p in got["dense"].items():
-                torch.testing.assert_close(p, ref["dense"][n], **tight, msg=lambda m: f"{name} {n}: {m}")
-            for layer, (g, w) in enumerate(zip(got["experts"], ref["experts"])):
-                for n in w:
-                    torch.testing.assert_close(g[n], w[n], **tight, msg=lambda m: f"{name} layer {layer} {n}: {m}")
+            training.assert_same_training(got, ref, tol=tight, name=name)
         saved = [[s["a2a_bytes_saved"] for s in it] for it in res[rank]["d32"]["layer_stats"]]
         assert saved == [[s["a2a_bytes_saved"] for s in it] for it in ref["layer_stats"]]
         assert any(b > 0 for it in saved for b in it), saved  # rows were deduplicated in the chunks
+
+
+def test_engine_two_hops_chunked_equal_degree_1():
+    """4 ranks on 2 logical nodes (two hops; at degrees (3, 2) both chunked, ``moe/relay.py``),
+    SGD, 3 steps, gradients in the gaps and re-materialization on: losses and weights equal
+    degree 1 (the relay hop unchunked) in fp32."""
+    import training
+    from training import ds_config
+    world, steps = 4, 3
+    base = {"ranks_per_node": 2, "one_copy_per_destination": True, "grads_in_gaps": True, "rematerialize": True}
+    runs = {name: ds_config(world=world, zero=1, fssdp=dict(base, pipeline_degree=deg))
+            for name, deg in {"d1": 1, "d32": {"forward": 3, "backward": 2}}.items()}
+    res = spawn(world, training.train_worker, runs, steps)
+    tight = dict(rtol=1e-5, atol=1e-6)  # fp32, SGD with momentum: summation order only
+    for rank in range(world):
+        ref, got = res[rank]["d1"], res[rank]["d32"]
+        degrees = {(s["pipeline_degree_fwd"], s["pipeline_degree_bwd"]) for it in got["layer_stats"] for s in it}
+        assert degrees == {(3, 2)}, degrees
+        training.assert_same_training(got, ref, tol=tight)
+        saved = [s["a2a_bytes_saved_inter"] for it in got["layer_stats"] for s in it]
+        assert saved == [s["a2a_bytes_saved_inter"] for it in ref["layer_stats"] for s in it]
+        assert any(b > 0 for b in saved), saved  # tokens crossed to a node once

@@ -97,7 +97,8 @@ def test_relay_loads_hand_count():
     """Two hops (several nodes of several ranks, one copy per destination): relay_loads against a
     count token by token of the runtime's route: d -> the rank of each destination node with d's
     local index (distinct tokens per node), then inside the node to each destination (distinct
-    tokens per rank); rows whose relay is their destination land with the first hop."""
+    tokens per rank); rows whose relay is their destination land with the first hop. The local
+    rows (computed first) are d's own tokens on its experts."""
     rng = np.random.default_rng(0)
     for D, G, k in ((8, 4, 2), (8, 2, 4), (12, 3, 2)):
         t = rng.integers(0, 50, (D, D)).astype(float)
@@ -106,7 +107,7 @@ def test_relay_loads_hand_count():
         sent = t * distinct_fraction(t, k)
         to_node = np.stack([t[:, node == m].sum(1) for m in range(n)], 1)
         frac = distinct_fraction(to_node, k)
-        hop1, hop2, local = np.zeros((D, D)), np.zeros((D, D)), np.diag(t).copy()
+        hop1, hop2, landed_D = np.zeros((D, D)), np.zeros((D, D)), np.diag(t).copy()
         for d in range(D):
             for m in range(n):
                 if m != node[d]:
@@ -116,7 +117,7 @@ def test_relay_loads_hand_count():
                 if r != h:
                     hop2[r, h] += sent[d, h]
                 elif d != h:
-                    local[h] += t[d, h]
+                    landed_D[h] += t[d, h]
         out = np.array([hop1[node == m].sum() for m in range(n)])
         into = np.array([hop1[:, node == m].sum() for m in range(n)])
         assert all(ld.relay_bytes == pytest.approx(3.0 * max(out.max(), into.max())) for ld in loads)
@@ -125,26 +126,62 @@ def test_relay_loads_hand_count():
         assert all(node[r] == node[h] for r, h in zip(*np.nonzero(hop2)))
         assert all(ld.intra_bytes == pytest.approx(3.0 * max(hop2.sum(1).max(), hop2.sum(0).max())) for ld in loads)
         assert all(ld.inter_bytes == 0.0 for ld in loads)
-        assert [ld.local_rows for ld in loads] == pytest.approx(local)
+        assert [ld.local_rows for ld in loads] == pytest.approx(np.diag(t))
         assert [ld.local_rows + ld.remote_rows for ld in loads] == pytest.approx(t.sum(0))
         rank_D, node_n, crossing, landed = relay_traffic(t, ranks_per_node=G, top_k=k)  # per link
         assert rank_D == pytest.approx(np.maximum(hop2.sum(1), hop2.sum(0)))
         assert node_n == pytest.approx(np.maximum(out, into)) and crossing == pytest.approx(hop1.sum())
-        assert landed == pytest.approx(local)
+        assert landed == pytest.approx(landed_D)
 
 
-def test_relay_hop_runs_around_the_pipeline():
-    """The relay hop and its return are unchunked exchanges on the node link before and after the
-    pipeline inside the node, at every degree, with or without concurrency; the links carry them."""
+def _relay_events(r, x, g, c0, n):
+    """The two-hop schedule at degree n >= 2 as ``moe/relay.py``'s loop issues it: the local GEMM
+    (``c0``) first; per step t, relay chunk t + 1 (``r`` on the node link), chunk t's hop inside the
+    node (``x`` on the rank link) once its relay chunk has landed, chunk t - 1's GEMM (``g``) once
+    its hop has, its hop back, and chunk t - 2's relay return once its hop back has. Each resource
+    runs its operations in issue order."""
+    res = {"inter": 0.0, "intra": 0.0, "compute": c0}
+
+    def run(where, dur, ready):
+        res[where] = max(res[where], ready) + dur
+        return res[where]
+    R, I, C, J = {0: run("inter", r, 0.0)}, {}, {}, {}
+    for t in range(n + 2):
+        if t < n:
+            if t + 1 < n:
+                R[t + 1] = run("inter", r, 0.0)
+            I[t] = run("intra", x, R[t])
+        if 1 <= t <= n:
+            C[t - 1] = run("compute", g, I[t - 1])
+            J[t - 1] = run("intra", x, C[t - 1])
+        if t >= 2:
+            run("inter", r, J[t - 2])
+    return max(res["inter"], res["compute"])
+
+
+def test_relay_hop_chunked_with_the_pipeline():
+    """At degree 1 the relay hop and its return are unchunked exchanges on the node link around
+    the exchange inside the node. At degree n >= 2 both hops are chunked (``moe/relay.py``): the
+    local rows first, then each chunk through its relay hop, hop inside the node, GEMM, hop back
+    and relay return, in the runtime's issue order; serial costs: the sum of the parts.
+    The links carry n chunks each way. With a relay hop as long as the GEMM, chunking it is faster."""
     costs = ScheduleCosts(a2a_intra=Linear(1e-5, 1e-9), a2a_inter=Linear(2e-5, 4e-9), gemm=Linear(3e-5, 1e-6))
     serial = dataclasses.replace(costs, concurrent=False)
     base = LayerLoad(intra_bytes=4e5, inter_bytes=0.0, local_rows=300.0, remote_rows=900.0)
     relay = dataclasses.replace(base, relay_bytes=2e5)
-    hop = 2.0 * costs.a2a_inter(2e5)
     for c in (costs, serial):
+        for backward in (False, True):
+            f = c.backward_factor if backward else 1.0
+            assert pipeline_time(c, relay, 1, backward=backward) == pytest.approx(
+                pipeline_time(c, base, 1, backward=backward) + 2.0 * c.a2a_inter(2e5), rel=1e-12)
+            for n in (2, 3, 8):
+                r, x = c.a2a_inter(2e5 / n), c.a2a_intra(4e5 / n)
+                g, c0 = f * c.gemm(900.0 / n), f * c.gemm(300.0)
+                want = _relay_events(r, x, g, c0, n) if c.concurrent else 2.0 * n * (r + x) + n * g + c0
+                assert pipeline_time(c, relay, n, backward=backward) == pytest.approx(want, rel=1e-12), (n, backward)
         for n in (1, 2, 3, 8):
-            for backward in (False, True):
-                assert pipeline_time(c, relay, n, backward=backward) == pytest.approx(
-                    pipeline_time(c, base, n, backward=backward) + hop, rel=1e-12)
+            hop = 2.0 * c.a2a_inter(2e5) if n == 1 else 2.0 * n * c.a2a_inter(2e5 / n)
             assert link_busy(c, relay, n)[1] == pytest.approx(link_busy(c, base, n)[1] + hop, rel=1e-12)
             assert link_busy(c, relay, n)[0] == link_busy(c, base, n)[0]
+    even = dataclasses.replace(relay, relay_bytes=3e5)  # a relay hop about as long as the GEMM
+    assert pipeline_time(costs, even, 4) < 0.7 * pipeline_time(costs, even, 1)

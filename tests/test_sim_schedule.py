@@ -97,12 +97,14 @@ def test_layer_schedule_is_pipeline_time_of_the_groups_loads():
     assert serial.forward_B[0] + serial.backward_B[0] == pytest.approx(4 * x + moe, rel=1e-12)
     assert serial.moe_B[0] == pytest.approx(moe, rel=1e-12)
     assert lt.forward_B[0] + lt.backward_B[0] < 4 * x + moe
-    # Dedup shrinks the bytes, not the rows. Two nodes of two ranks: the runtime's two hops, the
-    # relay hop across nodes unchunked around the pipeline inside the node.
+    # Dedup shrinks the bytes, not the rows. Two nodes of two ranks: the runtime's two hops, at the
+    # degrees chosen for them (choose_degrees over relay_loads).
     dd = LayerSchedule(HW, SHAPE, ranks_per_node=G, top_k=2, options=ScheduleOptions()).layer(t)
     assert (dd.links.rows_BN == lt.links.rows_BN).all()
     relay = relay_loads(t[0], ranks_per_node=G, token_bytes=row, top_k=2)
     assert relay[0].relay_bytes > 0 and all(ld.inter_bytes == 0 for ld in relay)
+    deg = choose_degrees(costs, relay)
+    assert dd.degrees == [deg]
     over_f, over_b = one_copy_overhead_s(costs, t[0] * distinct_fraction(t[0], 2), ranks_per_node=G, top_k=2,
                                          weight_bytes=float(SHAPE.param_bytes), degrees=deg)
     assert dd.forward_B[0] == pytest.approx((pipeline_times(costs, relay, deg[0]) + over_f).max(), rel=1e-12)

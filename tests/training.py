@@ -101,7 +101,7 @@ def train_worker(rank, world, runs: dict, steps: int):
                 engine.fssdp.memory.reset_peak()
                 local_bytes.append([l.last_stats["replica_bytes_local"] for l in model.moe_layers()])
                 keys = ("shadowed", "calibration", "overlap_degree", "straggler", "pipeline_degree_fwd",
-                        "pipeline_degree_bwd", "a2a_bytes_saved", "one_copy")
+                        "pipeline_degree_bwd", "a2a_bytes_saved", "a2a_bytes_saved_inter", "one_copy")
                 layer_stats.append([{k: l.last_stats.get(k) for k in keys} for l in model.moe_layers()])
                 decisions.append([None if l.sharded.last_decision is None else
                                   (list(l.sharded.last_decision.degrees), l.sharded.last_decision.traffic_DD.tolist(),
@@ -200,6 +200,17 @@ def reference_train(cfg: dict, world: int, steps: int):
     dense = {n: p.detach().clone() for n, p in model.named_parameters()}
     experts = [layer_tensors(l) for l in model.moe_layers()]
     return losses, dense, experts, norms
+
+
+def assert_same_training(got: dict, want: dict, *, tol: dict, name: str = "") -> None:
+    """Two runs of :func:`train_worker` on one rank: the same losses, dense weights and expert
+    weights within ``tol``."""
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), **tol)
+    for n, p in got["dense"].items():
+        torch.testing.assert_close(p, want["dense"][n], **tol, msg=lambda m: f"{name} {n}: {m}")
+    for layer, (g, w) in enumerate(zip(got["experts"], want["experts"])):
+        for n in w:
+            torch.testing.assert_close(g[n], w[n], **tol, msg=lambda m: f"{name} layer {layer} {n}: {m}")
 
 
 def assert_matches_reference(per_rank: list, cfg: dict, *, world: int, steps: int, tol: dict, name: str) -> dict:

@@ -74,9 +74,14 @@ def hop_buffers(x_RH: torch.Tensor, w_RK: torch.Tensor, hop) -> tuple:
     """One hop's send buffers (``moe/dedup.Hop``): one row per (input row, destination) and its gate
     weights, which travel with it (with autograd), zero on the slots the row does not carry there."""
     dev = x_RH.device
-    token_U, uniq_TK = hop.token_U.to(dev), hop.uniq_TK.to(dev)
-    w_UK = torch.where(hop.mask_UK.to(dev), ops.permute_tokens(w_RK, token_U, uniq_TK), 0)
-    return ops.permute_tokens(x_RH, token_U, uniq_TK), w_UK
+    return ops.permute_tokens(x_RH, hop.token_U.to(dev), hop.uniq_TK.to(dev)), hop_weights(w_RK, hop)
+
+
+def hop_weights(w_RK: torch.Tensor, hop) -> torch.Tensor:
+    """A hop's gate weights in its send order (with autograd), zero on the slots a row does not
+    carry there."""
+    dev = w_RK.device
+    return torch.where(hop.mask_UK.to(dev), ops.permute_tokens(w_RK, hop.token_U.to(dev), hop.uniq_TK.to(dev)), 0)
 
 
 def exchange_with_weights(send_UH: torch.Tensor, w_UK: torch.Tensor, hop, exchange: Exchange) -> tuple:

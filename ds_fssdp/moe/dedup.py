@@ -53,6 +53,10 @@ class Hop:
     splits: list  # [D] rows sent to each rank
     recv_splits: list = field(default_factory=list)  # [D] rows received from each rank
     uniq_DD: torch.Tensor | None = None
+    # Staged (:func:`hop_tables` with ``stage_TK``): rows sent to each rank per stage (long [D, A],
+    # host) and, from the count all-gather, rows received from each rank per stage (long [D, A]).
+    stage_splits: torch.Tensor | None = None
+    recv_stage_splits: torch.Tensor | None = None
 
 
 @dataclass
@@ -88,16 +92,23 @@ def relay_of(dest_TK: torch.Tensor, rank: int, ranks_per_node: int) -> torch.Ten
     return torch.where(dest_TK >= 0, dest_TK // G * G + rank % G, -1)
 
 
-def hop_tables(dest_TK: torch.Tensor, num_ranks: int) -> Hop:
+def hop_tables(dest_TK: torch.Tensor, num_ranks: int, *, stage_TK: torch.Tensor | None = None,
+               stages: int = 1) -> Hop:
     """One row per distinct (input row, destination) of ``dest_TK`` (long [T, K], -1: no slot),
-    in the order (destination, input row)."""
+    in the order (destination, input row); with ``stage_TK`` (long [T, K] in [0, ``stages``), the
+    same for a row's slots to one destination: the sent row's stage, a relay's pipeline stage,
+    ``moe/relay.py``) in the order (destination, stage, input row), so a stage is one block per
+    destination (``Hop.stage_splits``)."""
     dev = dest_TK.device
     T, K = dest_TK.shape
     D = num_ranks
     valid = dest_TK >= 0
     t_TK = torch.arange(T, device=dev).unsqueeze(1).expand(T, K)
-    keys_U = torch.unique((dest_TK * T + t_TK)[valid], sorted=True)
-    token_U, dest_U = (keys_U % T, keys_U // T) if T else (keys_U, keys_U)
+    S = 1 if stage_TK is None else int(stages)
+    block_TK = dest_TK if stage_TK is None else dest_TK * S + stage_TK.to(dev)
+    keys_U = torch.unique((block_TK * T + t_TK)[valid], sorted=True)
+    token_U, block_U = (keys_U % T, keys_U // T) if T else (keys_U, keys_U)
+    dest_U = block_U // S
     U = keys_U.numel()
     mask_UK = dest_TK[token_U] == dest_U.unsqueeze(1)
     # An input row's sent rows in destination order: sort by (row, destination); j = rank within the row.
@@ -107,7 +118,10 @@ def hop_tables(dest_TK: torch.Tensor, num_ranks: int) -> Hop:
     j = torch.arange(U, device=dev) - (torch.cumsum(count_T, 0) - count_T)[tok_sorted]
     uniq_TK = torch.full((T, K), -1, dtype=torch.long, device=dev)
     uniq_TK[tok_sorted, j] = by_token
-    return Hop(token_U=token_U, uniq_TK=uniq_TK, mask_UK=mask_UK, splits=torch.bincount(dest_U, minlength=D).tolist())
+    hop = Hop(token_U=token_U, uniq_TK=uniq_TK, mask_UK=mask_UK, splits=torch.bincount(dest_U, minlength=D).tolist())
+    if stage_TK is not None:
+        hop.stage_splits = torch.bincount(block_U, minlength=D * S).view(D, S).cpu()
+    return hop
 
 
 def hop_entries(hop: Hop, *fields_TK: torch.Tensor) -> torch.Tensor:

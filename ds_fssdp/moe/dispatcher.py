@@ -10,9 +10,10 @@ rank's unique rows per destination (D ints each: the receive counts, which the p
 hold, and the group's bytes saved) and one all-to-all of the routing entries (K longs per unique
 row, 2K to a relay); the gate weights travel in :meth:`run`, as K more columns of the rows
 when they share the rows' dtype (``compute.exchange_with_weights``; else one more all-to-all per
-hop, and its backward; chunked, the last hop's weights cross unchunked first). With several nodes
-of several ranks (``ranks_per_node``) there are two hops: to the relay in the destination's node,
-then inside that node.
+hop, and its backward; chunked, the weights cross unchunked first). With several nodes of several
+ranks (``ranks_per_node``) there are two hops: to the relay in the destination's node, then inside
+that node; chunked, both hops pipeline (``moe/relay.py``: :meth:`route` stages the last hop by
+the relay rows' atoms, and its count all-gather carries D x (A + 1) ints).
 
 The route is split around the plan: :meth:`group` (the assignments grouped by expert) needs no
 plan and runs before the count all-gather; :meth:`route` cuts it by the plan afterwards.
@@ -24,8 +25,9 @@ import torch
 from ds_fssdp.comm import all_gather_counts, all_to_all
 from ds_fssdp.moe.compute import dispatch_compute_combine, dispatch_compute_combine_dedup
 from ds_fssdp.moe.dedup import DedupRoute, hop_entries, hop_tables, receive_tables, relay_of, slot_targets
-from ds_fssdp.moe.pipeline import (pipelined_dispatch_compute_combine,
+from ds_fssdp.moe.pipeline import (atom_cuts, atom_of_rows, pipelined_dispatch_compute_combine,
                                    pipelined_dispatch_compute_combine_dedup)
+from ds_fssdp.moe.relay import relay_dispatch_compute_combine
 from ds_fssdp.moe.routing import expert_order, route
 from ds_fssdp.planner.plan import DispatchPlan
 
@@ -55,9 +57,12 @@ class TokenDispatcher:
         """tokens_ED: every rank's counts per expert (the one synchronisation the plan needs)."""
         return all_gather_counts(counts_E, self.group)
 
-    def route(self, idx_TK: torch.Tensor, plan, *, local_E: torch.Tensor, grouped=None, dedup: bool | None = None):
+    def route(self, idx_TK: torch.Tensor, plan, *, local_E: torch.Tensor, grouped=None, dedup: bool | None = None,
+              degrees: tuple = (1, 1)):
         """A :class:`~ds_fssdp.moe.routing.Route`, or with ``dedup`` (None: the dispatcher's) a
-        :class:`DedupRoute` (collective: every rank of the group calls it, with the same ``dedup``)."""
+        :class:`DedupRoute` (collective: every rank of the group calls it, with the same ``dedup``
+        and ``degrees``). Two hops at ``degrees`` other than (1, 1) stage the last hop by the relay
+        rows' atoms (``moe/relay.py``: both hops chunked)."""
         r = route(idx_TK, plan, rank=self.rank, local_E=local_E, grouped=grouped)
         if not (self.dedup if dedup is None else dedup):
             return r
@@ -70,9 +75,23 @@ class TokenDispatcher:
         two_hops = 1 < G < D
         hop_dest_TK = relay_of(dest_TK, self.rank, G) if two_hops else dest_TK
         hops = []
+        cuts = atom_cuts(*degrees) if two_hops and tuple(degrees) != (1, 1) else None
         for last in ((False, True) if two_hops else (True, )):
-            hop = hop_tables(hop_dest_TK, D)
-            hop.uniq_DD = all_gather_counts(torch.tensor(hop.splits, dtype=torch.long, device=dev), self.group).t()
+            if last and cuts is not None:  # stages: a relay row's atom in its source's block; A: local
+                A = len(cuts) - 1
+                relay_splits = hops[0].recv_splits
+                own_T = torch.zeros(sum(relay_splits), dtype=torch.bool)
+                own_T[sum(relay_splits[:self.rank]):sum(relay_splits[:self.rank + 1])] = True
+                own_TK = own_T.to(dev).unsqueeze(1) & (hop_dest_TK == self.rank)  # this rank's own rows
+                stage_TK = torch.where(own_TK, A, atom_of_rows(relay_splits, cuts).to(dev).unsqueeze(1))
+                hop = hop_tables(hop_dest_TK, D, stage_TK=stage_TK, stages=A + 1)
+                counts_DDA = all_gather_counts(hop.stage_splits.flatten().to(dev), self.group).t().view(D, D, A + 1)
+                hop.uniq_DD = counts_DDA.sum(2)
+                hop.recv_stage_splits = counts_DDA[:, self.rank]
+            else:
+                hop = hop_tables(hop_dest_TK, D)
+                hop.uniq_DD = all_gather_counts(torch.tensor(hop.splits, dtype=torch.long, device=dev),
+                                                self.group).t()
             hop.recv_splits = hop.uniq_DD[:, self.rank].tolist()
             fields = (pos_TK, ) if last else (dest_TK, pos_TK)  # a relay needs the final destinations
             hops.append(hop)
@@ -93,7 +112,12 @@ class TokenDispatcher:
                       degrees: tuple) -> torch.Tensor:
         """:meth:`run` with the exchange chunked at ``degrees`` (forward, backward) and pipelined
         with the expert compute (``moe/pipeline.py``); a :class:`DedupRoute` sends one row per
-        (token, destination) in the chunks (its relay hop, if any, unchunked first)."""
+        (token, destination) in the chunks (two hops: both chunked, ``moe/relay.py``, the route
+        staged at the same ``degrees``)."""
+        if isinstance(r, DedupRoute) and len(r.hops) == 2:  # two hops, both chunked
+            return relay_dispatch_compute_combine(x_TH, weights_TK, r, experts=experts, degrees=degrees,
+                                                  groups=self.exchange, rank=self.rank, world=self.world,
+                                                  exchange=self._exchange)
         if isinstance(r, DedupRoute):
             return pipelined_dispatch_compute_combine_dedup(x_TH, weights_TK, r, experts=experts, degrees=degrees,
                                                             groups=self.exchange, rank=self.rank, world=self.world,

@@ -27,10 +27,12 @@ per expert, f / b the forward / backward degrees.
   ``source.replica_grad_ready`` once.
 
 * **One copy per destination** (:func:`pipelined_dispatch_compute_combine_dedup`): the chunks
-  carry the last hop's unique rows (one per (token, destination)); a relay hop, if any, runs
-  unchunked before (its return after); the gate weights cross once per hop, unchunked, with
-  autograd; each unit expands its received rows, computes and combines them with their weights
-  (``compute.expand_received`` / ``combine_received``) before its combine exchange.
+  carry the unique rows (one per (token, destination)); the gate weights cross once, unchunked,
+  with autograd; each unit expands its received rows, computes and combines them with their
+  weights (``compute.expand_received`` / ``combine_received``) before its combine exchange. Two
+  hops across nodes run both hops chunked through the same Function with a
+  :class:`~ds_fssdp.moe.relay.RelayPlan` (``moe/relay.py``): any plan with ``degrees``, ``units``,
+  ``recv_splits`` and ``run``.
 
 Degree (1, 1) is not this module: the layer runs ``compute.dispatch_compute_combine`` (or its
 ``_dedup`` form) unchanged.
@@ -47,7 +49,7 @@ import torch
 from deepspeed import comm as dist
 
 from ds_fssdp import ops
-from ds_fssdp.moe.compute import combine_received, exchange_with_weights, expand_received, hop_buffers
+from ds_fssdp.moe.compute import combine_received, expand_received, hop_buffers
 from ds_fssdp.ops.lora import LoraFactors
 
 
@@ -76,6 +78,25 @@ def cut(n: int, q: Fraction) -> int:
     return n * q.numerator // q.denominator
 
 
+def atom_of_rows(splits: list, cuts: list) -> torch.Tensor:
+    """The atom of every row of consecutive blocks of ``splits`` rows (long [sum], host): row j of
+    a block of n rows is in atom a where ``cut(n, cuts[a]) <= j < cut(n, cuts[a + 1])``."""
+    m_D = torch.tensor([int(n) for n in splits], dtype=torch.long)
+    num = torch.tensor([q.numerator for q in cuts[1:]], dtype=torch.long)
+    den = torch.tensor([q.denominator for q in cuts[1:]], dtype=torch.long)
+    cuts_DA = torch.div(m_D[:, None] * num[None, :], den[None, :], rounding_mode="floor")  # [D, A]
+    src_R = torch.repeat_interleave(torch.arange(len(m_D)), m_D)
+    j_R = torch.arange(src_R.numel()) - (torch.cumsum(m_D, 0) - m_D)[src_R]
+    return torch.searchsorted(cuts_DA[src_R], j_R[:, None], right=True).squeeze(1)
+
+
+def chunk_atoms(cuts: list, degree: int, i: int) -> tuple:
+    """Chunk i (0-based) of ``degree`` over the atoms between ``cuts``: its fractions (q0, q1) and
+    its atoms."""
+    q0, q1 = Fraction(i, degree), Fraction(i + 1, degree)
+    return q0, q1, [a for a in range(len(cuts) - 1) if cuts[a] >= q0 and cuts[a + 1] <= q1]
+
+
 class ChunkPlan:
     """The cuts of one dispatch (this rank's view), computed once per forward on the host.
 
@@ -96,16 +117,10 @@ class ChunkPlan:
         self.send_off = _offsets(self.send_splits)
         self.recv_off = _offsets(self.recv_splits)
         A, S = len(self.cuts) - 1, len(group_sizes)
-        # Unit of every received row: its atom (where its index in the pair's block falls between
-        # the pair's cuts), A for the local rows (source == this rank).
-        m_D = torch.tensor(self.recv_splits, dtype=torch.long)
-        num = torch.tensor([q.numerator for q in self.cuts[1:]], dtype=torch.long)
-        den = torch.tensor([q.denominator for q in self.cuts[1:]], dtype=torch.long)
-        cuts_DA = torch.div(m_D[:, None] * num[None, :], den[None, :], rounding_mode="floor")  # [D, A]
-        src_R = torch.repeat_interleave(torch.arange(len(m_D)), m_D)
-        j_R = torch.arange(src_R.numel()) - torch.tensor(self.recv_off, dtype=torch.long)[src_R]
-        unit_R = torch.searchsorted(cuts_DA[src_R], j_R[:, None], right=True).squeeze(1)
-        unit_R[src_R == rank] = A
+        # Unit of every received row: its atom, A for the local rows (source == this rank).
+        unit_R = atom_of_rows(self.recv_splits, self.cuts)
+        lo, hi = self.local("recv")
+        unit_R[lo:hi] = A
         slot_C = torch.repeat_interleave(torch.arange(S), torch.tensor(group_sizes, dtype=torch.long))
         if expand is not None:
             self.units = _expanded_units(unit_R, slot_C, *expand, A=A, S=S, device=device)
@@ -123,9 +138,12 @@ class ChunkPlan:
 
     def chunk(self, degree: int, i: int) -> tuple:
         """Chunk i (0-based) of ``degree``: its fractions (q0, q1) and its atoms."""
-        q0, q1 = Fraction(i, degree), Fraction(i + 1, degree)
-        atoms = [a for a in range(len(self.cuts) - 1) if self.cuts[a] >= q0 and self.cuts[a + 1] <= q1]
-        return q0, q1, atoms
+        return chunk_atoms(self.cuts, degree, i)
+
+    def run(self, degree: int, groups: ExchangeGroups, world: int, src_RH: torch.Tensor, recv_RH: torch.Tensor,
+            back_recv_RH: torch.Tensor, back_sent_RH: torch.Tensor, work) -> None:
+        """One direction of the schedule (:func:`run_chunks`)."""
+        run_chunks(self, degree, groups, world, src_RH, recv_RH, back_recv_RH, back_sent_RH, work)
 
     def ranges(self, side: str, q0: Fraction, q1: Fraction) -> list:
         """Rows ``[lo, hi)`` of each peer's block between fractions q0 and q1 (None for this rank),
@@ -187,14 +205,17 @@ class _Pending:
 
 
 def start_exchange(groups: ExchangeGroups, rank: int, world: int, src: torch.Tensor, src_ranges: list,
-                   dst_ranges: list) -> _Pending:
+                   dst_ranges: list, *, links: tuple = ("intra", "inter")) -> _Pending:
     """Send ``src[src_ranges[d]]`` to every peer d, receive ``dst_ranges[d]``'s rows from it
-    (asynchronous, through deepspeed.comm): one all-to-all per link class, every rank joins each."""
+    (asynchronous, through deepspeed.comm): one all-to-all per link class of ``links``, every rank
+    joins each (a class left out must carry nothing)."""
     G = groups.ranks_per_node if groups.inter is not None else world
     node = rank // G
     parts = []
-    link_peers = [(groups.intra, list(range(node * G, node * G + G)), lambda d: True)]
-    if groups.inter is not None:
+    link_peers = []
+    if "intra" in links or groups.inter is None:  # one group: it carries every link class
+        link_peers.append((groups.intra, list(range(node * G, node * G + G)), lambda d: True))
+    if groups.inter is not None and "inter" in links:
         link_peers.append((groups.inter, list(range(world)), lambda d: d // G != node))
     empty = (0, 0)
     for group, peers, remote in link_peers:
@@ -345,7 +366,7 @@ class PipelinedExperts(torch.autograd.Function):
         # hooks would otherwise replace them; its recompute replays the whole Function instead).
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), torch.set_grad_enabled(keep):
             fn, weights, lora_leaves = experts.build(leaves, replica)
-            run_chunks(plan, f, groups, world, send_RH, x_recv, y_recv, y_sent,
+            plan.run(f, groups, world, send_RH, x_recv, y_recv, y_sent,
                        lambda units: [compute(u) for u in units])
         # Under RM nothing here may keep the replicas alive until the backward (the weights' views
         # hold a copy of them, ``experts.replica`` is the forward's buffer).
@@ -410,7 +431,7 @@ class PipelinedExperts(torch.autograd.Function):
                 if g is not None:
                     sums[j] = g if sums[j] is None else sums[j] + g
 
-        run_chunks(plan, b, groups, world, dy_sent, dy_recv, dx_recv, dx_send, grads)
+        plan.run(b, groups, world, dy_sent, dy_recv, dx_recv, dx_send, grads)
         # Weight gradients: named [S + R, ...] sums -> rows; LoRA leaves as they are.
         by_target = {id(t): g for t, g in zip(targets, sums)}
         named = {n: (by_target.get(id(t)) if by_target.get(id(t)) is not None else torch.zeros_like(t))
@@ -454,31 +475,22 @@ def pipelined_dispatch_compute_combine(x_TH: torch.Tensor, weights_TK: torch.Ten
 def pipelined_dispatch_compute_combine_dedup(x_TH: torch.Tensor, weights_TK: torch.Tensor, droute, *,
                                              experts: PipelineExperts, degrees: tuple, groups: ExchangeGroups,
                                              rank: int, world: int, exchange) -> torch.Tensor:
-    """``compute.dispatch_compute_combine_dedup`` with the last hop chunked at ``degrees``: one row
-    per (token, destination) crosses in the chunks. With two hops (``droute.hops``: to the relay
-    in the destination's node, then inside it) the relay hop runs unchunked first through
-    ``exchange`` (the whole group's all-to-all, with autograd; the gate weights ride with the rows,
-    ``compute.exchange_with_weights``), as its return does last; the last
-    hop's rows go through :class:`PipelinedExperts` with their receiver's tables. The gate weights
-    of the last hop's rows (zero on the slots a row does not carry there) cross in one unchunked
-    all-to-all (K values per row, with autograd) before the chunks; the receiver applies
-    them per unit, so the return carries one row per received row and each hop's sender sums a
-    token's partial rows over its destinations (destination order)."""
+    """``compute.dispatch_compute_combine_dedup`` over one hop chunked at ``degrees``: one row per
+    (token, destination) crosses in the chunks, through :class:`PipelinedExperts` with the
+    receiver's tables (two hops: ``moe/relay.py``). The gate weights of the sent rows (zero on the
+    slots a row does not carry there) cross in one unchunked all-to-all (K values per row, with
+    autograd) before the chunks; the receiver applies them per unit, so the return carries one row
+    per received row and the sender sums a token's partial rows over its destinations
+    (destination order)."""
     dev = x_TH.device
-    x_RH, w_RK = x_TH, weights_TK
-    *relay_hops, last = droute.hops
-    for hop in relay_hops:
-        x_RH, w_RK = exchange_with_weights(*hop_buffers(x_RH, w_RK, hop), hop, exchange)
-    send_UH, w_UK = hop_buffers(x_RH, w_RK, last)
-    w_recv_UK = exchange(w_UK, last.recv_splits, last.splits)
-    plan = ChunkPlan(rank=rank, degrees=degrees, send_splits=last.splits, recv_splits=last.recv_splits,
+    (hop, ) = droute.hops
+    send_UH, w_UK = hop_buffers(x_TH, weights_TK, hop)
+    w_recv_UK = exchange(w_UK, hop.recv_splits, hop.splits)
+    plan = ChunkPlan(rank=rank, degrees=degrees, send_splits=hop.splits, recv_splits=hop.recv_splits,
                      group_perm=None, group_sizes=droute.route.group_sizes, device=dev,
                      expand=(droute.rows_UK, droute.token_C))
     tensors = experts.inputs()
     record = torch.is_grad_enabled() and (send_UH.requires_grad or w_recv_UK.requires_grad
                                           or any(t.requires_grad for t in tensors))
     out_RH = PipelinedExperts.apply(send_UH, w_recv_UK, plan, experts, groups, world, record, *tensors)
-    out_RH = ops.unpermute_combine(out_RH, last.uniq_TK.to(dev))
-    for hop in reversed(relay_hops):
-        out_RH = ops.unpermute_combine(exchange(out_RH, hop.splits, hop.recv_splits), hop.uniq_TK.to(dev))
-    return out_RH
+    return ops.unpermute_combine(out_RH, hop.uniq_TK.to(dev))

@@ -55,8 +55,8 @@ from ds_fssdp.moe.timing import LayerTimings
 from ds_fssdp.planner import LoadPredictor, PolicyConfig, make_policy
 from ds_fssdp.planner.baselines import Clock, LayerPlan
 from ds_fssdp.planner.layer import LayerPlanner
-from ds_fssdp.planner.onecopy import INDEX_BYTES, choose_one_copy
-from ds_fssdp.planner.schedule import ScheduleCosts, choose_degrees, loads_from_traffic, overlap_window
+from ds_fssdp.planner.onecopy import INDEX_BYTES, choose_exchange
+from ds_fssdp.planner.schedule import ScheduleCosts, overlap_window
 from ds_fssdp.topology import Topology
 
 __all__ = ["ShardedExperts", "ShardOptions", "StepContext", "Decision", "ReplicaMemory", "chain", "decision_arrays"]
@@ -70,7 +70,7 @@ class ShardOptions:
     hierarchical: bool = True  # topology-aware (two-phase) sparse collectives across nodes
     one_copy_per_destination: bool | str = True  # a token crosses to a rank once (moe/dedup.py); with
     # hierarchical and several nodes: to a node once, forwarded inside it; "auto": per layer and step
-    # where the schedule's costs say it pays (planner.onecopy.choose_one_copy)
+    # where the schedule's costs say it pays (planner.onecopy.choose_exchange)
 
 
 @dataclass(frozen=True)
@@ -283,10 +283,10 @@ class ShardedExperts:
         plan = ctx.planner.dispatch(lp, tokens_ED)
         token_bytes = x_TH.shape[1] * x_TH.element_size()
         traffic_DD = functools.cache(lambda: plan.traffic_DD().numpy())  # what "auto" decides from, once
-        degrees = self._degrees(ctx, traffic_DD, token_bytes)
-        one_copy = self._one_copy(ctx, traffic_DD, token_bytes=token_bytes, top_k=idx_TK.shape[1],
-                                  weight_bytes=weights_TK.element_size(), degrees=degrees)
-        r = self.dispatcher.route(idx_TK, plan, local_E=layout.local_E, grouped=grouped, dedup=one_copy)
+        degrees, one_copy = self._exchange(ctx, traffic_DD, token_bytes=token_bytes, top_k=idx_TK.shape[1],
+                                           weight_bytes=weights_TK.element_size())
+        r = self.dispatcher.route(idx_TK, plan, local_E=layout.local_E, grouped=grouped, dedup=one_copy,
+                                  degrees=degrees)
         grad = torch.is_grad_enabled()
         # A forward that a backward may follow (or recompute, under checkpointing) is recorded.
         record = grad or observe
@@ -344,22 +344,6 @@ class ShardedExperts:
         return self._run(x_TH, weights_TK, it.route, replica_RP, remat=it.remat, local_E=it.layout.local_E,
                          degrees=it.degrees)
 
-    def _degrees(self, ctx: StepContext, traffic_DD, token_bytes: int) -> tuple:
-        """(forward, backward) pipeline degrees: the context's, or under "auto" the schedule's
-        choice on the agreed costs and the loads of this plan's traffic (``traffic_DD()``; the same
-        on every rank). The loads are the plan's rows per assignment, not the fewer bytes one copy
-        per destination sends: what every rank, the simulators and a recorded trace know alike."""
-        pd = ctx.pipeline_degree
-        if pd != "auto":
-            return (int(pd[0]), int(pd[1]))
-        if ctx.schedule_costs is None:
-            return (1, 1)
-        costs = ctx.schedule_costs
-        rpn = self.topology.ranks_per_node
-        loads = loads_from_traffic(traffic_DD(), ranks_per_node=rpn, token_bytes=token_bytes) \
-            if costs.concurrent else []  # not concurrent: degree 1 whatever the loads (choose_degrees)
-        return tuple(int(d) for d in choose_degrees(costs, loads))
-
     def _other_bytes(self, early_next: bool) -> tuple:
         """Bytes of the replicas' collectives in flight during this layer's timed forward and
         backward (``planner.schedule.LayerLoad.other_*_bytes``; units of ``LayerTimings.link_bytes``):
@@ -383,19 +367,20 @@ class ShardedExperts:
                                                  self.next.expert_bytes), 0.0, 0.0)
         return (0.0, 0.0, 0.0, 0.0)
 
-    def _one_copy(self, ctx: StepContext, traffic_DD, *, token_bytes: int, top_k: int, weight_bytes: int,
-                  degrees: tuple) -> bool:
-        """One copy per destination this iteration: the option's, or under "auto" the schedule's
-        choice (``choose_one_copy``) on the agreed costs and this plan's traffic (``traffic_DD()``)
-        at ``degrees`` (the same on every rank; without costs, on)."""
-        opt = self.options.one_copy_per_destination
-        if opt != "auto":
-            return bool(opt)
-        if ctx.schedule_costs is None:
-            return True
-        return choose_one_copy(ctx.schedule_costs, traffic_DD(), ranks_per_node=self.topology.ranks_per_node,
-                               token_bytes=token_bytes, top_k=top_k, weight_bytes=weight_bytes, degrees=tuple(degrees),
-                               relay=self.options.hierarchical)
+    def _exchange(self, ctx: StepContext, traffic_DD, *, token_bytes: int, top_k: int, weight_bytes: int) -> tuple:
+        """((forward, backward) pipeline degrees, one copy per destination) this iteration: the
+        options' where fixed; what is "auto" the schedule's choice (``onecopy.choose_exchange``) on
+        the agreed costs and this plan's traffic (``traffic_DD()``), priced as the exchange that
+        runs (two hops where they run), the same on every rank. Without costs: degree 1 and one
+        copy on."""
+        pd, opt = ctx.pipeline_degree, self.options.one_copy_per_destination
+        fixed = None if pd == "auto" else (int(pd[0]), int(pd[1]))
+        if ctx.schedule_costs is None or (fixed is not None and opt != "auto"):
+            return (fixed or (1, 1)), (True if opt == "auto" else bool(opt))
+        G = self.topology.ranks_per_node
+        return choose_exchange(ctx.schedule_costs, traffic_DD(), ranks_per_node=G, token_bytes=token_bytes, top_k=top_k,
+                               weight_bytes=weight_bytes, one_copy=opt, degrees=fixed,
+                               relay=self.options.hierarchical and 1 < G < self.topology.num_ranks)
 
     def _run(self, x_TH, weights_TK, r, replica_RP, *, remat: bool, local_E, degrees: tuple,
              other=None) -> torch.Tensor:

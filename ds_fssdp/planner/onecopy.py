@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds_fssdp.planner.schedule import (LayerLoad, ScheduleCosts, _by_link, _exchange, _lin, loads_from_traffic,
-                                      pipeline_times)
+from ds_fssdp.planner.schedule import (MAX_DEGREE, LayerLoad, ScheduleCosts, _by_link, _exchange, _lin,
+                                      choose_degrees, loads_from_traffic, pipeline_times)
 
 INDEX_BYTES = 8  # a routing entry (long)
 
@@ -65,27 +65,54 @@ def one_copy_overhead_s(costs: ScheduleCosts, sent_DD, *, ranks_per_node: int, t
 
 def choose_one_copy(costs: ScheduleCosts, traffic_DD, *, ranks_per_node: int, token_bytes: float, top_k: int,
                     weight_bytes: float, degrees: tuple, relay: bool = False) -> bool:
-    """Whether one copy per destination makes the layer faster at ``degrees``: the slowest rank's
-    forward + backward (:func:`pipeline_times`) with the rows it sends (``traffic_DD`` times
-    :func:`distinct_fraction`) and :func:`one_copy_overhead_s`, against with every row (the same
-    on every rank: the plan's traffic and the agreed costs). ``relay``: one copy per destination
-    runs as two hops across nodes (``topology_aware``): priced by :func:`relay_loads`."""
-    if top_k <= 1:
-        return False  # nothing to share a destination
-    traffic = np.asarray(traffic_DD, dtype=np.float64)
-    sent = traffic * distinct_fraction(traffic, top_k)
-    plain = loads_from_traffic(traffic, ranks_per_node=ranks_per_node, token_bytes=token_bytes)
-    if relay:
-        fewer = relay_loads(traffic, ranks_per_node=ranks_per_node, token_bytes=token_bytes, top_k=top_k, sent_DD=sent)
-    else:
-        fewer = loads_from_traffic(traffic, ranks_per_node=ranks_per_node, token_bytes=token_bytes, sent_DD=sent)
-    over_f, over_b = one_copy_overhead_s(costs, sent, ranks_per_node=ranks_per_node, top_k=top_k,
-                                         weight_bytes=weight_bytes, degrees=degrees)
+    """Whether one copy per destination makes the layer faster at fixed ``degrees``
+    (:func:`choose_exchange`'s choice with the degrees given)."""
+    return choose_exchange(costs, traffic_DD, ranks_per_node=ranks_per_node, token_bytes=token_bytes, top_k=top_k,
+                           weight_bytes=weight_bytes, one_copy="auto", relay=relay, degrees=degrees)[1]
 
-    def layer(loads, extra_f=0.0, extra_b=0.0):
-        return float((pipeline_times(costs, loads, degrees[0]) + extra_f
-                      + pipeline_times(costs, loads, degrees[1], backward=True) + extra_b).max())
-    return layer(fewer, over_f, over_b) < layer(plain)
+
+def choose_exchange(costs: ScheduleCosts, traffic_DD, *, ranks_per_node: int, token_bytes: float, top_k: int,
+                    weight_bytes: float, one_copy, relay: bool, degrees: tuple | None = None,
+                    max_degree: int = MAX_DEGREE) -> tuple:
+    """The layer's token exchange, for every rank at once: ``((forward, backward) degrees, one copy
+    per destination)``, from the plan's ``traffic_DD`` and the agreed costs (the runtime, both
+    simulators and a recorded trace decide alike).
+
+    ``one_copy``: True, False, or "auto" (both priced; taken only where strictly faster).
+    ``relay``: one copy per destination runs as two hops across nodes (``topology_aware``), priced
+    by :func:`relay_loads`; else one hop with the rows :func:`distinct_fraction` estimates. For
+    each candidate, each direction's degree minimises the slowest rank's
+    :func:`~ds_fssdp.planner.schedule.pipeline_times` over the loads of the exchange that would run
+    (``degrees`` given: those), and the candidates compare on forward + backward with
+    :func:`one_copy_overhead_s`. k = 1 never takes one copy under "auto" (nothing to share)."""
+    traffic = np.asarray(traffic_DD, dtype=np.float64)
+    if one_copy == "auto":
+        candidates = [False, True] if top_k > 1 else [False]
+    else:
+        candidates = [bool(one_copy)]
+    best = None
+    for c in candidates:
+        over_f = over_b = 0.0
+        if c:
+            sent = traffic * distinct_fraction(traffic, top_k)
+            if relay:
+                loads = relay_loads(traffic, ranks_per_node=ranks_per_node, token_bytes=token_bytes, top_k=top_k,
+                                    sent_DD=sent)
+            else:
+                loads = loads_from_traffic(traffic, ranks_per_node=ranks_per_node, token_bytes=token_bytes,
+                                           sent_DD=sent)
+        else:
+            loads = loads_from_traffic(traffic, ranks_per_node=ranks_per_node, token_bytes=token_bytes)
+        deg = tuple(degrees) if degrees is not None else choose_degrees(costs, list(dict.fromkeys(loads)),
+                                                                        max_degree=max_degree)
+        if c:
+            over_f, over_b = one_copy_overhead_s(costs, sent, ranks_per_node=ranks_per_node, top_k=top_k,
+                                                 weight_bytes=weight_bytes, degrees=deg)
+        layer = float((pipeline_times(costs, loads, deg[0]) + over_f
+                       + pipeline_times(costs, loads, deg[1], backward=True) + over_b).max())
+        if best is None or layer < best[0]:
+            best = (layer, (int(deg[0]), int(deg[1])), c)
+    return best[1], best[2]
 
 
 def relay_loads(traffic_DD, *, ranks_per_node: int, token_bytes: float, top_k: int, sent_DD=None,
@@ -97,8 +124,7 @@ def relay_loads(traffic_DD, *, ranks_per_node: int, token_bytes: float, top_k: i
 
     * ``relay_bytes`` (every rank's): the busiest node link's relay hop;
     * ``intra_bytes``: the busiest rank link's hop inside the node, ``inter_bytes`` 0;
-    * ``local_rows``: d's own tokens on its experts and the rows whose relay is their destination
-      (they land with the relay hop); ``remote_rows`` the rest it computes.
+    * ``local_rows``: d's own tokens on its experts (computed first); ``remote_rows`` the rest.
 
     One node, or one rank per node: :func:`loads_from_traffic` of the one-hop one copy. ``sent_DD``:
     ``traffic_DD`` times its :func:`distinct_fraction`, and ``routed``: its :func:`relay_traffic`,
@@ -112,9 +138,9 @@ def relay_loads(traffic_DD, *, ranks_per_node: int, token_bytes: float, top_k: i
         return loads_from_traffic(t, ranks_per_node=G, token_bytes=token_bytes, sent_DD=sent)
     if routed is None:
         routed = relay_traffic(t, ranks_per_node=G, top_k=top_k, sent_DD=sent)
-    rank_D, node_n, _, local = routed
+    rank_D, node_n = routed[:2]
     intra, relay = float(rank_D.max()) * token_bytes, float(node_n.max()) * token_bytes
-    rows_D = t.sum(0)
+    rows_D, local = t.sum(0), np.diagonal(t)
     return [LayerLoad(intra_bytes=intra, inter_bytes=0.0, local_rows=float(local[d]),
                       remote_rows=float(rows_D[d] - local[d]), relay_bytes=relay) for d in range(D)]
 

@@ -24,10 +24,16 @@ work (input and weight gradients).
 
 Two hops (one copy per destination with several nodes of several ranks and ``topology_aware``:
 ``moe/dispatcher.py``): a token crosses to a node once, to the relay there with its source's local
-index, which forwards it inside the node. The runtime sends that relay hop unchunked before the
-pipeline and its return after it (``moe/pipeline.py``), so the pipeline above runs over the hop
-inside the node alone (``LayerLoad.inter_bytes`` 0) and each direction adds the relay hop twice
-(``LayerLoad.relay_bytes``, the busiest node link's; :func:`~ds_fssdp.planner.onecopy.relay_loads`).
+index, which forwards it inside the node (``LayerLoad.relay_bytes``, the busiest node link's relay
+hop; ``intra_bytes`` the busiest rank link's hop inside the node; ``inter_bytes`` 0;
+``local_rows`` the rank's own tokens on its experts;
+:func:`~ds_fssdp.planner.onecopy.relay_loads`). At degree 1 the relay hop runs before the layer's
+exchange inside the node and its return after it. At degree n >= 2 both hops are chunked
+(``moe/relay.py``): the local rows are computed first; each chunk j then flows through its relay
+hop (node link), its hop inside the node (rank link), its GEMM, its hop back and its relay return,
+each waiting for the one before; the links and the compute each run their operations in the
+order the runtime issues them (:func:`relay_order`: chunk j + 1's hops are issued before chunk j
+is computed).
 
 Other traffic in the layer's span (``LayerLoad.other_*_bytes``): collectives that are not the
 layer's token exchange but are in flight while a direction runs. In the runtime's schedule: during
@@ -115,8 +121,8 @@ class LayerLoad:
     other_fwd_inter_bytes: float = 0.0
     other_bwd_intra_bytes: float = 0.0
     other_bwd_inter_bytes: float = 0.0
-    # Two hops (module docstring): the relay hop's bytes on the busiest node link, sent unchunked
-    # before the pipeline (its return after it) in each direction; 0: one hop.
+    # Two hops (module docstring): the relay hop's bytes on the busiest node link in each
+    # direction; 0: one hop.
     relay_bytes: float = 0.0
 
 
@@ -133,8 +139,55 @@ def pipeline_times(costs: ScheduleCosts, loads: list, degree: int, *, backward: 
         raise ValueError(f"pipeline degree ({degree}) must be >= 1")
     a = np.array([(ld.intra_bytes, ld.inter_bytes, ld.local_rows, ld.remote_rows, ld.relay_bytes) for ld in loads],
                  dtype=np.float64).reshape(-1, 5)
-    relay_s = 2.0 * _lin(costs.a2a_inter, a[:, 4])  # the relay hop and its return, around the pipeline
-    return _one_hop_times(costs, loads, a[:, :4], degree, backward) + relay_s
+    relay = a[:, 4]
+    if degree == 1:  # the relay hop and its return around the exchange inside the node
+        return _one_hop_times(costs, loads, a[:, :4], 1, backward) + 2.0 * _lin(costs.a2a_inter, relay)
+    if not (relay > 0).any():
+        return _one_hop_times(costs, loads, a[:, :4], degree, backward)
+    return np.where(relay > 0, _relay_times(costs, loads, a, degree, backward),
+                    _one_hop_times(costs, loads, a[:, :4], degree, backward))
+
+
+def _relay_times(costs: ScheduleCosts, loads: list, a: np.ndarray, n: int, backward: bool) -> np.ndarray:
+    """Two hops at degree ``n`` >= 2 (module docstring, :func:`relay_order`): the local rows
+    first, then per chunk j its relay hop R_j (node link), hop inside the node I_j (rank link),
+    GEMM C_j, hop back I'_j and relay return R'_j, each after the one before it; every link and
+    the compute run their operations in the order the runtime issues them."""
+    factor = costs.backward_factor if backward else 1.0
+    intra, _, local, remote, relay = a.T
+    r = _lin(costs.a2a_inter, relay / n)
+    x = _lin(costs.a2a_intra, intra / n)
+    g = factor * _lin(costs.gemm, remote / n)
+    c0 = factor * _lin(costs.gemm, local)
+    if not costs.concurrent:
+        return 2.0 * n * (r + x) + n * g + c0 + _other_traffic(costs, loads, backward)
+    free = {"inter": np.zeros_like(r), "intra": np.zeros_like(r), "compute": c0}
+    end = {}
+    link = {"R": "inter", "I": "intra", "C": "compute", "J": "intra", "Q": "inter"}
+    dur = {"R": r, "I": x, "C": g, "J": x, "Q": r}
+    after = {"R": None, "I": "R", "C": "I", "J": "C", "Q": "J"}
+    for kind, j in relay_order(n):
+        start = free[link[kind]] if after[kind] is None else np.maximum(free[link[kind]], end[(after[kind], j)])
+        end[(kind, j)] = free[link[kind]] = start + dur[kind]
+    return np.maximum(free["inter"], free["compute"])
+
+
+def relay_order(n: int) -> list:
+    """The order the runtime issues the two-hop pipeline's operations at degree n
+    (``moe/relay.py``): ("R", j) relay chunk j, ("I", j) its hop inside the node, ("C", j) its
+    GEMM, ("J", j) the hop back inside the node, ("Q", j) the relay return (j 0-based); the local
+    rows' GEMM runs before all of them."""
+    order = [("R", 0)]
+    for t in range(n + 2):
+        if t < n:
+            if t + 1 < n:
+                order.append(("R", t + 1))
+            order.append(("I", t))
+        if 1 <= t <= n:
+            order += [("C", t - 1), ("J", t - 1)]
+        if t >= 2:
+            order.append(("Q", t - 2))
+    return order
 
 
 def _one_hop_times(costs: ScheduleCosts, loads: list, a: np.ndarray, degree: int, backward: bool) -> np.ndarray:
@@ -156,7 +209,14 @@ def _one_hop_times(costs: ScheduleCosts, loads: list, a: np.ndarray, degree: int
     g = gemm(remote / n)
     if not costs.concurrent:
         return 2.0 * n * x + gemm(local) + n * g + _other_traffic(costs, loads, backward)
-    link, compute = np.zeros_like(x), gemm(local)
+    return _pipeline(x, g, gemm(local), n)
+
+
+def _pipeline(x: np.ndarray, g: np.ndarray, compute: np.ndarray, n: int) -> np.ndarray:
+    """The concurrent schedule's end: the links run :func:`_link_order`'s n dispatch and n combine
+    chunks of ``x`` seconds each, the rank its ``compute`` first, then chunk i's ``g`` seconds once
+    dispatch i has landed; combine i waits for chunk i's work."""
+    link = np.zeros_like(x)
     done_d = [None] * (n + 1)
     done_g = [None] * (n + 1)
     gi = 1
@@ -378,8 +438,8 @@ def link_busy(costs: ScheduleCosts, load: LayerLoad, degree: int) -> tuple:
     if degree < 1:
         raise ValueError(f"pipeline degree ({degree}) must be >= 1")
     n = degree
-    return (2.0 * n * costs.a2a_intra(load.intra_bytes / n),
-            2.0 * n * costs.a2a_inter(load.inter_bytes / n) + 2.0 * costs.a2a_inter(load.relay_bytes))
+    relay = 2.0 * costs.a2a_inter(load.relay_bytes) if n == 1 else 2.0 * n * costs.a2a_inter(load.relay_bytes / n)
+    return (2.0 * n * costs.a2a_intra(load.intra_bytes / n), 2.0 * n * costs.a2a_inter(load.inter_bytes / n) + relay)
 
 
 def drain_in_gaps(work_L, gaps_L) -> float:

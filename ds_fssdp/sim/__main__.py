@@ -102,11 +102,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="FSSDP calibration (default: on in the paper engine, off at cluster scale)")
     p.add_argument("--calibration-budget", type=float, default=1.0, help="in attention forward times")
     p.add_argument("--pipeline-degree", default="auto", help="FSSDP's and fsmoe's chunks per token exchange: "
-                   "'auto' (chosen per layer, forward and backward, by planner.schedule.choose_degrees) or 1-8 "
+                   "'auto' (chosen per layer, forward and backward, by planner.onecopy.choose_exchange) or 1-8 "
                    "(1: the serial exchange)")
     p.add_argument("--dedup", choices=("auto", "on", "off"), default="on", help="FSSDP: one copy per destination "
                    "(a token crosses to a rank once): always (the runtime's default), where the modelled layer "
-                   "is faster with it (planner.onecopy.choose_one_copy), or never")
+                   "is faster with it (planner.onecopy.choose_exchange), or never")
     p.add_argument("--no-dedup", action="store_true", help="the same as --dedup off")
     p.add_argument("--no-grad-gaps", action="store_true", help="FSSDP, fsmoe: the gradient all-reduce overlaps the "
                    "backward as before, not only its link gaps")

@@ -8,20 +8,21 @@ Per layer and group, from the rows each rank sends each rank (``traffic_BNN``, t
 rank's own tokens on experts it holds):
 
 * one copy per destination (``dedup``: on, off, or ``"auto"``: per layer and group where
-  :func:`~ds_fssdp.planner.onecopy.choose_one_copy`, the runtime's function, says it pays): the
+  :func:`~ds_fssdp.planner.onecopy.choose_exchange`, the runtime's function, says it pays): the
   bytes d sends h shrink by :func:`~ds_fssdp.planner.onecopy.distinct_fraction` (k independent
   picks per token: an approximation, count traces carry no per-token picks), the rows computed do
   not, and the layer pays :func:`~ds_fssdp.planner.onecopy.one_copy_overhead_s` (the count
   all-gather, the routing entries, the gate weights); with several nodes of several ranks it runs
-  as the runtime's two hops (``topology_aware``, its default): the relay hop across nodes
-  unchunked around a pipeline inside the node (:func:`~ds_fssdp.planner.onecopy.relay_loads`),
+  as the runtime's two hops (``topology_aware``, its default; priced by ``pipeline_times``:
+  around the exchange at degree 1, both hops chunked above it, :func:`~ds_fssdp.planner.onecopy.relay_loads`),
   its link bytes (reported, and the bytes saved) :func:`~ds_fssdp.planner.onecopy.relay_traffic`'s;
 * one :class:`~ds_fssdp.planner.schedule.LayerLoad` per rank, from the group's traffic by the
   runtime's function (:func:`~ds_fssdp.planner.schedule.loads_from_traffic`): the rank's intra-node
   link bytes (busier direction), its node's inter-node link bytes, its own local rows (computed
   first) and remote rows;
-* degrees: :func:`~ds_fssdp.planner.schedule.choose_degrees` over the group's loads (or the fixed
-  ``pipeline_degree``); forward and backward: :func:`~ds_fssdp.planner.schedule.pipeline_time`,
+* degrees: :func:`~ds_fssdp.planner.onecopy.choose_exchange` with the one copy decision, over the
+  loads of the exchange that runs (or the fixed ``pipeline_degree``); forward and backward:
+  :func:`~ds_fssdp.planner.schedule.pipeline_time`,
   the slowest rank's; the links' busy seconds: :func:`~ds_fssdp.planner.schedule.link_busy`.
 
 Replicas on the idle link: layer l + 1's gather may start during layer l's expert compute, so
@@ -46,8 +47,8 @@ import numpy as np
 
 from ds_fssdp.planner.cost import CostModel, Hardware, schedule_costs
 from ds_fssdp.planner.plan import DispatchPlan
-from ds_fssdp.planner.onecopy import choose_one_copy, one_copy_overhead_s, relay_loads, relay_traffic
-from ds_fssdp.planner.schedule import MAX_DEGREE, choose_degrees, link_busy, loads_from_traffic, pipeline_times
+from ds_fssdp.planner.onecopy import choose_exchange, one_copy_overhead_s, relay_loads, relay_traffic
+from ds_fssdp.planner.schedule import MAX_DEGREE, link_busy, loads_from_traffic, pipeline_times
 from ds_fssdp.sim.links import Links, distinct_fraction, traffic_links
 
 INTRA, INTER = 0, 1  # link classes (columns of the busy arrays)
@@ -124,18 +125,15 @@ class LayerSchedule:
         busy_f, busy_b = np.zeros((B, 2)), np.zeros((B, 2))
         degrees, taken, sent_BNN, routed = [], [], traffic_BNN.copy(), {}
         for b in range(B):
-            # The decisions, as the runtime takes them: from the plan's rows (schedule.loads_from_traffic,
-            # choose_degrees, choose_one_copy); the time, from what crosses (one copy per destination
-            # sends fewer rows than it computes, and its routing entries and gate weights besides).
-            plan_loads = loads_from_traffic(traffic_BNN[b], ranks_per_node=self.G, token_bytes=row_bytes)
-            if opt.pipeline_degree is None:
-                deg = choose_degrees(self.costs, list(dict.fromkeys(plan_loads)))
-            else:
-                deg = (opt.pipeline_degree, opt.pipeline_degree)
+            # The decisions, as the runtime takes them (onecopy.choose_exchange on the plan's traffic);
+            # the time, from what crosses (one copy per destination sends fewer rows than it computes,
+            # and its routing entries and gate weights besides).
+            fixed = None if opt.pipeline_degree is None else (opt.pipeline_degree, opt.pipeline_degree)
+            deg, one_copy = choose_exchange(self.costs, traffic_BNN[b], ranks_per_node=self.G, token_bytes=row_bytes,
+                                            top_k=self.top_k, weight_bytes=self.weight_bytes,
+                                            one_copy=opt.dedup if frac_BNN is not None else False,
+                                            relay=two_hops, degrees=fixed)
             degrees.append(deg)
-            one_copy = frac_BNN is not None and (opt.dedup is True or choose_one_copy(
-                self.costs, traffic_BNN[b], ranks_per_node=self.G, token_bytes=row_bytes, top_k=self.top_k,
-                weight_bytes=self.weight_bytes, degrees=deg, relay=True))
             taken.append(bool(one_copy))
             if one_copy:
                 sent_BNN[b] = traffic_BNN[b] * frac_BNN[b]
@@ -146,8 +144,10 @@ class LayerSchedule:
                                     sent_DD=sent_BNN[b], routed=routed.get(b))
                 over_f, over_b = one_copy_overhead_s(self.costs, sent_BNN[b], ranks_per_node=self.G,
                                                      top_k=self.top_k, weight_bytes=self.weight_bytes, degrees=deg)
-            else:
-                loads, over_f, over_b = list(dict.fromkeys(plan_loads)), 0.0, 0.0  # equal loads: one evaluation
+            else:  # equal loads: one evaluation
+                loads = list(dict.fromkeys(loads_from_traffic(traffic_BNN[b], ranks_per_node=self.G,
+                                                              token_bytes=row_bytes)))
+                over_f = over_b = 0.0
             fwd[b] = (pipeline_times(self.costs, loads, deg[0]) + over_f).max()
             bwd[b] = (pipeline_times(self.costs, loads, deg[1], backward=True) + over_b).max()
             # Every rank's load carries the group's busiest links (loads_from_traffic): one is enough.
