@@ -1,7 +1,8 @@
 """Spawn gloo CPU ranks that run one function and return its results to the test.
 
 Ranks are forked from a fork server that has imported torch and deepspeed once (importing them
-takes several seconds per process, over a second of a 2-core machine per rank). A rank starts as
+takes several seconds per process, over a second of a 2-core machine per rank), and what every
+engine's optimizer set-up imports (``PRELOAD``). A rank starts as
 a spawned one would: the test process's environment, working directory and ``sys.path`` at the
 call (not the server's, which started with the first call), a fresh interpreter's ``random``
 state. DeepSpeed's shared-memory inference all-reduce is never used in training; its first-use JIT
@@ -21,7 +22,11 @@ import torch
 import torch.distributed
 import torch.multiprocessing as mp
 
-PRELOAD = ["torch", "torch.distributed", "deepspeed", "deepspeed.comm.torch", "distributed"]
+# torch._dynamo and DeepSpeed's Muon module: every engine's optimizer set-up imports them (torch's
+# Optimizer, DeepSpeed's ZeRO optimizer check, which compiles Muon's kernels), 3-4 s per rank.
+# The fork server skips a module that fails to import.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "deepspeed", "deepspeed.comm.torch",
+           "deepspeed.runtime.zero.muon.muon_optimizer", "distributed"]
 multiprocessing.set_forkserver_preload(PRELOAD)
 
 
