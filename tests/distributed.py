@@ -36,29 +36,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(world_size: int, fn, *args, local_size: int | None = None, **kwargs) -> list:
+def spawn(world_size: int, fn, *args, local_size: int | None = None, fresh: bool = False, **kwargs) -> list:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; return each
     rank's result (in rank order). An exception on any rank fails the call with its traceback.
+    ``fresh``: spawned interpreters instead of the fork server's, for a test whose environment must
+    be read at a module's import (``PRELOAD`` imports triton, through torch._dynamo).
 
     A rank killed by a signal (a native abort, no Python exception; seen once in three full runs
     of the suite, before each rank destroyed its process group at the end) gets the launch retried
     once, on a new port, with a warning; a second death fails the test."""
     for attempt in range(2):
         try:
-            return _spawn_once(world_size, fn, args, kwargs, local_size)
+            return _spawn_once(world_size, fn, args, kwargs, local_size, "spawn" if fresh else "forkserver")
         except mp.ProcessExitedException as err:
             if attempt or err.signal_name is None:
                 raise
             print(f"distributed.spawn: {err}; launching {getattr(fn, '__name__', fn)} again", file=sys.stderr)
 
 
-def _spawn_once(world_size, fn, args, kwargs, local_size) -> list:
+def _spawn_once(world_size, fn, args, kwargs, local_size, start_method) -> list:
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         paths = [os.path.join(tmp, f"rank{r}.pt") for r in range(world_size)]
         try:
             mp.start_processes(_entry, args=(world_size, port, local_size, fn, args, kwargs, tmp, caller_state()),
-                               nprocs=world_size, join=True, start_method="forkserver")
+                               nprocs=world_size, join=True, start_method=start_method)
         except mp.ProcessExitedException as err:
             # Killed by a signal after every rank had written its result (gloo's abort at exit): the
             # work is done, and running it again would repeat it in the test's own directories.

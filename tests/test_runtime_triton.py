@@ -54,7 +54,7 @@ def _count_kernel_calls() -> dict:
 def test_runtime_path_triton_equals_torch(monkeypatch):
     pytest.importorskip("triton", reason="the Triton backend needs triton (pip install triton)")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # inherited by the ranks, from their start
-    results = spawn(WORLD, _both_backends)
+    results = spawn(WORLD, _both_backends, fresh=True)  # not forked: the fork server has imported triton
     for rank, res in enumerate(results):
         assert (res["torch_chosen"], res["triton_chosen"]) == ("torch", "triton")
         # Per case, one copy per destination (the default; one hop: 2 ranks, one per node): gathers
