@@ -454,6 +454,16 @@ class PipelinedExperts(torch.autograd.Function):
         return (dx_send, dw_recv if ctx.needs_w else None, None, None, None, None, None, *out)
 
 
+def run_pipelined_experts(send_RH: torch.Tensor, w_recv_UK: torch.Tensor | None, plan, experts: PipelineExperts,
+                          groups: ExchangeGroups, world: int) -> torch.Tensor:
+    """:class:`PipelinedExperts` over ``plan`` (a :class:`ChunkPlan` or ``relay.RelayPlan``), its
+    graphs recorded when a backward may follow."""
+    tensors = experts.inputs()
+    record = torch.is_grad_enabled() and (send_RH.requires_grad or (w_recv_UK is not None and w_recv_UK.requires_grad)
+                                          or any(t.requires_grad for t in tensors))
+    return PipelinedExperts.apply(send_RH, w_recv_UK, plan, experts, groups, world, record, *tensors)
+
+
 def pipelined_dispatch_compute_combine(x_TH: torch.Tensor, weights_TK: torch.Tensor, route, *,
                                        experts: PipelineExperts, degrees: tuple, groups: ExchangeGroups, rank: int,
                                        world: int) -> torch.Tensor:
@@ -466,9 +476,7 @@ def pipelined_dispatch_compute_combine(x_TH: torch.Tensor, weights_TK: torch.Ten
     send_RH = ops.permute_tokens(x_TH, route.send_token, unsend_TK)
     plan = ChunkPlan(rank=rank, degrees=degrees, send_splits=route.send_splits, recv_splits=route.recv_splits,
                      group_perm=route.group_perm, group_sizes=route.group_sizes, device=dev)
-    tensors = experts.inputs()
-    record = torch.is_grad_enabled() and (send_RH.requires_grad or any(t.requires_grad for t in tensors))
-    y_sent_RH = PipelinedExperts.apply(send_RH, None, plan, experts, groups, world, record, *tensors)
+    y_sent_RH = run_pipelined_experts(send_RH, None, plan, experts, groups, world)
     return ops.unpermute_combine(y_sent_RH, unsend_TK(), weights_TK)
 
 
@@ -489,8 +497,5 @@ def pipelined_dispatch_compute_combine_dedup(x_TH: torch.Tensor, weights_TK: tor
     plan = ChunkPlan(rank=rank, degrees=degrees, send_splits=hop.splits, recv_splits=hop.recv_splits,
                      group_perm=None, group_sizes=droute.route.group_sizes, device=dev,
                      expand=(droute.rows_UK, droute.token_C))
-    tensors = experts.inputs()
-    record = torch.is_grad_enabled() and (send_UH.requires_grad or w_recv_UK.requires_grad
-                                          or any(t.requires_grad for t in tensors))
-    out_RH = PipelinedExperts.apply(send_UH, w_recv_UK, plan, experts, groups, world, record, *tensors)
+    out_RH = run_pipelined_experts(send_UH, w_recv_UK, plan, experts, groups, world)
     return ops.unpermute_combine(out_RH, hop.uniq_TK.to(dev))

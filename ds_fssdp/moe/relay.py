@@ -34,8 +34,8 @@ import torch
 
 from ds_fssdp import ops
 from ds_fssdp.moe.compute import hop_weights
-from ds_fssdp.moe.pipeline import (ExchangeGroups, PipelinedExperts, _expanded_units, _offsets, atom_cuts, atom_of_rows,
-                                   chunk_atoms, cut, start_exchange)
+from ds_fssdp.moe.pipeline import (ExchangeGroups, _expanded_units, _offsets, atom_cuts, atom_of_rows,
+                                   chunk_atoms, cut, run_pipelined_experts, start_exchange)
 
 
 class RelayPlan:
@@ -190,9 +190,6 @@ def relay_dispatch_compute_combine(x_TH: torch.Tensor, weights_TK: torch.Tensor,
     send_VH = ops.permute_tokens(x_TH, relay.token_U.to(dev), relay.uniq_TK.to(dev))
     plan = RelayPlan(rank=rank, degrees=degrees, relay=relay, last=last, rows_UK=droute.rows_UK,
                      token_C=droute.token_C, group_sizes=droute.route.group_sizes, device=dev)
-    tensors = experts.inputs()
-    record = torch.is_grad_enabled() and (send_VH.requires_grad or w_recv_UK.requires_grad
-                                          or any(t.requires_grad for t in tensors))
-    y_sent_VH = PipelinedExperts.apply(send_VH, w_recv_UK, plan, experts, groups, world, record, *tensors)
+    y_sent_VH = run_pipelined_experts(send_VH, w_recv_UK, plan, experts, groups, world)
     return ops.unpermute_combine(y_sent_VH, relay.uniq_TK.to(dev))
 

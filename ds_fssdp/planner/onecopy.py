@@ -19,6 +19,8 @@ Across nodes (``topology_aware`` and several nodes of several ranks) it runs as 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ds_fssdp.planner.schedule import (MAX_DEGREE, LayerLoad, ScheduleCosts, _by_link, _exchange, _lin,
@@ -76,7 +78,30 @@ def choose_exchange(costs: ScheduleCosts, traffic_DD, *, ranks_per_node: int, to
                     max_degree: int = MAX_DEGREE) -> tuple:
     """The layer's token exchange, for every rank at once: ``((forward, backward) degrees, one copy
     per destination)``, from the plan's ``traffic_DD`` and the agreed costs (the runtime, both
-    simulators and a recorded trace decide alike).
+    simulators and a recorded trace decide alike): :func:`price_exchange`'s choice."""
+    p = price_exchange(costs, traffic_DD, ranks_per_node=ranks_per_node, token_bytes=token_bytes, top_k=top_k,
+                       weight_bytes=weight_bytes, one_copy=one_copy, relay=relay, degrees=degrees,
+                       max_degree=max_degree)
+    return p.degrees, p.one_copy
+
+
+@dataclass(frozen=True)
+class ExchangePrice:
+    """The exchange :func:`price_exchange` chose and what it priced it with."""
+    degrees: tuple  # (forward, backward)
+    one_copy: bool
+    loads: list  # one LayerLoad per rank
+    forward_R: np.ndarray  # seconds per rank, overheads included
+    backward_R: np.ndarray
+    sent_DD: np.ndarray | None  # rows one copy per destination sends (None: every row)
+    routed: tuple | None  # its two hops' :func:`relay_traffic` (None: one hop)
+
+
+def price_exchange(costs: ScheduleCosts, traffic_DD, *, ranks_per_node: int, token_bytes: float, top_k: int,
+                   weight_bytes: float, one_copy, relay: bool, degrees: tuple | None = None,
+                   max_degree: int = MAX_DEGREE) -> ExchangePrice:
+    """:func:`choose_exchange` with the loads, seconds and routed rows of the exchange chosen (what
+    the simulators price the layer with).
 
     ``one_copy``: True, False, or "auto" (both priced; taken only where strictly faster).
     ``relay``: one copy per destination runs as two hops across nodes (``topology_aware``), priced
@@ -86,6 +111,7 @@ def choose_exchange(costs: ScheduleCosts, traffic_DD, *, ranks_per_node: int, to
     (``degrees`` given: those), and the candidates compare on forward + backward with
     :func:`one_copy_overhead_s`. k = 1 never takes one copy under "auto" (nothing to share)."""
     traffic = np.asarray(traffic_DD, dtype=np.float64)
+    D, G = traffic.shape[0], int(ranks_per_node)
     if one_copy == "auto":
         candidates = [False, True] if top_k > 1 else [False]
     else:
@@ -93,26 +119,29 @@ def choose_exchange(costs: ScheduleCosts, traffic_DD, *, ranks_per_node: int, to
     best = None
     for c in candidates:
         over_f = over_b = 0.0
+        sent = routed = None
         if c:
             sent = traffic * distinct_fraction(traffic, top_k)
             if relay:
-                loads = relay_loads(traffic, ranks_per_node=ranks_per_node, token_bytes=token_bytes, top_k=top_k,
-                                    sent_DD=sent)
+                if G >= 2 and D % G == 0 and D // G >= 2:
+                    routed = relay_traffic(traffic, ranks_per_node=G, top_k=top_k, sent_DD=sent)
+                loads = relay_loads(traffic, ranks_per_node=G, token_bytes=token_bytes, top_k=top_k, sent_DD=sent,
+                                    routed=routed)
             else:
-                loads = loads_from_traffic(traffic, ranks_per_node=ranks_per_node, token_bytes=token_bytes,
-                                           sent_DD=sent)
+                loads = loads_from_traffic(traffic, ranks_per_node=G, token_bytes=token_bytes, sent_DD=sent)
         else:
-            loads = loads_from_traffic(traffic, ranks_per_node=ranks_per_node, token_bytes=token_bytes)
+            loads = loads_from_traffic(traffic, ranks_per_node=G, token_bytes=token_bytes)
         deg = tuple(degrees) if degrees is not None else choose_degrees(costs, list(dict.fromkeys(loads)),
                                                                         max_degree=max_degree)
         if c:
-            over_f, over_b = one_copy_overhead_s(costs, sent, ranks_per_node=ranks_per_node, top_k=top_k,
+            over_f, over_b = one_copy_overhead_s(costs, sent, ranks_per_node=G, top_k=top_k,
                                                  weight_bytes=weight_bytes, degrees=deg)
-        layer = float((pipeline_times(costs, loads, deg[0]) + over_f
-                       + pipeline_times(costs, loads, deg[1], backward=True) + over_b).max())
+        fwd = pipeline_times(costs, loads, deg[0]) + over_f
+        bwd = pipeline_times(costs, loads, deg[1], backward=True) + over_b
+        layer = float((fwd + bwd).max())
         if best is None or layer < best[0]:
-            best = (layer, (int(deg[0]), int(deg[1])), c)
-    return best[1], best[2]
+            best = (layer, ExchangePrice((int(deg[0]), int(deg[1])), c, loads, fwd, bwd, sent, routed))
+    return best[1]
 
 
 def relay_loads(traffic_DD, *, ranks_per_node: int, token_bytes: float, top_k: int, sent_DD=None,

@@ -47,9 +47,9 @@ import numpy as np
 
 from ds_fssdp.planner.cost import CostModel, Hardware, schedule_costs
 from ds_fssdp.planner.plan import DispatchPlan
-from ds_fssdp.planner.onecopy import choose_exchange, one_copy_overhead_s, relay_loads, relay_traffic
-from ds_fssdp.planner.schedule import MAX_DEGREE, link_busy, loads_from_traffic, pipeline_times
-from ds_fssdp.sim.links import Links, distinct_fraction, traffic_links
+from ds_fssdp.planner.onecopy import price_exchange
+from ds_fssdp.planner.schedule import MAX_DEGREE, link_busy
+from ds_fssdp.sim.links import Links, traffic_links
 
 INTRA, INTER = 0, 1  # link classes (columns of the busy arrays)
 
@@ -118,38 +118,29 @@ class LayerSchedule:
     def layer(self, traffic_BNN: np.ndarray) -> LayerTimes:
         opt, row_bytes = self.options, float(self.shape.token_bytes)
         plain = traffic_links(traffic_BNN, ranks_per_node=self.G, row_bytes=row_bytes)
-        frac_BNN = distinct_fraction(traffic_BNN, self.top_k) if opt.dedup and self.top_k > 1 else None
+        dedup = opt.dedup if opt.dedup and self.top_k > 1 else False
         B, N = traffic_BNN.shape[:2]
         two_hops = 1 < self.G < N  # one copy per destination runs as the runtime's two hops
         fwd, bwd = np.zeros(B), np.zeros(B)
         busy_f, busy_b = np.zeros((B, 2)), np.zeros((B, 2))
         degrees, taken, sent_BNN, routed = [], [], traffic_BNN.copy(), {}
         for b in range(B):
-            # The decisions, as the runtime takes them (onecopy.choose_exchange on the plan's traffic);
-            # the time, from what crosses (one copy per destination sends fewer rows than it computes,
+            # The decisions, as the runtime takes them (onecopy.choose_exchange's price_exchange on the
+            # plan's traffic); the time, from what crosses (one copy per destination sends fewer rows than it computes,
             # and its routing entries and gate weights besides).
             fixed = None if opt.pipeline_degree is None else (opt.pipeline_degree, opt.pipeline_degree)
-            deg, one_copy = choose_exchange(self.costs, traffic_BNN[b], ranks_per_node=self.G, token_bytes=row_bytes,
-                                            top_k=self.top_k, weight_bytes=self.weight_bytes,
-                                            one_copy=opt.dedup if frac_BNN is not None else False,
-                                            relay=two_hops, degrees=fixed)
+            price = price_exchange(self.costs, traffic_BNN[b], ranks_per_node=self.G, token_bytes=row_bytes,
+                                   top_k=self.top_k, weight_bytes=self.weight_bytes,
+                                   one_copy=dedup, relay=two_hops,
+                                   degrees=fixed)
+            deg, loads = price.degrees, price.loads
             degrees.append(deg)
-            taken.append(bool(one_copy))
-            if one_copy:
-                sent_BNN[b] = traffic_BNN[b] * frac_BNN[b]
-                if two_hops:
-                    routed[b] = relay_traffic(traffic_BNN[b], ranks_per_node=self.G, top_k=self.top_k,
-                                              sent_DD=sent_BNN[b])
-                loads = relay_loads(traffic_BNN[b], ranks_per_node=self.G, token_bytes=row_bytes, top_k=self.top_k,
-                                    sent_DD=sent_BNN[b], routed=routed.get(b))
-                over_f, over_b = one_copy_overhead_s(self.costs, sent_BNN[b], ranks_per_node=self.G,
-                                                     top_k=self.top_k, weight_bytes=self.weight_bytes, degrees=deg)
-            else:  # equal loads: one evaluation
-                loads = list(dict.fromkeys(loads_from_traffic(traffic_BNN[b], ranks_per_node=self.G,
-                                                              token_bytes=row_bytes)))
-                over_f = over_b = 0.0
-            fwd[b] = (pipeline_times(self.costs, loads, deg[0]) + over_f).max()
-            bwd[b] = (pipeline_times(self.costs, loads, deg[1], backward=True) + over_b).max()
+            taken.append(price.one_copy)
+            if price.one_copy:
+                sent_BNN[b] = price.sent_DD
+                if price.routed is not None:
+                    routed[b] = price.routed
+            fwd[b], bwd[b] = price.forward_R.max(), price.backward_R.max()
             # Every rank's load carries the group's busiest links (loads_from_traffic): one is enough.
             busy_f[b], busy_b[b] = link_busy(self.costs, loads[0], deg[0]), link_busy(self.costs, loads[0], deg[1])
         links = traffic_links(sent_BNN, ranks_per_node=self.G, row_bytes=row_bytes, rows_BNN=traffic_BNN)
