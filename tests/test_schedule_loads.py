@@ -57,6 +57,37 @@ def test_pipeline_times_equal_the_scalar_function_exactly():
             assert got.tolist() == [pipeline_time(costs, ld, n, backward=backward) for ld in loads]
 
 
+def test_the_degree_search_prices_the_slowest_rank_exactly():
+    """choose_degrees searches in Python floats over the loads no other load dominates
+    (schedule.slowest_candidates): each candidate's time is pipeline_times' number bit for bit, the
+    slowest of them is the slowest of all ranks at every degree, two hops and one, and a rank with
+    fewer local and remote rows over the same links is left out."""
+    from ds_fssdp.planner.schedule import _concurrent_time, choose_degrees, pipeline_times, slowest_candidates
+    rng = np.random.default_rng(5)
+    costs = ScheduleCosts(a2a_intra=Linear(1e-5, 5e-12), a2a_inter=Linear(2e-5, 4e-11), gemm=Linear(3e-6, 2e-8),
+                          backward_factor=2.0)
+    for relay in (0.0, 3e7):
+        loads = [LayerLoad(2e7, 0.0 if relay else 1e7, float(l), float(r), relay_bytes=relay)
+                 for l, r in rng.integers(0, 40, (24, 2)) * 100]
+        loads.append(dataclasses.replace(loads[0], intra_bytes=9e7))  # other links: its own group
+        front = slowest_candidates(loads)
+        assert loads[-1] in front and len(front) < len(loads)
+        for f in front:  # no load over the same links has as many rows of both kinds and more of one
+            assert not any(ld.intra_bytes == f.intra_bytes and ld.local_rows >= f.local_rows
+                           and ld.remote_rows >= f.remote_rows and (ld.local_rows, ld.remote_rows) !=
+                           (f.local_rows, f.remote_rows) for ld in loads)
+        for n in range(1, 9):
+            for backward in (False, True):
+                every = pipeline_times(costs, loads, n, backward=backward)
+                mine = [_concurrent_time(costs, ld, n, backward) for ld in loads]
+                assert mine == every.tolist()
+                assert max(_concurrent_time(costs, ld, n, backward) for ld in front) == every.max()
+        f, b = choose_degrees(costs, loads)
+        want = [min(range(1, 9), key=lambda n: (pipeline_times(costs, loads, n, backward=bw).max(), n))
+                for bw in (False, True)]
+        assert (f, b) == tuple(want) and b > 1
+
+
 def test_other_traffic_is_priced_only_without_concurrency():
     """A layer's other collectives in flight (LayerLoad.other_*_bytes: the replicas' gather and
     reduce) cost nothing with concurrent costs (the idle link; every concurrent caller unchanged),

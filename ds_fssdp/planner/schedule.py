@@ -48,6 +48,8 @@ bytes (:func:`other_traffic_s`): the same sum-of-parts accounting as a chunked l
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,35 +143,61 @@ def pipeline_times(costs: ScheduleCosts, loads: list, degree: int, *, backward: 
                  dtype=np.float64).reshape(-1, 5)
     relay = a[:, 4]
     if degree == 1:  # the relay hop and its return around the exchange inside the node
-        return _one_hop_times(costs, loads, a[:, :4], 1, backward) + 2.0 * _lin(costs.a2a_inter, relay)
-    if not (relay > 0).any():
-        return _one_hop_times(costs, loads, a[:, :4], degree, backward)
-    return np.where(relay > 0, _relay_times(costs, loads, a, degree, backward),
-                    _one_hop_times(costs, loads, a[:, :4], degree, backward))
+        return _one_hop_times(costs, loads, a[:, :4].T, 1, backward) + 2.0 * _lin(costs.a2a_inter, relay)
+    two_hops = relay > 0
+    if not two_hops.any():
+        return _one_hop_times(costs, loads, a[:, :4].T, degree, backward)
+    if two_hops.all():
+        return _relay_times(costs, loads, a.T, degree, backward)
+    return np.where(two_hops, _relay_times(costs, loads, a.T, degree, backward),
+                    _one_hop_times(costs, loads, a[:, :4].T, degree, backward))
 
 
-def _relay_times(costs: ScheduleCosts, loads: list, a: np.ndarray, n: int, backward: bool) -> np.ndarray:
+def _concurrent_time(costs: ScheduleCosts, ld: LayerLoad, degree: int, backward: bool) -> float:
+    """:func:`pipeline_times` of one load under concurrent costs, in Python floats: the same
+    operations in the same order (so the same number), without numpy's per-call cost; what
+    :func:`choose_degrees` searches with."""
+    cols = (float(ld.intra_bytes), float(ld.inter_bytes), float(ld.local_rows), float(ld.remote_rows))
+    relay = float(ld.relay_bytes)
+    if degree == 1:
+        return _one_hop_times(costs, [ld], cols, 1, backward) + 2.0 * _lin(costs.a2a_inter, relay)
+    if relay > 0:
+        return _relay_times(costs, [ld], (*cols, relay), degree, backward)
+    return _one_hop_times(costs, [ld], cols, degree, backward)
+
+
+def _relay_times(costs: ScheduleCosts, loads: list, cols, n: int, backward: bool):
     """Two hops at degree ``n`` >= 2 (module docstring, :func:`relay_order`): the local rows
     first, then per chunk j its relay hop R_j (node link), hop inside the node I_j (rank link),
     GEMM C_j, hop back I'_j and relay return R'_j, each after the one before it; every link and
     the compute run their operations in the order the runtime issues them."""
     factor = costs.backward_factor if backward else 1.0
-    intra, _, local, remote, relay = a.T
+    intra, _, local, remote, relay = cols
     r = _lin(costs.a2a_inter, relay / n)
     x = _lin(costs.a2a_intra, intra / n)
     g = factor * _lin(costs.gemm, remote / n)
     c0 = factor * _lin(costs.gemm, local)
     if not costs.concurrent:
         return 2.0 * n * (r + x) + n * g + c0 + _other_traffic(costs, loads, backward)
-    free = {"inter": np.zeros_like(r), "intra": np.zeros_like(r), "compute": c0}
-    end = {}
-    link = {"R": "inter", "I": "intra", "C": "compute", "J": "intra", "Q": "inter"}
-    dur = {"R": r, "I": x, "C": g, "J": x, "Q": r}
-    after = {"R": None, "I": "R", "C": "I", "J": "C", "Q": "J"}
-    for kind, j in relay_order(n):
-        start = free[link[kind]] if after[kind] is None else np.maximum(free[link[kind]], end[(after[kind], j)])
-        end[(kind, j)] = free[link[kind]] = start + dur[kind]
-    return np.maximum(free["inter"], free["compute"])
+    # free: when each resource (0 node link, 1 rank link, 2 compute) is next free; each operation
+    # starts when its resource is free and its chunk's operation before it has ended
+    free = [r * 0.0, r * 0.0, c0]
+    dur = (r, x, g, x, r)
+    ended = [[None] * n for _ in range(5)]  # [kind][chunk]: kinds R, I, C, J, Q
+    for kind, j, resource in _relay_steps(n):
+        start = free[resource] if kind == 0 else _max(free[resource], ended[kind - 1][j])
+        ended[kind][j] = free[resource] = start + dur[kind]
+    return _max(free[0], free[2])
+
+
+_RELAY_KINDS = {"R": (0, 0), "I": (1, 1), "C": (2, 2), "J": (3, 1), "Q": (4, 0)}  # (kind, resource)
+
+
+@functools.lru_cache(maxsize=64)
+def _relay_steps(n: int) -> tuple:
+    """:func:`relay_order` as (kind, chunk, resource): R, I, C, J, Q are kinds 0-4, the node link,
+    rank link and compute resources 0-2."""
+    return tuple((_RELAY_KINDS[kind][0], j, _RELAY_KINDS[kind][1]) for kind, j in relay_order(n))
 
 
 def relay_order(n: int) -> list:
@@ -190,11 +218,11 @@ def relay_order(n: int) -> list:
     return order
 
 
-def _one_hop_times(costs: ScheduleCosts, loads: list, a: np.ndarray, degree: int, backward: bool) -> np.ndarray:
-    """The pipeline of :func:`pipeline_times` over one hop: ``a`` the loads' (intra, inter, local,
-    remote) columns."""
+def _one_hop_times(costs: ScheduleCosts, loads: list, cols, degree: int, backward: bool):
+    """The pipeline of :func:`pipeline_times` over one hop: ``cols`` the loads' (intra, inter,
+    local, remote) columns (arrays, or one load's floats)."""
     factor = costs.backward_factor if backward else 1.0
-    intra, inter, local, remote = a.T
+    intra, inter, local, remote = cols
 
     def gemm(rows):
         return factor * _lin(costs.gemm, rows)
@@ -216,7 +244,7 @@ def _pipeline(x: np.ndarray, g: np.ndarray, compute: np.ndarray, n: int) -> np.n
     """The concurrent schedule's end: the links run :func:`_link_order`'s n dispatch and n combine
     chunks of ``x`` seconds each, the rank its ``compute`` first, then chunk i's ``g`` seconds once
     dispatch i has landed; combine i waits for chunk i's work."""
-    link = np.zeros_like(x)
+    link = x * 0.0
     done_d = [None] * (n + 1)
     done_g = [None] * (n + 1)
     gi = 1
@@ -226,25 +254,31 @@ def _pipeline(x: np.ndarray, g: np.ndarray, compute: np.ndarray, n: int) -> np.n
             done_d[i] = link
         else:
             while gi <= i:
-                compute = np.maximum(compute, done_d[gi]) + g
+                compute = _max(compute, done_d[gi]) + g
                 done_g[gi] = compute
                 gi += 1
-            link = np.maximum(link, done_g[i]) + x
+            link = _max(link, done_g[i]) + x
     return link
 
 
 def _lin(f: Linear, units):
+    if isinstance(units, float):
+        return 0.0 if units <= 0 else f.startup_s + f.per_unit_s * units
     return np.where(units <= 0, 0.0, f.startup_s + f.per_unit_s * units)
 
 
+def _max(a, b):
+    return (a if a >= b else b) if isinstance(a, float) and isinstance(b, float) else np.maximum(a, b)
+
+
 def _exchange(costs: ScheduleCosts, intra_bytes, inter_bytes):
-    return np.maximum(_lin(costs.a2a_intra, intra_bytes), _lin(costs.a2a_inter, inter_bytes))
+    return _max(_lin(costs.a2a_intra, intra_bytes), _lin(costs.a2a_inter, inter_bytes))
 
 
-def _other_traffic(costs: ScheduleCosts, loads: list, backward: bool) -> np.ndarray:
-    """:func:`other_traffic_s` of every load (float64 [len(loads)])."""
+def _other_traffic(costs: ScheduleCosts, loads: list, backward: bool):
+    """:func:`other_traffic_s` of every load (float64 [len(loads)]; 0.0 with concurrent costs)."""
     if costs.concurrent:
-        return np.zeros(len(loads))
+        return 0.0
     a = np.array([(ld.other_bwd_intra_bytes, ld.other_bwd_inter_bytes) if backward else
                   (ld.other_fwd_intra_bytes, ld.other_fwd_inter_bytes) for ld in loads],
                  dtype=np.float64).reshape(-1, 2)
@@ -255,7 +289,7 @@ def other_traffic_s(costs: ScheduleCosts, load: LayerLoad, *, backward: bool = F
     """Seconds one direction of the layer pays for the other collectives in flight during it
     (``load.other_*_bytes``, module docstring): 0 with concurrent costs (they use the idle link),
     else one :meth:`ScheduleCosts.exchange` of their bytes. Part of :func:`pipeline_time`."""
-    return float(_other_traffic(costs, [load], backward)[0])
+    return float(np.asarray(_other_traffic(costs, [load], backward)).reshape(-1)[0])
 
 
 def _link_order(n: int) -> list:
@@ -285,14 +319,37 @@ def choose_degrees(costs: ScheduleCosts, loads: list, *, max_degree: int = MAX_D
         # Serial parts: n chunks cost 2n exchange startups and n + 1 GEMM startups for the same
         # bytes and rows, never less than one chunk's, so degree 1 (and the loads are not needed).
         return 1, 1
+    front = slowest_candidates(loads)
+
     def best(backward: bool) -> int:
         pick, pick_s = 1, None
         for n in range(1, max_degree + 1):
-            s = float(pipeline_times(costs, loads, n, backward=backward).max())  # = max of pipeline_time
+            s = max(_concurrent_time(costs, ld, n, backward) for ld in front)  # = max of pipeline_times
             if pick_s is None or s < pick_s * (1.0 - 1e-9):
                 pick, pick_s = n, s
         return pick
     return best(False), best(True)
+
+
+_LINK_FIELDS = tuple(f.name for f in dataclasses.fields(LayerLoad) if f.name not in ("local_rows", "remote_rows"))
+
+
+def slowest_candidates(loads: list) -> list:
+    """The loads among which the slowest rank's :func:`pipeline_time` is, at any degree: those no
+    other load with the same links dominates (at least as many local and as many remote rows).
+    The schedule's time never falls when a rank computes more rows (every operation waits on the
+    ones before it; a GEMM takes no less for more rows), so a dominated load is never slower."""
+    groups = {}
+    for ld in dict.fromkeys(loads):
+        groups.setdefault(tuple(getattr(ld, f) for f in _LINK_FIELDS), []).append(ld)
+    front = []
+    for group in groups.values():
+        top_remote = None
+        for ld in sorted(group, key=lambda v: (-v.local_rows, -v.remote_rows)):
+            if top_remote is None or ld.remote_rows > top_remote:
+                front.append(ld)
+                top_remote = ld.remote_rows
+    return front
 
 
 def loads_from_plan(plan, *, ranks_per_node: int, token_bytes: float) -> list:
