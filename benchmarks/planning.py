@@ -10,8 +10,10 @@ dispatch is ``dispatch_plan`` (the compact plan the runtime uses). Arms: ``joint
 joint placement: joint_materialize + balancing dispatch with the default 3% slack), ``paper``
 (Algorithm 1 + Algorithm 3), ``paper+t-by-time`` (``overlap_degree: "auto"``: t searched from the
 window's t by the modelled layer time, ``planner/overlap.py``, on cluster A's modelled hardware
-and GPT-S-MoE's experts, the window hiding ``--overlap-degree`` experts; then the dispatch), and each
-half alone. (``cost_materialize`` left with placement
+and GPT-S-MoE's experts, the window hiding ``--overlap-degree`` experts, each candidate's dispatch
+priced as the exchange that runs, as the runtime prices it; then the dispatch),
+``paper+t-by-serial-time`` (the same search priced by the serial four exchanges + compute, the
+runtime's price before ``planner/scheduled.py``), and each half alone. (``cost_materialize`` left with placement
 "cost"; its timings stay in results/planning_*.json.) The paper reports 24-51 us median
 (67 us p95) per layer; the target here is <= 51 us median for joint+balanced.
 """
@@ -32,6 +34,7 @@ from ds_fssdp.planner.dispatch import dispatch_plan as dispatch
 from ds_fssdp.planner.baselines import Clock, PolicyConfig, make_policy
 from ds_fssdp.planner.cost import CostModel, ExpertShape, Hardware
 from ds_fssdp.planner.joint import joint_materialize
+from ds_fssdp.planner.scheduled import ExchangeOptions, ScheduledCostModel
 
 
 def main():
@@ -55,16 +58,23 @@ def main():
         T = torch.distributions.Multinomial(total_count=args.tokens, probs=share).sample((D, )).t().contiguous()
         Tf = T.double()
         instances.append((Tf, T.long(), Tf.sum(1), joint_materialize(owner, Tf, topo, overlap_degree=t, budget=m)))
-    cost = CostModel(Hardware(flops=156e12, intra_bw=240e9, inter_bw=40e9), ExpertShape(hidden=768, ffn=3072), topo,
-                     relay=True)
-    by_time = make_policy("fssdp", PolicyConfig(num_experts=E, num_layers=1, topology=topo, budget=m, overlap_degree=t,
-                                                cost=cost, overlap_by_time=True))
+    hw, shape = Hardware(flops=156e12, intra_bw=240e9, inter_bw=40e9), ExpertShape(hidden=768, ffn=3072)
+    # The runtime's cost model: the dispatch priced as the exchange that runs at its defaults (pipeline
+    # degrees chosen, one copy per destination, two hops; planner/scheduled.py); the serial price
+    # (four exchanges + compute) it replaced, for comparison.
+    exchange = ExchangeOptions(top_k=2, token_bytes=float(shape.token_bytes), weight_bytes=float(shape.param_bytes))
+    cost = ScheduledCostModel(hw, shape, topo, exchange=exchange, relay=True)
+    by_time, by_serial_time = (make_policy("fssdp", PolicyConfig(num_experts=E, num_layers=1, topology=topo, budget=m,
+                                                                 overlap_degree=t, cost=c, overlap_by_time=True))
+                               for c in (cost, CostModel(hw, shape, topo, relay=True)))
     clock = Clock(overlap_degree=t, window_s=cost.overlap_window(t))
     arms = {
         "joint+balanced": lambda Tf, T, L, P: dispatch(joint_materialize(owner, Tf, topo, overlap_degree=t, budget=m),
                                                        T, topo, mode="balanced", slack=slack),
         "paper": lambda Tf, T, L, P: dispatch(materialize(owner, L, topo, overlap_degree=t, budget=m), T, topo),
         "paper+t-by-time": lambda Tf, T, L, P: dispatch(by_time.pre_gating(0, owner, Tf, clock=clock), T, topo),
+        "paper+t-by-serial-time": lambda Tf, T, L, P: dispatch(by_serial_time.pre_gating(0, owner, Tf, clock=clock),
+                                                               T, topo),
         "joint_materialize": lambda Tf, T, L, P: joint_materialize(owner, Tf, topo, overlap_degree=t, budget=m),
         "balanced_dispatch": lambda Tf, T, L, P: dispatch(P, T, topo, mode="balanced", slack=slack),
     }

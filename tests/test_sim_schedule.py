@@ -281,11 +281,11 @@ def test_placement_by_time_prices_the_schedule():
     the same number for the dense plan (paper engine) and the compact plan (cluster engine), and
     below the serial price wherever the pipeline hides something."""
     from ds_fssdp.sim.cluster import ClusterCostModel
-    from ds_fssdp.sim.pipeline import ScheduledCostModel
+    from ds_fssdp.sim.pipeline import scheduled_cost_model
     from ds_fssdp.planner import CostModel
     topo = Topology(num_ranks=8, ranks_per_node=4)
     sched = LayerSchedule(HW, SHAPE, ranks_per_node=4, top_k=2, options=ScheduleOptions())
-    dense_cost = ScheduledCostModel(HW, SHAPE, topo, relay=True, schedule=sched)
+    dense_cost = scheduled_cost_model(HW, SHAPE, topo, sched)
     compact_cost = ClusterCostModel(HW, SHAPE, topo, relay=True)
     compact_cost.schedule = sched
     serial = CostModel(HW, SHAPE, topo, relay=True)

@@ -7,8 +7,9 @@ The window's t (:meth:`~ds_fssdp.planner.cost.CostModel.overlap_degree` of the s
 leaves before the layer) is the most a gather hides. A larger t exposes part of the gather but can
 balance the compute enough to pay for it (a small expert, a skewed load); a big expert's exposed
 gather costs more than it balances. So t is searched: the window's t, then doubled up to E, each
-candidate's placement priced as its modelled layer time (compute and the four token exchanges on
-the predicted ``tokens_ED``) plus the gather and reduce the windows do not hide
+candidate's placement priced as its modelled layer time (``cost.layer_time`` of its dispatch of
+the predicted ``tokens_ED``: the exchange as it runs, :mod:`ds_fssdp.planner.scheduled`, for the
+runtime, the replay and the simulators alike) plus the gather and reduce the windows do not hide
 (:func:`~ds_fssdp.planner.cost.exposed_transfer`), and the search stops at the first candidate that
 is not faster (or adds no replica: the memory budget is full). The window's t is always a
 candidate, so a layer never prices worse than without the search.

@@ -25,6 +25,7 @@ from ds_fssdp.moe.sharded import Decision, decision_arrays
 from ds_fssdp.planner import (Clock, CostModel, ExpertShape, Hardware, LoadPredictor, PolicyConfig, homogeneous_owner,
                               make_policy)
 from ds_fssdp.planner.layer import LayerPlanner, migrating_policies, migrations
+from ds_fssdp.planner.scheduled import ExchangeOptions, ScheduledCostModel
 from ds_fssdp.sim.traces import Trace
 from ds_fssdp.topology import Topology
 
@@ -49,12 +50,25 @@ class ReplaySettings:
     overlap_by_time: bool = False  # overlap_degree "auto": t searched from the recorded window
     hardware: dict | None = None  # the run's cost model: Hardware's fields
     expert_shape: dict | None = None  # and ExpertShape's
+    # how the run's layers exchanged tokens (the by-time decisions' layer price; None: a trace from
+    # before it was recorded, priced as the serial exchanges it then was)
+    exchange: dict | None = None  # top_k, one_copy_per_destination, pipeline_degree, topology_aware
     notes: list = field(default_factory=list)
 
     def cost_model(self, topology: Topology) -> CostModel | None:
+        """The run's cost model: the recorded hardware and expert, the layer priced as the run's
+        exchange (:class:`~ds_fssdp.planner.scheduled.ScheduledCostModel`, as the runtime builds it)."""
         if self.hardware is None or self.expert_shape is None:
             return None
-        return CostModel(Hardware(**self.hardware), ExpertShape(**self.expert_shape), topology)
+        hw, shape = Hardware(**self.hardware), ExpertShape(**self.expert_shape)
+        if self.exchange is None:
+            return CostModel(hw, shape, topology)
+        ex, pd = self.exchange, self.exchange["pipeline_degree"]
+        options = ExchangeOptions(top_k=int(ex["top_k"]), token_bytes=float(shape.token_bytes),
+                                  weight_bytes=float(shape.param_bytes), one_copy=ex["one_copy_per_destination"],
+                                  degrees=None if pd == "auto" else tuple(int(v) for v in pd),
+                                  two_hops=bool(ex["topology_aware"]))
+        return ScheduledCostModel(hw, shape, topology, exchange=options)
 
     def make_policy(self, topology: Topology, *, num_experts: int, num_layers: int):
         """The runtime's policy object (``FSSDPStage._configure_auto_and_policies``) from these settings."""
@@ -96,6 +110,9 @@ class ReplaySettings:
         s.smartmoe_interval = int(meta.get("smartmoe_interval", s.smartmoe_interval))
         s.rematerialize = bool(meta.get("rematerialize", False))
         s.hardware, s.expert_shape = meta.get("hardware"), meta.get("expert_shape")
+        if "pipeline_degree" in meta:
+            s.exchange = {k: meta[k] for k in ("top_k", "one_copy_per_destination", "pipeline_degree",
+                                                "topology_aware")}
         for key, value in overrides.items():
             if value is not None:
                 setattr(s, key, value)

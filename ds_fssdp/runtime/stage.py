@@ -32,6 +32,7 @@ from ds_fssdp.planner.baselines import Clock, PolicyConfig, make_policy
 from ds_fssdp.planner.layer import LayerPlanner, migrating_policies, migrations
 from ds_fssdp.planner.cost import schedule_costs
 from ds_fssdp.planner.schedule import ScheduleCosts, gap_slice_bytes, idle_link_s, loads_from_traffic
+from ds_fssdp.planner.scheduled import ExchangeOptions, ScheduledCostModel
 from ds_fssdp.runtime import costfit
 from ds_fssdp.runtime.expert_dp import make_expert_state
 from ds_fssdp.runtime.grad_norm import install_expert_norm, loss_scale_of
@@ -192,7 +193,11 @@ class FSSDPStage:
                 "reshard_interval": self.config.reshard_interval, "calibration": self.config.calibration,
                 "calibration_latency_budget": self.config.calibration_latency_budget,
                 "smartmoe_interval": self.config.smartmoe_interval, "rematerialize": self.config.rematerialize,
-                "hardware": self.profile.get("hardware"), "expert_shape": self.profile.get("expert_shape")})
+                "hardware": self.profile.get("hardware"), "expert_shape": self.profile.get("expert_shape"),
+                # how the layers exchange tokens: the by-time decisions' layer price (planner/scheduled.py)
+                "one_copy_per_destination": self.config.one_copy_per_destination,
+                "pipeline_degree": self.pipeline_degree if self.pipeline_degree == "auto" else list(self.pipeline_degree),
+                "topology_aware": self.config.topology_aware})
             atexit.register(self.trace.close)
         # The first layer's gather starts with the model's forward, before the first attention.
         engine.module.register_forward_pre_hook(lambda module, args: self.shards[0].prefetch())
@@ -396,7 +401,15 @@ class FSSDPStage:
         self.profile["hardware"] = dataclasses.asdict(hw)
         shape = layer.spec.cost_shape(torch.tensor([], dtype=dtype).element_size())
         self.profile["expert_shape"] = dataclasses.asdict(shape)
-        return CostModel(hw, shape, self.topology)
+        return ScheduledCostModel(hw, shape, self.topology, exchange=self.exchange_options(shape))
+
+    def exchange_options(self, shape) -> ExchangeOptions:
+        """How this run's layers exchange their tokens, for the by-time decisions' layer price
+        (planner/scheduled.py; the report's replay rebuilds it from the trace's record)."""
+        cfg, pd = self.config, self.pipeline_degree
+        return ExchangeOptions(top_k=self.layers[0].k, token_bytes=float(shape.token_bytes),
+                               weight_bytes=float(shape.param_bytes), one_copy=cfg.one_copy_per_destination,
+                               degrees=None if pd == "auto" else tuple(pd), two_hops=cfg.topology_aware)
 
     def _schedule_decided(self) -> bool:
         """Whether a layer decision comes from the schedule's costs ("auto" pipeline degrees or one

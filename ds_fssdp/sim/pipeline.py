@@ -45,9 +45,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ds_fssdp.planner.cost import CostModel, Hardware, schedule_costs
-from ds_fssdp.planner.plan import DispatchPlan
-from ds_fssdp.planner.onecopy import price_exchange
+from ds_fssdp.planner.cost import Hardware, schedule_costs
+from ds_fssdp.planner.scheduled import ExchangeOptions, ScheduledCostModel
 from ds_fssdp.planner.schedule import MAX_DEGREE, link_busy
 from ds_fssdp.sim.links import Links, traffic_links
 
@@ -113,26 +112,25 @@ class LayerSchedule:
     def __init__(self, hw: Hardware, shape, *, ranks_per_node: int, top_k: int, options: ScheduleOptions):
         self.hw, self.shape, self.G, self.top_k, self.options = hw, shape, ranks_per_node, top_k, options
         self.costs = schedule_costs(hw, shape)
-        self.weight_bytes = float(shape.param_bytes)  # gate weights travel in the rows' dtype
+        d = options.pipeline_degree
+        # gate weights travel in the rows' dtype; one copy runs as the runtime's two hops (its default)
+        self.exchange = ExchangeOptions(top_k=top_k, token_bytes=float(shape.token_bytes),
+                                        weight_bytes=float(shape.param_bytes), one_copy=options.dedup,
+                                        degrees=None if d is None else (d, d), two_hops=True)
 
     def layer(self, traffic_BNN: np.ndarray) -> LayerTimes:
-        opt, row_bytes = self.options, float(self.shape.token_bytes)
+        row_bytes = float(self.shape.token_bytes)
         plain = traffic_links(traffic_BNN, ranks_per_node=self.G, row_bytes=row_bytes)
-        dedup = opt.dedup if opt.dedup and self.top_k > 1 else False
-        B, N = traffic_BNN.shape[:2]
-        two_hops = 1 < self.G < N  # one copy per destination runs as the runtime's two hops
+        B = traffic_BNN.shape[0]
         fwd, bwd = np.zeros(B), np.zeros(B)
         busy_f, busy_b = np.zeros((B, 2)), np.zeros((B, 2))
         degrees, taken, sent_BNN, routed = [], [], traffic_BNN.copy(), {}
         for b in range(B):
             # The decisions, as the runtime takes them (onecopy.choose_exchange's price_exchange on the
-            # plan's traffic); the time, from what crosses (one copy per destination sends fewer rows than it computes,
-            # and its routing entries and gate weights besides).
-            fixed = None if opt.pipeline_degree is None else (opt.pipeline_degree, opt.pipeline_degree)
-            price = price_exchange(self.costs, traffic_BNN[b], ranks_per_node=self.G, token_bytes=row_bytes,
-                                   top_k=self.top_k, weight_bytes=self.weight_bytes,
-                                   one_copy=dedup, relay=two_hops,
-                                   degrees=fixed)
+            # plan's traffic, through the by-time decisions' one pricing call); the time, from what crosses
+            # (one copy per destination sends fewer rows than it computes, and its routing entries and gate
+            # weights besides).
+            price = self.exchange.price(self.costs, traffic_BNN[b], ranks_per_node=self.G)
             deg, loads = price.degrees, price.loads
             degrees.append(deg)
             taken.append(price.one_copy)
@@ -164,17 +162,10 @@ def binding_class(links: Links, hw: Hardware) -> int:
     return INTER if inter > intra else INTRA
 
 
-class ScheduledCostModel(CostModel):
+def scheduled_cost_model(hw: Hardware, shape, topology, schedule: LayerSchedule) -> ScheduledCostModel:
     """The paper engine's cost model with the layer priced by the schedule (placement by time):
     calibration and the ``balanced-time`` dispatch weigh a candidate plan by its forward +
-    backward under :class:`LayerSchedule` (exchange pipelined with the compute, one copy per
-    destination), so keeping tokens local and balancing rows are one objective."""
-
-    def __init__(self, hw: Hardware, shape, topology, *, relay: bool, schedule: LayerSchedule):
-        super().__init__(hw, shape, topology, relay=relay)
-        self.schedule = schedule
-
-    def layer_time(self, plan_EDD) -> float:
-        traffic_DD = plan_EDD.traffic_DD() if isinstance(plan_EDD, DispatchPlan) else plan_EDD.sum(0)
-        lt = self.schedule.layer(traffic_DD.double().numpy()[None])
-        return float(lt.forward_B[0] + lt.backward_B[0])
+    backward as ``schedule`` runs it (the planner's :class:`~ds_fssdp.planner.scheduled.ScheduledCostModel`,
+    which the runtime builds from its configuration), so keeping tokens local and balancing rows
+    are one objective. Sparse collectives relayed, as everywhere in the simulators."""
+    return ScheduledCostModel(hw, shape, topology, exchange=schedule.exchange, relay=True, costs=schedule.costs)

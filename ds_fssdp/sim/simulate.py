@@ -79,7 +79,7 @@ from ds_fssdp.planner.dispatch import dispatch as planner_dispatch
 from ds_fssdp.planner.materialize import materialize as algorithm1  # the default materializer
 from ds_fssdp.sim.bound import LowerBound
 from ds_fssdp.sim.links import allreduce_links
-from ds_fssdp.sim.pipeline import (INTER, INTRA, LayerSchedule, ScheduleOptions, ScheduledCostModel, binding_class,
+from ds_fssdp.sim.pipeline import (INTER, INTRA, LayerSchedule, ScheduleOptions, scheduled_cost_model, binding_class,
                                    policy_options)
 
 CATEGORIES = ("comp", "a2a", "spag", "rearr", "ar", "opt")
@@ -167,7 +167,7 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
     options = policy_options(name, schedule)
     sched = LayerSchedule(hw, shape, ranks_per_node=topo.ranks_per_node, top_k=setup.top_k, options=options)
     if options.price_by_schedule:  # placement by time: calibration and balanced-time price the schedule
-        cost = ScheduledCostModel(hw, shape, topo, relay=True, schedule=sched)
+        cost = scheduled_cost_model(hw, shape, topo, sched)
     else:
         cost = CostModel(hw, shape, topo, relay=True)  # every sparse collective relayed, calibration's too
     rm = name == "fssdp-rm"

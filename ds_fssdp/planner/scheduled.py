@@ -1,0 +1,89 @@
+"""A layer priced as the exchange that runs it: what every by-time decision compares plans with.
+
+Legend: D ranks, G ranks per node.
+
+FSSDP's by-time decisions (t, :mod:`ds_fssdp.planner.overlap`; calibration's candidates; the
+``balanced-time`` dispatch) compare plans by ``CostModel.layer_time``. Under the layer schedule
+(issue 24: the exchange pipelined with the expert compute at chosen degrees, one copy per
+destination, two hops across nodes) a plan's layer costs what
+:func:`~ds_fssdp.planner.onecopy.price_exchange` says, not the serial four exchanges and compute
+of :meth:`CostModel.layer_time`.
+
+* :class:`ExchangeOptions`: how a layer's exchange runs (top-k, row and gate-weight bytes, one
+  copy per destination on, off or "auto", fixed or chosen degrees, two hops across nodes) and
+  :meth:`ExchangeOptions.price`, the one call that prices it.
+* :class:`ScheduledCostModel`: a :class:`~ds_fssdp.planner.cost.CostModel` whose
+  :meth:`~ScheduledCostModel.layer_time` is that price's forward + backward.
+
+The runtime builds it from its configuration and its agreed hardware, the report's replay from
+the trace's record of both, and both simulators from their options and modelled hardware
+(``sim/pipeline.py``'s ``LayerSchedule`` prices every simulated layer through the same
+:meth:`ExchangeOptions.price`), so the same plans get the same price everywhere.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ds_fssdp.planner.cost import CostModel, ExpertShape, Hardware, schedule_costs
+from ds_fssdp.planner.onecopy import ExchangePrice, price_exchange
+from ds_fssdp.planner.plan import DispatchPlan
+from ds_fssdp.planner.schedule import ScheduleCosts
+from ds_fssdp.topology import Topology
+
+
+@dataclass(frozen=True)
+class ExchangeOptions:
+    """How a layer's token exchange runs."""
+
+    top_k: int
+    token_bytes: float  # bytes of one row (hidden x the activations' element size)
+    weight_bytes: float  # bytes of one gate weight (one copy per destination sends them)
+    one_copy: bool | str = True  # one copy per destination: True, False or "auto" (priced both ways)
+    degrees: tuple | None = None  # fixed (forward, backward) pipeline degrees; None: chosen per layer
+    two_hops: bool = True  # one copy crosses nodes once per node and is forwarded inside (topology_aware)
+
+    def __post_init__(self):
+        if self.one_copy not in (True, False, "auto"):
+            raise ValueError(f"one_copy ({self.one_copy!r}) must be True, False or \"auto\"")
+        if self.degrees is not None:
+            d = tuple(self.degrees)
+            if len(d) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in d):
+                raise ValueError(f"degrees ({self.degrees!r}) must be None or two ints >= 1")
+
+    def price(self, costs: ScheduleCosts, traffic_DD, *, ranks_per_node: int) -> ExchangePrice:
+        """The exchange of ``traffic_DD`` (rows rank d sends rank h, diagonal its own) as it runs:
+        :func:`price_exchange` with these options. Top-1 never takes one copy (nothing to share);
+        two hops only with several nodes of several ranks."""
+        traffic = np.asarray(traffic_DD, dtype=np.float64)
+        D, G = traffic.shape[0], int(ranks_per_node)
+        one_copy = self.one_copy if self.one_copy and self.top_k > 1 else False
+        return price_exchange(costs, traffic, ranks_per_node=G, token_bytes=float(self.token_bytes),
+                              top_k=self.top_k, weight_bytes=float(self.weight_bytes), one_copy=one_copy,
+                              relay=self.two_hops and 1 < G < D, degrees=self.degrees)
+
+
+class ScheduledCostModel(CostModel):
+    """:class:`CostModel` with :meth:`layer_time` priced by the schedule that runs the layer
+    (module docstring). ``costs``: the schedule's costs (default: the hardware's,
+    :func:`~ds_fssdp.planner.cost.schedule_costs`)."""
+
+    def __init__(self, hw: Hardware, shape: ExpertShape, topology: Topology, *, exchange: ExchangeOptions,
+                 relay: bool = False, costs: ScheduleCosts | None = None):
+        super().__init__(hw, shape, topology, relay=relay)
+        self.exchange = exchange
+        self.costs = schedule_costs(hw, shape) if costs is None else costs
+
+    def price(self, plan) -> ExchangePrice:
+        """The exchange of ``plan`` (a compact :class:`DispatchPlan` or a dense ``plan_EDD``)."""
+        traffic_DD = plan.traffic_DD() if isinstance(plan, DispatchPlan) else plan.sum(0)
+        traffic = traffic_DD.to(torch.float64).numpy() if isinstance(traffic_DD, torch.Tensor) else traffic_DD
+        return self.exchange.price(self.costs, traffic, ranks_per_node=self.topology.ranks_per_node)
+
+    def layer_time(self, plan) -> float:
+        """Forward + backward of the layer's exchange and expert compute, the slowest rank's in
+        each direction, as :meth:`price` runs it."""
+        p = self.price(plan)
+        return float(p.forward_R.max() + p.backward_R.max())

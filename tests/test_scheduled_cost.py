@@ -1,0 +1,112 @@
+"""The by-time decisions' layer price (planner/scheduled.py): the runtime, the report's replay and
+both simulators price a plan's layer as the exchange that runs it, through one call
+(ExchangeOptions.price). Serial options give the serial price; the runtime's configuration maps
+to the simulators' options; the replay rebuilds the run's price from the trace."""
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from ds_fssdp import Topology
+from ds_fssdp.config import FSSDPConfig
+from ds_fssdp.planner import CostModel, ExpertShape, Hardware
+from ds_fssdp.planner.dispatch import dispatch_plan
+from ds_fssdp.planner.scheduled import ExchangeOptions, ScheduledCostModel
+from ds_fssdp.planner.shard import homogeneous_owner
+from ds_fssdp.report.replay import ReplaySettings
+from ds_fssdp.runtime.stage import FSSDPStage
+from ds_fssdp.sim.pipeline import SERIAL, LayerSchedule, ScheduleOptions
+from ds_fssdp.sim.traces import Trace
+
+HW = Hardware(flops=100e12, intra_bw=200e9, inter_bw=25e9, latency=10e-6)
+SHAPE = ExpertShape(hidden=512, ffn=2048)
+TOPO = Topology(num_ranks=8, ranks_per_node=4)
+
+
+def plans(n=5, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    owner = homogeneous_owner(16, 8)
+    for _ in range(n):
+        p = torch.zeros(16, 8, dtype=torch.bool)
+        p[torch.arange(16), owner] = True
+        p |= torch.rand(16, 8, generator=gen) < 0.2
+        yield dispatch_plan(p, torch.randint(0, 3000, (16, 8), generator=gen), TOPO)
+
+
+def options(**kw):
+    return ExchangeOptions(**dict(dict(top_k=2, token_bytes=float(SHAPE.token_bytes),
+                                       weight_bytes=float(SHAPE.param_bytes)), **kw))
+
+
+def test_serial_options_price_the_serial_layer():
+    """Degree 1 without one copy is the serial four exchanges and compute (CostModel.layer_time),
+    for dense and compact plans: runs with the schedule off decide as before."""
+    serial = CostModel(HW, SHAPE, TOPO)
+    scheduled = ScheduledCostModel(HW, SHAPE, TOPO, exchange=options(one_copy=False, degrees=(1, 1)))
+    for plan in plans():
+        want = serial.layer_time(plan.dense())
+        assert scheduled.layer_time(plan) == pytest.approx(want, rel=1e-12)
+        assert scheduled.layer_time(plan.dense()) == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("schedule", [ScheduleOptions(), ScheduleOptions(dedup=False), ScheduleOptions(dedup="auto"),
+                                      ScheduleOptions(pipeline_degree=3), SERIAL])
+def test_the_simulators_layer_is_the_same_price(schedule):
+    """The simulators price every simulated layer through their LayerSchedule; the planner's
+    ScheduledCostModel with the schedule's options gives the same forward + backward, and the
+    pipelined schedule is cheaper than the serial price on these plans."""
+    sched = LayerSchedule(HW, SHAPE, ranks_per_node=4, top_k=2, options=schedule)
+    cost = ScheduledCostModel(HW, SHAPE, TOPO, exchange=sched.exchange)
+    serial = CostModel(HW, SHAPE, TOPO)
+    for plan in plans():
+        lt = sched.layer(plan.dense().sum(0).double().numpy()[None])
+        got = cost.layer_time(plan)
+        assert got == pytest.approx(float(lt.forward_B[0] + lt.backward_B[0]), rel=1e-12)
+        if schedule is not SERIAL:
+            assert got < serial.layer_time(plan)
+
+
+def _stage(**fssdp):
+    cfg = FSSDPConfig(**fssdp)
+    return types.SimpleNamespace(config=cfg, pipeline_degree=cfg.pipeline_degrees(),
+                                 layers=[types.SimpleNamespace(k=2)])
+
+
+@pytest.mark.parametrize("fssdp,schedule", [
+    ({}, ScheduleOptions()),
+    ({"one_copy_per_destination": False}, ScheduleOptions(dedup=False)),
+    ({"pipeline_degree": 3}, ScheduleOptions(pipeline_degree=3)),
+])
+def test_the_runtime_prices_as_the_simulators(fssdp, schedule):
+    """The runtime's options from its configuration (FSSDPStage.exchange_options) are the
+    simulators' from the matching schedule options: the same plans get the same price."""
+    runtime = FSSDPStage.exchange_options(_stage(**fssdp), SHAPE)
+    assert runtime == LayerSchedule(HW, SHAPE, ranks_per_node=4, top_k=2, options=schedule).exchange
+    rt = FSSDPStage.exchange_options(_stage(pipeline_degree={"forward": 2, "backward": 5},
+                                            topology_aware=False), SHAPE)
+    assert rt.degrees == (2, 5) and rt.two_hops is False
+
+
+def test_the_replay_rebuilds_the_runs_price():
+    """A trace that records the exchange replays with its ScheduledCostModel; one from before
+    the record, with the serial CostModel (what its run priced with)."""
+    meta = {"hardware": {"flops": HW.flops, "intra_bw": HW.intra_bw, "inter_bw": HW.inter_bw, "latency": HW.latency},
+            "expert_shape": {"hidden": SHAPE.hidden, "ffn": SHAPE.ffn}, "top_k": 2, "ranks_per_node": 4}
+    trace = Trace(np.zeros((1, 1, 16, 8), dtype=np.int32), dict(meta))
+    old = ReplaySettings.from_trace(trace).cost_model(TOPO)
+    assert type(old) is CostModel
+    trace = Trace(np.zeros((1, 1, 16, 8), dtype=np.int32),
+                  dict(meta, one_copy_per_destination="auto", pipeline_degree=[2, 4], topology_aware=True))
+    new = ReplaySettings.from_trace(trace).cost_model(TOPO)
+    assert isinstance(new, ScheduledCostModel)
+    assert new.exchange == options(one_copy="auto", degrees=(2, 4))
+    for plan in plans(2):
+        assert new.layer_time(plan) == ScheduledCostModel(HW, SHAPE, TOPO, exchange=new.exchange).layer_time(plan)
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ValueError, match=r"one_copy \('yes'\)"):
+        options(one_copy="yes")
+    with pytest.raises(ValueError, match=r"degrees \(\(0, 2\)\)"):
+        options(degrees=(0, 2))
