@@ -21,7 +21,8 @@ def run(script, *args, tmp_path):
 def test_planning_benchmark_runs(tmp_path):
     r = run("planning.py", "--experts", "16", "--ranks", "8", "--nodes", "2", "--repeats", "20", "--runs", "2",
             tmp_path=tmp_path)
-    assert set(r["results"]) == {"joint+balanced", "paper", "paper+t-by-time", "joint_materialize", "balanced_dispatch"}
+    assert set(r["results"]) == {"joint+balanced", "paper", "paper+t-by-time", "paper+t-by-serial-time",
+                                 "joint_materialize", "balanced_dispatch"}
     assert all(len(v["run_medians_us"]) == 2 and v["median_us"] > 0 for v in r["results"].values())
 
 
