@@ -88,6 +88,9 @@ def test_the_runs_made_decisions_worth_comparing(runs):
     for n in ("fssdp-calibrated-auto", "fssdp-auto-by-time"):
         rec = runs[n]["trace"].arrays
         assert np.isfinite(rec["decision_window_s"][1:]).all()
+        # the window's attention part: what the replica reduce's window is priced from
+        assert (np.isfinite(rec["decision_attention_s"][1:]) & (rec["decision_attention_s"][1:] > 0)).all()
+        assert (rec["decision_attention_s"][1:] <= rec["decision_window_s"][1:]).all()
         assert (rec["decision_overlap_t"] >= rec["decision_t"]).all()
     slow = runs["fssdp-auto-by-time"]["trace"].arrays
     assert (slow["decision_overlap_t"] > slow["decision_t"]).any(), (slow["decision_t"], slow["decision_overlap_t"])

@@ -60,6 +60,11 @@ def test_exposed_transfer_counts_the_rematerialized_gather_in_the_backward():
     assert exposed_transfer(1.0, 1.0, rematerialize=True) == 0.0
 
 
+def test_exposed_transfer_takes_the_backward_window_given():
+    assert exposed_transfer(3.0, 1.0, backward_window_s=2.5) == 2.0 + 0.5
+    assert exposed_transfer(3.0, 1.0, rematerialize=True, backward_window_s=7.0) == 2.0
+
+
 E, D = 16, 8
 TOPO = Topology(num_ranks=D, ranks_per_node=4)
 SHAPE = ExpertShape(hidden=256, ffn=512, matrices=2, param_bytes=2)
@@ -136,3 +141,31 @@ def test_never_prices_worse_than_the_window_and_loads_alone_work(seed):
         assert choice.modelled_s <= base and choice.overlap_degree >= t_window
         priced = _priced(policy, cost, owner_E, choice.placement_ED, spread_ED, window)
         assert math.isclose(choice.modelled_s, priced)
+
+
+def test_the_reduce_is_priced_against_the_schedules_backward_window():
+    """With the layer priced as its exchange runs (ScheduledCostModel) and the clock's attention,
+    the reduce's window is the attention backward plus the time the layer's backward exchange
+    leaves the node link free (scheduled.reduce_window_s, what the simulators charge), not twice
+    the forward window; without the attention (an older clock), twice the window."""
+    from ds_fssdp.planner.scheduled import ExchangeOptions, ScheduledCostModel, reduce_window_s
+    owner_E, tokens_ED = homogeneous_owner(E, D), _skewed_tokens(2)
+    hw = Hardware(flops=1e12, intra_bw=1e10, inter_bw=2.5e9)
+    cost = ScheduledCostModel(hw, SHAPE, TOPO, relay=True, exchange=ExchangeOptions(
+        top_k=2, token_bytes=float(SHAPE.token_bytes), weight_bytes=float(SHAPE.param_bytes)))
+    policy = make_policy("fssdp", PolicyConfig(num_experts=E, num_layers=1, topology=TOPO, budget=6,
+                                               overlap_degree=1, cost=cost, overlap_by_time=True))
+    placement_ED = policy._place(owner_E, tokens_ED, 8)
+    plan = policy.compact_plan(placement_ED, tokens_ED.long())
+    gather, attention, window = cost.gather_time(owner_E, placement_ED), 1e-4, 3e-4
+    layer_s = cost.layer_time(plan)
+    window_b = reduce_window_s(cost.costs, cost.price(plan), attention, across_nodes=True)
+    assert window_b > 2.0 * attention  # the backward leaves the node link idle for a while
+    assert window_b != 2.0 * window
+    priced = layer_seconds(cost, owner_E, placement_ED, tokens_ED.long(), plan_of=policy.compact_plan,
+                           window_s=window, rematerialize=False, attention_s=attention)
+    assert priced == pytest.approx(layer_s + exposed_transfer(gather, window, backward_window_s=window_b), rel=1e-12)
+    older = layer_seconds(cost, owner_E, placement_ED, tokens_ED.long(), plan_of=policy.compact_plan,
+                          window_s=window, rematerialize=False)
+    assert older == pytest.approx(layer_s + exposed_transfer(gather, window), rel=1e-12)
+    assert older != pytest.approx(priced)

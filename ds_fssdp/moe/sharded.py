@@ -92,6 +92,7 @@ class Decision:
     overlap_degree: int  # the clock's t
     latency_budget: float  # the clock's calibration budget (inf: none)
     window_s: float  # the clock's window that t is searched from (nan: none, t is the clock's)
+    attention_s: float  # the clock's attention forward, the reduce's window (nan: none, twice window_s)
     overlap_t: int  # the t the pre-gating placement was planned with (-1: a policy without one)
     calibration_t: int  # calibration's t (-1: it did not run)
     calibration_accepted: bool
@@ -112,6 +113,7 @@ class Decision:
                    overlap_degree=-1 if clock.overlap_degree is None else int(clock.overlap_degree),
                    latency_budget=float("nan") if clock.latency_budget is None else float(clock.latency_budget),
                    window_s=float("nan") if clock.window_s is None else float(clock.window_s),
+                   attention_s=float("nan") if clock.attention_s is None else float(clock.attention_s),
                    overlap_t=int(overlap_t),
                    calibration_t=-1 if cal is None else int(cal.overlap_degree),
                    calibration_accepted=cal is not None and bool(cal.accepted), plan_digest=plan_digest(plan),
@@ -129,6 +131,7 @@ def decision_arrays(decisions: list) -> dict:
             "decision_t": stack(lambda d: d.overlap_degree, np.int64),
             "decision_latency_budget": stack(lambda d: d.latency_budget, np.float64),
             "decision_window_s": stack(lambda d: d.window_s, np.float64),
+            "decision_attention_s": stack(lambda d: d.attention_s, np.float64),
             "decision_overlap_t": stack(lambda d: d.overlap_t, np.int64),
             "decision_calibration_t": stack(lambda d: d.calibration_t, np.int64),
             "decision_calibration_accepted": stack(lambda d: d.calibration_accepted, bool),
@@ -205,6 +208,7 @@ class ShardedExperts:
         self._gather = None  # (placement_ED, t, layout, SparseAllGather) started for the next forward
         self.stats = {}
         self.measured_window_s = None  # this rank's moving average of the overlap window (schedule.overlap_window)
+        self.measured_attention_s = None  # and of its attention part alone (the replica reduce's window)
         self._prefetch_t = None
         self._early_end_t = None  # when the previous layer's expert compute ended, if it started this gather
         self.last_tokens_ED = None  # the last training forward's all-gathered counts (trace recording)
@@ -257,9 +261,11 @@ class ShardedExperts:
         # previous layer's exchange + expert compute when it started the gather, then the attention.
         now, early_end = time.perf_counter(), self._early_end_t
         early_s = 0.0 if early_end is None else early_end - self._prefetch_t
-        window = overlap_window(now - (self._prefetch_t if early_end is None else early_end), early_s)
-        m = self.measured_window_s
+        attention = now - (self._prefetch_t if early_end is None else early_end)
+        window = overlap_window(attention, early_s)
+        m, a = self.measured_window_s, self.measured_attention_s
         self.measured_window_s = window if m is None else 0.9 * m + 0.1 * window
+        self.measured_attention_s = attention if a is None else 0.9 * a + 0.1 * attention
         (placed_ED, overlap_t, layout, gather), self._gather = self._gather, None
         grouped = self.dispatcher.group_by_expert(idx_TK)  # before the waits: needs no plan
         tokens_ED = self.dispatcher.all_gather_counts(counts_E)

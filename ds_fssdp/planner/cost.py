@@ -19,12 +19,14 @@ from ds_fssdp.planner.schedule import Linear, ScheduleCosts
 from ds_fssdp.topology import Topology
 
 
-def exposed_transfer(gather_s: float, window_s: float, *, rematerialize: bool = False) -> float:
+def exposed_transfer(gather_s: float, window_s: float, *, rematerialize: bool = False,
+                     backward_window_s: float | None = None) -> float:
     """Seconds of a layer's replica transfer the attention does not hide: the gather past the
     forward window (:meth:`CostModel.overlap_window`) plus the reduce, as long, past the
-    backward's (twice the window); under re-materialization the backward gathers again before its
-    reduce."""
-    f, b = gather_s - window_s, (2.0 if rematerialize else 1.0) * gather_s - 2.0 * window_s
+    backward's (``backward_window_s``; None: twice the window); under re-materialization the
+    backward gathers again before its reduce."""
+    window_b = 2.0 * window_s if backward_window_s is None else backward_window_s
+    f, b = gather_s - window_s, (2.0 if rematerialize else 1.0) * gather_s - window_b
     return (f if f > 0.0 else 0.0) + (b if b > 0.0 else 0.0)
 
 
@@ -260,6 +262,12 @@ class CostModel:
         return min(self.hw.intra_bw, self.hw.inter_bw) if self.topology.num_nodes > 1 else self.hw.intra_bw
 
     # -- one layer ------------------------------------------------------------------------------
+    def layer_price(self, plan, attention_s: float | None = None) -> tuple:
+        """``(layer_time(plan), seconds that hide the layer's replica reduce)``: here None (no
+        schedule to take the backward's idle link from: the caller's default);
+        :class:`~ds_fssdp.planner.scheduled.ScheduledCostModel` prices both from one exchange."""
+        return self.layer_time(plan), None
+
     def layer_time(self, plan_EDD) -> float:
         """Critical path of the MoE part of one layer (forward + backward): the slowest rank's
         compute and four token exchanges (dispatch and combine, forward and backward).

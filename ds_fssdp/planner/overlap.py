@@ -10,7 +10,9 @@ gather costs more than it balances. So t is searched: the window's t, then doubl
 candidate's placement priced as its modelled layer time (``cost.layer_time`` of its dispatch of
 the predicted ``tokens_ED``: the exchange as it runs, :mod:`ds_fssdp.planner.scheduled`, for the
 runtime, the replay and the simulators alike) plus the gather and reduce the windows do not hide
-(:func:`~ds_fssdp.planner.cost.exposed_transfer`), and the search stops at the first candidate that
+(:func:`~ds_fssdp.planner.cost.exposed_transfer`: the gather past the clock's window, the reduce
+past the attention backward and the idle link the layer's backward leaves, what the simulators
+charge, :func:`~ds_fssdp.planner.scheduled.reduce_window_s`), and the search stops at the first candidate that
 is not faster (or adds no replica: the memory budget is full). The window's t is always a
 candidate, so a layer never prices worse than without the search.
 
@@ -39,14 +41,18 @@ class OverlapChoice:
 
 
 def layer_seconds(cost: CostModel, owner_E: torch.Tensor, placement_ED: torch.Tensor, tokens_ED: torch.Tensor, *,
-                  plan_of: Callable, window_s: float, rematerialize: bool) -> float:
-    """Modelled forward + backward of the MoE part of a layer under ``placement_ED``: the slowest
-    rank's compute and four exchanges of the dispatch of ``tokens_ED`` (``plan_of(placement_ED,
-    tokens_ED)``, the policy's compact plan), plus the gather and the reduce past the windows that
-    hide them."""
+                  plan_of: Callable, window_s: float, rematerialize: bool, attention_s: float | None = None) -> float:
+    """Modelled forward + backward of the MoE part of a layer under ``placement_ED``: the
+    exchanges and the slowest rank's compute of the dispatch of ``tokens_ED`` (``plan_of(placement_ED,
+    tokens_ED)``, the policy's compact plan; ``cost.layer_price``), plus the gather past
+    ``window_s`` and the reduce past the backward's window: the attention backward (twice
+    ``attention_s``) and the link the layer's backward exchange leaves free, where the cost model
+    prices the schedule (else, or without ``attention_s``, twice ``window_s``)."""
     plan = plan_of(placement_ED, tokens_ED)
-    exposed = exposed_transfer(cost.gather_time(owner_E, placement_ED), window_s, rematerialize=rematerialize)
-    return cost.layer_time(plan) + exposed
+    layer_s, window_b = cost.layer_price(plan, attention_s)
+    exposed = exposed_transfer(cost.gather_time(owner_E, placement_ED), window_s, rematerialize=rematerialize,
+                               backward_window_s=window_b)
+    return layer_s + exposed
 
 
 def choose_overlap_degree(place_at: Callable[[int], torch.Tensor], seconds_of: Callable[[torch.Tensor], float], *,

@@ -30,7 +30,7 @@ import torch
 from ds_fssdp.planner.cost import CostModel, ExpertShape, Hardware, schedule_costs
 from ds_fssdp.planner.onecopy import ExchangePrice, price_exchange
 from ds_fssdp.planner.plan import DispatchPlan
-from ds_fssdp.planner.schedule import ScheduleCosts
+from ds_fssdp.planner.schedule import ScheduleCosts, link_busy
 from ds_fssdp.topology import Topology
 
 
@@ -87,3 +87,22 @@ class ScheduledCostModel(CostModel):
         each direction, as :meth:`price` runs it."""
         p = self.price(plan)
         return float(p.forward_R.max() + p.backward_R.max())
+
+    def layer_price(self, plan, attention_s: float | None = None) -> tuple:
+        """``(layer_time(plan), reduce_window_s(...))`` from one :meth:`price` (the window None
+        without ``attention_s``)."""
+        p = self.price(plan)
+        layer_s = float(p.forward_R.max() + p.backward_R.max())
+        if attention_s is None:
+            return layer_s, None
+        return layer_s, reduce_window_s(self.costs, p, attention_s, across_nodes=self.topology.num_nodes > 1)
+
+
+def reduce_window_s(costs: ScheduleCosts, price: ExchangePrice, attention_s: float, *, across_nodes: bool) -> float:
+    """Seconds that hide a layer's replica reduce: its attention backward (twice the forward's
+    ``attention_s``) plus the time its backward exchange (``price``) leaves the reduce's link free:
+    the node link when the group spans nodes (``across_nodes``), else the rank's. What both
+    simulators charge the reduce against, and what the search by time prices it with."""
+    busy = link_busy(costs, price.loads[0], price.degrees[1])[1 if across_nodes else 0]
+    idle = float(price.backward_R.max()) - busy
+    return 2.0 * attention_s + (idle if idle > 0.0 else 0.0)

@@ -182,11 +182,12 @@ def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
     clock_t = trace.arrays.get("decision_t")
     clock_b = trace.arrays.get("decision_latency_budget")
     clock_w = trace.arrays.get("decision_window_s")
+    clock_a = trace.arrays.get("decision_attention_s")  # absent: a trace from before it was recorded
     owner_LE = homogeneous_owner(E, D).expand(L, E).clone()
     tokens = torch.from_numpy(trace.tokens_SLED.astype(np.int64))
     steps, reshards = [], []
     for step in range(S):
-        clocks = [_clock(s, clock_t, clock_b, clock_w, step, l) for l in range(L)]
+        clocks = [_clock(s, clock_t, clock_b, clock_w, clock_a, step, l) for l in range(L)]
         reshards.append(migrations(migrators, step, predictor.predict_all(), owner_LE, clock=clocks[0]))
         for r in reshards[-1]:
             owner_LE = r.owner_LE
@@ -208,6 +209,8 @@ def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
     # against the recorded traffic.
     rec.pop("decision_degrees")
     rec.pop("decision_one_copy")
+    if clock_a is None:  # a trace from before the attention was recorded: nothing to compare it with
+        rec.pop("decision_attention_s")
     # Static EP: every owner computes all its experts' rows.
     ep_rows = np.zeros((S, L, D), dtype=np.int64)
     load_SLE = trace.tokens_SLED.sum(3, dtype=np.int64)
@@ -235,13 +238,15 @@ def compare(trace: Trace, rep: Replay) -> list:
     return diffs
 
 
-def _clock(s: ReplaySettings, clock_t, clock_b, clock_w, step: int, l: int) -> Clock:
+def _clock(s: ReplaySettings, clock_t, clock_b, clock_w, clock_a, step: int, l: int) -> Clock:
     """The recorded clock of (step, layer), else the settings' (a trace without a decision record)."""
     if clock_t is None:
         budget = s.calibration_latency_budget
         return Clock(overlap_degree=s.overlap_degree, latency_budget=float("inf") if budget is None else float(budget))
     w = None if clock_w is None or np.isnan(clock_w[step, l]) else float(clock_w[step, l])
-    return Clock(overlap_degree=int(clock_t[step, l]), latency_budget=float(clock_b[step, l]), window_s=w)
+    a = None if clock_a is None or np.isnan(clock_a[step, l]) else float(clock_a[step, l])
+    return Clock(overlap_degree=int(clock_t[step, l]), latency_budget=float(clock_b[step, l]), window_s=w,
+                 attention_s=a)
 
 
 def _straggler(rows_SLD: np.ndarray) -> np.ndarray:

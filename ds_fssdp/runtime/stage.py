@@ -84,6 +84,7 @@ class FSSDPStage:
         self.pipeline_degree = config.pipeline_degrees()  # "auto" or (forward, backward)
         self.schedule_costs = None  # planner.schedule.ScheduleCosts for "auto" degrees, built in attach
         self.window_s = [None] * len(self.layers)  # the overlap windows every rank agreed on (seconds)
+        self.attention_s = [None] * len(self.layers)  # and their attention parts (the replica reduces' windows)
         # Gradients in the gaps: each layer's EDP reduce slice (bytes per rank, agreed over the EDP
         # group) and what the next step's slice is planned from (this rank's load of each layer).
         self.gap_slice_bytes = [None] * len(self.layers)
@@ -436,14 +437,14 @@ class FSSDPStage:
         window every rank agreed on (the one t function: :meth:`CostModel.overlap_degree`; "auto"
         also hands the policy the window, from which it searches t by the modelled layer time)."""
         cfg, w = self.config, self.window_s[l]
-        t, window = cfg.overlap_degree, None
+        t, window, attention = cfg.overlap_degree, None, None
         if t == "auto":
             t = 0 if w is None else min(self.layers[l].num_experts, self.cost.overlap_degree(w))
-            window = w
+            window, attention = w, self.attention_s[l]
         budget = cfg.calibration_latency_budget
         if budget is None:
             budget = float("inf") if w is None else w
-        return Clock(overlap_degree=t, latency_budget=float(budget), window_s=window)
+        return Clock(overlap_degree=t, latency_budget=float(budget), window_s=window, attention_s=attention)
 
     def _context(self, l: int) -> StepContext:
         return StepContext(planner=self.planners[l], clock=self.clock(l), timers=self.timers,
@@ -455,10 +456,12 @@ class FSSDPStage:
         if self.config.overlap_degree != "auto" and not (self.config.calibration and
                                                           self.config.calibration_latency_budget is None):
             return
-        w = torch.tensor([s.measured_window_s or 0.0 for s in self.shards], dtype=torch.float64, device=device)
+        w = torch.tensor([s.measured_window_s or 0.0 for s in self.shards] +
+                         [s.measured_attention_s or 0.0 for s in self.shards], dtype=torch.float64, device=device)
         dist.all_reduce(w, op=dist.ReduceOp.MAX, group=self.param_group)
         first = self.window_s[0] is None
-        self.window_s = w.tolist()
+        agreed = w.tolist()
+        self.window_s, self.attention_s = agreed[:len(self.shards)], agreed[len(self.shards):]
         if first and self.config.overlap_degree == "auto":
             logger.info(f"fssdp: overlap_degree auto -> t = {[self.clock(l).overlap_degree for l in range(len(self.shards))]} per layer "
                         f"(windows {[round(v * 1e3, 3) for v in w.tolist()]} ms)")

@@ -114,15 +114,30 @@ class ClusterCostModel(CostModel):
 
     schedule: LayerSchedule | None = None
 
+    def layer_price(self, plan, attention_s: float | None = None) -> tuple:
+        """Under ``schedule``: the layer and its reduce's window from one priced exchange (the
+        planner's ``ScheduledCostModel.layer_price``, on the compact plan)."""
+        if self.schedule is None:
+            return super().layer_price(plan, attention_s)
+        lt = self._scheduled(plan)
+        layer_s = float(lt.forward_B[0] + lt.backward_B[0])
+        if attention_s is None:
+            return layer_s, None
+        return layer_s, float(self.schedule.reduce_windows(lt, attention_s,
+                                                           across_nodes=self.topology.num_nodes > 1)[0])
+
+    def _scheduled(self, plan):
+        if isinstance(plan, DispatchPlan):
+            fl = plan.flows_4F
+            traffic = traffic_BNN(plan.tokens_ED[None], plan.holder_E[None],
+                                  np.stack([np.zeros_like(fl[0]), fl[1], fl[2], fl[3]]))
+        else:
+            traffic = plan.sum(0).double().numpy()[None]
+        return self.schedule.layer(traffic)
+
     def layer_time(self, plan) -> float:
         if self.schedule is not None:
-            if isinstance(plan, DispatchPlan):
-                fl = plan.flows_4F
-                traffic = traffic_BNN(plan.tokens_ED[None], plan.holder_E[None],
-                                      np.stack([np.zeros_like(fl[0]), fl[1], fl[2], fl[3]]))
-            else:
-                traffic = plan.sum(0).double().numpy()[None]
-            lt = self.schedule.layer(traffic)
+            lt = self._scheduled(plan)
             return float(lt.forward_B[0] + lt.backward_B[0])
         if not isinstance(plan, DispatchPlan):
             return super().layer_time(plan)
@@ -253,8 +268,8 @@ class PolicyRun:
             reduce_hidden_B = np.zeros(B)
             if spag is not None:
                 gather, reduce, calib, times = spag
-                window_b_B = attn_b + (np.maximum(0.0, lt.backward_B - lt.busy_backward_B2[:, self.gather_class])
-                                       if self.options.idle_link else 0.0)
+                window_b_B = (self.sched.reduce_windows(lt, attn_f, across_nodes=self.gather_class == INTER)
+                              if self.options.idle_link else attn_b)
                 # Nothing to gather costs 0, hence max(0, 0 - window) = 0: the paper engine's "if any" is implied.
                 group_B["spag"] += np.maximum(0.0, gather.time_B(hw) - window_B)
                 group_B["spag"] += np.maximum(0.0, reduce.time_B(hw) * times - window_b_B)
@@ -317,7 +332,8 @@ class PolicyRun:
             clock = None
             if self.options.idle_link and not self.fixed_t:  # t from the window the last step's schedule left
                 window = float(self.window_BL[b, l])
-                clock = Clock(overlap_degree=self.cost.overlap_degree(window), window_s=window)
+                clock = Clock(overlap_degree=self.cost.overlap_degree(window), window_s=window,
+                              attention_s=self.setup.attention_fwd_s)
             placement_ED, overlap_t = planner.pre_gating_t(owner_E, clock)
             t1 = time.thread_time()
             lp = planner.post_gating(owner_E, placement_ED, tokens_ED, clock, overlap_t=overlap_t)

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ds_fssdp.planner.cost import Hardware, schedule_costs
-from ds_fssdp.planner.scheduled import ExchangeOptions, ScheduledCostModel
+from ds_fssdp.planner.scheduled import ExchangeOptions, ScheduledCostModel, reduce_window_s
 from ds_fssdp.planner.schedule import MAX_DEGREE, link_busy
 from ds_fssdp.sim.links import Links, traffic_links
 
@@ -104,6 +104,7 @@ class LayerTimes:
     # forwarding inside nodes moves more than the copies save (as the runtime's ``a2a_bytes_saved``)
     saved_bytes: float = 0.0
     one_copy: list = field(default_factory=list)  # per group: one copy per destination taken
+    prices: list = field(default_factory=list)  # per group: the ExchangePrice the layer ran at
 
 
 class LayerSchedule:
@@ -124,7 +125,7 @@ class LayerSchedule:
         B = traffic_BNN.shape[0]
         fwd, bwd = np.zeros(B), np.zeros(B)
         busy_f, busy_b = np.zeros((B, 2)), np.zeros((B, 2))
-        degrees, taken, sent_BNN, routed = [], [], traffic_BNN.copy(), {}
+        degrees, taken, sent_BNN, routed, prices = [], [], traffic_BNN.copy(), {}, []
         for b in range(B):
             # The decisions, as the runtime takes them (onecopy.choose_exchange's price_exchange on the
             # plan's traffic, through the by-time decisions' one pricing call); the time, from what crosses
@@ -132,6 +133,7 @@ class LayerSchedule:
             # weights besides).
             price = self.exchange.price(self.costs, traffic_BNN[b], ranks_per_node=self.G)
             deg, loads = price.degrees, price.loads
+            prices.append(price)
             degrees.append(deg)
             taken.append(price.one_copy)
             if price.one_copy:
@@ -152,7 +154,13 @@ class LayerSchedule:
         return LayerTimes(links=links, moe_B=moe_B, forward_B=fwd, backward_B=bwd, degrees=degrees,
                           busy_forward_B2=busy_f, busy_backward_B2=busy_b,
                           saved_bytes=float(plain.rank_BN.sum() + plain.node_Bn.sum() - links.rank_BN.sum()
-                                            - links.node_Bn.sum()), one_copy=taken)
+                                            - links.node_Bn.sum()), one_copy=taken, prices=prices)
+
+    def reduce_windows(self, lt: LayerTimes, attention_s: float, *, across_nodes: bool) -> np.ndarray:
+        """Per group, the seconds that hide the layer's replica reduce: the planner's
+        :func:`~ds_fssdp.planner.scheduled.reduce_window_s` of the exchange it ran (what the search
+        by time prices the reduce with)."""
+        return np.array([reduce_window_s(self.costs, p, attention_s, across_nodes=across_nodes) for p in lt.prices])
 
 
 def binding_class(links: Links, hw: Hardware) -> int:

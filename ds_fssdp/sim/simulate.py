@@ -224,8 +224,8 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
             window = overlap_window(attn_f, idle, early=options.idle_link)
             # t from the window the last step's schedule left, unless given (then the setup's, as
             # without the idle link: the planner's configured overlap degree)
-            clock = Clock(overlap_degree=cost.overlap_degree(window_L[l]), window_s=float(window_L[l])) \
-                if options.idle_link and not fixed_t else None
+            clock = Clock(overlap_degree=cost.overlap_degree(window_L[l]), window_s=float(window_L[l]),
+                          attention_s=attn_f) if options.idle_link and not fixed_t else None
             placement_ED, overlap_t = planner.pre_gating_t(owner_E, clock)
             tokens_ED = policy.route(torch.from_numpy(tokens_SLED[s, l].astype(np.int64)))
             lp = planner.post_gating(owner_E, placement_ED, tokens_ED, clock, overlap_t=overlap_t)
@@ -244,8 +244,8 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
             br["a2a"] += float(lt.forward_B[0] + lt.backward_B[0]) - moe_s
             layer_degrees.append(lt.degrees[0])
             reduce_hidden = 0.0
-            window_b = attn_b + (max(0.0, float(lt.backward_B[0] - lt.busy_backward_B2[0, gather_class]))
-                                 if options.idle_link else 0.0)
+            window_b = float(sched.reduce_windows(lt, attn_f, across_nodes=gather_class == INTER)[0]) \
+                if options.idle_link else attn_b
             shard_ED = shard_placement(owner_E, D)
             if bool(lp.hidden_ED.any()):
                 gather = cost.sparse_collective_time(owner_E, shard_ED | lp.hidden_ED)

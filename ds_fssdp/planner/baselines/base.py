@@ -62,6 +62,11 @@ class Clock:
     window_s: float | None = None
     """Seconds before the layer that hide its pre-gating gather (what ``overlap_degree`` came from);
     with ``PolicyConfig.overlap_by_time`` FSSDP searches t from there (``planner/overlap.py``)."""
+    attention_s: float | None = None
+    """Seconds of the layer's attention forward alone: the search by time prices the replica
+    reduce against the attention backward (twice as long) plus the time the layer's backward
+    exchange leaves the reduce's link free (``planner/scheduled.reduce_window_s``); None: against
+    twice ``window_s``."""
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,8 @@ class FSSDPPolicy(Policy):
         return choose_overlap_degree(
             lambda t: self._place(owner_E, predicted_load_E, t),
             lambda placement_ED: layer_seconds(cfg.cost, owner_E, placement_ED, tokens_ED, plan_of=self.compact_plan,
-                                               window_s=float(clock.window_s), rematerialize=self.rematerialize),
+                                               window_s=float(clock.window_s), rematerialize=self.rematerialize,
+                                               attention_s=clock.attention_s),
             window_t=min(self.overlap_degree(clock), cfg.num_experts), max_t=cfg.num_experts)
 
     def post_gating(self, layer: int, owner_E: torch.Tensor, placement_ED: torch.Tensor, *,
