@@ -197,7 +197,8 @@ class FSSDPStage:
                 "hardware": self.profile.get("hardware"), "expert_shape": self.profile.get("expert_shape"),
                 # how the layers exchange tokens: the by-time decisions' layer price (planner/scheduled.py)
                 "one_copy_per_destination": self.config.one_copy_per_destination,
-                "pipeline_degree": self.pipeline_degree if self.pipeline_degree == "auto" else list(self.pipeline_degree),
+                "pipeline_degree": (self.pipeline_degree if self.pipeline_degree == "auto"
+                                    else list(self.pipeline_degree)),
                 "topology_aware": self.config.topology_aware})
             atexit.register(self.trace.close)
         # The first layer's gather starts with the model's forward, before the first attention.
