@@ -54,7 +54,8 @@ def _state(engine, model, *, moments=True) -> dict:
                    experts=[{k: v.float() for k, v in l.export_experts().items()} for l in model.moe_layers()],
                    global_steps=engine.global_steps, stage_steps=engine.fssdp.steps, lr=engine.get_lr())
     out.update(owners=[s.owner_E.clone() for s in engine.fssdp.shards], predictor=engine.fssdp.predictor.state_dict(),
-               windows=list(engine.fssdp.window_s), rng=torch.get_rng_state())
+               windows=list(engine.fssdp.window_s), attentions=list(engine.fssdp.attention_s),
+               rng=torch.get_rng_state())
     return out
 
 

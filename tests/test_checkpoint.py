@@ -40,6 +40,11 @@ def _engine(cfg, seed=0):
 _train = resume_world.train
 
 
+def _clock(engine) -> tuple:
+    """The agreed windows and their attention parts (measured: equal only where one is restored)."""
+    return list(engine.fssdp.window_s), list(engine.fssdp.attention_s)
+
+
 def _snapshot(engine, model) -> dict:
     return dict(dense={n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
                 experts=[{k: v.float() for k, v in l.export_experts().items()} for l in model.moe_layers()],
@@ -117,6 +122,9 @@ RESUME = {
     "fssdp-z0-sgd-reshard": _cfg(4, zero=0, scheduler=WARMUP, fssdp={"reshard_interval": 2, "ranks_per_node": 2}),
     "ep-z0-sgd": _cfg(4, zero=0, gas=1, policy="ep"),
     "fssdp-z1-adamw-reshard": _cfg(4, zero=1, gas=1, optimizer=ADAMW, fssdp={"reshard_interval": 2}),
+    # t by time from the agreed windows and their attention parts: the clock a checkpoint carries
+    "fssdp-z0-auto-t": _cfg(4, zero=0, gas=1, fssdp={"overlap_degree": "auto", "ranks_per_node": 2,
+                                                     "hardware": {"flops": 1e6, "intra_bw": 1e9, "inter_bw": 1e7}}),
 }
 N, M = 3, 3  # steps before the save, steps after it
 
@@ -127,13 +135,13 @@ def _resume_worker(rank, world, root):
         engine, model = _engine(cfg)
         _train(engine, rank, N, 0)
         engine.save_checkpoint(os.path.join(root, name), tag=f"step{N}")
-        saved = _snapshot(engine, model)
+        saved = dict(_snapshot(engine, model), clock=_clock(engine))
         cont = _train(engine, rank, M, N)
         final = _snapshot(engine, model)
         # A fresh engine from other initial weights: everything must come from the checkpoint.
         engine2, model2 = _engine(cfg, seed=1234)
         engine2.load_checkpoint(os.path.join(root, name))  # through "latest"
-        loaded = _snapshot(engine2, model2)
+        loaded = dict(_snapshot(engine2, model2), clock=_clock(engine2))
         resumed = _train(engine2, rank, M, N)
         out[name] = dict(saved=saved, cont=cont, final=final, loaded=loaded, resumed=resumed,
                          final2=_snapshot(engine2, model2))
@@ -167,6 +175,9 @@ def test_resume_is_bit_identical(resumed, name):
         # ... and it trains on exactly as the uninterrupted run: losses and final state.
         assert got["resumed"] == got["cont"], f"{name} rank {rank}: losses differ"
         _assert_same(got["final2"], got["final"], f"{name} rank {rank} final")
+    if name == "fssdp-z0-auto-t":  # the restored clock is a measured one
+        windows, attentions = resumed[0][name]["loaded"]["clock"]
+        assert all(0.0 < a <= w for w, a in zip(windows, attentions)), (windows, attentions)
 
 
 def test_resume_in_fresh_processes(resumed, four_again):

@@ -113,6 +113,10 @@ def load_expert_state(engine, root: str, meta: dict, *, optimizer: bool, full_st
         planning = files[rank] if same and "predictor" in files[rank] else common  # this group's own
         stage.predictor.load_state_dict(predictor_for(planning["predictor"], same))
         stage.window_s = list(planning["window_s"])
+        # the windows' attention parts (the replica reduce's window); a checkpoint from before
+        # they were saved has none: the search prices the reduce against twice the window until
+        # the step agrees on measured ones
+        stage.attention_s = list(planning.get("attention_s", [None] * len(stage.window_s)))
         if same_world:
             set_rng_state(files[rank]["rng"], engine.device)
         elif rank == 0:

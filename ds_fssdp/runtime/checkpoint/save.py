@@ -169,7 +169,8 @@ def rank_state(stage, device) -> dict:
     if stage.edp_size > 1:
         out["layers"] = out["layers"] if stage.group_index == 0 else []  # the first group's files hold every expert
         # Each FSSDP group plans from its own loads and windows.
-        out.update(predictor=stage.predictor.state_dict(), window_s=list(stage.window_s))
+        out.update(predictor=stage.predictor.state_dict(), window_s=list(stage.window_s),
+                   attention_s=list(stage.attention_s))
     return out
 
 
@@ -182,7 +183,8 @@ def common_state(stage) -> dict:
                             for k, v in stage.expert_state.scalars(l).items()})
         groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     return {"format": FORMAT, "version": VERSION, "steps": stage.steps, "predictor": stage.predictor.state_dict(),
-            "optimizer_scalars": scalars, "param_groups": groups, "window_s": list(stage.window_s)}
+            "optimizer_scalars": scalars, "param_groups": groups, "window_s": list(stage.window_s),
+            "attention_s": list(stage.attention_s)}
 
 
 def meta_state(engine, tag: str) -> dict:
