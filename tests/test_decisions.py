@@ -33,6 +33,8 @@ for name, kwargs in {
     "fssdp-calibrated-auto": dict(calibration=True, overlap_degree="auto", hardware=HW, reshard_interval=2),
     # a slow node link: the window hides no expert, and the search by time takes some (the compute is slower)
     "fssdp-auto-by-time": dict(overlap_degree="auto", hardware=dict(HW, inter_bw=1e5), calibration=True),
+    # no hardware: t searched on the schedule's costs fitted at initialize, recorded per decision
+    "fssdp-auto-fitted": dict(overlap_degree="auto"),
     "fssdp-rm-paper": dict(rematerialize=True, placement="paper", dispatch="paper", reshard_interval=3),
     "fssdp-time-calibrated": dict(dispatch="balanced-time", hardware=HW, calibration=True,
                                   calibration_latency_budget=1e-3),
@@ -92,6 +94,10 @@ def test_the_runs_made_decisions_worth_comparing(runs):
         assert (np.isfinite(rec["decision_attention_s"][1:]) & (rec["decision_attention_s"][1:] > 0)).all()
         assert (rec["decision_attention_s"][1:] <= rec["decision_window_s"][1:]).all()
         assert (rec["decision_overlap_t"] >= rec["decision_t"]).all()
+    fitted = runs["fssdp-auto-fitted"]["trace"].arrays["decision_schedule_costs"]
+    assert np.isfinite(fitted).all() and (fitted[..., 7] == 0).all()  # fitted on CPU ranks: not concurrent
+    for r in runs["fssdp-auto-fitted"]["results"]:  # the by-time price uses the fitted costs
+        assert r["price_costs"] == r["schedule_costs"] and r["price_costs"]["concurrent"] is False
     slow = runs["fssdp-auto-by-time"]["trace"].arrays
     assert (slow["decision_overlap_t"] > slow["decision_t"]).any(), (slow["decision_t"], slow["decision_overlap_t"])
     for n in ("fssdp-calibrated-auto", "fssdp-rm-paper", "smartmoe-reshard"):
@@ -152,3 +158,18 @@ def test_simulator_decisions_equal_the_runtime(runs, name, sim_name):
         for key, i in (("decision_owner", 0), ("decision_placed", 1), ("decision_held", 2)):
             got = np.stack([[layer[i].numpy() for layer in step] for step in decisions])
             np.testing.assert_array_equal(got, trace.arrays[key], err_msg=f"{simulator}: {key}")
+
+
+def test_the_replay_prices_with_the_recorded_costs(runs):
+    """The by-time decisions price with the schedule's costs each decision recorded (fitted, or
+    the hardware's): the replay of a record whose GEMMs are far slower, so that balance is worth
+    more replicas, searches to a larger t than the run took."""
+    from ds_fssdp.report.replay import replay
+    from ds_fssdp.sim.traces import Trace
+    trace = runs["fssdp-auto-by-time"]["trace"]
+    costs = trace.arrays["decision_schedule_costs"].copy()
+    assert np.isfinite(costs).all()
+    costs[..., 5] *= 1e4  # the GEMM's seconds per row
+    slow = replay(Trace(trace.tokens_SLED, trace.meta, dict(trace.arrays, decision_schedule_costs=costs)))
+    want = trace.arrays["decision_overlap_t"]
+    assert (slow.decisions["decision_overlap_t"] > want).any(), (want, slow.decisions["decision_overlap_t"])

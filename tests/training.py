@@ -128,6 +128,9 @@ def train_worker(rank, world, runs: dict, steps: int):
                          expert_shape=dataclasses.asdict(model.moe_layers()[0].sharded.spec.cost_shape(4)),
                          schedule_costs=None if engine.fssdp.schedule_costs is None else
                          dataclasses.asdict(engine.fssdp.schedule_costs),
+                         # the costs the by-time decisions price plans with (None: no cost model)
+                         price_costs=None if getattr(engine.fssdp.cost, "costs", None) is None else
+                         dataclasses.asdict(engine.fssdp.cost.costs),
                          budget=engine.fssdp.budget, state_bytes=engine.fssdp.state_bytes(),
                          owners=[l.sharded.owner_E.clone() for l in model.moe_layers()])
     return out

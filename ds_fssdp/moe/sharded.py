@@ -101,10 +101,11 @@ class Decision:
     traffic_DD: torch.Tensor  # long [D, D]: tokens rank d sends rank d2
     degrees: tuple = (-1, -1)  # (forward, backward) pipeline degrees (-1: not decided here, the replay)
     one_copy: int = -1  # one copy per destination taken (1) or not (0); -1: not decided here
+    schedule_costs: tuple = (float("nan"), ) * 8  # the schedule's costs decided from (ScheduleCosts.as_row; nan: none)
 
     @classmethod
     def of(cls, owner_E, placed_ED, lp: LayerPlan, plan, clock: Clock, degrees: tuple = (-1, -1),
-           one_copy: int = -1, *, overlap_t: int = -1) -> "Decision":
+           one_copy: int = -1, *, overlap_t: int = -1, schedule_costs=None) -> "Decision":
         """From what a layer's planner returned (``lp.placement_ED``: the final placement,
         ``overlap_t``: the t of ``placed_ED``)."""
         cal = lp.calibration
@@ -118,7 +119,8 @@ class Decision:
                    calibration_t=-1 if cal is None else int(cal.overlap_degree),
                    calibration_accepted=cal is not None and bool(cal.accepted), plan_digest=plan_digest(plan),
                    rows_D=plan.rows_D(), traffic_DD=plan.traffic_DD(), degrees=tuple(int(d) for d in degrees),
-                   one_copy=int(one_copy))
+                   one_copy=int(one_copy),
+                   schedule_costs=(float("nan"), ) * 8 if schedule_costs is None else tuple(schedule_costs.as_row()))
 
 
 def decision_arrays(decisions: list) -> dict:
@@ -139,7 +141,8 @@ def decision_arrays(decisions: list) -> dict:
             "decision_rows": stack(lambda d: d.rows_D.numpy(), np.int64),
             "decision_traffic": stack(lambda d: d.traffic_DD.numpy(), np.int64),
             "decision_degrees": stack(lambda d: d.degrees, np.int64),
-            "decision_one_copy": stack(lambda d: d.one_copy, np.int64)}
+            "decision_one_copy": stack(lambda d: d.one_copy, np.int64),
+            "decision_schedule_costs": stack(lambda d: d.schedule_costs, np.float64)}
 
 
 def plan_digest(plan) -> int:
@@ -323,7 +326,7 @@ class ShardedExperts:
             prediction_error = ctx.planner.observe(tokens_ED)
             self.last_tokens_ED = tokens_ED
             self.last_decision = Decision.of(self.owner_E, placed_ED, lp, plan, ctx.clock, degrees, one_copy,
-                                             overlap_t=overlap_t)
+                                             overlap_t=overlap_t, schedule_costs=ctx.schedule_costs)
         self.stats = self._stats(layout, plan, tokens_ED, lp, gather_exposed=gather_exposed, critical_s=critical_s,
                                  gather_sent=gather_sent, token_bytes=token_bytes,
                                  prediction_error=prediction_error, window=window, overlap_t=overlap_t, ctx=ctx)

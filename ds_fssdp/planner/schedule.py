@@ -106,6 +106,19 @@ class ScheduleCosts:
         """One exchange (or one chunk of it): intra- and inter-node parts on their own streams."""
         return max(self.a2a_intra(intra_bytes), self.a2a_inter(inter_bytes))
 
+    def as_row(self) -> list:
+        """The eight numbers a trace records per decision (:meth:`from_row` rebuilds these costs)."""
+        return [self.a2a_intra.startup_s, self.a2a_intra.per_unit_s, self.a2a_inter.startup_s,
+                self.a2a_inter.per_unit_s, self.gemm.startup_s, self.gemm.per_unit_s, float(self.backward_factor),
+                float(self.concurrent)]
+
+    @classmethod
+    def from_row(cls, row) -> "ScheduleCosts":
+        r = [float(v) for v in row]
+        if len(r) != 8:
+            raise ValueError(f"ScheduleCosts.from_row: 8 numbers expected, got {len(r)}")
+        return cls(Linear(r[0], r[1]), Linear(r[2], r[3]), Linear(r[4], r[5]), r[6], bool(r[7]))
+
 
 @dataclass(frozen=True)
 class LayerLoad:

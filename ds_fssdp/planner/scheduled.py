@@ -15,8 +15,10 @@ of :meth:`CostModel.layer_time`.
 * :class:`ScheduledCostModel`: a :class:`~ds_fssdp.planner.cost.CostModel` whose
   :meth:`~ScheduledCostModel.layer_time` is that price's forward + backward.
 
-The runtime builds it from its configuration and its agreed hardware, the report's replay from
-the trace's record of both, and both simulators from their options and modelled hardware
+The runtime builds it from its configuration, on the schedule's costs its degrees are chosen
+from (fitted at initialize and refitted, or ``fssdp.hardware``'s; without them, its agreed
+hardware's), the report's replay from the trace's record of both (the exchange options in the
+sidecar, the costs per decision), and both simulators from their options and modelled hardware
 (``sim/pipeline.py``'s ``LayerSchedule`` prices every simulated layer through the same
 :meth:`ExchangeOptions.price`), so the same plans get the same price everywhere.
 """

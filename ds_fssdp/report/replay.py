@@ -25,6 +25,7 @@ from ds_fssdp.moe.sharded import Decision, decision_arrays
 from ds_fssdp.planner import (Clock, CostModel, ExpertShape, Hardware, LoadPredictor, PolicyConfig, homogeneous_owner,
                               make_policy)
 from ds_fssdp.planner.layer import LayerPlanner, migrating_policies, migrations
+from ds_fssdp.planner.schedule import ScheduleCosts
 from ds_fssdp.planner.scheduled import ExchangeOptions, ScheduledCostModel
 from ds_fssdp.sim.traces import Trace
 from ds_fssdp.topology import Topology
@@ -183,6 +184,9 @@ def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
     clock_b = trace.arrays.get("decision_latency_budget")
     clock_w = trace.arrays.get("decision_window_s")
     clock_a = trace.arrays.get("decision_attention_s")  # absent: a trace from before it was recorded
+    costs_SL8 = trace.arrays.get("decision_schedule_costs")  # the schedule's costs each decision priced with
+    cost = policy.config.cost
+    default_costs = getattr(cost, "costs", None)
     owner_LE = homogeneous_owner(E, D).expand(L, E).clone()
     tokens = torch.from_numpy(trace.tokens_SLED.astype(np.int64))
     steps, reshards = [], []
@@ -194,11 +198,15 @@ def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
         decisions = []
         for l, planner in enumerate(planners):
             tokens_ED = tokens[step, l]
+            costs = _recorded_costs(costs_SL8, step, l)
+            if default_costs is not None:  # the runtime prices with its fitted costs where it has them
+                cost.costs = default_costs if costs is None else costs
             placed_ED, overlap_t = planner.pre_gating_t(owner_LE[l], clocks[l])
             lp = planner.post_gating(owner_LE[l], placed_ED, tokens_ED, clocks[l], overlap_t=overlap_t)
             plan = planner.dispatch(lp, tokens_ED)
             planner.observe(tokens_ED)
-            decisions.append(Decision.of(owner_LE[l], placed_ED, lp, plan, clocks[l], overlap_t=overlap_t))
+            decisions.append(Decision.of(owner_LE[l], placed_ED, lp, plan, clocks[l], overlap_t=overlap_t,
+                                         schedule_costs=costs))
         steps.append(decision_arrays(decisions))
     if not steps:
         return Replay(settings=s, owner_SLE=np.zeros((0, L, E), np.int64), held_SLED=np.zeros((0, L, E, D), bool),
@@ -211,6 +219,8 @@ def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
     rec.pop("decision_one_copy")
     if clock_a is None:  # a trace from before the attention was recorded: nothing to compare it with
         rec.pop("decision_attention_s")
+    if costs_SL8 is None:
+        rec.pop("decision_schedule_costs")
     # Static EP: every owner computes all its experts' rows.
     ep_rows = np.zeros((S, L, D), dtype=np.int64)
     load_SLE = trace.tokens_SLED.sum(3, dtype=np.int64)
@@ -236,6 +246,13 @@ def compare(trace: Trace, rep: Replay) -> list:
         if bad.size:
             diffs.append((key, int(bad[0, 0]), int(bad[0, 1])))
     return diffs
+
+
+def _recorded_costs(costs_SL8, step: int, l: int) -> ScheduleCosts | None:
+    """The schedule's costs the runtime decided (step, layer) with; None: none recorded."""
+    if costs_SL8 is None or np.isnan(costs_SL8[step, l]).any():
+        return None
+    return ScheduleCosts.from_row(costs_SL8[step, l])
 
 
 def _clock(s: ReplaySettings, clock_t, clock_b, clock_w, clock_a, step: int, l: int) -> Clock:

@@ -174,6 +174,7 @@ class FSSDPStage:
                                             dtype=dtype, device=engine.device,
                                             experts=max(1, self.layers[0].num_experts // self.group_size))
             self.schedule_costs = self.cost_fit.costs
+            self._price_with(self.schedule_costs)
             self.profile["schedule_costs"] = dataclasses.asdict(self.schedule_costs)
             logger.info(f"fssdp: schedule costs fitted {self.schedule_costs} (relative error "
                         f"{self.cost_fit.error:.3f})")
@@ -328,6 +329,13 @@ class FSSDPStage:
         every rank (collective over the world; runtime/costfit.py)."""
         self.cost_fit.refit([s.timings for s in self.shards], device=device)
         self.schedule_costs = self.cost_fit.costs
+        self._price_with(self.schedule_costs)
+
+    def _price_with(self, costs: ScheduleCosts) -> None:
+        """The by-time decisions price plans with the costs the degrees are chosen from (fitted or
+        ``fssdp.hardware``'s; without them, the agreed hardware's: ``ScheduledCostModel``'s own)."""
+        if isinstance(self.cost, ScheduledCostModel):
+            self.cost.costs = costs
 
     def _reduce_router_loads(self, device) -> None:
         """Routing-bias updates count loads over the world: each FSSDP group saw its own."""
@@ -364,6 +372,7 @@ class FSSDPStage:
             self.cost = self._cost_model(dtype, device)
         if self._schedule_decided() and cfg.hardware is not None:
             self.schedule_costs = self._schedule_costs(dtype)
+            self._price_with(self.schedule_costs)
         layer = self.layers[0]
         name = "fssdp-rm" if cfg.policy == "fssdp" and cfg.rematerialize else cfg.policy
         budget = cfg.calibration_latency_budget
