@@ -2,7 +2,8 @@
 recorded trace they make the same decisions, step by step: owners (re-shards, SmartMoE's
 permutations), pre-gating placements, the final placements after calibration or shadowing,
 calibration's t and acceptance, the clock (t, latency budget), the dispatch plans (digest, rows
-per rank, rank-to-rank traffic). Every runtime policy, the RM variant, the placements and dispatch
+per rank, rank-to-rank traffic), the exchange (pipeline degrees and one copy per destination,
+retaken from the recorded schedule costs and row sizes). Every runtime policy, the RM variant, the placements and dispatch
 modes, on 4 ranks in 2 logical nodes, in one spawn. This is the guard against the copies of the
 per-step chain drifting apart again."""
 import os

@@ -55,8 +55,9 @@ from ds_fssdp.moe.timing import LayerTimings
 from ds_fssdp.planner import LoadPredictor, PolicyConfig, make_policy
 from ds_fssdp.planner.baselines import Clock, LayerPlan
 from ds_fssdp.planner.layer import LayerPlanner
-from ds_fssdp.planner.onecopy import INDEX_BYTES, choose_exchange
+from ds_fssdp.planner.onecopy import INDEX_BYTES
 from ds_fssdp.planner.schedule import ScheduleCosts, overlap_window
+from ds_fssdp.planner.scheduled import exchange_decision
 from ds_fssdp.topology import Topology
 
 __all__ = ["ShardedExperts", "ShardOptions", "StepContext", "Decision", "ReplicaMemory", "chain", "decision_arrays"]
@@ -102,10 +103,11 @@ class Decision:
     degrees: tuple = (-1, -1)  # (forward, backward) pipeline degrees (-1: not decided here, the replay)
     one_copy: int = -1  # one copy per destination taken (1) or not (0); -1: not decided here
     schedule_costs: tuple = (float("nan"), ) * 8  # the schedule's costs decided from (ScheduleCosts.as_row; nan: none)
+    row_bytes: tuple = (-1, -1)  # (token row, gate weight) bytes the exchange decision priced (-1: not decided here)
 
     @classmethod
     def of(cls, owner_E, placed_ED, lp: LayerPlan, plan, clock: Clock, degrees: tuple = (-1, -1),
-           one_copy: int = -1, *, overlap_t: int = -1, schedule_costs=None) -> "Decision":
+           one_copy: int = -1, *, overlap_t: int = -1, schedule_costs=None, row_bytes=(-1, -1)) -> "Decision":
         """From what a layer's planner returned (``lp.placement_ED``: the final placement,
         ``overlap_t``: the t of ``placed_ED``)."""
         cal = lp.calibration
@@ -120,7 +122,8 @@ class Decision:
                    calibration_accepted=cal is not None and bool(cal.accepted), plan_digest=plan_digest(plan),
                    rows_D=plan.rows_D(), traffic_DD=plan.traffic_DD(), degrees=tuple(int(d) for d in degrees),
                    one_copy=int(one_copy),
-                   schedule_costs=(float("nan"), ) * 8 if schedule_costs is None else tuple(schedule_costs.as_row()))
+                   schedule_costs=(float("nan"), ) * 8 if schedule_costs is None else tuple(schedule_costs.as_row()),
+                   row_bytes=tuple(int(b) for b in row_bytes))
 
 
 def decision_arrays(decisions: list) -> dict:
@@ -142,7 +145,8 @@ def decision_arrays(decisions: list) -> dict:
             "decision_traffic": stack(lambda d: d.traffic_DD.numpy(), np.int64),
             "decision_degrees": stack(lambda d: d.degrees, np.int64),
             "decision_one_copy": stack(lambda d: d.one_copy, np.int64),
-            "decision_schedule_costs": stack(lambda d: d.schedule_costs, np.float64)}
+            "decision_schedule_costs": stack(lambda d: d.schedule_costs, np.float64),
+            "decision_row_bytes": stack(lambda d: d.row_bytes, np.int64)}
 
 
 def plan_digest(plan) -> int:
@@ -326,7 +330,8 @@ class ShardedExperts:
             prediction_error = ctx.planner.observe(tokens_ED)
             self.last_tokens_ED = tokens_ED
             self.last_decision = Decision.of(self.owner_E, placed_ED, lp, plan, ctx.clock, degrees, one_copy,
-                                             overlap_t=overlap_t, schedule_costs=ctx.schedule_costs)
+                                             overlap_t=overlap_t, schedule_costs=ctx.schedule_costs,
+                                             row_bytes=(token_bytes, weights_TK.element_size()))
         self.stats = self._stats(layout, plan, tokens_ED, lp, gather_exposed=gather_exposed, critical_s=critical_s,
                                  gather_sent=gather_sent, token_bytes=token_bytes,
                                  prediction_error=prediction_error, window=window, overlap_t=overlap_t, ctx=ctx)
@@ -382,14 +387,10 @@ class ShardedExperts:
         the agreed costs and this plan's traffic (``traffic_DD()``), priced as the exchange that
         runs (two hops where they run), the same on every rank. Without costs: degree 1 and one
         copy on."""
-        pd, opt = ctx.pipeline_degree, self.options.one_copy_per_destination
-        fixed = None if pd == "auto" else (int(pd[0]), int(pd[1]))
-        if ctx.schedule_costs is None or (fixed is not None and opt != "auto"):
-            return (fixed or (1, 1)), (True if opt == "auto" else bool(opt))
-        G = self.topology.ranks_per_node
-        return choose_exchange(ctx.schedule_costs, traffic_DD(), ranks_per_node=G, token_bytes=token_bytes, top_k=top_k,
-                               weight_bytes=weight_bytes, one_copy=opt, degrees=fixed,
-                               relay=self.options.hierarchical and 1 < G < self.topology.num_ranks)
+        return exchange_decision(ctx.schedule_costs, traffic_DD, pipeline_degree=ctx.pipeline_degree,
+                                 one_copy=self.options.one_copy_per_destination,
+                                 ranks_per_node=self.topology.ranks_per_node, token_bytes=token_bytes, top_k=top_k,
+                                 weight_bytes=weight_bytes, two_hops=self.options.hierarchical)
 
     def _run(self, x_TH, weights_TK, r, replica_RP, *, remat: bool, local_E, degrees: tuple,
              other=None) -> torch.Tensor:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ds_fssdp.planner.cost import CostModel, ExpertShape, Hardware, schedule_costs
-from ds_fssdp.planner.onecopy import ExchangePrice, price_exchange
+from ds_fssdp.planner.onecopy import ExchangePrice, choose_exchange, price_exchange
 from ds_fssdp.planner.plan import DispatchPlan
 from ds_fssdp.planner.schedule import ScheduleCosts, link_busy
 from ds_fssdp.topology import Topology
@@ -108,3 +108,20 @@ def reduce_window_s(costs: ScheduleCosts, price: ExchangePrice, attention_s: flo
     busy = link_busy(costs, price.loads[0], price.degrees[1])[1 if across_nodes else 0]
     idle = float(price.backward_R.max()) - busy
     return 2.0 * attention_s + (idle if idle > 0.0 else 0.0)
+
+
+def exchange_decision(costs: ScheduleCosts | None, traffic_DD, *, pipeline_degree, one_copy, ranks_per_node: int,
+                      token_bytes: float, top_k: int, weight_bytes: float, two_hops: bool) -> tuple:
+    """A layer's exchange this iteration, as the runtime takes it and the replay retakes it:
+    ``((forward, backward) pipeline degrees, one copy per destination)``. The configured ones
+    where fixed (``pipeline_degree``: "auto" or a pair; ``one_copy``: True, False or "auto"); what
+    is "auto", :func:`~ds_fssdp.planner.onecopy.choose_exchange` on ``costs`` and the plan's
+    traffic (``traffic_DD``, or a callable computing it only when needed), two hops where they run.
+    Without costs: degree 1 (or the fixed degrees) and one copy on unless configured off."""
+    fixed = None if pipeline_degree == "auto" else (int(pipeline_degree[0]), int(pipeline_degree[1]))
+    if costs is None or (fixed is not None and one_copy != "auto"):
+        return (fixed or (1, 1)), (True if one_copy == "auto" else bool(one_copy))
+    traffic = np.asarray(traffic_DD() if callable(traffic_DD) else traffic_DD)
+    G, D = int(ranks_per_node), traffic.shape[0]
+    return choose_exchange(costs, traffic, ranks_per_node=G, token_bytes=token_bytes, top_k=top_k,
+                           weight_bytes=weight_bytes, one_copy=one_copy, degrees=fixed, relay=two_hops and 1 < G < D)

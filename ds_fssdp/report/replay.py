@@ -26,7 +26,7 @@ from ds_fssdp.planner import (Clock, CostModel, ExpertShape, Hardware, LoadPredi
                               make_policy)
 from ds_fssdp.planner.layer import LayerPlanner, migrating_policies, migrations
 from ds_fssdp.planner.schedule import ScheduleCosts
-from ds_fssdp.planner.scheduled import ExchangeOptions, ScheduledCostModel
+from ds_fssdp.planner.scheduled import ExchangeOptions, ScheduledCostModel, exchange_decision
 from ds_fssdp.sim.traces import Trace
 from ds_fssdp.topology import Topology
 
@@ -187,6 +187,9 @@ def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
     costs_SL8 = trace.arrays.get("decision_schedule_costs")  # the schedule's costs each decision priced with
     cost = policy.config.cost
     default_costs = getattr(cost, "costs", None)
+    # a trace that records the exchange's inputs: its degrees and one copy per destination replay too
+    exchange_recorded = (s.exchange is not None and costs_SL8 is not None
+                         and "decision_row_bytes" in trace.arrays and "decision_degrees" in trace.arrays)
     owner_LE = homogeneous_owner(E, D).expand(L, E).clone()
     tokens = torch.from_numpy(trace.tokens_SLED.astype(np.int64))
     steps, reshards = [], []
@@ -205,18 +208,26 @@ def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
             lp = planner.post_gating(owner_LE[l], placed_ED, tokens_ED, clocks[l], overlap_t=overlap_t)
             plan = planner.dispatch(lp, tokens_ED)
             planner.observe(tokens_ED)
-            decisions.append(Decision.of(owner_LE[l], placed_ED, lp, plan, clocks[l], overlap_t=overlap_t,
-                                         schedule_costs=costs))
+            degrees, one_copy, row_bytes = (-1, -1), -1, (-1, -1)
+            if exchange_recorded:  # the exchange decision retaken from the recorded costs and row sizes
+                row_bytes = tuple(int(b) for b in trace.arrays["decision_row_bytes"][step, l])
+                degrees, one_copy = exchange_decision(
+                    costs, lambda: plan.traffic_DD().numpy(), pipeline_degree=s.exchange["pipeline_degree"],
+                    one_copy=s.exchange["one_copy_per_destination"], ranks_per_node=topology.ranks_per_node,
+                    token_bytes=row_bytes[0], top_k=int(s.exchange["top_k"]), weight_bytes=row_bytes[1],
+                    two_hops=bool(s.exchange["topology_aware"]))
+            decisions.append(Decision.of(owner_LE[l], placed_ED, lp, plan, clocks[l], degrees, int(one_copy),
+                                         overlap_t=overlap_t, schedule_costs=costs, row_bytes=row_bytes))
         steps.append(decision_arrays(decisions))
     if not steps:
         return Replay(settings=s, owner_SLE=np.zeros((0, L, E), np.int64), held_SLED=np.zeros((0, L, E, D), bool),
                       rows_SLD=np.zeros((0, L, D), np.int64), ep_rows_SLD=np.zeros((0, L, D), np.int64), decisions={})
     rec = {k: np.stack([d[k] for d in steps]) for k in steps[0]}
     # The pipeline degrees and one copy per destination follow the run's schedule costs (fitted at
-    # initialize and refitted from timings: not in the trace); tests/test_pipeline.py checks them
-    # against the recorded traffic.
-    rec.pop("decision_degrees")
-    rec.pop("decision_one_copy")
+    # initialize and refitted from timings): replayed where the trace records them per decision.
+    if not exchange_recorded:
+        for key in ("decision_degrees", "decision_one_copy", "decision_row_bytes"):
+            rec.pop(key)
     if clock_a is None:  # a trace from before the attention was recorded: nothing to compare it with
         rec.pop("decision_attention_s")
     if costs_SL8 is None:
