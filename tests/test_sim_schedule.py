@@ -287,7 +287,7 @@ def test_placement_by_time_prices_the_schedule():
     sched = LayerSchedule(HW, SHAPE, ranks_per_node=4, top_k=2, options=ScheduleOptions())
     dense_cost = scheduled_cost_model(HW, SHAPE, topo, sched)
     compact_cost = ClusterCostModel(HW, SHAPE, topo, relay=True)
-    compact_cost.schedule = sched
+    compact_cost.scheduled = scheduled_cost_model(HW, SHAPE, topo, sched)
     serial = CostModel(HW, SHAPE, topo, relay=True)
     gen = torch.Generator().manual_seed(9)
     owner = homogeneous_owner(16, 8)

@@ -302,7 +302,7 @@ def other_traffic_s(costs: ScheduleCosts, load: LayerLoad, *, backward: bool = F
     """Seconds one direction of the layer pays for the other collectives in flight during it
     (``load.other_*_bytes``, module docstring): 0 with concurrent costs (they use the idle link),
     else one :meth:`ScheduleCosts.exchange` of their bytes. Part of :func:`pipeline_time`."""
-    return float(np.asarray(_other_traffic(costs, [load], backward)).reshape(-1)[0])
+    return 0.0 if costs.concurrent else float(_other_traffic(costs, [load], backward)[0])
 
 
 def _link_order(n: int) -> list:

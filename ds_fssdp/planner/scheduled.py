@@ -55,6 +55,16 @@ class ExchangeOptions:
             if len(d) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in d):
                 raise ValueError(f"degrees ({self.degrees!r}) must be None or two ints >= 1")
 
+    @classmethod
+    def of(cls, shape: ExpertShape, *, top_k: int, one_copy, pipeline_degree, two_hops: bool) -> "ExchangeOptions":
+        """From the ``"fssdp"`` settings' values (``pipeline_degree``: "auto" or a (forward,
+        backward) pair), rows and gate weights in the experts' dtype: what the runtime, the replay
+        and the simulators build their options with."""
+        return cls(top_k=int(top_k), token_bytes=float(shape.token_bytes), weight_bytes=float(shape.param_bytes),
+                   one_copy=one_copy,
+                   degrees=None if pipeline_degree == "auto" else tuple(int(v) for v in pipeline_degree),
+                   two_hops=bool(two_hops))
+
     def price(self, costs: ScheduleCosts, traffic_DD, *, ranks_per_node: int) -> ExchangePrice:
         """The exchange of ``traffic_DD`` (rows rank d sends rank h, diagonal its own) as it runs:
         :func:`price_exchange` with these options. Top-1 never takes one copy (nothing to share);
@@ -87,8 +97,7 @@ class ScheduledCostModel(CostModel):
     def layer_time(self, plan) -> float:
         """Forward + backward of the layer's exchange and expert compute, the slowest rank's in
         each direction, as :meth:`price` runs it."""
-        p = self.price(plan)
-        return float(p.forward_R.max() + p.backward_R.max())
+        return self.layer_price(plan)[0]
 
     def layer_price(self, plan, attention_s: float | None = None) -> tuple:
         """``(layer_time(plan), reduce_window_s(...))`` from one :meth:`price` (the window None

@@ -64,11 +64,9 @@ class ReplaySettings:
         hw, shape = Hardware(**self.hardware), ExpertShape(**self.expert_shape)
         if self.exchange is None:
             return CostModel(hw, shape, topology)
-        ex, pd = self.exchange, self.exchange["pipeline_degree"]
-        options = ExchangeOptions(top_k=int(ex["top_k"]), token_bytes=float(shape.token_bytes),
-                                  weight_bytes=float(shape.param_bytes), one_copy=ex["one_copy_per_destination"],
-                                  degrees=None if pd == "auto" else tuple(int(v) for v in pd),
-                                  two_hops=bool(ex["topology_aware"]))
+        ex = self.exchange
+        options = ExchangeOptions.of(shape, top_k=ex["top_k"], one_copy=ex["one_copy_per_destination"],
+                                     pipeline_degree=ex["pipeline_degree"], two_hops=ex["topology_aware"])
         return ScheduledCostModel(hw, shape, topology, exchange=options)
 
     def make_policy(self, topology: Topology, *, num_experts: int, num_layers: int):

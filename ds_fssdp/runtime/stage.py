@@ -417,10 +417,9 @@ class FSSDPStage:
     def exchange_options(self, shape) -> ExchangeOptions:
         """How this run's layers exchange their tokens, for the by-time decisions' layer price
         (planner/scheduled.py; the report's replay rebuilds it from the trace's record)."""
-        cfg, pd = self.config, self.pipeline_degree
-        return ExchangeOptions(top_k=self.layers[0].k, token_bytes=float(shape.token_bytes),
-                               weight_bytes=float(shape.param_bytes), one_copy=cfg.one_copy_per_destination,
-                               degrees=None if pd == "auto" else tuple(pd), two_hops=cfg.topology_aware)
+        cfg = self.config
+        return ExchangeOptions.of(shape, top_k=self.layers[0].k, one_copy=cfg.one_copy_per_destination,
+                                  pipeline_degree=self.pipeline_degree, two_hops=cfg.topology_aware)
 
     def _schedule_decided(self) -> bool:
         """Whether a layer decision comes from the schedule's costs ("auto" pipeline degrees or one

@@ -54,8 +54,10 @@ from ds_fssdp.planner.predict import LoadPredictor
 from ds_fssdp.planner.baselines import Clock
 from ds_fssdp.planner.schedule import drain_in_gaps
 from ds_fssdp.sim.bound import LowerBound
+from ds_fssdp.planner.scheduled import ScheduledCostModel
 from ds_fssdp.sim.links import Links, allreduce_links, exchange_links, sparse_collective_links, traffic_BNN
-from ds_fssdp.sim.pipeline import INTER, INTRA, LayerSchedule, ScheduleOptions, binding_class, policy_options
+from ds_fssdp.sim.pipeline import (INTER, INTRA, LayerSchedule, ScheduleOptions, binding_class, policy_options,
+                                   scheduled_cost_model)
 from ds_fssdp.sim.memory import budget_for_cap, ep_memory_bytes
 from ds_fssdp.planner.materialize import materialize as algorithm1  # the default materializer
 from ds_fssdp.sim.setup import (GRAD_BYTES, MIGRATE_BYTES, OPT_BYTES, OPT_TRAFFIC_BYTES, PARAM_BYTES, Setup,
@@ -108,37 +110,21 @@ def check_group_size(group_size: int, topology: Topology) -> None:
 
 class ClusterCostModel(CostModel):
     """The relayed cost model, taking compact plans (what the cluster simulator's dispatcher
-    returns; FSSDP's calibration prices its candidates with :meth:`layer_time`). ``schedule``
-    (placement by time): a :class:`~ds_fssdp.sim.pipeline.LayerSchedule` that prices the plan's
-    layer (forward + backward under the schedule) instead of the serial 4 exchanges + compute."""
+    returns; FSSDP's calibration prices its candidates with :meth:`layer_time`). ``scheduled``
+    (placement by time): the planner's :class:`~ds_fssdp.planner.scheduled.ScheduledCostModel` of
+    the layer schedule, which prices the plan's layer (forward + backward as its exchange runs, and
+    its reduce's window) instead of the serial 4 exchanges + compute."""
 
-    schedule: LayerSchedule | None = None
+    scheduled: ScheduledCostModel | None = None
 
     def layer_price(self, plan, attention_s: float | None = None) -> tuple:
-        """Under ``schedule``: the layer and its reduce's window from one priced exchange (the
-        planner's ``ScheduledCostModel.layer_price``, on the compact plan)."""
-        if self.schedule is None:
-            return super().layer_price(plan, attention_s)
-        lt = self._scheduled(plan)
-        layer_s = float(lt.forward_B[0] + lt.backward_B[0])
-        if attention_s is None:
-            return layer_s, None
-        return layer_s, float(self.schedule.reduce_windows(lt, attention_s,
-                                                           across_nodes=self.topology.num_nodes > 1)[0])
-
-    def _scheduled(self, plan):
-        if isinstance(plan, DispatchPlan):
-            fl = plan.flows_4F
-            traffic = traffic_BNN(plan.tokens_ED[None], plan.holder_E[None],
-                                  np.stack([np.zeros_like(fl[0]), fl[1], fl[2], fl[3]]))
-        else:
-            traffic = plan.sum(0).double().numpy()[None]
-        return self.schedule.layer(traffic)
+        if self.scheduled is not None:
+            return self.scheduled.layer_price(plan, attention_s)
+        return super().layer_price(plan, attention_s)
 
     def layer_time(self, plan) -> float:
-        if self.schedule is not None:
-            lt = self._scheduled(plan)
-            return float(lt.forward_B[0] + lt.backward_B[0])
+        if self.scheduled is not None:
+            return self.scheduled.layer_time(plan)
         if not isinstance(plan, DispatchPlan):
             return super().layer_time(plan)
         rows = float(plan.rows_D().max())
@@ -210,7 +196,7 @@ class PolicyRun:
         self.sched = LayerSchedule(setup.hw, setup.shape, ranks_per_node=self.topo.ranks_per_node,
                                    top_k=setup.top_k, options=self.options)
         if self.options.price_by_schedule:
-            self.cost.schedule = self.sched
+            self.cost.scheduled = scheduled_cost_model(setup.hw, setup.shape, self.topo, self.sched)
         self.gather_class = INTER if self.topo.num_nodes > 1 else INTRA
         self.window_BL = np.full((self.B, setup.num_layers), attn_f)  # replica gather windows (last step's)
         self.degree_log = degrees

@@ -114,10 +114,9 @@ class LayerSchedule:
         self.hw, self.shape, self.G, self.top_k, self.options = hw, shape, ranks_per_node, top_k, options
         self.costs = schedule_costs(hw, shape)
         d = options.pipeline_degree
-        # gate weights travel in the rows' dtype; one copy runs as the runtime's two hops (its default)
-        self.exchange = ExchangeOptions(top_k=top_k, token_bytes=float(shape.token_bytes),
-                                        weight_bytes=float(shape.param_bytes), one_copy=options.dedup,
-                                        degrees=None if d is None else (d, d), two_hops=True)
+        # one copy runs as the runtime's two hops (its default)
+        self.exchange = ExchangeOptions.of(shape, top_k=top_k, one_copy=options.dedup,
+                                           pipeline_degree="auto" if d is None else (d, d), two_hops=True)
 
     def layer(self, traffic_BNN: np.ndarray) -> LayerTimes:
         row_bytes = float(self.shape.token_bytes)
