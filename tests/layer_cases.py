@@ -39,13 +39,16 @@ def rank_inputs(case: dict, rank: int, hidden: int) -> tuple:
     return torch.randn(T, hidden, generator=gen), torch.randn(T, hidden, generator=gen)
 
 
-def model_forward(layers, x, ckpt):
+def model_forward(layers, x, ckpt, shared=None):
     """The layers in sequence, their aux losses summed; ``ckpt``: None / False (plain), "torch" or
-    True (non-reentrant activation checkpointing), "reentrant"."""
+    True (non-reentrant activation checkpointing), "reentrant". ``shared``: a module per layer
+    whose output on the layer's input is added to the layer's (a block's shared experts, called
+    after them)."""
     def run(x):
         l_aux = 0.0
-        for layer in layers:
-            x, aux, _ = layer(x)
+        for i, layer in enumerate(layers):
+            y, aux, _ = layer(x)
+            x = y if shared is None else y + shared[i](x)
             l_aux = l_aux + aux
         return x, l_aux
     if ckpt in ("torch", True):

@@ -5,8 +5,10 @@ are expanded, computed and combined with their gate weights before the chunk ret
 * The sharded layer over 1 and 2 logical nodes (two hops, both chunked: ``moe/relay.py``; and one
   hop with ``hierarchical`` off), top-k 2 and 4 with experts crowded on few ranks (co-located
   picks), degrees (2, 3), (4, 1), (1, 3) and (3, 2), tiny token counts (empty and one-row chunks),
-  re-materialization on two cases, activation checkpointing on two: outputs, input gradients,
-  gate-weight gradients and owned expert gradients equal the single-process layer (fp32 tight);
+  re-materialization on two cases, activation checkpointing on two, a shared MLP per layer
+  computed beside the exchange (``moe/side.py``) on two two-hop cases: outputs, input gradients,
+  gate-weight gradients, owned expert gradients and the shared MLPs' gradients equal the
+  single-process layer (fp32 tight), the shared MLPs computed once per forward, inside the exchange;
   the hidden-width rows that change rank in the forward are 2 x the hops' distinct (row,
   destination) pairs (dispatch and combine), fewer than one per assignment, and the layers'
   ``a2a_bytes_saved`` is the difference.
@@ -35,10 +37,11 @@ CASES = [  # owners crowd experts on few ranks: a token often picks several expe
     dict(seed=5, E=8, K=4, owner=(0, 0, 0, 1, 2, 2, 3, 3), rpn=4, deg=(2, 3), tokens=(5, 8, 1, 2), act="gelu",
          layers=2, ckpt=True),
     # two hops, both chunked (moe/relay.py): empty and one-row chunks, forward degree 1, checkpointing
-    dict(seed=6, E=8, K=4, owner=(0, 0, 0, 1, 1, 2, 3, 3), rpn=2, deg=(4, 1), tokens=(1, 0, 2, 1), act="swiglu"),
+    dict(seed=6, E=8, K=4, owner=(0, 0, 0, 1, 1, 2, 3, 3), rpn=2, deg=(4, 1), tokens=(1, 0, 2, 1), act="swiglu",
+         shared=True),
     dict(seed=7, E=8, K=2, owner=(0, 1, 1, 1, 2, 2, 3, 0), rpn=2, deg=(1, 3), tokens=(6, 9, 4, 7), act="gelu"),
     dict(seed=8, E=8, K=4, owner=(0, 0, 1, 1, 2, 2, 3, 3), rpn=2, deg=(3, 2), tokens=(5, 8, 1, 2), act="swiglu",
-         layers=2, ckpt=True, remat=True),
+         layers=2, ckpt=True, remat=True, shared=True),
 ]
 TOL = dict(atol=2e-6, rtol=1e-5)  # fp32: only the summation order of identical products differs
 
@@ -48,6 +51,15 @@ def make_layers(case):
     torch.manual_seed(case["seed"])
     return [FSSDPMoE(hidden_size=H, ffn_hidden_size=F, num_experts=case["E"], k=case["K"], activation=case["act"],
                      init_std=0.3) for _ in range(case.get("layers", 1))]
+
+
+def make_shared(case):
+    """A shared MLP per layer for ``shared`` cases (None otherwise), the same on every rank."""
+    if not case.get("shared"):
+        return None
+    torch.manual_seed(1000 + case["seed"])
+    return [torch.nn.Sequential(torch.nn.Linear(H, 2 * F), torch.nn.GELU(), torch.nn.Linear(2 * F, H))
+            for _ in range(case.get("layers", 1))]
 
 
 def placement(case, world, layer):
@@ -86,6 +98,7 @@ def _worker(rank, world, cases):
     from ds_fssdp import Topology
     from ds_fssdp.moe.dedup import DedupRoute
     from ds_fssdp.moe.sharded import ShardOptions
+    from ds_fssdp.moe.side import SharedSide
     from ds_fssdp.runtime.groups import build_exchange_groups
     groups = {rpn: build_exchange_groups(world=world, rank=rank, group_size=world, ranks_per_node=rpn)
               for rpn in sorted({c["rpn"] for c in cases})}
@@ -97,10 +110,16 @@ def _worker(rank, world, cases):
         shards = attach_shards(layers, [placement(case, world, i) for i in range(len(layers))], rank=rank,
                                topo=Topology(num_ranks=world, ranks_per_node=case["rpn"]),
                                exchange=groups[case["rpn"]], degrees=case["deg"], options=options)
+        shared, calls = make_shared(case), [0]
+        for layer, shard, mlp in zip(layers, shards, shared or []):
+            layer.side = SharedSide(mlp, 1.0)
+            shard.side_allowed = True
+            own = layer.side._forward
+            layer.side._forward = lambda *a, own=own: calls.__setitem__(0, calls[0] + 1) or own(*a)
         x, dy = rank_inputs(case, rank, H)
         x.requires_grad_(True)
         with RowCounter(rank, world, case["K"]) as counter:
-            y, l_aux = model_forward(layers, x, case.get("ckpt"))
+            y, l_aux = model_forward(layers, x, case.get("ckpt"), shared)
         routes = [s._iterations[-1].route for s in shards]
         assert all(isinstance(r, DedupRoute) for r in routes)
         ((y * dy).sum() + 0.1 * l_aux).backward()
@@ -116,21 +135,24 @@ def _worker(rank, world, cases):
                         staged=[r.hops[-1].stage_splits is not None for r in routes],
                         degrees=[(l.last_stats["pipeline_degree_fwd"], l.last_stats["pipeline_degree_bwd"])
                                  for l in layers],
-                        saved=[l.last_stats["a2a_bytes_saved"] for l in layers]))
+                        saved=[l.last_stats["a2a_bytes_saved"] for l in layers],
+                        shared_grads=[[p.grad for p in m.parameters()] for m in shared or []], shared_calls=calls[0],
+                        side=[l.last_stats["side_overlapped"] for l in layers]))
     return out
 
 
 def _reference(case, world):
-    layers = make_layers(case)
+    layers, shared = make_layers(case), make_shared(case)
     per_rank = []
     for rank in range(world):
-        for layer in layers:
+        for layer in layers + (shared or []):
             layer.zero_grad()
         x, dy = rank_inputs(case, rank, H)
         x.requires_grad_(True)
-        y, l_aux = model_forward(layers, x, False)
+        y, l_aux = model_forward(layers, x, False, shared)
         ((y * dy).sum() + 0.1 * l_aux).backward()
         per_rank.append(dict(y=y.detach(), x_grad=x.grad, gate_grads=[l.gate.weight.grad.clone() for l in layers],
+                             shared_grads=[[p.grad.clone() for p in m.parameters()] for m in shared or []],
                              expert_grads=[l.spec.flatten({n: getattr(l, n).grad for n in l.spec.names})
                                            for l in layers]))
     return per_rank, [torch.stack([r["expert_grads"][i] for r in per_rank]).sum(0) for i in range(len(layers))]
@@ -181,6 +203,14 @@ def test_pipelined_one_copy_per_destination_matches_single_process():
                 torch.testing.assert_close(g, w, **TOL, msg=where)
             for (owned_E, grad), total in zip(got["owned"], sums):
                 torch.testing.assert_close(grad, total[owned_E], **TOL, msg=where)
+            if case.get("shared"):  # computed inside the exchange once per forward (again by the recompute)
+                assert got["side"] == [1] * len(sums), where
+                assert got["shared_calls"] == len(sums) * (2 if case.get("ckpt") else 1), where
+                for gs, ws in zip(got["shared_grads"], want["shared_grads"]):
+                    for g, w in zip(gs, ws):
+                        torch.testing.assert_close(g, w, **TOL, msg=where)
+            else:
+                assert got["side"] == [0] * len(sums), where
     assert fewer >= 3, "the cases should send fewer rows than one per assignment"
 
 

@@ -67,22 +67,25 @@ def test_the_simulators_layer_is_the_same_price(schedule):
             assert got < serial.layer_time(plan)
 
 
-def _stage(**fssdp):
+def _stage(side_ratio=0.0, **fssdp):
     cfg = FSSDPConfig(**fssdp)
     return types.SimpleNamespace(config=cfg, pipeline_degree=cfg.pipeline_degrees(),
-                                 layers=[types.SimpleNamespace(k=2)])
+                                 layers=[types.SimpleNamespace(k=2)], side_ratio=side_ratio)
 
 
-@pytest.mark.parametrize("fssdp,schedule", [
-    ({}, ScheduleOptions()),
-    ({"one_copy_per_destination": False}, ScheduleOptions(dedup=False)),
-    ({"pipeline_degree": 3}, ScheduleOptions(pipeline_degree=3)),
+@pytest.mark.parametrize("fssdp,schedule,side", [
+    ({}, ScheduleOptions(), 0.0),
+    ({}, ScheduleOptions(), 1.5),
+    ({"one_copy_per_destination": False}, ScheduleOptions(dedup=False), 0.0),
+    ({"pipeline_degree": 3}, ScheduleOptions(pipeline_degree=3), 0.0),
 ])
-def test_the_runtime_prices_as_the_simulators(fssdp, schedule):
+def test_the_runtime_prices_as_the_simulators(fssdp, schedule, side):
     """The runtime's options from its configuration (FSSDPStage.exchange_options) are the
-    simulators' from the matching schedule options: the same plans get the same price."""
-    runtime = FSSDPStage.exchange_options(_stage(**fssdp), SHAPE)
-    assert runtime == LayerSchedule(HW, SHAPE, ranks_per_node=4, top_k=2, options=schedule).exchange
+    simulators' from the matching schedule options: the same plans get the same price (with
+    the shared experts beside the exchange too)."""
+    runtime = FSSDPStage.exchange_options(_stage(side, **fssdp), SHAPE)
+    assert runtime == LayerSchedule(HW, SHAPE, ranks_per_node=4, top_k=2, options=schedule,
+                                    side_ratio=side).exchange
     rt = FSSDPStage.exchange_options(_stage(pipeline_degree={"forward": 2, "backward": 5},
                                             topology_aware=False), SHAPE)
     assert rt.degrees == (2, 5) and rt.two_hops is False

@@ -65,6 +65,7 @@ from deepspeed.utils import logger
 import ds_fssdp.runtime.engine as _engine
 from ds_fssdp.integrations import peft_lora
 from ds_fssdp.integrations.hf_experts import FSSDPHFExperts, UnsupportedExpertsError, is_experts_module
+from ds_fssdp.moe.side import bind_shared
 
 # Where a family keeps the selection bias of its router: on the block or on its router module.
 ROUTER_BIAS = "e_score_correction_bias"
@@ -102,6 +103,8 @@ def convert(model: nn.Module, *, route_initialize: bool = True) -> nn.Module:
         block_name, _, child = site.rpartition(".")
         block = model.get_submodule(block_name) if block_name else model
         module._adopt_handle = block.register_forward_pre_hook(peft_lora.adopt_hook(child, where))
+        shape = module.spec.cost_shape(1)
+        module.side = bind_shared(block, child, hidden=shape.hidden, ffn=shape.ffn, matrices=shape.matrices)
     logger.info(f"fssdp: converted {len(targets)} experts modules of {type(model).__name__} ({model_type}): "
                 f"{targets[0][1].__class__.__name__} -> {converted_experts(model)[0][1].extra_repr()}")
     if route_initialize:
@@ -123,6 +126,8 @@ def unconvert(model: nn.Module) -> nn.Module:
         _set_submodule(model, name, module.to_hf_module(like))
         if module._adopt_handle is not None:
             module._adopt_handle.remove()
+        if module.side is not None:
+            module.side.release()
         if peft_lora.has_peft():
             peft_lora.release(model.get_submodule(peft_lora.strip_wrappers(name)))
     return model

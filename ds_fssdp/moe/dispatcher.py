@@ -109,21 +109,22 @@ class TokenDispatcher:
         return dispatch_compute_combine(x_TH, weights_TK, r, expert_fn=expert_fn, exchange=self._exchange)
 
     def run_pipelined(self, x_TH: torch.Tensor, weights_TK: torch.Tensor, r, *, experts,
-                      degrees: tuple) -> torch.Tensor:
+                      degrees: tuple, side=None) -> torch.Tensor:
         """:meth:`run` with the exchange chunked at ``degrees`` (forward, backward) and pipelined
         with the expert compute (``moe/pipeline.py``); a :class:`DedupRoute` sends one row per
         (token, destination) in the chunks (two hops: both chunked, ``moe/relay.py``, the route
-        staged at the same ``degrees``)."""
+        staged at the same ``degrees``). ``side``: the layer's work beside the exchange
+        (``moe/side.py``), or None."""
         if isinstance(r, DedupRoute) and len(r.hops) == 2:  # two hops, both chunked
             return relay_dispatch_compute_combine(x_TH, weights_TK, r, experts=experts, degrees=degrees,
                                                   groups=self.exchange, rank=self.rank, world=self.world,
-                                                  exchange=self._exchange)
+                                                  exchange=self._exchange, side=side)
         if isinstance(r, DedupRoute):
             return pipelined_dispatch_compute_combine_dedup(x_TH, weights_TK, r, experts=experts, degrees=degrees,
                                                             groups=self.exchange, rank=self.rank, world=self.world,
-                                                            exchange=self._exchange)
+                                                            exchange=self._exchange, side=side)
         return pipelined_dispatch_compute_combine(x_TH, weights_TK, r, experts=experts, degrees=degrees,
-                                                  groups=self.exchange, rank=self.rank, world=self.world)
+                                                  groups=self.exchange, rank=self.rank, world=self.world, side=side)
 
     def _exchange(self, x, out_splits, in_splits):
         if self.timings is None:

@@ -57,6 +57,9 @@ class FSSDPExperts(nn.Module):
         self.router_bias_update_rate = 0.0  # fssdp.router_bias_update_rate, set by the FSSDP stage (0: unset)
         self.pending_load_E = None  # float64 [E]: loads since the last bias update
         self.fold = None  # comm.fold.TPFold under AutoTP (set at initialize): dispatch this TP rank's slice
+        # moe.side.SharedSide: the block's shared experts, computed beside a chunked exchange (bound by
+        # integrations/hf.py's convert where the block runs them after its experts); None: none
+        self.side = None
 
     @property
     def activation(self) -> str:
@@ -84,13 +87,23 @@ class FSSDPExperts(nn.Module):
             return self._folded(x_TH, idx_TK, weights_TK)
         return self._route_and_compute(x_TH, idx_TK, weights_TK, counts_E)
 
+    @property
+    def side_ratio(self) -> float:
+        """Expert rows per token of the work this layer computes beside its exchange (0: none; the
+        block computes its shared experts itself)."""
+        if self.side is None or self.sharded is None or self.fold is not None or not self.sharded.side_allowed:
+            return 0.0
+        return self.side.ratio
+
     def _route_and_compute(self, x_TH, idx_TK, weights_TK, counts_E=None) -> tuple:
         if counts_E is None:
             counts_E = torch.bincount(idx_TK.reshape(-1), minlength=self.num_experts)
         if self.sharded is None:
             out_TH, load_E = self._local_forward(x_TH, idx_TK, weights_TK, counts_E), counts_E
         else:
-            out_TH, tokens_ED = self.sharded.forward(x_TH, idx_TK, weights_TK, counts_E, observe=self.training)
+            side = self.side.work(x_TH) if self.side_ratio else None  # the block's input, unfolded
+            out_TH, tokens_ED = self.sharded.forward(x_TH, idx_TK, weights_TK, counts_E, observe=self.training,
+                                                     side=side)
             load_E = None if tokens_ED is None else tokens_ED.sum(1)  # None: a recompute (counted once)
         if self.training and load_E is not None:
             self.observe_load(load_E)

@@ -33,6 +33,10 @@ per expert, f / b the forward / backward degrees.
   hops across nodes run both hops chunked through the same Function with a
   :class:`~ds_fssdp.moe.relay.RelayPlan` (``moe/relay.py``): any plan with ``degrees``, ``units``,
   ``recv_splits`` and ``run``.
+* **Work beside the exchange** (``moe/side.py``): a block's shared experts, given as a
+  ``SideWork``, are computed after the last chunk's GEMM, while the last combine is in flight (and
+  in the backward, their gradient through their own graph at the same point); the Function's
+  second output is their result, which the block's own call of the module then returns.
 
 Degree (1, 1) is not this module: the layer runs ``compute.dispatch_compute_combine`` (or its
 ``_dedup`` form) unchanged.
@@ -141,9 +145,9 @@ class ChunkPlan:
         return chunk_atoms(self.cuts, degree, i)
 
     def run(self, degree: int, groups: ExchangeGroups, world: int, src_RH: torch.Tensor, recv_RH: torch.Tensor,
-            back_recv_RH: torch.Tensor, back_sent_RH: torch.Tensor, work) -> None:
+            back_recv_RH: torch.Tensor, back_sent_RH: torch.Tensor, work, after=None) -> None:
         """One direction of the schedule (:func:`run_chunks`)."""
-        run_chunks(self, degree, groups, world, src_RH, recv_RH, back_recv_RH, back_sent_RH, work)
+        run_chunks(self, degree, groups, world, src_RH, recv_RH, back_recv_RH, back_sent_RH, work, after)
 
     def ranges(self, side: str, q0: Fraction, q1: Fraction) -> list:
         """Rows ``[lo, hi)`` of each peer's block between fractions q0 and q1 (None for this rank),
@@ -292,12 +296,14 @@ def _unit_fn(fn, x, w, sizes: list, tables) -> torch.Tensor:
 
 
 def run_chunks(plan: ChunkPlan, degree: int, groups: ExchangeGroups, world: int, src_RH: torch.Tensor,
-               recv_RH: torch.Tensor, back_recv_RH: torch.Tensor, back_sent_RH: torch.Tensor, work) -> None:
+               recv_RH: torch.Tensor, back_recv_RH: torch.Tensor, back_sent_RH: torch.Tensor, work,
+               after=None) -> None:
     """One direction of the chunked schedule, in ``planner/schedule.py``'s order: chunk 1 of
     ``src_RH`` (send order) is launched, this rank's own rows are copied into ``recv_RH`` (receive
     order) and worked on while it flies; then per chunk i: launch chunk i + 1, land chunk i, ``work``
     its atoms (``work(units)`` fills ``back_recv_RH`` at their rows), send their results back into
-    ``back_sent_RH`` (send order); every return landed at the end. The forward sends rows and
+    ``back_sent_RH`` (send order); ``after()`` (the work beside the exchange) once the last return
+    is launched; every return landed at the end. The forward sends rows and
     returns outputs; the backward sends output gradients and returns input gradients."""
     rank = plan.rank
     q0, q1, _ = plan.chunk(degree, 0)
@@ -318,6 +324,8 @@ def run_chunks(plan: ChunkPlan, degree: int, groups: ExchangeGroups, world: int,
         returns.append(start_exchange(groups, rank, world, back_recv_RH, plan.ranges("recv", q0, q1),
                                       plan.ranges("send", q0, q1)))
         pending = nxt
+    if after is not None:
+        after()
     for r in returns:
         r.land(back_sent_RH)
 
@@ -335,7 +343,7 @@ class PipelinedExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, send_RH, w_recv_UK, plan: ChunkPlan, experts: PipelineExperts, groups: ExchangeGroups,
-                world: int, record: bool, *tensors):
+                world: int, record: bool, side, side_x, *tensors):
         f, _ = plan.degrees
         H = send_RH.shape[1:]
         x_recv = send_RH.new_empty((sum(plan.recv_splits), ) + tuple(H))
@@ -362,12 +370,20 @@ class PipelinedExperts(torch.autograd.Function):
                 y = _unit_fn(fn, x, w, sizes, tables)
             y_recv.index_copy_(0, pos, y.detach())
 
+        side_out = []
+
+        def side_work() -> None:  # the work beside the exchange, with its own graph when a backward may follow
+            fn, grad = side
+            leaf = side_x.detach().requires_grad_(side_x.requires_grad)
+            with torch.set_grad_enabled(grad):
+                side_out.extend([leaf, fn(leaf)])
+
         # Identity hooks: this Function's own graphs keep their tensors (an enclosing checkpoint's
         # hooks would otherwise replace them; its recompute replays the whole Function instead).
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), torch.set_grad_enabled(keep):
             fn, weights, lora_leaves = experts.build(leaves, replica)
             plan.run(f, groups, world, send_RH, x_recv, y_recv, y_sent,
-                       lambda units: [compute(u) for u in units])
+                     lambda units: [compute(u) for u in units], after=None if side is None else side_work)
         # Under RM nothing here may keep the replicas alive until the backward (the weights' views
         # hold a copy of them, ``experts.replica`` is the forward's buffer).
         ctx.plan, ctx.groups, ctx.world = plan, groups, world
@@ -378,10 +394,11 @@ class PipelinedExperts(torch.autograd.Function):
         ctx.has_w, ctx.needs_w = w_recv_UK is not None, w_recv_UK is not None and w_recv_UK.requires_grad
         ctx.w_meta = None if w_recv_UK is None else (w_recv_UK.shape, w_recv_UK.dtype)
         ctx.needs = [t.requires_grad for t in tensors]
-        return y_sent
+        ctx.side = tuple(side_out) if side_out and side_out[1].requires_grad else None
+        return y_sent if side is None else (y_sent, side_out[1].detach())
 
     @staticmethod
-    def backward(ctx, dy_sent):
+    def backward(ctx, dy_sent, dside=None):
         plan, experts, groups, world = ctx.plan, ctx.experts, ctx.groups, ctx.world
         _, b = plan.degrees
         dy_sent = dy_sent.contiguous()
@@ -431,7 +448,16 @@ class PipelinedExperts(torch.autograd.Function):
                 if g is not None:
                     sums[j] = g if sums[j] is None else sums[j] + g
 
-        plan.run(b, groups, world, dy_sent, dy_recv, dx_recv, dx_send, grads)
+        d_side = []
+
+        def side_backward() -> None:  # the side work's gradient through its own graph (weights: accumulated)
+            leaf, y = ctx.side
+            with torch.enable_grad():
+                torch.autograd.backward(y, dside)
+            d_side.append(leaf.grad)
+
+        side_back = side_backward if ctx.side is not None and dside is not None else None
+        plan.run(b, groups, world, dy_sent, dy_recv, dx_recv, dx_send, grads, after=side_back)
         # Weight gradients: named [S + R, ...] sums -> rows; LoRA leaves as they are.
         by_target = {id(t): g for t, g in zip(targets, sums)}
         named = {n: (by_target.get(id(t)) if by_target.get(id(t)) is not None else torch.zeros_like(t))
@@ -450,23 +476,30 @@ class PipelinedExperts(torch.autograd.Function):
         for leaf, need in zip(lora_leaves, ctx.needs[k:]):
             g = by_target.get(id(leaf))
             out.append((g if g is not None else torch.zeros_like(leaf)) if need else None)
-        ctx.graphs = ctx.weights = ctx.x_recv = ctx.w_recv = None
-        return (dx_send, dw_recv if ctx.needs_w else None, None, None, None, None, None, *out)
+        ctx.graphs = ctx.weights = ctx.x_recv = ctx.w_recv = ctx.side = None
+        return (dx_send, dw_recv if ctx.needs_w else None, None, None, None, None, None, None,
+                d_side[0] if d_side else None, *out)
 
 
 def run_pipelined_experts(send_RH: torch.Tensor, w_recv_UK: torch.Tensor | None, plan, experts: PipelineExperts,
-                          groups: ExchangeGroups, world: int) -> torch.Tensor:
+                          groups: ExchangeGroups, world: int, side=None) -> torch.Tensor:
     """:class:`PipelinedExperts` over ``plan`` (a :class:`ChunkPlan` or ``relay.RelayPlan``), its
-    graphs recorded when a backward may follow."""
+    graphs recorded when a backward may follow. ``side``: the layer's ``moe.side.SideWork``
+    (computed beside the exchange and delivered), or None."""
     tensors = experts.inputs()
     record = torch.is_grad_enabled() and (send_RH.requires_grad or (w_recv_UK is not None and w_recv_UK.requires_grad)
                                           or any(t.requires_grad for t in tensors))
-    return PipelinedExperts.apply(send_RH, w_recv_UK, plan, experts, groups, world, record, *tensors)
+    if side is None:
+        return PipelinedExperts.apply(send_RH, w_recv_UK, plan, experts, groups, world, record, None, None, *tensors)
+    y_sent, side_y = PipelinedExperts.apply(send_RH, w_recv_UK, plan, experts, groups, world, record,
+                                            (side.fn, torch.is_grad_enabled()), side.x_TH, *tensors)
+    side.deliver(side_y)
+    return y_sent
 
 
 def pipelined_dispatch_compute_combine(x_TH: torch.Tensor, weights_TK: torch.Tensor, route, *,
                                        experts: PipelineExperts, degrees: tuple, groups: ExchangeGroups, rank: int,
-                                       world: int) -> torch.Tensor:
+                                       world: int, side=None) -> torch.Tensor:
     """``compute.dispatch_compute_combine`` with the exchange + expert compute chunked at
     ``degrees`` (forward, backward): the same send buffer and the same combine around one
     :class:`PipelinedExperts`."""
@@ -476,13 +509,13 @@ def pipelined_dispatch_compute_combine(x_TH: torch.Tensor, weights_TK: torch.Ten
     send_RH = ops.permute_tokens(x_TH, route.send_token, unsend_TK)
     plan = ChunkPlan(rank=rank, degrees=degrees, send_splits=route.send_splits, recv_splits=route.recv_splits,
                      group_perm=route.group_perm, group_sizes=route.group_sizes, device=dev)
-    y_sent_RH = run_pipelined_experts(send_RH, None, plan, experts, groups, world)
+    y_sent_RH = run_pipelined_experts(send_RH, None, plan, experts, groups, world, side)
     return ops.unpermute_combine(y_sent_RH, unsend_TK(), weights_TK)
 
 
 def pipelined_dispatch_compute_combine_dedup(x_TH: torch.Tensor, weights_TK: torch.Tensor, droute, *,
                                              experts: PipelineExperts, degrees: tuple, groups: ExchangeGroups,
-                                             rank: int, world: int, exchange) -> torch.Tensor:
+                                             rank: int, world: int, exchange, side=None) -> torch.Tensor:
     """``compute.dispatch_compute_combine_dedup`` over one hop chunked at ``degrees``: one row per
     (token, destination) crosses in the chunks, through :class:`PipelinedExperts` with the
     receiver's tables (two hops: ``moe/relay.py``). The gate weights of the sent rows (zero on the
@@ -497,5 +530,5 @@ def pipelined_dispatch_compute_combine_dedup(x_TH: torch.Tensor, weights_TK: tor
     plan = ChunkPlan(rank=rank, degrees=degrees, send_splits=hop.splits, recv_splits=hop.recv_splits,
                      group_perm=None, group_sizes=droute.route.group_sizes, device=dev,
                      expand=(droute.rows_UK, droute.token_C))
-    out_RH = run_pipelined_experts(send_UH, w_recv_UK, plan, experts, groups, world)
+    out_RH = run_pipelined_experts(send_UH, w_recv_UK, plan, experts, groups, world, side)
     return ops.unpermute_combine(out_RH, hop.uniq_TK.to(dev))

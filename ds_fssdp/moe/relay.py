@@ -85,10 +85,11 @@ class RelayPlan:
         return [(int(off[d, s0]), int(off[d, s1])) for d in range(off.shape[0])]
 
     def run(self, degree: int, groups: ExchangeGroups, world: int, src_VH: torch.Tensor, recv_UH: torch.Tensor,
-            back_recv_UH: torch.Tensor, back_sent_VH: torch.Tensor, work) -> None:
+            back_recv_UH: torch.Tensor, back_sent_VH: torch.Tensor, work, after=None) -> None:
         """One direction (module docstring; ``planner.schedule.relay_order``): ``src_VH`` (the
         source's relay send order) out to the final receivers' ``recv_UH``, ``work(units)`` fills
-        ``back_recv_UH`` at their rows, and the sums come back into ``back_sent_VH``."""
+        ``back_recv_UH`` at their rows, and the sums come back into ``back_sent_VH``; ``after()``
+        (the work beside the exchange) once the last relay return is launched."""
         rank, A = self.rank, len(self.cuts) - 1
         tail = tuple(src_VH.shape[1:])
         rel_VH = src_VH.new_empty((sum(self.v_recv), ) + tail)
@@ -150,6 +151,8 @@ class RelayPlan:
                 q0, q1, _ = self.chunk(degree, t - 2)
                 returns.append(start_exchange(groups, rank, world, back_rel_VH, self._relay_ranges("recv", q0, q1),
                                               self._relay_ranges("send", q0, q1), links=("inter", )))
+        if after is not None:
+            after()
         back_sent_VH[lo:hi].copy_(back_rel_VH[rlo:rhi])
         for r in returns:
             r.land(back_sent_VH)
@@ -178,7 +181,7 @@ def _positions(ranges: list, device) -> torch.Tensor:
 
 
 def relay_dispatch_compute_combine(x_TH: torch.Tensor, weights_TK: torch.Tensor, droute, *, experts, degrees: tuple,
-                                   groups: ExchangeGroups, rank: int, world: int, exchange) -> torch.Tensor:
+                                   groups: ExchangeGroups, rank: int, world: int, exchange, side=None) -> torch.Tensor:
     """``pipeline.pipelined_dispatch_compute_combine_dedup`` over two staged hops: the rows cross in
     a :class:`RelayPlan`'s chunks; the gate weights cross both hops first, unchunked (K values per
     row, with autograd, through ``exchange``), and the final receiver applies them per unit; each
@@ -190,6 +193,6 @@ def relay_dispatch_compute_combine(x_TH: torch.Tensor, weights_TK: torch.Tensor,
     send_VH = ops.permute_tokens(x_TH, relay.token_U.to(dev), relay.uniq_TK.to(dev))
     plan = RelayPlan(rank=rank, degrees=degrees, relay=relay, last=last, rows_UK=droute.rows_UK,
                      token_C=droute.token_C, group_sizes=droute.route.group_sizes, device=dev)
-    y_sent_VH = run_pipelined_experts(send_VH, w_recv_UK, plan, experts, groups, world)
+    y_sent_VH = run_pipelined_experts(send_VH, w_recv_UK, plan, experts, groups, world, side)
     return ops.unpermute_combine(y_sent_VH, relay.uniq_TK.to(dev))
 

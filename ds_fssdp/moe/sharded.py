@@ -104,10 +104,12 @@ class Decision:
     one_copy: int = -1  # one copy per destination taken (1) or not (0); -1: not decided here
     schedule_costs: tuple = (float("nan"), ) * 8  # the schedule's costs decided from (ScheduleCosts.as_row; nan: none)
     row_bytes: tuple = (-1, -1)  # (token row, gate weight) bytes the exchange decision priced (-1: not decided here)
+    side_ratio: float = 0.0  # the work beside the exchange it priced, expert rows per token (moe/side.py)
 
     @classmethod
     def of(cls, owner_E, placed_ED, lp: LayerPlan, plan, clock: Clock, degrees: tuple = (-1, -1),
-           one_copy: int = -1, *, overlap_t: int = -1, schedule_costs=None, row_bytes=(-1, -1)) -> "Decision":
+           one_copy: int = -1, *, overlap_t: int = -1, schedule_costs=None, row_bytes=(-1, -1),
+           side_ratio: float = 0.0) -> "Decision":
         """From what a layer's planner returned (``lp.placement_ED``: the final placement,
         ``overlap_t``: the t of ``placed_ED``)."""
         cal = lp.calibration
@@ -123,7 +125,7 @@ class Decision:
                    rows_D=plan.rows_D(), traffic_DD=plan.traffic_DD(), degrees=tuple(int(d) for d in degrees),
                    one_copy=int(one_copy),
                    schedule_costs=(float("nan"), ) * 8 if schedule_costs is None else tuple(schedule_costs.as_row()),
-                   row_bytes=tuple(int(b) for b in row_bytes))
+                   row_bytes=tuple(int(b) for b in row_bytes), side_ratio=float(side_ratio))
 
 
 def decision_arrays(decisions: list) -> dict:
@@ -146,7 +148,8 @@ def decision_arrays(decisions: list) -> dict:
             "decision_degrees": stack(lambda d: d.degrees, np.int64),
             "decision_one_copy": stack(lambda d: d.one_copy, np.int64),
             "decision_schedule_costs": stack(lambda d: d.schedule_costs, np.float64),
-            "decision_row_bytes": stack(lambda d: d.row_bytes, np.int64)}
+            "decision_row_bytes": stack(lambda d: d.row_bytes, np.int64),
+            "decision_side_ratio": stack(lambda d: d.side_ratio, np.float64)}
 
 
 def plan_digest(plan) -> int:
@@ -180,6 +183,7 @@ class _Iteration:
     remat: bool
     hooked: bool  # the replicas' gradient hook is registered (the first pass built a graph)
     degrees: tuple = (1, 1)  # the pipeline degrees it ran at
+    side: bool = False  # it computed the block's work beside the exchange (moe/side.py)
 
 
 class ShardedExperts:
@@ -221,6 +225,9 @@ class ShardedExperts:
         self.last_tokens_ED = None  # the last training forward's all-gathered counts (trace recording)
         self.last_decision = None  # and what it decided
         self._iterations = []  # _Iteration per recorded forward of this micro-step (replayed by recomputes)
+        # Whether this layer may compute its block's shared experts beside the exchange (moe/side.py):
+        # set by the stage at attach (not under ZeRO-3, whose module hooks gather and release them).
+        self.side_allowed = False
 
     # -- the owned state (the replica manager's) --------------------------------------------------
     owner_E = property(lambda self: self.replicas.owner_E)
@@ -248,15 +255,17 @@ class ShardedExperts:
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, x_TH: torch.Tensor, idx_TK: torch.Tensor, weights_TK: torch.Tensor, counts_E: torch.Tensor, *,
-                observe: bool = True) -> tuple:
+                observe: bool = True, side=None) -> tuple:
         """Returns ``(out_TH, tokens_ED)``; ``tokens_ED`` is None for a recompute. ``observe``: feed
-        this iteration's loads to the predictor (a training forward).
+        this iteration's loads to the predictor (a training forward). ``side``: the block's work
+        beside the exchange (``moe.side.SideWork``; priced into the degrees, computed and delivered
+        at a chunked exchange, left to the block at degree 1), or None.
 
         A forward run inside a backward pass (activation checkpointing recomputing its segment)
         is not a new iteration: it replays the last recorded forward of this layer (same route,
         same replicas, re-gathered under RM) and plans, observes and prefetches nothing."""
         if self._iterations and torch._C._current_graph_task_id() != -1:
-            return self._replay(x_TH, idx_TK, weights_TK), None
+            return self._replay(x_TH, idx_TK, weights_TK, side), None
         ctx = self.context()
         gate_idx_TK = idx_TK
         if self.options.uniform:
@@ -296,8 +305,9 @@ class ShardedExperts:
         plan = ctx.planner.dispatch(lp, tokens_ED)
         token_bytes = x_TH.shape[1] * x_TH.element_size()
         traffic_DD = functools.cache(lambda: plan.traffic_DD().numpy())  # what "auto" decides from, once
+        side_ratio = 0.0 if side is None else side.ratio
         degrees, one_copy = self._exchange(ctx, traffic_DD, token_bytes=token_bytes, top_k=idx_TK.shape[1],
-                                           weight_bytes=weights_TK.element_size())
+                                           weight_bytes=weights_TK.element_size(), side_ratio=side_ratio)
         r = self.dispatcher.route(idx_TK, plan, local_E=layout.local_E, grouped=grouped, dedup=one_copy,
                                   degrees=degrees)
         grad = torch.is_grad_enabled()
@@ -316,14 +326,14 @@ class ShardedExperts:
         if early_next:
             self.next.prefetch()
         out_TH = self._run(x_TH, weights_TK, r, replica_RP, remat=remat, local_E=layout.local_E, degrees=degrees,
-                           other=lambda: self._other_bytes(early_next))
+                           other=lambda: self._other_bytes(early_next), side=side)
         if early_next:
             self.next._early_end_t = time.perf_counter()
         if not record or remat:
             self.replicas.uncount(replica_RP)  # freed with this frame (RM: not saved for backward)
         if record:
             self._iterations.append(_Iteration(gate_idx_TK, r, layout, None if remat else replica_RP, remat, hooked,
-                                               degrees))
+                                               degrees, side is not None))
         # -- end of replicas on the idle link
         prediction_error = float("nan")  # of the loads the plan assumed
         if observe:
@@ -331,20 +341,23 @@ class ShardedExperts:
             self.last_tokens_ED = tokens_ED
             self.last_decision = Decision.of(self.owner_E, placed_ED, lp, plan, ctx.clock, degrees, one_copy,
                                              overlap_t=overlap_t, schedule_costs=ctx.schedule_costs,
-                                             row_bytes=(token_bytes, weights_TK.element_size()))
+                                             row_bytes=(token_bytes, weights_TK.element_size()),
+                                             side_ratio=side_ratio)
         self.stats = self._stats(layout, plan, tokens_ED, lp, gather_exposed=gather_exposed, critical_s=critical_s,
                                  gather_sent=gather_sent, token_bytes=token_bytes,
                                  prediction_error=prediction_error, window=window, overlap_t=overlap_t, ctx=ctx)
         self.stats["pipeline_degree_fwd"], self.stats["pipeline_degree_bwd"] = degrees
         self.stats["one_copy"] = int(one_copy)
+        self.stats["side_overlapped"] = int(side is not None and tuple(degrees) != (1, 1))
         self.stats.update({"gather_early_s": early_s, "gather_started_early": early_end is not None,
                            "next_gather_started_early": early_next})
         self.stats.update(_dedup_stats(r, plan, ranks_per_node=self.topology.ranks_per_node, token_bytes=token_bytes,
                                        weight_bytes=weights_TK.element_size(), k=idx_TK.shape[1]))
         return out_TH, tokens_ED
 
-    def _replay(self, x_TH, idx_TK, weights_TK) -> torch.Tensor:
-        """The recompute of the last recorded forward: same route and replicas, new autograd graph."""
+    def _replay(self, x_TH, idx_TK, weights_TK, side=None) -> torch.Tensor:
+        """The recompute of the last recorded forward: same route and replicas, new autograd graph
+        (and its work beside the exchange again, where it ran there)."""
         it = self._iterations.pop()
         if not torch.equal(idx_TK.to(it.idx_TK.device), it.idx_TK):
             raise RuntimeError(f"fssdp layer {self.layer_index}: the recomputed forward routed tokens differently "
@@ -356,7 +369,7 @@ class ShardedExperts:
         elif torch.is_grad_enabled() and self.trainable and not it.hooked:
             self.replicas.hook_replicas(replica_RP, it.layout)  # the first pass ran without a graph (reentrant)
         return self._run(x_TH, weights_TK, it.route, replica_RP, remat=it.remat, local_E=it.layout.local_E,
-                         degrees=it.degrees)
+                         degrees=it.degrees, side=side if it.side else None)
 
     def _other_bytes(self, early_next: bool) -> tuple:
         """Bytes of the replicas' collectives in flight during this layer's timed forward and
@@ -381,7 +394,8 @@ class ShardedExperts:
                                                  self.next.expert_bytes), 0.0, 0.0)
         return (0.0, 0.0, 0.0, 0.0)
 
-    def _exchange(self, ctx: StepContext, traffic_DD, *, token_bytes: int, top_k: int, weight_bytes: int) -> tuple:
+    def _exchange(self, ctx: StepContext, traffic_DD, *, token_bytes: int, top_k: int, weight_bytes: int,
+                  side_ratio: float = 0.0) -> tuple:
         """((forward, backward) pipeline degrees, one copy per destination) this iteration: the
         options' where fixed; what is "auto" the schedule's choice (``onecopy.choose_exchange``) on
         the agreed costs and this plan's traffic (``traffic_DD()``), priced as the exchange that
@@ -390,12 +404,13 @@ class ShardedExperts:
         return exchange_decision(ctx.schedule_costs, traffic_DD, pipeline_degree=ctx.pipeline_degree,
                                  one_copy=self.options.one_copy_per_destination,
                                  ranks_per_node=self.topology.ranks_per_node, token_bytes=token_bytes, top_k=top_k,
-                                 weight_bytes=weight_bytes, two_hops=self.options.hierarchical)
+                                 weight_bytes=weight_bytes, two_hops=self.options.hierarchical, side_ratio=side_ratio)
 
     def _run(self, x_TH, weights_TK, r, replica_RP, *, remat: bool, local_E, degrees: tuple,
-             other=None) -> torch.Tensor:
-        """Degree (1, 1): today's ``compute.dispatch_compute_combine``; otherwise the chunked
-        pipeline (``moe/pipeline.py``) over the same weights. ``other``: the timing's other bytes
+             other=None, side=None) -> torch.Tensor:
+        """Degree (1, 1): today's ``compute.dispatch_compute_combine`` (the block computes its
+        side work itself); otherwise the chunked pipeline (``moe/pipeline.py``) over the same
+        weights, with ``side`` computed beside the exchange. ``other``: the timing's other bytes
         (:meth:`_other_bytes`)."""
         plain = r.route if isinstance(r, DedupRoute) else r  # the timing's units: rows per assignment
         if tuple(degrees) == (1, 1):
@@ -405,9 +420,10 @@ class ShardedExperts:
         lora = self.lora_factors(local_E) if getattr(self, "lora_factors", None) is not None else None
         experts = PipelineExperts(spec=self.spec, rows=self.rows, replica=replica_RP, lora=lora,
                                   source=self.replicas if remat else None)
+        side_rows = 0.0 if side is None else side.ratio * float(x_TH.shape[0])
         return self.timings.layer(lambda x: self.dispatcher.run_pipelined(x, weights_TK, r, experts=experts,
-                                                                          degrees=tuple(degrees)), x_TH, plain,
-                                  other=other)
+                                                                          degrees=tuple(degrees), side=side),
+                                  x_TH, plain, other=other, side_rows=side_rows)
 
     def _expert_fn(self, replica_RP, *, remat: bool, local_E: torch.Tensor):
         """The expert function over the owned rows and this forward's replicas (``local_E``: the

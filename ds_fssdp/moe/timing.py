@@ -18,7 +18,8 @@ Kinds and their units:
   (intra_bytes, inter_bytes, local_rows, remote_rows, other_fwd_intra_bytes, other_fwd_inter_bytes,
   other_bwd_intra_bytes, other_bwd_inter_bytes) (``planner.schedule.LayerLoad``'s fields, in its
   order: the last four are the other collectives in flight during each direction, the replicas'
-  sparse collectives the layer passes in, ``moe/sharded.py``);
+  sparse collectives the layer passes in, ``moe/sharded.py``), and where the layer computes its
+  block's shared experts beside the exchange, ``relay_bytes`` (0) and ``side_rows``;
 * ``compute_fwd``, ``compute_bwd``: the same span less the exchanges inside it, units (rows,):
   the layer's work on the compute stream (the permutations, the grouped MLP, the combine), what
   the schedule's ``gemm`` cost stands for (``runtime/costfit.py``).
@@ -142,11 +143,13 @@ class LayerTimings:
                               "gemm_bwd")
         return run
 
-    def layer(self, fn, x_TH: torch.Tensor, route, *, other=None) -> torch.Tensor:
+    def layer(self, fn, x_TH: torch.Tensor, route, *, other=None, side_rows: float = 0.0) -> torch.Tensor:
         """``fn(x_TH)``: the layer's dispatch, compute and combine over ``route``. ``other``: a
         callable, called right before the forward span starts, returning the bytes of other
         collectives in flight during the forward and the backward, (fwd intra, fwd inter, bwd
-        intra, bwd inter) (:meth:`link_bytes` of each); None: none."""
+        intra, bwd inter) (:meth:`link_bytes` of each); None: none. ``side_rows``: the work beside
+        the exchange inside the span, in expert rows (``LayerLoad.side_rows``; appended to the
+        layer's units after a 0 relay, and counted with the compute's rows)."""
         if not self.enabled:
             return fn(x_TH)
         other = (0.0, 0.0, 0.0, 0.0) if other is None else tuple(other())
@@ -155,5 +158,7 @@ class LayerTimings:
         intra, inter = self.link_bytes(route.send_splits, route.recv_splits, x_TH.shape[1] * x_TH.element_size())
         local = float(route.recv_splits[self.rank])
         units = (intra, inter, local, float(sum(route.recv_splits)) - local, *(float(b) for b in other))
-        return self.timed(fn, x_TH, units, "layer_fwd", "layer_bwd", compute=(units[2] + units[3], "compute_fwd",
-                                                                             "compute_bwd"))
+        if side_rows:
+            units += (0.0, float(side_rows))
+        return self.timed(fn, x_TH, units, "layer_fwd", "layer_bwd",
+                          compute=(units[2] + units[3] + float(side_rows), "compute_fwd", "compute_bwd"))

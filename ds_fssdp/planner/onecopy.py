@@ -19,7 +19,7 @@ Across nodes (``topology_aware`` and several nodes of several ranks) it runs as 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -75,13 +75,13 @@ def choose_one_copy(costs: ScheduleCosts, traffic_DD, *, ranks_per_node: int, to
 
 def choose_exchange(costs: ScheduleCosts, traffic_DD, *, ranks_per_node: int, token_bytes: float, top_k: int,
                     weight_bytes: float, one_copy, relay: bool, degrees: tuple | None = None,
-                    max_degree: int = MAX_DEGREE) -> tuple:
+                    max_degree: int = MAX_DEGREE, side_ratio: float = 0.0) -> tuple:
     """The layer's token exchange, for every rank at once: ``((forward, backward) degrees, one copy
     per destination)``, from the plan's ``traffic_DD`` and the agreed costs (the runtime, both
     simulators and a recorded trace decide alike): :func:`price_exchange`'s choice."""
     p = price_exchange(costs, traffic_DD, ranks_per_node=ranks_per_node, token_bytes=token_bytes, top_k=top_k,
                        weight_bytes=weight_bytes, one_copy=one_copy, relay=relay, degrees=degrees,
-                       max_degree=max_degree)
+                       max_degree=max_degree, side_ratio=side_ratio)
     return p.degrees, p.one_copy
 
 
@@ -99,7 +99,7 @@ class ExchangePrice:
 
 def price_exchange(costs: ScheduleCosts, traffic_DD, *, ranks_per_node: int, token_bytes: float, top_k: int,
                    weight_bytes: float, one_copy, relay: bool, degrees: tuple | None = None,
-                   max_degree: int = MAX_DEGREE) -> ExchangePrice:
+                   max_degree: int = MAX_DEGREE, side_ratio: float = 0.0) -> ExchangePrice:
     """:func:`choose_exchange` with the loads, seconds and routed rows of the exchange chosen (what
     the simulators price the layer with).
 
@@ -109,9 +109,14 @@ def price_exchange(costs: ScheduleCosts, traffic_DD, *, ranks_per_node: int, tok
     each candidate, each direction's degree minimises the slowest rank's
     :func:`~ds_fssdp.planner.schedule.pipeline_times` over the loads of the exchange that would run
     (``degrees`` given: those), and the candidates compare on forward + backward with
-    :func:`one_copy_overhead_s`. k = 1 never takes one copy under "auto" (nothing to share)."""
+    :func:`one_copy_overhead_s`. k = 1 never takes one copy under "auto" (nothing to share).
+
+    ``side_ratio``: the layer's work beside the exchange per token, in expert rows (the shared
+    experts' FLOPs over one expert row's; :func:`side_rows`), so each rank's ``side_rows`` is its
+    tokens' (its row of ``traffic_DD`` over k) times it."""
     traffic = np.asarray(traffic_DD, dtype=np.float64)
     D, G = traffic.shape[0], int(ranks_per_node)
+    side_D = side_rows(traffic, top_k, side_ratio)
     if one_copy == "auto":
         candidates = [False, True] if top_k > 1 else [False]
     else:
@@ -131,6 +136,8 @@ def price_exchange(costs: ScheduleCosts, traffic_DD, *, ranks_per_node: int, tok
                 loads = loads_from_traffic(traffic, ranks_per_node=G, token_bytes=token_bytes, sent_DD=sent)
         else:
             loads = loads_from_traffic(traffic, ranks_per_node=G, token_bytes=token_bytes)
+        if side_D is not None:
+            loads = [replace(ld, side_rows=float(side_D[d])) for d, ld in enumerate(loads)]
         deg = tuple(degrees) if degrees is not None else choose_degrees(costs, list(dict.fromkeys(loads)),
                                                                         max_degree=max_degree)
         if c:
@@ -142,6 +149,17 @@ def price_exchange(costs: ScheduleCosts, traffic_DD, *, ranks_per_node: int, tok
         if best is None or layer < best[0]:
             best = (layer, ExchangePrice((int(deg[0]), int(deg[1])), c, loads, fwd, bwd, sent, routed))
     return best[1]
+
+
+def side_rows(traffic_DD, top_k: int, side_ratio: float):
+    """Each rank's work beside the exchange in expert rows (float64 [D], None for none): its tokens
+    (its row of the plan's ``traffic_DD``, rows per assignment, over ``top_k``) times
+    ``side_ratio``."""
+    if not side_ratio:
+        return None
+    if side_ratio < 0:
+        raise ValueError(f"side_ratio ({side_ratio}) must be >= 0")
+    return np.asarray(traffic_DD, dtype=np.float64).sum(1) * (float(side_ratio) / max(1, int(top_k)))
 
 
 def relay_loads(traffic_DD, *, ranks_per_node: int, token_bytes: float, top_k: int, sent_DD=None,

@@ -19,6 +19,15 @@ The modelled schedule, per direction (forward, backward), on one rank:
   as soon as its chunk is computed, after the dispatch already queued); compute runs local, then
   chunk 1..n, each when its dispatch has landed.
 
+Work beside the exchange (``LayerLoad.side_rows``): compute that needs none of the exchange's rows,
+the family's shared experts over this rank's own tokens, in units of expert rows (FLOPs over one
+expert row's). At degree 1 the block runs it as written, in sequence with the layer; at degree
+n >= 2 the runtime computes it once the last return is launched (``moe/side.py``): one hop, after
+the last chunk's GEMM, while combine n flies; two hops, once the last hop back inside the node has
+landed (the sender's last unpermute waits for it), while the last relay return flies. (Placed
+there, it hides behind a transfer that nothing else can fill; before chunk 1 it would hide only
+what the local rows leave of it.)
+
 The backward is the same pipeline over the gradients with ``backward_factor`` times the GEMM
 work (input and weight gradients).
 
@@ -139,6 +148,9 @@ class LayerLoad:
     # Two hops (module docstring): the relay hop's bytes on the busiest node link in each
     # direction; 0: one hop.
     relay_bytes: float = 0.0
+    # Work beside the exchange (module docstring): expert rows' worth of compute that needs no
+    # exchanged row (the shared experts over the rank's tokens); 0: none.
+    side_rows: float = 0.0
 
 
 def pipeline_time(costs: ScheduleCosts, load: LayerLoad, degree: int, *, backward: bool = False) -> float:
@@ -152,25 +164,26 @@ def pipeline_times(costs: ScheduleCosts, loads: list, degree: int, *, backward: 
     of the modelled schedule."""
     if degree < 1:
         raise ValueError(f"pipeline degree ({degree}) must be >= 1")
-    a = np.array([(ld.intra_bytes, ld.inter_bytes, ld.local_rows, ld.remote_rows, ld.relay_bytes) for ld in loads],
-                 dtype=np.float64).reshape(-1, 5)
-    relay = a[:, 4]
+    a = np.array([(ld.intra_bytes, ld.inter_bytes, ld.local_rows, ld.remote_rows, ld.side_rows, ld.relay_bytes)
+                  for ld in loads], dtype=np.float64).reshape(-1, 6)
+    relay = a[:, 5]
     if degree == 1:  # the relay hop and its return around the exchange inside the node
-        return _one_hop_times(costs, loads, a[:, :4].T, 1, backward) + 2.0 * _lin(costs.a2a_inter, relay)
+        return _one_hop_times(costs, loads, a[:, :5].T, 1, backward) + 2.0 * _lin(costs.a2a_inter, relay)
     two_hops = relay > 0
     if not two_hops.any():
-        return _one_hop_times(costs, loads, a[:, :4].T, degree, backward)
+        return _one_hop_times(costs, loads, a[:, :5].T, degree, backward)
     if two_hops.all():
         return _relay_times(costs, loads, a.T, degree, backward)
     return np.where(two_hops, _relay_times(costs, loads, a.T, degree, backward),
-                    _one_hop_times(costs, loads, a[:, :4].T, degree, backward))
+                    _one_hop_times(costs, loads, a[:, :5].T, degree, backward))
 
 
 def _concurrent_time(costs: ScheduleCosts, ld: LayerLoad, degree: int, backward: bool) -> float:
     """:func:`pipeline_times` of one load under concurrent costs, in Python floats: the same
     operations in the same order (so the same number), without numpy's per-call cost; what
     :func:`choose_degrees` searches with."""
-    cols = (float(ld.intra_bytes), float(ld.inter_bytes), float(ld.local_rows), float(ld.remote_rows))
+    cols = (float(ld.intra_bytes), float(ld.inter_bytes), float(ld.local_rows), float(ld.remote_rows),
+            float(ld.side_rows))
     relay = float(ld.relay_bytes)
     if degree == 1:
         return _one_hop_times(costs, [ld], cols, 1, backward) + 2.0 * _lin(costs.a2a_inter, relay)
@@ -183,15 +196,17 @@ def _relay_times(costs: ScheduleCosts, loads: list, cols, n: int, backward: bool
     """Two hops at degree ``n`` >= 2 (module docstring, :func:`relay_order`): the local rows
     first, then per chunk j its relay hop R_j (node link), hop inside the node I_j (rank link),
     GEMM C_j, hop back I'_j and relay return R'_j, each after the one before it; every link and
-    the compute run their operations in the order the runtime issues them."""
+    the compute run their operations in the order the runtime issues them; the side work once the
+    last chunk's GEMM and hop back have ended."""
     factor = costs.backward_factor if backward else 1.0
-    intra, _, local, remote, relay = cols
+    intra, _, local, remote, side, relay = cols
     r = _lin(costs.a2a_inter, relay / n)
     x = _lin(costs.a2a_intra, intra / n)
     g = factor * _lin(costs.gemm, remote / n)
     c0 = factor * _lin(costs.gemm, local)
+    s = factor * _lin(costs.gemm, side)
     if not costs.concurrent:
-        return 2.0 * n * (r + x) + n * g + c0 + _other_traffic(costs, loads, backward)
+        return 2.0 * n * (r + x) + n * g + c0 + s + _other_traffic(costs, loads, backward)
     # free: when each resource (0 node link, 1 rank link, 2 compute) is next free; each operation
     # starts when its resource is free and its chunk's operation before it has ended
     free = [r * 0.0, r * 0.0, c0]
@@ -200,7 +215,7 @@ def _relay_times(costs: ScheduleCosts, loads: list, cols, n: int, backward: bool
     for kind, j, resource in _relay_steps(n):
         start = free[resource] if kind == 0 else _max(free[resource], ended[kind - 1][j])
         ended[kind][j] = free[resource] = start + dur[kind]
-    return _max(free[0], free[2])
+    return _max(free[0], _max(free[2], ended[3][n - 1]) + s)
 
 
 _RELAY_KINDS = {"R": (0, 0), "I": (1, 1), "C": (2, 2), "J": (3, 1), "Q": (4, 0)}  # (kind, resource)
@@ -233,9 +248,9 @@ def relay_order(n: int) -> list:
 
 def _one_hop_times(costs: ScheduleCosts, loads: list, cols, degree: int, backward: bool):
     """The pipeline of :func:`pipeline_times` over one hop: ``cols`` the loads' (intra, inter,
-    local, remote) columns (arrays, or one load's floats)."""
+    local, remote, side) columns (arrays, or one load's floats)."""
     factor = costs.backward_factor if backward else 1.0
-    intra, inter, local, remote = cols
+    intra, inter, local, remote, side = cols
 
     def gemm(rows):
         return factor * _lin(costs.gemm, rows)
@@ -244,19 +259,21 @@ def _one_hop_times(costs: ScheduleCosts, loads: list, cols, degree: int, backwar
         return _exchange(costs, i_bytes, e_bytes)
 
     if degree == 1:
-        return 2.0 * exchange(intra, inter) + gemm(local + remote) + _other_traffic(costs, loads, backward)
+        return 2.0 * exchange(intra, inter) + gemm(local + remote) + gemm(side) + _other_traffic(costs, loads,
+                                                                                                 backward)
     n = degree
     x = exchange(intra / n, inter / n)
     g = gemm(remote / n)
     if not costs.concurrent:
-        return 2.0 * n * x + gemm(local) + n * g + _other_traffic(costs, loads, backward)
-    return _pipeline(x, g, gemm(local), n)
+        return 2.0 * n * x + gemm(side) + gemm(local) + n * g + _other_traffic(costs, loads, backward)
+    return _pipeline(x, g, gemm(local), n, gemm(side))
 
 
-def _pipeline(x: np.ndarray, g: np.ndarray, compute: np.ndarray, n: int) -> np.ndarray:
+def _pipeline(x: np.ndarray, g: np.ndarray, compute: np.ndarray, n: int, side=0.0) -> np.ndarray:
     """The concurrent schedule's end: the links run :func:`_link_order`'s n dispatch and n combine
     chunks of ``x`` seconds each, the rank its ``compute`` first, then chunk i's ``g`` seconds once
-    dispatch i has landed; combine i waits for chunk i's work."""
+    dispatch i has landed; combine i waits for chunk i's work; the ``side`` work after the last
+    chunk's, while the last combine flies."""
     link = x * 0.0
     done_d = [None] * (n + 1)
     done_g = [None] * (n + 1)
@@ -271,7 +288,7 @@ def _pipeline(x: np.ndarray, g: np.ndarray, compute: np.ndarray, n: int) -> np.n
                 done_g[gi] = compute
                 gi += 1
             link = _max(link, done_g[i]) + x
-    return link
+    return _max(link, compute + side)
 
 
 def _lin(f: Linear, units):

@@ -46,6 +46,9 @@ class ExchangeOptions:
     one_copy: bool | str = True  # one copy per destination: True, False or "auto" (priced both ways)
     degrees: tuple | None = None  # fixed (forward, backward) pipeline degrees; None: chosen per layer
     two_hops: bool = True  # one copy crosses nodes once per node and is forwarded inside (topology_aware)
+    # work beside the exchange per token, in expert rows (shared experts overlapped with a chunked
+    # exchange; onecopy.side_rows); 0: none
+    side_ratio: float = 0.0
 
     def __post_init__(self):
         if self.one_copy not in (True, False, "auto"):
@@ -54,16 +57,19 @@ class ExchangeOptions:
             d = tuple(self.degrees)
             if len(d) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in d):
                 raise ValueError(f"degrees ({self.degrees!r}) must be None or two ints >= 1")
+        if not self.side_ratio >= 0:
+            raise ValueError(f"side_ratio ({self.side_ratio!r}) must be >= 0")
 
     @classmethod
-    def of(cls, shape: ExpertShape, *, top_k: int, one_copy, pipeline_degree, two_hops: bool) -> "ExchangeOptions":
+    def of(cls, shape: ExpertShape, *, top_k: int, one_copy, pipeline_degree, two_hops: bool,
+           side_ratio: float = 0.0) -> "ExchangeOptions":
         """From the ``"fssdp"`` settings' values (``pipeline_degree``: "auto" or a (forward,
         backward) pair), rows and gate weights in the experts' dtype: what the runtime, the replay
         and the simulators build their options with."""
         return cls(top_k=int(top_k), token_bytes=float(shape.token_bytes), weight_bytes=float(shape.param_bytes),
                    one_copy=one_copy,
                    degrees=None if pipeline_degree == "auto" else tuple(int(v) for v in pipeline_degree),
-                   two_hops=bool(two_hops))
+                   two_hops=bool(two_hops), side_ratio=float(side_ratio))
 
     def price(self, costs: ScheduleCosts, traffic_DD, *, ranks_per_node: int) -> ExchangePrice:
         """The exchange of ``traffic_DD`` (rows rank d sends rank h, diagonal its own) as it runs:
@@ -74,7 +80,7 @@ class ExchangeOptions:
         one_copy = self.one_copy if self.one_copy and self.top_k > 1 else False
         return price_exchange(costs, traffic, ranks_per_node=G, token_bytes=float(self.token_bytes),
                               top_k=self.top_k, weight_bytes=float(self.weight_bytes), one_copy=one_copy,
-                              relay=self.two_hops and 1 < G < D, degrees=self.degrees)
+                              relay=self.two_hops and 1 < G < D, degrees=self.degrees, side_ratio=self.side_ratio)
 
 
 class ScheduledCostModel(CostModel):
@@ -120,17 +126,21 @@ def reduce_window_s(costs: ScheduleCosts, price: ExchangePrice, attention_s: flo
 
 
 def exchange_decision(costs: ScheduleCosts | None, traffic_DD, *, pipeline_degree, one_copy, ranks_per_node: int,
-                      token_bytes: float, top_k: int, weight_bytes: float, two_hops: bool) -> tuple:
+                      token_bytes: float, top_k: int, weight_bytes: float, two_hops: bool,
+                      side_ratio: float = 0.0) -> tuple:
     """A layer's exchange this iteration, as the runtime takes it and the replay retakes it:
     ``((forward, backward) pipeline degrees, one copy per destination)``. The configured ones
     where fixed (``pipeline_degree``: "auto" or a pair; ``one_copy``: True, False or "auto"); what
     is "auto", :func:`~ds_fssdp.planner.onecopy.choose_exchange` on ``costs`` and the plan's
     traffic (``traffic_DD``, or a callable computing it only when needed), two hops where they run.
-    Without costs: degree 1 (or the fixed degrees) and one copy on unless configured off."""
+    ``side_ratio``: the layer's work beside the exchange per token in expert rows (its shared
+    experts; :func:`~ds_fssdp.planner.onecopy.side_rows`). Without costs: degree 1 (or the fixed
+    degrees) and one copy on unless configured off."""
     fixed = None if pipeline_degree == "auto" else (int(pipeline_degree[0]), int(pipeline_degree[1]))
     if costs is None or (fixed is not None and one_copy != "auto"):
         return (fixed or (1, 1)), (True if one_copy == "auto" else bool(one_copy))
     traffic = np.asarray(traffic_DD() if callable(traffic_DD) else traffic_DD)
     G, D = int(ranks_per_node), traffic.shape[0]
     return choose_exchange(costs, traffic, ranks_per_node=G, token_bytes=token_bytes, top_k=top_k,
-                           weight_bytes=weight_bytes, one_copy=one_copy, degrees=fixed, relay=two_hops and 1 < G < D)
+                           weight_bytes=weight_bytes, one_copy=one_copy, degrees=fixed, relay=two_hops and 1 < G < D,
+                           side_ratio=side_ratio)

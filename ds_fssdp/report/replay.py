@@ -66,7 +66,8 @@ class ReplaySettings:
             return CostModel(hw, shape, topology)
         ex = self.exchange
         options = ExchangeOptions.of(shape, top_k=ex["top_k"], one_copy=ex["one_copy_per_destination"],
-                                     pipeline_degree=ex["pipeline_degree"], two_hops=ex["topology_aware"])
+                                     pipeline_degree=ex["pipeline_degree"], two_hops=ex["topology_aware"],
+                                     side_ratio=ex.get("side_ratio", 0.0))
         return ScheduledCostModel(hw, shape, topology, exchange=options)
 
     def make_policy(self, topology: Topology, *, num_experts: int, num_layers: int):
@@ -112,6 +113,7 @@ class ReplaySettings:
         if "pipeline_degree" in meta:
             s.exchange = {k: meta[k] for k in ("top_k", "one_copy_per_destination", "pipeline_degree",
                                                 "topology_aware")}
+            s.exchange["side_ratio"] = float(meta.get("side_ratio", 0.0))  # 0: a trace from before it was recorded
         for key, value in overrides.items():
             if value is not None:
                 setattr(s, key, value)
@@ -183,6 +185,7 @@ def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
     clock_w = trace.arrays.get("decision_window_s")
     clock_a = trace.arrays.get("decision_attention_s")  # absent: a trace from before it was recorded
     costs_SL8 = trace.arrays.get("decision_schedule_costs")  # the schedule's costs each decision priced with
+    side_SL = trace.arrays.get("decision_side_ratio")  # the work beside the exchange each priced (absent: none)
     cost = policy.config.cost
     default_costs = getattr(cost, "costs", None)
     # a trace that records the exchange's inputs: its degrees and one copy per destination replay too
@@ -206,16 +209,19 @@ def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
             lp = planner.post_gating(owner_LE[l], placed_ED, tokens_ED, clocks[l], overlap_t=overlap_t)
             plan = planner.dispatch(lp, tokens_ED)
             planner.observe(tokens_ED)
-            degrees, one_copy, row_bytes = (-1, -1), -1, (-1, -1)
+            degrees, one_copy, row_bytes, side_ratio = (-1, -1), -1, (-1, -1), 0.0
             if exchange_recorded:  # the exchange decision retaken from the recorded costs and row sizes
                 row_bytes = tuple(int(b) for b in trace.arrays["decision_row_bytes"][step, l])
+                if side_SL is not None:
+                    side_ratio = float(side_SL[step, l])
                 degrees, one_copy = exchange_decision(
                     costs, lambda: plan.traffic_DD().numpy(), pipeline_degree=s.exchange["pipeline_degree"],
                     one_copy=s.exchange["one_copy_per_destination"], ranks_per_node=topology.ranks_per_node,
                     token_bytes=row_bytes[0], top_k=int(s.exchange["top_k"]), weight_bytes=row_bytes[1],
-                    two_hops=bool(s.exchange["topology_aware"]))
+                    two_hops=bool(s.exchange["topology_aware"]), side_ratio=side_ratio)
             decisions.append(Decision.of(owner_LE[l], placed_ED, lp, plan, clocks[l], degrees, int(one_copy),
-                                         overlap_t=overlap_t, schedule_costs=costs, row_bytes=row_bytes))
+                                         overlap_t=overlap_t, schedule_costs=costs, row_bytes=row_bytes,
+                                         side_ratio=side_ratio))
         steps.append(decision_arrays(decisions))
     if not steps:
         return Replay(settings=s, owner_SLE=np.zeros((0, L, E), np.int64), held_SLED=np.zeros((0, L, E, D), bool),
@@ -230,6 +236,8 @@ def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
         rec.pop("decision_attention_s")
     if costs_SL8 is None:
         rec.pop("decision_schedule_costs")
+    if side_SL is None or not exchange_recorded:
+        rec.pop("decision_side_ratio")
     # Static EP: every owner computes all its experts' rows.
     ep_rows = np.zeros((S, L, D), dtype=np.int64)
     load_SLE = trace.tokens_SLED.sum(3, dtype=np.int64)

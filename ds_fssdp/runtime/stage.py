@@ -158,9 +158,13 @@ class FSSDPStage:
             dtype = torch.bfloat16
         elif engine.fp16_enabled():
             dtype = torch.float16
+        zero_stage = int(engine.zero_optimization_stage())
         for shard in self.shards:
             shard.use_precision(dtype, engine.device)
-        self.expert_state = make_expert_state(self.shards, zero_stage=int(engine.zero_optimization_stage()),
+            # ZeRO-3's module hooks gather and release a module's weights around its own call: its
+            # blocks compute their shared experts themselves (moe/side.py)
+            shard.side_allowed = zero_stage < 3
+        self.expert_state = make_expert_state(self.shards, zero_stage=zero_stage,
                                               edp_group=self.edp_group, edp_size=self.edp_size,
                                               edp_rank=self.group_index, group_index=self.group_index)
         self.optimizer = build_expert_optimizer(engine.basic_optimizer, self.trainable_masters())
@@ -200,7 +204,7 @@ class FSSDPStage:
                 "one_copy_per_destination": self.config.one_copy_per_destination,
                 "pipeline_degree": (self.pipeline_degree if self.pipeline_degree == "auto"
                                     else list(self.pipeline_degree)),
-                "topology_aware": self.config.topology_aware})
+                "topology_aware": self.config.topology_aware, "side_ratio": self.side_ratio})
             atexit.register(self.trace.close)
         # The first layer's gather starts with the model's forward, before the first attention.
         engine.module.register_forward_pre_hook(lambda module, args: self.shards[0].prefetch())
@@ -419,7 +423,15 @@ class FSSDPStage:
         (planner/scheduled.py; the report's replay rebuilds it from the trace's record)."""
         cfg = self.config
         return ExchangeOptions.of(shape, top_k=self.layers[0].k, one_copy=cfg.one_copy_per_destination,
-                                  pipeline_degree=self.pipeline_degree, two_hops=cfg.topology_aware)
+                                  pipeline_degree=self.pipeline_degree, two_hops=cfg.topology_aware,
+                                  side_ratio=self.side_ratio)
+
+    @property
+    def side_ratio(self) -> float:
+        """The work beside the exchange the by-time decisions price a layer with, expert rows per
+        token: the first MoE layer's (a family binds the same shared experts in every layer; each
+        layer's own degrees price its own, ``moe/sharded.py``)."""
+        return float(self.layers[0].side_ratio)
 
     def _schedule_decided(self) -> bool:
         """Whether a layer decision comes from the schedule's costs ("auto" pipeline degrees or one

@@ -13,7 +13,8 @@ takes at least
     max(balanced compute + latency, 2 latency + dispatch + combine of what must leave)
 
 * balanced compute: the group's rows over its N ranks (no policy computes less on its slowest
-  rank);
+  rank), plus the rank's work beside the exchange (its shared experts, ``Setup.side_ratio`` rows
+  per token: the compute may overlap the exchange, never other compute);
 * what must leave a rank: its rows on experts it does not hold, over its two links together
   (intra-node and, past one node, the whole node link); what must leave a node: its ranks' rows
   on experts none of them holds, over the node link. Each token crosses at most once per
@@ -99,6 +100,7 @@ class LowerBound:
         n = N // G
         attn_f, lat = st.attention_fwd_s, hw.latency
         g = st.shape.row_flops / hw.flops
+        side = st.side_ratio * st.tokens_per_gpu * g  # a rank's shared experts, forward
         psi, tb, k = float(st.shape.expert_bytes), float(st.shape.token_bytes), max(1, st.top_k)
         own = math.ceil(E / N)  # experts a rank owns
         base = own + self.persistent  # experts a rank holds without a gather
@@ -140,7 +142,7 @@ class LowerBound:
                 x_RSB = np.zeros((R.size, 1, B))
                 busy_LRSB[l] = np.where(out_RB > 0, 2.0 * lat + 2.0 * out_RB / hw.intra_bw, 0.0)[:, None]
             x_RSB = np.maximum(x_RB[:, None], x_RSB)
-            bal_B = rows_BN.sum(1) / N * g
+            bal_B = rows_BN.sum(1) / N * g + side
             forward_LRSB[l] = np.maximum(bal_B + one_RB[:, None], x_RSB)
             backward_LRSB[l] = np.maximum(2.0 * attn_f + np.maximum(2.0 * bal_B + one_RB[:, None], x_RSB),
                                           reduce_RS[:, :, None] + busy_LRSB[l])

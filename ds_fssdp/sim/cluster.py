@@ -194,7 +194,7 @@ class PolicyRun:
         self.policy = make_policy("ep" if name == "fsmoe" else name, config, dispatcher=dispatcher,
                                   materializer=materializer)
         self.sched = LayerSchedule(setup.hw, setup.shape, ranks_per_node=self.topo.ranks_per_node,
-                                   top_k=setup.top_k, options=self.options)
+                                   top_k=setup.top_k, options=self.options, side_ratio=setup.side_ratio)
         if self.options.price_by_schedule:
             self.cost.scheduled = scheduled_cost_model(setup.hw, setup.shape, self.topo, self.sched)
         self.gather_class = INTER if self.topo.num_nodes > 1 else INTRA
@@ -249,8 +249,8 @@ class PolicyRun:
                 holder_BE, flows_4F, spag = np.broadcast_to(owner_LE[l], (B, E)), None, None
             lt = self.sched.layer(traffic_BNN(tokens_BEN, holder_BE, flows_4F))
             exchange, rows_BN, moe_B = lt.links, lt.links.rows_BN, lt.moe_B
-            group_B["comp"] += attn_f + attn_b + moe_B
-            group_B["a2a"] += lt.forward_B + lt.backward_B - moe_B
+            group_B["comp"] += attn_f + attn_b + moe_B + lt.side_B
+            group_B["a2a"] += lt.forward_B + lt.backward_B - moe_B - lt.side_B
             reduce_hidden_B = np.zeros(B)
             if spag is not None:
                 gather, reduce, calib, times = spag
@@ -266,7 +266,7 @@ class PolicyRun:
                 idle_B = np.maximum(0.0, lt.forward_B - lt.busy_forward_B2[:, self.gather_class])
                 if l + 1 < L:
                     self.window_BL[:, l + 1] = [overlap_window(attn_f, float(i)) for i in idle_B]
-            backward_BL[:, l] = attn_b + moe_B * 2.0 / 3.0
+            backward_BL[:, l] = attn_b + (moe_B + lt.side_B) * 2.0 / 3.0
             gaps_BL[:, l] = attn_b + lt.backward_B - lt.busy_backward_B2[:, ar_class] - reduce_hidden_B
             layer_degrees.append(lt.degrees)
             if timed:

@@ -16,6 +16,9 @@ rank's own tokens on experts it holds):
   as the runtime's two hops (``topology_aware``, its default; priced by ``pipeline_times``:
   around the exchange at degree 1, both hops chunked above it, :func:`~ds_fssdp.planner.onecopy.relay_loads`),
   its link bytes (reported, and the bytes saved) :func:`~ds_fssdp.planner.onecopy.relay_traffic`'s;
+* the work beside the exchange (``side_ratio``: the shared experts per token in expert rows,
+  ``Setup.side_ratio``): every rank's ``side_rows`` (:func:`~ds_fssdp.planner.onecopy.side_rows`),
+  in sequence at degree 1 (every serial policy), computed while chunk 1 flies above it;
 * one :class:`~ds_fssdp.planner.schedule.LayerLoad` per rank, from the group's traffic by the
   runtime's function (:func:`~ds_fssdp.planner.schedule.loads_from_traffic`): the rank's intra-node
   link bytes (busier direction), its node's inter-node link bytes, its own local rows (computed
@@ -95,6 +98,7 @@ class LayerTimes:
 
     links: Links  # the exchange's bytes (after dedup) and rows computed
     moe_B: np.ndarray  # forward + backward expert compute of the slowest rank
+    side_B: np.ndarray  # forward + backward work beside the exchange (shared experts), the most of a rank's
     forward_B: np.ndarray  # exchange + expert compute + exchange back, slowest rank
     backward_B: np.ndarray
     degrees: list  # (forward, backward) per group
@@ -110,13 +114,15 @@ class LayerTimes:
 class LayerSchedule:
     """Prices a layer for one engine: hardware, ranks per node, token bytes, top-k, options."""
 
-    def __init__(self, hw: Hardware, shape, *, ranks_per_node: int, top_k: int, options: ScheduleOptions):
+    def __init__(self, hw: Hardware, shape, *, ranks_per_node: int, top_k: int, options: ScheduleOptions,
+                 side_ratio: float = 0.0):
         self.hw, self.shape, self.G, self.top_k, self.options = hw, shape, ranks_per_node, top_k, options
         self.costs = schedule_costs(hw, shape)
         d = options.pipeline_degree
         # one copy runs as the runtime's two hops (its default)
         self.exchange = ExchangeOptions.of(shape, top_k=top_k, one_copy=options.dedup,
-                                           pipeline_degree="auto" if d is None else (d, d), two_hops=True)
+                                           pipeline_degree="auto" if d is None else (d, d), two_hops=True,
+                                           side_ratio=side_ratio)
 
     def layer(self, traffic_BNN: np.ndarray) -> LayerTimes:
         row_bytes = float(self.shape.token_bytes)
@@ -150,7 +156,9 @@ class LayerSchedule:
                 links.inter_total += crossing * row_bytes
                 links.rank_BN[b], links.node_Bn[b] = rank_N * row_bytes, node_n * row_bytes
         moe_B = links.rows_BN.max(1) * (3.0 * self.shape.row_flops / self.hw.flops)
-        return LayerTimes(links=links, moe_B=moe_B, forward_B=fwd, backward_B=bwd, degrees=degrees,
+        side_B = np.array([max(ld.side_rows for ld in p.loads) for p in prices]) * (3.0 * self.shape.row_flops /
+                                                                                     self.hw.flops)
+        return LayerTimes(links=links, moe_B=moe_B, side_B=side_B, forward_B=fwd, backward_B=bwd, degrees=degrees,
                           busy_forward_B2=busy_f, busy_backward_B2=busy_b,
                           saved_bytes=float(plain.rank_BN.sum() + plain.node_Bn.sum() - links.rank_BN.sum()
                                             - links.node_Bn.sum()), one_copy=taken, prices=prices)

@@ -30,8 +30,10 @@ cluster; shapes from their Hugging Face configs, ``transformers``' ``MixtralConf
 pipeline stage), sequences of 4096 tokens. Attention counts its real projections (GQA for Mixtral
 and Qwen3, MLA for DeepSeek-V3) in ``attention_params`` and its score width in ``attention_dim``
 (heads x head dim; MLA: heads x the mean of the query-key and value head dims). DeepSeek-V3's
-shared expert and its three dense first layers (FFN 18432) are counted: their compute, identical
-under every policy, in every iteration, their parameters with the dense part. Embeddings and LM
+shared expert and its three dense first layers (FFN 18432) are counted: the dense layers' compute,
+identical under every policy, in every iteration; the shared expert's in its layer, as the work
+beside the exchange (``side_ratio``: one expert row per token; ``sim/pipeline.py``); their
+parameters with the dense part. Embeddings and LM
 head are left out as above.
 """
 from __future__ import annotations
@@ -141,11 +143,16 @@ class ModelPreset:
         return self.dense_layers * (self.attention_weights + 3 * self.d_model * self.dense_ffn + 4 * self.d_model)
 
     def extra_flops_per_token(self) -> float:
-        """Forward FLOPs per token that every policy spends alike beyond the routed experts and
-        the MoE layers' attention: the shared experts and the dense first layers."""
-        shared = self.shared_experts * self.expert_shape().row_flops * self.layers_a
+        """Forward FLOPs per token that every policy spends alike beyond the MoE layers: the dense
+        first layers."""
         dense = self.dense_layers * (self.attention_flops_per_token() + 2.0 * 3 * self.d_model * self.dense_ffn)
-        return shared + dense if self.fixed else 0.0
+        return dense if self.fixed else 0.0
+
+    @property
+    def side_ratio(self) -> float:
+        """A MoE layer's shared experts per token, in expert rows (each of ``d_ffn``, as the
+        routed ones): the work beside the exchange (0 for the paper's presets, which leave them out)."""
+        return float(self.shared_experts) if self.fixed else 0.0
 
 
 MODELS = {

@@ -54,7 +54,10 @@ class Setup:
     calibration_budget: float = 1.0  # calibration's critical-path latency budget, in attention forwards
     load_window: int = 5
     top_k: int = 1  # routed experts per token (one copy per destination's model)
-    extra_compute_s: float = 0.0  # per iteration, fwd + bwd, alike under every policy (shared experts, dense layers)
+    extra_compute_s: float = 0.0  # per iteration, fwd + bwd, alike under every policy (the dense layers)
+    # shared experts per token per MoE layer, in expert rows: the layers' work beside the exchange
+    # (sim/pipeline.py; in sequence at degree 1, beside a chunked exchange otherwise)
+    side_ratio: float = 0.0
     hbm_bytes: float = 0.0  # per GPU (0: unknown)
     label: str = ""
 
@@ -79,7 +82,8 @@ class Setup:
             "flexmoe_slots": self.flexmoe_slots, "reshard_interval": self.reshard_interval,
             "smartmoe_interval": self.smartmoe_interval, "flexmoe_threshold": self.flexmoe_threshold,
             "calibration": self.calibration, "calibration_budget_attn": self.calibration_budget,
-            "dense_params": self.dense_params, "extra_compute_ms": 1e3 * self.extra_compute_s, "hardware": {
+            "dense_params": self.dense_params, "extra_compute_ms": 1e3 * self.extra_compute_s,
+            "side_ratio": self.side_ratio, "hardware": {
                 "flops": self.hw.flops, "intra_bw": self.hw.intra_bw, "inter_bw": self.hw.inter_bw,
                 "latency": self.hw.latency, "hbm_bw": self.hw.hbm_bw
             }
@@ -127,4 +131,5 @@ def build_setup(cluster: ClusterPreset, model: ModelPreset, gpus: int, *, tokens
                  dense_params=L * model.dense_params_per_layer(E) + model.extra_dense_params(), overlap_degree=t,
                  budget=m, budget_rm=m_rm, flexmoe_slots=slots, label=label, top_k=model.top_k,
                  extra_compute_s=3.0 * tokens * model.extra_flops_per_token() / hw.flops, hbm_bytes=cluster.hbm_bytes,
+                 side_ratio=model.side_ratio,
                  **options)

@@ -165,7 +165,8 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
     S, L, E, D = tokens_SLED.shape
     topo, hw, shape = setup.topology, setup.hw, setup.shape
     options = policy_options(name, schedule)
-    sched = LayerSchedule(hw, shape, ranks_per_node=topo.ranks_per_node, top_k=setup.top_k, options=options)
+    sched = LayerSchedule(hw, shape, ranks_per_node=topo.ranks_per_node, top_k=setup.top_k, options=options,
+                          side_ratio=setup.side_ratio)
     if options.price_by_schedule:  # placement by time: calibration and balanced-time price the schedule
         cost = scheduled_cost_model(hw, shape, topo, sched)
     else:
@@ -238,7 +239,7 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
 
             rows_D = plan_EDD.sum((0, 1))
             lt = sched.layer(plan_EDD.sum(0).double().numpy()[None])
-            moe_s = float(lt.moe_B[0])
+            moe_s = float(lt.moe_B[0] + lt.side_B[0])
             br["comp"] += attn_f + attn_b + moe_s
             backward_L.append(attn_b + moe_s * 2.0 / 3.0)
             br["a2a"] += float(lt.forward_B[0] + lt.backward_B[0]) - moe_s

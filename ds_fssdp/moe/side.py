@@ -1,0 +1,120 @@
+"""Work beside the exchange: a MoE block's shared experts computed inside its chunked token
+exchange (``moe/pipeline.py``), while the last combine chunk is in flight, and handed to the
+block's own call (the schedule's model: ``planner/schedule.py``, ``LayerLoad.side_rows``).
+
+Legend: T tokens, H hidden.
+
+A family whose block runs its shared experts after its routed experts, on the same hidden states
+(DeepSeek-V2/V3, GLM-4-MoE: ``self.shared_experts(residuals)`` after ``self.experts(...)``), leaves
+them nothing to overlap with: the block waits for the exchange's last combine, then computes them.
+:class:`SharedSide` binds such a block's shared module. The experts module asks it for the
+layer's :class:`SideWork` (the module and the experts' input); a chunked layer computes it inside
+its exchange (forward: after the last chunk's GEMM; backward: the same, through the module's own
+graph) and :meth:`SharedSide.deliver` keeps the output; the block's call of the module then gets
+that output instead of computing it again, when its input is the tensor the work was computed on
+(same storage, shape and version), else the module runs as written. At degree 1, under
+tensor-parallel folding and before ``ds_fssdp.initialize`` nothing is delivered: the block computes
+its shared experts itself, as before. The same module, input and weights compute the same values;
+only where they run changes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+SHARED_NAMES = ("shared_experts", "shared_expert")
+
+
+@dataclasses.dataclass
+class SideWork:
+    """One layer's work beside the exchange: ``fn(x_TH)`` (rows of ``x_TH`` in, rows out), ``ratio``
+    expert rows of compute per token (what the schedule prices it as)."""
+    fn: Callable
+    x_TH: torch.Tensor
+    ratio: float
+    deliver: Callable  # called with the output (detached from the layer's Function, with its autograd)
+
+
+def side_ratio(module: nn.Module, *, hidden: int, ffn: int, matrices: int) -> float:
+    """``module``'s forward FLOPs per token over one expert row's (``matrices`` matrices of
+    ``hidden`` x ``ffn``): the weights of its linear layers over the expert's."""
+    weights = sum(m.weight.numel() if getattr(m, "weight", None) is not None else 0
+                  for m in module.modules() if isinstance(m, nn.Linear))
+    weights = weights or sum(int(getattr(m, "ds_numel", 0)) for m in module.modules() if isinstance(m, nn.Linear))
+    return float(weights) / float(matrices * hidden * ffn)
+
+
+def runs_after_experts(block: nn.Module, experts: str, shared: str) -> bool:
+    """Whether ``block``'s forward calls ``self.<shared>(`` only after ``self.<experts>(`` (read
+    from its source; False when it cannot be read)."""
+    try:
+        src = inspect.getsource(type(block).forward)
+    except (OSError, TypeError):
+        return False
+    first = src.find(f"self.{experts}(")
+    calls = [m.start() for m in re.finditer(rf"self\.{re.escape(shared)}\(", src)]
+    return first >= 0 and bool(calls) and min(calls) > first
+
+
+def bind_shared(block: nn.Module, experts_name: str, *, hidden: int, ffn: int, matrices: int) -> SharedSide | None:
+    """A :class:`SharedSide` over ``block``'s shared module (``SHARED_NAMES``) when the block runs
+    it after its experts module ``experts_name``; None otherwise (the block runs it as written)."""
+    for name in SHARED_NAMES:
+        module = getattr(block, name, None)
+        if isinstance(module, nn.Module) and runs_after_experts(block, experts_name, name):
+            return SharedSide(module, side_ratio(module, hidden=hidden, ffn=ffn, matrices=matrices))
+    return None
+
+
+class SharedSide:
+    """A block's shared module, computed by its experts module beside the exchange (module
+    docstring). Installs an instance ``forward`` on the module that returns the delivered output
+    for the input it was computed on; nothing is registered, so state dicts do not change."""
+
+    def __init__(self, module: nn.Module, ratio: float):
+        self.module, self.ratio = module, float(ratio)
+        self._forward = module.forward  # the class's, bound
+        self._stash = None
+        module.forward = self._call
+
+    def release(self) -> None:
+        """Put the module's own forward back."""
+        self.module.__dict__.pop("forward", None)
+        self._stash = None
+
+    def trains_without_input_grad(self, x_TH: torch.Tensor) -> bool:
+        """True when the module has trainable weights but ``x_TH`` carries no gradient: the layer's
+        Function would then have no input to take a backward through, so the block computes it."""
+        return (torch.is_grad_enabled() and not x_TH.requires_grad
+                and any(p.requires_grad for p in self.module.parameters()))
+
+    def work(self, x_TH: torch.Tensor) -> SideWork | None:
+        """The layer's side work over the experts' input ``x_TH`` (None where the block must
+        compute it itself)."""
+        self._stash = None
+        if self.trains_without_input_grad(x_TH):
+            return None
+        return SideWork(fn=self._forward, x_TH=x_TH, ratio=self.ratio, deliver=self._deliver(x_TH))
+
+    def _deliver(self, x_TH: torch.Tensor) -> Callable:
+        key = _key(x_TH)
+
+        def deliver(y):
+            self._stash = (key, y)
+        return deliver
+
+    def _call(self, x, *args, **kwargs):
+        stash, self._stash = self._stash, None
+        if stash is not None and not args and not kwargs and _key(x) == stash[0]:
+            y = stash[1]
+            return y.view(*x.shape[:-1], y.shape[-1])
+        return self._forward(x, *args, **kwargs)
+
+
+def _key(x: torch.Tensor) -> tuple:
+    return (x.data_ptr(), x.numel(), x.shape[-1], x._version, x.dtype, x.device)
