@@ -22,6 +22,12 @@ on ``ScheduleCosts`` fitted (``schedule.fit_schedule_costs``) from this GPU's co
 timings at a few sizes; reported: degree 1's time, auto's degree and time, the best measured
 degree, and the model's prediction of each degree beside the measurement.
 
+**Shared experts beside the exchange** (families with ``S`` shared expert rows per token: DeepSeek's
+one): the same pipeline with the rank's S x T shared rows computed once the last combine is
+launched (``moe/side.py``; at degree 1 after the combine, in sequence, as the block runs them);
+reported per degree beside the model's ``pipeline_time`` with ``LayerLoad.side_rows``, and its
+"auto" degree.
+
 **One copy per destination** (DeepSeek-like routing, top-8 of 256 experts over 8 ranks, Zipf-skewed
 gate): off sends one row per (token, expert) assignment, grouped by destination; on sends one row
 per (token, destination rank) and the receiver expands it to its (token, expert) rows. Reported:
@@ -48,7 +54,7 @@ SCHEDULE_PY = os.path.join(HERE, "..", "..", "ds_fssdp", "planner", "schedule.py
 # One rank's share: tokens per rank T, top-k, experts E over D ranks, hidden, expert FFN hidden.
 FAMILIES = {
     "mixtral": dict(T=8192, K=2, E=8, D=4, H=4096, F=14336),
-    "deepseek": dict(T=4096, K=8, E=256, D=8, H=7168, F=2048),
+    "deepseek": dict(T=4096, K=8, E=256, D=8, H=7168, F=2048, S=1),
 }
 QUICK = {"mixtral": dict(T=4096), "deepseek": dict(T=2048)}
 CPU = {"mixtral": dict(T=64, H=64, F=128), "deepseek": dict(T=32, H=64, F=32, E=16)}
@@ -108,6 +114,7 @@ class Layer:
         self.rows = T * K  # rows this rank computes (balanced)
         self.local_rows = self.rows // D
         self.remote_rows = self.rows - self.local_rows
+        self.side_rows = int(f.get("S", 0)) * T  # the shared experts' rows (one expert-sized MLP each)
         self.row_bytes = H * torch.tensor([], dtype=dtype).element_size()
         g = torch.Generator(device="cpu").manual_seed(0)
         self.w = {"w_a": (torch.randn(self.E_local, H, F, generator=g) * H ** -0.5).to(device, dtype).requires_grad_(),
@@ -152,8 +159,10 @@ class Layer:
         y, gy = self._graphs[key]
         torch.autograd.backward(y, gy, retain_graph=True)
 
-    def run(self, n: int, backward: bool) -> None:
-        """One direction at degree n (module docstring), enqueued on the two streams."""
+    def run(self, n: int, backward: bool, side: bool = False) -> None:
+        """One direction at degree n (module docstring), enqueued on the two streams; ``side``: the
+        shared rows computed once the last combine is launched."""
+        side_rows = self.side_rows if side else 0
         side = self.clock.side
         cuda = side is not None
 
@@ -183,6 +192,7 @@ class Layer:
             c = on_side(lambda: self.copy(self.local_rows, self.remote_rows), wait=g)
             if cuda:
                 torch.cuda.current_stream().wait_event(c)
+            on_main(lambda: self.gemm(0, side_rows, backward, -100))  # the block's, in sequence
             return
         parts = self.chunks(n)
         on_main(lambda: self.gemm(*parts[0], backward, n))
@@ -196,6 +206,7 @@ class Layer:
                 done_g[gi] = on_main(lambda gi=gi: self.gemm(*parts[gi], backward, n), wait=done_d[gi])
                 gi += 1
             last = on_side(lambda i=i: self.copy(*parts[i]), wait=done_g[i])
+        on_main(lambda: self.gemm(0, side_rows, backward, -100))  # beside the last combine
         if cuda:
             torch.cuda.current_stream().wait_event(last)
 
@@ -231,6 +242,9 @@ def pipeline_arm(name, f, *, device, dtype, repeats, schedule) -> dict:
         d = {"measured_ms": {n: s * 1e3 for n, s in measured.items()}, "degree1_ms": measured[1] * 1e3,
              "best_degree": best, "best_ms": measured[best] * 1e3}
         out[direction] = d
+        if layer.side_rows:
+            d["side_measured_ms"] = {n: clock.time(lambda n=n: layer.run(n, backward, side=True), repeats) * 1e3
+                                     for n in range(1, MAX_DEGREE + 1)}
     if schedule is not None:
         costs, err, samples = fit_costs(layer, schedule, repeats)
         load = schedule.LayerLoad(intra_bytes=float(out["exchange_bytes"]), inter_bytes=0.0,
@@ -246,6 +260,14 @@ def pipeline_arm(name, f, *, device, dtype, repeats, schedule) -> dict:
             d["auto_speedup_over_degree1"] = d["degree1_ms"] / d["auto_ms"]
             d["predicted_ms"] = {n: schedule.pipeline_time(costs, load, n, backward=backward) * 1e3
                                  for n in range(1, MAX_DEGREE + 1)}
+            if layer.side_rows:
+                side_load = schedule.LayerLoad(intra_bytes=load.intra_bytes, inter_bytes=0.0,
+                                               local_rows=load.local_rows, remote_rows=load.remote_rows,
+                                               side_rows=float(layer.side_rows))
+                d["side_auto_degree"] = schedule.choose_degree(costs, side_load, backward=backward,
+                                                               max_degree=MAX_DEGREE)
+                d["side_predicted_ms"] = {n: schedule.pipeline_time(costs, side_load, n, backward=backward) * 1e3
+                                          for n in range(1, MAX_DEGREE + 1)}
     del layer
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -327,6 +349,13 @@ def main():
                     f"model {d['predicted_ms'][d['auto_degree']]:.2f} ms" if "auto_degree" in d else "auto: no model")
             print(f"pipeline {name} {direction}: degree 1 {d['degree1_ms']:.2f} ms, {auto}; best measured "
                   f"n={d['best_degree']} {d['best_ms']:.2f} ms  [{time.perf_counter() - t0:.0f} s]", flush=True)
+            if "side_measured_ms" in d:
+                m = d["side_measured_ms"]
+                best = min(m, key=m.get)
+                model = (f", auto n={d['side_auto_degree']} {m[d['side_auto_degree']]:.2f} ms (model "
+                         f"{d['side_predicted_ms'][d['side_auto_degree']]:.2f})" if "side_auto_degree" in d else "")
+                print(f"  with shared experts beside the exchange: degree 1 {m[1]:.2f} ms{model}; best measured "
+                      f"n={best} {m[best]:.2f} ms", flush=True)
         out["dedup"][name] = d = dedup_arm(f, device=device, dtype=dtype, repeats=args.repeats)
         print(f"one copy per destination {name}: rows {d['rows_off']} -> {d['rows_on']} "
               f"({d['bytes_saved_fraction']:.1%} of the bytes saved), permutation {d['permute_off_ms']:.3f} -> "
