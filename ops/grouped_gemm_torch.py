@@ -4,7 +4,7 @@ Legend: R rows, G groups, H in features, F out features.
 
 Equal group sizes (balanced routing) run as one ``torch.bmm`` over [G, R / G, H] views: on the
 CPU that is within a few percent of one dense matmul of the same FLOPs, where a Python loop of
-small matmuls pays a thread fork/join per group (measured in benchmarks/kernels.py). Other sizes
+small matmuls pays a thread fork/join per group (measured in benchmarks/ops_kernels.py). Other sizes
 loop, each ``torch.mm`` written straight into its slice of a preallocated output (``out=``, no
 concatenation copy).
 """

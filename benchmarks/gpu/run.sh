@@ -55,7 +55,7 @@ tests_rc=${PIPESTATUS[0]}
 echo "gpu tests: rc=$tests_rc in $(( $(date +%s) - start )) s" | tee "$OUT/summary.txt"
 
 start=$(date +%s)
-timeout 210 python3 benchmarks/kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
+timeout 210 python3 benchmarks/ops_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
 bench_rc=${PIPESTATUS[0]}
 echo "benchmarks: rc=$bench_rc in $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
 grep '^targets:' "$OUT/kernels.log" >> "$OUT/summary.txt"

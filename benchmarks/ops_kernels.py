@@ -5,7 +5,7 @@ per-group bias (in the GEMM, against adding it afterwards).
 Legend: T tokens, K top-k, E experts, D ranks, A = T * K assignments, S sent rows, R rows,
 H hidden, F expert FFN hidden.
 
-    python benchmarks/kernels.py [--json out.json] [--device cpu|cuda] [--dtype bf16|fp16|fp32] [--quick]
+    python benchmarks/ops_kernels.py [--json out.json] [--device cpu|cuda] [--dtype bf16|fp16|fp32] [--quick]
                                  [--skip-backward] [--threads N] [--only gemm|permute] [--rounds N]
 
 Shape families: Mixtral-like (H 4096, F 14336, E 8, k 2) and DeepSeek-like (H 7168, F 2048,
