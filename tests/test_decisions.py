@@ -174,3 +174,25 @@ def test_the_replay_prices_with_the_recorded_costs(runs):
     slow = replay(Trace(trace.tokens_SLED, trace.meta, dict(trace.arrays, decision_schedule_costs=costs)))
     want = trace.arrays["decision_overlap_t"]
     assert (slow.decisions["decision_overlap_t"] > want).any(), (want, slow.decisions["decision_overlap_t"])
+
+
+def test_the_replay_retakes_the_exchange_with_the_recorded_work_beside_it(runs, monkeypatch):
+    """Each decision records the work beside the exchange it priced (the block's shared experts,
+    moe/side.py; none in these runs); the replay hands the recorded value to the one exchange
+    decision, and records it back."""
+    import ds_fssdp.report.replay as replay_mod
+    from ds_fssdp.sim.traces import Trace
+    trace = runs["fssdp-auto-by-time"]["trace"]
+    side = trace.arrays["decision_side_ratio"]
+    assert side.shape == trace.arrays["decision_t"].shape and (side == 0).all()
+    seen = []
+    decide = replay_mod.exchange_decision
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["side_ratio"])
+        return decide(*args, **kwargs)
+    monkeypatch.setattr(replay_mod, "exchange_decision", spy)
+    marked = np.arange(side.size, dtype=np.float64).reshape(side.shape) / 7.0
+    got = replay_mod.replay(Trace(trace.tokens_SLED, trace.meta, dict(trace.arrays, decision_side_ratio=marked)))
+    assert seen == marked.ravel().tolist()
+    np.testing.assert_array_equal(got.decisions["decision_side_ratio"], marked)
