@@ -103,9 +103,13 @@ def test_the_binding_delivers_only_for_the_input_it_computed():
     torch.testing.assert_close(mlp(x), own(x))  # once: the next call computes
     work = side.work(x.view(-1, 4))
     work.deliver(work.fn(work.x_TH))
+    calls.clear()
     with torch.no_grad():
-        x.add_(1.0)  # changed in place since: computed again
-    torch.testing.assert_close(mlp(x), own(x))
+        x.add_(1.0)  # changed in place since: another input than the work's
+    torch.testing.assert_close(mlp(x), own(x))  # computed as written
+    # and no more side work from then on (a block that calls it on another input than its experts')
+    assert len(calls) == 1 and side.missed
+    assert side.work(x.view(-1, 4)) is None
     side.release()
     assert "forward" not in mlp.__dict__
 

@@ -12,7 +12,9 @@ layer's :class:`SideWork` (the module and the experts' input); a chunked layer c
 its exchange (forward: after the last chunk's GEMM; backward: the same, through the module's own
 graph) and :meth:`SharedSide.deliver` keeps the output; the block's call of the module then gets
 that output instead of computing it again, when its input is the tensor the work was computed on
-(same storage, shape and version), else the module runs as written. At degree 1, under
+(same storage, layout and version), else the module runs as written, and a block that calls it on
+another input than its experts' (which the source does not show) gets no more side work: the same
+call on every rank, so every rank stops alike. At degree 1, under
 tensor-parallel folding and before ``ds_fssdp.initialize`` nothing is delivered: the block computes
 its shared experts itself, as before. The same module, input and weights compute the same values;
 only where they run changes.
@@ -26,6 +28,7 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+from deepspeed.utils import logger
 
 SHARED_NAMES = ("shared_experts", "shared_expert")
 
@@ -80,6 +83,7 @@ class SharedSide:
         self.module, self.ratio = module, float(ratio)
         self._forward = module.forward  # the class's, bound
         self._stash = None
+        self.missed = False  # the block called the module on another input than the work's
         module.forward = self._call
 
     def release(self) -> None:
@@ -97,7 +101,7 @@ class SharedSide:
         """The layer's side work over the experts' input ``x_TH`` (None where the block must
         compute it itself)."""
         self._stash = None
-        if self.trains_without_input_grad(x_TH):
+        if self.missed or self.trains_without_input_grad(x_TH):
             return None
         return SideWork(fn=self._forward, x_TH=x_TH, ratio=self.ratio, deliver=self._deliver(x_TH))
 
@@ -110,11 +114,15 @@ class SharedSide:
 
     def _call(self, x, *args, **kwargs):
         stash, self._stash = self._stash, None
-        if stash is not None and not args and not kwargs and _key(x) == stash[0]:
-            y = stash[1]
-            return y.view(*x.shape[:-1], y.shape[-1])
+        if stash is not None:
+            if not args and not kwargs and _key(x) == stash[0]:
+                y = stash[1]
+                return y.view(*x.shape[:-1], y.shape[-1])
+            self.missed = True
+            logger.warning(f"fssdp: {type(self.module).__name__} was called on another input than its block's "
+                           "experts; it is no longer computed beside the exchange")
         return self._forward(x, *args, **kwargs)
 
 
 def _key(x: torch.Tensor) -> tuple:
-    return (x.data_ptr(), x.numel(), x.shape[-1], x._version, x.dtype, x.device)
+    return (x.data_ptr(), x.numel(), x.shape[-1], x.is_contiguous(), x._version, x.dtype, x.device)
