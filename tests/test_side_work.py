@@ -112,6 +112,13 @@ def test_the_binding_delivers_only_for_the_input_it_computed():
     assert side.work(x.view(-1, 4)) is None
     side.release()
     assert "forward" not in mlp.__dict__
+    # bound in its block: no side work once another module sits where the block calls it
+    block = nn.Module()
+    block.shared_experts = mlp
+    side = SharedSide(mlp, 2.0, site=(block, "shared_experts"))
+    assert side.work(x.view(-1, 4)) is not None
+    block.shared_experts = nn.Sequential(block.shared_experts)  # e.g. PEFT's modules_to_save wrapper
+    assert side.work(x.view(-1, 4)) is None
 
 
 def test_the_simulator_charges_the_shared_experts_in_every_layer():

@@ -70,7 +70,7 @@ def bind_shared(block: nn.Module, experts_name: str, *, hidden: int, ffn: int, m
     for name in SHARED_NAMES:
         module = getattr(block, name, None)
         if isinstance(module, nn.Module) and runs_after_experts(block, experts_name, name):
-            return SharedSide(module, side_ratio(module, hidden=hidden, ffn=ffn, matrices=matrices))
+            return SharedSide(module, side_ratio(module, hidden=hidden, ffn=ffn, matrices=matrices), site=(block, name))
     return None
 
 
@@ -79,8 +79,11 @@ class SharedSide:
     docstring). Installs an instance ``forward`` on the module that returns the delivered output
     for the input it was computed on; nothing is registered, so state dicts do not change."""
 
-    def __init__(self, module: nn.Module, ratio: float):
-        self.module, self.ratio = module, float(ratio)
+    def __init__(self, module: nn.Module, ratio: float, *, site: tuple | None = None):
+        """``site``: (block, attribute) the block calls the module through; when that attribute
+        no longer holds the module (a wrapper put in its place, e.g. PEFT's ``modules_to_save``,
+        whose copy the block then calls), no side work is made."""
+        self.module, self.ratio, self.site = module, float(ratio), site
         self._forward = module.forward  # the class's, bound
         self._stash = None
         self.missed = False  # the block called the module on another input than the work's
@@ -90,6 +93,10 @@ class SharedSide:
         """Put the module's own forward back."""
         self.module.__dict__.pop("forward", None)
         self._stash = None
+
+    def in_place(self) -> bool:
+        """Whether the block still calls this module (its ``site`` holds it)."""
+        return self.site is None or getattr(self.site[0], self.site[1], None) is self.module
 
     def trains_without_input_grad(self, x_TH: torch.Tensor) -> bool:
         """True when the module has trainable weights but ``x_TH`` carries no gradient: the layer's
@@ -101,7 +108,7 @@ class SharedSide:
         """The layer's side work over the experts' input ``x_TH`` (None where the block must
         compute it itself)."""
         self._stash = None
-        if self.missed or self.trains_without_input_grad(x_TH):
+        if self.missed or self.trains_without_input_grad(x_TH) or not self.in_place():
             return None
         return SideWork(fn=self._forward, x_TH=x_TH, ratio=self.ratio, deliver=self._deliver(x_TH))
 
