@@ -19,7 +19,7 @@ Across nodes (``topology_aware`` and several nodes of several ranks) it runs as 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -131,13 +131,12 @@ def price_exchange(costs: ScheduleCosts, traffic_DD, *, ranks_per_node: int, tok
                 if G >= 2 and D % G == 0 and D // G >= 2:
                     routed = relay_traffic(traffic, ranks_per_node=G, top_k=top_k, sent_DD=sent)
                 loads = relay_loads(traffic, ranks_per_node=G, token_bytes=token_bytes, top_k=top_k, sent_DD=sent,
-                                    routed=routed)
+                                    routed=routed, side_D=side_D)
             else:
-                loads = loads_from_traffic(traffic, ranks_per_node=G, token_bytes=token_bytes, sent_DD=sent)
+                loads = loads_from_traffic(traffic, ranks_per_node=G, token_bytes=token_bytes, sent_DD=sent,
+                                           side_D=side_D)
         else:
-            loads = loads_from_traffic(traffic, ranks_per_node=G, token_bytes=token_bytes)
-        if side_D is not None:
-            loads = [replace(ld, side_rows=float(side_D[d])) for d, ld in enumerate(loads)]
+            loads = loads_from_traffic(traffic, ranks_per_node=G, token_bytes=token_bytes, side_D=side_D)
         deg = tuple(degrees) if degrees is not None else choose_degrees(costs, list(dict.fromkeys(loads)),
                                                                         max_degree=max_degree)
         if c:
@@ -163,7 +162,7 @@ def side_rows(traffic_DD, top_k: int, side_ratio: float):
 
 
 def relay_loads(traffic_DD, *, ranks_per_node: int, token_bytes: float, top_k: int, sent_DD=None,
-                routed: tuple | None = None) -> list:
+                routed: tuple | None = None, side_D=None) -> list:
     """:func:`loads_from_traffic` of the two-hop exchange (module docstring) from the plan's
     ``traffic_DD`` (rows per assignment), the rows that cross estimated by :func:`distinct_fraction`
     (k independent picks; every rank, the simulators and a recorded trace estimate alike), per link
@@ -175,21 +174,22 @@ def relay_loads(traffic_DD, *, ranks_per_node: int, token_bytes: float, top_k: i
 
     One node, or one rank per node: :func:`loads_from_traffic` of the one-hop one copy. ``sent_DD``:
     ``traffic_DD`` times its :func:`distinct_fraction`, and ``routed``: its :func:`relay_traffic`,
-    where the caller has them already."""
+    where the caller has them already; ``side_D``: each rank's ``side_rows`` (default none)."""
     t = np.asarray(traffic_DD, dtype=np.float64)
     D, G = t.shape[0], int(ranks_per_node)
     if G < 1 or D % G:
         raise ValueError(f"relay_loads: ranks_per_node ({ranks_per_node}) must divide the ranks ({D})")
     sent = t * distinct_fraction(t, top_k) if sent_DD is None else np.asarray(sent_DD, dtype=np.float64)
     if D // G == 1 or G == 1:
-        return loads_from_traffic(t, ranks_per_node=G, token_bytes=token_bytes, sent_DD=sent)
+        return loads_from_traffic(t, ranks_per_node=G, token_bytes=token_bytes, sent_DD=sent, side_D=side_D)
     if routed is None:
         routed = relay_traffic(t, ranks_per_node=G, top_k=top_k, sent_DD=sent)
     rank_D, node_n = routed[:2]
     intra, relay = float(rank_D.max()) * token_bytes, float(node_n.max()) * token_bytes
     rows_D, local = t.sum(0), np.diagonal(t)
     return [LayerLoad(intra_bytes=intra, inter_bytes=0.0, local_rows=float(local[d]),
-                      remote_rows=float(rows_D[d] - local[d]), relay_bytes=relay) for d in range(D)]
+                      remote_rows=float(rows_D[d] - local[d]), relay_bytes=relay,
+                      side_rows=0.0 if side_D is None else float(side_D[d])) for d in range(D)]
 
 
 def relay_traffic(traffic_DD, *, ranks_per_node: int, top_k: int, sent_DD=None) -> tuple:

@@ -396,11 +396,12 @@ def loads_from_plan(plan, *, ranks_per_node: int, token_bytes: float) -> list:
     return loads_from_traffic(plan.traffic_DD(), ranks_per_node=ranks_per_node, token_bytes=token_bytes)
 
 
-def loads_from_traffic(traffic_DD, *, ranks_per_node: int, token_bytes: float, sent_DD=None) -> list:
+def loads_from_traffic(traffic_DD, *, ranks_per_node: int, token_bytes: float, sent_DD=None, side_D=None) -> list:
     """:func:`loads_from_plan` from the plan's token traffic alone (``traffic_DD[d, h]``: rows rank d
     sends rank h, the diagonal stays; a recorded decision's ``traffic_DD``): rows rank h computes
     are its column's sum. ``sent_DD``: the rows that actually cross (one copy per destination sends
-    fewer than it computes; the simulators' estimate), default ``traffic_DD``."""
+    fewer than it computes; the simulators' estimate), default ``traffic_DD``. ``side_D``: each
+    rank's work beside the exchange (``side_rows``; default none)."""
     rows_D = np.asarray(traffic_DD, dtype=np.float64).sum(0)
     local = np.diag(np.asarray(traffic_DD, dtype=np.float64))
     traffic = np.asarray(traffic_DD if sent_DD is None else sent_DD, dtype=np.float64)
@@ -414,7 +415,8 @@ def loads_from_traffic(traffic_DD, *, ranks_per_node: int, token_bytes: float, s
     intra_bytes = float(np.maximum(intra_out, intra_in).max()) * token_bytes
     inter_bytes = float(np.maximum(node_out, node_in).max()) * token_bytes
     return [LayerLoad(intra_bytes=intra_bytes, inter_bytes=inter_bytes, local_rows=float(local[d]),
-                      remote_rows=float(rows_D[d] - local[d])) for d in range(D)]
+                      remote_rows=float(rows_D[d] - local[d]), side_rows=0.0 if side_D is None else float(side_D[d]))
+            for d in range(D)]
 
 
 def _by_link(traffic_DD: np.ndarray, ranks_per_node: int) -> tuple:

@@ -18,7 +18,7 @@ rank's own tokens on experts it holds):
   its link bytes (reported, and the bytes saved) :func:`~ds_fssdp.planner.onecopy.relay_traffic`'s;
 * the work beside the exchange (``side_ratio``: the shared experts per token in expert rows,
   ``Setup.side_ratio``): every rank's ``side_rows`` (:func:`~ds_fssdp.planner.onecopy.side_rows`),
-  in sequence at degree 1 (every serial policy), computed while chunk 1 flies above it;
+  in sequence at degree 1 (every serial policy), above it once the last return is launched;
 * one :class:`~ds_fssdp.planner.schedule.LayerLoad` per rank, from the group's traffic by the
   runtime's function (:func:`~ds_fssdp.planner.schedule.loads_from_traffic`): the rank's intra-node
   link bytes (busier direction), its node's inter-node link bytes, its own local rows (computed
