@@ -70,10 +70,11 @@ TOPO = Topology(num_ranks=D, ranks_per_node=4)
 SHAPE = ExpertShape(hidden=256, ffn=512, matrices=2, param_bytes=2)
 
 
-def _policy(bw: float, *, by_time: bool = True, rm: bool = False, budget: int = 6, shape: ExpertShape = SHAPE):
+def _policy(bw: float, *, by_time: bool = True, rm: bool = False, budget: int = 6, shape: ExpertShape = SHAPE,
+            placement: str = "paper"):
     cost = CostModel(Hardware(flops=1e12, intra_bw=bw, inter_bw=bw / 4), shape, TOPO, relay=True)
     config = PolicyConfig(num_experts=E, num_layers=1, topology=TOPO, budget=budget, overlap_degree=1, cost=cost,
-                          overlap_by_time=by_time)
+                          overlap_by_time=by_time, placement=placement)
     return make_policy("fssdp-rm" if rm else "fssdp", config), cost
 
 

@@ -393,7 +393,7 @@ static int joint_core(const int64_t *owner_E, const double *T, const int64_t *no
             joint_best(be, N, v, nfree, hf, best_n, best_v); /* stale: its best node closed */
             group_redo(best_v, group_v, group_e, be / JOINT_GROUP);
         }
-        if (be < 0 || best < stop * tau) break;
+        if (be < 0 || best <= 0.0 || best < stop * tau) break; /* nothing left to balance */
         /* the open rank of node bn with the most free slots, then the least owned load, then
            the lowest id: the first with the most in by_owned order (branch-free) */
         int64_t bn = best_n[be], d_best = -1, b_free = 0;

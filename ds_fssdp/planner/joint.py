@@ -13,9 +13,10 @@ of the all-gathered counts), this variant is longest-processing-time first at no
 * then repeatedly give one more holder to the (expert, node) with the largest per-holder load
   F[e, n] / h[e, n], on the rank of that node with the most free slots, then the least owned
   load, then the lowest id;
-* stop when that load is below ``STOP * tau`` (a further replica balances nothing), when no rank
-  has a free slot, or when the next expert would exceed ``overlap_degree`` distinct replicated
-  experts.
+* stop when that load is below ``stop * tau`` (``STOP`` by default: a further replica balances
+  nothing), when no rank has a free slot, or when the next expert would exceed ``overlap_degree``
+  distinct replicated experts. ``stop=0`` fills every slot the t allows: the placement by time
+  (``planner/overlap.py``) takes it, and its search over t is what stops it there.
 
 Same constraints as Algorithm 1 (shard kept, <= m added per rank, <= t distinct experts),
 deterministic.
@@ -35,18 +36,25 @@ STOP = 0.25
 
 
 def joint_materialize(owner_E: torch.Tensor, tokens_ED: torch.Tensor, topology: Topology, *, overlap_degree: int,
-                      budget: int, base_ED: torch.Tensor | None = None) -> torch.Tensor:
+                      budget: int, base_ED: torch.Tensor | None = None, stop: float = STOP) -> torch.Tensor:
     """Return placement_ED (bool [E, D]); in C when the extension is built (same result)."""
     if base_ED is None and fast.AVAILABLE:  # (shapes checked there)
-        if overlap_degree < 0 or budget < 0:
-            raise ValueError(f"overlap_degree ({overlap_degree}) and budget ({budget}) must be >= 0")
-        return fast.materialize_joint(owner_E, tokens_ED, topology, overlap_degree, budget, STOP)
+        _check_knobs(overlap_degree, budget, stop)
+        return fast.materialize_joint(owner_E, tokens_ED, topology, overlap_degree, budget, float(stop))
     return joint_materialize_reference(owner_E, tokens_ED, topology, overlap_degree=overlap_degree, budget=budget,
-                                       base_ED=base_ED)
+                                       base_ED=base_ED, stop=stop)
+
+
+def _check_knobs(overlap_degree: int, budget: int, stop: float) -> None:
+    if overlap_degree < 0 or budget < 0:
+        raise ValueError(f"overlap_degree ({overlap_degree}) and budget ({budget}) must be >= 0")
+    if not stop >= 0.0:
+        raise ValueError(f"stop ({stop!r}) must be >= 0")
 
 
 def joint_materialize_reference(owner_E: torch.Tensor, tokens_ED: torch.Tensor, topology: Topology, *,
-                                overlap_degree: int, budget: int, base_ED: torch.Tensor | None = None) -> torch.Tensor:
+                                overlap_degree: int, budget: int, base_ED: torch.Tensor | None = None,
+                                stop: float = STOP) -> torch.Tensor:
     """The Python specification the C version is tested against."""
     owner_E = owner_E.to("cpu", torch.long)
     tokens_ED = tokens_ED.to("cpu", torch.float64)
@@ -54,8 +62,7 @@ def joint_materialize_reference(owner_E: torch.Tensor, tokens_ED: torch.Tensor, 
     if owner_E.numel() != E or D != topology.num_ranks:
         raise ValueError(f"tokens_ED {tuple(tokens_ED.shape)} does not match {owner_E.numel()} experts on "
                          f"{topology.num_ranks} ranks")
-    if overlap_degree < 0 or budget < 0:
-        raise ValueError(f"overlap_degree ({overlap_degree}) and budget ({budget}) must be >= 0")
+    _check_knobs(overlap_degree, budget, stop)
     finite_ED = torch.isfinite(tokens_ED)
     if not bool(finite_ED.all()):
         e, d = (int(i) for i in torch.nonzero(~finite_ED)[0])
@@ -86,7 +93,7 @@ def joint_materialize_reference(owner_E: torch.Tensor, tokens_ED: torch.Tensor, 
         per_holder_EN[~open_EN] = -1.0
         best = int(torch.argmax(per_holder_EN))  # ties: the lowest (expert, node)
         e, n = divmod(best, N)
-        if float(per_holder_EN[e, n]) < STOP * tau:
+        if float(per_holder_EN[e, n]) <= 0.0 or float(per_holder_EN[e, n]) < stop * tau:  # nothing to balance
             return placement_ED
         ranks = [d for d in topology.ranks_of(n) if bool(open_ED[e, d])]
         d = min(ranks, key=lambda r: (-int(free_D[r]), float(owned_load_D[r]), r))

@@ -1,5 +1,6 @@
-"""t by time: how many distinct experts a layer's pre-gating gather replicates, from the modelled
-layer time rather than from what fits the window alone.
+"""t and placement by time: how many distinct experts a layer's pre-gating gather replicates, and
+which materializer places them, from the modelled layer time rather than from what fits the window
+alone.
 
 Legend: E experts, D ranks.
 
@@ -15,6 +16,13 @@ past the attention backward and the idle link the layer's backward leaves, what 
 charge, :func:`~ds_fssdp.planner.scheduled.reduce_window_s`), and the search stops at the first candidate that
 is not faster (or adds no replica: the memory budget is full). The window's t is always a
 candidate, so a layer never prices worse than without the search.
+
+Placement by time (:func:`choose_placement`): the same search runs over each family of placements
+the policy offers (its configured one first; with per-rank predictions, also the joint placement
+that fills every slot the t allows, ``joint_materialize(stop=0)``: replicas where the tokens come
+from, so a hot expert's tokens stay in the nodes that produce them), and the least modelled time
+wins; ties keep the earlier family. So the configured placement is always a candidate and a layer
+never prices worse than with it alone.
 
 Pure: the runtime, both simulators and the report's replay reach it through
 ``FSSDPPolicy.pre_gating`` with the same inputs (the owners, the predicted ``tokens_ED`` and the
@@ -38,6 +46,7 @@ class OverlapChoice:
     modelled_s: float  # its modelled layer time with the exposed gather and reduce
     window_t: int  # the window's t (the first candidate)
     tried: int  # candidates priced
+    family: str = ""  # the placement family it came from (choose_placement)
 
 
 def layer_seconds(cost: CostModel, owner_E: torch.Tensor, placement_ED: torch.Tensor, tokens_ED: torch.Tensor, *,
@@ -76,3 +85,18 @@ def choose_overlap_degree(place_at: Callable[[int], torch.Tensor], seconds_of: C
             break
         choice = OverlapChoice(t, placement_ED, s, choice.window_t, tried)
     return dataclasses.replace(choice, tried=tried)
+
+
+def choose_placement(families: dict, seconds_of: Callable[[torch.Tensor], float], *, window_t: int,
+                     max_t: int) -> OverlapChoice:
+    """:func:`choose_overlap_degree` over each family (name -> ``place_at(t)``, in order); the
+    least ``seconds_of`` wins, ties keep the earlier family. ``tried`` counts every candidate."""
+    if not families:
+        raise ValueError("choose_placement: no placement family to search")
+    best, tried = None, 0
+    for name, place_at in families.items():
+        choice = choose_overlap_degree(place_at, seconds_of, window_t=window_t, max_t=max_t)
+        tried += choice.tried
+        if best is None or choice.modelled_s < best.modelled_s:
+            best = dataclasses.replace(choice, family=name)
+    return dataclasses.replace(best, tried=tried)

@@ -24,7 +24,8 @@ from ds_fssdp.planner.baselines.base import Clock, LayerPlan, Policy, Reshard
 from ds_fssdp.planner.baselines.relabel import moved_copies, relabel_owner
 from ds_fssdp.planner.calibrate import Calibration, calibrate
 from ds_fssdp.planner.materialize import materialize as algorithm1_materialize
-from ds_fssdp.planner.overlap import OverlapChoice, choose_overlap_degree, layer_seconds
+from ds_fssdp.planner.joint import joint_materialize
+from ds_fssdp.planner.overlap import OverlapChoice, choose_placement, layer_seconds
 from ds_fssdp.planner.place import PlacementOptions, place
 from ds_fssdp.planner.shard import heterogeneous_sharding, shard_placement
 
@@ -75,15 +76,21 @@ class FSSDPPolicy(Policy):
 
     def overlap_choice(self, owner_E: torch.Tensor, predicted_load_E: torch.Tensor, clock: Clock) -> OverlapChoice:
         """t and its placement by the modelled layer time on the predicted tokens (per-rank when the
-        predictor has them, else each expert's load spread evenly over the ranks)."""
+        predictor has them, else each expert's load spread evenly over the ranks): the configured
+        placement's search, and with per-rank predictions the joint placement's that fills every
+        slot (:func:`~ds_fssdp.planner.overlap.choose_placement`)."""
         cfg, topo = self.config, self.topology
         owner_E = owner_E.to("cpu", torch.long)
         tokens_ED = predicted_load_E.to("cpu", torch.float64)
         if tokens_ED.dim() == 1:
             tokens_ED = tokens_ED[:, None].expand(-1, topo.num_ranks) / topo.num_ranks
         tokens_ED = tokens_ED.round().long()
-        return choose_overlap_degree(
-            lambda t: self._place(owner_E, predicted_load_E, t),
+        families = {cfg.placement: lambda t: self._place(owner_E, predicted_load_E, t)}
+        if predicted_load_E.dim() == 2:
+            families["joint-fill"] = lambda t: joint_materialize(owner_E, predicted_load_E, topo, overlap_degree=t,
+                                                                 budget=cfg.budget, stop=0.0)
+        return choose_placement(
+            families,
             lambda placement_ED: layer_seconds(cfg.cost, owner_E, placement_ED, tokens_ED, plan_of=self.compact_plan,
                                                window_s=float(clock.window_s), rematerialize=self.rematerialize,
                                                attention_s=clock.attention_s),
