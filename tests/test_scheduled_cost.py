@@ -108,6 +108,38 @@ def test_the_replay_rebuilds_the_runs_price():
         assert new.layer_time(plan) == ScheduledCostModel(HW, SHAPE, TOPO, exchange=new.exchange).layer_time(plan)
 
 
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("one_copy", [True, "auto", False])
+def test_the_runtimes_exchange_decision_is_what_its_price_assumes(top_k, one_copy):
+    """exchange_decision (what the runtime runs and the replay retakes) and ExchangeOptions.price
+    (what the by-time decisions and the simulators price) take one copy per destination by one
+    rule: never at top-1 (a token has one row there), as configured or chosen above it."""
+    from ds_fssdp.planner.cost import schedule_costs
+    from ds_fssdp.planner.onecopy import choose_exchange
+    from ds_fssdp.planner.scheduled import exchange_decision, one_copy_at
+    costs = schedule_costs(HW, SHAPE)
+    for plan in plans(3):
+        traffic = plan.traffic_DD().to(torch.float64).numpy()
+        common = dict(ranks_per_node=4, token_bytes=float(SHAPE.token_bytes), top_k=top_k,
+                      weight_bytes=float(SHAPE.param_bytes))
+        for degree in ("auto", (2, 3)):
+            degrees, taken = exchange_decision(costs, traffic, pipeline_degree=degree, one_copy=one_copy,
+                                               two_hops=True, **common)
+            if top_k == 1:
+                assert taken is False
+            elif one_copy != "auto":
+                assert taken is one_copy
+            want = choose_exchange(costs, traffic, one_copy=one_copy_at(one_copy, top_k),
+                                   degrees=None if degree == "auto" else degree, relay=True, **common)
+            assert (degrees, taken) == want
+            priced = ExchangeOptions(top_k=top_k, token_bytes=common["token_bytes"],
+                                     weight_bytes=common["weight_bytes"], one_copy=one_copy,
+                                     degrees=None if degree == "auto" else degree, two_hops=True)
+            assert priced.price(costs, traffic, ranks_per_node=4).degrees == tuple(degrees)
+        assert exchange_decision(None, traffic, pipeline_degree="auto", one_copy=one_copy, two_hops=True,
+                                 **common) == ((1, 1), top_k > 1 and one_copy is not False)
+
+
 def test_bad_options_are_refused():
     with pytest.raises(ValueError, match=r"one_copy \('yes'\)"):
         options(one_copy="yes")

@@ -77,9 +77,9 @@ class ExchangeOptions:
         two hops only with several nodes of several ranks."""
         traffic = np.asarray(traffic_DD, dtype=np.float64)
         D, G = traffic.shape[0], int(ranks_per_node)
-        one_copy = self.one_copy if self.one_copy and self.top_k > 1 else False
         return price_exchange(costs, traffic, ranks_per_node=G, token_bytes=float(self.token_bytes),
-                              top_k=self.top_k, weight_bytes=float(self.weight_bytes), one_copy=one_copy,
+                              top_k=self.top_k, weight_bytes=float(self.weight_bytes),
+                              one_copy=one_copy_at(self.one_copy, self.top_k),
                               relay=self.two_hops and 1 < G < D, degrees=self.degrees, side_ratio=self.side_ratio)
 
 
@@ -125,6 +125,13 @@ def reduce_window_s(costs: ScheduleCosts, price: ExchangePrice, attention_s: flo
     return 2.0 * attention_s + (idle if idle > 0.0 else 0.0)
 
 
+def one_copy_at(one_copy, top_k: int):
+    """The one-copy setting a layer of ``top_k`` runs: off at top-1 (a token has one row, nothing to
+    share), else as configured (True, False or "auto"). The runtime's decision
+    (:func:`exchange_decision`) and its price (:meth:`ExchangeOptions.price`) both take it here."""
+    return one_copy if one_copy and int(top_k) > 1 else False
+
+
 def exchange_decision(costs: ScheduleCosts | None, traffic_DD, *, pipeline_degree, one_copy, ranks_per_node: int,
                       token_bytes: float, top_k: int, weight_bytes: float, two_hops: bool,
                       side_ratio: float = 0.0) -> tuple:
@@ -135,8 +142,9 @@ def exchange_decision(costs: ScheduleCosts | None, traffic_DD, *, pipeline_degre
     traffic (``traffic_DD``, or a callable computing it only when needed), two hops where they run.
     ``side_ratio``: the layer's work beside the exchange per token in expert rows (its shared
     experts; :func:`~ds_fssdp.planner.onecopy.side_rows`). Without costs: degree 1 (or the fixed
-    degrees) and one copy on unless configured off."""
+    degrees) and one copy on unless configured off. Top-1: one copy off (:func:`one_copy_at`)."""
     fixed = None if pipeline_degree == "auto" else (int(pipeline_degree[0]), int(pipeline_degree[1]))
+    one_copy = one_copy_at(one_copy, top_k)
     if costs is None or (fixed is not None and one_copy != "auto"):
         return (fixed or (1, 1)), (True if one_copy == "auto" else bool(one_copy))
     traffic = np.asarray(traffic_DD() if callable(traffic_DD) else traffic_DD)
