@@ -216,3 +216,33 @@ def test_relay_hop_chunked_with_the_pipeline():
             assert link_busy(c, relay, n)[0] == link_busy(c, base, n)[0]
     even = dataclasses.replace(relay, relay_bytes=3e5)  # a relay hop about as long as the GEMM
     assert pipeline_time(costs, even, 4) < 0.7 * pipeline_time(costs, even, 1)
+
+
+def _full_search(costs, loads, backward):
+    """choose_degrees' rule with every candidate priced at every degree (what its early exit skips)."""
+    from ds_fssdp.planner.schedule import MAX_DEGREE, pipeline_times
+    pick, pick_s = 1, None
+    for n in range(1, MAX_DEGREE + 1):
+        s = float(pipeline_times(costs, loads, n, backward=backward).max())
+        if pick_s is None or s < pick_s * (1.0 - 1e-9):
+            pick, pick_s = n, s
+    return pick
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_degree_search_stopping_a_degree_early_takes_the_full_searchs_degrees(seed):
+    """choose_degrees stops pricing a degree once one rank is as slow as the best so far (and
+    prices the last slowest rank first): the degrees are the full search's, over random costs,
+    one hop and two, near ties (many equal loads) included."""
+    from ds_fssdp.planner.schedule import choose_degrees
+    rng = np.random.default_rng(seed)
+    costs = ScheduleCosts(a2a_intra=Linear(10 ** rng.uniform(-6, -4), 10 ** rng.uniform(-12, -10)),
+                          a2a_inter=Linear(10 ** rng.uniform(-6, -4), 10 ** rng.uniform(-11, -9)),
+                          gemm=Linear(10 ** rng.uniform(-7, -5), 10 ** rng.uniform(-9, -7)), backward_factor=2.0)
+    for relay in (0.0, float(rng.uniform(1e6, 1e8))):
+        rows = rng.integers(0, 60, (32, 2)) * 100
+        rows[rng.integers(0, 32, 8)] = rows[0]  # equal loads
+        loads = [LayerLoad(float(rng.uniform(1e6, 1e8)) if i % 3 else 5e7, 0.0 if relay else 1e7, float(lo),
+                           float(re), relay_bytes=relay, side_rows=float(rng.integers(0, 2) * 500))
+                 for i, (lo, re) in enumerate(rows)]
+        assert choose_degrees(costs, loads) == (_full_search(costs, loads, False), _full_search(costs, loads, True))

@@ -212,6 +212,15 @@ def _relay_times(costs: ScheduleCosts, loads: list, cols, n: int, backward: bool
     free = [r * 0.0, r * 0.0, c0]
     dur = (r, x, g, x, r)
     ended = [[None] * n for _ in range(5)]  # [kind][chunk]: kinds R, I, C, J, Q
+    if isinstance(r, float) and isinstance(c0, float):  # one load (choose_degrees): _max inlined
+        for kind, j, resource in _relay_steps(n):
+            start = free[resource]
+            if kind:
+                before = ended[kind - 1][j]
+                start = start if start >= before else before
+            ended[kind][j] = free[resource] = start + dur[kind]
+        tail = free[2] if free[2] >= ended[3][n - 1] else ended[3][n - 1]
+        return free[0] if free[0] >= tail + s else tail + s
     for kind, j, resource in _relay_steps(n):
         start = free[resource] if kind == 0 else _max(free[resource], ended[kind - 1][j])
         ended[kind][j] = free[resource] = start + dur[kind]
@@ -352,10 +361,19 @@ def choose_degrees(costs: ScheduleCosts, loads: list, *, max_degree: int = MAX_D
     front = slowest_candidates(loads)
 
     def best(backward: bool) -> int:
+        order = list(front)  # the last degree's slowest load first: it most often rules a degree out
         pick, pick_s = 1, None
         for n in range(1, max_degree + 1):
-            s = max(_concurrent_time(costs, ld, n, backward) for ld in front)  # = max of pipeline_times
-            if pick_s is None or s < pick_s * (1.0 - 1e-9):
+            bar = None if pick_s is None else pick_s * (1.0 - 1e-9)
+            s, at = None, 0
+            for i, ld in enumerate(order):
+                v = _concurrent_time(costs, ld, n, backward)  # the max over loads = max of pipeline_times
+                if s is None or v > s:
+                    s, at = v, i
+                    if bar is not None and s >= bar:
+                        break  # the slowest rank is at least this slow: n cannot win
+            order.insert(0, order.pop(at))
+            if bar is None or s < bar:
                 pick, pick_s = n, s
         return pick
     return best(False), best(True)
