@@ -93,7 +93,8 @@ def joint_materialize_reference(owner_E: torch.Tensor, tokens_ED: torch.Tensor, 
         per_holder_EN[~open_EN] = -1.0
         best = int(torch.argmax(per_holder_EN))  # ties: the lowest (expert, node)
         e, n = divmod(best, N)
-        if float(per_holder_EN[e, n]) <= 0.0 or float(per_holder_EN[e, n]) < stop * tau:  # nothing to balance
+        load = float(per_holder_EN[e, n])
+        if load <= 0.0 or load < stop * tau:  # nothing (or too little) left to balance
             return placement_ED
         ranks = [d for d in topology.ranks_of(n) if bool(open_ED[e, d])]
         d = min(ranks, key=lambda r: (-int(free_D[r]), float(owned_load_D[r]), r))
