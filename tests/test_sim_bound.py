@@ -1,8 +1,9 @@
 """The simulators' lower bound (ds_fssdp/sim/bound.py): its shortest path over the layers equals
 brute force over every choice sequence; its least bytes to leave a source are never more than the
 simulators' one copy per destination sends for any split that respects a destination's share;
-pricing the replicas' gathers only raises it, holding more only lowers it; persistent slots still
-pay their gradients over the node link, replicas past FSSDP's m their reduce twice; and it stays below
+replicas and FlexMoE's slots lower it and holding more never raises it; the slots still pay their
+gradients over the node link, after the backward, replicas past FSSDP's m their reduce twice; the
+choices span every split of a node's experts into gathered and kept; and it stays below
 every policy of both engines where the replicas' gathers and the node links bind."""
 import dataclasses
 import itertools
@@ -12,7 +13,7 @@ import pytest
 
 from ds_fssdp import Topology
 from ds_fssdp.planner import ExpertShape, Hardware
-from ds_fssdp.sim.bound import LowerBound, chain_bound, leaving_bytes
+from ds_fssdp.sim.bound import Choices, LowerBound, chain_bound, leaving_bytes
 from ds_fssdp.sim.cluster import simulate_cluster
 from ds_fssdp.sim.links import distinct_fraction
 from ds_fssdp.sim.setup import Setup, derive_overlap_degree
@@ -41,17 +42,40 @@ def skewed(setup, steps=10, seed=3, std=0.12):
 
 def test_chain_bound_is_the_least_over_every_choice_sequence():
     rng = np.random.default_rng(0)
-    for trial in range(20):
-        L, C = int(rng.integers(1, 5)), int(rng.integers(1, 5))
-        m, b, g = rng.uniform(0, 1, (L, C)), rng.uniform(0, 1, (L, C)), rng.uniform(0, 2, C)
-        u = m * rng.uniform(0, 1, (L, C)) * (trial % 2)  # the link the next gather uses, busy <= m
+    for trial in range(40):
+        L, K = int(rng.integers(1, 5)), int(rng.integers(1, 4))
+        m, g_K = rng.uniform(0, 1, (L, K)), rng.uniform(0, 2, K)
+        u = m * rng.uniform(0, 1, (L, K)) * (trial % 2)  # the link the next gather uses, busy <= m
         attn, v, ar = float(rng.uniform(0, 0.5)), float(rng.choice([0.0, 0.3, 1.0])), float(rng.uniform(0, 3))
+        if trial < 20:  # each choice its own state
+            state, b, g, x = np.arange(K), rng.uniform(0, 1, (L, K)), g_K, np.zeros(K)
+            kw = {}
+        else:  # choices that share a state's exchange: their own gather, backward and what they add after it
+            state = np.sort(np.concatenate([np.arange(K), rng.integers(0, K, int(rng.integers(0, 4)))]))
+            b, g, x = rng.uniform(0, 1, (L, state.size)), rng.uniform(0, 2, state.size), rng.uniform(0, 0.5, state.size)
+            kw = {"state_C": state, "exposed_C": x}
         best = np.inf
-        for cs in itertools.product(range(C), repeat=L):
-            fwd = sum(max(attn + (m[l - 1, cs[l - 1]] if l else 0.0), g[cs[l]] + (u[l - 1, cs[l - 1]] if l else 0.0))
-                      for l in range(L)) + m[L - 1, cs[-1]]
-            best = min(best, fwd + v * sum(b[l, cs[l]] for l in range(L)) + (1 - v) * ar)
-        assert chain_bound(m, b, g, attn, v, ar, u) == pytest.approx(best, rel=1e-12), trial
+        for cs in itertools.product(range(state.size), repeat=L):
+            ks = [state[c] for c in cs]
+            fwd = sum(max(attn + (m[l - 1, ks[l - 1]] if l else 0.0), g[cs[l]] + (u[l - 1, ks[l - 1]] if l else 0.0))
+                      for l in range(L)) + m[L - 1, ks[-1]]
+            best = min(best, fwd + sum(v * b[l, cs[l]] + x[cs[l]] for l in range(L)) + (1 - v) * ar)
+        assert chain_bound(m, b, g, attn, v, ar, u, **kw) == pytest.approx(best, rel=1e-12), trial
+
+
+def test_slot_choices_span_what_a_node_can_hold():
+    # 2 nodes of 4 ranks, 16 experts, one owned a rank: a node's S distinct experts beyond its 4 owned
+    # are gathered (at most 4 R) or kept in slots (at most 4 x 2), and every split is a choice
+    ch = Choices(E=16, G=4, n=2, own=1, budget=1, persistent=2)
+    seen = {(int(ch.R_A[ch.a_K[k]]), int(ch.S[ch.s_K[k]]), int(p)) for k, p in zip(ch.state_C, ch.P_C)}
+    want = {(R, S, P) for R in (0, 1) for S in range(4, 16 + 1) for P in range(0, 9)
+            if 0 <= S - 4 - P <= 4 * R and S <= 4 * (1 + 2 + R)}
+    assert seen == want
+    assert (np.diff(ch.state_C) >= 0).all() and set(ch.state_C) == set(range(ch.a_K.size))
+    # one node: a rank's slots in use are the choice, and nothing crosses a node link
+    one = Choices(E=16, G=8, n=1, own=2, budget=2, persistent=3)
+    assert sorted(zip(one.R_A.tolist(), one.p_A.tolist())) == [(R, p) for R in range(3) for p in range(4)]
+    assert (one.P_C == 0).all() and one.S.tolist() == [0]
 
 
 def test_leaving_bytes_never_exceeds_what_one_copy_per_destination_sends():
@@ -88,15 +112,43 @@ def bound(setup, tokens, **kw):
     return low.result()
 
 
-def test_priced_replicas_raise_the_bound_and_more_replicas_lower_it():
+def test_replicas_and_slots_lower_the_bound_and_holding_more_never_raises_it():
     # a slow node link: what crosses nodes, and the replicas that avoid it, both cost
     hw = Hardware(flops=100e12, intra_bw=50e9, inter_bw=5e9, latency=10e-6, hbm_bw=2e12)
     setup = setup_with(hw)
     tokens = skewed(setup)
-    none, priced, free = bound(setup, tokens, budget=0), bound(setup, tokens, budget=6), bound(setup, tokens, budget=0,
+    none, priced, slots = bound(setup, tokens, budget=0), bound(setup, tokens, budget=6), bound(setup, tokens, budget=0,
                                                                                                 persistent=6)
-    assert free < priced < none
+    assert priced < none and slots < none
     assert bound(setup, tokens, budget=12) <= priced * (1 + 1e-12)
+    assert bound(setup, tokens, budget=6, persistent=6) <= min(priced, slots) * (1 + 1e-12)
+
+
+def test_slots_sync_after_the_backward():
+    """Two nodes of one rank, two experts, every rank's tokens split evenly over them: with a slot
+    each rank keeps all its rows, and the slot's expert is all-reduced over the node link after the
+    backward (FlexMoE's ring in the paper engine), never hidden in the long backward. The bound
+    with slots then grows by exactly one expert over the node link per layer as the link slows."""
+    topo = Topology(num_ranks=2, ranks_per_node=1)
+    fast = Hardware(flops=100e12, intra_bw=100e9, inter_bw=2e9, latency=10e-6, hbm_bw=2e12)
+    slow = dataclasses.replace(fast, inter_bw=1e9)
+    layers, tokens = 2, 16384
+    setup = Setup(topology=topo, hw=fast, shape=SHAPE, num_layers=layers, num_experts=2, tokens_per_gpu=tokens,
+                  attention_flops_per_token=6e7, dense_params=0, overlap_degree=2, budget=0, budget_rm=0,
+                  flexmoe_slots=1, reshard_interval=8, smartmoe_interval=4, top_k=1, load_window=1)
+    trace = np.full((3, layers, 2, 2), tokens // 2)
+    with_slot = {hw: LowerBound(dataclasses.replace(setup, hw=hw), group_size=2, budget=0, persistent=1)
+                 for hw in (fast, slow)}
+    for s, t in enumerate(trace):
+        for low in with_slot.values():
+            low.step(s, t)
+    psi = float(SHAPE.expert_bytes)
+    grown = with_slot[slow].result() - with_slot[fast].result()
+    assert grown == pytest.approx(layers * (psi / slow.inter_bw - psi / fast.inter_bw), rel=1e-9)
+    # the attention backward alone would hide the sync, were it charged there; the rows a rank would
+    # send without its slot take longer on the link than the sync
+    assert 2 * setup.attention_fwd_s > 3 * psi / slow.inter_bw
+    assert tokens // 2 * SHAPE.token_bytes > psi
 
 
 def test_persistent_slots_still_pay_their_gradients_over_the_node_link():

@@ -1,13 +1,16 @@
 """A lower bound on the iteration time of a workload, under any policy the simulators model.
 
 Legend: L layers, E experts, B groups, N ranks of a group, G ranks per node in a group, n nodes
-of a group, d a source rank, R replicas per rank, S distinct experts per node, C choices (R, S).
+of a group, d a source rank, R replicas per rank, S distinct experts per node, K states (a
+rank's R and slots, S), C choices (a state and a node's slot experts P).
 
-Per layer and group, each layer chooses c = (R, S): every rank holds at most R ephemeral
-replicas (gathered every step) and every node at most S distinct experts (S <= G (own + R)).
-A rank holds at most its owned ceil(E / N) experts, ``persistent`` replicas kept across steps
-(FlexMoE's slots) and its R, ``own`` in all, so it keeps at most its ``own`` largest experts'
-rows. Each direction's exchange + expert compute (forward; backward with twice the GEMM work)
+Per layer and group, each layer chooses c (:class:`Choices`): every rank holds at most R
+ephemeral replicas (gathered every step) and uses at most p of its ``persistent`` slots (FlexMoE's,
+kept across steps), so it holds at most h = ceil(E / N) + p + R experts and keeps at most its
+h largest experts' rows; every node holds at most S distinct experts (S <= G h), P of those
+beyond its owned G ceil(E / N) through slots. Past one node a rank may use all its slots and the
+node's P is the choice; on one node P is 0 and p is the choice. Each direction's exchange
++ expert compute (forward; backward with twice the GEMM work)
 takes at least
 
     max(balanced compute + latency, 2 latency + dispatch + combine of what must leave)
@@ -19,40 +22,44 @@ takes at least
   (intra-node and, past one node, the whole node link); what must leave a node: its ranks' rows
   on experts none of them holds, over the node link. Each token crosses at most once per
   destination (:func:`leaving_bytes`: with the simulators' one copy per destination, a
-  destination of ``own`` experts takes at most the share of them of a source's rows);
+  destination of h experts takes at most the share of them of a source's rows);
 * one startup each way; the combine cannot end before the last chunk is computed and sent back
   (one startup after the compute);
 
 plus each layer's attention forward and backward. Ephemeral replicas move every step: R put R
-expert chunks on each holder's intra-node link, and a node's S less its free G (own - R) come in
-over its node link (:func:`~ds_fssdp.sim.links.sparse_collective_links`), one latency + the
-busier. The simulators charge layer l's gather g_l beyond its window, and the window is l's
-attention forward plus layer l - 1's forward exchange + compute m_{l-1} less the time u_{l-1} its
-exchange holds the link the gather uses (``overlap_window`` of the idle time: the node link past
-one node, else the rank's), at least 2 latencies + twice the bytes that must leave over it;
+expert chunks on each holder's intra-node link, and a node's S less its owned G ceil(E / N) and
+its P slots' experts come in over its node link
+(:func:`~ds_fssdp.sim.links.sparse_collective_links`), one latency + the busier. The simulators
+charge layer l's gather g_l beyond its window, and the window is l's attention forward plus layer
+l - 1's forward exchange + compute m_{l-1} less the time u_{l-1} its exchange holds the link the
+gather uses (``overlap_window`` of the idle time: the node link past one node, else the rank's), at
+least 2 latencies + twice the bytes that must leave over it;
 calibration's gathers and FasterMoE's shadow broadcasts are charged whole. So the forward is at
 least
 
     sum_l max(attention + m_{l-1}, g_l + u_{l-1}) + m_{L-1}          (m_{-1} = u_{-1} = 0)
 
 Every expert a node holds beyond its owned G ceil(E / N) is held by its owner elsewhere too, so its
-gradient crosses that node's link in the backward: an ephemeral replica's reduce (the simulators
-charge it past the attention backward plus the time the layer's backward leaves the link free),
-a persistent slot's all-reduce (a ring moves at least the expert's bytes through every node it
-spans; the paper engine charges it whole), a shadow's reduce (charged whole). The same holds for
-R replicas on a rank's own link. Past the most replicas a policy holds without re-materializing
-them (``plain``; FSSDP's m), only ``fssdp-rm``, which gathers them again for the backward, and
-FasterMoE, whose shadows' broadcast and reduce are charged whole, hold them: the reduce is charged
-twice there. So a layer's backward b_l (attention backward, exchange and
-expert compute) is at least max(b_l, r_l + u_l), r_l that reduce (latency + the busier link,
-like g_l but beyond the owned experts alone: persistent slots save the gather, not the reduce)
-and u_l the backward exchange on its link, the forward's bytes.
+gradient crosses that node's link. An ephemeral replica's reduce runs in the backward (the
+simulators charge it past the attention backward plus the time the layer's backward leaves the
+link free), a shadow's is charged whole; the same holds for R replicas on a rank's own link. Past
+the most replicas a policy holds without re-materializing them (``plain``; FSSDP's m), only
+``fssdp-rm``, which gathers them again for the backward, and FasterMoE, whose shadows' broadcast
+and reduce are charged whole, hold them: the reduce is charged twice there. So a layer's
+backward b_l (attention backward, exchange and expert compute) is at least max(b_l, r_l + u_l),
+r_l that reduce (latency + the busier link, like g_l) and u_l the backward exchange on its link,
+the forward's bytes. A slot's gradient is all-reduced over its expert's holders after the backward
+(the paper engine, the only one with slots, issues FlexMoE's rings there,
+:meth:`~ds_fssdp.planner.cost.CostModel.allreduce_time`): a ring of k >= 2 members puts 2 (k - 1) /
+k >= 1 expert's bytes on each member's link and on the node link of every node it spans, so the
+layer adds x_l = latency + P experts over the node link (one node: p over a rank's link) after the
+backward, whenever it uses a slot.
 
 The gradient all-reduce (dense over the world and, with several groups, each EDP group's owned
 experts, E L / N per rank: even owners move the least) can overlap the backward at most, never
 the forward: a group's bound is the least over c_1..c_L of
 
-    forward + max(backward, all-reduce) >= forward + v backward + (1 - v) all-reduce
+    forward + sum_l x_l + max(backward, all-reduce) >= forward + sum_l x_l + v backward + (1 - v) all-reduce
 
 for every v in [0, 1]. For a given v the least over c_1..c_L is a shortest path over the layers
 (:func:`chain_bound`: the pair terms couple only consecutive layers); the bound is the best over
@@ -103,61 +110,104 @@ class LowerBound:
         side = st.side_ratio * st.tokens_per_gpu * g  # a rank's shared experts, forward
         psi, tb, k = float(st.shape.expert_bytes), float(st.shape.token_bytes), max(1, st.top_k)
         own = math.ceil(E / N)  # experts a rank owns
-        base = own + self.persistent  # experts a rank holds without a gather
-        R = np.arange(min(self.budget, E) + 1)
-        keep_R = np.minimum(E, base + R)
-        # A node's distinct experts: from its owned ones (fewer than its free ones: nothing gathered,
-        # nothing reduced) to its free ones and up to G R gathered (one node: none).
-        S = np.arange(min(E, G * own), min(E, G * (base + R[-1])) + 1) if n > 1 else np.zeros(1, dtype=np.int64)
-        fits_RS = (S[None, :] <= np.minimum(E, G * keep_R)[:, None]) if n > 1 else np.ones((R.size, 1), dtype=bool)
+        ch = Choices(E=E, G=G, n=n, own=own, budget=self.budget, persistent=self.persistent)
+        R_A, keep_A, S, P_C, state_C = ch.R_A, ch.keep_A, ch.S, ch.P_C, ch.state_C
+        A = R_A.size
         bw = hw.intra_bw + (hw.inter_bw if n > 1 else 0.0)
-        rank_R = np.where(R > 0, lat + R * psi / hw.intra_bw, 0.0)  # R chunks on a holder's link
-
-        def node_S(held):  # what enters a node's link beyond ``held`` experts per rank
-            return np.where(S > G * held, lat + (S - G * held) * psi / hw.inter_bw, 0.0)
-        gather_RS = np.maximum(rank_R[:, None], node_S(base)[None, :])
-        reduce_RS = np.maximum(rank_R[:, None], node_S(own)[None, :])
-        reduce_RS = reduce_RS * np.where(R > self.plain, 2.0, 1.0)[:, None]  # re-materialized: gathered again
-        forward_LRSB = np.zeros((L, R.size, S.size, B))
-        backward_LRSB = np.zeros((L, R.size, S.size, B))
-        busy_LRSB = np.zeros((L, R.size, S.size, B))
+        rank_A = np.where(R_A > 0, lat + R_A * psi / hw.intra_bw, 0.0)  # R chunks on a holder's link
+        a_C, s_C = ch.a_K[state_C], ch.s_K[state_C]
+        # what enters (gathers) and leaves (reduces) a node's link: its distinct experts beyond its
+        # owned ones and its slots' experts
+        Q_C = S[s_C] - G * own - P_C if n > 1 else np.zeros(P_C.size, dtype=np.int64)
+        node_C = np.where(Q_C > 0, lat + Q_C * psi / hw.inter_bw, 0.0)
+        gather_C = np.maximum(rank_A[a_C], node_C)
+        reduce_C = gather_C * np.where(R_A[a_C] > self.plain, 2.0, 1.0)  # re-materialized: gathered again
+        # the slots' ring all-reduce after the backward: P experts through the node link, p through a rank's
+        synced_C = P_C * psi / hw.inter_bw if n > 1 else ch.p_A[a_C] * psi / hw.intra_bw
+        exposed_C = np.where(synced_C > 0, lat + synced_C, 0.0)
+        forward_LASB = np.zeros((L, A, S.size, B))
+        compute_LASB = np.zeros((L, A, S.size, B))  # the backward's attention, exchange and compute
+        busy_LASB = np.zeros((L, A, S.size, B))
         for l in range(L):
             t_EBN = tokens_LED[l].reshape(E, D // N, N)[:, :B].astype(np.float64)
             rows_BN = t_EBN.sum(0)
             top_KBN = top_rows(t_EBN)
             rows_1BN = rows_BN[None]
-            share_RBN = np.divide(top_KBN[keep_R], rows_1BN, out=np.zeros((R.size, B, N)), where=rows_1BN > 0)
-            out_RB = leaving_bytes(rows_1BN, top_KBN[keep_R], k, tb, share=share_RBN).max(2)  # what a rank sends
-            x_RB = np.where(out_RB > 0, 2.0 * lat + 2.0 * out_RB / bw, 0.0)
-            one_RB = np.where(out_RB > 0, lat, 0.0)
+            share_ABN = np.divide(top_KBN[keep_A], rows_1BN, out=np.zeros((A, B, N)), where=rows_1BN > 0)
+            out_AB = leaving_bytes(rows_1BN, top_KBN[keep_A], k, tb, share=share_ABN).max(2)  # what a rank sends
+            x_AB = np.where(out_AB > 0, 2.0 * lat + 2.0 * out_AB / bw, 0.0)
+            one_AB = np.where(out_AB > 0, lat, 0.0)
             if n > 1:  # what must leave a node over its link: rows on experts the node does not hold
                 t_EBn = t_EBN.reshape(E, B, n, G).sum(3)
-                # per rank, by the node's s experts, with destinations of keep_R experts each
+                # per rank, by the node's s experts, with destinations of keep_A experts each
                 common_SB = leaving_bytes(t_EBn.sum(0)[None], top_rows(t_EBn)[S], k, tb).max(2)
-                ranks_RSBN = leaving_bytes(rows_1BN[None], top_KBN[S][None], k, tb, share=share_RBN[:, None])
-                cross_RSB = np.maximum(common_SB[None], ranks_RSBN.reshape(R.size, S.size, B, n, G).sum(4).max(3))
-                x_RSB = np.where(cross_RSB > 0, 2.0 * lat + 2.0 * cross_RSB / hw.inter_bw, 0.0)
-                busy_LRSB[l] = x_RSB  # the node link: the gathers' link past one node
+                ranks_ASBN = leaving_bytes(rows_1BN[None], top_KBN[S][None], k, tb, share=share_ABN[:, None])
+                cross_ASB = np.maximum(common_SB[None], ranks_ASBN.reshape(A, S.size, B, n, G).sum(4).max(3))
+                x_ASB = np.where(cross_ASB > 0, 2.0 * lat + 2.0 * cross_ASB / hw.inter_bw, 0.0)
+                busy_LASB[l] = x_ASB  # the node link: the gathers' link past one node
             else:
-                x_RSB = np.zeros((R.size, 1, B))
-                busy_LRSB[l] = np.where(out_RB > 0, 2.0 * lat + 2.0 * out_RB / hw.intra_bw, 0.0)[:, None]
-            x_RSB = np.maximum(x_RB[:, None], x_RSB)
+                x_ASB = np.zeros((A, 1, B))
+                busy_LASB[l] = np.where(out_AB > 0, 2.0 * lat + 2.0 * out_AB / hw.intra_bw, 0.0)[:, None]
+            x_ASB = np.maximum(x_AB[:, None], x_ASB)
             bal_B = rows_BN.sum(1) / N * g + side
-            forward_LRSB[l] = np.maximum(bal_B + one_RB[:, None], x_RSB)
-            backward_LRSB[l] = np.maximum(2.0 * attn_f + np.maximum(2.0 * bal_B + one_RB[:, None], x_RSB),
-                                          reduce_RS[:, :, None] + busy_LRSB[l])
+            forward_LASB[l] = np.maximum(bal_B + one_AB[:, None], x_ASB)
+            compute_LASB[l] = 2.0 * attn_f + np.maximum(2.0 * bal_B + one_AB[:, None], x_ASB)
         owned = math.ceil(E * L / N) * st.shape.params
         tail = st.extra_compute_s + (st.dense_params + owned) * OPT_TRAFFIC_BYTES / hw.hbm_bw
-        m_LCB, b_LCB, g_C = forward_LRSB[:, fits_RS], backward_LRSB[:, fits_RS], gather_RS[fits_RS]
-        u_LCB = busy_LRSB[:, fits_RS]
-        low_B = np.array([max(chain_bound(m_LCB[:, :, b], b_LCB[:, :, b], g_C, attn_f, v, self.allreduce_s,
-                                          u_LCB[:, :, b])
+        fits = ch.fits_AS
+        m_LKB, u_LKB, c_LKB = forward_LASB[:, fits], busy_LASB[:, fits], compute_LASB[:, fits]
+        b_LCB = np.maximum(c_LKB[:, state_C], reduce_C[None, :, None] + u_LKB[:, state_C])
+        low_B = np.array([max(chain_bound(m_LKB[:, :, b], b_LCB[:, :, b], gather_C, attn_f, v, self.allreduce_s,
+                                          u_LKB[:, :, b], state_C=state_C, exposed_C=exposed_C)
                               for v in WEIGHTS) for b in range(B)])
         self.total += float(low_B.max()) + tail
         self.counted += 1
 
     def result(self) -> float:
         return self.total / max(1, self.counted)
+
+
+class Choices:
+    """One layer's choices for a group (the module docstring's c, with FlexMoE's slots).
+
+    A rank's choice a: ``R_A`` ephemeral replicas and ``p_A`` slots in use, holding at most
+    ``keep_A`` = ``own`` + p + R experts. Past one node a rank may use all of its slots (``p_A`` =
+    ``persistent``) and the node's choice carries what they cost: ``S`` its distinct experts (the
+    busiest node's) and ``P_C`` of them synced through its slots, not gathered (the slots' ring
+    all-reduce after the backward puts each of them through the node link). On one node ``P_C`` is
+    0 and a rank's p slots are synced over its own link. ``fits_AS``: the states (a, S) a node of G
+    ranks can hold (``a_K``, ``s_K``: state k's); choice c is state ``state_C[c]`` (sorted, every
+    state present) with ``P_C[c]`` slot experts, from the fewest that leave no more than G R experts
+    to gather to the most that still replace a gather (more cost more and save nothing)."""
+
+    def __init__(self, *, E: int, G: int, n: int, own: int, budget: int, persistent: int):
+        R = np.arange(min(budget, E) + 1)
+        if n == 1 and persistent:
+            R_A, p_A = (x.ravel() for x in np.meshgrid(R, np.arange(min(persistent, E) + 1), indexing="ij"))
+        else:
+            R_A, p_A = R, np.full(R.size, persistent)
+        self.R_A, self.p_A = R_A, p_A
+        self.keep_A = np.minimum(E, own + p_A + R_A)
+        # A node's distinct experts: from its owned ones (fewer than its free ones: nothing gathered,
+        # nothing reduced) to all it may hold (one node: none).
+        top = G * (own + persistent + R[-1])
+        self.S = np.arange(min(E, G * own), min(E, top) + 1) if n > 1 else np.zeros(1, dtype=np.int64)
+        if n > 1:
+            self.fits_AS = self.S[None, :] <= np.minimum(E, G * self.keep_A)[:, None]
+        else:
+            self.fits_AS = np.ones((R_A.size, 1), dtype=bool)
+        self.a_K, self.s_K = a_K, s_K = self.fits_AS.nonzero()
+        if n > 1:
+            beyond_K = self.S[s_K] - G * own  # distinct experts beyond the node's owned ones
+            lo_K = np.maximum(0, beyond_K - G * R_A[a_K])
+            hi_K = np.minimum(G * persistent, np.maximum(0, beyond_K))
+        else:
+            lo_K = hi_K = np.zeros(a_K.size, dtype=np.int64)
+        count_K = hi_K - lo_K + 1
+        assert (count_K >= 1).all(), "a state with no slot count (S beyond what its ranks hold)"
+        self.state_C = np.repeat(np.arange(a_K.size), count_K)
+        first_C = np.repeat(np.cumsum(count_K) - count_K, count_K)
+        self.P_C = np.repeat(lo_K, count_K) + np.arange(self.state_C.size) - first_C
 
 
 def leaving_bytes(rows: np.ndarray, kept: np.ndarray, k: int, token_bytes: float, *,
@@ -190,30 +240,39 @@ def top_rows(t_E__: np.ndarray) -> np.ndarray:
     return np.concatenate([np.zeros((1, ) + t_E__.shape[1:]), top])
 
 
-def chain_bound(m_LC: np.ndarray, b_LC: np.ndarray, g_C: np.ndarray, attention_s: float, v: float,
-                allreduce_s: float, busy_LC: np.ndarray | None = None) -> float:
+def chain_bound(m_LK: np.ndarray, b_LC: np.ndarray, g_C: np.ndarray, attention_s: float, v: float,
+                allreduce_s: float, busy_LK: np.ndarray | None = None, *, state_C: np.ndarray | None = None,
+                exposed_C: np.ndarray | None = None) -> float:
     """The least over one choice per layer (of C) of sum_l max(attention + m_{l-1}, g_l + u_{l-1})
-    + m_{L-1} + v sum_l b_l + (1 - v) all-reduce (the module docstring; ``m_LC`` a layer's forward
-    exchange + compute, ``b_LC`` its backward with attention, ``g_C`` a choice's gather, ``busy_LC``
-    u: the seconds the layer's forward exchange holds the link the next gather uses, at most m;
-    None: 0): a shortest path over the layers. The pair term is u + max(a, g) with
-    a = attention + m - u; with the previous layer's choices sorted by a, a choice of gather g
-    costs min(least V' with a <= g, plus g; least V' + a with a > g), V' = V + u."""
-    L = m_LC.shape[0]
-    busy_LC = np.zeros_like(m_LC) if busy_LC is None else busy_LC
-    value_C = np.maximum(attention_s, g_C) + v * b_LC[0]  # layer 0: its window is its attention alone
+    + m_{L-1} + sum_l (v b_l + x_l) + (1 - v) all-reduce (the module docstring; ``g_C`` a choice's
+    gather, ``b_LC`` its backward with attention, ``exposed_C`` x: what it adds after the backward
+    (None: 0); ``m_LK`` the forward exchange + compute of its state ``state_C[c]`` (None: each
+    choice its own; sorted, every state present), ``busy_LK`` u: the seconds that exchange holds
+    the link the next gather uses, at most m; None: 0): a shortest path over the layers, whose next
+    step depends on a state only. The pair term is u + max(a, g) with a = attention + m - u; with
+    the states sorted by a, a choice of gather g costs min(least V' with a <= g, plus g; least
+    V' + a with a > g), V' = V + u, V a state's least value over its choices."""
+    L, K = m_LK.shape
+    busy_LK = np.zeros_like(m_LK) if busy_LK is None else busy_LK
+    if state_C is None:
+        state_C = np.arange(K)
+    starts = np.flatnonzero(np.r_[True, state_C[1:] != state_C[:-1]])
+    if starts.size != K:
+        raise ValueError(f"state_C must be sorted with every one of the {K} states present")
+    extra_C = 0.0 if exposed_C is None else exposed_C
+    value_C = np.maximum(attention_s, g_C) + v * b_LC[0] + extra_C  # layer 0: its window is its attention alone
     for l in range(1, L):
-        a_C = attention_s + m_LC[l - 1] - busy_LC[l - 1]
-        value_C = value_C + busy_LC[l - 1]
-        order = np.argsort(a_C, kind="stable")
-        a_sorted, v_sorted = a_C[order], value_C[order]
+        a_K = attention_s + m_LK[l - 1] - busy_LK[l - 1]
+        value_K = np.minimum.reduceat(value_C, starts) + busy_LK[l - 1]
+        order = np.argsort(a_K, kind="stable")
+        a_sorted, v_sorted = a_K[order], value_K[order]
         below = np.minimum.accumulate(v_sorted)  # least V among the i + 1 smallest a
         above = np.minimum.accumulate((v_sorted + a_sorted)[::-1])[::-1]  # least V + a from i on
-        i = np.searchsorted(a_sorted, g_C, side="right")  # previous choices with a <= g
+        i = np.searchsorted(a_sorted, g_C, side="right")  # previous states with a <= g
         with_g = np.where(i > 0, below[np.maximum(i - 1, 0)] + g_C, np.inf)
-        with_a = np.where(i < a_C.size, above[np.minimum(i, a_C.size - 1)], np.inf)
-        value_C = np.minimum(with_g, with_a) + v * b_LC[l]
-    return float((value_C + m_LC[L - 1]).min()) + (1.0 - v) * allreduce_s
+        with_a = np.where(i < K, above[np.minimum(i, K - 1)], np.inf)
+        value_C = np.minimum(with_g, with_a) + v * b_LC[l] + extra_C
+    return float((np.minimum.reduceat(value_C, starts) + m_LK[L - 1]).min()) + (1.0 - v) * allreduce_s
 
 
 def even_allreduce_s(setup: Setup, group_size: int) -> float:
