@@ -56,3 +56,17 @@ def model_forward(layers, x, ckpt, shared=None):
     if ckpt == "reentrant":
         return torch.utils.checkpoint.checkpoint(run, x, use_reentrant=True)
     return run(x)
+
+
+def forward_backward(layers, shards, case: dict, rank: int, hidden: int) -> dict:
+    """One forward and backward of the stacked layers on this rank's inputs (``case["ckpt"]``'s
+    checkpointing), the replica gradients folded: the output, the input's, gates' and owned
+    experts' gradients."""
+    x, dy = rank_inputs(case, rank, hidden)
+    x.requires_grad_(True)
+    y, l_aux = model_forward(layers, x, case.get("ckpt"))
+    ((y * dy).sum() + 0.1 * l_aux).backward()
+    for s in shards:
+        s.accumulate_grads()
+    return dict(y=y.detach(), x_grad=x.grad, gate_grads=[l.gate.weight.grad for l in layers],
+                owned=[(s.owned_E, s.master.grad.clone()) for s in shards])

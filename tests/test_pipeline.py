@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from distributed import spawn
-from layer_cases import attach_shards, model_forward, rank_inputs
+from layer_cases import attach_shards, forward_backward, model_forward, rank_inputs
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # spawns ranks (about 2 minutes)
 
@@ -81,14 +81,7 @@ def _worker(rank, world, cases):
                                options=ShardOptions(rematerialize=case.get("remat", False),
                                                     one_copy_per_destination=case.get("dedup", True)),
                                prepare=with_lora)
-        x, dy = rank_inputs(case, rank, H)
-        x.requires_grad_(True)
-        y, l_aux = model_forward(layers, x, case.get("ckpt"))
-        ((y * dy).sum() + 0.1 * l_aux).backward()
-        for s in shards:
-            s.accumulate_grads()
-        out.append(dict(y=y.detach(), x_grad=x.grad, gate_grads=[l.gate.weight.grad for l in layers],
-                        owned=[(s.owned_E, s.master.grad.clone()) for s in shards],
+        out.append(dict(forward_backward(layers, shards, case, rank, H),
                         lora=[f.grad for f in factors] if case.get("lora") else None,
                         dedup=[l.last_stats["a2a_meta_bytes"] > 0 for l in layers],  # routing entries sent
                         degrees=[(l.last_stats["pipeline_degree_fwd"], l.last_stats["pipeline_degree_bwd"])

@@ -132,8 +132,9 @@ def test_calibration_fits_its_latency_budget_with_fewer_experts():
     merged, extra = merge(cal.overlap_degree)
     assert torch.equal(cal.placement_ED, merged) and cal.extra_s == extra and cal.saved_s > extra
     assert cal.added_pairs == int((merged & ~predicted).sum()) > 0
-    # Bisection: the full merge, then at most ceil(log2 4) smaller ones (t 2 is over the budget too).
-    assert calls == [4, 2, 1] and merge(2)[1] > budget
+    # Bisection: the full merge, then at most ceil(log2 4) smaller ones (t 2 is over the budget too);
+    # then the same for the evicting candidate (on the shard there is nothing to evict).
+    assert calls == [4, 2, 1] * 2 and merge(2)[1] > budget
     # None fits: refused, the placement unchanged.
     cal = calibrate(owner, predicted, tokens, topo, cost, overlap_degree=4, budget=2, latency_budget=0.5 * narrow)
     assert not cal.accepted and torch.equal(cal.placement_ED, predicted) and cal.added_pairs == 0

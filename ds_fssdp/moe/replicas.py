@@ -5,7 +5,8 @@ Legend: E experts, D ranks, S owned rows, R replica rows, P elements per expert.
 
 * the owned rows (``rows``, with an fp32 ``master`` beside low-precision rows) and their owners;
 * :meth:`start_gather` / :meth:`gather_now`: a SparseAllGather of a layout's replicas
-  (asynchronous, or on the critical path for what post-gating adds, merged into one buffer);
+  (asynchronous, or on the critical path for what post-gating adds, merged into one buffer
+  without what calibration evicted);
 * :meth:`hook_replicas`: when the replicas' gradient exists, their SparseReduceScatter starts;
   :meth:`accumulate_grads` (after the engine's backward) folds everything into ``master.grad``;
   with gradients in the gaps (``gaps`` set by the stage for the boundary micro-step) the fold
@@ -119,24 +120,29 @@ class ReplicaManager:
         self.count(g.replica_RP)
         return g
 
-    def gather_now(self, placement_ED, layout, replica_RP, extra_ED):
+    def gather_now(self, placement_ED, layout, replica_RP, extra_ED, drop_ED=None):
         """Gather ``extra_ED`` now (critical path) and merge it with the replicas already here
-        into one buffer laid out for the final placement (one reduce, one RM re-gather).
-        Returns (placement_ED, layout, replica_RP, bytes this rank sent)."""
+        into one buffer laid out for the final placement (one reduce, one RM re-gather);
+        ``drop_ED``: replicas already here that calibration evicted (left out of the buffer, so
+        neither reduced nor re-gathered; their rows are freed with the old buffer).
+        Returns (placement_ED, layout, replica_RP, the extra gather's layout, bytes this rank sent)."""
         shard_ED = shard_placement(self.owner_E, self.topology.num_ranks)
         delta = self.layout(shard_ED | extra_ED)
         extra = self.start_gather(delta)
         extra_RP = extra.finish()
+        if drop_ED is not None:
+            placement_ED = placement_ED & ~(drop_ED & ~shard_ED)
         placement_ED = placement_ED | extra_ED
         merged = self.layout(placement_ED)
         out_RP = replica_RP.new_empty(merged.replica_E.numel(), replica_RP.shape[1])
         self.count(out_RP)
         for part_RP, part_E in ((replica_RP, layout.replica_E), (extra_RP, delta.replica_E)):
-            if part_E.numel():
-                pos = torch.searchsorted(merged.replica_E, part_E).to(out_RP.device)
-                out_RP.index_copy_(0, pos, part_RP)
+            keep = torch.isin(part_E, merged.replica_E)  # all but the evicted
+            if bool(keep.any()):
+                pos = torch.searchsorted(merged.replica_E, part_E[keep]).to(out_RP.device)
+                out_RP.index_copy_(0, pos, part_RP if bool(keep.all()) else part_RP[keep.to(part_RP.device)])
             self.uncount(part_RP)
-        return placement_ED, merged, out_RP, extra.sent
+        return placement_ED, merged, out_RP, delta, extra.sent
 
     # -- backward --------------------------------------------------------------------------------
     def hook_replicas(self, replica_RP, layout) -> None:

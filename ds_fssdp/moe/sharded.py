@@ -296,12 +296,16 @@ class ShardedExperts:
         extra_ED = (lp.calibrated_ED | lp.shadow_ED) & ~placed_ED
         critical_s = 0.0
         placement_ED = placed_ED
+        gathered = [layout]  # the layouts the gathers moved (the hidden one, then post-gating's)
         if bool(extra_ED.any()):
             t1 = time.perf_counter()
-            placement_ED, layout, replica_RP, extra_sent = self.replicas.gather_now(placed_ED, layout, replica_RP,
-                                                                                    extra_ED)
+            placement_ED, layout, replica_RP, delta, extra_sent = self.replicas.gather_now(
+                placed_ED, layout, replica_RP, extra_ED, lp.evicted_ED)
             critical_s = time.perf_counter() - t1
             gather_sent += extra_sent
+            gathered.append(delta)
+        elif lp.evicted_ED is not None:
+            raise RuntimeError(f"fssdp layer {self.layer_index}: post-gating evicted replicas without adding any")
         plan = ctx.planner.dispatch(lp, tokens_ED)
         token_bytes = x_TH.shape[1] * x_TH.element_size()
         traffic_DD = functools.cache(lambda: plan.traffic_DD().numpy())  # what "auto" decides from, once
@@ -343,7 +347,8 @@ class ShardedExperts:
                                              overlap_t=overlap_t, schedule_costs=ctx.schedule_costs,
                                              row_bytes=(token_bytes, weights_TK.element_size()),
                                              side_ratio=side_ratio)
-        self.stats = self._stats(layout, plan, tokens_ED, lp, gather_exposed=gather_exposed, critical_s=critical_s,
+        self.stats = self._stats(layout, gathered, plan, tokens_ED, lp, gather_exposed=gather_exposed,
+                                 critical_s=critical_s,
                                  gather_sent=gather_sent, token_bytes=token_bytes,
                                  prediction_error=prediction_error, window=window, overlap_t=overlap_t, ctx=ctx)
         self.stats["pipeline_degree_fwd"], self.stats["pipeline_degree_bwd"] = degrees
@@ -447,7 +452,7 @@ class ShardedExperts:
         self._iterations = []
 
     # -- the record ----------------------------------------------------------------------------
-    def _stats(self, layout, plan, tokens_ED, lp: LayerPlan, *, gather_exposed, critical_s, gather_sent,
+    def _stats(self, layout, gathered, plan, tokens_ED, lp: LayerPlan, *, gather_exposed, critical_s, gather_sent,
                token_bytes, prediction_error, window, overlap_t: int, ctx: StepContext) -> dict:
         rows_D = plan.rows_D().double()
         moved_intra, moved_inter = plan.moved(self.topology.ranks_per_node)
@@ -456,10 +461,11 @@ class ShardedExperts:
         psi = self.expert_bytes
         stats = {
             "replicas": layout.added_pairs,
+            "evicted_replicas": 0 if lp.evicted_ED is None else int(lp.evicted_ED.sum()),
             "expert_bytes": psi,
-            "gather_bytes": layout.added_pairs * psi,
-            "gather_bytes_intra": layout.intra_pairs * psi,
-            "gather_bytes_inter": layout.inter_pairs * psi,
+            "gather_bytes": sum(g.added_pairs for g in gathered) * psi,
+            "gather_bytes_intra": sum(g.intra_pairs for g in gathered) * psi,
+            "gather_bytes_inter": sum(g.inter_pairs for g in gathered) * psi,
             "gather_bytes_sent_local": gather_sent,
             "gather_exposed_s": gather_exposed + critical_s,
             "post_gating_gather_s": critical_s,
@@ -481,7 +487,8 @@ class ShardedExperts:
         cal = lp.calibration
         if cal is not None:
             stats["calibration"] = {"accepted": cal.accepted, "added_pairs": cal.added_pairs, "saved_s": cal.saved_s,
-                                    "extra_s": cal.extra_s, "overlap_degree": cal.overlap_degree}
+                                    "extra_s": cal.extra_s, "overlap_degree": cal.overlap_degree,
+                                    "evicted_pairs": cal.evicted_pairs}
         if ctx.planner.policy.name == "fastermoe":
             stats["shadowed"] = int(lp.shadow_ED.any(1).sum())
         return stats

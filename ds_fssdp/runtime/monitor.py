@@ -29,6 +29,7 @@ LAYER_METRICS = (
     "straggler",  # max / mean rows computed per rank
     "ep_straggler",  # the same for the shard placement alone (what static EP would have had)
     "replicas",  # replica (expert, rank) pairs beyond the shard
+    "evicted_replicas",  # ... gathered under the attention and dropped by calibration (not reduced)
     "gather_bytes",  # SparseAllGather, group total
     "gather_bytes_inter",  # ... of which crossed nodes
     "reduce_bytes",  # SparseReduceScatter, group total

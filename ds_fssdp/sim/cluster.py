@@ -310,6 +310,7 @@ class PolicyRun:
         holder_BE = np.empty((B, E), dtype=np.int64)
         hidden_BEN = np.empty((B, E, N), dtype=bool)
         calibrated_BEN = np.empty((B, E, N), dtype=bool)
+        gathered_BEN = np.empty((B, E, N), dtype=bool)
         flows = []
         for b in range(B):
             tokens_ED = torch.from_numpy(np.ascontiguousarray(tokens_BEN[b], dtype=np.int64))
@@ -336,11 +337,12 @@ class PolicyRun:
             x, h, d, k = plan.flows_4F
             flows.append(np.stack([np.full_like(x, b), h, d, k]))
             hidden_BEN[b], calibrated_BEN[b] = lp.hidden_ED.numpy(), lp.calibrated_ED.numpy()
+            gathered_BEN[b] = lp.gathered_ED.numpy()  # what calibration evicted was gathered too
             ephemeral_BLN[b, l] = (lp.hidden_ED | lp.calibrated_ED | lp.shadow_ED).sum(0).numpy()
         owner_np = owner_E.numpy()
         shard_EN = np.zeros((E, N), dtype=bool)
         shard_EN[np.arange(E), owner_np] = True
-        gather = sparse_collective_links(owner_np, shard_EN | hidden_BEN, ranks_per_node=G, chunk_bytes=psi)
+        gather = sparse_collective_links(owner_np, shard_EN | gathered_BEN, ranks_per_node=G, chunk_bytes=psi)
         reduce = sparse_collective_links(owner_np, shard_EN | hidden_BEN | calibrated_BEN, ranks_per_node=G,
                                          chunk_bytes=psi)
         calib = sparse_collective_links(owner_np, shard_EN | calibrated_BEN, ranks_per_node=G, chunk_bytes=psi)

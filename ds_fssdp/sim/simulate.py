@@ -14,9 +14,10 @@ per layer
 * [a2a] four token exchanges (dispatch and combine, forward and backward), each decided by the
   busiest rank link or node link (:meth:`CostModel.a2a_time`); the straggler's waiting shows up
   here and in the compute. No system overlaps them with compute (as in the paper).
-* [spag] the SparseAllGather of the hidden replicas minus the attention forward it hides under;
-  the SparseReduceScatter (and fssdp-rm's second SparseAllGather) minus the attention backward;
-  calibration's extra gather, all of it (critical path). Collectives are relayed
+* [spag] the SparseAllGather of the hidden replicas (those calibration evicts included) minus the
+  attention forward it hides under; the SparseReduceScatter of the replicas used (and fssdp-rm's
+  second SparseAllGather) minus the attention backward; calibration's extra gather, all of it
+  (critical path). Collectives are relayed
   (:meth:`CostModel.sparse_collective_time`).
 * [rearr] FasterMoE's broadcast of shadowed experts (critical path, relayed like the gather).
 * [ar] FasterMoE's reduce of the shadows' gradients (same time as the broadcast) and FlexMoE's
@@ -248,8 +249,8 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
             window_b = float(sched.reduce_windows(lt, attn_f, across_nodes=gather_class == INTER)[0]) \
                 if options.idle_link else attn_b
             shard_ED = shard_placement(owner_E, D)
-            if bool(lp.hidden_ED.any()):
-                gather = cost.sparse_collective_time(owner_E, shard_ED | lp.hidden_ED)
+            if bool(lp.gathered_ED.any()):  # what calibration evicted was gathered too
+                gather = cost.sparse_collective_time(owner_E, shard_ED | lp.gathered_ED)
                 br["spag"] += max(0.0, gather - window)
             if bool((lp.hidden_ED | lp.calibrated_ED).any()):
                 reduce = cost.sparse_collective_time(owner_E, shard_ED | lp.hidden_ED | lp.calibrated_ED)

@@ -146,6 +146,9 @@ class LayerPlan:
       with ``rematerialize`` gathered a second time before the backward.
     * ``calibrated_ED``: ephemeral replicas gathered after gating, on the critical path, reduced
       with the SparseReduceScatter (FSSDP calibration).
+    * ``evicted_ED``: replicas gathered during the preceding attention that calibration dropped
+      after gating (not in ``placement_ED``): no tokens go to them, they are neither reduced nor
+      re-gathered for the backward.
     * ``shadow_ED``: replicas broadcast after gating and their gradients reduced after the
       backward, both on the critical path (FasterMoE shadowing).
     * ``persistent_ED``: persistent replicas with their own optimizer state, already in place; the
@@ -160,6 +163,12 @@ class LayerPlan:
     persistent_ED: torch.Tensor
     rematerialize: bool = False
     calibration: Calibration | None = None  # what FSSDP's calibration decided (None: it did not run)
+    evicted_ED: torch.Tensor | None = None  # None: nothing evicted
+
+    @property
+    def gathered_ED(self) -> torch.Tensor:
+        """Replicas the hidden gather moved: the ones kept and the ones calibration evicted."""
+        return self.hidden_ED if self.evicted_ED is None else self.hidden_ED | self.evicted_ED
 
     @property
     def ephemeral_ED(self) -> torch.Tensor:
@@ -248,9 +257,10 @@ class Policy:
     # -- helpers -----------------------------------------------------------------------------------
     def _plan(self, owner_E: torch.Tensor, placement_ED: torch.Tensor, *, calibrated_ED: torch.Tensor | None = None,
               shadow_ED: torch.Tensor | None = None, persistent_ED: torch.Tensor | None = None,
-              calibration: Calibration | None = None) -> LayerPlan:
+              calibration: Calibration | None = None, evicted_ED: torch.Tensor | None = None) -> LayerPlan:
         """Split ``placement_ED`` into the shard and the parts of :class:`LayerPlan` (what is not
-        calibrated, shadow or persistent was gathered hidden)."""
+        calibrated, shadow or persistent was gathered hidden; ``evicted_ED``: gathered hidden and
+        dropped, outside ``placement_ED``)."""
         owner_E = owner_E.to("cpu", torch.long)
         placement_ED = placement_ED.to("cpu", torch.bool)
         shard_ED = shard_placement(owner_E, self.topology.num_ranks)
@@ -261,6 +271,11 @@ class Policy:
         shadow_ED = none if shadow_ED is None else shadow_ED & ~shard_ED
         persistent_ED = none if persistent_ED is None else persistent_ED & ~shard_ED
         hidden_ED = placement_ED & ~shard_ED & ~calibrated_ED & ~shadow_ED & ~persistent_ED
+        if evicted_ED is not None:
+            evicted_ED = evicted_ED.to("cpu", torch.bool) & ~shard_ED
+            if bool((evicted_ED & placement_ED).any()):
+                raise ValueError(f"{self.name}: evicted replicas must not be in placement_ED")
+            evicted_ED = evicted_ED if bool(evicted_ED.any()) else None
         return LayerPlan(owner_E=owner_E, placement_ED=placement_ED, hidden_ED=hidden_ED, calibrated_ED=calibrated_ED,
                          shadow_ED=shadow_ED, persistent_ED=persistent_ED, rematerialize=self.rematerialize,
-                         calibration=calibration)
+                         calibration=calibration, evicted_ED=evicted_ED)

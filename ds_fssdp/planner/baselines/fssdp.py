@@ -11,7 +11,8 @@ Legend: L layers, E experts, D ranks.
 * post_gating: calibration (optional) with the actual loads and the budget left; it may add
   replicas of experts beyond the top-t, as many distinct ones as the binding link absorbs within
   ``calibration_latency_budget`` (its gather is on the critical path), fewer when that merge's
-  gather does not fit (``planner.calibrate``).
+  gather does not fit, and where the budget is full it may evict pre-gated replicas the actual
+  loads do not need (``planner.calibrate``).
 * ``fssdp-rm``: the same with re-materialization: replicas are freed after the forward and
   gathered again before the backward. The caller gives it the larger per-layer budget
   (:func:`ds_fssdp.planner.knobs.auto_materialization_budget` with ``rematerialize=True``).
@@ -105,7 +106,8 @@ class FSSDPPolicy(Policy):
             raise ValueError(f"{self.name}: calibration needs PolicyConfig.cost")
         placement_ED = placement_ED.to("cpu", torch.bool)
         cal = self.calibrate(owner_E, placement_ED, tokens_ED, clock=clock)
-        return self._plan(owner_E, cal.placement_ED, calibrated_ED=cal.placement_ED & ~placement_ED, calibration=cal)
+        return self._plan(owner_E, cal.placement_ED, calibrated_ED=cal.placement_ED & ~placement_ED, calibration=cal,
+                          evicted_ED=placement_ED & ~cal.placement_ED)
 
     def calibrate(self, owner_E: torch.Tensor, placement_ED: torch.Tensor, tokens_ED: torch.Tensor, *,
                   clock: Clock | None = None) -> Calibration:
