@@ -130,8 +130,8 @@ class ReplicaManager:
         delta = self.layout(shard_ED | extra_ED)
         extra = self.start_gather(delta)
         extra_RP = extra.finish()
-        if drop_ED is not None:
-            placement_ED = placement_ED & ~(drop_ED & ~shard_ED)
+        if drop_ED is not None:  # LayerPlan.evicted_ED: never the shard
+            placement_ED = placement_ED & ~drop_ED
         placement_ED = placement_ED | extra_ED
         merged = self.layout(placement_ED)
         out_RP = replica_RP.new_empty(merged.replica_E.numel(), replica_RP.shape[1])
