@@ -119,14 +119,18 @@ def evict_to_budget(merged_ED: torch.Tensor, evictable_ED: torch.Tensor, shard_E
     """``merged_ED`` with, on each rank holding more than ``budget`` replicas, the overflow removed
     from ``evictable_ED``'s replicas on it, the least loaded expert first (ties: the lower expert
     id). Raises if a rank's evictable replicas cannot cover its overflow."""
-    out_ED = merged_ED.clone()
-    over_D = (merged_ED & ~shard_ED).sum(0) - budget
-    load_E = load_E.to("cpu", torch.float64)
-    for d in torch.nonzero(over_D > 0).flatten().tolist():
-        cand_E = torch.nonzero(evictable_ED[:, d]).flatten()
-        n = int(over_D[d])
-        if cand_E.numel() < n:
-            raise ValueError(f"rank {d}: {n} replicas over the budget ({budget}) but only {cand_E.numel()} evictable")
-        order = torch.argsort(load_E[cand_E], stable=True)
-        out_ED[cand_E[order[:n]], d] = False
-    return out_ED
+    over_D = ((merged_ED & ~shard_ED).sum(0) - budget).clamp(min=0)
+    if not bool(over_D.any()):
+        return merged_ED
+    order_E = torch.argsort(load_E.to("cpu", torch.float64), stable=True)  # least loaded first
+    evictable_sorted_ED = evictable_ED[order_E]
+    short_D = over_D - evictable_sorted_ED.sum(0)
+    if bool((short_D > 0).any()):
+        d = int(torch.nonzero(short_D > 0)[0])
+        raise ValueError(f"rank {d}: {int(over_D[d])} replicas over the budget ({budget}) but only "
+                         f"{int(over_D[d] - short_D[d])} evictable")
+    # on each rank, the first over_D evictable replicas in that order
+    drop_sorted_ED = evictable_sorted_ED & (evictable_sorted_ED.cumsum(0) <= over_D)
+    drop_ED = torch.zeros_like(merged_ED)
+    drop_ED[order_E] = drop_sorted_ED
+    return merged_ED & ~drop_ED
