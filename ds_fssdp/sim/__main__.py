@@ -47,6 +47,7 @@ from ds_fssdp.planner.schedule import MAX_DEGREE
 from ds_fssdp.planner.dispatch import dispatch as planner_dispatch
 from ds_fssdp.planner.dispatch import dispatch_plan
 from ds_fssdp.sim.cluster import CLUSTER_POLICIES, simulate_cluster
+from ds_fssdp.sim.foresight import PREDICTORS
 from ds_fssdp.sim.plot import plot_results
 from ds_fssdp.sim.presets import CLUSTERS, MODELS, cluster_preset, model_preset
 from ds_fssdp.sim.report import format_table, to_json
@@ -115,6 +116,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--t-by", choices=("time", "window"), default="time", help="FSSDP with the idle link: t per "
                    "layer searched by the modelled layer time from the window's t up (planner/overlap.py), or the "
                    "window's t alone")
+    p.add_argument("--predictor", choices=PREDICTORS, default="window", help="the loads pre-gating plans on: the "
+                   "runtime's sliding window, or 'oracle' (each layer's actual loads, sim/foresight.py; a what-if: "
+                   "what the decisions cost when the prediction is right); the paper engine only")
     p.add_argument("--no-price-by-schedule", action="store_true", help="FSSDP: calibration and the balanced-time "
                    "dispatch price plans by the serial layer time (default: the schedule's)")
     p.add_argument("--serial", action="store_true", help="today's serial accounting for every policy: degree 1, "
@@ -197,6 +201,9 @@ def _run(args, out) -> int:
             raise SystemExit("--save-trace: a load-CV trace is generated as it is read; it is not kept")
         save_trace(args.save_trace, trace)
     slack = FSSDPConfig().dispatch_slack
+    if at_scale and args.predictor != "window":
+        raise SystemExit(f"--predictor {args.predictor}: the paper engine only (at cluster scale each group plans "
+                         f"on its own window)")
     if at_scale:
         results = simulate_cluster(setup, source, policies, group_size=args.group_size, memory_cap=args.memory_cap,
                                    overlap_degree=args.overlap_degree, max_groups=args.max_groups,
@@ -207,9 +214,10 @@ def _run(args, out) -> int:
     else:
         dispatcher = functools.partial(planner_dispatch, mode=args.dispatch, slack=slack)
         results = simulate(setup, source, policies, dispatcher=dispatcher, schedule=schedule,
-                           fixed_t=args.overlap_degree is not None)
+                           fixed_t=args.overlap_degree is not None, predictor=args.predictor)
     summary = setup.summary()
     summary["dispatch"] = args.dispatch
+    summary["predictor"] = args.predictor
     summary["group_size"] = args.group_size or args.gpus
     summary["schedule"] = dataclasses.asdict(schedule)
     if not args.no_png:

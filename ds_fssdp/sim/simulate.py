@@ -73,18 +73,36 @@ from ds_fssdp.planner.schedule import drain_in_gaps
 from ds_fssdp.planner.schedule import overlap_window
 from ds_fssdp.planner.cost import CostModel
 from ds_fssdp.planner.layer import LayerPlanner, migrations
-from ds_fssdp.planner.predict import LoadPredictor
 from ds_fssdp.planner.shard import shard_placement
 from ds_fssdp.sim.setup import GRAD_BYTES, MIGRATE_BYTES, OPT_BYTES, OPT_TRAFFIC_BYTES, PARAM_BYTES, Setup
 from ds_fssdp.planner.dispatch import dispatch as planner_dispatch
 from ds_fssdp.planner.materialize import materialize as algorithm1  # the default materializer
 from ds_fssdp.sim.bound import LowerBound
+from ds_fssdp.sim.foresight import make_predictor
 from ds_fssdp.sim.links import allreduce_links
 from ds_fssdp.sim.pipeline import (INTER, INTRA, LayerSchedule, ScheduleOptions, scheduled_cost_model, binding_class,
                                    policy_options)
 
 CATEGORIES = ("comp", "a2a", "spag", "rearr", "ar", "opt")
 SIM_POLICY_NAMES = POLICY_NAMES + ("fsmoe", )  # the planner's policies and FSMoE's schedule over EP
+
+
+@dataclass
+class LayerCharge:
+    """What one layer's MoE part was charged (seconds): ``moe_s`` its exchanges and the slowest
+    rank's compute (forward + backward, [comp] + [a2a]), and in [spag] the hidden gather past
+    ``window_s``, the reduce (twice under re-materialization) past ``backward_window_s`` and
+    calibration's gather."""
+    moe_s: float
+    window_s: float
+    backward_window_s: float
+    gather_s: float = 0.0
+    reduce_s: float = 0.0
+    calibration_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.moe_s + self.gather_s + self.reduce_s + self.calibration_s
 
 
 @dataclass
@@ -119,7 +137,7 @@ class PolicyResult:
 def simulate(setup: Setup, tokens_SLED: np.ndarray, policies, *, dispatcher=planner_dispatch,
              materializer=algorithm1, placement: str = "paper", dispatch: str | None = None,
              dispatch_slack: float = 0.0, schedule: ScheduleOptions | None = None, bound: bool = True,
-             fixed_t: bool = False) -> list:
+             fixed_t: bool = False, predictor: str = "window") -> list:
     """One :class:`PolicyResult` per policy name, in order. ``placement``: FSSDP's pre-gating
     placement (``planner.place``; "paper" is Algorithm 1, or ``materializer``). ``dispatch``: a
     dispatch mode for the policy's own dispatcher, as the runtime builds it (with the cost model,
@@ -127,7 +145,9 @@ def simulate(setup: Setup, tokens_SLED: np.ndarray, policies, *, dispatcher=plan
     schedule (:mod:`ds_fssdp.sim.pipeline`; default all on; the published baselines run serially,
     ``fsmoe`` is EP with FSMoE's). ``bound``: set every result's ``lower_bound_s``
     (:class:`~ds_fssdp.sim.bound.LowerBound`, with the most replicas any policy may hold).
-    ``fixed_t``: FSSDP's t is the setup's ``overlap_degree`` (given), not the replicas' window's."""
+    ``fixed_t``: FSSDP's t is the setup's ``overlap_degree`` (given), not the replicas' window's.
+    ``predictor``: "window" (the runtime's) or "oracle" (:mod:`.foresight`: each layer's placement
+    is planned on the loads it then routes)."""
     tokens_SLED = np.asarray(tokens_SLED)
     S, L, E, D = tokens_SLED.shape
     if (L, E, D) != (setup.num_layers, setup.num_experts, setup.topology.num_ranks):
@@ -138,7 +158,7 @@ def simulate(setup: Setup, tokens_SLED: np.ndarray, policies, *, dispatcher=plan
                          f"({setup.load_window})")
     results = [simulate_policy(name, setup, tokens_SLED, dispatcher=dispatcher, materializer=materializer,
                                placement=placement, dispatch=dispatch, dispatch_slack=dispatch_slack,
-                               schedule=schedule, fixed_t=fixed_t) for name in policies]
+                               schedule=schedule, fixed_t=fixed_t, predictor=predictor) for name in policies]
     if bound:
         # FasterMoE's shadows are not bounded by a budget: with it, any rank may hold every expert.
         # FlexMoE's slots are kept across steps (not gathered every step). Past FSSDP's m, replicas
@@ -157,12 +177,14 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
                     materializer=algorithm1, placement: str = "paper", dispatch: str | None = None,
                     dispatch_slack: float = 0.0, decisions: list | None = None,
                     schedule: ScheduleOptions | None = None, degrees: list | None = None,
-                    fixed_t: bool = False) -> PolicyResult:
+                    fixed_t: bool = False, predictor: str = "window", charges: list | None = None) -> PolicyResult:
     """``dispatcher`` / ``materializer``: Algorithms 3 and 1 by default (the planner's, in C when
     built); pass others (e.g. the balancing dispatcher) to compare. ``decisions``: a list that
     gets, per step, each layer's ``(owner_E, placed_ED, held_ED)`` (the decisions the runtime
     records in its trace as ``decision_owner``, ``decision_placed``, ``decision_held``).
-    ``degrees``: a list that gets, per step, each layer's (forward, backward) degree."""
+    ``degrees``: a list that gets, per step, each layer's (forward, backward) degree.
+    ``predictor``: as :func:`simulate`. ``charges``: a list that gets, per step, each layer's
+    :class:`LayerCharge` (what its MoE part was charged, and the windows it was charged against)."""
     S, L, E, D = tokens_SLED.shape
     topo, hw, shape = setup.topology, setup.hw, setup.shape
     options = policy_options(name, schedule)
@@ -191,7 +213,8 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
                          materializer=materializer)
     gather_class = INTER if topo.num_nodes > 1 else INTRA
     window_L = [attn_f] * L  # replica gather windows the last step's schedule left
-    predictor = LoadPredictor([E] * L, window=setup.load_window)
+    foresight = predictor == "oracle"
+    predictor = make_predictor(predictor, [E] * L, window=setup.load_window)
     planners = [LayerPlanner(policy, predictor, l) for l in range(L)]
     owner_LE = policy.initial_owner()
     P, psi = shape.params, float(shape.expert_bytes)
@@ -228,8 +251,10 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
             # without the idle link: the planner's configured overlap degree)
             clock = Clock(overlap_degree=cost.overlap_degree(window_L[l]), window_s=float(window_L[l]),
                           attention_s=attn_f) if options.idle_link and not fixed_t else None
-            placement_ED, overlap_t = planner.pre_gating_t(owner_E, clock)
             tokens_ED = policy.route(torch.from_numpy(tokens_SLED[s, l].astype(np.int64)))
+            if foresight:
+                predictor.foresee(l, tokens_ED)
+            placement_ED, overlap_t = planner.pre_gating_t(owner_E, clock)
             lp = planner.post_gating(owner_E, placement_ED, tokens_ED, clock, overlap_t=overlap_t)
             plan_EDD = planner.dispatch_dense(lp, tokens_ED)
             planner.observe(tokens_ED)
@@ -249,12 +274,16 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
             window_b = float(sched.reduce_windows(lt, attn_f, across_nodes=gather_class == INTER)[0]) \
                 if options.idle_link else attn_b
             shard_ED = shard_placement(owner_E, D)
+            charge = LayerCharge(moe_s=float(lt.forward_B[0] + lt.backward_B[0]), window_s=window,
+                                 backward_window_s=window_b)
             if bool(lp.gathered_ED.any()):  # what calibration evicted was gathered too
                 gather = cost.sparse_collective_time(owner_E, shard_ED | lp.gathered_ED)
-                br["spag"] += max(0.0, gather - window)
+                charge.gather_s = max(0.0, gather - window)
+                br["spag"] += charge.gather_s
             if bool((lp.hidden_ED | lp.calibrated_ED).any()):
                 reduce = cost.sparse_collective_time(owner_E, shard_ED | lp.hidden_ED | lp.calibrated_ED)
-                br["spag"] += max(0.0, reduce * (2.0 if lp.rematerialize else 1.0) - window_b)
+                charge.reduce_s = max(0.0, reduce * (2.0 if lp.rematerialize else 1.0) - window_b)
+                br["spag"] += charge.reduce_s
                 if gather_class == ar_class:  # the replica reduce shares the all-reduce's links
                     reduce_hidden = min(reduce * (2.0 if lp.rematerialize else 1.0), window_b)
             if options.idle_link:
@@ -263,7 +292,12 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
                     window_L[l + 1] = overlap_window(attn_f, idle)
             gaps_L.append(attn_b + float(lt.backward_B[0] - lt.busy_backward_B2[0, ar_class]) - reduce_hidden)
             if bool(lp.calibrated_ED.any()):
-                br["spag"] += cost.sparse_collective_time(owner_E, shard_ED | lp.calibrated_ED)
+                charge.calibration_s = cost.sparse_collective_time(owner_E, shard_ED | lp.calibrated_ED)
+                br["spag"] += charge.calibration_s
+            if charges is not None:
+                if l == 0:
+                    charges.append([])
+                charges[-1].append(charge)
             if bool(lp.shadow_ED.any()):
                 bcast = cost.sparse_collective_time(owner_E, shard_ED | lp.shadow_ED)
                 br["rearr"] += bcast
