@@ -42,7 +42,8 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--trace", default=os.path.join(HERE, "..", "..", "shared", "data", "trace_e8.npz"),
                    help="a routing trace, or \"synthetic\" (default: the shared trace beside the checkout)")
-    p.add_argument("--predictor", default="window", choices=("window", "oracle"),
+    from ds_fssdp.sim.foresight import PREDICTORS
+    p.add_argument("--predictor", default="window", choices=PREDICTORS,
                    help="the loads pre-gating plans on (python -m ds_fssdp.sim --predictor)")
     p.add_argument("--json", default=None, help="also write the rows here")
     args = p.parse_args()

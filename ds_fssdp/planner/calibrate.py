@@ -88,8 +88,9 @@ def calibrate(owner_E: torch.Tensor, placement_ED: torch.Tensor, tokens_ED: torc
         if i and torch.equal(candidate[0], fits[0][0][0]):
             continue  # the same placement (the merge found free slots enough)
         saved = before - cost.layer_time(dispatcher(candidate[0], tokens_ED, topology))
-        if best is None or saved - candidate[2] > best[0]:
-            best = (saved - candidate[2], saved, candidate, t)
+        net = saved - candidate[2]
+        if best is None or net > best[0]:
+            best = (net, saved, candidate, t)
     net, saved, (final_ED, new_ED, extra), t = best
     if not net > 0:
         return Calibration(placement_ED, False, 0, saved, extra, t)

@@ -78,7 +78,7 @@ from ds_fssdp.sim.setup import GRAD_BYTES, MIGRATE_BYTES, OPT_BYTES, OPT_TRAFFIC
 from ds_fssdp.planner.dispatch import dispatch as planner_dispatch
 from ds_fssdp.planner.materialize import materialize as algorithm1  # the default materializer
 from ds_fssdp.sim.bound import LowerBound
-from ds_fssdp.sim.foresight import make_predictor
+from ds_fssdp.sim.foresight import ForesightPredictor, make_predictor
 from ds_fssdp.sim.links import allreduce_links
 from ds_fssdp.sim.pipeline import (INTER, INTRA, LayerSchedule, ScheduleOptions, scheduled_cost_model, binding_class,
                                    policy_options)
@@ -213,9 +213,9 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
                          materializer=materializer)
     gather_class = INTER if topo.num_nodes > 1 else INTRA
     window_L = [attn_f] * L  # replica gather windows the last step's schedule left
-    foresight = predictor == "oracle"
-    predictor = make_predictor(predictor, [E] * L, window=setup.load_window)
-    planners = [LayerPlanner(policy, predictor, l) for l in range(L)]
+    loads = make_predictor(predictor, [E] * L, window=setup.load_window)
+    foresight = isinstance(loads, ForesightPredictor)
+    planners = [LayerPlanner(policy, loads, l) for l in range(L)]
     owner_LE = policy.initial_owner()
     P, psi = shape.params, float(shape.expert_bytes)
     dense_ar_s = cost.allreduce_time(torch.ones(1, D, dtype=torch.bool),
@@ -231,7 +231,7 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
     degree_counts, dedup_saved = ({}, {}), 0.0
     for s in range(S):
         br = dict.fromkeys(CATEGORIES, 0.0)
-        for reshard in migrations([policy], s, predictor.predict_all(), owner_LE):
+        for reshard in migrations([policy], s, loads.predict_all(), owner_LE):
             copies = reshard.copies_M4
             if copies.shape[0]:
                 traffic_DD = torch.zeros(D * D, dtype=torch.float64).index_add_(
@@ -253,7 +253,7 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
                           attention_s=attn_f) if options.idle_link and not fixed_t else None
             tokens_ED = policy.route(torch.from_numpy(tokens_SLED[s, l].astype(np.int64)))
             if foresight:
-                predictor.foresee(l, tokens_ED)
+                loads.foresee(l, tokens_ED)
             placement_ED, overlap_t = planner.pre_gating_t(owner_E, clock)
             lp = planner.post_gating(owner_E, placement_ED, tokens_ED, clock, overlap_t=overlap_t)
             plan_EDD = planner.dispatch_dense(lp, tokens_ED)
@@ -282,10 +282,11 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
                 br["spag"] += charge.gather_s
             if bool((lp.hidden_ED | lp.calibrated_ED).any()):
                 reduce = cost.sparse_collective_time(owner_E, shard_ED | lp.hidden_ED | lp.calibrated_ED)
-                charge.reduce_s = max(0.0, reduce * (2.0 if lp.rematerialize else 1.0) - window_b)
+                reduce *= 2.0 if lp.rematerialize else 1.0  # fssdp-rm gathers again before it
+                charge.reduce_s = max(0.0, reduce - window_b)
                 br["spag"] += charge.reduce_s
                 if gather_class == ar_class:  # the replica reduce shares the all-reduce's links
-                    reduce_hidden = min(reduce * (2.0 if lp.rematerialize else 1.0), window_b)
+                    reduce_hidden = min(reduce, window_b)
             if options.idle_link:
                 idle = max(0.0, float(lt.forward_B[0] - lt.busy_forward_B2[0, gather_class]))
                 if l + 1 < L:
