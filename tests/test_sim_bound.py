@@ -47,6 +47,7 @@ def test_chain_bound_is_the_least_over_every_choice_sequence():
         m, g_K = rng.uniform(0, 1, (L, K)), rng.uniform(0, 2, K)
         u = m * rng.uniform(0, 1, (L, K)) * (trial % 2)  # the link the next gather uses, busy <= m
         attn, v, ar = float(rng.uniform(0, 0.5)), float(rng.choice([0.0, 0.3, 1.0])), float(rng.uniform(0, 3))
+        w = float(rng.choice([1.0, 0.4, 0.0]))  # the forward's weight (ZeRO 1's u)
         if trial < 20:  # each choice its own state
             state, b, g, x = np.arange(K), rng.uniform(0, 1, (L, K)), g_K, np.zeros(K)
             kw = {}
@@ -59,8 +60,8 @@ def test_chain_bound_is_the_least_over_every_choice_sequence():
             ks = [state[c] for c in cs]
             fwd = sum(max(attn + (m[l - 1, ks[l - 1]] if l else 0.0), g[cs[l]] + (u[l - 1, ks[l - 1]] if l else 0.0))
                       for l in range(L)) + m[L - 1, ks[-1]]
-            best = min(best, fwd + sum(v * b[l, cs[l]] + x[cs[l]] for l in range(L)) + (1 - v) * ar)
-        assert chain_bound(m, b, g, attn, v, ar, u, **kw) == pytest.approx(best, rel=1e-12), trial
+            best = min(best, w * fwd + sum(v * b[l, cs[l]] + x[cs[l]] for l in range(L)) + (1 - v) * ar)
+        assert chain_bound(m, b, g, attn, v, ar, u, u=w, **kw) == pytest.approx(best, rel=1e-12), trial
 
 
 def test_slot_choices_span_what_a_node_can_hold():

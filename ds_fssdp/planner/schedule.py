@@ -560,3 +560,24 @@ def drain_in_gaps(work_L, gaps_L) -> float:
     for work, gap in zip(work_L, gaps_L):
         queued = max(0.0, queued - max(0.0, gap)) + work
     return queued
+
+
+def drain_before_deadlines(work_L, gaps_L, *, lead: int = 0) -> float:
+    """Seconds a pass waits for a queue of transfers issued together before it: ``work_L[i]`` must
+    have arrived before step ``i - lead`` begins (its first use; a deadline before the first step
+    is the first step's), first issued first served; the queue drains during the gaps ``gaps_L[j]``
+    of the steps already run and while the pass waits. What the pass waits in all (parameters in
+    the gaps: the partitioned experts' all-gather after the optimizer step, before each layer's
+    first use in the next forward)."""
+    if len(work_L) != len(gaps_L):
+        raise ValueError(f"work ({len(work_L)}) and gaps ({len(gaps_L)}) must have one entry per layer")
+    if lead < 0:
+        raise ValueError(f"lead ({lead}) must be >= 0")
+    ran = [0.0]  # gap seconds of the steps before step j
+    for gap in gaps_L:
+        ran.append(ran[-1] + max(0.0, gap))
+    need = waited = 0.0
+    for i, work in enumerate(work_L):
+        need += work
+        waited = max(waited, need - ran[max(0, i - lead)])
+    return waited

@@ -51,7 +51,7 @@ from ds_fssdp.sim.foresight import PREDICTORS
 from ds_fssdp.sim.plot import plot_results
 from ds_fssdp.sim.presets import CLUSTERS, MODELS, cluster_preset, model_preset
 from ds_fssdp.sim.report import format_table, to_json
-from ds_fssdp.sim.setup import build_setup
+from ds_fssdp.sim.setup import ZERO_STAGES, build_setup
 from ds_fssdp.sim.pipeline import SERIAL, ScheduleOptions
 from ds_fssdp.sim.simulate import SIM_POLICY_NAMES, simulate
 from ds_fssdp.sim.traces import save_trace
@@ -121,6 +121,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "what the decisions cost when the prediction is right); the paper engine only")
     p.add_argument("--no-price-by-schedule", action="store_true", help="FSSDP: calibration and the balanced-time "
                    "dispatch price plans by the serial layer time (default: the schedule's)")
+    p.add_argument("--zero-stage", type=int, default=0, help="ZeRO stage of the optimizer state, every policy alike "
+                   "(sim/sync.py): 0 replicated, gradients all-reduced before the step; 1 partitioned (dense over the "
+                   "world, experts over their EDP group), gradients reduce-scattered and parameters all-gathered "
+                   "(FSSDP and fsmoe: the experts' during the next forward). Cluster scale only")
     p.add_argument("--serial", action="store_true", help="today's serial accounting for every policy: degree 1, "
                    "no dedup, no gradient gaps, no idle-link gathers")
     p.add_argument("--png", default=None, help="chart path (default sim_<cluster>_<model>_<gpus>.png)")
@@ -172,6 +176,12 @@ def _run(args, out) -> int:
                          f"{', '.join(known)}")
     if args.load_cv is not None and args.target_std is not None:
         raise SystemExit("--load-cv and --target-std both set: give one skew")
+    if args.zero_stage not in ZERO_STAGES:
+        raise SystemExit(f"--zero-stage ({args.zero_stage}) must be one of {ZERO_STAGES}: ZeRO 2 (partitioned "
+                         "gradients) and 3 (partitioned parameters) are not modelled")
+    if args.zero_stage and not at_scale:
+        raise SystemExit(f"--zero-stage ({args.zero_stage}): modelled at cluster scale only (give --group-size); "
+                         "the paper engine models ZeRO 0")
     if args.memory_cap is not None and (args.budget is not None or args.budget_rm is not None):
         raise SystemExit(f"--memory-cap ({args.memory_cap}) chooses m: do not also give --budget / --budget-rm")
     memory = None if args.replica_memory_gb is None else args.replica_memory_gb * 1e9
@@ -182,7 +192,7 @@ def _run(args, out) -> int:
                         flexmoe_slots=args.flexmoe_slots, reshard_interval=args.reshard_interval,
                         smartmoe_interval=args.smartmoe_interval, flexmoe_threshold=args.flexmoe_threshold,
                         flexmoe_interval=args.flexmoe_interval, calibration=calibration,
-                        calibration_budget=args.calibration_budget)
+                        calibration_budget=args.calibration_budget, zero_stage=args.zero_stage)
     synth = {k: v for k, v in (("drift", args.drift), ("jitter", args.jitter)) if v is not None}
     if at_scale and args.trace == SYNTHETIC and args.target_std is None:
         cv = DEFAULT_LOAD_CV if args.load_cv is None else args.load_cv

@@ -65,8 +65,19 @@ for every v in [0, 1]. For a given v the least over c_1..c_L is a shortest path 
 (:func:`chain_bound`: the pair terms couple only consecutive layers); the bound is the best over
 a grid of v with 0 and 1. Groups run their layers alone: the slowest group's. Per iteration, plus
 what every policy pays alike: the extra compute and the optimizer step of the most loaded rank
-with owners balanced over all layers (ceil(E L / N) experts). Re-shards, the count all-gather and
-planning may all be hidden or free, so they are not in the bound.
+with owners balanced over all layers (ceil(E L / N) experts; under ZeRO 1 its slices,
+:func:`~ds_fssdp.sim.memory.optimizer_params`). Re-shards, the count all-gather and planning may
+all be hidden or free, so they are not in the bound.
+
+Under ZeRO 1 (:mod:`.sync`) what must land before the step is the reduce-scatter (the all-reduce
+above), the dense parameters' all-gather runs at the step under every policy modelled
+(DeepSpeed's), and the experts' all-gather A (several groups) runs after the optimizer step and
+before each layer's first use in the next forward, so it can overlap that forward at most:
+
+    max(forward, A) + sum_l x_l + max(backward, reduce-scatter) >= u forward + (1 - u) A + ...
+
+for every u in [0, 1] too; :func:`chain_bound` weighs the forward's terms by u, and the bound is
+the best over the (u, v) grid.
 """
 from __future__ import annotations
 
@@ -74,10 +85,11 @@ import math
 
 import numpy as np
 
-from ds_fssdp.sim.links import allreduce_links
-from ds_fssdp.sim.setup import GRAD_BYTES, OPT_TRAFFIC_BYTES, Setup
+from ds_fssdp.sim.memory import optimizer_params
+from ds_fssdp.sim.setup import OPT_TRAFFIC_BYTES, Setup
+from ds_fssdp.sim.sync import sync_times
 
-WEIGHTS = np.linspace(0.0, 1.0, 11)  # the v grid of the backward / all-reduce relaxation
+WEIGHTS = np.linspace(0.0, 1.0, 11)  # the v (and, under ZeRO 1, u) grid of the max relaxations
 
 
 class LowerBound:
@@ -95,7 +107,9 @@ class LowerBound:
         self.persistent = max(0, persistent)
         self.plain = self.budget if plain is None else max(0, plain)
         self.total, self.counted = 0.0, 0
-        self.allreduce_s = even_allreduce_s(setup, group_size)
+        self.sync = sync_times(setup, group_size)  # with even owners (sim/sync.py)
+        # ZeRO 1 with several groups: (u, v), the experts' gather beside the forward; else v alone
+        self.weights = [(u, v) for u in (WEIGHTS if self.sync.forward_gather_s > 0 else (1.0, )) for v in WEIGHTS]
 
     def step(self, s: int, tokens_LED: np.ndarray) -> None:
         if s < self.setup.load_window:
@@ -153,13 +167,15 @@ class LowerBound:
             forward_LASB[l] = np.maximum(bal_B + one_AB[:, None], x_ASB)
             compute_LASB[l] = 2.0 * attn_f + np.maximum(2.0 * bal_B + one_AB[:, None], x_ASB)
         owned = math.ceil(E * L / N) * st.shape.params
-        tail = st.extra_compute_s + (st.dense_params + owned) * OPT_TRAFFIC_BYTES / hw.hbm_bw
+        tail = (st.extra_compute_s + optimizer_params(st, owned, N) * OPT_TRAFFIC_BYTES / hw.hbm_bw
+                + self.sync.step_gather_s)
+        gather = self.sync.forward_gather_s
         fits = ch.fits_AS
         m_LKB, u_LKB, c_LKB = forward_LASB[:, fits], busy_LASB[:, fits], compute_LASB[:, fits]
         b_LCB = np.maximum(c_LKB[:, state_C], reduce_C[None, :, None] + u_LKB[:, state_C])
-        low_B = np.array([max(chain_bound(m_LKB[:, :, b], b_LCB[:, :, b], gather_C, attn_f, v, self.allreduce_s,
-                                          u_LKB[:, :, b], state_C=state_C, exposed_C=exposed_C)
-                              for v in WEIGHTS) for b in range(B)])
+        low_B = np.array([max(chain_bound(m_LKB[:, :, b], b_LCB[:, :, b], gather_C, attn_f, v, self.sync.reduce_s,
+                                          u_LKB[:, :, b], state_C=state_C, exposed_C=exposed_C, u=u)
+                              + (1.0 - u) * gather for u, v in self.weights) for b in range(B)])
         self.total += float(low_B.max()) + tail
         self.counted += 1
 
@@ -242,9 +258,10 @@ def top_rows(t_E__: np.ndarray) -> np.ndarray:
 
 def chain_bound(m_LK: np.ndarray, b_LC: np.ndarray, g_C: np.ndarray, attention_s: float, v: float,
                 allreduce_s: float, busy_LK: np.ndarray | None = None, *, state_C: np.ndarray | None = None,
-                exposed_C: np.ndarray | None = None) -> float:
-    """The least over one choice per layer (of C) of sum_l max(attention + m_{l-1}, g_l + u_{l-1})
-    + m_{L-1} + sum_l (v b_l + x_l) + (1 - v) all-reduce (the module docstring; ``g_C`` a choice's
+                exposed_C: np.ndarray | None = None, u: float = 1.0) -> float:
+    """The least over one choice per layer (of C) of u (sum_l max(attention + m_{l-1}, g_l + u_{l-1})
+    + m_{L-1}) + sum_l (v b_l + x_l) + (1 - v) all-reduce (the module docstring; ``u`` weighs the
+    forward, ``allreduce_s`` what must land before the step; ``g_C`` a choice's
     gather, ``b_LC`` its backward with attention, ``exposed_C`` x: what it adds after the backward
     (None: 0); ``m_LK`` the forward exchange + compute of its state ``state_C[c]`` (None: each
     choice its own; sorted, every state present), ``busy_LK`` u: the seconds that exchange holds
@@ -254,6 +271,8 @@ def chain_bound(m_LK: np.ndarray, b_LC: np.ndarray, g_C: np.ndarray, attention_s
     V' + a with a > g), V' = V + u, V a state's least value over its choices."""
     L, K = m_LK.shape
     busy_LK = np.zeros_like(m_LK) if busy_LK is None else busy_LK
+    # the forward's terms are all linear in (attention, m, g, busy): weighing them weighs the sum
+    m_LK, busy_LK, g_C, attention_s = u * m_LK, u * busy_LK, u * g_C, u * attention_s
     if state_C is None:
         state_C = np.arange(K)
     starts = np.flatnonzero(np.r_[True, state_C[1:] != state_C[:-1]])
@@ -273,16 +292,3 @@ def chain_bound(m_LK: np.ndarray, b_LC: np.ndarray, g_C: np.ndarray, attention_s
         with_a = np.where(i < K, above[np.minimum(i, K - 1)], np.inf)
         value_C = np.minimum(with_g, with_a) + v * b_LC[l] + extra_C
     return float((np.minimum.reduceat(value_C, starts) + m_LK[L - 1]).min()) + (1.0 - v) * allreduce_s
-
-
-def even_allreduce_s(setup: Setup, group_size: int) -> float:
-    """The iteration's gradient all-reduce (:meth:`ds_fssdp.sim.cluster.PolicyRun._allreduce`'s
-    collectives) with every rank of a group owning E L / N experts."""
-    D, N = setup.topology.num_ranks, group_size
-    members = [np.ones((1, D), dtype=bool)]
-    sizes = [float(setup.dense_params * GRAD_BYTES)]
-    if D // N > 1:
-        members.append(np.tile(np.eye(N, dtype=bool), (1, D // N)))
-        sizes.extend([setup.num_experts * setup.num_layers / N * setup.shape.params * GRAD_BYTES] * N)
-    links = allreduce_links(np.concatenate(members), np.asarray(sizes), ranks_per_node=setup.topology.ranks_per_node)
-    return float(links.time_B(setup.hw)[0])

@@ -52,16 +52,16 @@ from ds_fssdp.planner.plan import DispatchPlan
 from ds_fssdp.planner.layer import LayerPlanner, migrations
 from ds_fssdp.planner.predict import LoadPredictor
 from ds_fssdp.planner.baselines import Clock
-from ds_fssdp.planner.schedule import drain_in_gaps
 from ds_fssdp.sim.bound import LowerBound
 from ds_fssdp.planner.scheduled import ScheduledCostModel
-from ds_fssdp.sim.links import Links, allreduce_links, exchange_links, sparse_collective_links, traffic_BNN
+from ds_fssdp.sim.links import Links, exchange_links, sparse_collective_links, traffic_BNN
 from ds_fssdp.sim.pipeline import (INTER, INTRA, LayerSchedule, ScheduleOptions, binding_class, policy_options,
                                    scheduled_cost_model)
-from ds_fssdp.sim.memory import budget_for_cap, ep_memory_bytes
+from ds_fssdp.sim.memory import budget_for_cap, ep_memory_bytes, optimizer_params
 from ds_fssdp.planner.materialize import materialize as algorithm1  # the default materializer
 from ds_fssdp.sim.setup import (GRAD_BYTES, MIGRATE_BYTES, OPT_BYTES, OPT_TRAFFIC_BYTES, PARAM_BYTES, Setup,
                                 derive_overlap_degree)
+from ds_fssdp.sim.sync import SyncTimes, exposed_sync, sync_times
 from ds_fssdp.planner.schedule import overlap_window
 from ds_fssdp.planner.cost import CostModel
 from ds_fssdp.sim.simulate import CATEGORIES, PolicyResult
@@ -212,7 +212,7 @@ class PolicyRun:
                                       for _ in range(B if self.planned else 0))]
         self.world_predictor = LoadPredictor([E] * L, window=setup.load_window)
         self.observed = 0
-        self._ar_cache = None
+        self._sync_cache = None
         self.count_links = self._count_links()
         self.totals = dict.fromkeys(CATEGORIES, 0.0)
         self.links = {}  # category -> [bytes per GPU link, per node link] (the simulated groups', or the world's)
@@ -234,9 +234,11 @@ class PolicyRun:
         backward_BL = np.zeros((B, L))
         attn_f = st.attention_fwd_s
         attn_b = 2.0 * attn_f
-        gaps_BL = np.zeros((B, L))
+        gaps_BL = np.zeros((B, L))  # the link gaps of each layer's backward, and of its forward
+        fgaps_BL = np.zeros((B, L))
         idle_B = np.zeros(B)  # the previous layer's forward time its gather link is free
-        ar_class = binding_class(self._allreduce()[1], hw) if self.options.grad_gaps else INTER
+        sync = self._sync()
+        ar_class = binding_class(sync.links, hw) if self.options.grad_gaps else INTER
         layer_degrees = []
         for l in range(L):
             tokens_BEN = tokens_LED[l].reshape(E, self.groups, N)[:, :B].transpose(1, 0, 2)
@@ -252,6 +254,7 @@ class PolicyRun:
             group_B["comp"] += attn_f + attn_b + moe_B + lt.side_B
             group_B["a2a"] += lt.forward_B + lt.backward_B - moe_B - lt.side_B
             reduce_hidden_B = np.zeros(B)
+            gather_here_B = gather_before_B = np.zeros(B)  # hidden gather: in this layer's span, in the one before
             if spag is not None:
                 gather, reduce, calib, times = spag
                 window_b_B = (self.sched.reduce_windows(lt, attn_f, across_nodes=self.gather_class == INTER)
@@ -260,14 +263,20 @@ class PolicyRun:
                 group_B["spag"] += np.maximum(0.0, gather.time_B(hw) - window_B)
                 group_B["spag"] += np.maximum(0.0, reduce.time_B(hw) * times - window_b_B)
                 group_B["spag"] += calib.time_B(hw)
-                if self.gather_class == ar_class:  # the replica reduce shares the all-reduce's links
+                if self.gather_class == ar_class:  # the replica gather and reduce share the sync's links
                     reduce_hidden_B = np.minimum(reduce.time_B(hw) * times, window_b_B)
+                    hidden_B = np.minimum(gather.time_B(hw), window_B)  # from the window's start
+                    gather_before_B = np.minimum(hidden_B, window_B - attn_f)
+                    gather_here_B = hidden_B - gather_before_B
             if self.options.idle_link:
                 idle_B = np.maximum(0.0, lt.forward_B - lt.busy_forward_B2[:, self.gather_class])
                 if l + 1 < L:
                     self.window_BL[:, l + 1] = [overlap_window(attn_f, float(i)) for i in idle_B]
             backward_BL[:, l] = attn_b + (moe_B + lt.side_B) * 2.0 / 3.0
             gaps_BL[:, l] = attn_b + lt.backward_B - lt.busy_backward_B2[:, ar_class] - reduce_hidden_B
+            fgaps_BL[:, l] = attn_f + lt.forward_B - lt.busy_forward_B2[:, ar_class] - gather_here_B
+            if l:
+                fgaps_BL[:, l - 1] -= gather_before_B
             layer_degrees.append(lt.degrees)
             if timed:
                 self._add_links("a2a", exchange, 4.0)
@@ -283,18 +292,19 @@ class PolicyRun:
             self.degree_log.append(layer_degrees)
         glob["comp"] += st.extra_compute_s
         slowest = int(np.argmax(sum(group_B.values())))
-        ar, ar_links = self._allreduce()
-        if self.options.grad_gaps:  # each layer's share issued after its backward, sent in the gaps below
-            glob["ar"] += drain_in_gaps([ar / L] * L, list(gaps_BL[slowest][::-1]))
-        else:
-            glob["ar"] += max(0.0, ar - (backward_BL[slowest].sum() - backward_BL[slowest, 0]))
+        # With the gaps: each layer's share of the reduce issued after its backward, sent in the gaps
+        # below; the partitioned experts' gather (ZeRO 1) before each layer's first use in the next
+        # forward (its replica gather, a layer ahead, under FSSDP), in the forward's gaps (sim/sync.py).
+        glob["ar"] += exposed_sync(sync, gaps=self.options.grad_gaps, backward_gaps_L=gaps_BL[slowest],
+                                   forward_gaps_L=fgaps_BL[slowest], backward_L=backward_BL[slowest],
+                                   lead=1 if self.planned else 0)
         owned_N = np.bincount(owner_LE.ravel(), minlength=N).astype(np.float64) * P
-        glob["opt"] += float((st.dense_params + owned_N).max()) * OPT_TRAFFIC_BYTES / hw.hbm_bw
+        glob["opt"] += float(optimizer_params(st, owned_N, N).max()) * OPT_TRAFFIC_BYTES / hw.hbm_bw
         self._memory(owned_N, ephemeral_BLN)
         self._observe(tokens_LED)
         if timed:
             self.counted += 1
-            self._add_links("ar", ar_links, 1.0)
+            self._add_links("ar", sync.links, 1.0)
             self.count_s += L * float(self.count_links.time_B(hw)[0])
             for c in CATEGORIES:
                 self.totals[c] += group_B[c][slowest] + glob[c]
@@ -381,7 +391,7 @@ class PolicyRun:
             0, copies[:, 2] * N + copies[:, 3],
             torch.full((copies.shape[0], ), float(MIGRATE_BYTES * P), dtype=torch.float64)).view(N, N)
         self.migrated += copies.shape[0] * self.groups
-        self._ar_cache = None
+        self._sync_cache = None
         return self.cost.transfer_time(traffic_DD)
 
     def _count_links(self) -> Links:
@@ -391,21 +401,13 @@ class PolicyRun:
         nodes = N // G
         return Links(np.full((B, N), moved), np.full((B, nodes), moved if nodes > 1 else 0.0))
 
-    def _allreduce(self) -> tuple:
-        """Dense gradients over the world plus, with several groups, each EDP group's owned
-        expert gradients, issued together."""
-        if self._ar_cache is None:
-            st, D, N, B = self.setup, self.setup.topology.num_ranks, self.N, self.groups
-            members = [np.ones((1, D), dtype=bool)]
-            sizes = [float(st.dense_params * GRAD_BYTES)]
-            if B > 1:
-                owned_N = np.bincount(self.owner_LE.numpy().ravel(), minlength=N).astype(np.float64)
-                members.append(np.tile(np.eye(N, dtype=bool), (1, B)))
-                sizes.extend(owned_N * st.shape.params * GRAD_BYTES)
-            links = allreduce_links(np.concatenate(members), np.asarray(sizes),
-                                    ranks_per_node=st.topology.ranks_per_node)
-            self._ar_cache = (float(links.time_B(st.hw)[0]), links)
-        return self._ar_cache
+    def _sync(self) -> SyncTimes:
+        """The dense gradients over the world plus, with several groups, each EDP group's owned
+        expert gradients (and, under ZeRO 1, parameters), issued together (sim/sync.py)."""
+        if self._sync_cache is None:
+            owned_N = np.bincount(self.owner_LE.numpy().ravel(), minlength=self.N).astype(np.float64)
+            self._sync_cache = sync_times(self.setup, self.N, owned_N)
+        return self._sync_cache
 
     def _memory(self, owned_N: np.ndarray, ephemeral_BLN: np.ndarray) -> None:
         P, L = self.setup.shape.params, self.setup.num_layers
@@ -414,13 +416,14 @@ class PolicyRun:
         else:
             replica_BN = ephemeral_BLN.sum(1) * P if not self.rm else ephemeral_BLN[:, 0] * P
         stateful_N = self.setup.dense_params + owned_N
-        total_BN = (PARAM_BYTES + GRAD_BYTES) * (stateful_N + replica_BN) + OPT_BYTES * stateful_N
+        opt_N = OPT_BYTES * optimizer_params(self.setup, owned_N, self.N)
+        total_BN = (PARAM_BYTES + GRAD_BYTES) * (stateful_N + replica_BN) + opt_N
         b, d = np.unravel_index(int(np.argmax(total_BN)), total_BN.shape)
         if float(total_BN[b, d]) > self.peak_total:
             self.peak_total = float(total_BN[b, d])
             self.peak_memory = {"param": PARAM_BYTES * float(stateful_N[d] + replica_BN[b, d]),
                                 "grad": GRAD_BYTES * float(stateful_N[d] + replica_BN[b, d]),
-                                "opt": OPT_BYTES * float(stateful_N[d])}
+                                "opt": float(opt_N[d])}
 
     def _add_links(self, category: str, links: Links, times: float) -> None:
         """Add ``times`` x ``links`` to the category's link totals: per simulated group (rows b of

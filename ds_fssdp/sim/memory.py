@@ -7,14 +7,16 @@ carry parameters and gradients only). Every rank holds the dense part; a rank of
 holds the experts it owns (under EP, the homogeneous shard: ceil(E / N) per layer on the fullest
 rank; with N > E one expert on E of the ranks, as an EP group of E would). FSSDP owns the same
 and adds at most m replicas per layer (Algorithm 1 and calibration never exceed the budget),
-alive for all L layers, or for two with re-materialization (fssdp-rm).
+alive for all L layers, or for two with re-materialization (fssdp-rm). Under ZeRO 1
+(``Setup.zero_stage``) every policy keeps the optimizer state of its slices only
+(:func:`optimizer_params`: DeepSpeed partitions the dense part over the world and an MoE model's
+expert part over the expert-data-parallel group; the runtime's ``PartitionedExperts`` the same).
 """
 from __future__ import annotations
 
 from ds_fssdp.planner.shard import homogeneous_owner
 from ds_fssdp.sim.setup import GRAD_BYTES, OPT_BYTES, PARAM_BYTES, Setup
 
-STATE_BYTES = PARAM_BYTES + GRAD_BYTES + OPT_BYTES
 REPLICA_BYTES = PARAM_BYTES + GRAD_BYTES
 
 
@@ -24,10 +26,21 @@ def owned_per_layer(num_experts: int, group_size: int) -> int:
     return int(owner_E.bincount(minlength=group_size).max())
 
 
+def optimizer_params(setup: Setup, owned, group_size: int):
+    """Parameters whose optimizer state a rank of a group of ``group_size`` keeps, owning ``owned``
+    expert parameters (a number or an array): all of them under ZeRO 0; under ZeRO 1 its slices, the
+    dense part over the world's D ranks and the owned experts over the D / N groups' ranks at its
+    position (one group: not partitioned)."""
+    if setup.zero_stage == 0:
+        return setup.dense_params + owned
+    D = setup.topology.num_ranks
+    return setup.dense_params / D + owned / max(1, D // group_size)
+
+
 def ep_memory_bytes(setup: Setup, group_size: int) -> float:
     """Model states of EP's fullest rank with groups of ``group_size``."""
     owned = owned_per_layer(setup.num_experts, group_size) * setup.num_layers * setup.shape.params
-    return float(STATE_BYTES * (setup.dense_params + owned))
+    return float(REPLICA_BYTES * (setup.dense_params + owned) + OPT_BYTES * optimizer_params(setup, owned, group_size))
 
 
 def budget_for_cap(setup: Setup, group_size: int, cap: float, *, rematerialize: bool) -> int:

@@ -43,7 +43,7 @@ def format_table(setup_summary: dict, trace_summary: dict, results: list) -> str
         f"{hw['inter_bw'] / 1e9:.0f} GB/s/node; knobs: t={s['overlap_degree']}, m={s['budget']} (rm {s['budget_rm']}), "
         f"flexmoe slots={s['flexmoe_slots']}, reshard every {s['reshard_interval']}, smartmoe every "
         f"{s['smartmoe_interval']}, calibration {'on' if s['calibration'] else 'off'}, dispatch "
-        f"{s.get('dispatch', 'paper')}",
+        f"{s.get('dispatch', 'paper')}, ZeRO {s.get('zero_stage', 0)}",
         f"  trace: {t.get('description', '')}; {t['steps']} steps, skew (std of expert share) {t['share_std']:.4f}"
         f"{cv}, predictor R^2 (w={t['window']}) {t['r2']:.3f}",
     ]

@@ -30,6 +30,7 @@ GRAD_BYTES = 2  # bf16 gradients
 OPT_BYTES = 12  # fp32 master, Adam m and v
 MIGRATE_BYTES = PARAM_BYTES + OPT_BYTES  # a moved expert carries parameters and optimizer state
 OPT_TRAFFIC_BYTES = 28  # optimizer step: read grad 2, read+write master 8, m 8, v 8, write param 2
+ZERO_STAGES = (0, 1)  # what the simulators model (sim/sync.py)
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,16 @@ class Setup:
     # (sim/pipeline.py; in sequence at degree 1, beside a chunked exchange otherwise)
     side_ratio: float = 0.0
     hbm_bytes: float = 0.0  # per GPU (0: unknown)
+    # ZeRO stage of the optimizer state (sim/sync.py, sim/memory.py): 0 replicated, 1 partitioned (the
+    # dense part over the world, the experts over their EDP group)
+    zero_stage: int = 0
     label: str = ""
+
+    def __post_init__(self):
+        if self.zero_stage not in ZERO_STAGES:
+            raise ValueError(f"zero_stage ({self.zero_stage!r}) must be 0 or 1: the simulators model ZeRO 0 (replicated "
+                             "optimizer state) and 1 (partitioned optimizer state); 2 (partitioned gradients) and 3 "
+                             "(partitioned parameters) are not modelled")
 
     @property
     def attention_fwd_s(self) -> float:
@@ -83,7 +93,7 @@ class Setup:
             "smartmoe_interval": self.smartmoe_interval, "flexmoe_threshold": self.flexmoe_threshold,
             "calibration": self.calibration, "calibration_budget_attn": self.calibration_budget,
             "dense_params": self.dense_params, "extra_compute_ms": 1e3 * self.extra_compute_s,
-            "side_ratio": self.side_ratio, "hardware": {
+            "side_ratio": self.side_ratio, "zero_stage": self.zero_stage, "hardware": {
                 "flops": self.hw.flops, "intra_bw": self.hw.intra_bw, "inter_bw": self.hw.inter_bw,
                 "latency": self.hw.latency, "hbm_bw": self.hw.hbm_bw
             }

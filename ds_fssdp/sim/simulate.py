@@ -186,6 +186,9 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
     ``predictor``: as :func:`simulate`. ``charges``: a list that gets, per step, each layer's
     :class:`LayerCharge` (what its MoE part was charged, and the windows it was charged against)."""
     S, L, E, D = tokens_SLED.shape
+    if setup.zero_stage != 0:
+        raise ValueError(f"zero_stage ({setup.zero_stage}): the paper engine models ZeRO 0 only (one group, FlexMoE's "
+                         "replicated slots); ZeRO 1 is modelled at cluster scale (sim/cluster.py)")
     topo, hw, shape = setup.topology, setup.hw, setup.shape
     options = policy_options(name, schedule)
     sched = LayerSchedule(hw, shape, ranks_per_node=topo.ranks_per_node, top_k=setup.top_k, options=options,

@@ -1,0 +1,223 @@
+"""The simulators' ZeRO stages (ds_fssdp/sim/sync.py, sim/memory.py): the sync split into what
+lands before the step and what is gathered after it, the wait of a gather drained before per-layer
+deadlines against a step-by-step replay, the partitioned optimizer state in memory and the cap's
+budget, and the cluster engine charging each schedule what it runs (EP's gathers at the step,
+FSSDP's experts' gather in the next forward), the bound staying below every policy; bad stages are
+refused by name."""
+import dataclasses
+import io
+import json
+
+import numpy as np
+import pytest
+
+from ds_fssdp import Topology
+from ds_fssdp.planner import ExpertShape, Hardware
+from ds_fssdp.planner.schedule import drain_before_deadlines
+from ds_fssdp.sim.__main__ import main
+from ds_fssdp.sim.cluster import simulate_cluster
+from ds_fssdp.sim.links import allreduce_links
+from ds_fssdp.sim.memory import budget_for_cap, ep_memory_bytes, optimizer_params
+from ds_fssdp.sim.setup import GRAD_BYTES, OPT_BYTES, Setup, derive_overlap_degree
+from ds_fssdp.sim.simulate import simulate_policy
+from ds_fssdp.sim.sync import exposed_sync, sync_times
+from ds_fssdp.sim.synth import synthetic_trace
+
+SHAPE = ExpertShape(hidden=512, ffn=2048)
+HW = Hardware(flops=100e12, intra_bw=200e9, inter_bw=5e9, latency=10e-6, hbm_bw=2e12)
+
+
+def setup_with(zero_stage=0, *, ranks=8, ranks_per_node=2, layers=4, hw=HW) -> Setup:
+    topo = Topology(num_ranks=ranks, ranks_per_node=ranks_per_node)
+    tokens, d = 8192, 512
+    flops = 8.0 * d * d + 2.0 * 1024 * d
+    return Setup(topology=topo, hw=hw, shape=SHAPE, num_layers=layers, num_experts=16, tokens_per_gpu=tokens,
+                 attention_flops_per_token=flops, dense_params=2 * 4 * d * d,
+                 overlap_degree=derive_overlap_degree(hw, topo, SHAPE, attention_s=tokens * flops / hw.flops),
+                 budget=3, budget_rm=6, flexmoe_slots=1, reshard_interval=0, top_k=2, calibration=False,
+                 zero_stage=zero_stage)
+
+
+def replay_deadlines(work, gaps, lead):
+    """Event by event: before step j every piece due by then (a prefix: deadlines grow with i) has
+    arrived, the pass waiting while the link drains the queue's front; then step j runs and its
+    gap drains the queue."""
+    queue, waited = list(work), 0.0
+
+    def drain(seconds):
+        for i in range(len(queue)):
+            take = min(queue[i], seconds)
+            queue[i] -= take
+            seconds -= take
+
+    for j, gap in enumerate(gaps):
+        due = [i for i in range(len(work)) if max(0, i - lead) <= j]
+        need = sum(queue[:due[-1] + 1]) if due else 0.0
+        waited += need
+        drain(need)
+        drain(max(0.0, gap))
+    return waited
+
+
+def test_drain_before_deadlines_known_answers_and_replay():
+    assert drain_before_deadlines([1.0, 1.0, 1.0], [0.5, 0.5, 0.5]) == pytest.approx(2.0)
+    assert drain_before_deadlines([1.0, 1.0, 1.0], [5.0, 5.0, 5.0]) == pytest.approx(1.0)  # only the first waits
+    assert drain_before_deadlines([1.0, 1.0, 1.0], [5.0, 5.0, 5.0], lead=1) == pytest.approx(2.0)
+    assert drain_before_deadlines([0.0, 0.0], [1.0, -3.0]) == 0.0
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        L = int(rng.integers(1, 7))
+        work, gaps = rng.uniform(0, 1, L), rng.uniform(-0.2, 1.5, L)
+        lead = int(rng.integers(0, 3))
+        assert drain_before_deadlines(list(work), list(gaps), lead=lead) == pytest.approx(
+            replay_deadlines(list(work), list(gaps), lead), abs=1e-12)
+    with pytest.raises(ValueError, match="one entry per layer"):
+        drain_before_deadlines([1.0], [1.0, 2.0])
+    with pytest.raises(ValueError, match=r"lead \(-1\)"):
+        drain_before_deadlines([1.0], [1.0], lead=-1)
+
+
+def ring_s(setup, members, sizes):
+    return float(allreduce_links(members, np.asarray(sizes, dtype=np.float64),
+                                 ranks_per_node=setup.topology.ranks_per_node).time_B(setup.hw)[0])
+
+
+def test_sync_is_the_all_reduce_at_zero_0_and_its_halves_at_zero_1():
+    z0, z1 = setup_with(0), setup_with(1)
+    N, D = 4, 8
+    owned_N = np.array([10.0, 6.0, 8.0, 8.0])
+    dense_M, edp_M = np.ones((1, D), dtype=bool), np.tile(np.eye(N, dtype=bool), (1, D // N))
+    dense_K, edp_K = [z0.dense_params * GRAD_BYTES], owned_N * z0.shape.params * GRAD_BYTES
+    whole = ring_s(z0, np.concatenate([dense_M, edp_M]), np.concatenate([dense_K, edp_K]))
+    s0 = sync_times(z0, N, owned_N)
+    assert (s0.reduce_s, s0.step_gather_s, s0.forward_gather_s) == (pytest.approx(whole), 0.0, 0.0)
+    s1 = sync_times(z1, N, owned_N)
+    lat = z1.hw.latency
+    assert s1.reduce_s == pytest.approx(lat + (whole - lat) / 2)  # a reduce-scatter: half the ring's bytes
+    assert s1.step_gather_s == pytest.approx(ring_s(z1, dense_M, np.asarray(dense_K) / 2))
+    assert s1.forward_gather_s == pytest.approx(ring_s(z1, edp_M, edp_K / 2))
+    assert s1.forward_gather_s > s1.step_gather_s > 0
+    np.testing.assert_allclose(s1.links.node_Bn, s0.links.node_Bn)  # the same bytes in all
+    # one group: nothing to sync over an EDP group, only the dense part
+    one = sync_times(z1, D)
+    assert one.forward_gather_s == 0.0 and one.step_gather_s == pytest.approx(ring_s(z1, dense_M, np.asarray(dense_K) / 2))
+    even = sync_times(z1, N)  # even owners: E L / N each
+    assert even.forward_gather_s == pytest.approx(ring_s(z1, edp_M, np.full(N, 16 * 4 / N) * z1.shape.params))
+
+
+def test_exposed_sync_serial_and_in_the_gaps():
+    s1 = sync_times(setup_with(1), 4)
+    L = 4
+    back, bgaps, fgaps = [1e-3] * L, [2e-4] * L, [3e-4] * L
+    serial = exposed_sync(s1, gaps=False, backward_gaps_L=bgaps, forward_gaps_L=fgaps, backward_L=back, lead=0)
+    assert serial == pytest.approx(max(0.0, s1.reduce_s - 3e-3) + s1.step_gather_s + s1.forward_gather_s)
+    for lead in (0, 1):
+        gapped = exposed_sync(s1, gaps=True, backward_gaps_L=bgaps, forward_gaps_L=fgaps, backward_L=back, lead=lead)
+        expect = (s1.reduce_s - 3 * 2e-4) + s1.step_gather_s + drain_before_deadlines(
+            [s1.forward_gather_s / L] * L, fgaps, lead=lead)
+        assert gapped == pytest.approx(expect)
+    # ZeRO 0 has nothing to gather: the reduce alone
+    s0 = sync_times(setup_with(0), 4)
+    assert exposed_sync(s0, gaps=True, backward_gaps_L=bgaps, forward_gaps_L=[0.0] * L, backward_L=back,
+                        lead=1) == pytest.approx(s0.reduce_s - 3 * 2e-4)
+
+
+def test_partitioned_optimizer_state_in_memory_and_the_caps_budget():
+    z0, z1 = setup_with(0), setup_with(1)
+    owned = 1000.0
+    assert optimizer_params(z0, owned, 4) == z0.dense_params + owned
+    assert optimizer_params(z1, owned, 4) == pytest.approx(z1.dense_params / 8 + owned / 2)
+    assert optimizer_params(z1, owned, 8) == pytest.approx(z1.dense_params / 8 + owned)  # one group: experts whole
+    for N in (4, 8):
+        own = 16 // N * 4 * z0.shape.params
+        saved = OPT_BYTES * (optimizer_params(z0, own, N) - optimizer_params(z1, own, N))
+        assert ep_memory_bytes(z0, N) - ep_memory_bytes(z1, N) == pytest.approx(saved) and saved > 0
+    assert budget_for_cap(z1, 4, 1.5, rematerialize=False) < budget_for_cap(z0, 4, 1.5, rematerialize=False)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Both stages, every policy; under ZeRO 1 each step's sync charge is recorded with its inputs."""
+    import ds_fssdp.sim.cluster as cluster
+    out, calls = {}, []
+
+    def recorded(sync, **kw):
+        value = exposed_sync(sync, **kw)
+        calls.append((sync, kw, value))
+        return value
+
+    for z in (0, 1):
+        setup = setup_with(z)
+        tokens = synthetic_trace(steps=9, num_layers=setup.num_layers, num_experts=16, num_ranks=8,
+                                 assignments_per_rank=2 * setup.tokens_per_gpu, target_std=0.12, top_k=2,
+                                 seed=1).tokens_SLED
+        out[z] = {}
+        for name in ("ep", "fsmoe", "fssdp", "fssdp-rm"):
+            calls.clear()
+            cluster.exposed_sync, original = recorded, cluster.exposed_sync
+            try:
+                r, = simulate_cluster(setup, tokens, [name], group_size=4, memory_cap=1.5)
+            finally:
+                cluster.exposed_sync = original
+            out[z][name] = (r, list(calls[setup.load_window:]))  # the timed steps'
+    return out
+
+
+def test_zero_1_charges_each_schedule_what_it_runs(runs):
+    """EP gathers at the step, whole; fsmoe and FSSDP gather their experts in the next forward's
+    gaps, before each layer's first use (FSSDP's a layer ahead: its replica gather), which hides part
+    of it; what each step is charged is that; the optimizer steps slices, the memory shrinks and
+    stays within the cap, the bound below."""
+    z0, z1 = runs[0], runs[1]
+    for name, (r, calls) in z1.items():
+        assert len(calls) == 4
+        assert r.breakdown_s["ar"] == pytest.approx(np.mean([v for _, _, v in calls]))
+        for sync, kw, value in calls:
+            assert sync.reduce_s > 0 and sync.step_gather_s > 0 and sync.forward_gather_s > 0
+            if name == "ep":
+                assert not kw["gaps"] and value >= sync.step_gather_s + sync.forward_gather_s
+                continue
+            assert kw["gaps"] and kw["lead"] == (0 if name == "fsmoe" else 1)
+            assert min(kw["forward_gaps_L"]) > 0
+            at_the_step = exposed_sync(sync, **dict(kw, forward_gaps_L=[0.0] * len(kw["forward_gaps_L"])))
+            assert value < at_the_step - 1e-9, name
+        assert r.breakdown_s["opt"] < z0[name][0].breakdown_s["opt"], name  # the optimizer steps slices
+        assert sum(r.memory_bytes.values()) <= 1.5 * r.ep_memory_bytes * (1 + 1e-9), name
+        assert r.ep_memory_bytes < z0[name][0].ep_memory_bytes
+        assert 0 < r.lower_bound_s <= r.iteration_s, (name, r.lower_bound_s, r.iteration_s)
+    for name, (r, calls) in z0.items():  # ZeRO 0: the all-reduce, nothing gathered
+        assert all(sync.step_gather_s == sync.forward_gather_s == 0.0 for sync, _, _ in calls)
+
+
+@pytest.mark.parametrize("hw", [HW, dataclasses.replace(HW, inter_bw=50e9, intra_bw=20e9)], ids=["slow-node", "slow-gpu"])
+def test_bound_is_below_every_policy_at_zero_1(hw):
+    setup = setup_with(1, hw=hw, ranks_per_node=4)
+    tokens = synthetic_trace(steps=9, num_layers=setup.num_layers, num_experts=16, num_ranks=8,
+                             assignments_per_rank=2 * setup.tokens_per_gpu, target_std=0.12, top_k=2,
+                             seed=2).tokens_SLED
+    for group in (4, 8):
+        for r in simulate_cluster(setup, tokens, ["ep", "uniform", "fsmoe", "fssdp", "fssdp-rm"], group_size=group):
+            assert 0 < r.lower_bound_s <= r.iteration_s, (group, r.policy, r.lower_bound_s, r.iteration_s)
+
+
+def test_bad_stages_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"zero_stage \(2\) must be 0 or 1"):
+        setup_with(2)
+    tokens = np.ones((7, 4, 16, 8), dtype=np.int64)
+    with pytest.raises(ValueError, match=r"zero_stage \(1\): the paper engine models ZeRO 0 only"):
+        simulate_policy("fssdp", setup_with(1), tokens)
+    with pytest.raises(SystemExit, match=r"--zero-stage \(3\) must be one of"):
+        main(["--trace", "synthetic", "--cluster", "b", "--model", "qwen3-30b-a3b", "--gpus", "16", "--group-size",
+              "8", "--steps", "6", "--zero-stage", "3", "--json", "--no-png"], out=io.StringIO())
+    with pytest.raises(SystemExit, match=r"--zero-stage \(1\): modelled at cluster scale only"):
+        main(["--trace", "synthetic", "--cluster", "a", "--model", "gpt-s-moe", "--gpus", "8", "--steps", "6",
+              "--zero-stage", "1", "--json", "--no-png"], out=io.StringIO())
+
+
+def test_the_cli_reports_the_stage():
+    out = io.StringIO()
+    main(["--trace", "synthetic", "--cluster", "b", "--model", "qwen3-30b-a3b", "--gpus", "16", "--group-size", "8",
+          "--steps", "6", "--zero-stage", "1", "--policies", "ep,fssdp", "--json", "--no-png"], out=out)
+    data = json.loads(out.getvalue())
+    assert data["setup"]["zero_stage"] == 1
+    assert {r["policy"] for r in data["results"]} == {"ep", "fssdp"}
