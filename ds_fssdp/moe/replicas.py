@@ -16,6 +16,12 @@ Legend: E experts, D ranks, S owned rows, R replica rows, P elements per expert.
 * re-materialization: the replicas of a layer are dropped after its forward and gathered again
   when the following layer's expert backward is done (:meth:`start_rematerialize`, chained by
   ``prev``), the re-materializing expert Function (``moe/remat.py``) asks :meth:`rematerialized`;
+* the rows' landing (gradients in the gaps under ZeRO >= 1 with several FSSDP groups): the step's
+  EDP all-gather of the updated slices is left in flight and handed over with :meth:`defer`;
+  :meth:`land` waits for it and copies it into ``rows`` before anything here reads or writes them
+  (the gathers, so the first gather of the next forward, and the owned-state methods), so it
+  overlaps what runs until the layer's first use. Reading the rows' shape, dtype or size does not
+  land it;
 * :class:`ReplicaMemory`: bytes of replica rows alive on this rank (all layers) and their peak, and
   how many layers' replicas are alive at once (the next layer's gather starts during this layer's
   expert compute, so two layers' live across it).
@@ -100,6 +106,8 @@ class ReplicaManager:
         self._remat_buffer = None
         self._live = {}  # id -> bytes of replica buffers counted in ``memory``
         self.regather_exposed_s = 0.0
+        self._landing = None  # callable(): the rows' pending write (``defer``), or None
+        self.landing_s = 0.0  # seconds the last landing took (its wait and copy); 0 until it runs
 
     @property
     def expert_bytes(self) -> int:
@@ -115,7 +123,31 @@ class ReplicaManager:
         return gather_layout(self.owner_E, placement_ED, self.rank, topology=self.topology,
                              hierarchical=self.hierarchical)
 
+    # -- the rows' landing ---------------------------------------------------------------------------
+    @property
+    def landing(self) -> bool:
+        """A write of the rows is pending (:meth:`defer`), not landed yet."""
+        return self._landing is not None
+
+    def defer(self, landing) -> None:
+        """``landing()`` writes the rows (it waits for the collective it was started with); it runs
+        at the rows' next use (:meth:`land`), not now."""
+        self.land()
+        self._landing = landing
+        self.landing_s = 0.0
+
+    @torch.no_grad()
+    def land(self) -> None:
+        """Run the pending write of the rows, if any (every use of the rows calls this first)."""
+        if self._landing is None:
+            return
+        landing, self._landing = self._landing, None
+        t0 = time.perf_counter()
+        landing()
+        self.landing_s = time.perf_counter() - t0
+
     def start_gather(self, layout) -> SparseAllGather:
+        self.land()
         g = SparseAllGather(self.rows, layout, self.param_group, self.traffic).start()
         self.count(g.replica_RP)
         return g
@@ -275,6 +307,7 @@ class ReplicaManager:
     # -- owned state -----------------------------------------------------------------------------
     def set_owners(self, owner_E: torch.Tensor, *, rows: torch.Tensor, master: torch.Tensor) -> None:
         """Adopt new owners (after a migration moved the rows): between iterations only."""
+        self.land()
         self.owner_E = owner_E.to("cpu", torch.long).clone()
         self.owned_E = torch.nonzero(self.owner_E == self.rank).flatten()
         if not self.trainable:
@@ -285,6 +318,7 @@ class ReplicaManager:
 
     def use_precision(self, dtype: torch.dtype, device) -> None:
         """Compute with ``dtype`` rows on ``device``; keep an fp32 master when ``dtype`` is lower."""
+        self.land()
         fp32 = self.master.detach().to(device=device, dtype=torch.float32)
         grad = self.trainable
         self.rows = fp32.to(dtype).requires_grad_(grad) if dtype != torch.float32 else fp32.requires_grad_(grad)
@@ -292,12 +326,14 @@ class ReplicaManager:
 
     @torch.no_grad()
     def copy_master_to_rows(self) -> None:
+        self.land()
         if self.master is not self.rows:
             self.rows.copy_(self.master)
 
     @torch.no_grad()
     def load_rows(self, full_EP: torch.Tensor) -> None:
         """Keep the owned experts' rows of a full [E, P] tensor (in master and rows)."""
+        self.land()
         own = full_EP.to(self.master.device).index_select(0, self.owned_E.to(self.master.device))
         self.master.copy_(own)
         self.copy_master_to_rows()
@@ -305,6 +341,7 @@ class ReplicaManager:
     @torch.no_grad()
     def export_rows(self, group) -> torch.Tensor:
         """All experts' rows on every rank (collective over ``group``): [E, P]."""
+        self.land()
         full_EP = self.master.new_zeros(self.owner_E.numel(), self.spec.numel)
         full_EP[self.owned_E.to(full_EP.device)] = self.master.detach()
         dist.all_reduce(full_EP, group=group)

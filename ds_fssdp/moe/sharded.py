@@ -21,7 +21,8 @@ Per iteration:
 * ``prefetch()`` (called before the attention that precedes this layer: by the model's forward
   pre-hook for the first layer, at the end of the previous MoE layer's forward for the others):
   plan the placement from the predicted loads (every rank plans the same one) and start the
-  SparseAllGather of the added replicas;
+  SparseAllGather of the added replicas (after landing the rows' EDP all-gather left in flight by
+  the last step, ``moe/replicas.py``: the first use of the updated rows);
 * ``forward()``: all-gather the gate's counts (``tokens_ED``), wait for the replicas (the exposed
   part of the gather is timed), post-gating (what it adds is gathered now, on the critical path),
   plan the dispatch, start the next layer's gather (replicas on the idle link: it overlaps this
@@ -267,6 +268,7 @@ class ShardedExperts:
         if self._iterations and torch._C._current_graph_task_id() != -1:
             return self._replay(x_TH, idx_TK, weights_TK, side), None
         ctx = self.context()
+        self.replicas.land()  # the step's EDP all-gather, where no prefetch's gather landed it
         gate_idx_TK = idx_TK
         if self.options.uniform:
             g = uniform_assignment(GateOutput(idx_TK, weights_TK, None, counts_E), self.owner_E.numel(),
@@ -472,6 +474,7 @@ class ShardedExperts:
             "reduce_bytes": 0,
             "reduce_bytes_sent_local": 0,
             "reduce_exposed_s": 0.0,
+            "edp_gather_wait_s": self.replicas.landing_s,  # the rows' last landing (ReplicaManager.land)
             # Forward token exchanges of the whole group (dispatch and combine), by link.
             "a2a_bytes_intra": moved_intra * token_bytes * 2,
             "a2a_bytes_inter": moved_inter * token_bytes * 2,
@@ -505,6 +508,13 @@ class ShardedExperts:
 
     def copy_master_to_rows(self) -> None:
         self.replicas.copy_master_to_rows()
+
+    def defer(self, landing) -> None:
+        """The rows' pending write, run at their next use (``ReplicaManager.defer``)."""
+        self.replicas.defer(landing)
+
+    def land(self) -> None:
+        self.replicas.land()
 
     def load_rows(self, full_EP: torch.Tensor) -> None:
         self.replicas.load_rows(full_EP)

@@ -18,7 +18,8 @@ the 1 / world factor, then is summed over the EDP group).
   of its rows' fp32 master and moments, so the world holds one copy. The compute rows accumulate
   the gradient (in their dtype, as ZeRO 1/2 do for dense parameters), which is reduce-scattered
   over the EDP group at the step; each rank steps its slice and the updated slices are
-  all-gathered back into the compute rows.
+  all-gathered back into the compute rows (with gradients in the gaps, in the next forward's gaps:
+  below).
 
 The global-norm clip counts each expert once: partitioned slices are disjoint over the world;
 replicated owners count in group 0 only (the other groups add nothing but their non-finite-loss
@@ -31,12 +32,25 @@ waits for what is still in flight and reduces the layers not started, synchronou
 Each element is summed over the same ranks either way (bitwise the same sums where the collective's
 order is the same). :meth:`wait_in_flight` lands everything started (checkpoints, re-sharding).
 
+Parameters in the gaps (the same setting, partitioned only): ``publish(deferred=True)`` starts
+every layer's all-gather of the updated slices asynchronously, in layer order (the same collective
+and layout as the synchronous one: the same rows, bitwise), and hands each layer its landing (wait,
+copy into the compute rows) with ``ShardedExperts.defer``; it runs at the rows' first use
+(``moe/replicas.py``: the first gather of the layer's next forward, for layer 0 from the model's
+forward pre-hook, for the others during the previous layer's forward), so each all-gather overlaps
+what runs before that. Every method here that reads or writes the rows or the slices lands first
+(``full_state``, ``set_state`` and through them ``migrate``, ``reduce``, ``publish``), and so does
+:meth:`wait_in_flight`. Replicated experts copy their master into the rows at the step, as before
+(nothing to gather).
+
 Both give the stage, re-sharding and checkpoints one interface: ``params()`` (what the expert
 optimizer steps), ``full_state(i)`` / ``set_state(i, ...)`` (layer i's full fp32 master and row
 states of the owned rows, gathered from the slices or re-sliced; collective over the EDP group
 when partitioned), ``migrate(i, ...)`` (new owners inside the FSSDP group) and ``state_bytes()``.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 from deepspeed import comm as dist
@@ -58,6 +72,12 @@ def _is_row_state(value, param) -> bool:
 
 def _nbytes(t) -> int:
     return t.numel() * t.element_size()
+
+
+@torch.no_grad()
+def _write(rows: torch.Tensor, whole) -> None:
+    """Copy the gathered flat whole (``whole()`` waits for it) into ``rows``."""
+    rows.copy_(whole().view_as(rows))
 
 
 class _ExpertState:
@@ -82,7 +102,8 @@ class _ExpertState:
 
     @torch.no_grad()
     def wait_in_flight(self) -> None:
-        """Land every reduce started in the gaps (their results stay for the step)."""
+        """Land every reduce started in the gaps (their results stay for the step) and every
+        layer's all-gather deferred by ``publish``."""
         for i in sorted(self._inflight):
             works, complete = self._inflight.pop(i)
             for w in works:
@@ -90,6 +111,8 @@ class _ExpertState:
                     w.wait()
             complete()
             self._reduced.add(i)
+        for s in self.shards:
+            s.land()
 
     def start_reduce(self, i: int, scale: float, slice_elems: int) -> int:
         """Start layer ``i``'s reduce (asynchronous, sliced); returns the collectives issued."""
@@ -176,9 +199,11 @@ class ReplicatedExperts(_ExpertState):
                      for a, b in self._pieces(flat.numel(), slice_elems)]
         return works, lambda: None
 
-    def publish(self) -> None:
+    def publish(self, *, deferred: bool = False) -> list:
+        """Copy each master into its compute rows (a local copy: never deferred). Returns []."""
         for s in self.shards:
             s.copy_master_to_rows()
+        return []
 
     def full_state(self, i: int) -> tuple:
         master = self.shards[i].master
@@ -244,15 +269,22 @@ class PartitionedExperts(_ExpertState):
         dist.reduce_scatter_tensor(out_C, buf_NC.view(-1), group=self.edp_group)
         return out_C[:sizes[self.j]]
 
-    def _all_gather(self, part: torch.Tensor, numel: int) -> torch.Tensor:
+    def _gather(self, part: torch.Tensor, numel: int, *, async_op: bool = False):
+        """Start the all-gather of every rank's slice (``part``: this rank's) of ``numel`` elements;
+        returns a callable that waits for it and gives the flat [numel] whole."""
         sizes = self._sizes(numel)
         if not numel:
-            return part.new_empty(0)
+            return lambda: part.new_empty(0)
         mine = part.new_zeros(sizes[0])
         mine[:part.numel()] = part
         out_NC = part.new_empty(self.n, sizes[0])
-        dist.all_gather_into_tensor(out_NC.view(-1), mine, group=self.edp_group)
-        return torch.cat([out_NC[k, :n] for k, n in enumerate(sizes)])
+        work = dist.all_gather_into_tensor(out_NC.view(-1), mine, group=self.edp_group, async_op=async_op)
+
+        def whole() -> torch.Tensor:
+            if work is not None:
+                work.wait()
+            return torch.cat([out_NC[k, :n] for k, n in enumerate(sizes)])
+        return whole
 
     def _scaled_flat(self, s, scale: float) -> torch.Tensor:
         g = s.rows.grad
@@ -263,7 +295,7 @@ class PartitionedExperts(_ExpertState):
     def reduce(self, scale: float) -> torch.Tensor:
         """Reduce-scatter the rows' accumulated gradients over the EDP group into the slices'
         gradients (the layers not already reduced in the gaps); this rank's part of the global
-        squared norm."""
+        squared norm. Lands what is in flight first (gap reduces, deferred all-gathers)."""
         self.wait_in_flight()
         sq = torch.zeros((), dtype=torch.float32, device=self.shards[0].rows.device)
         for i, (s, p) in enumerate(zip(self.shards, self.slices)):
@@ -299,21 +331,32 @@ class PartitionedExperts(_ExpertState):
         return works, lambda: setattr(self.slices[i], "grad", out_C[:mine])
 
     @torch.no_grad()
-    def publish(self) -> None:
+    def publish(self, *, deferred: bool = False) -> list:
+        """All-gather the updated slices into every layer's compute rows; ``deferred``: start every
+        all-gather now, in layer order, and leave each layer's landing to its rows' first use
+        (module docstring). Returns the layers deferred."""
         for s, p in zip(self.shards, self.slices):
-            s.rows.copy_(self._all_gather(p.detach(), s.rows.numel()).view_as(s.rows))
+            s.land()  # the last step's, where nothing used the rows since
+            landing = functools.partial(_write, s.rows, self._gather(p.detach(), s.rows.numel(), async_op=deferred))
+            if deferred:
+                s.defer(landing)
+            else:
+                landing()
+        return list(range(len(self.shards))) if deferred else []
 
     @torch.no_grad()
     def full_state(self, i: int) -> tuple:
         s, p = self.shards[i], self.slices[i]
-        shape = s.rows.shape
+        s.land()  # what a checkpoint or a migration takes: the rows then hold this master
+        numel, shape = s.rows.numel(), s.rows.shape
         state = self._state(p)
-        rows = {k: self._all_gather(state[k], s.rows.numel()).view(shape) for k in self.row_keys(i)}
-        return self._all_gather(p.detach(), s.rows.numel()).view(shape), rows, self.scalars(i)
+        rows = {k: self._gather(state[k], numel)().view(shape) for k in self.row_keys(i)}
+        return self._gather(p.detach(), numel)().view(shape), rows, self.scalars(i)
 
     @torch.no_grad()
     def set_state(self, i: int, *, owner_E, master_SP, rows=None, scalars=None) -> None:
         s = self.shards[i]
+        s.land()  # the pending write targets the rows replaced here
         device = s.rows.device
         full = master_SP.to(device=device, dtype=torch.float32)
         compute = full.to(s.rows.dtype, copy=True).requires_grad_(True)

@@ -40,6 +40,7 @@ LAYER_METRICS = (
     "a2a_meta_bytes",  # the routing entries (slots, weights) sent instead
     "gather_exposed_s",  # rank 0's wait for the replicas (not hidden behind the attention)
     "reduce_exposed_s",  # rank 0's wait for the reduced gradients after the backward
+    "edp_gather_wait_s",  # ... for the layer's EDP all-gather left in flight by the last step (0: synchronous)
     "load_prediction_error",  # sum |predicted - actual| / sum actual over experts (NaN at first)
     "overlap_degree",  # t in force (varies with "auto")
     "pipeline_degree_fwd",  # chunks of the forward token exchange (moe/pipeline.py; 1: unchunked)

@@ -10,6 +10,13 @@ reduced gradients into the owner's gradient; at the optimizer step it averages t
 like DeepSpeed's data-parallel gradients, folds their norm into DeepSpeed's global norm, applies
 the same unscale/clip factor, and steps them with the optimizer type and hyperparameters DeepSpeed
 built from the same config.
+
+With ``fssdp.grads_in_gaps`` each layer's EDP reduce starts during the backward (``before_backward``)
+and, under ZeRO >= 1 with several FSSDP groups, each layer's EDP all-gather of the stepped slices
+starts at the step and lands at the layer's first use in the next forward (``expert_dp.py``):
+``last_step["edp_gather_in_gaps"]`` lists the layers deferred, each layer's stats the seconds its
+landing took (``edp_gather_wait_s``). :meth:`wait_in_flight` (checkpoint save and load, re-shards)
+lands both.
 """
 from __future__ import annotations
 
@@ -231,8 +238,9 @@ class FSSDPStage:
         self._gaps_started.append(i)
 
     def wait_in_flight(self) -> None:
-        """Land every expert gradient reduce started in the gaps (before a checkpoint or anything
-        that reads or moves expert state between the backward and the step)."""
+        """Land every expert gradient reduce started in the gaps and every EDP all-gather left in
+        flight by the step (before a checkpoint or anything that reads or moves expert state
+        between the backward and the step, or between the step and the next forward)."""
         if self.expert_state is not None:
             self.expert_state.wait_in_flight()
 
@@ -267,6 +275,7 @@ class FSSDPStage:
     def after_step(self, engine) -> None:
         applied = not getattr(engine.optimizer, "overflow", False) and not self.health.skip
         factor = self.norm.disarm()
+        deferred = []  # layers whose EDP all-gather lands in the next forward (expert_dp.py)
         if applied:
             if self.optimizer is not None:  # None: every expert is frozen
                 for group in self.optimizer.param_groups:
@@ -275,7 +284,7 @@ class FSSDPStage:
                     for master in self.masters():
                         master.grad.mul_(factor)
                 self.optimizer.step()
-            self.expert_state.publish()
+            deferred = self.expert_state.publish(deferred=self.config.grads_in_gaps)
             self._reduce_router_loads(engine.device)
             for layer in self.layers:
                 layer.update_routing_bias()
@@ -297,6 +306,7 @@ class FSSDPStage:
                           "edp_reduce_in_gaps": list(self._gaps_started),
                           "edp_reduce_wait_s": self._edp_reduce_s,
                           "edp_reduce_slice_bytes": list(self.gap_slice_bytes),
+                          "edp_gather_in_gaps": deferred,
                           "cost_fit_error": self.cost_fit.error if self.cost_fit is not None else None}
         self.memory.reset_peak()
 
@@ -494,10 +504,10 @@ class FSSDPStage:
         rank sent for all of them."""
         if not self.migrators:
             return 0
-        self.wait_in_flight()
         owner_LE = torch.stack([s.owner_E for s in self.shards])
         sent = 0
         for r in migrations(self.migrators, self.steps, self.world_loads(), owner_LE, clock=self.clock(0)):
+            self.wait_in_flight()  # only when something moves: the step's all-gathers stay in flight otherwise
             sent += sum(self.expert_state.migrate(i, r.owner_LE[i], self.param_group) for i in range(len(self.shards)))
             logger.info(f"fssdp: re-sharded at step {self.steps}: {r.copies_M4.shape[0]} experts moved ({sent} bytes "
                         "sent by this rank)")
