@@ -120,8 +120,10 @@ class FSSDPConfig(DeepSpeedConfigModel):
     reduce over the EDP group (all-reduce, or reduce-scatter under ZeRO >= 1) asynchronously during
     the backward of the layers below it, as soon as its replica reduce has landed and been folded
     in, in slices sized to the gaps the schedule predicts (``planner/schedule.gap_slice_bytes``);
-    the step waits only for what is still in flight. ``false``: every layer's reduce runs at the
-    step, synchronously. The same sums either way."""
+    the step waits only for what is still in flight. Under ZeRO >= 1 with several FSSDP groups the
+    step's all-gather of the updated expert slices is left in flight too, each layer's rows landing
+    at their first use in the next forward (``runtime/expert_dp.py``). ``false``: every layer's
+    reduce and all-gather run at the step, synchronously. The same sums and weights either way."""
 
     topology_aware: StrictBool = True
     """Sparse collectives cross the inter-node link once per (expert, node) and are forwarded inside
