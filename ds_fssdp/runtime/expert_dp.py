@@ -13,7 +13,7 @@ the 1 / world factor, then is summed over the EDP group).
 * ``ReplicatedExperts`` (ZeRO stage 0, or one FSSDP group): every owner keeps the fp32 master and
   the optimizer moments of its rows (in fp32 the master is the compute rows); gradients are
   all-reduced over the EDP group and every owner steps the same update, as DeepSpeed replicates
-  dense optimizer state at stage 0.
+  dense optimizer state at stage 0 (with gradients in the gaps a step may be split: below).
 * ``PartitionedExperts`` (ZeRO stage >= 1 with more than one group): EDP rank j keeps only slice j
   of its rows' fp32 master and moments, so the world holds one copy. The compute rows accumulate
   the gradient (in their dtype, as ZeRO 1/2 do for dense parameters), which is reduce-scattered
@@ -21,9 +21,10 @@ the 1 / world factor, then is summed over the EDP group).
   all-gathered back into the compute rows (with gradients in the gaps, in the next forward's gaps:
   below).
 
-The global-norm clip counts each expert once: partitioned slices are disjoint over the world;
-replicated owners count in group 0 only (the other groups add nothing but their non-finite-loss
-flags). The stage all-reduces the squared norm over the world.
+The global-norm clip counts each expert once: every rank counts its slice j of each layer's reduced
+gradient (partitioned: its own slices; replicated: those elements of the all-reduced gradient, or
+a split step's slices, so both give the same sum), disjoint over the world. The stage all-reduces
+the squared norm over the world.
 
 Gradients in the gaps (``fssdp.grads_in_gaps``): :meth:`start_reduce` starts one layer's reduce
 asynchronously during the backward (as soon as its owned gradient is final), in slices of at most
@@ -40,8 +41,21 @@ copy into the compute rows) with ``ShardedExperts.defer``; it runs at the rows' 
 forward pre-hook, for the others during the previous layer's forward), so each all-gather overlaps
 what runs before that. Every method here that reads or writes the rows or the slices lands first
 (``full_state``, ``set_state`` and through them ``migrate``, ``reduce``, ``publish``), and so does
-:meth:`wait_in_flight`. Replicated experts copy their master into the rows at the step, as before
-(nothing to gather).
+:meth:`wait_in_flight`. Replicated experts copy their master into the rows at the step (nothing to
+gather), unless the step is split.
+
+Updates in the gaps (the same setting, replicated over an EDP group of more than one rank, when the
+stage sets ``split`` for a step: ``FSSDPStage._decide_split``): an all-reduce is a reduce-scatter
+and an all-gather of the same bytes, and nothing needs layer l's update before its rows' first use.
+So each layer's reduce is a reduce-scatter into this rank's slice of its summed gradient (the
+partitioned code, in the gaps or at the step), the stage steps nothing, and ``publish`` starts
+every trainable layer's all-gather of those slices and defers its landing: the full gradient times
+the step's unscale/clip factor into the master's gradient, the expert optimizer stepped for that
+master alone (torch's Adam, AdamW and SGD keep their state per parameter; its hyperparameters are
+still the step's), the master into the rows. The same sums, the same factor and the same
+per-parameter update as the all-reduce at the step: bitwise the same master and moments (EDP
+groups of 2). It lands where the partitioned all-gather does, and ``full_state``, ``set_state``,
+``migrate`` and ``reduce`` land first. A step not applied drops the slices (``clear_grads``).
 
 Both give the stage, re-sharding and checkpoints one interface: ``params()`` (what the expert
 optimizer steps), ``full_state(i)`` / ``set_state(i, ...)`` (layer i's full fp32 master and row
@@ -58,12 +72,12 @@ from deepspeed import comm as dist
 from ds_fssdp.runtime.reshard import migrate_rows, migrate_shard
 
 
-def make_expert_state(shards: list, *, zero_stage: int, edp_group, edp_size: int, edp_rank: int,
-                      group_index: int):
+def make_expert_state(shards: list, *, zero_stage: int, edp_group, edp_size: int, edp_rank: int):
     """The layout for this run: partitioned with ZeRO >= 1 over an EDP group of more than one rank."""
     if zero_stage >= 1 and edp_size > 1:
         return PartitionedExperts(shards, edp_group=edp_group, edp_size=edp_size, edp_rank=edp_rank)
-    return ReplicatedExperts(shards, edp_group=edp_group if edp_size > 1 else None, group_index=group_index)
+    return ReplicatedExperts(shards, edp_group=edp_group if edp_size > 1 else None, edp_size=edp_size,
+                             edp_rank=edp_rank)
 
 
 def _is_row_state(value, param) -> bool:
@@ -80,11 +94,27 @@ def _write(rows: torch.Tensor, whole) -> None:
     rows.copy_(whole().view_as(rows))
 
 
+def _step_alone(optimizer, param) -> None:
+    """Step ``optimizer`` for ``param`` only: the others' gradients are hidden meanwhile (torch's
+    Adam, AdamW and SGD skip a parameter without one and keep their state per parameter)."""
+    hidden = [p for group in optimizer.param_groups for p in group["params"] if p is not param and p.grad is not None]
+    grads = [p.grad for p in hidden]
+    for p in hidden:
+        p.grad = None
+    try:
+        optimizer.step()
+    finally:
+        for p, g in zip(hidden, grads):
+            p.grad = g
+
+
 class _ExpertState:
     partitioned = False
+    split = False  # a split step (replicated only)
 
-    def __init__(self, shards: list):
+    def __init__(self, shards: list, *, edp_group, edp_size: int, edp_rank: int):
         self.shards = shards
+        self.edp_group, self.n, self.j = edp_group, edp_size, edp_rank
         self.optimizer = None  # the expert optimizer over params(), set by the stage
         self._inflight = {}  # layer -> (works, completion) of a reduce started in the gaps
         self._reduced = set()  # layers whose reduce this step has landed (their gradient is final)
@@ -94,6 +124,79 @@ class _ExpertState:
         """[start, end) ranges of ``slice_elems`` elements covering ``numel`` (none for 0)."""
         step = max(1, int(slice_elems))
         return [(a, min(a + step, numel)) for a in range(0, numel, step)]
+
+    def _sizes(self, numel: int) -> list:
+        return [numel // self.n + (k < numel % self.n) for k in range(self.n)]
+
+    def _slice(self, full: torch.Tensor) -> torch.Tensor:
+        sizes = self._sizes(full.numel())
+        return full.reshape(-1).split(sizes)[self.j]
+
+    def _reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
+        sizes = self._sizes(flat.numel())
+        if not flat.numel():
+            return flat[:0]
+        buf_NC = flat.new_zeros(self.n, sizes[0])
+        for k, part in enumerate(flat.split(sizes)):
+            buf_NC[k, :part.numel()] = part
+        out_C = flat.new_empty(sizes[0])
+        dist.reduce_scatter_tensor(out_C, buf_NC.view(-1), group=self.edp_group)
+        return out_C[:sizes[self.j]]
+
+    def _start_reduce_scatter(self, flat: torch.Tensor, slice_elems: int) -> tuple:
+        """:meth:`_reduce_scatter` asynchronously: piece [a, b) of every rank's slice is one
+        reduce-scatter (the same per-element sums as the one collective). Returns the collectives
+        and this rank's slice, final once they are waited for."""
+        sizes = self._sizes(flat.numel())
+        if not flat.numel():
+            return [], flat[:0]
+        offsets = [sum(sizes[:k]) for k in range(self.n)]
+        out_C = flat.new_empty(sizes[0])
+        works = []
+        for a, b in self._pieces(sizes[0], slice_elems):
+            buf_NC = flat.new_zeros(self.n, b - a)
+            for k in range(self.n):
+                end = min(b, sizes[k])
+                if end > a:
+                    buf_NC[k, :end - a] = flat[offsets[k] + a:offsets[k] + end]
+            works.append(dist.reduce_scatter_tensor(out_C[a:b], buf_NC.view(-1), group=self.edp_group, async_op=True))
+        return works, out_C[:sizes[self.j]]
+
+    def _gather(self, part: torch.Tensor, numel: int, *, async_op: bool = False):
+        """Start the all-gather of every rank's slice (``part``: this rank's) of ``numel`` elements;
+        returns a callable that waits for it and gives the flat [numel] whole."""
+        sizes = self._sizes(numel)
+        if not numel:
+            return lambda: part.new_empty(0)
+        mine = part.new_zeros(sizes[0])
+        mine[:part.numel()] = part
+        out_NC = part.new_empty(self.n, sizes[0])
+        work = dist.all_gather_into_tensor(out_NC.view(-1), mine, group=self.edp_group, async_op=async_op)
+
+        def whole() -> torch.Tensor:
+            if work is not None:
+                work.wait()
+            return torch.cat([out_NC[k, :n] for k, n in enumerate(sizes)])
+        return whole
+
+    def _start_landings(self, parts: dict, write, *, deferred: bool) -> list:
+        """Start the all-gather of each layer's slice (``parts``: layer -> this rank's slice), in
+        layer order; ``write(i, whole)`` lands layer i now or, ``deferred``, at its rows' first use
+        (``ShardedExperts.defer``). Returns the layers deferred."""
+        for i in sorted(parts):
+            s = self.shards[i]
+            s.land()  # the last step's, where nothing used the rows since
+            landing = functools.partial(write, i, self._gather(parts[i], s.rows.numel(), async_op=deferred))
+            if deferred:
+                s.defer(landing)
+            else:
+                landing()
+        return sorted(parts) if deferred else []
+
+    def clear_grads(self) -> None:
+        """Drop the step's gradients (after it, applied or not)."""
+        for p in self.params():
+            p.grad = None
 
     @property
     def in_flight(self) -> int:
@@ -161,51 +264,97 @@ class _ExpertState:
 class ReplicatedExperts(_ExpertState):
     """Full fp32 master and moments on every owner (see the module docstring)."""
 
-    def __init__(self, shards: list, *, edp_group, group_index: int):
-        super().__init__(shards)
-        self.edp_group = edp_group
-        self.counts_in_norm = group_index == 0
+    def __init__(self, shards: list, *, edp_group, edp_size: int, edp_rank: int):
+        super().__init__(shards, edp_group=edp_group, edp_size=edp_size, edp_rank=edp_rank)
+        self.split = False  # this step's sync is split around the step (set by the stage; module docstring)
+        self._summed = {}  # layer -> this rank's slice of its summed gradient (split steps), until publish
 
     def params(self) -> list:
         return [s.master for s in self.shards]
 
+    def reduced_slice(self, i: int) -> torch.Tensor:
+        """This rank's slice of layer i's reduced gradient (after :meth:`reduce`): what a split
+        step holds, or the same elements of the all-reduced gradient."""
+        return self._summed[i] if self.split else self._slice(self.shards[i].master.grad)
+
+    @staticmethod
+    def _scaled_grad(s, scale: float) -> torch.Tensor:
+        if s.master.grad is None:
+            s.master.grad = torch.zeros_like(s.master)
+        return s.master.grad.mul_(scale).view(-1)
+
     @torch.no_grad()
     def reduce(self, scale: float) -> torch.Tensor:
         """Scale the accumulated gradients, sum them over the EDP group (the layers not already
-        reduced in the gaps); this rank's part of the global squared norm."""
+        reduced in the gaps): all-reduced into the masters' gradients, or on a split step
+        reduce-scattered into this rank's slices. Returns this rank's part of the global squared
+        norm: its slice of every layer (disjoint over the EDP group; the same elements, so the
+        same norm, either way). Lands what is in flight first (gap reduces, a split step's
+        updates)."""
         self.wait_in_flight()
         sq = torch.zeros((), dtype=torch.float32, device=self.shards[0].master.device)
         for i, s in enumerate(self.shards):
             if i not in self._reduced:
-                if s.master.grad is None:
-                    s.master.grad = torch.zeros_like(s.master)
-                s.master.grad.mul_(scale)
-                if self.edp_group is not None:
-                    dist.all_reduce(s.master.grad, group=self.edp_group)
-            sq += s.master.grad.float().pow(2).sum()
+                flat = self._scaled_grad(s, scale)
+                if self.split:
+                    self._summed[i] = self._reduce_scatter(flat)
+                    s.master.grad = None
+                elif self.edp_group is not None:
+                    dist.all_reduce(flat, group=self.edp_group)
+            sq += self.reduced_slice(i).float().pow(2).sum()
         self._reduced = set()
-        return sq if self.counts_in_norm else torch.zeros_like(sq)
+        return sq
 
     @torch.no_grad()
     def _start(self, i: int, scale: float, slice_elems: int) -> tuple:
         s = self.shards[i]
-        if s.master.grad is None:
-            s.master.grad = torch.zeros_like(s.master)
-        s.master.grad.mul_(scale)
+        flat = self._scaled_grad(s, scale)
+        if self.split:
+            works, part = self._start_reduce_scatter(flat, slice_elems)
+            s.master.grad = None
+            return works, lambda: self._summed.__setitem__(i, part)
         works = []
         if self.edp_group is not None:
-            flat = s.master.grad.view(-1)
             works = [dist.all_reduce(flat[a:b], group=self.edp_group, async_op=True)
                      for a, b in self._pieces(flat.numel(), slice_elems)]
         return works, lambda: None
 
-    def publish(self, *, deferred: bool = False) -> list:
-        """Copy each master into its compute rows (a local copy: never deferred). Returns []."""
-        for s in self.shards:
-            s.copy_master_to_rows()
-        return []
+    def publish(self, *, deferred: bool = False, factor: float = 1.0) -> list:
+        """Copy each master into its compute rows (a local copy: never deferred; returns []). On a
+        split step (the stage stepped nothing): start every trainable layer's all-gather of its
+        summed-gradient slices, in layer order, and land each (:meth:`_update`, with ``factor``,
+        the step's unscale/clip factor) now or, ``deferred``, at its rows' first use. Returns the
+        layers deferred."""
+        if not self.split:
+            for s in self.shards:
+                s.copy_master_to_rows()
+            return []
+        parts = {i: self._summed[i] for i, s in enumerate(self.shards) if s.trainable}
+        self._summed = {}
+        return self._start_landings(parts, functools.partial(self._update, factor=factor), deferred=deferred)
+
+    @torch.no_grad()
+    def _update(self, i: int, whole, *, factor: float) -> None:
+        """Layer i's part of a split step: its summed gradient (``whole()`` waits for the gather)
+        times ``factor`` as its master's gradient, the expert optimizer stepped for that master
+        alone (with the hyperparameters it holds now: the step's), the master into the rows. A
+        gradient the master holds meanwhile (a landing at the next step's reduce) is kept."""
+        s = self.shards[i]
+        master, held = s.master, s.master.grad
+        grad = whole().view_as(master)
+        if factor != 1.0:
+            grad.mul_(factor)
+        master.grad = grad
+        _step_alone(self.optimizer, master)
+        master.grad = held
+        s.copy_master_to_rows()
+
+    def clear_grads(self) -> None:
+        super().clear_grads()
+        self._summed = {}  # a split step not applied: nothing is gathered, nothing updates
 
     def full_state(self, i: int) -> tuple:
+        self.shards[i].land()  # a split step's update: the master and moments a checkpoint takes
         master = self.shards[i].master
         state = self._state(master)
         rows = {k: state[k].detach() for k in self.row_keys(i)}
@@ -214,6 +363,7 @@ class ReplicatedExperts(_ExpertState):
     @torch.no_grad()
     def set_state(self, i: int, *, owner_E, master_SP, rows=None, scalars=None) -> None:
         s = self.shards[i]
+        s.land()  # a pending update steps the master replaced here
         device = s.master.device
         master = master_SP.to(device=device, dtype=torch.float32, copy=True).requires_grad_(True)
         compute = master if s.master is s.rows else master.detach().to(s.rows.dtype).requires_grad_(True)
@@ -223,6 +373,7 @@ class ReplicatedExperts(_ExpertState):
 
     def migrate(self, i: int, new_owner_E, group) -> int:
         self._check_quiet("re-sharding")
+        self.shards[i].land()
         return migrate_shard(self.shards[i], new_owner_E, self.optimizer, group)
 
     def state_bytes(self) -> dict:
@@ -240,8 +391,7 @@ class PartitionedExperts(_ExpertState):
     partitioned = True
 
     def __init__(self, shards: list, *, edp_group, edp_size: int, edp_rank: int):
-        super().__init__(shards)
-        self.edp_group, self.n, self.j = edp_group, edp_size, edp_rank
+        super().__init__(shards, edp_group=edp_group, edp_size=edp_size, edp_rank=edp_rank)
         self.slices = []
         for s in shards:
             full = s.master.detach().float()
@@ -250,41 +400,6 @@ class PartitionedExperts(_ExpertState):
 
     def params(self) -> list:
         return list(self.slices)
-
-    def _sizes(self, numel: int) -> list:
-        return [numel // self.n + (k < numel % self.n) for k in range(self.n)]
-
-    def _slice(self, full: torch.Tensor) -> torch.Tensor:
-        sizes = self._sizes(full.numel())
-        return full.reshape(-1).split(sizes)[self.j]
-
-    def _reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
-        sizes = self._sizes(flat.numel())
-        if not flat.numel():
-            return flat[:0]
-        buf_NC = flat.new_zeros(self.n, sizes[0])
-        for k, part in enumerate(flat.split(sizes)):
-            buf_NC[k, :part.numel()] = part
-        out_C = flat.new_empty(sizes[0])
-        dist.reduce_scatter_tensor(out_C, buf_NC.view(-1), group=self.edp_group)
-        return out_C[:sizes[self.j]]
-
-    def _gather(self, part: torch.Tensor, numel: int, *, async_op: bool = False):
-        """Start the all-gather of every rank's slice (``part``: this rank's) of ``numel`` elements;
-        returns a callable that waits for it and gives the flat [numel] whole."""
-        sizes = self._sizes(numel)
-        if not numel:
-            return lambda: part.new_empty(0)
-        mine = part.new_zeros(sizes[0])
-        mine[:part.numel()] = part
-        out_NC = part.new_empty(self.n, sizes[0])
-        work = dist.all_gather_into_tensor(out_NC.view(-1), mine, group=self.edp_group, async_op=async_op)
-
-        def whole() -> torch.Tensor:
-            if work is not None:
-                work.wait()
-            return torch.cat([out_NC[k, :n] for k, n in enumerate(sizes)])
-        return whole
 
     def _scaled_flat(self, s, scale: float) -> torch.Tensor:
         g = s.rows.grad
@@ -308,41 +423,20 @@ class PartitionedExperts(_ExpertState):
 
     @torch.no_grad()
     def _start(self, i: int, scale: float, slice_elems: int) -> tuple:
-        """Piece [a, b) of every rank's slice is one reduce-scatter: the same per-element sums as
-        :meth:`_reduce_scatter`'s one collective."""
         s = self.shards[i]
         flat = self._scaled_flat(s, scale)
         s.rows.grad = None
-        sizes = self._sizes(flat.numel())
-        if not flat.numel():
-            out_C = flat[:0]
-            return [], lambda: setattr(self.slices[i], "grad", out_C)
-        offsets = [sum(sizes[:k]) for k in range(self.n)]
-        out_C = flat.new_empty(sizes[0])
-        works = []
-        for a, b in self._pieces(sizes[0], slice_elems):
-            buf_NC = flat.new_zeros(self.n, b - a)
-            for k in range(self.n):
-                end = min(b, sizes[k])
-                if end > a:
-                    buf_NC[k, :end - a] = flat[offsets[k] + a:offsets[k] + end]
-            works.append(dist.reduce_scatter_tensor(out_C[a:b], buf_NC.view(-1), group=self.edp_group, async_op=True))
-        mine = sizes[self.j]
-        return works, lambda: setattr(self.slices[i], "grad", out_C[:mine])
+        works, part = self._start_reduce_scatter(flat, slice_elems)
+        return works, lambda: setattr(self.slices[i], "grad", part)
 
     @torch.no_grad()
-    def publish(self, *, deferred: bool = False) -> list:
+    def publish(self, *, deferred: bool = False, factor: float = 1.0) -> list:
         """All-gather the updated slices into every layer's compute rows; ``deferred``: start every
         all-gather now, in layer order, and leave each layer's landing to its rows' first use
-        (module docstring). Returns the layers deferred."""
-        for s, p in zip(self.shards, self.slices):
-            s.land()  # the last step's, where nothing used the rows since
-            landing = functools.partial(_write, s.rows, self._gather(p.detach(), s.rows.numel(), async_op=deferred))
-            if deferred:
-                s.defer(landing)
-            else:
-                landing()
-        return list(range(len(self.shards))) if deferred else []
+        (module docstring). ``factor``: applied by the stage before it stepped the slices. Returns
+        the layers deferred."""
+        parts = {i: p.detach() for i, p in enumerate(self.slices)}
+        return self._start_landings(parts, lambda i, whole: _write(self.shards[i].rows, whole), deferred=deferred)
 
     @torch.no_grad()
     def full_state(self, i: int) -> tuple:

@@ -15,8 +15,12 @@ With ``fssdp.grads_in_gaps`` each layer's EDP reduce starts during the backward 
 and, under ZeRO >= 1 with several FSSDP groups, each layer's EDP all-gather of the stepped slices
 starts at the step and lands at the layer's first use in the next forward (``expert_dp.py``):
 ``last_step["edp_gather_in_gaps"]`` lists the layers deferred, each layer's stats the seconds its
-landing took (``edp_gather_wait_s``). :meth:`wait_in_flight` (checkpoint save and load, re-shards)
-lands both.
+landing took (``edp_gather_wait_s``). Under ZeRO 0 with several groups, after each step
+:meth:`_decide_split` decides, from the cost model and the modelled gaps, whether the next step's
+sync is split around it: a reduce-scatter in the gaps, no expert optimizer step at the step, and
+each layer's all-gather and update landing at its first use (``expert_dp.py``);
+``last_step["edp_split"]`` says whether a step was. :meth:`wait_in_flight` (checkpoint save and
+load, re-shards) lands all of them.
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ from ds_fssdp.planner import CostModel, Hardware, LoadPredictor, auto_materializ
 from ds_fssdp.planner.baselines import Clock, PolicyConfig, make_policy
 from ds_fssdp.planner.layer import LayerPlanner, migrating_policies, migrations
 from ds_fssdp.planner.cost import schedule_costs
-from ds_fssdp.planner.schedule import ScheduleCosts, gap_slice_bytes, idle_link_s, loads_from_traffic
+from ds_fssdp.planner.schedule import ScheduleCosts, gap_slice_bytes, idle_link_s, loads_from_traffic, split_sync_pays
 from ds_fssdp.planner.scheduled import ExchangeOptions, ScheduledCostModel
 from ds_fssdp.runtime import costfit
 from ds_fssdp.runtime.expert_dp import make_expert_state
@@ -49,6 +53,10 @@ from ds_fssdp.topology import Topology
 
 # Hyperparameters an LR/momentum schedule changes on DeepSpeed's optimizer; mirrored every step.
 _SCHEDULED = ("lr", "betas", "momentum")
+# Expert optimizers a split step may step one layer at a time (expert_dp.py), exactly as in one
+# step of all: torch's keep every state per parameter. DeepSpeed's FusedAdam counts its step in the
+# last parameter of a group that has a gradient and applies that count to all: never split for it.
+_STEPS_ONE_LAYER = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
 class FSSDPStage:
@@ -173,7 +181,7 @@ class FSSDPStage:
             shard.side_allowed = zero_stage < 3
         self.expert_state = make_expert_state(self.shards, zero_stage=zero_stage,
                                               edp_group=self.edp_group, edp_size=self.edp_size,
-                                              edp_rank=self.group_index, group_index=self.group_index)
+                                              edp_rank=self.group_index)
         self.optimizer = build_expert_optimizer(engine.basic_optimizer, self.trainable_masters())
         self.expert_state.optimizer = self.optimizer
         self.norm = install_expert_norm(engine)
@@ -275,23 +283,28 @@ class FSSDPStage:
     def after_step(self, engine) -> None:
         applied = not getattr(engine.optimizer, "overflow", False) and not self.health.skip
         factor = self.norm.disarm()
+        split = self.expert_state.split  # decided after the last step (_decide_split)
         deferred = []  # layers whose EDP all-gather lands in the next forward (expert_dp.py)
         if applied:
             if self.optimizer is not None:  # None: every expert is frozen
-                for group in self.optimizer.param_groups:
+                for group in self.optimizer.param_groups:  # split: what each layer's landing steps with
                     group.update({k: v for k, v in self._scheduled.items() if k in group})
-                if factor != 1.0:
-                    for master in self.masters():
-                        master.grad.mul_(factor)
-                self.optimizer.step()
-            deferred = self.expert_state.publish(deferred=self.config.grads_in_gaps)
+                if not split:  # split: each layer steps where its gradient lands (expert_dp.py)
+                    if factor != 1.0:
+                        for master in self.masters():
+                            master.grad.mul_(factor)
+                    self.optimizer.step()
+            deferred = self.expert_state.publish(deferred=self.config.grads_in_gaps, factor=factor)
             self._reduce_router_loads(engine.device)
             for layer in self.layers:
                 layer.update_routing_bias()
             self.steps += 1
-        for master in self.masters():
-            master.grad = None
+        self.expert_state.clear_grads()
+        for i, shard in enumerate(self.shards):
+            if i not in deferred:  # its rows were written at the step: no landing to time next
+                shard.replicas.landing_s = 0.0
         self._agree_on_windows(engine.device)
+        self.expert_state.split = self._decide_split(engine.device)
         self._plan_gap_slices(engine.device)
         resharded = self.reshard() if applied else 0
         self._steps_seen += 1
@@ -307,6 +320,7 @@ class FSSDPStage:
                           "edp_reduce_wait_s": self._edp_reduce_s,
                           "edp_reduce_slice_bytes": list(self.gap_slice_bytes),
                           "edp_gather_in_gaps": deferred,
+                          "edp_split": split,
                           "cost_fit_error": self.cost_fit.error if self.cost_fit is not None else None}
         self.memory.reset_peak()
 
@@ -320,23 +334,60 @@ class FSSDPStage:
         return loads_from_traffic(d.traffic_DD.numpy(), ranks_per_node=self.topology.ranks_per_node,
                                   token_bytes=token_bytes)[shard.rank]
 
+    def _idle_s(self, *, backward: bool) -> list:
+        """Each layer's link gap (:func:`idle_link_s` of its last load at degree 1; None without
+        a load), from the costs the schedule is planned with."""
+        costs = self.schedule_costs if self.schedule_costs is not None else self.cost.schedule_costs()
+        return [None if ld is None else idle_link_s(costs, ld, 1, backward=backward) for ld in self._gap_loads]
+
     def _plan_gap_slices(self, device) -> None:
         """Each layer's EDP reduce slice for the next step: :func:`planner.schedule.gap_slice_bytes`
         over the gap the layer below's backward leaves on the links (:func:`idle_link_s` of its
-        last load at degree 1) and the modelled reduce; the smallest over the EDP group (every
-        member must cut the same slices). Without a cost model: the fixed default (no collective)."""
+        last load at degree 1) and the modelled reduce (a reduce-scatter when partitioned or split);
+        the smallest over the EDP group (every member must cut the same slices). Without a cost
+        model: the fixed default (no collective)."""
         if not self.config.grads_in_gaps or self.edp_size == 1 or self.cost is None:
             return
-        costs = self.schedule_costs if self.schedule_costs is not None else self.cost.schedule_costs()
-        reduce = self.cost.edp_reduce_linear(self.edp_size, partitioned=self.expert_state.partitioned)
-        sizes = []
-        for i, s in enumerate(self.shards):
-            below = self._gap_loads[i - 1] if i > 0 else None
-            gap = idle_link_s(costs, below, 1, backward=True) if below is not None else None
-            sizes.append(gap_slice_bytes(reduce, gap, s.rows.numel() * 4))
+        partitioned = self.expert_state.partitioned or self.expert_state.split
+        reduce = self.cost.edp_reduce_linear(self.edp_size, partitioned=partitioned)
+        idle = self._idle_s(backward=True)
+        sizes = [gap_slice_bytes(reduce, idle[i - 1] if i > 0 else None, s.rows.numel() * 4)
+                 for i, s in enumerate(self.shards)]
         agreed = torch.tensor(sizes, dtype=torch.float64, device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.edp_group)
         self.gap_slice_bytes = [int(v) for v in agreed.tolist()]
+
+    def _split_inputs(self):
+        """:func:`split_sync_pays`'s inputs for the next step, per layer: the modelled all-reduce,
+        reduce-scatter and all-gather of its fp32 gradient, its backward gap (twice its attention
+        window and the link gap of its last load's backward) and forward gap (its window and its
+        forward's link gap). None where one is missing (no attention window or no load yet)."""
+        if any(a is None for a in self.attention_s) or any(ld is None for ld in self._gap_loads):
+            return None
+        n = self.edp_size
+        whole = self.cost.edp_reduce_linear(n, partitioned=False)
+        part = self.cost.edp_reduce_linear(n, partitioned=True)
+        nbytes = [s.rows.numel() * 4 for s in self.shards]
+        halves = [part(b / n) for b in nbytes]  # the reduce-scatter and the all-gather move the same bytes
+        backward = [2.0 * a + g for a, g in zip(self.attention_s, self._idle_s(backward=True))]
+        forward = [a + g for a, g in zip(self.attention_s, self._idle_s(backward=False))]
+        return [whole(b) for b in nbytes], halves, list(halves), backward, forward
+
+    def _decide_split(self, device) -> bool:
+        """Whether the next step's EDP sync of replicated experts is split around the step under
+        gradients in the gaps (expert_dp.py): :func:`split_sync_pays` on :meth:`_split_inputs`,
+        ``lead`` 1 (a layer's rows are first used by its replica gather, during the layer before),
+        on every rank of the EDP group (the members must issue the same collectives: the
+        minimum). False without a cost model or an input, for partitioned state, one FSSDP group,
+        or an expert optimizer that cannot step one layer alone (``_STEPS_ONE_LAYER``)."""
+        if (not self.config.grads_in_gaps or self.edp_size == 1 or self.expert_state.partitioned
+                or self.cost is None or type(self.optimizer) not in _STEPS_ONE_LAYER):
+            return False
+        inputs = self._split_inputs()
+        pays = inputs is not None and split_sync_pays(*inputs, lead=1)
+        agreed = torch.tensor([1.0 if pays else 0.0], dtype=torch.float64, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.edp_group)
+        return bool(agreed.item())
 
     def refit_schedule_costs(self, device) -> None:
         """Refit ``schedule_costs`` from every layer's recorded exchange and GEMM timings, agreed by
