@@ -13,11 +13,12 @@ import pytest
 
 from ds_fssdp import Topology
 from ds_fssdp.planner import ExpertShape, Hardware
-from ds_fssdp.planner.schedule import drain_before_deadlines
+from ds_fssdp.planner.schedule import drain_before_deadlines, drain_in_gaps, split_sync_pays
 from ds_fssdp.sim.__main__ import main
 from ds_fssdp.sim.cluster import simulate_cluster
 from ds_fssdp.sim.links import allreduce_links
 from ds_fssdp.sim.memory import budget_for_cap, ep_memory_bytes, optimizer_params
+from ds_fssdp.sim.pipeline import ScheduleOptions
 from ds_fssdp.sim.setup import GRAD_BYTES, OPT_BYTES, Setup, derive_overlap_degree
 from ds_fssdp.sim.simulate import simulate_policy
 from ds_fssdp.sim.sync import exposed_sync, sync_times
@@ -105,6 +106,31 @@ def test_sync_is_the_all_reduce_at_zero_0_and_its_halves_at_zero_1():
     assert even.forward_gather_s == pytest.approx(ring_s(z1, edp_M, np.full(N, 16 * 4 / N) * z1.shape.params))
 
 
+def test_zero_0_split_is_the_experts_reduce_scatter_beside_the_dense_all_reduce():
+    z0 = setup_with(0)
+    N, D = 4, 8
+    dense_M, edp_M = np.ones((1, D), dtype=bool), np.tile(np.eye(N, dtype=bool), (1, D // N))
+    dense_K, edp_K = [z0.dense_params * GRAD_BYTES], np.full(N, 16 * 4 / N) * z0.shape.params * GRAD_BYTES
+    s = sync_times(z0, N, split_experts=True)
+    assert s.reduce_s == pytest.approx(ring_s(z0, np.concatenate([dense_M, edp_M]), np.concatenate([dense_K, edp_K / 2])))
+    assert s.forward_gather_s == pytest.approx(ring_s(z0, edp_M, edp_K / 2)) and s.step_gather_s == 0.0
+    assert s.reduce_s < sync_times(z0, N).reduce_s
+    one = sync_times(z0, D, split_experts=True)  # one group: no experts' sync to split
+    assert (one.forward_gather_s, one.reduce_s) == (0.0, pytest.approx(sync_times(z0, D).reduce_s))
+
+
+def test_split_sync_pays_known_answers():
+    L = 4
+    # backward gaps that hide the whole all-reduce: splitting only exposes the gather's first layers
+    assert not split_sync_pays([1.0] * L, [0.5] * L, [0.5] * L, [10.0] * L, [10.0] * L, lead=1)
+    # no backward gaps: whole, the all-reduce is exposed (4.0); split, its reduce-scatter (2.0) and
+    # what the forward cannot hide before the deadlines (lead 1: the first two layers', 1.0)
+    assert drain_in_gaps([0.5] * L, [0.0] * L) + drain_before_deadlines([0.5] * L, [10.0] * L, lead=1) == 3.0
+    assert split_sync_pays([1.0] * L, [0.5] * L, [0.5] * L, [0.0] * L, [10.0] * L, lead=1)
+    # and no forward gaps either: split exposes 2.0 + 2.0, not less than whole's 4.0
+    assert not split_sync_pays([1.0] * L, [0.5] * L, [0.5] * L, [0.0] * L, [0.0] * L, lead=1)
+
+
 def test_exposed_sync_serial_and_in_the_gaps():
     s1 = sync_times(setup_with(1), 4)
     L = 4
@@ -185,13 +211,17 @@ def test_zero_1_charges_each_schedule_what_it_runs(runs):
         assert sum(r.memory_bytes.values()) <= 1.5 * r.ep_memory_bytes * (1 + 1e-9), name
         assert r.ep_memory_bytes < z0[name][0].ep_memory_bytes
         assert 0 < r.lower_bound_s <= r.iteration_s, (name, r.lower_bound_s, r.iteration_s)
-    for name, (r, calls) in z0.items():  # ZeRO 0: the all-reduce, nothing gathered
-        assert all(sync.step_gather_s == sync.forward_gather_s == 0.0 for sync, _, _ in calls)
+    for name, (r, calls) in z0.items():  # ZeRO 0: EP and fsmoe all-reduce before the step
+        if name in ("ep", "fsmoe"):
+            assert all(sync.step_gather_s == sync.forward_gather_s == 0.0 for sync, _, _ in calls)
 
 
+@pytest.mark.parametrize("zero", [0, 1])
 @pytest.mark.parametrize("hw", [HW, dataclasses.replace(HW, inter_bw=50e9, intra_bw=20e9)], ids=["slow-node", "slow-gpu"])
-def test_bound_is_below_every_policy_at_zero_1(hw):
-    setup = setup_with(1, hw=hw, ranks_per_node=4)
+def test_bound_is_below_every_policy_with_expert_data_parallelism(hw, zero):
+    """Both ZeRO stages, with EDP groups (groups of 4) and without (8): at ZeRO 0 the bound is the
+    least over the all-reduce before the step and its experts' part split around it (FSSDP's)."""
+    setup = setup_with(zero, hw=hw, ranks_per_node=4)
     tokens = synthetic_trace(steps=9, num_layers=setup.num_layers, num_experts=16, num_ranks=8,
                              assignments_per_rank=2 * setup.tokens_per_gpu, target_std=0.12, top_k=2,
                              seed=2).tokens_SLED
@@ -221,3 +251,43 @@ def test_the_cli_reports_the_stage():
     data = json.loads(out.getvalue())
     assert data["setup"]["zero_stage"] == 1
     assert {r["policy"] for r in data["results"]} == {"ep", "fssdp"}
+
+
+@pytest.mark.parametrize("inter_bw,splits", [(5e9, True), (400e9, False)], ids=["slow-node-link", "fast-node-link"])
+def test_zero_0_splits_the_experts_sync_where_it_pays(inter_bw, splits):
+    """ZeRO 0 under FSSDP with the gaps: after each step the experts' all-reduce of the next is
+    split around the step (its all-gather of the summed gradients in the next forward) where
+    ``split_sync_pays`` says so on that step's gaps (the runtime's rule): where the node link is
+    the step's (slow), every step after the first splits and exposes less than the all-reduce in
+    the same gaps; where the backward's gaps hide the all-reduce (fast), none does."""
+    import ds_fssdp.sim.cluster as cluster
+    setup = setup_with(0, hw=dataclasses.replace(HW, inter_bw=inter_bw))
+    tokens = synthetic_trace(steps=9, num_layers=setup.num_layers, num_experts=16, num_ranks=8,
+                             assignments_per_rank=2 * setup.tokens_per_gpu, target_std=0.12, top_k=2,
+                             seed=1).tokens_SLED
+    calls = []
+
+    def recorded(sync, **kw):
+        value = exposed_sync(sync, **kw)
+        calls.append((sync, kw, value))
+        return value
+
+    cluster.exposed_sync, original = recorded, cluster.exposed_sync
+    try:
+        r, = simulate_cluster(setup, tokens, ["fssdp"], group_size=4)
+    finally:
+        cluster.exposed_sync = original
+    L = setup.num_layers
+    owned = np.full(4, 16 * L / 4)  # homogeneous owners, no re-shard
+    whole, split = sync_times(setup, 4, owned), sync_times(setup, 4, owned, split_experts=True)
+    taken = [sync.forward_gather_s > 0 for sync, _, _ in calls]
+    decided = [split_sync_pays([whole.reduce_s / L] * L, [split.reduce_s / L] * L, [split.forward_gather_s / L] * L,
+                               kw["backward_gaps_L"], kw["forward_gaps_L"], lead=1) for _, kw, _ in calls]
+    assert taken[0] is False  # nothing decided before the first step
+    assert taken[1:] == decided[:-1]  # each step as decided after the one before
+    assert all(t == splits for t in taken[1:]), taken
+    assert r.split_steps == (1.0 if splits else 0.0)
+    for sync, kw, value in calls[1:]:
+        assert value == pytest.approx(exposed_sync(split if splits else whole, **kw))
+        if splits:
+            assert value < exposed_sync(whole, **kw)

@@ -77,7 +77,9 @@ before each layer's first use in the next forward, so it can overlap that forwar
     max(forward, A) + sum_l x_l + max(backward, reduce-scatter) >= u forward + (1 - u) A + ...
 
 for every u in [0, 1] too; :func:`chain_bound` weighs the forward's terms by u, and the bound is
-the best over the (u, v) grid.
+the best over the (u, v) grid. At ZeRO 0 a policy either all-reduces before the step or (FSSDP
+with the gaps) splits its experts' all-reduce the same way (:mod:`.sync`), so the bound is the
+least of the two.
 """
 from __future__ import annotations
 
@@ -107,9 +109,13 @@ class LowerBound:
         self.persistent = max(0, persistent)
         self.plain = self.budget if plain is None else max(0, plain)
         self.total, self.counted = 0.0, 0
-        self.sync = sync_times(setup, group_size)  # with even owners (sim/sync.py)
-        # ZeRO 1 with several groups: (u, v), the experts' gather beside the forward; else v alone
-        self.weights = [(u, v) for u in (WEIGHTS if self.sync.forward_gather_s > 0 else (1.0, )) for v in WEIGHTS]
+        # Each way a policy may sync (sim/sync.py, even owners): at ZeRO 0 the all-reduce before the
+        # step, or (FSSDP with the gaps) its experts' part split around the step; at ZeRO 1 split.
+        # With an experts' gather beside the forward, the (u, v) grid; else v alone.
+        kinds = (False, True) if setup.zero_stage == 0 and setup.topology.num_ranks // group_size > 1 else (False, )
+        self.syncs = [sync_times(setup, group_size, split_experts=split) for split in kinds]
+        self.weights = [[(u, v) for u in (WEIGHTS if sync.forward_gather_s > 0 else (1.0, )) for v in WEIGHTS]
+                        for sync in self.syncs]
 
     def step(self, s: int, tokens_LED: np.ndarray) -> None:
         if s < self.setup.load_window:
@@ -167,15 +173,18 @@ class LowerBound:
             forward_LASB[l] = np.maximum(bal_B + one_AB[:, None], x_ASB)
             compute_LASB[l] = 2.0 * attn_f + np.maximum(2.0 * bal_B + one_AB[:, None], x_ASB)
         owned = math.ceil(E * L / N) * st.shape.params
-        tail = (st.extra_compute_s + optimizer_params(st, owned, N) * OPT_TRAFFIC_BYTES / hw.hbm_bw
-                + self.sync.step_gather_s)
-        gather = self.sync.forward_gather_s
+        tail = st.extra_compute_s + optimizer_params(st, owned, N) * OPT_TRAFFIC_BYTES / hw.hbm_bw
         fits = ch.fits_AS
         m_LKB, u_LKB, c_LKB = forward_LASB[:, fits], busy_LASB[:, fits], compute_LASB[:, fits]
         b_LCB = np.maximum(c_LKB[:, state_C], reduce_C[None, :, None] + u_LKB[:, state_C])
-        low_B = np.array([max(chain_bound(m_LKB[:, :, b], b_LCB[:, :, b], gather_C, attn_f, v, self.sync.reduce_s,
-                                          u_LKB[:, :, b], state_C=state_C, exposed_C=exposed_C, u=u)
-                              + (1.0 - u) * gather for u, v in self.weights) for b in range(B)])
+
+        def least(b: int, sync, weights) -> float:  # the best relaxation of one way to sync
+            return sync.step_gather_s + max(
+                chain_bound(m_LKB[:, :, b], b_LCB[:, :, b], gather_C, attn_f, v, sync.reduce_s, u_LKB[:, :, b],
+                            state_C=state_C, exposed_C=exposed_C, u=u) + (1.0 - u) * sync.forward_gather_s
+                for u, v in weights)
+
+        low_B = np.array([min(least(b, sync, w) for sync, w in zip(self.syncs, self.weights)) for b in range(B)])
         self.total += float(low_B.max()) + tail
         self.counted += 1
 

@@ -62,7 +62,7 @@ from ds_fssdp.planner.materialize import materialize as algorithm1  # the defaul
 from ds_fssdp.sim.setup import (GRAD_BYTES, MIGRATE_BYTES, OPT_BYTES, OPT_TRAFFIC_BYTES, PARAM_BYTES, Setup,
                                 derive_overlap_degree)
 from ds_fssdp.sim.sync import SyncTimes, exposed_sync, sync_times
-from ds_fssdp.planner.schedule import overlap_window
+from ds_fssdp.planner.schedule import overlap_window, split_sync_pays
 from ds_fssdp.planner.cost import CostModel
 from ds_fssdp.sim.simulate import CATEGORIES, PolicyResult
 from ds_fssdp.topology import Topology
@@ -83,6 +83,7 @@ class ClusterResult(PolicyResult):
     overlap_degree: int = 0
     groups: int = 1
     groups_simulated: int = 1
+    split_steps: float = 0.0  # share of the timed steps whose experts' sync was split around the step (sim/sync.py)
 
     @property
     def total_s(self) -> float:
@@ -97,7 +98,7 @@ class ClusterResult(PolicyResult):
                    planning_ms={k: 1e3 * v for k, v in self.planning_s.items()}, total_ms=1e3 * self.total_s,
                    link_bytes=self.link_bytes, memory_vs_ep=memory / self.ep_memory_bytes,
                    memory_cap=self.memory_cap, overlap_degree=self.overlap_degree, groups=self.groups,
-                   groups_simulated=self.groups_simulated)
+                   groups_simulated=self.groups_simulated, split_steps=self.split_steps)
         return out
 
 
@@ -212,7 +213,9 @@ class PolicyRun:
                                       for _ in range(B if self.planned else 0))]
         self.world_predictor = LoadPredictor([E] * L, window=setup.load_window)
         self.observed = 0
-        self._sync_cache = None
+        self._sync_cache = {}  # split -> SyncTimes
+        self._split = False  # this step's experts' sync split around the step (decided after the last)
+        self.split_steps = 0
         self.count_links = self._count_links()
         self.totals = dict.fromkeys(CATEGORIES, 0.0)
         self.links = {}  # category -> [bytes per GPU link, per node link] (the simulated groups', or the world's)
@@ -237,7 +240,7 @@ class PolicyRun:
         gaps_BL = np.zeros((B, L))  # the link gaps of each layer's backward, and of its forward
         fgaps_BL = np.zeros((B, L))
         idle_B = np.zeros(B)  # the previous layer's forward time its gather link is free
-        sync = self._sync()
+        sync = self._sync(self._split)
         ar_class = binding_class(sync.links, hw) if self.options.grad_gaps else INTER
         layer_degrees = []
         for l in range(L):
@@ -298,6 +301,14 @@ class PolicyRun:
         glob["ar"] += exposed_sync(sync, gaps=self.options.grad_gaps, backward_gaps_L=gaps_BL[slowest],
                                    forward_gaps_L=fgaps_BL[slowest], backward_L=backward_BL[slowest],
                                    lead=1 if self.planned else 0)
+        self.split_steps += int(timed and sync.forward_gather_s > 0.0)
+        if self.planned and self.options.grad_gaps and st.zero_stage == 0:
+            # The runtime's decision for the next step (ZeRO 0: the experts' all-reduce whole, or split
+            # with each layer updated where its summed gradients land), from this step's gaps.
+            whole, split = self._sync(False), self._sync(True)
+            self._split = split_sync_pays([whole.reduce_s / L] * L, [split.reduce_s / L] * L,
+                                          [split.forward_gather_s / L] * L, gaps_BL[slowest], fgaps_BL[slowest],
+                                          lead=1)
         owned_N = np.bincount(owner_LE.ravel(), minlength=N).astype(np.float64) * P
         glob["opt"] += float(optimizer_params(st, owned_N, N).max()) * OPT_TRAFFIC_BYTES / hw.hbm_bw
         self._memory(owned_N, ephemeral_BLN)
@@ -391,7 +402,7 @@ class PolicyRun:
             0, copies[:, 2] * N + copies[:, 3],
             torch.full((copies.shape[0], ), float(MIGRATE_BYTES * P), dtype=torch.float64)).view(N, N)
         self.migrated += copies.shape[0] * self.groups
-        self._sync_cache = None
+        self._sync_cache = {}
         return self.cost.transfer_time(traffic_DD)
 
     def _count_links(self) -> Links:
@@ -401,13 +412,14 @@ class PolicyRun:
         nodes = N // G
         return Links(np.full((B, N), moved), np.full((B, nodes), moved if nodes > 1 else 0.0))
 
-    def _sync(self) -> SyncTimes:
+    def _sync(self, split: bool) -> SyncTimes:
         """The dense gradients over the world plus, with several groups, each EDP group's owned
-        expert gradients (and, under ZeRO 1, parameters), issued together (sim/sync.py)."""
-        if self._sync_cache is None:
+        expert gradients (and, under ZeRO 1, parameters), issued together (sim/sync.py); ``split``
+        (ZeRO 0): the experts' all-reduce split around the step."""
+        if split not in self._sync_cache:
             owned_N = np.bincount(self.owner_LE.numpy().ravel(), minlength=self.N).astype(np.float64)
-            self._sync_cache = sync_times(self.setup, self.N, owned_N)
-        return self._sync_cache
+            self._sync_cache[split] = sync_times(self.setup, self.N, owned_N, split_experts=split)
+        return self._sync_cache[split]
 
     def _memory(self, owned_N: np.ndarray, ephemeral_BLN: np.ndarray) -> None:
         P, L = self.setup.shape.params, self.setup.num_layers
@@ -456,7 +468,7 @@ class PolicyRun:
                              groups_simulated=self.B,
                              degrees={"forward": dict(sorted(self.degree_counts[0].items())),
                                       "backward": dict(sorted(self.degree_counts[1].items()))},
-                             dedup_saved_gb=self.dedup_saved / c / 1e9)
+                             dedup_saved_gb=self.dedup_saved / c / 1e9, split_steps=self.split_steps / c)
 
 
 def uniform_tokens_BEN(tokens_BEN: np.ndarray) -> np.ndarray:

@@ -7,7 +7,11 @@ links): the dense gradients over the world and, with several groups, each EDP gr
 gradients (the ranks at one position in every group).
 
 * ZeRO 0 (``Setup.zero_stage`` 0): both are all-reduced before the optimizer step (the runtime's
-  ``ReplicatedExperts``, DeepSpeed's stage 0): ``reduce_s`` is the whole ring.
+  ``ReplicatedExperts``, DeepSpeed's stage 0): ``reduce_s`` is the whole ring. Under FSSDP with
+  the gaps the experts' part may be split instead (``split_experts``; the cluster engine takes
+  the runtime's decision, :func:`~ds_fssdp.planner.schedule.split_sync_pays` on the last step's
+  gaps): its reduce-scatter before the step, its all-gather of the summed gradients in the next
+  forward (``forward_gather_s``), each layer's update where they land.
 * ZeRO 1: a ring all-reduce is a reduce-scatter and an all-gather of the same bytes, so
   ``reduce_s`` is the reduce-scatter (half), which must land before the step (the optimizer
   steps slices, its global norm needs every gradient); the dense parameters' all-gather runs at
@@ -41,9 +45,13 @@ class SyncTimes:
     links: Links  # bytes over every link, the whole sync (the all-reduce's at ZeRO 0)
 
 
-def sync_times(setup: Setup, group_size: int, owned_N: np.ndarray | None = None) -> SyncTimes:
+def sync_times(setup: Setup, group_size: int, owned_N: np.ndarray | None = None, *,
+               split_experts: bool = False) -> SyncTimes:
     """The sync of groups of ``group_size`` ranks, rank i of a group owning ``owned_N[i]`` experts
-    over all layers (None: E L / N each, the even owners the bound assumes)."""
+    over all layers (None: E L / N each, the even owners the bound assumes). ``split_experts``
+    (ZeRO 0): the EDP experts' all-reduce runs as its reduce-scatter before the step and its
+    all-gather (of the summed gradients, each layer updated where it lands) in the next forward,
+    as ZeRO 1's (the dense part stays DeepSpeed's all-reduce)."""
     D, N, G = setup.topology.num_ranks, group_size, setup.topology.ranks_per_node
     dense_M = np.ones((1, D), dtype=bool)
     dense_K = np.array([float(setup.dense_params * GRAD_BYTES)])
@@ -55,17 +63,21 @@ def sync_times(setup: Setup, group_size: int, owned_N: np.ndarray | None = None)
         edp_M = np.tile(np.eye(N, dtype=bool), (1, D // N))
         edp_K = np.asarray(owned_N, dtype=np.float64) * setup.shape.params * GRAD_BYTES
 
-    def ring(members, sizes) -> Links:
-        return allreduce_links(members, sizes, ranks_per_node=G)
+    def seconds(members, sizes) -> float:
+        links = allreduce_links(members, np.asarray(sizes, dtype=np.float64), ranks_per_node=G)
+        return float(links.time_B(setup.hw)[0]) if members.shape[0] else 0.0
 
-    whole = ring(np.concatenate([dense_M, edp_M]), np.concatenate([dense_K, edp_K]))
-    if setup.zero_stage == 0:
+    whole = allreduce_links(np.concatenate([dense_M, edp_M]), np.concatenate([dense_K, edp_K]), ranks_per_node=G)
+    split = setup.zero_stage >= 1 or split_experts
+    if not split or not edp_K.size and setup.zero_stage == 0:
         return SyncTimes(float(whole.time_B(setup.hw)[0]), 0.0, 0.0, whole)
     # A ring reduce-scatter (all-gather) is half a ring all-reduce's bytes.
-    half = ring(np.concatenate([dense_M, edp_M]), np.concatenate([dense_K, edp_K]) / 2.0)
-    dense = float(ring(dense_M, dense_K / 2.0).time_B(setup.hw)[0])
-    experts = float(ring(edp_M, edp_K / 2.0).time_B(setup.hw)[0]) if edp_K.size else 0.0
-    return SyncTimes(float(half.time_B(setup.hw)[0]), dense, experts, whole)
+    experts = seconds(edp_M, edp_K / 2.0)
+    if setup.zero_stage == 0:  # the dense all-reduce and the experts' reduce-scatter, issued together
+        reduce = seconds(np.concatenate([dense_M, edp_M]), np.concatenate([dense_K, edp_K / 2.0]))
+        return SyncTimes(reduce, 0.0, experts, whole)
+    reduce = seconds(np.concatenate([dense_M, edp_M]), np.concatenate([dense_K, edp_K]) / 2.0)
+    return SyncTimes(reduce, seconds(dense_M, dense_K / 2.0), experts, whole)
 
 
 def exposed_sync(sync: SyncTimes, *, gaps: bool, backward_gaps_L, forward_gaps_L, backward_L, lead: int) -> float:
