@@ -97,6 +97,13 @@ def calibrate(owner_E: torch.Tensor, placement_ED: torch.Tensor, tokens_ED: torc
     return Calibration(final_ED, True, int(new_ED.sum()), saved, extra, t, int((placement_ED & ~final_ED).sum()))
 
 
+def leaves_room(placement_ED: torch.Tensor, budget: int) -> bool:
+    """Whether calibration may still change ``placement_ED``: with a budget, some rank lacks an
+    expert (into a free slot, or in place of a pre-gated replica it evicts); a placement that
+    holds every expert on every rank leaves it nothing."""
+    return budget > 0 and not bool(placement_ED.to("cpu", torch.bool).all())
+
+
 def _fit(candidate_of: Callable, t: int, latency_budget: float) -> tuple:
     """``(candidate, t)``: ``candidate_of(t)`` when its gather fits the latency budget (or it adds
     nothing: None); else the fitting candidate of the largest t bisected between 0 and t, or the

@@ -8,7 +8,9 @@ through a :class:`LayerPlanner`, so they make the same decisions from the same i
 own clocks.
 
 1. :meth:`pre_gating` before the preceding attention: the placement from the predictor's
-   prediction (its per-rank ``tokens_ED`` when it has them, else its per-expert loads);
+   prediction (its per-rank ``tokens_ED`` when it has them, else its per-expert loads), with the
+   clock's ``calibration_credit_s`` set from calibration's realized savings on this layer (the
+   mean over its last load-window observed iterations whose placement left calibration room);
 2. :meth:`post_gating` once the actual ``tokens_ED`` are known: calibration or shadowing, from
    the t pre-gating planned with (:meth:`pre_gating_t`);
 3. :meth:`dispatch`: the compact dispatch plan (:meth:`dispatch_dense` for the dense one);
@@ -16,12 +18,14 @@ own clocks.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import torch
 
 from ds_fssdp.planner.baselines.base import Clock, LayerPlan, Policy
 from ds_fssdp.planner.baselines.fssdp import FSSDPPolicy
+from ds_fssdp.planner.calibrate import leaves_room
 from ds_fssdp.planner.plan import DispatchPlan
 from ds_fssdp.planner.predict import LoadPredictor
 
@@ -32,6 +36,10 @@ class LayerPlanner:
         self.policy = policy
         self.predictor = predictor
         self.layer = layer
+        # calibration's realized net savings on placements that left it room, the last w training
+        # forwards' (committed by observe: an evaluation forward plans but is not observed)
+        self._credits = collections.deque(maxlen=max(1, predictor.window))
+        self._credit = None
 
     def pre_gating(self, owner_E: torch.Tensor, clock: Clock | None = None) -> torch.Tensor:
         """placement_ED (bool [E, D]): the shard plus the replicas gathered under the attention."""
@@ -43,6 +51,8 @@ class LayerPlanner:
         predicted = self.predictor.predict_tokens(self.layer)
         if predicted is None:
             predicted = self.predictor.predict(self.layer)
+        if clock is not None and self._credits:
+            clock = dataclasses.replace(clock, calibration_credit_s=sum(self._credits) / len(self._credits))
         return self.policy.pre_gating_t(self.layer, owner_E, predicted, clock=clock)
 
     def post_gating(self, owner_E: torch.Tensor, placement_ED: torch.Tensor, tokens_ED: torch.Tensor,
@@ -51,7 +61,12 @@ class LayerPlanner:
         builds on it (the clock's t is the window's, which a t searched by time exceeds)."""
         if clock is not None and overlap_t >= 0:
             clock = dataclasses.replace(clock, overlap_degree=overlap_t)
-        return self.policy.post_gating(self.layer, owner_E, placement_ED, tokens_ED=tokens_ED, clock=clock)
+        plan = self.policy.post_gating(self.layer, owner_E, placement_ED, tokens_ED=tokens_ED, clock=clock)
+        cal = plan.calibration
+        self._credit = None
+        if cal is not None and leaves_room(placement_ED, self.policy.config.budget):
+            self._credit = max(0.0, cal.saved_s - cal.extra_s) if cal.accepted else 0.0
+        return plan
 
     def dispatch(self, layer_plan: LayerPlan, tokens_ED: torch.Tensor) -> DispatchPlan:
         return self.policy.dispatch_plan(layer_plan, tokens_ED)
@@ -60,7 +75,12 @@ class LayerPlanner:
         return self.policy.dispatch(layer_plan, tokens_ED)
 
     def observe(self, tokens_ED: torch.Tensor) -> float:
-        """Feed the actual loads to the predictor; returns the error of its last prediction."""
+        """Feed the actual loads to the predictor (and calibration's realized saving on this
+        iteration's placement, when it left calibration room, to the credit :meth:`pre_gating_t`
+        hands the search); returns the error of its last prediction."""
+        if self._credit is not None:
+            self._credits.append(self._credit)
+            self._credit = None
         return self.predictor.observe(self.layer, tokens_ED)
 
 

@@ -47,6 +47,7 @@ class OverlapChoice:
     window_t: int  # the window's t (the first candidate)
     tried: int  # candidates priced
     family: str = ""  # the placement family it came from (choose_placement)
+    credit_s: float = 0.0  # the calibration credit its search took off (Clock.calibration_credit_s)
 
 
 def layer_seconds(cost: CostModel, owner_E: torch.Tensor, placement_ED: torch.Tensor, tokens_ED: torch.Tensor, *,

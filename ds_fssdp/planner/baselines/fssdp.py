@@ -19,11 +19,13 @@ Legend: L layers, E experts, D ranks.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ds_fssdp.planner.baselines.base import Clock, LayerPlan, Policy, Reshard
 from ds_fssdp.planner.baselines.relabel import moved_copies, relabel_owner
-from ds_fssdp.planner.calibrate import Calibration, calibrate
+from ds_fssdp.planner.calibrate import Calibration, calibrate, leaves_room
 from ds_fssdp.planner.materialize import materialize as algorithm1_materialize
 from ds_fssdp.planner.joint import joint_materialize
 from ds_fssdp.planner.overlap import OverlapChoice, choose_placement, layer_seconds
@@ -79,7 +81,10 @@ class FSSDPPolicy(Policy):
         """t and its placement by the modelled layer time on the predicted tokens (per-rank when the
         predictor has them, else each expert's load spread evenly over the ranks): the configured
         placement's search, and with per-rank predictions the joint placement's that fills every
-        slot (:func:`~ds_fssdp.planner.overlap.choose_placement`)."""
+        slot (:func:`~ds_fssdp.planner.overlap.choose_placement`). With calibration, a candidate
+        that leaves it room is priced less the clock's ``calibration_credit_s`` (what calibration
+        realized on this layer lately: the actual loads differ from the predicted ones, on which
+        calibration has nothing to fix); the choice's ``modelled_s`` is its price without it."""
         cfg, topo = self.config, self.topology
         owner_E = owner_E.to("cpu", torch.long)
         tokens_ED = predicted_load_E.to("cpu", torch.float64)
@@ -90,12 +95,19 @@ class FSSDPPolicy(Policy):
         if predicted_load_E.dim() == 2:
             families["joint-fill"] = lambda t: joint_materialize(owner_E, predicted_load_E, topo, overlap_degree=t,
                                                                  budget=cfg.budget, stop=0.0)
-        return choose_placement(
+        credit = float(clock.calibration_credit_s) if cfg.calibration else 0.0
+
+        def credit_of(placement_ED) -> float:
+            return credit if credit > 0.0 and leaves_room(placement_ED, cfg.budget) else 0.0
+
+        choice = choose_placement(
             families,
             lambda placement_ED: layer_seconds(cfg.cost, owner_E, placement_ED, tokens_ED, plan_of=self.compact_plan,
                                                window_s=float(clock.window_s), rematerialize=self.rematerialize,
-                                               attention_s=clock.attention_s),
+                                               attention_s=clock.attention_s) - credit_of(placement_ED),
             window_t=min(self.overlap_degree(clock), cfg.num_experts), max_t=cfg.num_experts)
+        taken = credit_of(choice.placement_ED)  # modelled_s: the placement's price, the credit apart
+        return dataclasses.replace(choice, modelled_s=choice.modelled_s + taken, credit_s=taken)
 
     def post_gating(self, layer: int, owner_E: torch.Tensor, placement_ED: torch.Tensor, *,
                     tokens_ED: torch.Tensor, clock: Clock | None = None) -> LayerPlan:
