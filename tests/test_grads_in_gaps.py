@@ -99,10 +99,14 @@ def _unwatch_landings(orig: dict) -> None:
 
 
 def _worker(rank, world, runs, steps):
+    from ds_fssdp.runtime.edp_sync import EDPSyncPlan
     from ds_fssdp.runtime.stage import FSSDPStage
     out = {}
-    originals = {k: getattr(FSSDPStage, k) for k in ("before_step", "attach", "after_backward", "after_step",
-                                                     "_decide_split", "_split_inputs", "_agree_on_windows")}
+    stage_methods = ("before_step", "attach", "after_backward", "after_step", "_agree_on_windows")
+    plan_methods = ("decide_split", "split_inputs")
+    originals = {k: getattr(FSSDPStage, k) for k in stage_methods}
+    originals.update({k: getattr(EDPSyncPlan, k) for k in plan_methods})
+    owner = dict.fromkeys(stage_methods, FSSDPStage) | dict.fromkeys(plan_methods, EDPSyncPlan)
     for name, (cfg, slice_bytes, split, attention) in runs.items():
         grads, parts, expert_sq, started, folded, slices, early, flight, published, waits = ([] for _ in range(10))
         events, layer_of, decided = [], {}, []
@@ -122,7 +126,7 @@ def _worker(rank, world, runs, steps):
             flight.append(record)
 
         def before_step(self, engine, _orig=originals["before_step"]):
-            slices.append(list(self.gap_slice_bytes))
+            slices.append(list(self.edp_sync.slice_bytes))
             _orig(self, engine)  # reduces: every expert gradient of the step is final here
             grads.append([None if p.grad is None else p.grad.detach().clone() for p in self.masters()])
             expert_sq.append(self.norm.expert_sq.clone())  # summed over the world: the norm's expert part
@@ -177,34 +181,36 @@ def _worker(rank, world, runs, steps):
             _orig(self, engine)
             layer_of.update({id(s.replicas): i for i, s in enumerate(self.shards)})
             if slice_bytes is not None:
-                self.gap_slice_bytes = [slice_bytes] * len(self.shards)  # forced: many slices per layer
+                self.edp_sync.slice_bytes = [slice_bytes] * len(self.shards)  # forced: many slices per layer
 
-        def decide_split(self, device, _orig=originals["_decide_split"]):
-            return True if split else _orig(self, device)  # forced: split from the second step on
+        def decide_split(self, device, *, attention_s, schedule_costs, _orig=originals["decide_split"]):
+            if split:  # forced: split from the second step on
+                return True
+            return _orig(self, device, attention_s=attention_s, schedule_costs=schedule_costs)
 
         def agree_on_windows(self, device, _orig=originals["_agree_on_windows"]):
             _orig(self, device)
             if attention is not None:  # fixed windows: a modelled decision that is the same in every run
                 self.attention_s = [attention[len(published)][self.group_index]] * len(self.shards)
 
-        def split_inputs(self, _orig=originals["_split_inputs"]):
-            inputs = _orig(self)
-            costs = self.schedule_costs if self.schedule_costs is not None else self.cost.schedule_costs()
-            decided.append({"inputs": inputs, "attention": list(self.attention_s), "loads": list(self._gap_loads),
+        def split_inputs(self, *, attention_s, schedule_costs, _orig=originals["split_inputs"]):
+            inputs = _orig(self, attention_s=attention_s, schedule_costs=schedule_costs)
+            costs = schedule_costs if schedule_costs is not None else self.cost.schedule_costs()
+            decided.append({"inputs": inputs, "attention": list(attention_s), "loads": list(self.loads),
                             "costs": costs, "bytes": [s.rows.numel() * 4 for s in self.shards]})
             return inputs
 
         patched = {"before_step": before_step, "attach": attach, "after_backward": after_backward,
-                   "after_step": after_step, "_decide_split": decide_split, "_split_inputs": split_inputs,
+                   "after_step": after_step, "decide_split": decide_split, "split_inputs": split_inputs,
                    "_agree_on_windows": agree_on_windows}
         for k, f in patched.items():
-            setattr(FSSDPStage, k, f)
+            setattr(owner[k], k, f)
         watched = _watch_landings(events, layer_of)
         try:
             res = train_worker(rank, world, {name: cfg}, steps)[name]
         finally:
             for k, f in originals.items():
-                setattr(FSSDPStage, k, f)
+                setattr(owner[k], k, f)
             _unwatch_landings(watched)
         out[name] = dict(res, grads=grads, parts=parts, expert_sq=expert_sq, started=started, folded=folded,
                          slices=slices, early=early, flight=flight, published=published, waits=waits, events=events,

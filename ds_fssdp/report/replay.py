@@ -71,7 +71,7 @@ class ReplaySettings:
         return ScheduledCostModel(hw, shape, topology, exchange=options)
 
     def make_policy(self, topology: Topology, *, num_experts: int, num_layers: int):
-        """The runtime's policy object (``FSSDPStage._configure_auto_and_policies``) from these settings."""
+        """The runtime's policy object (``runtime/policy_setup.build_policies``) from these settings."""
         budget = self.calibration_latency_budget
         config = PolicyConfig(num_experts=num_experts, num_layers=num_layers, topology=topology, budget=self.budget,
                               overlap_degree=self.overlap_degree, cost=self.cost_model(topology),

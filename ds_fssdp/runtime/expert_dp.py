@@ -45,8 +45,9 @@ what runs before that. Every method here that reads or writes the rows or the sl
 gather), unless the step is split.
 
 Updates in the gaps (the same setting, replicated over an EDP group of more than one rank, when the
-stage sets ``split`` for a step: ``FSSDPStage._decide_split``): an all-reduce is a reduce-scatter
-and an all-gather of the same bytes, and nothing needs layer l's update before its rows' first use.
+stage sets ``split`` for a step, as ``runtime/edp_sync.EDPSyncPlan.decide_split`` decides): an
+all-reduce is a reduce-scatter and an all-gather of the same bytes, and nothing needs layer l's
+update before its rows' first use.
 So each layer's reduce is a reduce-scatter into this rank's slice of its summed gradient (the
 partitioned code, in the gaps or at the step), the stage steps nothing, and ``publish`` starts
 every trainable layer's all-gather of those slices and defers its landing: the full gradient times

@@ -9,18 +9,19 @@ group, ``runtime/expert_dp.py``). Per micro-step it folds the owned gradient and
 reduced gradients into the owner's gradient; at the optimizer step it averages them over all ranks
 like DeepSpeed's data-parallel gradients, folds their norm into DeepSpeed's global norm, applies
 the same unscale/clip factor, and steps them with the optimizer type and hyperparameters DeepSpeed
-built from the same config.
+built from the same config. The policy and its cost model are built at attach
+(``runtime/policy_setup.py``).
 
-With ``fssdp.grads_in_gaps`` each layer's EDP reduce starts during the backward (``before_backward``)
-and, under ZeRO >= 1 with several FSSDP groups, each layer's EDP all-gather of the stepped slices
-starts at the step and lands at the layer's first use in the next forward (``expert_dp.py``):
-``last_step["edp_gather_in_gaps"]`` lists the layers deferred, each layer's stats the seconds its
-landing took (``edp_gather_wait_s``). Under ZeRO 0 with several groups, after each step
-:meth:`_decide_split` decides, from the cost model and the modelled gaps, whether the next step's
-sync is split around it: a reduce-scatter in the gaps, no expert optimizer step at the step, and
-each layer's all-gather and update landing at its first use (``expert_dp.py``);
-``last_step["edp_split"]`` says whether a step was. :meth:`wait_in_flight` (checkpoint save and
-load, re-shards) lands all of them.
+With ``fssdp.grads_in_gaps`` each layer's EDP reduce starts during the backward (``before_backward``),
+in slices planned after each step (``runtime/edp_sync.py``), and, under ZeRO >= 1 with several
+FSSDP groups, each layer's EDP all-gather of the stepped slices starts at the step and lands at the
+layer's first use in the next forward (``expert_dp.py``): ``last_step["edp_gather_in_gaps"]`` lists
+the layers deferred, each layer's stats the seconds its landing took (``edp_gather_wait_s``). Under
+ZeRO 0 with several groups, after each step ``EDPSyncPlan.decide_split`` (``runtime/edp_sync.py``)
+decides, from the cost model and the modelled gaps, whether the next step's sync is split around
+it: a reduce-scatter in the gaps, no expert optimizer step at the step, and each layer's all-gather
+and update landing at its first use (``expert_dp.py``); ``last_step["edp_split"]`` says whether a
+step was. :meth:`wait_in_flight` (checkpoint save and load, re-shards) lands all of them.
 """
 from __future__ import annotations
 
@@ -38,25 +39,20 @@ from ds_fssdp.config import FSSDPConfig, FSSDPConfigError
 from ds_fssdp.moe.experts_module import FSSDPExperts
 from ds_fssdp.moe.sharded import (ReplicaMemory, ShardedExperts, ShardOptions, StepContext, chain,
                                   decision_arrays)
-from ds_fssdp.planner import CostModel, Hardware, LoadPredictor, auto_materialization_budget, homogeneous_owner
-from ds_fssdp.planner.baselines import Clock, PolicyConfig, make_policy
-from ds_fssdp.planner.layer import LayerPlanner, migrating_policies, migrations
-from ds_fssdp.planner.cost import schedule_costs
-from ds_fssdp.planner.schedule import ScheduleCosts, gap_slice_bytes, idle_link_s, loads_from_traffic, split_sync_pays
+from ds_fssdp.planner import LoadPredictor, homogeneous_owner
+from ds_fssdp.planner.baselines import Clock
+from ds_fssdp.planner.layer import migrations
+from ds_fssdp.planner.schedule import ScheduleCosts
 from ds_fssdp.planner.scheduled import ExchangeOptions, ScheduledCostModel
-from ds_fssdp.runtime import costfit
+from ds_fssdp.runtime import costfit, policy_setup
+from ds_fssdp.runtime.edp_sync import EDPSyncPlan
 from ds_fssdp.runtime.expert_dp import make_expert_state
 from ds_fssdp.runtime.grad_norm import install_expert_norm, loss_scale_of
 from ds_fssdp.runtime.health import NonFiniteGuard
-from ds_fssdp.runtime.profile import measure_expert_flops, measure_link_bandwidth
 from ds_fssdp.topology import Topology
 
 # Hyperparameters an LR/momentum schedule changes on DeepSpeed's optimizer; mirrored every step.
 _SCHEDULED = ("lr", "betas", "momentum")
-# Expert optimizers a split step may step one layer at a time (expert_dp.py), exactly as in one
-# step of all: torch's keep every state per parameter. DeepSpeed's FusedAdam counts its step in the
-# last parameter of a group that has a gradient and applies that count to all: never split for it.
-_STEPS_ONE_LAYER = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
 class FSSDPStage:
@@ -100,10 +96,9 @@ class FSSDPStage:
         self.schedule_costs = None  # planner.schedule.ScheduleCosts for "auto" degrees, built in attach
         self.window_s = [None] * len(self.layers)  # the overlap windows every rank agreed on (seconds)
         self.attention_s = [None] * len(self.layers)  # and their attention parts (the replica reduces' windows)
-        # Gradients in the gaps: each layer's EDP reduce slice (bytes per rank, agreed over the EDP
-        # group) and what the next step's slice is planned from (this rank's load of each layer).
-        self.gap_slice_bytes = [None] * len(self.layers)
-        self._gap_loads = [None] * len(self.layers)
+        # Gradients in the gaps: each layer's EDP reduce slice and the split flag for the next step
+        # (runtime/edp_sync.py), built in attach.
+        self.edp_sync = None
         self._gaps_started = []  # layers whose EDP reduce started during this step's backward
         self._edp_reduce_s = 0.0  # the step's wait for the EDP reduces still in flight
         # The schedule's fitted costs (runtime/costfit.py): measured at attach, refitted every
@@ -186,9 +181,13 @@ class FSSDPStage:
         self.expert_state.optimizer = self.optimizer
         self.norm = install_expert_norm(engine)
         self._configure_auto_and_policies(dtype, engine.device)
+        self.edp_sync = EDPSyncPlan(self.shards, edp_group=self.edp_group, edp_size=self.edp_size,
+                                    grads_in_gaps=self.config.grads_in_gaps, cost=self.cost,
+                                    partitioned=self.expert_state.partitioned, optimizer=self.optimizer,
+                                    ranks_per_node=self.topology.ranks_per_node)
         if self._schedule_decided() and self.config.hardware is None:
             # The schedule's costs measured here, agreed and fitted (runtime/costfit.py); with
-            # fssdp.hardware they come from it instead (_schedule_costs), and nothing is measured.
+            # fssdp.hardware they come from it instead (policy_setup.py), and nothing is measured.
             self.cost_fit = costfit.measure(group=self.group, topology=self.topology, spec=self.layers[0].spec,
                                             dtype=dtype, device=engine.device,
                                             experts=max(1, self.layers[0].num_experts // self.group_size))
@@ -239,9 +238,7 @@ class FSSDPStage:
             shard.replicas.gaps = (lambda i=i: self._start_gap_reduce(i)) if gaps else None
 
     def _start_gap_reduce(self, i: int) -> None:
-        nbytes = self.gap_slice_bytes[i]
-        if nbytes is None:  # no plan yet (first step, or no costs): the documented default
-            nbytes = gap_slice_bytes(None, None, self.shards[i].rows.numel() * 4)
+        nbytes = self.edp_sync.layer_slice_bytes(i)
         self.expert_state.start_reduce(i, self.grad_scale, max(1, nbytes // 4))  # fp32 gradients
         self._gaps_started.append(i)
 
@@ -256,8 +253,8 @@ class FSSDPStage:
         for shard in self.shards:
             shard.accumulate_grads()
             shard.replicas.gaps = None
-        if self.config.grads_in_gaps and self.edp_size > 1 and self.cost is not None:
-            self._gap_loads = [self._rank_load(s) for s in self.shards]
+        if self.edp_sync is not None:
+            self.edp_sync.record_loads()
         if getattr(self, "trace", None) is not None and all(s.last_tokens_ED is not None for s in self.shards):
             self.trace.append(torch.stack([s.last_tokens_ED for s in self.shards]),
                               loss=float(loss) if loss is not None else float("nan"),
@@ -283,7 +280,7 @@ class FSSDPStage:
     def after_step(self, engine) -> None:
         applied = not getattr(engine.optimizer, "overflow", False) and not self.health.skip
         factor = self.norm.disarm()
-        split = self.expert_state.split  # decided after the last step (_decide_split)
+        split = self.expert_state.split  # decided after the last step (EDPSyncPlan.decide_split)
         deferred = []  # layers whose EDP all-gather lands in the next forward (expert_dp.py)
         if applied:
             if self.optimizer is not None:  # None: every expert is frozen
@@ -304,8 +301,9 @@ class FSSDPStage:
             if i not in deferred:  # its rows were written at the step: no landing to time next
                 shard.replicas.landing_s = 0.0
         self._agree_on_windows(engine.device)
-        self.expert_state.split = self._decide_split(engine.device)
-        self._plan_gap_slices(engine.device)
+        self.expert_state.split = self.edp_sync.decide_split(engine.device, attention_s=self.attention_s,
+                                                             schedule_costs=self.schedule_costs)
+        self.edp_sync.plan_slices(engine.device, split=self.expert_state.split, schedule_costs=self.schedule_costs)
         resharded = self.reshard() if applied else 0
         self._steps_seen += 1
         interval = self.config.cost_refresh_interval
@@ -318,76 +316,11 @@ class FSSDPStage:
                           "replica_layers_peak": self.memory.layers_peak,
                           "edp_reduce_in_gaps": list(self._gaps_started),
                           "edp_reduce_wait_s": self._edp_reduce_s,
-                          "edp_reduce_slice_bytes": list(self.gap_slice_bytes),
+                          "edp_reduce_slice_bytes": list(self.edp_sync.slice_bytes),
                           "edp_gather_in_gaps": deferred,
                           "edp_split": split,
                           "cost_fit_error": self.cost_fit.error if self.cost_fit is not None else None}
         self.memory.reset_peak()
-
-
-    def _rank_load(self, shard):
-        """This rank's load of a layer's last training forward (its plan's traffic), or None."""
-        d = shard.last_decision
-        if d is None:
-            return None
-        token_bytes = shard.spec.cost_shape(shard.rows.element_size()).token_bytes
-        return loads_from_traffic(d.traffic_DD.numpy(), ranks_per_node=self.topology.ranks_per_node,
-                                  token_bytes=token_bytes)[shard.rank]
-
-    def _idle_s(self, *, backward: bool) -> list:
-        """Each layer's link gap (:func:`idle_link_s` of its last load at degree 1; None without
-        a load), from the costs the schedule is planned with."""
-        costs = self.schedule_costs if self.schedule_costs is not None else self.cost.schedule_costs()
-        return [None if ld is None else idle_link_s(costs, ld, 1, backward=backward) for ld in self._gap_loads]
-
-    def _plan_gap_slices(self, device) -> None:
-        """Each layer's EDP reduce slice for the next step: :func:`planner.schedule.gap_slice_bytes`
-        over the gap the layer below's backward leaves on the links (:func:`idle_link_s` of its
-        last load at degree 1) and the modelled reduce (a reduce-scatter when partitioned or split);
-        the smallest over the EDP group (every member must cut the same slices). Without a cost
-        model: the fixed default (no collective)."""
-        if not self.config.grads_in_gaps or self.edp_size == 1 or self.cost is None:
-            return
-        partitioned = self.expert_state.partitioned or self.expert_state.split
-        reduce = self.cost.edp_reduce_linear(self.edp_size, partitioned=partitioned)
-        idle = self._idle_s(backward=True)
-        sizes = [gap_slice_bytes(reduce, idle[i - 1] if i > 0 else None, s.rows.numel() * 4)
-                 for i, s in enumerate(self.shards)]
-        agreed = torch.tensor(sizes, dtype=torch.float64, device=device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.edp_group)
-        self.gap_slice_bytes = [int(v) for v in agreed.tolist()]
-
-    def _split_inputs(self):
-        """:func:`split_sync_pays`'s inputs for the next step, per layer: the modelled all-reduce,
-        reduce-scatter and all-gather of its fp32 gradient, its backward gap (twice its attention
-        window and the link gap of its last load's backward) and forward gap (its window and its
-        forward's link gap). None where one is missing (no attention window or no load yet)."""
-        if any(a is None for a in self.attention_s) or any(ld is None for ld in self._gap_loads):
-            return None
-        n = self.edp_size
-        whole = self.cost.edp_reduce_linear(n, partitioned=False)
-        part = self.cost.edp_reduce_linear(n, partitioned=True)
-        nbytes = [s.rows.numel() * 4 for s in self.shards]
-        halves = [part(b / n) for b in nbytes]  # the reduce-scatter and the all-gather move the same bytes
-        backward = [2.0 * a + g for a, g in zip(self.attention_s, self._idle_s(backward=True))]
-        forward = [a + g for a, g in zip(self.attention_s, self._idle_s(backward=False))]
-        return [whole(b) for b in nbytes], halves, list(halves), backward, forward
-
-    def _decide_split(self, device) -> bool:
-        """Whether the next step's EDP sync of replicated experts is split around the step under
-        gradients in the gaps (expert_dp.py): :func:`split_sync_pays` on :meth:`_split_inputs`,
-        ``lead`` 1 (a layer's rows are first used by its replica gather, during the layer before),
-        on every rank of the EDP group (the members must issue the same collectives: the
-        minimum). False without a cost model or an input, for partitioned state, one FSSDP group,
-        or an expert optimizer that cannot step one layer alone (``_STEPS_ONE_LAYER``)."""
-        if (not self.config.grads_in_gaps or self.edp_size == 1 or self.expert_state.partitioned
-                or self.cost is None or type(self.optimizer) not in _STEPS_ONE_LAYER):
-            return False
-        inputs = self._split_inputs()
-        pays = inputs is not None and split_sync_pays(*inputs, lead=1)
-        agreed = torch.tensor([1.0 if pays else 0.0], dtype=torch.float64, device=device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.edp_group)
-        return bool(agreed.item())
 
     def refit_schedule_costs(self, device) -> None:
         """Refit ``schedule_costs`` from every layer's recorded exchange and GEMM timings, agreed by
@@ -418,66 +351,27 @@ class FSSDPStage:
             self.trace.close()
 
     def _configure_auto_and_policies(self, dtype, device) -> None:
-        """Measure what the "auto" knobs, calibration and FasterMoE need; build the policy."""
-        cfg = self.config
-        psi = self.shards[0].expert_bytes
-        if cfg.materialization_budget == "auto":
-            self.budget = auto_materialization_budget(memory_bytes=cfg.replica_memory_bytes, expert_bytes=psi,
-                                                      num_layers=len(self.layers), rematerialize=cfg.rematerialize)
-            self.profile["materialization_budget"] = self.budget
-            logger.info(f"fssdp: materialization_budget auto -> m = {self.budget} ({cfg.replica_memory_bytes} bytes "
-                        f"for replicas, {psi} bytes per expert, {len(self.layers)} layers, rematerialize="
-                        f"{cfg.rematerialize})")
-        # Gradients in the gaps plans its slices on a configured cost model (never measured for it
-        # alone: without one the slice is the fixed default).
-        need_cost = (cfg.calibration or cfg.policy == "fastermoe" or cfg.dispatch == "balanced-time"
-                     or cfg.overlap_degree == "auto"
-                     or (cfg.grads_in_gaps and self.edp_size > 1 and cfg.hardware is not None))
-        if need_cost:
-            self.cost = self._cost_model(dtype, device)
-        if self._schedule_decided() and cfg.hardware is not None:
-            self.schedule_costs = self._schedule_costs(dtype)
-            self._price_with(self.schedule_costs)
-        layer = self.layers[0]
-        name = "fssdp-rm" if cfg.policy == "fssdp" and cfg.rematerialize else cfg.policy
-        budget = cfg.calibration_latency_budget
-        config = PolicyConfig(num_experts=layer.num_experts, num_layers=len(self.layers), topology=self.topology,
-                              budget=self.budget, overlap_degree=cfg.overlap_degree if cfg.overlap_degree != "auto"
-                              else 0, cost=self.cost,
-                              placement=cfg.placement, reshard_interval=cfg.reshard_interval,
-                              calibration=cfg.calibration,
-                              calibration_latency_budget=float("inf") if budget is None else float(budget),
-                              smartmoe_interval=cfg.smartmoe_interval, dispatch=cfg.dispatch,
-                              dispatch_slack=float(cfg.dispatch_slack), overlap_by_time=cfg.overlap_degree == "auto")
-        self.policy = make_policy(name, config)
-        self.migrators = migrating_policies(self.policy, reshard_interval=cfg.reshard_interval)
-        # One policy object decides for every layer; a layer with another expert count gets its own.
-        per_E = {layer.num_experts: self.policy}
-        for l in self.layers:
-            if l.num_experts not in per_E:
-                per_E[l.num_experts] = make_policy(name, dataclasses.replace(config, num_experts=l.num_experts))
-        self.planners = [LayerPlanner(per_E[l.num_experts], self.predictor, i) for i, l in enumerate(self.layers)]
-
-    def _cost_model(self, dtype, device) -> CostModel:
-        """The hardware from ``fssdp.hardware``, else measured (link bandwidth, expert GEMM speed),
-        agreed on by every rank: the decisions decide the collectives."""
+        """Measure what the "auto" knobs, calibration and FasterMoE need; build the policy
+        (runtime/policy_setup.py)."""
         cfg, layer = self.config, self.layers[0]
-        if cfg.hardware is not None:
-            hw = self._configured_hardware()
-        else:
-            bw = measure_link_bandwidth(group=self.param_group, chunk_bytes=self.shards[0].expert_bytes, device=device)
-            self.profile["link_bandwidth"] = bw
-            flops_t = torch.tensor([measure_expert_flops(layer.spec, dtype=dtype, device=device)],
-                                   dtype=torch.float64, device=device)
-            dist.all_reduce(flops_t, op=dist.ReduceOp.MIN, group=self.param_group)
-            bw = bw if bw != float("inf") else 1e15
-            hw = Hardware(flops=float(flops_t), intra_bw=bw, inter_bw=bw)
-            logger.info(f"fssdp: measured link bandwidth {bw / 1e9:.2f} GB/s per rank; overlap_degree "
-                        f"{cfg.overlap_degree!r} (auto: per layer from its measured attention window)")
-        self.profile["hardware"] = dataclasses.asdict(hw)
+        if cfg.materialization_budget == "auto":
+            self.budget = policy_setup.auto_budget(cfg, expert_bytes=self.shards[0].expert_bytes,
+                                                   num_layers=len(self.layers))
+            self.profile["materialization_budget"] = self.budget
         shape = layer.spec.cost_shape(torch.tensor([], dtype=dtype).element_size())
-        self.profile["expert_shape"] = dataclasses.asdict(shape)
-        return ScheduledCostModel(hw, shape, self.topology, exchange=self.exchange_options(shape))
+        if policy_setup.needs_cost_model(cfg, edp_size=self.edp_size):
+            self.cost, measured = policy_setup.cost_model(
+                cfg, spec=layer.spec, shape=shape, topology=self.topology, group=self.param_group,
+                expert_bytes=self.shards[0].expert_bytes, exchange=self.exchange_options(shape), dtype=dtype,
+                device=device)
+            self.profile.update(measured)
+        if self._schedule_decided() and cfg.hardware is not None:
+            self.schedule_costs = policy_setup.configured_schedule_costs(cfg.hardware, shape)
+            self.profile["schedule_costs"] = dataclasses.asdict(self.schedule_costs)
+            self._price_with(self.schedule_costs)
+        self.policy, self.migrators, self.planners = policy_setup.build_policies(
+            cfg, layers=self.layers, topology=self.topology, budget=self.budget, cost=self.cost,
+            predictor=self.predictor)
 
     def exchange_options(self, shape) -> ExchangeOptions:
         """How this run's layers exchange their tokens, for the by-time decisions' layer price
@@ -498,21 +392,6 @@ class FSSDPStage:
         """Whether a layer decision comes from the schedule's costs ("auto" pipeline degrees or one
         copy per destination)."""
         return self.pipeline_degree == "auto" or self.config.one_copy_per_destination == "auto"
-
-    def _configured_hardware(self) -> Hardware:
-        h = self.config.hardware
-        return Hardware(flops=float(h.flops), intra_bw=float(h.intra_bw), inter_bw=float(h.inter_bw),
-                        latency=float(h.latency))
-
-    def _schedule_costs(self, dtype) -> ScheduleCosts:
-        """What "auto" pipeline degrees and one copy per destination are chosen from under
-        ``fssdp.hardware`` (a modelled device: exchanges concurrent with the compute; the same on
-        every rank and in every run, nothing is measured); collective startup is the hardware's
-        latency."""
-        costs = schedule_costs(self._configured_hardware(),
-                               self.layers[0].spec.cost_shape(torch.tensor([], dtype=dtype).element_size()))
-        self.profile["schedule_costs"] = dataclasses.asdict(costs)
-        return costs
 
     def clock(self, l: int) -> Clock:
         """Layer ``l``'s t and calibration latency budget this iteration: the config's, or from the

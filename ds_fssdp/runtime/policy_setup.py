@@ -1,0 +1,111 @@
+"""The stage's policy and what it decides with, built once at attach (``FSSDPStage.attach``): the
+"auto" materialization budget, the cost model (``fssdp.hardware``'s, else measured on this machine
+and agreed by every rank), the schedule's costs under ``fssdp.hardware``, and the policy object
+with each layer's planner.
+
+Every rank builds the same ones: the decisions decide the collectives. Only the measured cost
+model talks to other ranks (``runtime/profile.py``'s link measurement and one all-reduce over the
+FSSDP group); the rest is local. The schedule's costs fitted on this machine are
+``runtime/costfit.py``'s.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.utils import logger
+
+from ds_fssdp.config import FSSDPConfig
+from ds_fssdp.planner import Hardware, auto_materialization_budget
+from ds_fssdp.planner.baselines import PolicyConfig, make_policy
+from ds_fssdp.planner.cost import schedule_costs
+from ds_fssdp.planner.layer import LayerPlanner, migrating_policies
+from ds_fssdp.planner.schedule import ScheduleCosts
+from ds_fssdp.planner.scheduled import ScheduledCostModel
+from ds_fssdp.runtime.profile import measure_expert_flops, measure_link_bandwidth
+
+
+def auto_budget(config: FSSDPConfig, *, expert_bytes: int, num_layers: int) -> int:
+    """``fssdp.materialization_budget`` "auto": the replicas that fit ``replica_memory_bytes``."""
+    budget = auto_materialization_budget(memory_bytes=config.replica_memory_bytes, expert_bytes=expert_bytes,
+                                         num_layers=num_layers, rematerialize=config.rematerialize)
+    logger.info(f"fssdp: materialization_budget auto -> m = {budget} ({config.replica_memory_bytes} bytes "
+                f"for replicas, {expert_bytes} bytes per expert, {num_layers} layers, rematerialize="
+                f"{config.rematerialize})")
+    return budget
+
+
+def needs_cost_model(config: FSSDPConfig, *, edp_size: int) -> bool:
+    """Whether a decision needs a cost model: calibration, FasterMoE, time-balanced dispatch,
+    "auto" overlap degree, or gradients in the gaps over several FSSDP groups with
+    ``fssdp.hardware`` (it plans its slices on a configured cost model, never measured for it
+    alone: without one the slice is the fixed default)."""
+    return bool(config.calibration or config.policy == "fastermoe" or config.dispatch == "balanced-time"
+                or config.overlap_degree == "auto"
+                or (config.grads_in_gaps and edp_size > 1 and config.hardware is not None))
+
+
+def configured_hardware(hardware) -> Hardware:
+    """``fssdp.hardware`` as the planner's :class:`Hardware`."""
+    return Hardware(flops=float(hardware.flops), intra_bw=float(hardware.intra_bw),
+                    inter_bw=float(hardware.inter_bw), latency=float(hardware.latency))
+
+
+def cost_model(config: FSSDPConfig, *, spec, shape, topology, group, expert_bytes: int, exchange,
+               dtype, device) -> tuple:
+    """The hardware from ``fssdp.hardware``, else measured (link bandwidth over ``group``, expert
+    GEMM speed of ``spec``), agreed on by every rank of ``group``: the decisions decide the
+    collectives. ``shape``: the expert's cost shape, ``exchange``: how the layers exchange their
+    tokens (``FSSDPStage.exchange_options``). Returns the ``ScheduledCostModel`` and the profile
+    entries (``link_bandwidth`` when measured, ``hardware``, ``expert_shape``)."""
+    profile = {}
+    if config.hardware is not None:
+        hw = configured_hardware(config.hardware)
+    else:
+        bw = measure_link_bandwidth(group=group, chunk_bytes=expert_bytes, device=device)
+        profile["link_bandwidth"] = bw
+        flops_t = torch.tensor([measure_expert_flops(spec, dtype=dtype, device=device)],
+                               dtype=torch.float64, device=device)
+        dist.all_reduce(flops_t, op=dist.ReduceOp.MIN, group=group)
+        bw = bw if bw != float("inf") else 1e15
+        hw = Hardware(flops=float(flops_t), intra_bw=bw, inter_bw=bw)
+        logger.info(f"fssdp: measured link bandwidth {bw / 1e9:.2f} GB/s per rank; overlap_degree "
+                    f"{config.overlap_degree!r} (auto: per layer from its measured attention window)")
+    profile["hardware"] = dataclasses.asdict(hw)
+    profile["expert_shape"] = dataclasses.asdict(shape)
+    return ScheduledCostModel(hw, shape, topology, exchange=exchange), profile
+
+
+def configured_schedule_costs(hardware, shape) -> ScheduleCosts:
+    """What "auto" pipeline degrees and one copy per destination are chosen from under
+    ``fssdp.hardware`` (a modelled device: exchanges concurrent with the compute; the same on
+    every rank and in every run, nothing is measured); collective startup is the hardware's
+    latency."""
+    return schedule_costs(configured_hardware(hardware), shape)
+
+
+def build_policies(config: FSSDPConfig, *, layers: list, topology, budget, cost, predictor) -> tuple:
+    """The policy object (every decision of every layer), the policies that re-shard after a
+    step (``planner.layer.migrating_policies``) and each layer's ``LayerPlanner``, for the
+    materialization budget ``budget`` and cost model ``cost`` (None: none needed)."""
+    first = layers[0]
+    name = "fssdp-rm" if config.policy == "fssdp" and config.rematerialize else config.policy
+    latency = config.calibration_latency_budget
+    auto_t = config.overlap_degree == "auto"
+    policy_config = PolicyConfig(num_experts=first.num_experts, num_layers=len(layers), topology=topology,
+                                 budget=budget, overlap_degree=0 if auto_t else config.overlap_degree, cost=cost,
+                                 placement=config.placement, reshard_interval=config.reshard_interval,
+                                 calibration=config.calibration,
+                                 calibration_latency_budget=float("inf") if latency is None else float(latency),
+                                 smartmoe_interval=config.smartmoe_interval, dispatch=config.dispatch,
+                                 dispatch_slack=float(config.dispatch_slack), overlap_by_time=auto_t)
+    policy = make_policy(name, policy_config)
+    migrators = migrating_policies(policy, reshard_interval=config.reshard_interval)
+    # One policy object decides for every layer; a layer with another expert count gets its own.
+    per_E = {first.num_experts: policy}
+    for l in layers:
+        if l.num_experts not in per_E:
+            per_E[l.num_experts] = make_policy(name, dataclasses.replace(policy_config, num_experts=l.num_experts))
+    planners = [LayerPlanner(per_E[l.num_experts], predictor, i) for i, l in enumerate(layers)]
+    return policy, migrators, planners
