@@ -122,8 +122,13 @@ class FSSDPConfig(DeepSpeedConfigModel):
     in, in slices sized to the gaps the schedule predicts (``planner/schedule.gap_slice_bytes``);
     the step waits only for what is still in flight. Under ZeRO >= 1 with several FSSDP groups the
     step's all-gather of the updated expert slices is left in flight too, each layer's rows landing
-    at their first use in the next forward (``runtime/expert_dp.py``). ``false``: every layer's
-    reduce and all-gather run at the step, synchronously. The same sums and weights either way."""
+    at their first use in the next forward (``runtime/expert_dp.py``). Under ZeRO 0 with several
+    FSSDP groups and a cost model, a step whose modelled sync is faster split around it
+    (``planner/schedule.split_sync_pays``, agreed over the EDP group) reduce-scatters in the gaps
+    instead and leaves each layer's all-gather of its summed gradient, and its optimizer update, to
+    that first use (torch's Adam, AdamW and SGD; not DeepSpeed's FusedAdam). ``false``: every
+    layer's reduce and all-gather run at the step, synchronously. The same sums and weights either
+    way, up to fp32 summation order (bitwise with EDP groups of 2)."""
 
     topology_aware: StrictBool = True
     """Sparse collectives cross the inter-node link once per (expert, node) and are forwarded inside

@@ -16,12 +16,13 @@ Legend: E experts, D ranks, S owned rows, R replica rows, P elements per expert.
 * re-materialization: the replicas of a layer are dropped after its forward and gathered again
   when the following layer's expert backward is done (:meth:`start_rematerialize`, chained by
   ``prev``), the re-materializing expert Function (``moe/remat.py``) asks :meth:`rematerialized`;
-* the rows' landing (gradients in the gaps under ZeRO >= 1 with several FSSDP groups): the step's
-  EDP all-gather of the updated slices is left in flight and handed over with :meth:`defer`;
-  :meth:`land` waits for it and copies it into ``rows`` before anything here reads or writes them
-  (the gathers, so the first gather of the next forward, and the owned-state methods), so it
-  overlaps what runs until the layer's first use. Reading the rows' shape, dtype or size does not
-  land it;
+* the rows' landing (gradients in the gaps with several FSSDP groups): the step's EDP all-gather
+  (under ZeRO >= 1 of the updated slices; on a split ZeRO 0 step of the summed gradient, the
+  layer's optimizer update following it, ``runtime/expert_dp.py``) is left in flight and handed
+  over with :meth:`defer`; :meth:`land` waits for it and writes ``rows`` before anything here reads
+  or writes them (the gathers, so the first gather of the next forward, and the owned-state
+  methods), so it overlaps what runs until the layer's first use. Reading the rows' shape, dtype
+  or size does not land it;
 * :class:`ReplicaMemory`: bytes of replica rows alive on this rank (all layers) and their peak, and
   how many layers' replicas are alive at once (the next layer's gather starts during this layer's
   expert compute, so two layers' live across it).
@@ -107,7 +108,7 @@ class ReplicaManager:
         self._live = {}  # id -> bytes of replica buffers counted in ``memory``
         self.regather_exposed_s = 0.0
         self._landing = None  # callable(): the rows' pending write (``defer``), or None
-        self.landing_s = 0.0  # seconds the last landing took (its wait and copy); 0 until it runs
+        self.landing_s = 0.0  # seconds the last landing took (its wait, update and copy); 0 until it runs
 
     @property
     def expert_bytes(self) -> int:
@@ -138,12 +139,15 @@ class ReplicaManager:
 
     @torch.no_grad()
     def land(self) -> None:
-        """Run the pending write of the rows, if any (every use of the rows calls this first)."""
+        """Run the pending write of the rows, if any (every use of the rows calls this first).
+        Outside inference mode even when called in it (an evaluation forward): a split step's
+        landing steps the optimizer, whose state must not be created as inference tensors."""
         if self._landing is None:
             return
         landing, self._landing = self._landing, None
         t0 = time.perf_counter()
-        landing()
+        with torch.inference_mode(False):
+            landing()
         self.landing_s = time.perf_counter() - t0
 
     def start_gather(self, layout) -> SparseAllGather:

@@ -112,6 +112,12 @@ class EDPSyncPlan:
         forward = [a + g for a, g in zip(attention_s, self._idle_s(schedule_costs, backward=False))]
         return [whole(b) for b in nbytes], halves, list(halves), backward, forward
 
+    @property
+    def may_split(self) -> bool:
+        """Whether a step may be split: planned, replicated state, an optimizer that steps one
+        layer alone. The stage then agrees the attention windows every step (the decision's gaps)."""
+        return self.planned and not self.partitioned and self.optimizer_steps_one_layer
+
     def decide_split(self, device, *, attention_s: list, schedule_costs) -> bool:
         """Whether the next step's EDP sync of replicated experts is split around the step
         (expert_dp.py): :func:`split_sync_pays` on :meth:`split_inputs`, ``lead`` 1 (a layer's rows
@@ -119,7 +125,7 @@ class EDPSyncPlan:
         group (the members must issue the same collectives: the minimum). False without a plan
         or an input, for partitioned state, or an expert optimizer that cannot step one layer
         alone (``STEPS_ONE_LAYER``)."""
-        if not self.planned or self.partitioned or not self.optimizer_steps_one_layer:
+        if not self.may_split:
             return False
         inputs = self.split_inputs(attention_s=attention_s, schedule_costs=schedule_costs)
         pays = inputs is not None and split_sync_pays(*inputs, lead=1)

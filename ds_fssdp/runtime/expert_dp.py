@@ -91,8 +91,11 @@ def _nbytes(t) -> int:
 
 @torch.no_grad()
 def _write(rows: torch.Tensor, whole) -> None:
-    """Copy the gathered flat whole (``whole()`` waits for it) into ``rows``."""
-    rows.copy_(whole().view_as(rows))
+    """Copy the gathered flat whole (``whole()`` waits for it) into ``rows`` (nothing to copy
+    where it was gathered into them)."""
+    flat = whole()
+    if flat.data_ptr() != rows.data_ptr():
+        rows.copy_(flat.view_as(rows))
 
 
 def _step_alone(optimizer, param) -> None:
@@ -134,15 +137,11 @@ class _ExpertState:
         return full.reshape(-1).split(sizes)[self.j]
 
     def _reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
-        sizes = self._sizes(flat.numel())
-        if not flat.numel():
-            return flat[:0]
-        buf_NC = flat.new_zeros(self.n, sizes[0])
-        for k, part in enumerate(flat.split(sizes)):
-            buf_NC[k, :part.numel()] = part
-        out_C = flat.new_empty(sizes[0])
-        dist.reduce_scatter_tensor(out_C, buf_NC.view(-1), group=self.edp_group)
-        return out_C[:sizes[self.j]]
+        """This rank's slice of ``flat`` summed over the EDP group (one reduce-scatter, waited)."""
+        works, part = self._start_reduce_scatter(flat, max(1, self._sizes(flat.numel())[0]))
+        for w in works:
+            w.wait()
+        return part
 
     def _start_reduce_scatter(self, flat: torch.Tensor, slice_elems: int) -> tuple:
         """:meth:`_reduce_scatter` asynchronously: piece [a, b) of every rank's slice is one
@@ -163,31 +162,38 @@ class _ExpertState:
             works.append(dist.reduce_scatter_tensor(out_C[a:b], buf_NC.view(-1), group=self.edp_group, async_op=True))
         return works, out_C[:sizes[self.j]]
 
-    def _gather(self, part: torch.Tensor, numel: int, *, async_op: bool = False):
+    def _gather(self, part: torch.Tensor, numel: int, *, async_op: bool = False, into: torch.Tensor | None = None):
         """Start the all-gather of every rank's slice (``part``: this rank's) of ``numel`` elements;
-        returns a callable that waits for it and gives the flat [numel] whole."""
+        returns a callable that waits for it and gives the flat [numel] whole. ``into``: a
+        contiguous tensor of ``numel`` elements of ``part``'s dtype that nothing reads until the
+        whole is waited for: gathered in place when the slices are equal (no buffer), and the
+        whole is then ``into`` itself."""
         sizes = self._sizes(numel)
         if not numel:
             return lambda: part.new_empty(0)
         mine = part.new_zeros(sizes[0])
         mine[:part.numel()] = part
-        out_NC = part.new_empty(self.n, sizes[0])
+        in_place = (into is not None and into.is_contiguous() and into.dtype == part.dtype
+                    and into.numel() == numel and numel % self.n == 0)
+        out_NC = into.view(self.n, sizes[0]) if in_place else part.new_empty(self.n, sizes[0])
         work = dist.all_gather_into_tensor(out_NC.view(-1), mine, group=self.edp_group, async_op=async_op)
 
         def whole() -> torch.Tensor:
             if work is not None:
                 work.wait()
-            return torch.cat([out_NC[k, :n] for k, n in enumerate(sizes)])
+            return into.view(-1) if in_place else torch.cat([out_NC[k, :n] for k, n in enumerate(sizes)])
         return whole
 
-    def _start_landings(self, parts: dict, write, *, deferred: bool) -> list:
+    def _start_landings(self, parts: dict, write, *, deferred: bool, into=None) -> list:
         """Start the all-gather of each layer's slice (``parts``: layer -> this rank's slice), in
-        layer order; ``write(i, whole)`` lands layer i now or, ``deferred``, at its rows' first use
+        layer order (``into(i)``: where layer i may be gathered in place, :meth:`_gather`);
+        ``write(i, whole)`` lands layer i now or, ``deferred``, at its rows' first use
         (``ShardedExperts.defer``). Returns the layers deferred."""
         for i in sorted(parts):
             s = self.shards[i]
             s.land()  # the last step's, where nothing used the rows since
-            landing = functools.partial(write, i, self._gather(parts[i], s.rows.numel(), async_op=deferred))
+            gathered = self._gather(parts[i], s.rows.numel(), async_op=deferred, into=None if into is None else into(i))
+            landing = functools.partial(write, i, gathered)
             if deferred:
                 s.defer(landing)
             else:
@@ -267,7 +273,6 @@ class ReplicatedExperts(_ExpertState):
 
     def __init__(self, shards: list, *, edp_group, edp_size: int, edp_rank: int):
         super().__init__(shards, edp_group=edp_group, edp_size=edp_size, edp_rank=edp_rank)
-        self.split = False  # this step's sync is split around the step (set by the stage; module docstring)
         self._summed = {}  # layer -> this rank's slice of its summed gradient (split steps), until publish
 
     def params(self) -> list:
@@ -436,8 +441,13 @@ class PartitionedExperts(_ExpertState):
         all-gather now, in layer order, and leave each layer's landing to its rows' first use
         (module docstring). ``factor``: applied by the stage before it stepped the slices. Returns
         the layers deferred."""
-        parts = {i: p.detach() for i, p in enumerate(self.slices)}
-        return self._start_landings(parts, lambda i, whole: _write(self.shards[i].rows, whole), deferred=deferred)
+        # in the rows' dtype: the bytes the rows hold (half of fp32 under bf16), the same rows bitwise
+        # (the copy into them rounds each element alike before or after the gather)
+        parts = {i: p.detach().to(self.shards[i].rows.dtype) for i, p in enumerate(self.slices)}
+        # into the rows themselves: nothing reads them before the landing (module docstring), so
+        # all layers in flight hold no copy of them
+        return self._start_landings(parts, lambda i, whole: _write(self.shards[i].rows, whole), deferred=deferred,
+                                    into=lambda i: self.shards[i].rows.detach())
 
     @torch.no_grad()
     def full_state(self, i: int) -> tuple:

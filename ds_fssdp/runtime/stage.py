@@ -281,6 +281,16 @@ class FSSDPStage:
         applied = not getattr(engine.optimizer, "overflow", False) and not self.health.skip
         factor = self.norm.disarm()
         split = self.expert_state.split  # decided after the last step (EDPSyncPlan.decide_split)
+        # The step's collectives over the EDP group run before the all-gathers publish leaves in
+        # flight: a group's collectives run in order (one NCCL stream), so one issued after them,
+        # and the host's read of its result, would wait for every layer's all-gather.
+        self._agree_on_windows(engine.device)
+        if applied:
+            self._reduce_router_loads(engine.device)
+        next_split = self.edp_sync.decide_split(engine.device, attention_s=self.attention_s,
+                                                schedule_costs=self.schedule_costs)
+        self.edp_sync.plan_slices(engine.device, split=next_split, schedule_costs=self.schedule_costs)
+        world_loads = self.world_loads() if applied and self.migrators else None
         deferred = []  # layers whose EDP all-gather lands in the next forward (expert_dp.py)
         if applied:
             if self.optimizer is not None:  # None: every expert is frozen
@@ -292,7 +302,6 @@ class FSSDPStage:
                             master.grad.mul_(factor)
                     self.optimizer.step()
             deferred = self.expert_state.publish(deferred=self.config.grads_in_gaps, factor=factor)
-            self._reduce_router_loads(engine.device)
             for layer in self.layers:
                 layer.update_routing_bias()
             self.steps += 1
@@ -300,11 +309,8 @@ class FSSDPStage:
         for i, shard in enumerate(self.shards):
             if i not in deferred:  # its rows were written at the step: no landing to time next
                 shard.replicas.landing_s = 0.0
-        self._agree_on_windows(engine.device)
-        self.expert_state.split = self.edp_sync.decide_split(engine.device, attention_s=self.attention_s,
-                                                             schedule_costs=self.schedule_costs)
-        self.edp_sync.plan_slices(engine.device, split=self.expert_state.split, schedule_costs=self.schedule_costs)
-        resharded = self.reshard() if applied else 0
+        self.expert_state.split = next_split
+        resharded = self.reshard(world_loads) if applied else 0
         self._steps_seen += 1
         interval = self.config.cost_refresh_interval
         if interval and self.cost_fit is not None and self._steps_seen % interval == 0:
@@ -412,10 +418,12 @@ class FSSDPStage:
                            pipeline_degree=self.pipeline_degree, schedule_costs=self.schedule_costs)
 
     def _agree_on_windows(self, device) -> None:
-        """Decisions that use the measured attention windows ("auto" t, calibration's budget) must
-        be the same on every rank: once per step, all ranks adopt the largest measured window."""
-        if self.config.overlap_degree != "auto" and not (self.config.calibration and
-                                                          self.config.calibration_latency_budget is None):
+        """Decisions that use the measured attention windows ("auto" t, calibration's budget, the
+        split of ZeRO 0's EDP sync) must be the same on every rank: once per step, all ranks adopt
+        the largest measured window."""
+        if (self.config.overlap_degree != "auto"
+                and not (self.config.calibration and self.config.calibration_latency_budget is None)
+                and not (self.edp_sync is not None and self.edp_sync.may_split)):
             return
         w = torch.tensor([s.measured_window_s or 0.0 for s in self.shards] +
                          [s.measured_attention_s or 0.0 for s in self.shards], dtype=torch.float64, device=device)
@@ -427,16 +435,17 @@ class FSSDPStage:
             logger.info(f"fssdp: overlap_degree auto -> t = {[self.clock(l).overlap_degree for l in range(len(self.shards))]} per layer "
                         f"(windows {[round(v * 1e3, 3) for v in w.tolist()]} ms)")
 
-    def reshard(self) -> int:
+    def reshard(self, world_loads=None) -> int:
         """The step's re-shards (:func:`ds_fssdp.planner.layer.migrations`: Algorithm 2 every
         ``reshard_interval`` steps, SmartMoE's permutation every ``smartmoe_interval``) on the
-        predicted loads of all layers; every moved expert's state migrates. Returns the bytes this
-        rank sent for all of them."""
+        predicted loads of all layers (``world_loads``, else :meth:`world_loads` now); every moved
+        expert's state migrates. Returns the bytes this rank sent for all of them."""
         if not self.migrators:
             return 0
         owner_LE = torch.stack([s.owner_E for s in self.shards])
+        load_LE = self.world_loads() if world_loads is None else world_loads
         sent = 0
-        for r in migrations(self.migrators, self.steps, self.world_loads(), owner_LE, clock=self.clock(0)):
+        for r in migrations(self.migrators, self.steps, load_LE, owner_LE, clock=self.clock(0)):
             self.wait_in_flight()  # only when something moves: the step's all-gathers stay in flight otherwise
             sent += sum(self.expert_state.migrate(i, r.owner_LE[i], self.param_group) for i in range(len(self.shards)))
             logger.info(f"fssdp: re-sharded at step {self.steps}: {r.copies_M4.shape[0]} experts moved ({sent} bytes "

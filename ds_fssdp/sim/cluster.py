@@ -83,7 +83,7 @@ class ClusterResult(PolicyResult):
     overlap_degree: int = 0
     groups: int = 1
     groups_simulated: int = 1
-    split_steps: float = 0.0  # share of the timed steps whose experts' sync was split around the step (sim/sync.py)
+    split_steps: float = 0.0  # share of the timed steps whose experts' all-gather ran in the next forward (sim/sync.py)
 
     @property
     def total_s(self) -> float:
@@ -301,7 +301,8 @@ class PolicyRun:
         glob["ar"] += exposed_sync(sync, gaps=self.options.grad_gaps, backward_gaps_L=gaps_BL[slowest],
                                    forward_gaps_L=fgaps_BL[slowest], backward_L=backward_BL[slowest],
                                    lead=1 if self.planned else 0)
-        self.split_steps += int(timed and sync.forward_gather_s > 0.0)
+        # the experts' all-gather ran in the next forward (EP and Uniform gather at the step)
+        self.split_steps += int(timed and sync.forward_gather_s > 0.0 and self.options.grad_gaps)
         if self.planned and self.options.grad_gaps and st.zero_stage == 0:
             # The runtime's decision for the next step (ZeRO 0: the experts' all-reduce whole, or split
             # with each layer updated where its summed gradients land), from this step's gaps.

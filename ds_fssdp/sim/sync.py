@@ -41,7 +41,7 @@ from ds_fssdp.sim.setup import GRAD_BYTES, Setup
 class SyncTimes:
     reduce_s: float  # lands before the optimizer step: issued per layer after its backward
     step_gather_s: float  # all-gathered at the step, exposed (ZeRO 1: the dense parameters)
-    forward_gather_s: float  # ZeRO 1: the EDP experts' parameters, per layer before its next use
+    forward_gather_s: float  # the EDP experts' all-gather after the step, per layer before its next use
     links: Links  # bytes over every link, the whole sync (the all-reduce's at ZeRO 0)
 
 
