@@ -583,18 +583,24 @@ def drain_before_deadlines(work_L, gaps_L, *, lead: int = 0) -> float:
     return waited
 
 
+def split_sync_exposed(reduce_L, gather_L, backward_gaps_L, forward_gaps_L, *, lead: int) -> float:
+    """Seconds a step waits for a sync split around it. Per layer in model order: ``reduce_L`` its
+    reduce, issued after its backward and drained in the gaps below (``backward_gaps_L``, the
+    backward runs the layers from the last: :func:`drain_in_gaps`); ``gather_L`` its all-gather,
+    issued after the step and due before its first use in the next forward, ``lead`` layers early,
+    drained in the forward's gaps (``forward_gaps_L``: :func:`drain_before_deadlines`). A sync
+    whole before the step is the same with nothing to gather. What the simulators charge a gapped
+    schedule and what :func:`split_sync_pays` compares."""
+    back = list(backward_gaps_L)[::-1]
+    return (drain_in_gaps(list(reduce_L)[::-1], back)
+            + drain_before_deadlines(list(gather_L), list(forward_gaps_L), lead=lead))
+
+
 def split_sync_pays(allreduce_L, reduce_L, gather_L, backward_gaps_L, forward_gaps_L, *, lead: int) -> bool:
-    """Whether a gradient all-reduce is slower whole than split around the step. Per layer in
-    model order: ``allreduce_L`` its all-reduce, ``reduce_L`` / ``gather_L`` its reduce-scatter and
-    all-gather, ``backward_gaps_L`` / ``forward_gaps_L`` the link gaps of its backward and forward.
-    Whole: each layer's all-reduce issued after its backward, drained in the gaps below
-    (:func:`drain_in_gaps`); split: its reduce-scatter the same way, its all-gather after the step,
-    before its first use in the next forward, ``lead`` layers early (:func:`drain_before_deadlines`).
-    What the runtime's replicated expert state decides its next step's sync with (ZeRO 0: the
-    summed gradients gathered, each layer updated where they land), from its modelled gaps, and the
-    simulators from theirs."""
-    back = list(backward_gaps_L)[::-1]  # the backward runs the layers from the last
-    whole = drain_in_gaps(list(allreduce_L)[::-1], back)
-    split = drain_in_gaps(list(reduce_L)[::-1], back) + drain_before_deadlines(list(gather_L), list(forward_gaps_L),
-                                                                                lead=lead)
-    return split < whole
+    """Whether a gradient all-reduce is slower whole than split around the step
+    (:func:`split_sync_exposed` of each: ``allreduce_L`` per layer with nothing to gather, against
+    ``reduce_L`` and ``gather_L``). What the runtime's replicated expert state decides its next
+    step's sync with (ZeRO 0: the summed gradients gathered, each layer updated where they land),
+    from its modelled gaps, and the simulators from theirs."""
+    whole = split_sync_exposed(allreduce_L, [0.0] * len(allreduce_L), backward_gaps_L, forward_gaps_L, lead=lead)
+    return split_sync_exposed(reduce_L, gather_L, backward_gaps_L, forward_gaps_L, lead=lead) < whole

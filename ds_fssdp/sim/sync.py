@@ -21,9 +21,9 @@ gradients (the ranks at one position in every group).
   where that layer first uses its rows; otherwise at the step, exposed.
 
 :func:`exposed_sync` charges a policy's schedule: with the gaps, the reduce drains in the
-backward's link gaps after each layer's backward (:func:`~ds_fssdp.planner.schedule.drain_in_gaps`)
-and the experts' gather in the next forward's gaps before each layer's deadline
-(:func:`~ds_fssdp.planner.schedule.drain_before_deadlines`); without, the reduce hides under the
+backward's link gaps after each layer's backward and the experts' gather in the next forward's gaps
+before each layer's deadline (:func:`~ds_fssdp.planner.schedule.split_sync_exposed`, what the
+runtime's split decision compares too); without, the reduce hides under the
 backward of every layer but the last to run (layer 0's) and both gathers are exposed.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ds_fssdp.planner.schedule import drain_before_deadlines, drain_in_gaps
+from ds_fssdp.planner.schedule import split_sync_exposed
 from ds_fssdp.sim.links import Links, allreduce_links
 from ds_fssdp.sim.setup import GRAD_BYTES, Setup
 
@@ -68,8 +68,7 @@ def sync_times(setup: Setup, group_size: int, owned_N: np.ndarray | None = None,
         return float(links.time_B(setup.hw)[0]) if members.shape[0] else 0.0
 
     whole = allreduce_links(np.concatenate([dense_M, edp_M]), np.concatenate([dense_K, edp_K]), ranks_per_node=G)
-    split = setup.zero_stage >= 1 or split_experts
-    if not split or not edp_K.size and setup.zero_stage == 0:
+    if setup.zero_stage == 0 and not (split_experts and edp_K.size):
         return SyncTimes(float(whole.time_B(setup.hw)[0]), 0.0, 0.0, whole)
     # A ring reduce-scatter (all-gather) is half a ring all-reduce's bytes.
     experts = seconds(edp_M, edp_K / 2.0)
@@ -90,7 +89,5 @@ def exposed_sync(sync: SyncTimes, *, gaps: bool, backward_gaps_L, forward_gaps_L
     if not gaps:
         hidden = sum(backward_L) - backward_L[0]  # layer 0's backward runs last
         return max(0.0, sync.reduce_s - hidden) + sync.step_gather_s + sync.forward_gather_s
-    out = drain_in_gaps([sync.reduce_s / L] * L, list(backward_gaps_L)[::-1]) + sync.step_gather_s
-    if sync.forward_gather_s > 0.0:
-        out += drain_before_deadlines([sync.forward_gather_s / L] * L, list(forward_gaps_L), lead=lead)
-    return out
+    return sync.step_gather_s + split_sync_exposed([sync.reduce_s / L] * L, [sync.forward_gather_s / L] * L,
+                                                   backward_gaps_L, forward_gaps_L, lead=lead)

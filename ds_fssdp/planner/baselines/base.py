@@ -68,7 +68,8 @@ class Clock:
     exchange leaves the reduce's link free (``planner/scheduled.reduce_window_s``); None: against
     twice ``window_s``."""
     calibration_credit_s: float = 0.0
-    """Seconds calibration is expected to save a placement that leaves it room (free slots): the
+    """Seconds calibration is expected to save a placement that leaves it room (some rank lacks an
+    expert: ``calibrate.leaves_room``): the
     layer's mean realized net saving over its last steps with room, set by
     :class:`~ds_fssdp.planner.layer.LayerPlanner` from its own post-gating results. The search by
     time takes it off such candidates' price: calibration sees the actual loads, the price only the
