@@ -16,6 +16,15 @@ Tensor-parallel folding (``fold``, set by ``ds_fssdp.initialize`` under AutoTP):
 holds the same tokens; the layer dispatches only this TP rank's slice of them and all-gathers
 the outputs over the TP group (``comm/fold.py``), so each token is computed once per TP group.
 
+Owned before initialize: a loader that reads only this rank's experts
+(``integrations/hf_load.from_pretrained``) hands the module its owned rows with
+:meth:`adopt_owned_rows`; the module then holds no ``[E, ...]`` tensors and ``initialize`` takes
+the rows as they are (no scatter). Lazy: a module built with its expert tensors on the meta device
+(``FSSDPMoE(lazy_experts=True)``, ``integrations/hf_load.from_config``) has no values yet;
+``initialize`` asks :meth:`fresh_rows` for the owned experts only, each drawn from its own
+generator, so every world and group size gets the same weights. :meth:`initial_rows` is what the
+stage asks.
+
 Routing bias (DeepSeek-V3's auxiliary-loss-free balancing): a router bias handed to
 :meth:`bind_router_bias` (an HF router's ``e_score_correction_bias``, FSSDPMoE's gate bias) moves
 after every optimizer step by its rate times ``sign(mean load - expert load)``, the loads counted
@@ -25,6 +34,7 @@ one given at binding (FSSDPMoE's ``bias_update_rate``; 0 for HF routers: the key
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping
 
 import torch
@@ -34,6 +44,16 @@ from ds_fssdp.comm import fold as tp_fold
 from ds_fssdp.moe.compute import dispatch_compute_combine, local_exchange, mlp_fn
 from ds_fssdp.moe.experts import ExpertSpec
 from ds_fssdp.moe.routing import route
+
+
+@dataclass
+class OwnedRows:
+    """The experts a rank owns before ``ds_fssdp.initialize`` (rows in the spec's order)."""
+    owner_E: torch.Tensor  # long [E]: every expert's owner in its FSSDP group
+    owned_E: torch.Tensor  # long [S]: the experts held here, ascending
+    rows_SP: torch.Tensor  # [S, P]
+    requires_grad: bool
+    group_rank: int  # this rank's position in its FSSDP group (planner.initial_ownership)
 
 
 class FSSDPExperts(nn.Module):
@@ -60,6 +80,7 @@ class FSSDPExperts(nn.Module):
         # moe.side.SharedSide: the block's shared experts, computed beside a chunked exchange (bound by
         # integrations/hf.py's convert where the block runs them after its experts); None: none
         self.side = None
+        self.owned = None  # OwnedRows read by a loader before initialize (adopt_owned_rows)
 
     @property
     def activation(self) -> str:
@@ -70,6 +91,8 @@ class FSSDPExperts(nn.Module):
         """Whether the experts train: every expert tensor requires grad (or none does)."""
         if self.sharded is not None:
             return self.sharded.trainable
+        if self.owned is not None:
+            return self.owned.requires_grad
         flags = {getattr(self, n).requires_grad for n in self.spec.names}
         if len(flags) > 1:
             raise ValueError(f"{type(self).__name__}: some expert tensors require grad and others do not "
@@ -99,6 +122,7 @@ class FSSDPExperts(nn.Module):
         if counts_E is None:
             counts_E = torch.bincount(idx_TK.reshape(-1), minlength=self.num_experts)
         if self.sharded is None:
+            self._check_whole("forward")
             out_TH, load_E = self._local_forward(x_TH, idx_TK, weights_TK, counts_E), counts_E
         else:
             side = self.side.work(x_TH) if self.side_ratio else None  # the block's input, unfolded
@@ -142,17 +166,91 @@ class FSSDPExperts(nn.Module):
     def attach_sharded(self, sharded) -> None:
         """Hand the experts to a :class:`ShardedExperts` (called by ``ds_fssdp.initialize``)."""
         for name in self.spec.names:
-            del self._parameters[name]
+            self._parameters.pop(name, None)
+        self.owned = None
         self.sharded = sharded
 
     def expert_parameters(self) -> list:
-        """The full expert parameters while the module is not sharded (else [])."""
-        return [] if self.sharded is not None else [getattr(self, n) for n in self.spec.names]
+        """The full expert parameters while the module holds them (else [])."""
+        if self.sharded is not None or self.owned is not None:
+            return []
+        return [getattr(self, n) for n in self.spec.names]
+
+    @property
+    def lazy(self) -> bool:
+        """Expert tensors built on the meta device, not owned yet: ``initialize`` draws the owned
+        experts' initial values (:meth:`fresh_rows`)."""
+        return (self.sharded is None and self.owned is None
+                and all(self._parameters[n].device.type == "meta" for n in self.spec.names))
+
+    def adopt_owned_rows(self, owned: OwnedRows) -> None:
+        """Hold only this rank's experts (rows of ``owned.owned_E``) until ``initialize``: the full
+        ``[E, ...]`` tensors leave the module (a loader built them on the meta device)."""
+        if self.sharded is not None:
+            raise RuntimeError(f"{type(self).__name__}: already sharded by ds_fssdp.initialize")
+        if tuple(owned.rows_SP.shape) != (owned.owned_E.numel(), self.spec.numel):
+            raise ValueError(f"owned rows {tuple(owned.rows_SP.shape)} do not match {owned.owned_E.numel()} experts of "
+                             f"{self.spec.numel} elements")
+        for name in self.spec.names:
+            self._parameters.pop(name, None)
+        self.owned = owned
+
+    def initial_rows(self, owner_E: torch.Tensor, owned_E: torch.Tensor, *, group_rank: int):
+        """What ``initialize`` starts this layer from, when the module already has it: the owned
+        rows a loader read (checked against the stage's owners), or fresh rows of the owned experts
+        of a lazy module; None when the module holds every expert (the stage scatters them)."""
+        if self.owned is not None:
+            o = self.owned
+            if not torch.equal(o.owner_E.cpu(), owner_E.cpu()) or o.group_rank != group_rank:
+                raise ValueError(
+                    f"{type(self).__name__}: the experts were read for the owners {o.owner_E.tolist()} at position "
+                    f"{o.group_rank} of the FSSDP group, but initialize plans {owner_E.tolist()} at position "
+                    f"{group_rank}: load the model with the same fssdp.group_size and world size as training")
+            return o.rows_SP
+        if self.lazy:
+            return self.fresh_rows(owned_E)
+        return None
+
+    def fresh_rows(self, owned_E: torch.Tensor) -> torch.Tensor:
+        """Initial rows [S, P] of the experts ``owned_E`` of a lazy module, each expert from its own
+        generator (the same values at any world or group size). Subclasses that can be lazy define it."""
+        raise NotImplementedError(f"{type(self).__name__} was built with its expert tensors on the meta device "
+                                  "but has no per-expert initializer (fresh_rows)")
+
+    def move_experts(self, device) -> None:
+        """Put the expert tensors this module holds (full or owned) on ``device``: ``initialize``
+        does it before its first collective (NCCL takes device tensors only)."""
+        if self.owned is not None:
+            self.owned.rows_SP = self.owned.rows_SP.to(device)
+            return
+        if self.sharded is not None or self.lazy:
+            return
+        with torch.no_grad():
+            for name in self.spec.names:
+                param = self._parameters[name]
+                param.data = param.data.to(device)
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        if self.owned is not None:  # .to() / .cuda() / .half() move the owned rows too
+            self.owned.rows_SP = fn(self.owned.rows_SP)
+        return out
+
+    def _check_whole(self, what: str) -> None:
+        if self.owned is not None:
+            raise RuntimeError(f"{type(self).__name__}.{what}: this rank holds only its own experts "
+                               f"({self.owned.owned_E.tolist()} of {self.num_experts}) until ds_fssdp.initialize; "
+                               "initialize first (the HF Trainer does), or save with "
+                               "ds_fssdp.integrations.hf.save_pretrained")
+        if self.lazy:
+            raise RuntimeError(f"{type(self).__name__}.{what}: the expert tensors are on the meta device until "
+                               "ds_fssdp.initialize draws each rank's own experts")
 
     @torch.no_grad()
     def export_experts(self) -> dict:
         """Full expert tensors by name ([E, ...]) on every rank; collective once sharded."""
         if self.sharded is None:
+            self._check_whole("export_experts")
             return {name: getattr(self, name).detach().clone() for name in self.spec.names}
         views = self.spec.views(self.sharded.export_rows())
         return {name: v.clone() for name, v in views.items()}
@@ -167,6 +265,7 @@ class FSSDPExperts(nn.Module):
                 raise ValueError(f"import_experts: {name} has shape {tuple(tensors[name].shape)}, expected "
                                  f"{(self.num_experts, *shape)}")
         if self.sharded is None:
+            self._check_whole("import_experts")
             for name in self.spec.names:
                 getattr(self, name).copy_(tensors[name])
         else:

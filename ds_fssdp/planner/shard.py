@@ -18,6 +18,18 @@ def homogeneous_owner(num_experts: int, num_ranks: int) -> torch.Tensor:
     return torch.arange(num_experts, dtype=torch.long) * num_ranks // num_experts
 
 
+def initial_ownership(num_experts: int, *, group_size: int, group_rank: int) -> tuple:
+    """``(owner_E, owned_E)``: who owns each expert of a layer when training starts, and the experts
+    (ascending) the rank at ``group_rank`` of its FSSDP group owns. Every FSSDP group owns its own
+    copy the same way, so a rank owns the experts of its position in its group. The one decision
+    the stage (at ``ds_fssdp.initialize``) and the loaders (``integrations/hf_load.py``, which read
+    only these experts) share."""
+    if not 0 <= group_rank < group_size:
+        raise ValueError(f"group_rank ({group_rank}) must be in [0, {group_size})")
+    owner_E = homogeneous_owner(num_experts, group_size)
+    return owner_E, torch.nonzero(owner_E == group_rank).flatten()
+
+
 def shard_placement(owner_E: torch.Tensor, num_ranks: int) -> torch.Tensor:
     """The shard placement P as a bool [E, D] matrix (one True per row)."""
     placement_ED = torch.zeros(owner_E.numel(), num_ranks, dtype=torch.bool)

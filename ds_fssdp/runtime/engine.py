@@ -8,6 +8,8 @@ experts, so the user's ``engine.backward(loss); engine.step()`` loop is unchange
 """
 from __future__ import annotations
 
+import os
+
 import deepspeed
 import torch
 from deepspeed import comm as dist
@@ -59,6 +61,12 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
 
     init_distributed(backend=get_accelerator().communication_backend_name(), distributed_port=distributed_port,
                      dist_init_required=dist_init_required)  # restart-safe under torchrun
+    # Every collective below runs on tensors of the device the engine will use (NCCL takes device
+    # tensors only; DeepSpeed moves the model there only inside its own initialize, after the
+    # stage has scattered): checked by tests/test_device_discipline.py.
+    device = engine_device(args)
+    for layer in layers:
+        layer.move_experts(device)
     world = dist.get_world_size()
     ranks_per_node = fcfg.resolve_ranks_per_node(world)
     group_size = fcfg.resolve_group_size(world, ranks_per_node, requested, requested_by)
@@ -91,6 +99,18 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
     engine.fssdp_monitor = StageMonitor.for_engine(stage, engine)
     install_faults(engine)  # only when FSSDP_FAULTS is set (tests)
     return engine, ds_optimizer, dataloader, scheduler
+
+
+def engine_device(args=None) -> torch.device:
+    """The device DeepSpeed's engine will take (``DeepSpeedEngine._set_distributed_vars``): the
+    accelerator's device of ``args.device_rank`` or LOCAL_RANK (set by every launcher and by
+    ``deepspeed.init_distributed``)."""
+    device_rank = getattr(args, "device_rank", None) if args is not None else None
+    if device_rank is None:
+        device_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", -1)))
+    if device_rank >= 0:
+        return torch.device(get_accelerator().device_name(device_rank))
+    return torch.device(get_accelerator().current_device_name())
 
 
 def requested_group_size(model) -> tuple:

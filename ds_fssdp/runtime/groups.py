@@ -51,6 +51,12 @@ def edp_ranks(world: int, group_size: int) -> list:
     return [list(range(j, world, group_size)) for j in range(group_size)]
 
 
+def group_rank(rank: int, group_size: int) -> int:
+    """A global rank's position in its FSSDP group (groups are consecutive ranks, ``fssdp_ranks``):
+    what the loaders ask ``planner.initial_ownership`` with before the groups exist."""
+    return rank % group_size
+
+
 def group_topology(group_size: int, ranks_per_node: int) -> Topology:
     """An FSSDP group spans whole nodes (G a multiple of ranks per node) or lies inside one."""
     return Topology(num_ranks=group_size, ranks_per_node=min(group_size, ranks_per_node))

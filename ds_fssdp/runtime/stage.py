@@ -39,7 +39,7 @@ from ds_fssdp.config import FSSDPConfig, FSSDPConfigError
 from ds_fssdp.moe.experts_module import FSSDPExperts
 from ds_fssdp.moe.sharded import (ReplicaMemory, ShardedExperts, ShardOptions, StepContext, chain,
                                   decision_arrays)
-from ds_fssdp.planner import LoadPredictor, homogeneous_owner
+from ds_fssdp.planner import LoadPredictor, initial_ownership
 from ds_fssdp.planner.baselines import Clock
 from ds_fssdp.planner.layer import migrations
 from ds_fssdp.planner.schedule import ScheduleCosts
@@ -111,13 +111,18 @@ class FSSDPStage:
                 raise TypeError(f"FSSDPStage takes FSSDPExperts modules (FSSDPMoE is one), got {type(layer).__name__}")
             trainable = layer.trainable
             layer.router_bias_update_rate = float(config.router_bias_update_rate)
-            owner_E = homogeneous_owner(layer.num_experts, self.group_size)
-            full_EP = layer.spec.flatten(layer.export_experts())
-            # Every owner starts from rank src_rank's initial values (of the first FSSDP group), as
-            # DeepSpeed broadcasts the dense ones from rank 0.
-            rows_SP = scatter_rows(full_EP, owner_E, src=src_rank, group=group)
-            if edp_group is not None:
-                dist.broadcast(rows_SP, src=dist.get_global_rank(edp_group, 0), group=edp_group)
+            owner_E, owned_E = initial_ownership(layer.num_experts, group_size=self.group_size,
+                                                 group_rank=dist.get_rank(group=group))
+            # Rows a loader already read for this rank, or fresh rows of a lazy layer's own experts:
+            # nothing moves (every rank of every group has its own).
+            rows_SP = layer.initial_rows(owner_E, owned_E, group_rank=dist.get_rank(group=group))
+            if rows_SP is None:
+                full_EP = layer.spec.flatten(layer.export_experts())
+                # Every owner starts from rank src_rank's initial values (of the first FSSDP group), as
+                # DeepSpeed broadcasts the dense ones from rank 0.
+                rows_SP = scatter_rows(full_EP, owner_E, src=src_rank, group=group)
+                if edp_group is not None:
+                    dist.broadcast(rows_SP, src=dist.get_global_rank(edp_group, 0), group=edp_group)
             layer.attach_sharded(ShardedExperts(spec=layer.spec, layer_index=i, owner_E=owner_E, rows_SP=rows_SP,
                                                 topology=topology, group=group, param_group=self.param_group,
                                                 predictor=self.predictor, options=options, memory=self.memory,

@@ -30,7 +30,7 @@ def prepare_layers(layers: list, ds_config: dict) -> None:
     if zero_stage(ds_config) != 3:
         return
     for i, layer in enumerate(layers):
-        partitioned = [n for n in layer.spec.names if hasattr(getattr(layer, n), "ds_id")]
+        partitioned = [n for n in layer.spec.names if hasattr(layer._parameters.get(n), "ds_id")]
         if partitioned:
             raise FSSDPConfigError(
                 f"zero_optimization.stage (3): FSSDP layer {i} has expert parameters {partitioned} partitioned by "
