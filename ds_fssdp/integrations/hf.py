@@ -65,6 +65,8 @@ from deepspeed.utils import logger
 import ds_fssdp.runtime.engine as _engine
 from ds_fssdp.integrations import peft_lora
 from ds_fssdp.integrations.hf_experts import FSSDPHFExperts, UnsupportedExpertsError, is_experts_module
+from ds_fssdp.integrations.hf_load import from_config, from_pretrained, materialize_experts
+from ds_fssdp.integrations.hf_save import restore_trainer_save, route_trainer_save, save_pretrained
 from ds_fssdp.moe.side import bind_shared
 
 # Where a family keeps the selection bias of its router: on the block or on its router module.
@@ -109,12 +111,19 @@ def convert(model: nn.Module, *, route_initialize: bool = True) -> nn.Module:
                 f"{targets[0][1].__class__.__name__} -> {converted_experts(model)[0][1].extra_repr()}")
     if route_initialize:
         route_deepspeed_initialize()
+        route_trainer_save()
     return model
 
 
 def converted_experts(model: nn.Module) -> list:
     """``[(name, FSSDPHFExperts)]`` in module order."""
     return [(name, m) for name, m in model.named_modules() if isinstance(m, FSSDPHFExperts)]
+
+
+def expert_keys(model: nn.Module) -> set:
+    """The state-dict keys of the converted experts modules' own tensors (``<name>.w_gate`` ...):
+    what the dense part of the model is not."""
+    return {f"{name}.{n}" if name else n for name, m in converted_experts(model) for n in m.spec.names}
 
 
 def unconvert(model: nn.Module) -> nn.Module:
@@ -203,4 +212,5 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 __all__ = ["UnsupportedModelError", "convert", "converted_experts", "unconvert", "hf_state_dict", "initialize",
-           "route_deepspeed_initialize", "restore_deepspeed_initialize"]
+           "route_deepspeed_initialize", "restore_deepspeed_initialize", "from_pretrained", "from_config",
+           "materialize_experts", "save_pretrained", "route_trainer_save", "restore_trainer_save"]

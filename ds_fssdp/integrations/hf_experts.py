@@ -34,6 +34,7 @@ import torch.nn as nn
 from ds_fssdp import ops
 from ds_fssdp.moe.experts import ExpertSpec
 from ds_fssdp.moe.experts_module import FSSDPExperts
+from ds_fssdp.moe.layer import expert_seed
 
 LAYOUT_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
 # Gated expert variants tried against a module's ``_apply_gate``, with the constants each needs.
@@ -249,7 +250,8 @@ class FSSDPHFExperts(FSSDPExperts):
         # targets this module (PEFT must be applied before initialize).
         self.stand_ins = tuple(hf_params)
         for name, p in hf_params.items():
-            stand_in = nn.Parameter(torch.empty(0, dtype=p.dtype, device=p.device), requires_grad=False)
+            stand_in = nn.Parameter(torch.empty(0, dtype=p.dtype, device="cpu" if p.is_meta else p.device),
+                                    requires_grad=False)
             stand_in.ds_shape = p.shape
             setattr(self, name, stand_in)
         self.register_state_dict_post_hook(_drop_stand_ins)
@@ -257,9 +259,38 @@ class FSSDPHFExperts(FSSDPExperts):
         # The HF module is kept outside the module tree for the way back (``to_hf_module``); its
         # storage is freed (meta tensors of the same shapes).
         object.__setattr__(self, "_hf_experts", experts)
+        # (seed, the model's _init_weights) when built lazily (integrations/hf_load.from_config): how
+        # fresh_rows draws each expert
+        object.__setattr__(self, "_fresh_init", None)
         for name, p in hf_params.items():
             setattr(experts, name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
                                                 requires_grad=p.requires_grad))
+
+    @torch.no_grad()
+    def fresh_rows(self, owned_E: torch.Tensor) -> torch.Tensor:
+        """Rows [S, P] of the experts ``owned_E`` of a lazy module: each expert initialized by the
+        family's own ``_init_weights`` on a one-expert copy of the HF module, under torch's global
+        generator seeded by the layer's seed and the expert (the same values at any world size)."""
+        if self._fresh_init is None:
+            return super().fresh_rows(owned_E)
+        seed, init_weights = self._fresh_init
+        experts = self._hf_experts
+        meta = dict(experts.named_parameters(recurse=False))
+        dtype = self._parameters[self.spec.names[0]].dtype
+        rows_SP = torch.empty(owned_E.numel(), self.spec.numel, dtype=dtype)
+        try:
+            for s, e in enumerate(owned_E.tolist()):
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(expert_seed(seed, e))
+                    for name, p in meta.items():
+                        setattr(experts, name, nn.Parameter(torch.empty((1, *p.shape[1:]), dtype=p.dtype),
+                                                            requires_grad=False))
+                    init_weights(experts)
+                rows_SP[s] = self.spec.flatten(to_fssdp(experts, self.layout))[0]
+        finally:
+            for name, p in meta.items():
+                setattr(experts, name, p)
+        return rows_SP
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         active = {name: factors for name, factors in self._lora_active.items() if factors}

@@ -217,6 +217,17 @@ class FSSDPExperts(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} was built with its expert tensors on the meta device "
                                   "but has no per-expert initializer (fresh_rows)")
 
+    @torch.no_grad()
+    def materialize_experts(self) -> None:
+        """A lazy module's every expert, here (one process): the single-process reference of what
+        ``initialize`` draws, rank by rank, at any world and group size."""
+        if not self.lazy:
+            raise RuntimeError(f"{type(self).__name__}.materialize_experts: the expert tensors are not lazy")
+        requires_grad = self.trainable
+        views = self.spec.views(self.fresh_rows(torch.arange(self.num_experts)))
+        for name in self.spec.names:
+            self._parameters[name] = nn.Parameter(views[name].clone(), requires_grad=requires_grad)
+
     def move_experts(self, device) -> None:
         """Put the expert tensors this module holds (full or owned) on ``device``: ``initialize``
         does it before its first collective (NCCL takes device tensors only)."""

@@ -84,16 +84,6 @@ class FSSDPMoE(FSSDPExperts):
                     views[name].normal_(0.0, self.init_std, generator=gen)
         return rows_SP
 
-    @torch.no_grad()
-    def materialize_experts(self) -> None:
-        """A lazy layer's every expert, here (one process): the single-process reference of what
-        ``initialize`` draws, rank by rank, at any world size."""
-        if not self.lazy:
-            raise RuntimeError("FSSDPMoE.materialize_experts: the layer is not lazy")
-        views = self.spec.views(self.fresh_rows(torch.arange(self.num_experts)))
-        for name in self.spec.names:
-            self._parameters[name] = nn.Parameter(views[name].clone())
-
     def forward(self, x: torch.Tensor):
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"input last dim {x.shape[-1]} != hidden_size {self.hidden_size}")

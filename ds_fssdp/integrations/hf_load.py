@@ -1,0 +1,285 @@
+"""Big HF MoE models in: each rank reads (or draws) only the experts it will own.
+
+Legend: E experts, S experts a rank owns, P elements per expert row.
+
+:func:`from_pretrained` returns what ``convert(AutoModelForCausalLM.from_pretrained(...))`` returns,
+without any rank holding the whole model: it starts DeepSpeed's comm (restart-safe,
+``runtime/elastic.init_distributed``) to learn its rank and the FSSDP layout from the config's
+``fssdp`` section (``group_size``, ``ranks_per_node``), then runs transformers' own
+``from_pretrained`` (config, kwargs, revision, remote code, dtype, file resolution, the skeleton on
+the meta device, the dense weights through transformers' loader with its key renames), with one
+step added where transformers would start reading weights (``PreTrainedModel._load_pretrained_model``,
+wrapped for the call): the meta skeleton's experts modules are converted (an unsupported family is
+refused by name here, before anything is read), the experts' checkpoint keys are planned from the
+file headers and checked on every rank alike (``hf_keys.plan_experts``: missing file or key,
+misshapen key, expert count against the config, a conversion that does not act per expert: all
+raised before any collective), then each experts module reads exactly its own experts
+(``planner.initial_ownership``, the stage's own decision; with EDP groups the experts of the
+rank's position in its group) into rows on the engine's device (``adopt_owned_rows``). The dense
+weights then load as transformers loads them; the experts' keys are not in the converted model, so
+transformers never reads them. ``ds_fssdp.initialize`` takes the rows as they are (no scatter).
+
+:func:`from_config` builds a fresh model the same way: the dense part initialized by the family's
+own ``_init_weights`` under ``seed``, the experts lazy; ``initialize`` draws each rank's own experts
+(``FSSDPHFExperts.fresh_rows``: the family's init on a one-expert copy, seeded by the layer and the
+expert), so every world and group size trains the same weights; :func:`materialize_experts` in one
+process is the reference.
+
+Under ZeRO stage 3 the dense part is partitioned while it loads (``hf_zero3.py``): one module whole
+at a time, rank 0 reads, as transformers' own ZeRO-3 load partitions; the experts are never
+partitioned by ``zero.Init``.
+"""
+from __future__ import annotations
+
+import os
+import re
+import zlib
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from deepspeed import comm as dist
+from deepspeed.utils import logger
+
+from ds_fssdp.config import FSSDPConfig
+from ds_fssdp.moe.experts_module import OwnedRows
+from ds_fssdp.planner import initial_ownership
+from ds_fssdp.runtime.checkpoint.files import CheckpointError
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this rank sits when the experts are read: the stage's FSSDP layout."""
+    rank: int
+    world: int
+    group_size: int
+    zero_stage: int
+
+    @property
+    def group_rank(self) -> int:
+        from ds_fssdp.runtime.groups import group_rank
+        return group_rank(self.rank, self.group_size)
+
+
+def read_config(ds_config) -> dict:
+    """A DeepSpeed config (dict, JSON or HJSON path) as DeepSpeed reads it."""
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+    if ds_config is None:
+        raise ValueError("ds_config is required: the DeepSpeed config (dict or path) with the \"fssdp\" section "
+                         "training will use (it decides which experts each rank reads)")
+    return dict(load_ds_config(ds_config))
+
+
+def layout_of(ds_config: dict, *, start_comm: bool = True) -> Layout:
+    """The FSSDP layout ``initialize`` will build from the same config, DeepSpeed's comm started
+    first (as ``deepspeed.init_distributed`` does); every config error names its key before any
+    collective."""
+    from deepspeed.accelerator import get_accelerator
+
+    from ds_fssdp.runtime.elastic import init_distributed
+    from ds_fssdp.runtime.zero3 import zero_stage
+    fcfg = FSSDPConfig.from_ds_config(ds_config)
+    launched = all(k in os.environ for k in ("RANK", "WORLD_SIZE")) or "OMPI_COMM_WORLD_RANK" in os.environ
+    if start_comm and (launched or dist.is_initialized()):  # a process without a launcher is one rank
+        init_distributed(backend=get_accelerator().communication_backend_name())
+    if not dist.is_initialized():
+        return Layout(rank=0, world=1, group_size=1, zero_stage=zero_stage(ds_config))
+    world = dist.get_world_size()
+    group_size = fcfg.resolve_group_size(world, fcfg.resolve_ranks_per_node(world))
+    return Layout(rank=dist.get_rank(), world=world, group_size=group_size, zero_stage=zero_stage(ds_config))
+
+
+def from_pretrained(name_or_path, *, ds_config, **hf_kwargs):
+    """``convert(AutoModelForCausalLM.from_pretrained(name_or_path, **hf_kwargs))``, each rank
+    reading only the experts it will own (module docstring). Every rank calls it."""
+    cfg = read_config(ds_config)
+    model = load_as(layout_of(cfg), cfg, name_or_path, **hf_kwargs)
+    _route()
+    return model
+
+
+def load_as(layout: Layout, cfg: dict, name_or_path, **hf_kwargs):
+    """:func:`from_pretrained` at a given layout (the rank reads what ``layout`` says it owns)."""
+    import transformers
+    with _hf_zero3_off(), _loading_hook(lambda *args: _load(layout, cfg, *args)):
+        model = transformers.AutoModelForCausalLM.from_pretrained(name_or_path, **hf_kwargs)
+    _own_all(model)
+    return model
+
+
+def _own_all(model) -> None:
+    """A rank that owns every expert (one FSSDP group of one rank) gets an ordinary module, as
+    ``convert`` returns (installed once transformers' loader, which would take them for missing
+    weights, is done)."""
+    from ds_fssdp.integrations.hf import converted_experts
+    for _, module in converted_experts(model):
+        o = module.owned
+        if o is not None and o.owned_E.numel() == module.num_experts:
+            module.owned = None
+            for name, view in module.spec.views(o.rows_SP).items():
+                module._parameters[name] = nn.Parameter(view.clone(), requires_grad=o.requires_grad)
+
+
+def from_config(config, *, ds_config, seed: int = 0, **hf_kwargs):
+    """A fresh ``AutoModelForCausalLM.from_config(config, **hf_kwargs)``, converted, without any rank
+    materializing an expert: the dense part initialized under ``seed``, the experts drawn per rank at
+    ``initialize`` (module docstring). Every rank calls it."""
+    import transformers
+
+    from ds_fssdp.integrations.hf import convert, converted_experts, expert_keys
+    cfg = read_config(ds_config)
+    layout = layout_of(cfg, start_comm=_zero3(cfg))
+    with _hf_zero3_off(), torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, **hf_kwargs)
+    convert(model, route_initialize=False)
+    for name, module in converted_experts(model):
+        object.__setattr__(module, "_fresh_init", (layer_seed(seed, name), model._init_weights))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if _zero3(cfg):
+            from ds_fssdp.integrations.hf_zero3 import init_dense_partitioned
+            init_dense_partitioned(model, cfg)
+        else:
+            dense = set(model.state_dict()) - set(model.all_tied_weights_keys) - expert_keys(model)
+            model._move_missing_keys_from_meta_to_device(dense, None, None, None)
+            model._initialize_missing_keys(is_quantized=False)
+            model.tie_weights()
+    _route()
+    logger.info(f"fssdp: {type(model).__name__} from its config, dense part initialized (seed {seed}); each rank "
+                f"draws its own experts at initialize (rank {layout.rank} of {layout.world})")
+    return model
+
+
+def materialize_experts(model) -> nn.Module:
+    """Every lazy experts module's experts, here: the single-process reference of a model from
+    :func:`from_config` (what every rank of any world size draws its share of). Returns ``model``."""
+    from ds_fssdp.integrations.hf import converted_experts
+    for _, module in converted_experts(model):
+        module.materialize_experts()
+    return model
+
+
+def layer_seed(seed: int, name: str) -> int:
+    """The seed of a lazy experts module's experts: the model's seed and the module's name."""
+    return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**62)
+
+
+def _zero3(cfg: dict) -> bool:
+    from ds_fssdp.runtime.zero3 import zero_stage
+    return zero_stage(cfg) == 3
+
+
+def _route() -> None:
+    from ds_fssdp.integrations.hf import route_deepspeed_initialize
+    from ds_fssdp.integrations.hf_save import route_trainer_save
+    route_deepspeed_initialize()
+    route_trainer_save()
+
+
+def _load(layout: Layout, cfg: dict, original, model, state_dict, checkpoint_files, load_config, *args, **kwargs):
+    """transformers' ``_load_pretrained_model`` with each rank's own experts read first."""
+    from ds_fssdp.integrations.hf import UnsupportedModelError, convert, converted_experts
+    from ds_fssdp.integrations.hf_keys import UnmappableExpertsError, plan_experts
+    from ds_fssdp.integrations.safetensors_io import CheckpointFiles
+    model_type = getattr(model.config, "model_type", None)
+    if state_dict is not None or not checkpoint_files:
+        raise ValueError("ds_fssdp.integrations.hf.from_pretrained reads each rank's experts from the checkpoint's "
+                         "safetensors files; from_pretrained(state_dict=...) or a model without files is not supported")
+    if load_config.hf_quantizer is not None:
+        raise UnsupportedModelError(f"ds_fssdp.integrations.hf.from_pretrained: model_type {model_type!r} is loaded "
+                                    "quantized (quantization_config); ds_fssdp trains unquantized experts only")
+    if load_config.device_map is not None:
+        raise ValueError(f"ds_fssdp.integrations.hf.from_pretrained: device_map ({load_config.device_map!r}) is not "
+                         "supported: DeepSpeed places the model, each rank keeps its own experts")
+    convert(model, route_initialize=False)  # on the meta skeleton: refuses an unsupported family by name
+    modules = converted_experts(model)
+    files = CheckpointFiles(checkpoint_files)
+    try:
+        plan = plan_experts(model, modules, files, load_config.weight_mapping, model_type=model_type)
+    except UnmappableExpertsError as err:
+        raise UnsupportedModelError(str(err)) from None
+    device = _engine_device()
+    read = 0
+    for name, module in modules:
+        read += _read_module(module, plan[name], files, layout, config=model.config, device=device)
+    # The experts' checkpoint keys are not in the converted model: transformers reports them as
+    # unexpected (and never reads them); they are not.
+    ignore = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    model._keys_to_ignore_on_load_unexpected = ignore | {re.escape(s.target) for p in plan.values() for s in p.values()}
+    logger.info(f"fssdp: rank {layout.rank} read its own experts of {len(modules)} layers ({read / 2**20:.1f} MiB) "
+                f"from {len(files.paths)} files")
+    if layout.zero_stage == 3:
+        from ds_fssdp.integrations.hf_zero3 import load_dense_partitioned
+        return load_dense_partitioned(model, files, load_config, cfg)
+    return original(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
+
+
+def _read_module(module, sources: dict, files, layout: Layout, *, config, device) -> int:
+    """Read this rank's experts of one module into its rows; returns the bytes read."""
+    from ds_fssdp.integrations.hf_experts import to_fssdp
+    from ds_fssdp.integrations.hf_keys import read_owned
+    param = module._parameters[module.spec.names[0]]
+    dtype, requires_grad = param.dtype, param.requires_grad
+    owner_E, owned_E = initial_ownership(module.num_experts, group_size=layout.group_size,
+                                         group_rank=layout.group_rank)
+    hf = {attr: read_owned(src, files, owned_E, config=config, dtype=dtype) for attr, src in sources.items()}
+    nbytes = sum(t.numel() * t.element_size() for t in hf.values())
+    named = to_fssdp(_Tensors(hf), module.layout)
+    del hf
+    rows_SP = module.spec.flatten(named)
+    if owned_E.numel() < module.num_experts:
+        rows_SP = rows_SP.to(device)
+    module.adopt_owned_rows(OwnedRows(owner_E=owner_E, owned_E=owned_E, rows_SP=rows_SP, requires_grad=requires_grad,
+                                      group_rank=layout.group_rank))
+    return nbytes
+
+
+class _Tensors:
+    """Attribute access to HF tensors by name (what ``to_fssdp`` reads off an experts module)."""
+
+    def __init__(self, tensors: dict):
+        self.__dict__.update(tensors)
+
+
+def _engine_device():
+    from ds_fssdp.runtime.engine import engine_device
+    return engine_device()
+
+
+@contextmanager
+def _loading_hook(hook):
+    """transformers' ``PreTrainedModel._load_pretrained_model`` (where it starts reading weights
+    into the meta skeleton) routed through ``hook(original, model, state_dict, checkpoint_files,
+    load_config)`` for the duration."""
+    from transformers.modeling_utils import PreTrainedModel
+    original = PreTrainedModel.__dict__.get("_load_pretrained_model")
+    if not isinstance(original, staticmethod):
+        raise RuntimeError("ds_fssdp.integrations.hf.from_pretrained: this transformers version has no "
+                           "PreTrainedModel._load_pretrained_model static method to read the experts before")
+
+    def wrapped(*args, **kwargs):
+        return hook(original.__func__, *args, **kwargs)
+
+    PreTrainedModel._load_pretrained_model = staticmethod(wrapped)
+    try:
+        yield
+    finally:
+        PreTrainedModel._load_pretrained_model = original
+
+
+@contextmanager
+def _hf_zero3_off():
+    """transformers builds a model under ``deepspeed.zero.Init`` while a ZeRO-3 HF DeepSpeed config
+    is alive (``TrainingArguments`` with ZeRO-3): the experts would be partitioned like dense weights.
+    The skeleton is built on the meta device instead; ZeRO-3's dense partitioning is ``hf_zero3.py``'s."""
+    from transformers.integrations import deepspeed as hf_ds
+    ref = hf_ds._hf_deepspeed_config_weak_ref
+    hf_ds.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = ref
+
+
+__all__ = ["from_pretrained", "from_config", "materialize_experts", "layout_of", "Layout", "CheckpointError"]

@@ -1,0 +1,298 @@
+"""Big HF MoE models out: a Hugging Face directory written by every rank, each its own experts.
+
+Legend: E experts, S experts a rank owns, P elements per expert row.
+
+:func:`save_pretrained` (collective) writes what ``save_pretrained`` would write for the unconverted
+model, loadable by ``AutoModelForCausalLM.from_pretrained``: ``config.json`` and the generation
+config, safetensors shards under the family's own key names (transformers' reverse conversion:
+per-expert keys for families with a conversion mapping, unless ``save_original_format=False``)
+and ``model.safetensors.index.json``. Rank 0 writes the dense part through transformers' own
+``save_pretrained`` (its key renames, tied weights, config and dtype; under ZeRO-3 the dense
+parameters are gathered one module at a time first, as DeepSpeed's 16-bit consolidation does).
+The experts go to shards laid out before any byte is written (``hf_keys.SavedExperts``: every key,
+shape and dtype, known on every rank), and each rank of the first FSSDP group writes its own
+experts' byte ranges into them, one layer at a time (``safetensors_io.ShardFile``): no expert
+crosses a link, and no rank holds more than one layer's experts beyond its own.
+
+Atomic: everything goes into ``.tmp-<name>`` beside ``out_dir`` (same filesystem); rank 0 writes the
+index last and renames the directory into place. A non-empty ``out_dir`` is refused before
+anything is written; a failure on any rank (a full disk: ``OSError(ENOSPC)``) fails every rank alike,
+the temporary directory is removed, and ``out_dir`` is left as it was.
+
+``trainer.save_model(out_dir)`` on a converted model goes through it (:func:`route_trainer_save`,
+installed by ``convert`` and the loaders): the Trainer calls ``save_model`` on every rank, and under
+DeepSpeed it would gather a state dict without the sharded experts. A PEFT model keeps the Trainer's
+and PEFT's own saving (the adapters are dense parameters).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+
+from ds_fssdp.runtime.checkpoint.files import CheckpointError, fsync_dir, write_json
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+_DENSE = ".dense"
+HONOURED = ("max_shard_size", "save_original_format", "is_main_process", "safe_serialization")
+
+
+def save_pretrained(model, out_dir, *, max_shard_size="50GB", save_original_format: bool = True, **kw) -> str:
+    """Write ``model`` (converted, sharded or not) as a Hugging Face directory (module docstring).
+    Collective: every rank calls it. Returns ``out_dir``."""
+    from ds_fssdp.integrations.hf import converted_experts
+    from ds_fssdp.integrations.hf_keys import SavedExperts
+    from ds_fssdp.integrations.safetensors_io import plan_shards
+    for key, value in kw.items():
+        if key == "safe_serialization" and value is not False:
+            continue
+        if key == "is_main_process":  # the Trainer's: this save is collective, every rank takes part
+            continue
+        raise ValueError(f"ds_fssdp.integrations.hf.save_pretrained: {key}={value!r} is not supported (it writes "
+                         f"safetensors into a local directory; supported: {', '.join(HONOURED)})")
+    if _is_peft(model):
+        return _save_peft(model, out_dir, max_shard_size=max_shard_size)
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    comm = Comm()
+    modules = converted_experts(model)
+    dtype = _saved_dtype(model)
+    saved = [SavedExperts(model, name, module, dtype, original_format=save_original_format)
+             for name, module in modules]
+    shards = plan_shards([p for s in saved for p in s.planned], max_bytes=_size(max_shard_size))
+    tmp = os.path.join(os.path.dirname(out_dir), f".tmp-{os.path.basename(out_dir)}")
+    comm.agree(f"preparing {out_dir}", lambda: _prepare(out_dir, tmp), root_only=True)
+    try:
+        dense = dense_state_dict(model)  # collective under ZeRO-3
+        files = [_expert_file(tmp, i, shard) for i, shard in enumerate(shards)]
+        comm.agree(f"writing the dense part into {tmp}",
+                   lambda: _write_dense(model, tmp, dense, files, max_shard_size, save_original_format), root_only=True)
+        del dense
+        file_of = {key: f for f in files for key in f.entries}
+        comm.agree(f"writing the experts into {tmp}", lambda: _write_experts(modules, saved, file_of, comm.rank))
+        comm.agree(f"committing {out_dir}", lambda: _commit(tmp, out_dir, files), root_only=True)
+    except BaseException:
+        if comm.rank == 0 and os.path.lexists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+class Comm:
+    """Agreement between the ranks when distributed (else a single process)."""
+
+    def __init__(self):
+        from deepspeed import comm as dist
+        self.distributed = dist.is_initialized() and dist.get_world_size() > 1
+        self.rank = dist.get_rank() if self.distributed else 0
+
+    def agree(self, what: str, fn, *, root_only: bool = False) -> None:
+        from ds_fssdp.runtime.checkpoint.collective import agree, attempt
+        err = attempt(fn) if (self.rank == 0 or not root_only) else None
+        if self.distributed:
+            agree(what, err)
+        elif err is not None:
+            raise CheckpointError(f"{what} failed: {type(err).__name__}: {err}") from err
+
+
+def _prepare(out_dir: str, tmp: str) -> None:
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise CheckpointError(f"{out_dir} is not empty: ds_fssdp.integrations.hf.save_pretrained writes into a new or "
+                              "empty directory only (it never mixes a model with another's files)")
+    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+        raise CheckpointError(f"{out_dir} exists and is not a directory")
+    if os.path.lexists(tmp):
+        shutil.rmtree(tmp)  # left by an unfinished save
+    os.makedirs(tmp)
+
+
+def _size(value) -> int:
+    from transformers.utils.hub import convert_file_size_to_int
+    return convert_file_size_to_int(value)
+
+
+def _saved_dtype(model) -> torch.dtype:
+    """The dtype transformers saves the model in: its dense parameters' (the experts follow them,
+    as ``hf_state_dict`` returns them)."""
+    from ds_fssdp.integrations.hf import _dense_like
+    like = _dense_like(model)
+    return like.dtype if like is not None else torch.float32
+
+
+def dense_state_dict(model) -> dict:
+    """The model's state dict (the converted experts hold no entries in it), on rank 0; under ZeRO-3
+    each module's partitioned parameters gathered in turn (collective), as DeepSpeed's 16-bit
+    consolidation does. Other ranks get {}."""
+    from deepspeed import comm as dist
+
+    from ds_fssdp.integrations.hf import expert_keys
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    experts = expert_keys(model)
+    params = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    if not params:
+        return {k: v.detach().cpu() for k, v in model.state_dict().items() if k not in experts} if rank == 0 else {}
+    import deepspeed
+    out = {}
+    for prefix, module in model.named_modules():
+        own = list(module.named_parameters(recurse=False))
+        with deepspeed.zero.GatheredParameters([p for _, p in own], modifier_rank=None):
+            if rank == 0:
+                for n, p in own:
+                    out[f"{prefix}.{n}" if prefix else n] = p.detach().cpu().clone()
+        if rank == 0:
+            for n, b in module.named_buffers(recurse=False):
+                if n not in module._non_persistent_buffers_set:
+                    out[f"{prefix}.{n}" if prefix else n] = b.detach().cpu().clone()
+    if rank == 0:  # in state_dict order, without what state_dict leaves out (tied duplicates stay: transformers drops them)
+        keys = model.state_dict(keep_vars=True).keys()
+        out = {k: out[k] for k in keys if k in out and k not in experts}
+    return out
+
+
+def _expert_file(tmp: str, i: int, planned: list):
+    from ds_fssdp.integrations.safetensors_io import ShardFile
+    return ShardFile(os.path.join(tmp, f"experts-{i:05d}.safetensors"), planned)
+
+
+def _write_dense(model, tmp: str, dense: dict, files: list, max_shard_size, original_format: bool) -> None:
+    """Rank 0: transformers' own save of the dense part (config, generation config, shards), then the
+    expert shards' headers."""
+    from transformers.modeling_utils import PreTrainedModel
+    PreTrainedModel.save_pretrained(model, os.path.join(tmp, _DENSE), state_dict=dense, max_shard_size=max_shard_size,
+                                    save_original_format=original_format)
+    for f in files:
+        f.create()
+
+
+def _write_experts(modules: list, saved: list, file_of: dict, rank: int) -> None:
+    """Every rank: its own experts, layer by layer (the rows' HF tensors, reverse-converted)."""
+    from ds_fssdp.integrations.hf_experts import to_hf
+    for (name, module), s in zip(modules, saved):
+        owned = own_rows(module, rank)
+        if owned is None:
+            continue
+        owned_E, rows_SP = owned
+        hf = {k: v.to(s.dtype) for k, v in to_hf(module.spec.views(rows_SP.detach()), module.layout).items()}
+        for key, tensor, first_row in s.values(hf, owned_E):
+            file_of[key].write(key, tensor, first_row=first_row)
+        del hf
+
+
+def own_rows(module, rank: int):
+    """``(owned_E, rows_SP)`` this rank writes for one experts module, or None: the owners of the
+    first FSSDP group write (the other groups hold the same experts)."""
+    if module.sharded is not None:
+        shard = module.sharded
+        shard.land()  # an EDP all-gather left in flight by the step
+        from deepspeed import comm as dist
+        group_size = dist.get_world_size(group=shard.group)
+        return (shard.owned_E, shard.rows) if rank < group_size else None
+    if module.owned is not None:
+        o = module.owned
+        return (o.owned_E, o.rows_SP) if rank == o.group_rank else None
+    if module.lazy:
+        raise CheckpointError(f"{type(module).__name__}: its experts are not drawn yet (lazy); save after "
+                              "ds_fssdp.initialize, or materialize them (integrations.hf_load.materialize_experts)")
+    if rank != 0:
+        return None
+    return torch.arange(module.num_experts), module.spec.flatten(module.export_experts())
+
+
+def _commit(tmp: str, out_dir: str, files: list) -> None:
+    """Rank 0: the final names, the index (last), the rename into place."""
+    from ds_fssdp.integrations.safetensors_io import read_header
+    dense_dir = os.path.join(tmp, _DENSE)
+    names = sorted(os.listdir(dense_dir))
+    if INDEX in names:
+        with open(os.path.join(dense_dir, INDEX)) as f:
+            dense_files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        dense_files = [SINGLE]
+    total = len(dense_files) + len(files)
+    weight_map, total_size, total_params = {}, 0, 0
+    paths = [os.path.join(dense_dir, n) for n in dense_files] + [f.path for f in files]
+    for i, path in enumerate(paths):
+        final = f"model-{i + 1:05d}-of-{total:05d}.safetensors"
+        for key, entry in read_header(path)[0].items():
+            weight_map[key] = final
+            total_size += entry.nbytes
+            total_params += entry.nbytes // entry.dtype.itemsize
+        os.replace(path, os.path.join(tmp, final))
+    for n in names:  # config.json, generation_config.json, remote code: transformers' own files
+        if n == INDEX:
+            os.remove(os.path.join(dense_dir, n))  # the dense part's alone; the index is written below
+        elif n not in dense_files:
+            os.replace(os.path.join(dense_dir, n), os.path.join(tmp, n))
+    os.rmdir(dense_dir)
+    for n in os.listdir(tmp):
+        if n.endswith(".safetensors"):
+            with open(os.path.join(tmp, n), "rb") as f:
+                os.fsync(f.fileno())
+    write_json({"metadata": {"total_size": total_size, "total_parameters": total_params},
+                "weight_map": dict(sorted(weight_map.items()))}, os.path.join(tmp, INDEX))
+    fsync_dir(tmp)
+    if os.path.isdir(out_dir):
+        os.rmdir(out_dir)  # empty (checked): the rename below takes its place
+    os.rename(tmp, out_dir)
+    fsync_dir(os.path.dirname(out_dir))
+
+
+def _is_peft(model) -> bool:
+    from ds_fssdp.integrations.peft_lora import has_peft
+    if not has_peft():
+        return False
+    from peft import PeftModel
+    return isinstance(model, PeftModel)
+
+
+def _save_peft(model, out_dir, *, max_shard_size) -> str:
+    """PEFT saves its adapters as it always does (dense parameters, whole on rank 0)."""
+    comm = Comm()
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        raise CheckpointError("saving a PEFT model whose parameters ZeRO-3 partitions: use trainer.save_model, which "
+                              "gathers the adapters as PEFT expects")
+    comm.agree(f"saving the PEFT adapters into {out_dir}",
+               lambda: model.save_pretrained(out_dir, max_shard_size=max_shard_size), root_only=True)
+    return os.fspath(out_dir)
+
+
+def _is_fssdp_model(model) -> bool:
+    from ds_fssdp.integrations.hf import converted_experts
+    return bool(converted_experts(model)) and not _is_peft(model)
+
+
+def route_trainer_save() -> None:
+    """Make ``transformers.Trainer.save_model`` write a converted model with :func:`save_pretrained`
+    on every rank (idempotent); other models keep the Trainer's own."""
+    import transformers
+    trainer = transformers.Trainer
+    if getattr(trainer.save_model, "_fssdp_original", None) is not None:
+        return
+    original = trainer.save_model
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        model = self.accelerator.unwrap_model(self.model) if hasattr(self, "accelerator") else self.model
+        if not _is_fssdp_model(model):
+            return original(self, output_dir, _internal_call=_internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        save_pretrained(model, output_dir)
+        if self.args.should_save:  # what Trainer._save adds beside the weights
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            from transformers.trainer import TRAINING_ARGS_NAME
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    save_model._fssdp_original = original
+    trainer.save_model = save_model
+
+
+def restore_trainer_save() -> None:
+    """Undo :func:`route_trainer_save`."""
+    import transformers
+    original = getattr(transformers.Trainer.save_model, "_fssdp_original", None)
+    if original is not None:
+        transformers.Trainer.save_model = original

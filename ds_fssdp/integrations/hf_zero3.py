@@ -1,0 +1,122 @@
+"""ZeRO stage 3 for the dense part of a model the loaders build (``hf_load.py``): partitioned while
+it loads, one module whole at a time, as transformers' own ZeRO-3 load does; the experts are never
+partitioned by ``zero.Init`` (each rank already holds its own).
+
+transformers' ZeRO-3 load builds the model under ``deepspeed.zero.Init`` (each module's parameters
+partitioned as soon as the module is built) and then, module by module, gathers, copies rank 0's
+checkpoint values in and re-partitions. Built that way the experts modules would be partitioned
+like dense weights, so here the skeleton stays on the meta device and each module with parameters
+of its own is, in model order: materialized (rank 0 reads its checkpoint tensors with
+transformers' loader, ``convert_and_load_state_dict_in_model``, its key renames included; the other
+ranks allocate), completed with the family's own init where the checkpoint lacks a parameter, and
+partitioned with ``deepspeed.zero.Init(module=...)``, which broadcasts rank 0's values and keeps each
+rank's slice. Persistent buffers (never partitioned) are read by every rank. Non-persistent buffers
+and tied weights are left to transformers' finalization, as after its own load.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.nn as nn
+from deepspeed import comm as dist
+
+
+def load_dense_partitioned(model, files, load_config, ds_config: dict):
+    """The dense part of ``model`` (meta; experts converted and owned) from the checkpoint
+    ``files``, partitioned module by module. Returns what ``_load_pretrained_model`` returns."""
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model, dot_natural_key, rename_source_key
+    from transformers.utils.loading_report import LoadStateDictInfo
+
+    from ds_fssdp.integrations.hf import converted_experts
+    from ds_fssdp.integrations.hf_keys import split_mapping
+    renamings, converters = split_mapping(load_config.weight_mapping)
+    known = dict.fromkeys(model.state_dict(), True)
+    keys_of = defaultdict(list)  # module name -> checkpoint keys that land on its own tensors
+    for key in sorted(files.keys(), key=dot_natural_key):
+        renamed, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, known)
+        if renamed in known:
+            keys_of[renamed.rpartition(".")[0]].append(key)
+    rank = dist.get_rank()
+    tied = set(model.all_tied_weights_keys)
+    skip = {id(m) for _, m in converted_experts(model)}  # each rank holds its own experts already
+    for module_name, module in model.named_modules():
+        if id(module) in skip:
+            continue
+        params = [n for n, _ in module.named_parameters(recurse=False) if _full(module_name, n) not in tied]
+        buffers = [n for n, _ in module.named_buffers(recurse=False) if n not in module._non_persistent_buffers_set]
+        keys = keys_of.get(module_name, [])
+        if rank != 0:  # the others read only the buffers (never partitioned)
+            wanted = {_full(module_name, n) for n in buffers}
+            keys = [k for k in keys if rename_source_key(k, renamings, converters, model.base_model_prefix,
+                                                         known)[0] in wanted]
+        loaded = set()
+        if keys:
+            info, _ = convert_and_load_state_dict_in_model(model, {k: files.read(k) for k in keys}, load_config)
+            loaded = {n for n in params + buffers if _full(module_name, n) not in info.missing_keys}
+        lacking = [n for n in buffers if n not in loaded] + ([n for n in params if n not in loaded] if rank == 0 else [])
+        _materialize(module, params + buffers)
+        if lacking:
+            with torch.no_grad():
+                model._init_weights(module)  # what the checkpoint lacks (loaded tensors are flagged initialized)
+        if params:
+            partition(module, [getattr(module, n) for n in params], ds_config)
+        if params or buffers:
+            module._is_hf_initialized = True  # transformers' finalization leaves it alone
+    model._weight_conversions = [c for c in load_config.weight_mapping or [] if c.was_used()]
+    return LoadStateDictInfo(missing_keys=set(), unexpected_keys=set(), mismatched_keys=set(), error_msgs=[],
+                             conversion_errors={}, skipped_pp_keys=set()), None
+
+
+def init_dense_partitioned(model, ds_config: dict) -> None:
+    """A fresh model's dense part (meta; experts lazy): each module with parameters of its own
+    materialized, initialized by the family's ``_init_weights`` on rank 0 and partitioned, in turn."""
+    from ds_fssdp.integrations.hf import converted_experts
+    skip = {id(m) for _, m in converted_experts(model)}
+    tied = set(model.all_tied_weights_keys)
+    for name, module in model.named_modules():
+        if id(module) in skip:
+            continue
+        params = [n for n, _ in module.named_parameters(recurse=False) if _full(name, n) not in tied]
+        buffers = [n for n, _ in module.named_buffers(recurse=False) if n not in module._non_persistent_buffers_set]
+        _materialize(module, params + buffers)
+        with torch.no_grad():
+            model._init_weights(module)  # every rank: buffers stay whole; the parameters come from rank 0
+        if params:
+            partition(module, [getattr(module, n) for n in params], ds_config)
+        if params or buffers:
+            module._is_hf_initialized = True
+    for n, b in model.named_buffers():  # non-persistent ones (rotary tables): the family's init computes them
+        if b.is_meta:
+            owner, _, attr = n.rpartition(".")
+            m = model.get_submodule(owner) if owner else model
+            m.register_buffer(attr, torch.empty(b.shape, dtype=b.dtype), persistent=False)
+            with torch.no_grad():
+                model._init_weights(m)
+    model.tie_weights()
+
+
+def _materialize(module: nn.Module, names: list) -> None:
+    """Host tensors for the meta parameters and buffers ``names`` of ``module`` (values to come)."""
+    for n in names:
+        t = getattr(module, n)
+        if t is None or not t.is_meta:
+            continue
+        if n in module._parameters:
+            setattr(module, n, nn.Parameter(torch.empty(t.shape, dtype=t.dtype), requires_grad=t.requires_grad))
+        else:
+            module.register_buffer(n, torch.empty(t.shape, dtype=t.dtype))
+
+
+def partition(module: nn.Module, params: list, ds_config: dict) -> None:
+    """Rank 0's values of ``params`` broadcast and partitioned over the world, as ``zero.Init``
+    partitions a module it builds (``zero.Init(module=...)`` converts the parameters in place)."""
+    import deepspeed
+    holder = nn.Module()
+    for i, p in enumerate(params):
+        holder.register_parameter(f"p{i}", p)
+    deepspeed.zero.Init(module=holder, config_dict_or_path=ds_config)
+
+
+def _full(module_name: str, name: str) -> str:
+    return f"{module_name}.{name}" if module_name else name
