@@ -157,8 +157,9 @@ def _variant(name: str, params: dict, g_RI: torch.Tensor, u_RI: torch.Tensor | N
     return ops.expert_mlp(x, weights, [R], activation=name, act_params=params or None)
 
 
-def to_fssdp(experts: nn.Module, layout: Layout) -> dict:
-    """HF fused tensors -> FSSDP's named [E, ...] tensors (contiguous copies)."""
+def to_fssdp(experts: nn.Module, layout: Layout, *, copy: bool = True) -> dict:
+    """HF fused tensors -> FSSDP's named [E, ...] tensors (contiguous copies; ``copy=False``: views
+    of the HF tensors, for a caller that copies them into place itself)."""
     I = layout.ffn
     up = (experts.gate_up_proj if layout.gated else experts.up_proj).detach()
     w_xw = up if layout.transposed else up.transpose(1, 2)  # [E, H, 2I] or [E, H, I], applied as x @ W
@@ -177,7 +178,7 @@ def to_fssdp(experts: nn.Module, layout: Layout) -> dict:
             out["b_down"] = experts.down_proj_bias.detach()
         else:
             out["b_a"], out["b_b"] = b_up, experts.down_proj_bias.detach()
-    return {k: v.contiguous().clone() for k, v in out.items()}
+    return {k: v.contiguous().clone() for k, v in out.items()} if copy else out
 
 
 def to_hf(tensors: dict, layout: Layout) -> dict:

@@ -225,11 +225,12 @@ def _read_module(module, sources: dict, files, layout: Layout, *, config, device
                                          group_rank=layout.group_rank)
     hf = {attr: read_owned(src, files, owned_E, config=config, dtype=dtype) for attr, src in sources.items()}
     nbytes = sum(t.numel() * t.element_size() for t in hf.values())
-    named = to_fssdp(_Tensors(hf), module.layout)
+    rows_SP = torch.empty(owned_E.numel(), module.spec.numel, dtype=dtype,
+                          device=device if owned_E.numel() < module.num_experts else "cpu")
+    views = module.spec.views(rows_SP)
+    for name, tensor in to_fssdp(_Tensors(hf), module.layout, copy=False).items():
+        views[name].copy_(tensor)  # straight into the rows: one layer's HF tensors are the only other copy
     del hf
-    rows_SP = module.spec.flatten(named)
-    if owned_E.numel() < module.num_experts:
-        rows_SP = rows_SP.to(device)
     module.adopt_owned_rows(OwnedRows(owner_E=owner_E, owned_E=owned_E, rows_SP=rows_SP, requires_grad=requires_grad,
                                       group_rank=layout.group_rank))
     return nbytes
