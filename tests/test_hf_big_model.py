@@ -20,12 +20,15 @@ What each rank checks:
 * FUSED, EDP groups (group_size 2 of 4), ZeRO 1 and ZeRO 3: the rows are the checkpoint's; under
   ZeRO 3 the dense parameters are partitioned while loading (ZeRO-3 parameters before
   ``initialize``); both train to the single-process run's losses and save to its weights.
+* The engine checkpoints of both FUSED runs, exported offline (``hf_export``), equal what
+  ``save_pretrained`` wrote.
 * Bad input: a checkpoint missing an expert's key fails every rank with an error naming the key,
   and the ranks go on to a collective (none was left waiting); rows read for one group size and
   an ``initialize`` at another are refused on every rank.
 """
 import ctypes
 import gc
+import json
 import os
 
 import pytest
@@ -37,7 +40,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 transformers = pytest.importorskip("transformers")
 
-from hf_tiny import VOCAB, batch, tiny_config  # noqa: E402
+from hf_tiny import VOCAB, batch, dp_step, tiny_config  # noqa: E402
 
 WORLD, STEPS = 4, 3
 LR, CLIP = 0.2, 0.5
@@ -219,6 +222,7 @@ def worker(rank, world, paths):
         out[f"fused{zero}_owned"] = [m.sharded.owned_E.tolist() for _, m in fssdp_hf.converted_experts(model)]
         out[f"fused{zero}_losses"] = _train(engine, rank)
         fssdp_hf.save_pretrained(model, os.path.join(paths["out"], f"fused{zero}_saved"))
+        engine.save_checkpoint(os.path.join(paths["out"], f"fused{zero}_engine"))  # for the offline export
         del engine, model
 
     # Rows read for one layout, initialize asked for another: refused on every rank alike.
@@ -248,13 +252,8 @@ def reference(path, *, steps=STEPS):
     opt = torch.optim.SGD(params, lr=LR)
     losses = {}
     for step in range(steps):
-        opt.zero_grad()
-        for rank in range(WORLD):
-            loss = model(**_data(step, rank)).loss
-            (loss / WORLD).backward()
-            losses[(step, rank)] = loss.item()
-        torch.nn.utils.clip_grad_norm_(params, CLIP)
-        opt.step()
+        step_losses = dp_step(model, params, opt, [_data(step, rank) for rank in range(WORLD)], CLIP)
+        losses.update({(step, rank): loss for rank, loss in enumerate(step_losses)})
     return losses, model
 
 
@@ -312,6 +311,25 @@ def test_fused_family_with_edp_groups_and_zero3(results, checkpoints):
     for zero in (1, 3):
         _assert_trained_like(os.path.join(checkpoints["out"], f"fused{zero}_saved"), ref_model,
                              [r[f"fused{zero}_losses"] for r in results], ref_losses, f"fused zero {zero}")
+
+
+def test_offline_export_of_engine_checkpoints(results, checkpoints):
+    """``python -m ds_fssdp.integrations.hf_export`` of the engine checkpoints (ZeRO 1: DeepSpeed's
+    module state; ZeRO 3: its zero_to_fp32 consolidation) writes what save_pretrained wrote."""
+    from ds_fssdp.integrations.hf_export import main
+    for zero in (1, 3):
+        out = os.path.join(checkpoints["out"], f"fused{zero}_exported")
+        main([os.path.join(checkpoints["out"], f"fused{zero}_engine"), out, "--model", checkpoints["fused"],
+              "--dtype", "float32"])
+        live = os.path.join(checkpoints["out"], f"fused{zero}_saved")
+        with open(os.path.join(out, "model.safetensors.index.json")) as a, \
+                open(os.path.join(live, "model.safetensors.index.json")) as b:
+            assert set(json.load(a)["weight_map"]) == set(json.load(b)["weight_map"])
+        got = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+        want = transformers.AutoModelForCausalLM.from_pretrained(live, dtype=torch.float32).state_dict()
+        assert set(got) == set(want)
+        for key, value in want.items():
+            assert torch.equal(got[key], value), (zero, key)
 
 
 def test_bad_checkpoint_fails_every_rank_by_name(results):

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # spawns ranks or laun
 
 transformers = pytest.importorskip("transformers")
 
-from hf_tiny import BIASED, FAMILIES, batch, tiny_model  # noqa: E402
+from hf_tiny import BIASED, FAMILIES, batch, dp_step, tiny_model  # noqa: E402
 
 WORLD, STEPS = 2, 3
 RATE = 0.05
@@ -131,15 +131,10 @@ def reference(mt, *, freeze=False, rate=0.0, ckpt=None, model=None):
     biases = [b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
     losses, bias_traj = {}, []
     for step in range(STEPS):
-        opt.zero_grad()
         for load in loads:
             load.zero_()
-        for rank in range(WORLD):
-            loss = model(**_data(step, rank)).loss
-            (loss / WORLD).backward()
-            losses[(step, rank)] = loss.item()
-        torch.nn.utils.clip_grad_norm_(params, CLIP)
-        opt.step()
+        step_losses = dp_step(model, params, opt, [_data(step, rank) for rank in range(WORLD)], CLIP)
+        losses.update({(step, rank): loss for rank, loss in enumerate(step_losses)})
         if rate:
             with torch.no_grad():
                 for bias, load in zip(biases, loads):

@@ -55,23 +55,37 @@ def save_pretrained(model, out_dir, *, max_shard_size="50GB", save_original_form
                          f"safetensors into a local directory; supported: {', '.join(HONOURED)})")
     if _is_peft(model):
         return _save_peft(model, out_dir, max_shard_size=max_shard_size)
-    out_dir = os.path.abspath(os.fspath(out_dir))
     comm = Comm()
+    return write_hf_dir(model, out_dir, dense=lambda: dense_state_dict(model),
+                        rows=lambda module: own_rows(module, comm.rank), dtype=_saved_dtype(model), comm=comm,
+                        max_shard_size=max_shard_size, save_original_format=save_original_format)
+
+
+def write_hf_dir(model, out_dir, *, dense, rows, dtype: torch.dtype, comm, max_shard_size="50GB",
+                 save_original_format: bool = True) -> str:
+    """The writer behind :func:`save_pretrained` and the offline export (``hf_export.py``):
+    ``model`` (converted; may be a meta skeleton) names and lays out everything; ``dense()`` is the
+    dense state dict (rank 0's; collective where it gathers); ``rows(module)`` this rank's
+    ``(owned_E, rows_SP)`` of one experts module, or None, asked one module at a time and dropped
+    before the next."""
+    from ds_fssdp.integrations.hf import converted_experts
+    from ds_fssdp.integrations.hf_keys import SavedExperts
+    from ds_fssdp.integrations.safetensors_io import plan_shards
+    out_dir = os.path.abspath(os.fspath(out_dir))
     modules = converted_experts(model)
-    dtype = _saved_dtype(model)
     saved = [SavedExperts(model, name, module, dtype, original_format=save_original_format)
              for name, module in modules]
     shards = plan_shards([p for s in saved for p in s.planned], max_bytes=_size(max_shard_size))
     tmp = os.path.join(os.path.dirname(out_dir), f".tmp-{os.path.basename(out_dir)}")
     comm.agree(f"preparing {out_dir}", lambda: _prepare(out_dir, tmp), root_only=True)
     try:
-        dense = dense_state_dict(model)  # collective under ZeRO-3
+        state = dense()  # collective under ZeRO-3
         files = [_expert_file(tmp, i, shard) for i, shard in enumerate(shards)]
         comm.agree(f"writing the dense part into {tmp}",
-                   lambda: _write_dense(model, tmp, dense, files, max_shard_size, save_original_format), root_only=True)
-        del dense
+                   lambda: _write_dense(model, tmp, state, files, max_shard_size, save_original_format), root_only=True)
+        del state
         file_of = {key: f for f in files for key in f.entries}
-        comm.agree(f"writing the experts into {tmp}", lambda: _write_experts(modules, saved, file_of, comm.rank))
+        comm.agree(f"writing the experts into {tmp}", lambda: _write_experts(modules, saved, file_of, rows))
         comm.agree(f"committing {out_dir}", lambda: _commit(tmp, out_dir, files), root_only=True)
     except BaseException:
         if comm.rank == 0 and os.path.lexists(tmp):
@@ -166,15 +180,16 @@ def _write_dense(model, tmp: str, dense: dict, files: list, max_shard_size, orig
         f.create()
 
 
-def _write_experts(modules: list, saved: list, file_of: dict, rank: int) -> None:
+def _write_experts(modules: list, saved: list, file_of: dict, rows) -> None:
     """Every rank: its own experts, layer by layer (the rows' HF tensors, reverse-converted)."""
     from ds_fssdp.integrations.hf_experts import to_hf
     for (name, module), s in zip(modules, saved):
-        owned = own_rows(module, rank)
+        owned = rows(module)
         if owned is None:
             continue
         owned_E, rows_SP = owned
         hf = {k: v.to(s.dtype) for k, v in to_hf(module.spec.views(rows_SP.detach()), module.layout).items()}
+        del owned, rows_SP
         for key, tensor, first_row in s.values(hf, owned_E):
             file_of[key].write(key, tensor, first_row=first_row)
         del hf

@@ -1,0 +1,111 @@
+"""An engine checkpoint of a converted HF model, exported offline as a Hugging Face directory, one
+layer of experts at a time.
+
+Legend: E experts, P elements per expert row.
+
+    python -m ds_fssdp.integrations.hf_export CHECKPOINT_DIR OUT_DIR --model HF_MODEL_DIR_OR_NAME \\
+        [--tag TAG] [--dtype bfloat16] [--max-shard-size 5GB] [--trust-remote-code]
+
+One process, no rank running, nothing gathered: the model (``--model``: the directory or hub name it
+was loaded from, for its config) is built on the meta device and converted; the dense weights come
+from DeepSpeed's files (its module state, or under ZeRO-3 its own ``zero_to_fp32`` consolidation,
+``runtime/checkpoint/export.dense_state_dict``); each experts module's fp32 master rows are read
+from the per-rank files one layer at a time (``reshape.gather_rows``), checked against the
+manifest first, and written with the writer of ``save_pretrained`` (``hf_save.write_hf_dir``):
+the same keys, shards, index and atomic rename. The peak is the dense part plus one layer's
+experts (twice: the rows and their HF layout).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from ds_fssdp.runtime.checkpoint.files import CheckpointError
+
+
+def export_hf(load_dir: str, out_dir: str, *, model: str, tag=None, dtype=None, max_shard_size="50GB",
+              verify: bool = True, **hf_kwargs) -> str:
+    """Write the checkpoint ``tag`` (default ``latest``) of ``load_dir`` as a Hugging Face directory
+    ``out_dir`` (new or empty), the model's config read from ``model``. ``dtype``: of the saved
+    tensors (default: the config's). Returns ``out_dir``."""
+    import transformers
+
+    from ds_fssdp.integrations.hf import convert, converted_experts, expert_keys
+    from ds_fssdp.integrations.hf_load import _hf_zero3_off
+    from ds_fssdp.integrations.hf_save import Comm, write_hf_dir
+    from ds_fssdp.runtime.checkpoint.export import dense_state_dict
+    from ds_fssdp.runtime.checkpoint.files import read_text
+    from ds_fssdp.runtime.checkpoint.layout import LATEST, read_manifest, read_meta, resolve_tag, verify_files
+    from ds_fssdp.runtime.checkpoint.reshape import RankFiles
+    if tag is None:
+        tag = read_text(os.path.join(load_dir, LATEST)).strip()
+    root = os.path.join(load_dir, resolve_tag(load_dir, str(tag)))
+    manifest, meta = read_manifest(root), read_meta(root)
+    verify_files(root, manifest, digests=verify)
+    config = transformers.AutoConfig.from_pretrained(model, **hf_kwargs)
+    dtype = _dtype(dtype if dtype is not None else getattr(config, "dtype", None) or torch.float32)
+    with _hf_zero3_off(), torch.device("meta"):
+        skeleton = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, **hf_kwargs)
+    convert(skeleton, route_initialize=False)
+    modules = dict(converted_experts(skeleton))
+    layers = {saved["name"]: (l, saved) for l, saved in enumerate(meta["layers"])}
+    if set(layers) != set(modules):
+        raise CheckpointError(f"{root}: the checkpoint's expert layers {sorted(layers)} are not the experts modules "
+                              f"of {model} ({sorted(modules)}): export with the model it was trained from")
+    for name, module in modules.items():
+        l, saved = layers[name]
+        if saved["num_experts"] != module.num_experts or saved["numel"] != module.spec.numel:
+            raise CheckpointError(f"{root}: layer {l} ({name}) holds {saved['num_experts']} experts of {saved['numel']} "
+                                  f"elements; {model} has {module.num_experts} of {module.spec.numel}")
+    files = RankFiles(root)
+
+    def dense() -> dict:
+        state = dense_state_dict(load_dir, os.path.basename(root), meta)
+        want = set(skeleton.state_dict()) - expert_keys(skeleton)
+        missing = sorted(want - set(state) - set(skeleton.all_tied_weights_keys))
+        if missing:
+            raise CheckpointError(f"{root}: the dense weights lack {missing[:5]} ({len(missing)} keys of {model})")
+        return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items() if k in want}
+
+    def rows(module):
+        from ds_fssdp.runtime.checkpoint.reshape import gather_rows
+        l, saved = layers[next(n for n, m in modules.items() if m is module)]
+        owner_E = torch.tensor(saved["owner_E"], dtype=torch.long)
+        every_E = torch.arange(owner_E.numel())
+        master_EP, _ = gather_rows(files, l, saved_owner_E=owner_E, need_E=every_E, numel=saved["numel"], keys=[])
+        return every_E, master_EP
+
+    return write_hf_dir(skeleton, out_dir, dense=dense, rows=rows, dtype=dtype, comm=Comm(),
+                        max_shard_size=max_shard_size)
+
+
+def _dtype(value) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    name = str(value).removeprefix("torch.")
+    if not isinstance(getattr(torch, name, None), torch.dtype):
+        raise ValueError(f"--dtype ({value!r}) is not a torch dtype (float32, bfloat16, float16)")
+    return getattr(torch, name)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m ds_fssdp.integrations.hf_export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("load_dir", help="the engine checkpoint directory (save_checkpoint's save_dir)")
+    parser.add_argument("out_dir", help="the Hugging Face directory to write (new or empty)")
+    parser.add_argument("--model", required=True, help="the HF model directory or hub name trained (its config)")
+    parser.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
+    parser.add_argument("--dtype", default=None, help="dtype of the saved tensors (default: the config's)")
+    parser.add_argument("--max-shard-size", default="50GB")
+    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--no-verify", action="store_true", help="check sizes only, not sha256 digests")
+    args = parser.parse_args(argv)
+    kwargs = {"trust_remote_code": True} if args.trust_remote_code else {}
+    out = export_hf(args.load_dir, args.out_dir, model=args.model, tag=args.tag, dtype=args.dtype,
+                    max_shard_size=args.max_shard_size, verify=not args.no_verify, **kwargs)
+    print(out)
+
+
+if __name__ == "__main__":
+    main()
