@@ -10,7 +10,11 @@ weights match tightly (fp32 summation order); then ``unconvert`` + ``trainer.sav
 the same file: the first step's loss is the same; the next ones within the Adam tolerance of
 ``environment.md`` (a correct data-parallel run drifts by ~1e-3 relative at most); (4) the
 converted Qwen2-MoE under ZeRO 3 (dense parameters partitioned, the HF router gathered by ZeRO 3,
-experts under FSSDP) against plain DeepSpeed ZeRO 3, SGD with clipping: every loss, tight.
+experts under FSSDP) against plain DeepSpeed ZeRO 3, SGD with clipping: every loss, tight; (5) the
+same with ZeRO-3 ``TrainingArguments`` made first and the model from ``integrations.hf.from_pretrained``
+(the dense part partitioned while it loads). ``trainer.save_model`` on the converted model (before
+``unconvert``) writes, through ``integrations.hf.save_pretrained``, a directory that reloads to the
+trained weights bitwise.
 """
 import copy
 import json
@@ -105,6 +109,12 @@ def trainer_worker(rank, world, out_dir):
     out["dense_params_have_experts"] = any(".experts." in n for n, _ in engine.module.named_parameters())
     out["fssdp_losses"] = trainer.losses
     out["fssdp_state"] = fssdp_hf.hf_state_dict(model)  # collective
+    # trainer.save_model on the converted model: integrations.hf.save_pretrained on every rank.
+    direct = os.path.join(out_dir, "saved_direct")
+    trainer.save_model(direct)
+    dist.barrier()
+    out["direct_state"] = transformers.AutoModelForCausalLM.from_pretrained(direct).state_dict()
+    out["direct_files"] = sorted(os.listdir(direct))
     fssdp_hf.unconvert(model)  # collective
     saved = os.path.join(out_dir, "saved")
     trainer.save_model(saved)
@@ -145,6 +155,21 @@ def trainer_worker(rank, world, out_dir):
     plain.train()
     out["plain_z3_losses"] = plain.losses
     unset_hf_deepspeed_config()
+
+    # (5): ZeRO 3 TrainingArguments first, then integrations.hf.from_pretrained: the dense part is
+    # partitioned while it loads, each rank reads its own experts (the model (4) started from).
+    start = os.path.join(out_dir, "qwen2_moe_start")
+    if rank == 0:
+        tiny_model("qwen2_moe").save_pretrained(start)
+    dist.barrier()
+    args = make_trainer(tiny_model("qwen2_moe"), z3, os.path.join(out_dir, "args_z3"), **sgd).args
+    model = fssdp_hf.from_pretrained(start, ds_config=z3, dtype=torch.float32)
+    out["loaded_z3_partitioned"] = sum(hasattr(p, "ds_id") for p in model.parameters())
+    trainer = make_trainer(model, z3, os.path.join(out_dir, "loaded_z3"), **sgd)
+    assert trainer.args.hf_deepspeed_config is not None and args is not None
+    trainer.train()
+    out["loaded_z3_losses"] = trainer.losses
+    unset_hf_deepspeed_config()
     return out
 
 
@@ -163,6 +188,9 @@ def test_hf_trainer_fssdp_matches_plain_deepspeed(tmp_path):
         for key, value in r["plain_state"].items():
             torch.testing.assert_close(r["fssdp_state"][key], value, rtol=1e-4, atol=1e-6, msg=key)
         torch.testing.assert_close(r["reloaded_logits"], r["trained_logits"], rtol=1e-5, atol=1e-5)
+        assert "model.safetensors.index.json" in r["direct_files"] and "training_args.bin" in r["direct_files"]
+        for key, value in r["fssdp_state"].items():
+            assert torch.equal(r["direct_state"][key], value), key
         # AdamW from the shipped file: step 1 is before any update (same weights, same data).
         plain, fssdp = r["plain_adam_losses"], r["fssdp_adam_losses"]
         assert len(plain) == len(fssdp) == 3
@@ -172,6 +200,10 @@ def test_hf_trainer_fssdp_matches_plain_deepspeed(tmp_path):
         # ZeRO 3, SGD: every micro-step's loss, tight.
         assert r["fssdp_z3_engine"] and len(r["fssdp_z3_losses"]) == len(r["plain_z3_losses"]) == 6
         torch.testing.assert_close(torch.tensor(r["fssdp_z3_losses"]), torch.tensor(r["plain_z3_losses"]),
+                                   rtol=1e-5, atol=1e-6)
+        # (5) from_pretrained after ZeRO-3 TrainingArguments: partitioned at load, the same losses.
+        assert r["loaded_z3_partitioned"] > 0
+        torch.testing.assert_close(torch.tensor(r["loaded_z3_losses"]), torch.tensor(r["plain_z3_losses"]),
                                    rtol=1e-5, atol=1e-6)
     # Both ranks end with the same weights (the experts gathered from their owners).
     for key, value in results[0]["fssdp_state"].items():

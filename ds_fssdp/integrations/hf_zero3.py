@@ -96,6 +96,19 @@ def init_dense_partitioned(model, ds_config: dict) -> None:
     model.tie_weights()
 
 
+def zero_init_config(ds_config: dict) -> dict:
+    """The config ``zero.Init`` partitions with: the user's, without the HF Trainer's "auto" values
+    (filled only once the Trainer knows its batch sizes; partitioning needs the ZeRO section alone)."""
+    def clean(value):
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items() if v != "auto"}
+        return value
+    cfg = clean(ds_config)
+    if not any(k in cfg for k in ("train_batch_size", "train_micro_batch_size_per_gpu")):
+        cfg.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
+    return cfg
+
+
 def _materialize(module: nn.Module, names: list) -> None:
     """Host tensors for the meta parameters and buffers ``names`` of ``module`` (values to come)."""
     for n in names:
@@ -115,7 +128,7 @@ def partition(module: nn.Module, params: list, ds_config: dict) -> None:
     holder = nn.Module()
     for i, p in enumerate(params):
         holder.register_parameter(f"p{i}", p)
-    deepspeed.zero.Init(module=holder, config_dict_or_path=ds_config)
+    deepspeed.zero.Init(module=holder, config_dict_or_path=zero_init_config(ds_config))
 
 
 def _full(module_name: str, name: str) -> str:
