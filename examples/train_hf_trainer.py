@@ -2,11 +2,13 @@
 
     deepspeed --num_gpus 2 examples/train_hf_trainer.py                  # Mixtral, 2 CPU or GPU ranks
     torchrun --nproc_per_node 2 examples/train_hf_trainer.py --model-type qwen2_moe
+    deepspeed --num_gpus 8 examples/train_hf_trainer.py --model Qwen/Qwen3-30B-A3B --out qwen3-ft   # a big one
 
-The FSSDP-specific parts are two: ``fssdp_hf.convert(model)`` before building the Trainer, and
+The FSSDP-specific parts are two: the model, converted (``fssdp_hf.convert(model)``; with ``--model``
+``fssdp_hf.from_pretrained``, where each rank reads only the experts it owns), and
 ``ds_configs/hf_fssdp.json`` (DeepSpeed's keys, "auto" where the Trainer fills them, plus the
-``"fssdp"`` section). After training, ``unconvert`` gathers the experts back into the HF layout
-(every rank) and the model saves with ``save_pretrained`` as usual.
+``"fssdp"`` section). ``--out DIR``: ``trainer.save_model`` writes a Hugging Face directory, each
+rank its own experts (``fssdp_hf.save_pretrained``).
 
 Data: byte-level windows of CPython's standard library (no download). ``--out DIR`` saves the
 trained model there.
@@ -38,6 +40,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-type", default="mixtral", choices=TESTED_FAMILIES)
+    p.add_argument("--model", default=None, help="an HF model directory or hub name to fine-tune (instead of a "
+                   "tiny --model-type built from its config); bf16 on GPUs")
     p.add_argument("--gradient-checkpointing", action="store_true", help="HF gradient checkpointing (exact under FSSDP)")
     p.add_argument("--deepspeed_config", default=os.path.join(REPO, "ds_configs", "hf_fssdp.json"))
     p.add_argument("--steps", type=int, default=30)
@@ -71,9 +75,13 @@ def main():
         skip_shm_comm_build()
     ds_fssdp.init_distributed()  # restart-safe under torchrun --max-restarts
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(
-        args.model_type, hidden=64, experts=8, ffn=64, vocab=256, router_aux_loss_coef=0.01))
-    model = fssdp_hf.convert(model)  # the one line FSSDP adds
+    if args.model:  # each rank reads only the experts it will own (the fssdp section says which)
+        model = fssdp_hf.from_pretrained(args.model, ds_config=args.deepspeed_config,
+                                         dtype=torch.float32 if use_cpu else torch.bfloat16)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(tiny_config(
+            args.model_type, hidden=64, experts=8, ffn=64, vocab=256, router_aux_loss_coef=0.01))
+        model = fssdp_hf.convert(model)  # the one line FSSDP adds
     saving = dict(save_strategy="no")
     if args.save_dir:
         saving = dict(save_strategy="steps", save_steps=args.save_interval or args.steps, save_total_limit=args.keep_last)
@@ -103,8 +111,7 @@ def main():
         stats = [m.last_stats for _, m in fssdp_hf.converted_experts(model)]
         print(f"engine {type(engine).__name__}; final train loss {result.training_loss:.3f}; replicas per layer "
               f"{[s['replicas'] for s in stats]}")
-    fssdp_hf.unconvert(model)  # collective: the experts come back from their owners
-    if args.out:
+    if args.out:  # every rank: each writes its own experts (fssdp_hf.save_pretrained)
         trainer.save_model(args.out)
     ds_fssdp.destroy_process_group()  # an exit without it can abort in gloo's threads
 

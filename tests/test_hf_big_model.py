@@ -26,8 +26,6 @@ What each rank checks:
   and the ranks go on to a collective (none was left waiting); rows read for one group size and
   an ``initialize`` at another are refused on every rank.
 """
-import ctypes
-import gc
 import json
 import os
 
@@ -40,6 +38,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 transformers = pytest.importorskip("transformers")
 
+from ds_fssdp.runtime.host_memory import PeakRise  # noqa: E402
 from hf_tiny import VOCAB, batch, dp_step, tiny_config  # noqa: E402
 
 WORLD, STEPS = 4, 3
@@ -92,29 +91,6 @@ def checkpoints(tmp_path_factory):
 
 
 # -- memory -------------------------------------------------------------------------------------
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-class PeakRise:
-    """The rise of this process's peak resident memory (VmHWM) over what it held at the start."""
-
-    def __enter__(self):
-        gc.collect()
-        ctypes.CDLL("libc.so.6").malloc_trim(0)  # memory freed earlier but kept by the allocator: given back
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := VmRSS
-        self.base = _status("VmRSS")
-        return self
-
-    def __exit__(self, *exc):
-        self.rise = _status("VmHWM") - self.base
-
-
 def _sizes(path: str, rank: int, group_size: int, spec: dict) -> dict:
     """Bytes of the dense part, of this rank's own experts, of one layer of them, and of the largest
     shard, from the checkpoint's files."""

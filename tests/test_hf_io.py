@@ -50,7 +50,8 @@ def _files(path) -> dict:
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
-def test_load_and_save_like_transformers(tmp_path, model_type):
+def test_load_and_save_like_transformers(tmp_path, model_type, monkeypatch):
+    monkeypatch.setattr(hf_load, "CHUNK_BYTES", 1)  # one expert at a time, both ways
     path, ref = _saved(tmp_path, model_type)
     model = fssdp_hf.from_pretrained(path, ds_config=CFG, **F32)
     plain = fssdp_hf.convert(transformers.AutoModelForCausalLM.from_pretrained(path, **F32), route_initialize=False)

@@ -19,8 +19,7 @@ With the HF Trainer the one line a user adds is the conversion, before building 
     args = TrainingArguments(..., deepspeed="ds_configs/hf_fssdp.json")   # has an "fssdp" section
     trainer = Trainer(model=model, args=args, ...)
     trainer.train()                    # checkpoints (save_strategy) and resume_from_checkpoint work
-    fssdp_hf.unconvert(model)          # every rank: gather the experts back into the HF layout
-    trainer.save_model(out_dir)        # or model.save_pretrained(out_dir) on rank 0
+    trainer.save_model(out_dir)        # every rank writes its own experts (save_pretrained below)
 
 launched as usual (``deepspeed --num_gpus N train.py`` or ``torchrun --nproc_per_node N train.py``).
 ``convert`` routes ``deepspeed.initialize`` (which accelerate looks up at call time) to
@@ -48,7 +47,13 @@ frozen: no gradient, no optimizer state, no reduce.
 
 ZeRO stage 3 works (tests/test_hf_trainer.py) for a model built outside ``deepspeed.zero.Init``:
 create it before ZeRO-3 ``TrainingArguments`` (HF builds models under ``zero.Init`` once those
-exist); experts already partitioned by ``zero.Init`` are refused by name.
+exist), or load it with :func:`from_pretrained` in any order (the dense part partitioned while it
+loads, the experts never); experts already partitioned by ``zero.Init`` are refused by name.
+
+Big models (``hf_load.py``, ``hf_save.py``): :func:`from_pretrained` / :func:`from_config` build the
+converted model without any rank reading or drawing an expert it does not own;
+:func:`save_pretrained` (collective; ``trainer.save_model`` goes through it) writes the Hugging Face
+directory with each rank writing its own experts.
 
 Saving: the state dict of a converted model holds the experts as ``<...>.experts.w_gate`` etc. (or
 not at all once sharded). :func:`unconvert` puts every original HF experts module back in place

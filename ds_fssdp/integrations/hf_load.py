@@ -48,6 +48,10 @@ from ds_fssdp.planner import initial_ownership
 from ds_fssdp.runtime.checkpoint.files import CheckpointError
 
 
+# Experts read, converted and copied into their rows together: the loader's only other copy.
+CHUNK_BYTES = 64 * 2**20
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where this rank sits when the experts are read: the stage's FSSDP layout."""
@@ -114,11 +118,11 @@ def _own_all(model) -> None:
     weights, is done)."""
     from ds_fssdp.integrations.hf import converted_experts
     for _, module in converted_experts(model):
-        o = module.owned
-        if o is not None and o.owned_E.numel() == module.num_experts:
-            module.owned = None
-            for name, view in module.spec.views(o.rows_SP).items():
-                module._parameters[name] = nn.Parameter(view.clone(), requires_grad=o.requires_grad)
+        whole = module.__dict__.pop("_loaded_whole", None)
+        if whole is not None:
+            named, requires_grad = whole
+            for name in module.spec.names:
+                module._parameters[name] = nn.Parameter(named[name], requires_grad=requires_grad)
 
 
 def from_config(config, *, ds_config, seed: int = 0, **hf_kwargs):
@@ -216,23 +220,37 @@ def _load(layout: Layout, cfg: dict, original, model, state_dict, checkpoint_fil
 
 
 def _read_module(module, sources: dict, files, layout: Layout, *, config, device) -> int:
-    """Read this rank's experts of one module into its rows; returns the bytes read."""
+    """Read this rank's experts of one module into its rows, a few experts at a time (each chunk
+    read, converted and copied into place before the next is read); returns the bytes read."""
     from ds_fssdp.integrations.hf_experts import to_fssdp
     from ds_fssdp.integrations.hf_keys import read_owned
     param = module._parameters[module.spec.names[0]]
     dtype, requires_grad = param.dtype, param.requires_grad
     owner_E, owned_E = initial_ownership(module.num_experts, group_size=layout.group_size,
                                          group_rank=layout.group_rank)
-    hf = {attr: read_owned(src, files, owned_E, config=config, dtype=dtype) for attr, src in sources.items()}
-    nbytes = sum(t.numel() * t.element_size() for t in hf.values())
-    rows_SP = torch.empty(owned_E.numel(), module.spec.numel, dtype=dtype,
-                          device=device if owned_E.numel() < module.num_experts else "cpu")
-    views = module.spec.views(rows_SP)
-    for name, tensor in to_fssdp(_Tensors(hf), module.layout, copy=False).items():
-        views[name].copy_(tensor)  # straight into the rows: one layer's HF tensors are the only other copy
-    del hf
-    module.adopt_owned_rows(OwnedRows(owner_E=owner_E, owned_E=owned_E, rows_SP=rows_SP, requires_grad=requires_grad,
-                                      group_rank=layout.group_rank))
+    whole = owned_E.numel() == module.num_experts  # one rank owns every expert: an ordinary module
+    if whole:
+        dest = {name: torch.empty((module.num_experts, *shape), dtype=dtype)
+                for name, shape in module.spec.shapes.items()}
+    else:
+        rows_SP = torch.empty(owned_E.numel(), module.spec.numel, dtype=dtype, device=device)
+        dest = module.spec.views(rows_SP)
+    step = max(1, CHUNK_BYTES // (module.spec.numel * dtype.itemsize))
+    nbytes = 0
+    for i in range(0, owned_E.numel(), step):
+        part_E = owned_E[i:i + step]
+        hf = {attr: read_owned(src, files, part_E, config=config, dtype=dtype) for attr, src in sources.items()}
+        nbytes += sum(t.numel() * t.element_size() for t in hf.values())
+        for name, tensor in to_fssdp(_Tensors(hf), module.layout, copy=False).items():
+            dest[name][i:i + part_E.numel()].copy_(tensor)
+        del hf
+    if whole:  # installed after transformers' loader, which would take parameters here for missing weights
+        for name in module.spec.names:
+            module._parameters.pop(name)
+        object.__setattr__(module, "_loaded_whole", (dest, requires_grad))
+    else:
+        module.adopt_owned_rows(OwnedRows(owner_E=owner_E, owned_E=owned_E, rows_SP=rows_SP,
+                                          requires_grad=requires_grad, group_rank=layout.group_rank))
     return nbytes
 
 

@@ -183,16 +183,19 @@ def _write_dense(model, tmp: str, dense: dict, files: list, max_shard_size, orig
 def _write_experts(modules: list, saved: list, file_of: dict, rows) -> None:
     """Every rank: its own experts, layer by layer (the rows' HF tensors, reverse-converted)."""
     from ds_fssdp.integrations.hf_experts import to_hf
+    from ds_fssdp.integrations.hf_load import CHUNK_BYTES
     for (name, module), s in zip(modules, saved):
         owned = rows(module)
         if owned is None:
             continue
         owned_E, rows_SP = owned
-        hf = {k: v.to(s.dtype) for k, v in to_hf(module.spec.views(rows_SP.detach()), module.layout).items()}
-        del owned, rows_SP
-        for key, tensor, first_row in s.values(hf, owned_E):
-            file_of[key].write(key, tensor, first_row=first_row)
-        del hf
+        step = max(1, CHUNK_BYTES // (module.spec.numel * rows_SP.element_size()))
+        for i in range(0, owned_E.numel(), step):  # a few experts at a time in the HF layout
+            part = rows_SP[i:i + step].detach()
+            hf = {k: v.to(s.dtype) for k, v in to_hf(module.spec.views(part), module.layout).items()}
+            for key, tensor, first_row in s.values(hf, owned_E[i:i + step]):
+                file_of[key].write(key, tensor, first_row=first_row)
+            del hf
 
 
 def own_rows(module, rank: int):

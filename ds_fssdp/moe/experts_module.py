@@ -180,8 +180,8 @@ class FSSDPExperts(nn.Module):
     def lazy(self) -> bool:
         """Expert tensors built on the meta device, not owned yet: ``initialize`` draws the owned
         experts' initial values (:meth:`fresh_rows`)."""
-        return (self.sharded is None and self.owned is None
-                and all(self._parameters[n].device.type == "meta" for n in self.spec.names))
+        params = [self._parameters.get(n) for n in self.spec.names]
+        return self.sharded is None and self.owned is None and all(p is not None and p.is_meta for p in params)
 
     def adopt_owned_rows(self, owned: OwnedRows) -> None:
         """Hold only this rank's experts (rows of ``owned.owned_E``) until ``initialize``: the full
@@ -265,6 +265,12 @@ class FSSDPExperts(nn.Module):
             return {name: getattr(self, name).detach().clone() for name in self.spec.names}
         views = self.spec.views(self.sharded.export_rows())
         return {name: v.clone() for name, v in views.items()}
+
+    @torch.no_grad()
+    def expert_rows(self) -> torch.Tensor:
+        """The full expert tensors as rows [E, P] (one copy; the module must hold them all)."""
+        self._check_whole("expert_rows")
+        return self.spec.flatten({name: getattr(self, name).detach() for name in self.spec.names})
 
     @torch.no_grad()
     def import_experts(self, tensors: Mapping[str, torch.Tensor]) -> None:

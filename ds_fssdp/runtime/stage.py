@@ -117,10 +117,11 @@ class FSSDPStage:
             # nothing moves (every rank of every group has its own).
             rows_SP = layer.initial_rows(owner_E, owned_E, group_rank=dist.get_rank(group=group))
             if rows_SP is None:
-                full_EP = layer.spec.flatten(layer.export_experts())
+                full_EP = layer.expert_rows()
                 # Every owner starts from rank src_rank's initial values (of the first FSSDP group), as
-                # DeepSpeed broadcasts the dense ones from rank 0.
-                rows_SP = scatter_rows(full_EP, owner_E, src=src_rank, group=group)
+                # DeepSpeed broadcasts the dense ones from rank 0 (a group of one rank owns them all).
+                rows_SP = full_EP if self.group_size == 1 else scatter_rows(full_EP, owner_E, src=src_rank,
+                                                                             group=group)
                 if edp_group is not None:
                     dist.broadcast(rows_SP, src=dist.get_global_rank(edp_group, 0), group=edp_group)
             layer.attach_sharded(ShardedExperts(spec=layer.spec, layer_index=i, owner_E=owner_E, rows_SP=rows_SP,

@@ -9,7 +9,9 @@ partitions only the dense rest. Two things it needs to know about FSSDP layers:
   walk tuples, lists and dicts only); the layer's own outputs are a tuple of tensors, so the hooks
   on the leaf re-gather the gate's weight for its backward;
 * the expert parameters must still be whole tensors: a model built under ``deepspeed.zero.Init``
-  has its experts partitioned already, which FSSDP cannot shard by owner (refused by name).
+  has its experts partitioned already, which FSSDP cannot shard by owner (refused by name). The
+  HF loaders (``integrations/hf_zero3.py``) partition only the dense part while they load, so
+  their dense parameters arrive as ZeRO-3 parameters and their experts as each rank's own rows.
 
 Clipping over dense and expert gradients hooks ZeRO-3's per-group norms (grad_norm.py).
 """
