@@ -20,6 +20,8 @@ What each rank checks:
 * FUSED, EDP groups (group_size 2 of 4), ZeRO 1 and ZeRO 3: the rows are the checkpoint's; under
   ZeRO 3 the dense parameters are partitioned while loading (ZeRO-3 parameters before
   ``initialize``); both train to the single-process run's losses and save to its weights.
+* A fresh FUSED model (``from_config``) at group size 2 of 4, ZeRO 1 and 3: each rank's drawn rows
+  and the saved directory equal the single-process reference (``materialize_experts``).
 * The engine checkpoints of both FUSED runs, exported offline (``hf_export``), equal what
   ``save_pretrained`` wrote.
 * Bad input: a checkpoint missing an expert's key fails every rank with an error naming the key,
@@ -201,6 +203,19 @@ def worker(rank, world, paths):
         engine.save_checkpoint(os.path.join(paths["out"], f"fused{zero}_engine"))  # for the offline export
         del engine, model
 
+    # A fresh model (from_config): each rank draws its own experts at initialize; the rows are the
+    # single-process reference's (materialize_experts) at group size 2 of 4 and under ZeRO 3.
+    config = transformers.AutoConfig.from_pretrained(paths["fused"])
+    reference = fssdp_hf.materialize_experts(fssdp_hf.from_config(config, ds_config=_ds_config(), seed=11))
+    want = {n: m.spec.flatten(m.export_experts()) for n, m in fssdp_hf.converted_experts(reference)}
+    for zero in (1, 3):
+        model = fssdp_hf.from_config(config, ds_config=_ds_config(group_size=2, zero=zero), seed=11)
+        ds_fssdp.initialize(model=model, config=_ds_config(group_size=2, zero=zero))
+        out[f"fresh{zero}"] = all(torch.equal(m.sharded.rows.detach(), want[n][m.sharded.owned_E])
+                                  for n, m in fssdp_hf.converted_experts(model))
+        fssdp_hf.save_pretrained(model, os.path.join(paths["out"], f"fresh{zero}"))
+        del model
+
     # Rows read for one layout, initialize asked for another: refused on every rank alike.
     model = fssdp_hf.from_pretrained(paths["small"], ds_config=_ds_config(group_size=4), dtype=torch.float32)
     try:
@@ -287,6 +302,23 @@ def test_fused_family_with_edp_groups_and_zero3(results, checkpoints):
     for zero in (1, 3):
         _assert_trained_like(os.path.join(checkpoints["out"], f"fused{zero}_saved"), ref_model,
                              [r[f"fused{zero}_losses"] for r in results], ref_losses, f"fused zero {zero}")
+
+
+def test_fresh_model_draws_the_same_weights_at_any_layout(results, checkpoints):
+    """from_config at group size 2 of 4 (ZeRO 1 and ZeRO 3): every rank's rows are the single-process
+    reference's, and the saved directories are the reference's weights (dense part included)."""
+    import ds_fssdp.integrations.hf as fssdp_hf
+    config = transformers.AutoConfig.from_pretrained(checkpoints["fused"])
+    reference = fssdp_hf.materialize_experts(
+        fssdp_hf.from_config(config, ds_config={"fssdp": {"policy": "fssdp"}}, seed=11))
+    want = fssdp_hf.hf_state_dict(reference)
+    for zero in (1, 3):
+        assert all(r[f"fresh{zero}"] for r in results), zero
+        got = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(checkpoints["out"], f"fresh{zero}"),
+                                                                 dtype=torch.float32).state_dict()
+        assert set(got) == set(want)
+        for key, value in want.items():
+            assert torch.equal(got[key], value), (zero, key)
 
 
 def test_offline_export_of_engine_checkpoints(results, checkpoints):

@@ -87,6 +87,9 @@ def layout_of(ds_config: dict, *, start_comm: bool = True) -> Layout:
     launched = all(k in os.environ for k in ("RANK", "WORLD_SIZE")) or "OMPI_COMM_WORLD_RANK" in os.environ
     if start_comm and (launched or dist.is_initialized()):  # a process without a launcher is one rank
         init_distributed(backend=get_accelerator().communication_backend_name())
+        device = _engine_device()
+        if device.type != "cpu" and device.index is not None:
+            get_accelerator().set_device(device.index)  # zero.Init and the rows go to this rank's device
     if not dist.is_initialized():
         return Layout(rank=0, world=1, group_size=1, zero_stage=zero_stage(ds_config))
     world = dist.get_world_size()

@@ -40,7 +40,7 @@ def load_dense_partitioned(model, files, load_config, ds_config: dict):
     rank = dist.get_rank()
     tied = set(model.all_tied_weights_keys)
     skip = {id(m) for _, m in converted_experts(model)}  # each rank holds its own experts already
-    for module_name, module in model.named_modules():
+    for module_name, module, owner in in_init_order(model):
         if id(module) in skip:
             continue
         params = [n for n, _ in module.named_parameters(recurse=False) if _full(module_name, n) not in tied]
@@ -58,7 +58,7 @@ def load_dense_partitioned(model, files, load_config, ds_config: dict):
         _materialize(module, params + buffers)
         if lacking:
             with torch.no_grad():
-                model._init_weights(module)  # what the checkpoint lacks (loaded tensors are flagged initialized)
+                owner._init_weights(module)  # what the checkpoint lacks (loaded tensors are flagged initialized)
         if params:
             partition(module, [getattr(module, n) for n in params], ds_config)
         if params or buffers:
@@ -74,14 +74,14 @@ def init_dense_partitioned(model, ds_config: dict) -> None:
     from ds_fssdp.integrations.hf import converted_experts
     skip = {id(m) for _, m in converted_experts(model)}
     tied = set(model.all_tied_weights_keys)
-    for name, module in model.named_modules():
+    for name, module, owner in in_init_order(model):
         if id(module) in skip:
             continue
         params = [n for n, _ in module.named_parameters(recurse=False) if _full(name, n) not in tied]
         buffers = [n for n, _ in module.named_buffers(recurse=False) if n not in module._non_persistent_buffers_set]
         _materialize(module, params + buffers)
         with torch.no_grad():
-            model._init_weights(module)  # every rank: buffers stay whole; the parameters come from rank 0
+            owner._init_weights(module)  # every rank: buffers stay whole; the parameters come from rank 0
         if params:
             partition(module, [getattr(module, n) for n in params], ds_config)
         if params or buffers:
@@ -94,6 +94,21 @@ def init_dense_partitioned(model, ds_config: dict) -> None:
             with torch.no_grad():
                 model._init_weights(m)
     model.tie_weights()
+
+
+def in_init_order(model):
+    """``(name, module, owner)`` in the order transformers' ``initialize_weights`` visits them
+    (children before their parent, ``smart_apply``), ``owner`` the nearest ``PreTrainedModel``
+    whose ``_init_weights`` applies: the same draws from the same seed as its own initialization."""
+    from transformers.modeling_utils import PreTrainedModel
+
+    def visit(module, name, owner):
+        for child_name, child in module.named_children():
+            child_owner = child if isinstance(child, PreTrainedModel) else owner
+            yield from visit(child, _full(name, child_name), child_owner)
+        yield name, module, owner
+
+    yield from visit(model, "", model)
 
 
 def zero_init_config(ds_config: dict) -> dict:
