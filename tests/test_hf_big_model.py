@@ -6,7 +6,8 @@ Checkpoints, written by transformers itself in small shards:
 
 * BIG: Qwen3-MoE, 4 layers of 32 experts (H 256, I 640): 240 MiB of experts in fp32, under the
   per-expert keys transformers 5 writes for its families with a conversion mapping;
-* FUSED: GPT-OSS (fused, transposed, interleaved gate/up, biases: no conversion mapping), small.
+* FUSED: GPT-OSS (fused, transposed, interleaved gate/up, biases: no conversion mapping; tied
+  embeddings), small.
 
 What each rank checks:
 
@@ -26,7 +27,8 @@ What each rank checks:
   ``save_pretrained`` wrote.
 * Bad input: a checkpoint missing an expert's key fails every rank with an error naming the key,
   and the ranks go on to a collective (none was left waiting); rows read for one group size and
-  an ``initialize`` at another are refused on every rank.
+  an ``initialize`` at another are refused on every rank; a full disk on one rank during
+  ``save_pretrained`` fails every rank and leaves nothing.
 """
 import json
 import os
@@ -48,7 +50,7 @@ LR, CLIP = 0.2, 0.5
 TOL = dict(rtol=2e-5, atol=2e-6)  # fp32 summation order, as the families' training test
 MiB = 2**20
 BIG = dict(model_type="qwen3_moe", hidden=256, experts=32, ffn=640, layers=4, initializer_range=0.02)
-FUSED = dict(model_type="gpt_oss", hidden=32, experts=8, ffn=24, layers=2)
+FUSED = dict(model_type="gpt_oss", hidden=32, experts=8, ffn=24, layers=2, tie_word_embeddings=True)
 SHARD = "16MB"
 # Stated allowances of the memory bounds (beyond dense + owned experts + one shard):
 # loading converts one layer's owned experts at a time (read, mapped, flattened: 3 copies) and
@@ -201,6 +203,18 @@ def worker(rank, world, paths):
         out[f"fused{zero}_losses"] = _train(engine, rank)
         fssdp_hf.save_pretrained(model, os.path.join(paths["out"], f"fused{zero}_saved"))
         engine.save_checkpoint(os.path.join(paths["out"], f"fused{zero}_engine"))  # for the offline export
+        if zero == 1:  # a full disk on rank 1 alone: every rank fails alike, nothing is left
+            from ds_fssdp.integrations.safetensors_io import ShardFile
+            write = ShardFile.write
+            if rank == 1:
+                ShardFile.write = lambda self, *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+            try:
+                fssdp_hf.save_pretrained(model, os.path.join(paths["out"], "full_disk"))
+                out["full_disk"] = None
+            except CheckpointError as err:
+                out["full_disk"] = str(err)
+            finally:
+                ShardFile.write = write
         del engine, model
 
     # A fresh model (from_config): each rank draws its own experts at initialize; the rows are the
@@ -340,7 +354,9 @@ def test_offline_export_of_engine_checkpoints(results, checkpoints):
             assert torch.equal(got[key], value), (zero, key)
 
 
-def test_bad_checkpoint_fails_every_rank_by_name(results):
+def test_bad_input_fails_every_rank_by_name(results, checkpoints):
     for r in results:
         assert r["broken"] is not None and "model.layers.1.mlp.experts.down_proj" in r["broken"], r["broken"]
         assert r["mismatch"] is not None and "same fssdp.group_size" in r["mismatch"], r["mismatch"]
+        assert r["full_disk"] is not None and "rank(s) [1]" in r["full_disk"] and "No space left" in r["full_disk"]
+    assert not any(n in ("full_disk", ".tmp-full_disk") for n in os.listdir(checkpoints["out"]))

@@ -37,7 +37,7 @@ from ds_fssdp.runtime.checkpoint.files import CheckpointError, fsync_dir, write_
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _DENSE = ".dense"
-HONOURED = ("max_shard_size", "save_original_format", "is_main_process", "safe_serialization")
+HONOURED = ("max_shard_size", "save_original_format", "safe_serialization")
 
 
 def save_pretrained(model, out_dir, *, max_shard_size="50GB", save_original_format: bool = True, **kw) -> str:
@@ -49,10 +49,9 @@ def save_pretrained(model, out_dir, *, max_shard_size="50GB", save_original_form
     for key, value in kw.items():
         if key == "safe_serialization" and value is not False:
             continue
-        if key == "is_main_process":  # the Trainer's: this save is collective, every rank takes part
-            continue
-        raise ValueError(f"ds_fssdp.integrations.hf.save_pretrained: {key}={value!r} is not supported (it writes "
-                         f"safetensors into a local directory; supported: {', '.join(HONOURED)})")
+        raise ValueError(f"ds_fssdp.integrations.hf.save_pretrained: {key}={value!r} is not supported (it is "
+                         "collective, every rank calls it, and writes safetensors into a local directory; "
+                         f"supported: {', '.join(HONOURED)})")
     if _is_peft(model):
         return _save_peft(model, out_dir, max_shard_size=max_shard_size)
     comm = Comm()
@@ -148,13 +147,19 @@ def dense_state_dict(model) -> dict:
     if not params:
         return {k: v.detach().cpu() for k, v in model.state_dict().items() if k not in experts} if rank == 0 else {}
     import deepspeed
-    out = {}
+    # A tied parameter (two names, one tensor) is gathered once, on every rank alike, and stays one
+    # tensor: transformers' save drops the alias.
+    out, seen, gathered = {}, set(), {}
     for prefix, module in model.named_modules():
         own = list(module.named_parameters(recurse=False))
-        with deepspeed.zero.GatheredParameters([p for _, p in own], modifier_rank=None):
+        new = [p for _, p in own if id(p) not in seen]
+        seen.update(id(p) for p in new)
+        with deepspeed.zero.GatheredParameters(new, modifier_rank=None):
             if rank == 0:
                 for n, p in own:
-                    out[f"{prefix}.{n}" if prefix else n] = p.detach().cpu().clone()
+                    if id(p) not in gathered:
+                        gathered[id(p)] = p.detach().cpu().clone()
+                    out[f"{prefix}.{n}" if prefix else n] = gathered[id(p)]
         if rank == 0:
             for n, b in module.named_buffers(recurse=False):
                 if n not in module._non_persistent_buffers_set:

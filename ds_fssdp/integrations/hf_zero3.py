@@ -64,7 +64,8 @@ def load_dense_partitioned(model, files, load_config, ds_config: dict):
         if params or buffers:
             module._is_hf_initialized = True  # transformers' finalization leaves it alone
     model._weight_conversions = [c for c in load_config.weight_mapping or [] if c.was_used()]
-    return LoadStateDictInfo(missing_keys=set(), unexpected_keys=set(), mismatched_keys=set(), error_msgs=[],
+    # Tied weights are reported missing, as transformers' loader reports them: its finalization ties them.
+    return LoadStateDictInfo(missing_keys=set(tied), unexpected_keys=set(), mismatched_keys=set(), error_msgs=[],
                              conversion_errors={}, skipped_pp_keys=set()), None
 
 
