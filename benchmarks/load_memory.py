@@ -116,6 +116,7 @@ def run_arm(arm: str, path: str, out_dir: str, world: int, shard: str) -> tuple:
 
 
 def _rank(rank: int, world: int, port: int, arm: str, paths: dict, result: str) -> None:
+    os.dup2(2, 1)  # DeepSpeed's and transformers' messages: stdout stays the JSON's (--json -)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_SIZE=str(world), OMP_NUM_THREADS="1")
     import torch
