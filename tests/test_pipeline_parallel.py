@@ -1,0 +1,214 @@
+"""FSSDP inside every stage of DeepSpeed's pipeline engine, exact: 4 gloo ranks, 2 stages x 2
+data-parallel ranks, G = 4 micro-batches (1F1B: stage 0 runs F0 F1 B0 F2 B1 F3 B2 B3), against
+the single-process GPT-MoE on every pipeline's micro-batches (tests/pipeline_training.py).
+
+Compared per rank: the loss train_batch returns (cross-entropy plus the routers' auxiliary terms,
+what GPTMoE returns without pipelining), the pre-step gradients (dense at ZeRO 0, every owned
+expert row) and global norm, this stage's dense parameters and its layers' full expert tensors.
+The blocks are cut unevenly (3 MoE blocks on 2 stages; one run has a stage without any), the
+skewed data places replicas and clipping engages. Negative controls: a 1 / world gradient scale,
+an expert norm not summed over the pipeline, a LIFO record pop."""
+import contextlib
+
+import pytest
+import torch
+
+from distributed import spawn
+from pipeline_training import assert_matches, build, ds_part, pp_config, reference, train_pipeline
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # spawns ranks; > 30 s
+
+WORLD, DP, STEPS = 4, 2, 2
+THREE = {"n_layers": 3}  # the embedding, 3 MoE blocks, the head: stage 0 gets 2 blocks, stage 1 one
+ADAM = {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1, "torch_adam": True}}
+RUNS = {
+    "z0-sgd": pp_config(zero=0, model=THREE),
+    "z1-sgd-rm": pp_config(zero=1, fssdp={"rematerialize": True}, model=THREE),
+    # DeepSpeed's pipeline activation checkpointing: reentrant (its default) and not
+    "z0-sgd-rm-ckpt": pp_config(zero=0, fssdp={"rematerialize": True}, model=THREE,
+                                pipeline={"activation_checkpoint_interval": 1}),
+    "z1-adamw-ckpt": pp_config(zero=1, optimizer=ADAM, model=THREE,
+                               pipeline={"activation_checkpoint_interval": 1, "use_reentrant": False}),
+    # FSSDP groups of one rank: EDP groups of 2 inside each stage, partitioned expert state,
+    # the EDP reduce started in the gaps of the last backward
+    "z1-sgd-edp": pp_config(zero=1, fssdp={"group_size": 1}, model=THREE),
+    # stage 1 holds the head only: no MoE layer, it still joins the step's collectives
+    "z0-sgd-no-moe-stage": dict(pp_config(zero=0, model={"n_layers": 1}, fssdp={"collective_timeout_s": 120}),
+                                _parts=[0, 2, 3]),
+    # negative controls (must not match): DeepSpeed's world average for the experts, and an
+    # expert norm summed over the stage only
+    "control-world-scale": pp_config(zero=0, model=THREE),
+    "control-stage-norm": pp_config(zero=0, model=THREE),
+}
+CONTROLS = {"control-world-scale": lambda engine: setattr(engine.fssdp, "grad_scale", 1.0 / WORLD),
+            "control-stage-norm": lambda engine: setattr(engine.fssdp, "pipe_group", None)}
+TOL = dict(rtol=2e-5, atol=2e-6)  # fp32 SGD: summation order only
+ADAM_TOL = dict(rtol=1e-3, atol=2e-3)  # AdamW: +-lr steps on near-zero gradients (docs/environment notes)
+
+
+@contextlib.contextmanager
+def no_collectives():
+    """Any collective inside fails (refusals must come before the first one)."""
+    from deepspeed import comm as dist
+    names = ("new_group", "all_reduce", "all_gather_into_tensor", "all_gather", "broadcast", "barrier",
+             "all_to_all_single", "reduce_scatter_tensor", "send", "recv", "init_distributed")
+    saved = {n: getattr(dist, n) for n in names}
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("a collective ran before the refusal")
+
+    for n in names:
+        setattr(dist, n, fail)
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
+
+
+def _refused(make_model, config) -> str:
+    import ds_fssdp
+    model = make_model()
+    with no_collectives():
+        try:
+            ds_fssdp.initialize(model=model, config=config)
+        except Exception as err:  # the refusal's type and message are the result
+            return f"{type(err).__name__}: {err}"
+    return "not refused"
+
+
+def _refusals() -> dict:
+    import torch.nn as nn
+    from deepspeed.pipe import PipelineModule, TiedLayerSpec
+    from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
+    from ds_fssdp.moe.layer import FSSDPMoE
+
+    class TiedMoE(nn.Module):  # a tied module (its "weight" is what the stages tie) holding an MoE layer
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(4, 4))
+            self.moe = FSSDPMoE(hidden_size=4, ffn_hidden_size=8, num_experts=4, k=1)
+
+        def forward(self, x):
+            return x
+
+    cfg = ds_part(pp_config())
+    out = {}
+    gpt = lambda: build(pp_config(model=THREE))[1]
+    out["zero2"] = _refused(gpt, dict(cfg, zero_optimization={"stage": 2}))
+    out["fp16-zero0"] = _refused(gpt, dict(cfg, fp16={"enabled": True}))
+    out["tied"] = _refused(lambda: PipelineModule([TiedLayerSpec("moe", TiedMoE), nn.Linear(4, 4), nn.Linear(4, 4)],
+                                                  num_stages=2, partition_method="uniform"), cfg)
+    out["dualpipev"] = _refused(lambda: DualPipeVModule([nn.Linear(4, 4) for _ in range(4)], num_stages=2,
+                                                        partition_method="uniform"), cfg)
+    return out
+
+
+def _refuse_schedule(engine, into: dict) -> None:
+    """A schedule other than TrainSchedule, at the engine's first batch (nothing of it runs)."""
+    from deepspeed.runtime.pipe import schedule
+
+    class Other(schedule.TrainSchedule):
+        pass
+
+    engine._train_schedule = lambda: Other(micro_batches=engine.micro_batches, stages=engine.num_stages,
+                                           stage_id=engine.stage_id)
+    try:
+        engine.train_batch(data_iter=iter([]))
+        into["schedule"] = "not refused"
+    except Exception as err:
+        into["schedule"] = f"{type(err).__name__}: {err}"
+
+
+def _worker(rank, world, runs: dict, steps: int):
+    out = {"refusals": _refusals()}
+    for name, cfg in runs.items():
+        out[name] = train_pipeline(rank, cfg, steps, engine_hook=CONTROLS.get(name))
+    engine_out = {}
+    train_pipeline(rank, RUNS["z0-sgd"], 0, engine_hook=lambda e: _refuse_schedule(e, engine_out))
+    out["refusals"].update(engine_out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return spawn(WORLD, _worker, RUNS, STEPS)
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {name: reference(cfg, dp=DP, steps=STEPS) for name, cfg in RUNS.items()}
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if not n.startswith("control")])
+def test_pipeline_matches_single_process(trained, references, name):
+    for rank in range(WORLD):
+        assert_matches(trained[rank][name], references[name], tol=ADAM_TOL if "adam" in name else TOL,
+                       grads=True, name=f"{name} rank {rank}")
+
+
+@pytest.mark.parametrize("name", list(CONTROLS))
+def test_negative_controls_do_not_match(trained, references, name):
+    """A 1 / world expert gradient scale, or an expert norm summed over the stage only, is caught."""
+    with pytest.raises(AssertionError):
+        assert_matches(trained[0][name], references[name], tol=TOL, name=name)
+
+
+def test_runs_engage_replicas_clipping_and_uneven_stages(trained):
+    for name in ("z0-sgd", "z1-sgd-rm", "z0-sgd-rm-ckpt", "z1-adamw-ckpt"):
+        by_stage = {trained[r][name]["stage"]: trained[r][name] for r in range(WORLD)}
+        assert by_stage[0]["global_layers"] == [0, 1] and by_stage[1]["global_layers"] == [2], "uneven stages"
+        assert max(by_stage[0]["replicas"]) > 0 and max(by_stage[1]["replicas"]) > 0, f"{name}: no replica placed"
+        assert min(by_stage[0]["factors"]) < 1.0, f"{name}: clipping never engaged"
+    empty = {trained[r]["z0-sgd-no-moe-stage"]["stage"]: trained[r]["z0-sgd-no-moe-stage"] for r in range(WORLD)}
+    assert empty[0]["global_layers"] == [0] and empty[1]["global_layers"] == []
+    assert min(empty[1]["factors"]) < 1.0  # the MoE-free stage clipped with the global norm too
+
+
+def test_replica_memory_is_bounded_by_the_micro_batches_in_flight(trained):
+    """1F1B keeps k = min(G, S - s) micro-batches in flight on stage s (2 on stage 0, 1 on stage 1).
+    Without RM each keeps every layer's replicas until its backward: the step's peak is the largest
+    sum over k consecutive micro-batches. With RM each keeps only its last layer's, plus two adjacent
+    layers' while one runs: the peak is within (k - 1) * last + the largest adjacent pair."""
+    G = RUNS["z0-sgd"]["gradient_accumulation_steps"]
+    for rank in range(WORLD):
+        plain, rm = trained[rank]["z0-sgd"], trained[rank]["z1-sgd-rm"]
+        k = min(G, 2 - plain["stage"])
+        for step, peak in enumerate(plain["replica_peaks"]):
+            per_micro = [sum(f) for f in plain["forwards"][step * G:(step + 1) * G]]
+            assert peak == max(sum(per_micro[i:i + k]) for i in range(G - k + 1)), (rank, step)
+        two_alive = False
+        for step, peak in enumerate(rm["replica_peaks"]):
+            forwards = rm["forwards"][step * G:(step + 1) * G]
+            last = max(f[-1] for f in forwards)
+            pair = max(max(a + b for a, b in zip(f, f[1:])) if len(f) > 1 else f[0] for f in forwards)
+            assert peak <= (k - 1) * last + pair, (rank, step)
+            two_alive |= k == 2 and peak > max(sum(f) for f in forwards)
+        assert two_alive or k == 1, "no step held two micro-batches' replicas at once on stage 0"
+
+
+def test_refused_by_name_before_any_collective(trained):
+    for rank in range(WORLD):
+        got = trained[rank]["refusals"]
+        assert got["zero2"].startswith("FSSDPConfigError: zero_optimization.stage (2) with pipeline parallelism")
+        assert got["fp16-zero0"].startswith("FSSDPConfigError: fp16.enabled (true) at zero_optimization.stage 0")
+        assert got["tied"].startswith("FSSDPConfigError: fssdp layers inside a TiedLayerSpec (key 'moe', TiedMoE)")
+        assert got["dualpipev"].startswith("FSSDPConfigError: fssdp with pipeline parallelism runs DeepSpeed's "
+                                           "TrainSchedule (1F1B) only; the model is a DualPipeVModule")
+        assert "the engine was given Other" in got["schedule"] and got["schedule"].startswith("FSSDPConfigError")
+
+
+def _lifo_worker(rank, world, cfg):
+    """The records popped last in first out: the backward of micro-batch 0 takes micro-batch 1's."""
+    from ds_fssdp.moe.records import MicrobatchRecords
+    MicrobatchRecords.backward_record = lambda self: self._queue[-1] if self._queue else None
+    MicrobatchRecords.end_backward = lambda self: self._queue.pop() if self._queue else None
+    return train_pipeline(rank, cfg, 1)
+
+
+def test_lifo_record_pop_fails():
+    """Negative control: with RM, a backward that consumes the newest forward's record re-gathers
+    another micro-batch's replicas (another layout): the run fails."""
+    cfg = pp_config(zero=1, fssdp={"rematerialize": True, "collective_timeout_s": 60}, model=THREE)
+    with pytest.raises(Exception, match="group sizes for"):
+        spawn(WORLD, _lifo_worker, cfg)
