@@ -156,10 +156,12 @@ def reference(cfg: dict, *, dp: int, steps: int) -> dict:
     return dict(losses=losses, norms=norms, grads=grads, dense=dense, experts=experts)
 
 
-def assert_matches(got: dict, ref: dict, *, tol: dict, grads: bool = True, name: str = "") -> None:
+def assert_matches(got: dict, ref: dict, *, tol: dict, grads: bool = True, name: str = "") -> dict:
     """One rank's run equals the reference: the losses train_batch returned, the global norms, the
     pre-step gradients (dense at ZeRO 0; each owned expert row where the state is replicated), this
-    stage's dense parameters and its layers' full expert tensors."""
+    stage's dense parameters and its layers' full expert tensors. Returns how many pre-step
+    gradient tensors were compared ({"dense": n, "experts": n})."""
+    compared = {"dense": 0, "experts": 0}
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **tol,
                                msg=lambda m: f"{name} losses: {m}")
     torch.testing.assert_close(torch.tensor(got["norms"], dtype=torch.float64), torch.tensor(ref["norms"], dtype=torch.float64), **tol,
@@ -168,14 +170,17 @@ def assert_matches(got: dict, ref: dict, *, tol: dict, grads: bool = True, name:
         for step, (g, w) in enumerate(zip(got["grads"], ref["grads"])):
             for n, t in g["dense"].items():
                 torch.testing.assert_close(t, w["dense"][n], **tol, msg=lambda m: f"{name} step {step} grad {n}: {m}")
+                compared["dense"] += 1
             for layer, (owned, rows) in g["experts"].items():
                 torch.testing.assert_close(rows, w["experts"][layer][owned], **tol,
                                            msg=lambda m: f"{name} step {step} layer {layer} expert grads: {m}")
+                compared["experts"] += 1
     for n, p in got["dense"].items():
         torch.testing.assert_close(p, ref["dense"][n], **tol, msg=lambda m: f"{name} {n}: {m}")
     for layer, tensors in got["experts"].items():
         for n, t in tensors.items():
             torch.testing.assert_close(t, ref["experts"][layer][n], **tol, msg=lambda m: f"{name} layer {layer} {n}: {m}")
+    return compared
 
 
 def model_cfg_layers(cfg: dict) -> int:
