@@ -67,27 +67,49 @@ def _capture_before_step(engine, into: list) -> None:
     stage.before_step = before_step
 
 
-def train_pipeline(rank: int, cfg: dict, steps: int, *, stages: int = STAGES, engine_hook=None) -> dict:
+def regrouped(step: int, gas: int, dp_rank: int, *, dp: int, saved_dp: int):
+    """Pipeline ``dp_rank`` of ``dp``'s ``gas`` micro-batches of ``step`` when the data-parallel run
+    had ``saved_dp`` ranks: the same global batch cut into other pipelines."""
+    per = gas * dp // saved_dp  # micro-steps of the saved run
+    every = [batch(step, micro, r) for micro in range(per) for r in range(saved_dp)]
+    return iter(every[dp_rank * gas:(dp_rank + 1) * gas])
+
+
+def train_pipeline(rank: int, cfg: dict, steps: int, *, stages: int = STAGES, engine_hook=None, load=None,
+                   save=None, save_at=None, saved_dp=None) -> dict:
     """Train ``cfg`` with ``stages`` stages; this rank's losses, norms, pre-step gradients, final dense
-    parameters (GPTMoE names) and full expert tensors by global layer index."""
+    parameters (GPTMoE names) and full expert tensors by global layer index. ``load``: a checkpoint
+    directory to resume from (its steps are not run again; ``saved_dp``: the data-parallel size that
+    wrote it, whose global batches are cut into this run's pipelines); ``save``: where to save after
+    step ``save_at`` (default: the last)."""
     import ds_fssdp
     model, pipe = build(cfg, stages=stages)
     engine, *_ = ds_fssdp.initialize(model=pipe, config=ds_part(cfg))
     if engine_hook is not None:
         engine_hook(engine)
+    start = 0
+    if load is not None:
+        engine.load_checkpoint(load)
+        start = engine.global_steps
     grads = []
     _capture_before_step(engine, grads)
     forwards = _record_forwards(engine)
-    dp_rank = engine.grid.get_data_parallel_id()
+    dp_rank, dp = engine.grid.get_data_parallel_id(), engine.grid.get_data_parallel_world_size()
     gas = cfg["gradient_accumulation_steps"]
     losses, norms, factors, peaks, replicas = [], [], [], [], []
-    for step in range(steps):
+    for step in range(start, steps):
+        if saved_dp is not None and saved_dp != dp:
+            batches = regrouped(step, gas, dp_rank, dp=dp, saved_dp=saved_dp)
+        else:
+            batches = data(step, gas, dp_rank)
         engine.fssdp.memory.reset_peak()
-        losses.append(float(engine.train_batch(data_iter=data(step, gas, dp_rank))))
+        losses.append(float(engine.train_batch(data_iter=batches)))
         norms.append(engine.fssdp.last_step.get("global_grad_norm"))
         factors.append(engine.fssdp.last_step.get("expert_grad_factor"))
         peaks.append(engine.fssdp.last_step.get("replica_bytes_peak"))
         replicas.append(sum(l.last_stats.get("replicas", 0) for l in engine.fssdp.layers))
+        if save is not None and step + 1 == (steps if save_at is None else save_at):
+            engine.save_checkpoint(save)
     engine.fssdp.close()
     dense = {engine.module.model_names[n]: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     experts = {g: {k: v.float() for k, v in layer.export_experts().items()}

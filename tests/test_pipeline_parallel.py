@@ -9,6 +9,7 @@ The blocks are cut unevenly (3 MoE blocks on 2 stages; one run has a stage witho
 skewed data places replicas and clipping engages. Negative controls: a 1 / world gradient scale,
 an expert norm not summed over the pipeline, a LIFO record pop."""
 import contextlib
+import os
 
 import pytest
 import torch
@@ -120,19 +121,32 @@ def _refuse_schedule(engine, into: dict) -> None:
         into["schedule"] = f"{type(err).__name__}: {err}"
 
 
-def _worker(rank, world, runs: dict, steps: int):
+# The resume: saved after step 1 of 3 and resumed, against the run that went on (ZeRO 1, AdamW, RM:
+# every kind of state: dense and expert moments, the predictor's windows, the step counters).
+RESUME = pp_config(zero=1, optimizer=ADAM, fssdp={"rematerialize": True}, model=THREE)
+
+
+def _worker(rank, world, runs: dict, steps: int, ckpt: str):
     out = {"refusals": _refusals()}
     for name, cfg in runs.items():
-        out[name] = train_pipeline(rank, cfg, steps, engine_hook=CONTROLS.get(name))
+        save = os.path.join(ckpt, "z0") if name == "z0-sgd" else None  # resumed on another world size below
+        out[name] = train_pipeline(rank, cfg, steps, engine_hook=CONTROLS.get(name), save=save)
     engine_out = {}
     train_pipeline(rank, RUNS["z0-sgd"], 0, engine_hook=lambda e: _refuse_schedule(e, engine_out))
     out["refusals"].update(engine_out)
+    where = os.path.join(ckpt, "z1")
+    out["resume"] = (train_pipeline(rank, RESUME, 3, save=where, save_at=1), train_pipeline(rank, RESUME, 3, load=where))
     return out
 
 
 @pytest.fixture(scope="module")
-def trained():
-    return spawn(WORLD, _worker, RUNS, STEPS)
+def ckpt(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("pipeline-ckpt"))
+
+
+@pytest.fixture(scope="module")
+def trained(ckpt):
+    return spawn(WORLD, _worker, RUNS, STEPS, ckpt)
 
 
 @pytest.fixture(scope="module")
@@ -217,3 +231,67 @@ def test_lifo_record_pop_fails():
     cfg = pp_config(zero=1, fssdp={"rematerialize": True, "collective_timeout_s": 60}, model=THREE)
     with pytest.raises(Exception, match="group sizes for"):
         spawn(WORLD, _lifo_worker, cfg)
+
+
+def test_resume_is_bit_exact(trained):
+    """Saved after step 1, resumed in a new engine: steps 2 and 3 give the same losses, dense
+    parameters and expert tensors, bitwise, as the run that went on."""
+    for rank in range(WORLD):
+        full, resumed = trained[rank]["resume"]
+        assert full["losses"][1:] == resumed["losses"]
+        assert full["dense"].keys() == resumed["dense"].keys() and full["experts"].keys() == resumed["experts"].keys()
+        for n, p in full["dense"].items():
+            assert torch.equal(p, resumed["dense"][n]), (rank, n)
+        for g, tensors in full["experts"].items():
+            for n, t in tensors.items():
+                assert torch.equal(t, resumed["experts"][g][n]), (rank, g, n)
+
+
+def _other_world_worker(rank, world, ckpt: str):
+    """2 ranks, 2 stages of 1: resume the 4-rank ZeRO 0 checkpoint (the same global batches, G = 8)
+    and train on; then the refusals: another stage count, ZeRO 1's dense optimizer on another world
+    size, and an engine without pipelining."""
+    import dataclasses
+
+    import ds_fssdp
+    from ds_fssdp.models import GPTMoE
+    from training import MODEL, ds_config
+
+    def refused(model, cfg, where):
+        engine, *_ = ds_fssdp.initialize(model=model, config=cfg)
+        try:
+            engine.load_checkpoint(os.path.join(ckpt, where))
+            return "loaded"
+        except Exception as err:
+            return f"{type(err).__name__}: {err}"
+
+    # first: DeepSpeed keeps a pipeline engine's mpu in its global groups, which a later plain engine
+    # of the same process trips over
+    out = {"plain": refused(GPTMoE(dataclasses.replace(MODEL, n_layers=3)), ds_config(world=2, gas=4), "z0")}
+    out["resumed"] = train_pipeline(rank, pp_config(dp=1, gas=8, model=THREE), 2 * STEPS, load=os.path.join(ckpt, "z0"),
+                                    saved_dp=DP)
+    one_stage = pp_config(dp=2, gas=4, model=THREE)
+    out["stages"] = refused(build(one_stage, stages=1)[1], ds_part(one_stage), "z0")
+    z1 = dict(RESUME, gradient_accumulation_steps=8, train_batch_size=RESUME["train_batch_size"])
+    out["zero1"] = refused(build(z1)[1], ds_part(z1), "z1")
+    return out
+
+
+def test_checkpoint_resumes_on_another_data_parallel_size_or_is_refused_by_name(trained, ckpt):
+    """The 4-rank checkpoint (2 stages x 2) resumes on 2 ranks (2 stages x 1): experts by global
+    layer index under new owners, DeepSpeed's per-stage dense state, the same global batches; steps
+    3 and 4 equal the single-process reference. Another stage count is refused by name."""
+    got = spawn(2, _other_world_worker, ckpt)
+    ref = reference(RUNS["z0-sgd"], dp=DP, steps=2 * STEPS)
+    for rank, out in enumerate(got):
+        resumed = out["resumed"]
+        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(ref["losses"][STEPS:]), **TOL)
+        for n, p in resumed["dense"].items():
+            torch.testing.assert_close(p, ref["dense"][n], **TOL, msg=lambda m: f"rank {rank} {n}: {m}")
+        for g, tensors in resumed["experts"].items():
+            for n, t in tensors.items():
+                torch.testing.assert_close(t, ref["experts"][g][n], **TOL, msg=lambda m: f"rank {rank} layer {g} {n}: {m}")
+        assert "saved with 2 pipeline stage(s), this engine runs 1" in out["stages"], out["stages"]
+        assert "saved with 2 pipeline stage(s), this engine runs 1" in out["plain"], out["plain"]
+        assert out["zero1"].startswith("CheckpointError") and "loads on 2 only with load_optimizer_states=False" in \
+            out["zero1"], out["zero1"]

@@ -106,7 +106,7 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
                        dp_group=layout.dp_group if pipe else None, pipe_group=layout.pipe_group if pipe else None)
     stage.groups = groups
     if pipe:
-        stage.global_layers = global_layers
+        stage.layout, stage.global_layers, stage.num_global_layers = layout, global_layers, total
     ds_kwargs["model_parameters"] = _without(model_parameters, expert_ids)
     if isinstance(optimizer, torch.optim.Optimizer):
         _strip_params(optimizer, expert_ids)

@@ -81,7 +81,11 @@ class FSSDPStage:
         self.group_size = dist.get_world_size(group=group)  # ranks of this FSSDP group (owners)
         self.edp_size = dist.get_world_size(group=edp_group) if edp_group is not None else 1
         self.group_index = dist.get_rank(group=dp_group) // self.group_size
-        self.global_layers = list(range(len(self.layers)))  # each layer's index among all MoE layers (pipeline)
+        # Pipeline parallelism (set by ds_fssdp.initialize): runtime/pipeline.PipelineLayout, each layer's
+        # index among all stages' MoE layers and their number (checkpoints key experts by it).
+        self.layout = None
+        self.global_layers = list(range(len(self.layers)))
+        self.num_global_layers = len(self.layers)
         self.groups = None  # runtime.groups.FSSDPGroups when built by ds_fssdp.initialize
         # Summed expert gradients times this at the step: DeepSpeed's data-parallel average (its
         # divisor is W / s under Ulysses SP, runtime/sequence_parallel.py).
