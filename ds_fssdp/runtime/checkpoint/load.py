@@ -38,7 +38,7 @@ def load(engine, load_dir: str, tag=None, *, ds_load, load_module_strict=True, l
     dense_opt = load_optimizer_states and not load_module_only
     expert_opt = (dense_opt if load_expert_optimizer_states is None else load_expert_optimizer_states)
     expert_opt = bool(expert_opt) and not load_module_only
-    check_stages(engine.fssdp, meta, root, dense_optimizer=dense_opt, world=dist.get_world_size())
+    check_stages(engine.fssdp, meta, root)
     if engine.fssdp.layout is None:
         check_compatible(engine, meta, root, expert_optimizer=expert_opt)
     else:  # each stage checks its own layers: every rank refuses alike

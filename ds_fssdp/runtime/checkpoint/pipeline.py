@@ -9,8 +9,9 @@ and its position there (``local``), and records ``pipeline_stages`` and the stag
 data-parallel size ``dp_size``.
 
 Loading reads each local layer's rows by its global index from whichever files hold them, under
-this engine's owners, so a checkpoint resumes on another data-parallel size. Another number of
-stages is refused by name: DeepSpeed keeps a pipeline's dense optimizer state per stage
+this engine's owners, so a checkpoint resumes on another data-parallel size (the dense part
+through DeepSpeed: its per-stage files at ZeRO 0, its universal checkpoint at ZeRO 1). Another
+number of stages is refused by name: DeepSpeed keeps a pipeline's dense optimizer state per stage
 (``mp_rank_<stage>`` and ZeRO's per-stage partitions), which it cannot re-cut.
 """
 from __future__ import annotations
@@ -46,17 +47,12 @@ def saved_place(meta: dict, g: int) -> tuple:
     return int(saved.get("first_rank", 0)), int(saved.get("local", g))
 
 
-def check_stages(stage, meta: dict, root: str, *, dense_optimizer: bool, world: int) -> None:
-    """Refuse a checkpoint of another stage count, or (ZeRO >= 1, loading the dense optimizer
-    state) of another world size: DeepSpeed cannot re-cut either for a pipeline."""
-    path = os.path.join(root, META)
+def check_stages(stage, meta: dict, root: str) -> None:
+    """Refuse a checkpoint of another stage count: DeepSpeed cannot re-cut a pipeline's dense state
+    (another data-parallel size it can, through its universal checkpoint under ZeRO 1,
+    ``universal.py``)."""
     saved, mine = int(meta.get("pipeline_stages", 1)), stages_of(stage)
     if saved != mine:
-        raise CheckpointError(f"{path}: saved with {saved} pipeline stage(s), this engine runs {mine}: DeepSpeed keeps "
-                              "a pipeline's dense optimizer state per stage, so a checkpoint resumes only with the "
-                              f"stage count that wrote it (--pipeline-stages {saved})")
-    if mine > 1 and meta["world_size"] != world and int(meta.get("zero_stage", 0)) and dense_optimizer:
-        raise CheckpointError(f"{path}: a pipeline checkpoint of ZeRO stage {meta['zero_stage']} saved on "
-                              f"{meta['world_size']} ranks loads on {world} only with load_optimizer_states=False "
-                              "(DeepSpeed's dense optimizer partitions are per data-parallel rank; the experts' "
-                              "state loads with load_expert_optimizer_states=True)")
+        raise CheckpointError(f"{os.path.join(root, META)}: saved with {saved} pipeline stage(s), this engine runs "
+                              f"{mine}: DeepSpeed keeps a pipeline's dense optimizer state per stage, so a checkpoint "
+                              f"resumes only with the stage count that wrote it (--pipeline-stages {saved})")
