@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from training import batch, ds_config, model_for
+from training import batch, ds_config, layer_tensors, model_for
 
 STAGES = 2
 
@@ -96,7 +96,7 @@ def train_pipeline(rank: int, cfg: dict, steps: int, *, stages: int = STAGES, en
     forwards = _record_forwards(engine)
     dp_rank, dp = engine.grid.get_data_parallel_id(), engine.grid.get_data_parallel_world_size()
     gas = cfg["gradient_accumulation_steps"]
-    losses, norms, factors, peaks, replicas = [], [], [], [], []
+    losses, norms, factors, peaks, replicas, applied, migrated = [], [], [], [], [], [], []
     for step in range(start, steps):
         if saved_dp is not None and saved_dp != dp:
             batches = regrouped(step, gas, dp_rank, dp=dp, saved_dp=saved_dp)
@@ -108,14 +108,17 @@ def train_pipeline(rank: int, cfg: dict, steps: int, *, stages: int = STAGES, en
         factors.append(engine.fssdp.last_step.get("expert_grad_factor"))
         peaks.append(engine.fssdp.last_step.get("replica_bytes_peak"))
         replicas.append(sum(l.last_stats.get("replicas", 0) for l in engine.fssdp.layers))
+        applied.append(engine.fssdp.last_step.get("applied"))
+        migrated.append(engine.fssdp.last_step.get("reshard_bytes_sent"))
         if save is not None and step + 1 == (steps if save_at is None else save_at):
             engine.save_checkpoint(save)
     engine.fssdp.close()
     dense = {engine.module.model_names[n]: p.detach().float().clone() for n, p in engine.module.named_parameters()}
-    experts = {g: {k: v.float() for k, v in layer.export_experts().items()}
+    experts = {g: {k: v.float() for k, v in layer_tensors(layer).items()}
                for g, layer in zip(engine.fssdp.global_layers, engine.fssdp.layers)}
     return dict(losses=losses, norms=norms, factors=factors, grads=grads, dense=dense, experts=experts,
-                stage=engine.stage_id, replica_peaks=peaks, replicas=replicas, forwards=forwards,
+                stage=engine.stage_id, replica_peaks=peaks, replicas=replicas, forwards=forwards, applied=applied,
+                migrated=migrated,
                 global_layers=list(engine.fssdp.global_layers))
 
 
@@ -149,6 +152,8 @@ def reference(cfg: dict, *, dp: int, steps: int) -> dict:
     gradients and norm, and each step's mean loss."""
     torch.manual_seed(0)
     model = model_for(cfg)
+    for layer in model.moe_layers():  # what the FSSDP stage does with the key
+        layer.router_bias_update_rate = float(cfg["fssdp"].get("router_bias_update_rate", 0.0))
     params = [p for p in model.parameters() if p.requires_grad]
     opt_cfg = cfg["optimizer"]
     kwargs = dict(opt_cfg["params"])
@@ -173,8 +178,10 @@ def reference(cfg: dict, *, dp: int, steps: int) -> dict:
         grads.append({"dense": dense, "experts": experts})
         norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg["gradient_clipping"] or 1e30)))
         opt.step()
+        for layer in model.moe_layers():
+            layer.update_routing_bias()
     dense = {n: p.detach().clone() for n, p in model.named_parameters() if "moe.w_" not in n}
-    experts = [{n: getattr(layer, n).detach().clone() for n in layer.spec.names} for layer in model.moe_layers()]
+    experts = [layer_tensors(layer) for layer in model.moe_layers()]
     return dict(losses=losses, norms=norms, grads=grads, dense=dense, experts=experts)
 
 

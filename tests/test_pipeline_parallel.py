@@ -33,6 +33,9 @@ RUNS = {
     # FSSDP groups of one rank: EDP groups of 2 inside each stage, partitioned expert state,
     # the EDP reduce started in the gaps of the last backward
     "z1-sgd-edp": pp_config(zero=1, fssdp={"group_size": 1}, model=THREE),
+    # step-level work on each stage's own groups: a re-shard every step, the routing-bias rule
+    "z0-sgd-reshard-bias": pp_config(zero=0, fssdp={"reshard_interval": 1, "router_bias_update_rate": 0.05},
+                                     model=dict(THREE, aux_free_bias=True)),
     # stage 1 holds the head only: no MoE layer, it still joins the step's collectives
     "z0-sgd-no-moe-stage": dict(pp_config(zero=0, model={"n_layers": 1}, fssdp={"collective_timeout_s": 120}),
                                 _parts=[0, 2, 3]),
@@ -126,11 +129,24 @@ def _refuse_schedule(engine, into: dict) -> None:
 RESUME = pp_config(zero=1, optimizer=ADAM, fssdp={"rematerialize": True}, model=THREE)
 
 
+def _nan_loss_at_step_1(engine) -> None:
+    """One micro-batch's loss on the last stage of pipeline 0 is NaN in step 1 (the second)."""
+    loss_fn = engine.module.loss_fn
+    first = engine.grid.get_data_parallel_id() == 0
+
+    def nan_once(outputs, labels):
+        loss = loss_fn(outputs, labels)
+        return loss * float("nan") if first and engine.global_steps == 1 and engine.fssdp_pipe.backwards == 1 else loss
+
+    engine.module.loss_fn = nan_once
+
+
 def _worker(rank, world, runs: dict, steps: int, ckpt: str):
     out = {"refusals": _refusals()}
     for name, cfg in runs.items():
         save = os.path.join(ckpt, "z0") if name == "z0-sgd" else None  # resumed on another world size below
         out[name] = train_pipeline(rank, cfg, steps, engine_hook=CONTROLS.get(name), save=save)
+    out["nonfinite"] = train_pipeline(rank, RUNS["z0-sgd"], STEPS, engine_hook=_nan_loss_at_step_1)
     engine_out = {}
     train_pipeline(rank, RUNS["z0-sgd"], 0, engine_hook=lambda e: _refuse_schedule(e, engine_out))
     out["refusals"].update(engine_out)
@@ -179,6 +195,9 @@ def test_runs_engage_replicas_clipping_and_uneven_stages(trained):
         assert by_stage[0]["global_layers"] == [0, 1] and by_stage[1]["global_layers"] == [2], "uneven stages"
         assert max(by_stage[0]["replicas"]) > 0 and max(by_stage[1]["replicas"]) > 0, f"{name}: no replica placed"
         assert min(by_stage[0]["factors"]) < 1.0, f"{name}: clipping never engaged"
+    moved = trained[0]["z0-sgd-reshard-bias"]  # and equal to the reference above
+    assert sum(sum(trained[r]["z0-sgd-reshard-bias"]["migrated"]) for r in range(WORLD)) > 0, "no expert moved"
+    assert all(t["router_bias"].abs().max() > 0.04 for t in moved["experts"].values()), "the router bias never moved"
     empty = {trained[r]["z0-sgd-no-moe-stage"]["stage"]: trained[r]["z0-sgd-no-moe-stage"] for r in range(WORLD)}
     assert empty[0]["global_layers"] == [0] and empty[1]["global_layers"] == []
     assert min(empty[1]["factors"]) < 1.0  # the MoE-free stage clipped with the global norm too
@@ -300,3 +319,17 @@ def test_checkpoint_resumes_on_another_data_parallel_size_or_is_refused_by_name(
         _assert_resumed(out["zero1"], ref1, start=1, tol=ADAM_TOL, name=f"ZeRO 1 rank {rank}")
         assert "saved with 2 pipeline stage(s), this engine runs 1" in out["stages"], out["stages"]
         assert "saved with 2 pipeline stage(s), this engine runs 1" in out["plain"], out["plain"]
+
+
+def test_a_non_finite_loss_on_the_last_stage_skips_the_step_on_every_stage(trained, references):
+    """The loss flag travels with the expert squares over the stage and the pipeline: every rank
+    skips step 1 (no parameter moves), so the weights after 2 steps are those after 1."""
+    ref = reference(RUNS["z0-sgd"], dp=DP, steps=1)
+    for rank in range(WORLD):
+        got = trained[rank]["nonfinite"]
+        assert got["applied"] == [True, False], (rank, got["applied"])
+        for n, p in got["dense"].items():
+            torch.testing.assert_close(p, ref["dense"][n], **TOL, msg=lambda m: f"rank {rank} {n}: {m}")
+        for g, tensors in got["experts"].items():
+            for n, t in tensors.items():
+                torch.testing.assert_close(t, ref["experts"][g][n], **TOL)
