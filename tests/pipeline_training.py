@@ -118,7 +118,7 @@ def train_pipeline(rank: int, cfg: dict, steps: int, *, stages: int = STAGES, en
                for g, layer in zip(engine.fssdp.global_layers, engine.fssdp.layers)}
     return dict(losses=losses, norms=norms, factors=factors, grads=grads, dense=dense, experts=experts,
                 stage=engine.stage_id, replica_peaks=peaks, replicas=replicas, forwards=forwards, applied=applied,
-                migrated=migrated,
+                migrated=migrated, in_flight=engine.fssdp.in_flight,
                 global_layers=list(engine.fssdp.global_layers))
 
 

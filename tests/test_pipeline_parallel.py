@@ -212,6 +212,7 @@ def test_replica_memory_is_bounded_by_the_micro_batches_in_flight(trained):
     for rank in range(WORLD):
         plain, rm = trained[rank]["z0-sgd"], trained[rank]["z1-sgd-rm"]
         k = min(G, 2 - plain["stage"])
+        assert plain["in_flight"] == k  # what the auto budget counts (planner/knobs.py)
         for step, peak in enumerate(plain["replica_peaks"]):
             per_micro = [sum(f) for f in plain["forwards"][step * G:(step + 1) * G]]
             assert peak == max(sum(per_micro[i:i + k]) for i in range(G - k + 1)), (rank, step)

@@ -88,3 +88,18 @@ def test_hf_convert_refuses_a_pipeline_module():
     nn.Module.__init__(model)
     with pytest.raises(UnsupportedModelError, match="PipelineModule; the Hugging Face path has no pipeline"):
         convert(model)
+
+
+def test_auto_budget_counts_the_micro_batches_in_flight():
+    """Stage s of S keeps min(G, S - s) micro-batches' replicas until their backward: every layer's
+    each, or under RM the last layer's each plus two layers while one runs."""
+    from ds_fssdp.planner.knobs import auto_materialization_budget, resident_layers
+    assert resident_layers(4, rematerialize=False, in_flight=3) == 12
+    assert resident_layers(4, rematerialize=True, in_flight=3) == 4
+    assert resident_layers(1, rematerialize=True, in_flight=3) == 1
+    assert auto_materialization_budget(memory_bytes=1200, expert_bytes=10, num_layers=4, rematerialize=False,
+                                       in_flight=3) == 5
+    assert auto_materialization_budget(memory_bytes=1200, expert_bytes=10, num_layers=4, rematerialize=True,
+                                       in_flight=3) == 15
+    with pytest.raises(ValueError, match=r"in_flight >= 1 \(0\)"):
+        auto_materialization_budget(memory_bytes=1200, expert_bytes=10, num_layers=4, rematerialize=True, in_flight=0)

@@ -118,6 +118,8 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
         attach_fold(layers, tp_group=tp_group, tp_size=tp, tp_rank=dist.get_rank(group=tp_group))
     engine.__class__ = _fssdp_engine_class(type(engine))
     engine.fssdp = stage
+    if pipe:  # 1F1B keeps S - s micro-batches' forwards awaiting their backward on stage s
+        stage.in_flight = min(engine.gradient_accumulation_steps(), layout.num_stages - layout.stage_id)
     stage.attach(engine)
     if pipe:
         pipeline.attach(engine, layout)

@@ -86,6 +86,7 @@ class FSSDPStage:
         self.layout = None
         self.global_layers = list(range(len(self.layers)))
         self.num_global_layers = len(self.layers)
+        self.in_flight = 1  # micro-batches awaiting their backward at once (1F1B: min(G, S - stage))
         self.groups = None  # runtime.groups.FSSDPGroups when built by ds_fssdp.initialize
         # Summed expert gradients times this at the step: DeepSpeed's data-parallel average (its
         # divisor is W / s under Ulysses SP, runtime/sequence_parallel.py).
@@ -393,7 +394,7 @@ class FSSDPStage:
         cfg, layer = self.config, self.layers[0]
         if cfg.materialization_budget == "auto":
             self.budget = policy_setup.auto_budget(cfg, expert_bytes=self.shards[0].expert_bytes,
-                                                   num_layers=len(self.layers))
+                                                   num_layers=len(self.layers), in_flight=self.in_flight)
             self.profile["materialization_budget"] = self.budget
         shape = layer.spec.cost_shape(torch.tensor([], dtype=dtype).element_size())
         if policy_setup.needs_cost_model(cfg, edp_size=self.edp_size):
