@@ -119,6 +119,7 @@ def train_pipeline(rank: int, cfg: dict, steps: int, *, stages: int = STAGES, en
     return dict(losses=losses, norms=norms, factors=factors, grads=grads, dense=dense, experts=experts,
                 stage=engine.stage_id, replica_peaks=peaks, replicas=replicas, forwards=forwards, applied=applied,
                 migrated=migrated, in_flight=engine.fssdp.in_flight,
+                gaps=list(engine.fssdp.last_step.get("edp_reduce_in_gaps", [])),
                 global_layers=list(engine.fssdp.global_layers))
 
 

@@ -195,6 +195,8 @@ def test_runs_engage_replicas_clipping_and_uneven_stages(trained):
         assert by_stage[0]["global_layers"] == [0, 1] and by_stage[1]["global_layers"] == [2], "uneven stages"
         assert max(by_stage[0]["replicas"]) > 0 and max(by_stage[1]["replicas"]) > 0, f"{name}: no replica placed"
         assert min(by_stage[0]["factors"]) < 1.0, f"{name}: clipping never engaged"
+    edp = {trained[r]["z1-sgd-edp"]["stage"]: trained[r]["z1-sgd-edp"] for r in range(WORLD)}
+    assert edp[0]["gaps"] == [1], "layer 1's EDP reduce did not start in the last backward's gaps"
     moved = trained[0]["z0-sgd-reshard-bias"]  # and equal to the reference above
     assert sum(sum(trained[r]["z0-sgd-reshard-bias"]["migrated"]) for r in range(WORLD)) > 0, "no expert moved"
     assert all(t["router_bias"].abs().max() > 0.04 for t in moved["experts"].values()), "the router bias never moved"
