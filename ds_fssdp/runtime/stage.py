@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import inspect
 import time
 
 import torch
@@ -47,6 +46,7 @@ from ds_fssdp.planner.scheduled import ExchangeOptions, ScheduledCostModel
 from ds_fssdp.runtime import costfit, policy_setup
 from ds_fssdp.runtime.edp_sync import EDPSyncPlan
 from ds_fssdp.runtime.expert_dp import make_expert_state
+from ds_fssdp.runtime.expert_optimizer import build_expert_optimizer
 from ds_fssdp.runtime.grad_norm import install_expert_norm, loss_scale_of
 from ds_fssdp.runtime.health import NonFiniteGuard
 from ds_fssdp.topology import Topology
@@ -65,11 +65,9 @@ class FSSDPStage:
         every FSSDP group (None: one group), ``topology``: the FSSDP group's nodes, ``grad_scale``:
         DeepSpeed's factor on summed gradients (None: 1 / data-parallel size), ``exchange``: the
         chunked token exchange's groups (``runtime/groups.build_exchange_groups``; None: ``group``
-        for every pair). Under pipeline parallelism (``runtime/pipeline.py``): ``dp_group``, this
-        stage's data-parallel ranks (None: the world), over which the gradients are averaged;
-        ``pipe_group``, this rank's pipeline, over which the norm's squares are summed (None: no
-        pipeline). ``layers`` may be empty there: a stage without MoE layers joins the step's
-        collectives."""
+        for every pair). Pipeline parallelism (``runtime/pipeline.py``): ``dp_group`` the stage's
+        data-parallel ranks (None: the world), ``pipe_group`` the pipeline (norms); no layers: a
+        stage without MoE layers, which joins the step's collectives."""
         self.layers = list(layers)
         self.config = config
         self.topology = topology
@@ -81,12 +79,10 @@ class FSSDPStage:
         self.group_size = dist.get_world_size(group=group)  # ranks of this FSSDP group (owners)
         self.edp_size = dist.get_world_size(group=edp_group) if edp_group is not None else 1
         self.group_index = dist.get_rank(group=dp_group) // self.group_size
-        # Pipeline parallelism (set by ds_fssdp.initialize): runtime/pipeline.PipelineLayout, each layer's
-        # index among all stages' MoE layers and their number (checkpoints key experts by it).
-        self.layout = None
-        self.global_layers = list(range(len(self.layers)))
-        self.num_global_layers = len(self.layers)
-        self.in_flight = 1  # micro-batches awaiting their backward at once (1F1B: min(G, S - stage))
+        # Pipeline parallelism (set by initialize): the PipelineLayout, each layer's index among all
+        # stages' MoE layers and their number (checkpoints key experts by it), micro-batches in flight
+        self.layout, self.global_layers, self.num_global_layers, self.in_flight = None, list(range(len(layers))), \
+            len(layers), 1
         self.groups = None  # runtime.groups.FSSDPGroups when built by ds_fssdp.initialize
         # Summed expert gradients times this at the step: DeepSpeed's data-parallel average (its
         # divisor is W / s under Ulysses SP, runtime/sequence_parallel.py).
@@ -494,26 +490,3 @@ class FSSDPStage:
         dist.all_reduce(load_LE, group=self.edp_group)
         return load_LE.cpu()
 
-
-def build_expert_optimizer(basic_optimizer, params: list):
-    """The dense optimizer's type and constructor hyperparameters, over the expert masters (None
-    when DeepSpeed has no optimizer: an inference engine)."""
-    if basic_optimizer is None or not params:
-        return None
-    cls = type(basic_optimizer)
-    allowed = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
-    extra = {}
-    try:
-        from deepspeed.ops.adam import FusedAdam
-        allowed += (FusedAdam, )
-        if isinstance(basic_optimizer, FusedAdam):
-            extra["adam_w_mode"] = basic_optimizer.adam_w_mode
-    except ImportError:
-        pass
-    if cls not in allowed:
-        raise FSSDPConfigError(f"optimizer {cls.__name__} is not supported for fssdp experts; use Adam, AdamW "
-                               "or SGD (DeepSpeed config optimizer.type, with torch_adam true on CPU)")
-    accepted = inspect.signature(cls.__init__).parameters
-    kwargs = {k: v for k, v in basic_optimizer.defaults.items() if k in accepted}
-    kwargs.update(extra)
-    return cls(params, **kwargs)
