@@ -33,8 +33,12 @@ RUNS = {
     # FSSDP groups of one rank: EDP groups of 2 inside each stage, partitioned expert state,
     # the EDP reduce started in the gaps of the last backward
     "z1-sgd-edp": pp_config(zero=1, fssdp={"group_size": 1}, model=THREE),
-    # step-level work on each stage's own groups: a re-shard every step, the routing-bias rule
-    "z0-sgd-reshard-bias": pp_config(zero=0, fssdp={"reshard_interval": 1, "router_bias_update_rate": 0.05},
+    # the model's own activation checkpointing (torch's non-reentrant) inside the stages
+    "z0-sgd-torch-ckpt": pp_config(zero=0, model=dict(THREE, activation_checkpointing="torch")),
+    # step-level work on each stage's own groups: a re-shard every step, the routing-bias rule, the
+    # schedule's cost refit
+    "z0-sgd-reshard-bias": pp_config(zero=0, fssdp={"reshard_interval": 1, "router_bias_update_rate": 0.05,
+                                                    "cost_refresh_interval": 1},
                                      model=dict(THREE, aux_free_bias=True)),
     # stage 1 holds the head only: no MoE layer, it still joins the step's collectives
     "z0-sgd-no-moe-stage": dict(pp_config(zero=0, model={"n_layers": 1}, fssdp={"collective_timeout_s": 120}),
