@@ -62,3 +62,9 @@ def test_cli_runs_every_policy_under_the_stages():
     assert by["fssdp"]["step_ms"] < by["ep"]["step_ms"]
     # the budget counts the micro-batches in flight: 2 on stage 0, 1 on stage 1
     assert by["fssdp"]["budget"][0] < by["fssdp"]["budget"][1]
+
+
+def test_micro_batches_without_stages_are_refused():
+    from ds_fssdp.sim.__main__ import main
+    with pytest.raises(SystemExit, match=r"--micro-batches \(4\) needs --pipeline-stages above 1"):
+        main(["--trace", "synthetic", "--micro-batches", "4", "--no-png"], out=io.StringIO())

@@ -169,6 +169,8 @@ def main(argv=None, *, out=None) -> int:
 
 def _run(args, out) -> int:
     torch.set_num_threads(1)  # small tensors: threads cost more than they give
+    if args.micro_batches is not None and args.pipeline_stages == 1:
+        raise SystemExit(f"--micro-batches ({args.micro_batches}) needs --pipeline-stages above 1")
     if args.pipeline_stages != 1:
         if args.pipeline_stages < 1:
             raise SystemExit(f"--pipeline-stages ({args.pipeline_stages}) must be >= 1")
