@@ -327,7 +327,8 @@ def print_table(s):
               f"{l['exposed_ms']:>10.2f} {err:>9}")
     print("straggler: max/mean rows computed per rank (1 = balanced), mean over steps after 5; EP would be: the "
           "same with owners only; MB: whole run, all ranks; tokens MB: token all-to-all; exposed ms: rank 0's "
-          "(with pipeline stages each stage's first rank's) wait for replicas and reduced gradients per step; pred. err: sum|predicted - actual| / sum actual")
+          "(with pipeline stages each stage's first rank's) wait for replicas and reduced gradients per step; "
+          "pred. err: sum|predicted - actual| / sum actual")
 
 
 def print_comparison(s, out):

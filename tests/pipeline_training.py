@@ -194,7 +194,8 @@ def assert_matches(got: dict, ref: dict, *, tol: dict, grads: bool = True, name:
     compared = {"dense": 0, "experts": 0}
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **tol,
                                msg=lambda m: f"{name} losses: {m}")
-    torch.testing.assert_close(torch.tensor(got["norms"], dtype=torch.float64), torch.tensor(ref["norms"], dtype=torch.float64), **tol,
+    as64 = lambda xs: torch.tensor(xs, dtype=torch.float64)
+    torch.testing.assert_close(as64(got["norms"]), as64(ref["norms"]), **tol,
                                msg=lambda m: f"{name} norms: {m}")
     if grads:
         for step, (g, w) in enumerate(zip(got["grads"], ref["grads"])):
@@ -209,7 +210,8 @@ def assert_matches(got: dict, ref: dict, *, tol: dict, grads: bool = True, name:
         torch.testing.assert_close(p, ref["dense"][n], **tol, msg=lambda m: f"{name} {n}: {m}")
     for layer, tensors in got["experts"].items():
         for n, t in tensors.items():
-            torch.testing.assert_close(t, ref["experts"][layer][n], **tol, msg=lambda m: f"{name} layer {layer} {n}: {m}")
+            torch.testing.assert_close(t, ref["experts"][layer][n], **tol,
+                                       msg=lambda m: f"{name} layer {layer} {n}: {m}")
     return compared
 
 

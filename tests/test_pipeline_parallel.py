@@ -155,7 +155,8 @@ def _worker(rank, world, runs: dict, steps: int, ckpt: str):
     train_pipeline(rank, RUNS["z0-sgd"], 0, engine_hook=lambda e: _refuse_schedule(e, engine_out))
     out["refusals"].update(engine_out)
     where = os.path.join(ckpt, "z1")
-    out["resume"] = (train_pipeline(rank, RESUME, 3, save=where, save_at=1), train_pipeline(rank, RESUME, 3, load=where))
+    out["resume"] = (train_pipeline(rank, RESUME, 3, save=where, save_at=1),
+                     train_pipeline(rank, RESUME, 3, load=where))
     return out
 
 

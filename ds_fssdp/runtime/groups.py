@@ -61,7 +61,8 @@ def group_topology(group_size: int, ranks_per_node: int) -> Topology:
     return Topology(num_ranks=group_size, ranks_per_node=min(group_size, ranks_per_node))
 
 
-def build_groups(*, world: int, rank: int, group_size: int, ranks_per_node: int, stages: list | None = None) -> FSSDPGroups:
+def build_groups(*, world: int, rank: int, group_size: int, ranks_per_node: int,
+                 stages: list | None = None) -> FSSDPGroups:
     """Create the process groups (collective: every rank calls it with the same sizes, already
     validated by ``FSSDPConfig.resolve_group_size``). ``stages``: each pipeline stage's ranks
     (global, consecutive; their number a multiple of ``group_size``), or None: one stage of all."""
@@ -113,9 +114,10 @@ def _build_stage_groups(stages: list, *, rank: int, group_size: int, ranks_per_n
         exchange = build_exchange_groups(world=len(ranks), rank=rank, group_size=group_size,
                                          ranks_per_node=ranks_per_node, domain=ranks)
         if rank in ranks:
-            mine = FSSDPGroups(group_size=group_size, num_groups=len(blocks), group_index=ranks.index(rank) // group_size,
-                               tokens=tokens, params=params, edp=edp, edp_ranks=edp_mine,
-                               topology=group_topology(group_size, ranks_per_node), exchange=exchange)
+            mine = FSSDPGroups(group_size=group_size, num_groups=len(blocks),
+                               group_index=ranks.index(rank) // group_size, tokens=tokens, params=params, edp=edp,
+                               edp_ranks=edp_mine, topology=group_topology(group_size, ranks_per_node),
+                               exchange=exchange)
     if mine is None:
         raise ValueError(f"rank {rank} is in none of the stages {stages}")
     return mine

@@ -79,23 +79,25 @@ def check_pipeline(ds_config: dict, model, *, mpu=None, mesh_param=None) -> Pipe
     """Refuse what FSSDP does not run under pipeline parallelism, naming it, before any collective;
     returns the layout."""
     if isinstance(model, DualPipeVModule):
-        raise FSSDPConfigError("fssdp with pipeline parallelism runs DeepSpeed's TrainSchedule (1F1B) only; the model is "
-                               "a DualPipeVModule (DualPipeVSchedule)")
+        raise FSSDPConfigError("fssdp with pipeline parallelism runs DeepSpeed's TrainSchedule (1F1B) only; the model "
+                               "is a DualPipeVModule (DualPipeVSchedule)")
     zero = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
     if zero >= 2:
-        raise FSSDPConfigError(f"zero_optimization.stage ({zero}) with pipeline parallelism: DeepSpeed's pipeline engine "
-                               "supports ZeRO 0 and 1 only (use stage 0 or 1)")
+        raise FSSDPConfigError(f"zero_optimization.stage ({zero}) with pipeline parallelism: DeepSpeed's pipeline "
+                               "engine supports ZeRO 0 and 1 only (use stage 0 or 1)")
     fp16 = bool((ds_config.get("fp16") or {}).get("enabled", False))
     if fp16 and zero == 0:
-        raise FSSDPConfigError("fp16.enabled (true) at zero_optimization.stage 0 with pipeline parallelism: DeepSpeed's "
-                               "fp16 optimizer clips with stage 0's norm only; use ZeRO stage 1")
-    if mpu is not None or mesh_param is not None or sequence_parallel_size(ds_config, mpu=mpu, mesh_param=mesh_param) > 1:
-        raise FSSDPConfigError("fssdp with pipeline parallelism takes no mpu, mesh_param or sequence_parallel_size (the "
-                               "PipelineModule's grid is the topology; Ulysses sequence parallelism is not combined "
-                               "with it)")
+        raise FSSDPConfigError("fp16.enabled (true) at zero_optimization.stage 0 with pipeline parallelism: "
+                               "DeepSpeed's fp16 optimizer clips with stage 0's norm only; use ZeRO stage 1")
+    sp = sequence_parallel_size(ds_config, mpu=mpu, mesh_param=mesh_param)
+    if mpu is not None or mesh_param is not None or sp > 1:
+        raise FSSDPConfigError("fssdp with pipeline parallelism takes no mpu, mesh_param or sequence_parallel_size "
+                               "(the PipelineModule's grid is the topology; Ulysses sequence parallelism is not "
+                               "combined with it)")
     tp = tensor_parallel_size(ds_config)
     if tp > 1:
-        raise FSSDPConfigError(f"tensor_parallel.autotp_size ({tp}) with pipeline parallelism is not supported by fssdp")
+        raise FSSDPConfigError(f"tensor_parallel.autotp_size ({tp}) with pipeline parallelism is not supported by "
+                               "fssdp")
     topo = model.topology()
     axes = topo.get_axis_names()
     extra = {a: topo.get_dim(a) for a in axes if a not in ("pipe", "data") and topo.get_dim(a) > 1}
@@ -106,9 +108,9 @@ def check_pipeline(ds_config: dict, model, *, mpu=None, mesh_param=None) -> Pipe
     stages = tuple(tuple(sorted(topo.filter_match(pipe=s))) for s in range(num_stages))
     for s, ranks in enumerate(stages):
         if list(ranks) != list(range(ranks[0], ranks[0] + len(ranks))):
-            raise FSSDPConfigError(f"fssdp with pipeline parallelism needs each stage's data-parallel ranks consecutive "
-                                   f"(PipeDataParallelTopology: axes pipe, data); stage {s} has ranks {list(ranks)} "
-                                   f"(topology axes {axes})")
+            raise FSSDPConfigError(f"fssdp with pipeline parallelism needs each stage's data-parallel ranks "
+                                   f"consecutive (PipeDataParallelTopology: axes pipe, data); stage {s} has ranks "
+                                   f"{list(ranks)} (topology axes {axes})")
     _check_tied(model)
     grid = model._grid
     return PipelineLayout(num_stages=num_stages, stage_id=grid.get_stage_id(), stages=stages,
@@ -126,9 +128,9 @@ def _check_tied(model) -> None:
             with torch.random.fork_rng(devices=[]), torch.device("meta"):
                 built = spec.build()
         if any(isinstance(m, FSSDPExperts) for m in built.modules()):
-            raise FSSDPConfigError(f"fssdp layers inside a TiedLayerSpec (key {spec.key!r}, {spec.typename.__name__}) are "
-                                   "not supported: a tied module is replicated on several stages, FSSDP shards its "
-                                   "experts over one stage")
+            raise FSSDPConfigError(f"fssdp layers inside a TiedLayerSpec (key {spec.key!r}, {spec.typename.__name__}) "
+                                   "are not supported: a tied module is replicated on several stages, FSSDP shards "
+                                   "its experts over one stage")
 
 
 def check_stage_nodes(layout: PipelineLayout, ranks_per_node: int) -> None:

@@ -100,7 +100,8 @@ def stage_setups(cluster, model, gpus: int, stages: int, *, micro_batches: int, 
             m, m_rm = (budget_for_cap(st, N, memory_cap, rematerialize=rm, in_flight=k) for rm in (False, True))
         else:
             m, m_rm = (auto_materialization_budget(memory_bytes=int(memory), expert_bytes=st.shape.expert_bytes,
-                                                   num_layers=L_s, rematerialize=rm, in_flight=k) for rm in (False, True))
+                                                   num_layers=L_s, rematerialize=rm, in_flight=k)
+                       for rm in (False, True))
         out.append(replace(st, budget=m, budget_rm=m_rm))
     return out
 
@@ -129,7 +130,11 @@ def one_f_one_b(forward_SG, backward_SG, p2p_s: float = 0.0) -> tuple:
         for s in range(S):
             while nxt[s] < len(orders[s]):
                 kind, i = orders[s][nxt[s]]
-                dep = (s - 1, "F", i) if kind == "F" and s > 0 else (s + 1, "B", i) if kind == "B" and s < S - 1 else None
+                dep = None  # a forward waits for the stage before, a backward for the stage after
+                if kind == "F" and s > 0:
+                    dep = (s - 1, "F", i)
+                elif kind == "B" and s < S - 1:
+                    dep = (s + 1, "B", i)
                 if dep is not None and dep not in end:
                     break
                 ready = free[s] if dep is None else max(free[s], end[dep] + p2p_s)
@@ -294,6 +299,6 @@ def run_cli(args, out, *, schedule, dispatcher) -> int:
         print(file=out)
     else:
         print(format_stages(label, S, G, setups, results, low), file=out)
-        print(f"trace: synthetic, load CV {cv}, seeds {args.seed}..{args.seed + S - 1} (one per stage), {steps} steps of "
-              f"{G} micro-batches, timed from step {math.ceil(setups[0].load_window / G)}", file=out)
+        print(f"trace: synthetic, load CV {cv}, seeds {args.seed}..{args.seed + S - 1} (one per stage), {steps} steps "
+              f"of {G} micro-batches, timed from step {math.ceil(setups[0].load_window / G)}", file=out)
     return 0

@@ -68,7 +68,8 @@ def check_compatible(engine, meta: dict, root: str, *, expert_optimizer: bool) -
     stage = engine.fssdp
     path = os.path.join(root, META)
     if len(meta["layers"]) != stage.num_global_layers:
-        raise CheckpointError(f"{path}: {len(meta['layers'])} MoE layers saved, the model has {stage.num_global_layers}")
+        raise CheckpointError(f"{path}: {len(meta['layers'])} MoE layers saved, the model has "
+                              f"{stage.num_global_layers}")
     for i, layer in zip(stage.global_layers, stage.layers):  # by global index (pipeline stages hold some)
         saved = meta["layers"][i]
         mine = {"num_experts": layer.num_experts, "activation": layer.spec.activation,

@@ -186,8 +186,8 @@ def _scalars(stage) -> list:
     """The expert optimizer's per-layer scalar state (Adam's step), per layer of the stage."""
     if stage.optimizer is None:
         return []
-    return [{k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in stage.expert_state.scalars(l).items()}
-            for l in range(len(stage.shards))]
+    copy = lambda v: v.detach().cpu().clone() if torch.is_tensor(v) else v
+    return [{k: copy(v) for k, v in stage.expert_state.scalars(l).items()} for l in range(len(stage.shards))]
 
 
 def common_state(stage) -> dict:
