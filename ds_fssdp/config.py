@@ -267,10 +267,11 @@ class FSSDPConfig(DeepSpeedConfigModel):
         return g
 
     def resolve_group_size(self, world_size: int, ranks_per_node: int, requested: int | None = None,
-                           requested_by: str = "") -> int:
+                           requested_by: str = "", *, domain: str = "the world size") -> int:
         """Ranks per FSSDP group for this world (``ranks_per_node`` already resolved). ``requested``:
         a group size asked for by the model (``ds_fssdp.MoE(ep_size=N)``, named by ``requested_by``);
-        it must agree with ``fssdp.group_size`` when both are given."""
+        it must agree with ``fssdp.group_size`` when both are given. ``domain``: what
+        ``world_size`` counts (under pipeline parallelism a stage's data-parallel ranks)."""
         g = self.group_size
         if requested is not None:
             if g is not None and g != requested:
@@ -281,7 +282,7 @@ class FSSDPConfig(DeepSpeedConfigModel):
             return world_size
         name = f"{SECTION}.group_size ({g})" if requested is None else f"{requested_by} ({g})"
         if g < 1 or world_size % g:
-            raise FSSDPConfigError(f"{name} must divide the world size ({world_size})")
+            raise FSSDPConfigError(f"{name} must divide {domain} ({world_size})")
         if g % ranks_per_node and ranks_per_node % g:
             raise FSSDPConfigError(f"{name} must be a multiple or a divisor of {SECTION}.ranks_per_node "
                                    f"({ranks_per_node}): an FSSDP group spans whole nodes or lies inside one")

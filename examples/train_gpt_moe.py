@@ -18,6 +18,18 @@ directory (``--out``, default ``runs/gpt_moe_<policy>``):
 
 Run it once per policy and the second run's table ends with a comparison to the first.
 
+Pipeline parallelism (docs/design.md, section 9):
+
+    deepspeed --num_gpus 4 examples/train_gpt_moe.py --pipeline-stages 2
+
+cuts the model into 2 stages (DeepSpeed's ``PipelineModule``, 1F1B) with FSSDP inside each stage's
+data-parallel ranks. It trains on the same global batches as the run without pipelining on the
+same ranks (each of the world / S pipelines takes the micro-batches of S ranks: S times the
+gradient accumulation steps), so its ``losses.jsonl`` matches that run's (the loss includes the
+routers' auxiliary terms either way). Stages need not be even (``--layers 3`` on 2 stages). The
+per-layer table lists every stage's layers; the trace, metrics CSV and pictures are rank 0's,
+which holds the first stage's layers.
+
 Checkpoints and restarts (docs/robustness.md):
 
     torchrun --nproc_per_node 4 --max-restarts 3 examples/train_gpt_moe.py --save-dir ckpt --save-interval 50
@@ -49,7 +61,7 @@ from ds_fssdp.config import POLICIES
 from ds_fssdp.data import load_corpus, sample_batch, split
 from ds_fssdp.data.sampler import WindowSampler
 from ds_fssdp.runtime.checkpoint import CheckpointError
-from ds_fssdp.models import GPTMoE, GPTMoEConfig
+from ds_fssdp.models import GPTMoE, GPTMoEConfig, GPTMoEPipe
 from ds_fssdp.runtime.cpu import skip_shm_comm_build
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,12 +78,16 @@ def parse_args():
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--ffn-hidden", type=int, default=512)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--pipeline-stages", type=int, default=1,
+                   help="pipeline stages (DeepSpeed's PipelineModule); must divide the number of ranks")
     p.add_argument("--out", default=None, help="run directory (default: runs/gpt_moe_<policy>)")
     p.add_argument("--no-report", action="store_true", help="skip the PNGs")
     resume_cli.add_arguments(p)  # --save-dir, --save-interval, --keep-last, --resume, preemption
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     args = p.parse_args()  # unknown flags are errors; the deepspeed launcher's --local_rank is declared above
     resume_cli.check_arguments(p, args)
+    if args.pipeline_stages < 1:
+        p.error(f"--pipeline-stages ({args.pipeline_stages}) must be >= 1")
     return args
 
 
@@ -83,9 +99,14 @@ def main():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_SIZE", "1"))))
     ds_fssdp.init_distributed()  # restart-safe under torchrun --max-restarts
     rank, world = dist.get_rank(), dist.get_world_size()
+    stages = args.pipeline_stages
+    if world % stages:
+        raise SystemExit(f"--pipeline-stages ({stages}) must divide the number of ranks ({world})")
 
     with open(args.deepspeed_config) as f:
         config = json.load(f)
+    if stages > 1:  # world / S pipelines of S ranks' micro-batches each: the same global batch
+        config["gradient_accumulation_steps"] = config.get("gradient_accumulation_steps", 1) * stages
     fssdp_cfg = config.setdefault("fssdp", {})
     if args.policy:
         fssdp_cfg["policy"] = args.policy
@@ -99,9 +120,11 @@ def main():
     cfg = GPTMoEConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, num_experts=args.experts,
                        ffn_hidden=args.ffn_hidden)
     model = GPTMoE(cfg)
+    if stages > 1:  # the same weights, cut into stages
+        model = GPTMoEPipe(model, num_stages=stages)
     engine, _, _, _ = ds_fssdp.initialize(model=model, config=config)
     device = engine.device
-    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps() // stages
     sampler = WindowSampler(train_N, args.seq_len, seed=args.seed + 1)
     tokens_per_step = world * micro * gas * args.seq_len
     topology = engine.fssdp.topology
@@ -126,18 +149,22 @@ def main():
     history, preempted = [], None
     for step in range(start, args.steps):
         t0 = time.perf_counter()
-        losses = []
-        for _ in range(gas):
-            x, y = sampler.next_batch(micro, rank=rank, world=world)
-            loss = engine(x.to(device), y.to(device))
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        loss_t = torch.tensor(sum(losses) / len(losses))
-        dist.all_reduce(loss_t)
+        if stages > 1:
+            mean_loss = train_pipelined(engine, sampler, micro=micro, gas=gas, stages=stages, device=device)
+        else:
+            losses = []
+            for _ in range(gas):
+                x, y = sampler.next_batch(micro, rank=rank, world=world)
+                loss = engine(x.to(device), y.to(device))
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            loss_t = torch.tensor(sum(losses) / len(losses))
+            dist.all_reduce(loss_t)
+            mean_loss = float(loss_t) / world
         elapsed = time.perf_counter() - t0
-        stats = [layer.last_stats for layer in model.moe_layers()]
-        history.append({"step": step + 1, "loss": float(loss_t) / world, "seconds": elapsed, "layers": stats})
+        stats = layer_stats(engine)
+        history.append({"step": step + 1, "loss": mean_loss, "seconds": elapsed, "layers": stats})
         if rank == 0:
             with open(os.path.join(out, "losses.jsonl"), "a") as f:  # every step, also of runs that die
                 f.write(json.dumps({"step": step + 1, "loss": history[-1]["loss"]}) + "\n")
@@ -174,13 +201,13 @@ def main():
         ds_fssdp.destroy_process_group()
         return
 
-    val_loss = evaluate(engine, val_N, micro, args.seq_len, device)
+    val_loss = evaluate(engine, val_N, micro, args.seq_len, device, stages=stages)
     engine.fssdp.close()  # the trace on disk is complete before the report reads it
     engine.fssdp_monitor.close()
     if rank == 0:
         summary = summarize(history, tokens_per_step, val_loss, world, config)
         summary.update(nodes=topology.num_nodes, ranks_per_node=topology.ranks_per_node, run_dir=out,
-                       start_step=start)
+                       start_step=start, pipeline_stages=stages)
         files = []
         if not args.no_report:
             from ds_fssdp.report import render
@@ -207,8 +234,43 @@ def keep_losses(path: str, *, upto: int) -> None:
         f.writelines(lines)
 
 
+def train_pipelined(engine, sampler, *, micro: int, gas: int, stages: int, device) -> float:
+    """One step of the pipeline engine on the same global batch as without pipelining: pipeline d
+    takes, micro-step by micro-step, the micro-batches of ranks d * S .. d * S + S - 1. Every rank
+    draws them (the sampler's position stays the same everywhere); the first and last stages use
+    them. Returns the loss averaged over the global batch (auxiliary terms included)."""
+    d = engine.grid.get_data_parallel_id()
+    ranks = [d * stages + i for i in range(stages)]
+    batches = [(x.to(device), y.to(device)) for _ in range(gas)
+               for x, y in sampler.next_batches(micro, ranks=ranks, world=dist.get_world_size())]
+    return float(engine.train_batch(data_iter=iter(batches)))
+
+
+def layer_stats(engine) -> list:
+    """Every MoE layer's statistics of the last step, in model order (under pipeline parallelism
+    gathered from each stage's first rank: collective)."""
+    stage = engine.fssdp
+    mine = [layer.last_stats for layer in stage.layers]
+    if stage.layout is None:
+        return mine
+    first = engine.grid.get_data_parallel_id() == 0
+    parts = [None] * dist.get_world_size()
+    torch.distributed.all_gather_object(parts, (stage.global_layers, mine) if first else ([], []))
+    by_layer = {g: s for indices, stats in parts for g, s in zip(indices, stats)}
+    return [by_layer[g] for g in range(len(by_layer))]
+
+
 @torch.no_grad()
-def evaluate(engine, val_N, micro, seq_len, device, batches: int = 4) -> float:
+def evaluate(engine, val_N, micro, seq_len, device, batches: int = 4, stages: int = 1) -> float:
+    """The validation loss of each rank's ``batches`` micro-batches, averaged over the ranks (under
+    pipeline parallelism pipeline d evaluates ranks d * S .. d * S + S - 1's)."""
+    if stages > 1:
+        d = engine.grid.get_data_parallel_id()
+        data = []
+        for r in range(d * stages, (d + 1) * stages):
+            gen = torch.Generator().manual_seed(7 + r)
+            data += [tuple(t.to(device) for t in sample_batch(val_N, micro, seq_len, gen)) for _ in range(batches)]
+        return float(engine.eval_batch(iter(data), num_micro_batches=len(data)))
     engine.eval()
     gen = torch.Generator().manual_seed(7 + dist.get_rank())
     total = 0.0
@@ -230,6 +292,7 @@ def summarize(history, tokens_per_step, val_loss, world, config):
     return {
         "policy": config.get("fssdp", {}).get("policy", "fssdp"),
         "ranks": world,
+        "pipeline_stages": 1,
         "steps": len(history),
         "first_loss": history[0]["loss"],
         "final_loss": mean([h["loss"] for h in history[-10:]]),
@@ -264,7 +327,8 @@ def print_table(s):
               f"{l['exposed_ms']:>10.2f} {err:>9}")
     print("straggler: max/mean rows computed per rank (1 = balanced), mean over steps after 5; EP would be: the "
           "same with owners only; MB: whole run, all ranks; tokens MB: token all-to-all; exposed ms: rank 0's "
-          "wait for replicas and reduced gradients per step; pred. err: sum|predicted - actual| / sum actual")
+          "(with pipeline stages each stage's first rank's) wait for replicas and reduced gradients per step; "
+          "pred. err: sum|predicted - actual| / sum actual")
 
 
 def print_comparison(s, out):

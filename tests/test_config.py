@@ -115,7 +115,7 @@ def test_initialize_refuses_model_parallel_and_pipeline():
 
 
 def test_expert_optimizer_follows_the_dense_one_and_refuses_others():
-    from ds_fssdp.runtime.stage import build_expert_optimizer
+    from ds_fssdp.runtime.expert_optimizer import build_expert_optimizer
     dense = [torch.nn.Parameter(torch.zeros(2))]
     expert = [torch.zeros(3, 4, requires_grad=True)]
     built = build_expert_optimizer(torch.optim.AdamW(dense, lr=0.1, betas=(0.8, 0.9), weight_decay=0.3), expert)

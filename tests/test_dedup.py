@@ -76,7 +76,7 @@ def _layer_worker(rank, world, cases):
             x, dy = _inputs(case, rank)
             x.requires_grad_(True)
             y, l_aux, _ = layer(x)
-            r = sharded._iterations[-1].route
+            r = sharded.records.current().iterations[-1].route
             assert isinstance(r, DedupRoute) == (mode != "off")
             plain = r.route if mode != "off" else r
             pairs = _pairs(plain, x.shape[0])

@@ -76,9 +76,9 @@ def _watch_landings(events: list, layer_of: dict) -> dict:
     from ds_fssdp.moe.sharded import ShardedExperts
     orig = {"gather": ReplicaManager.start_gather, "land": ReplicaManager.land, "forward": ShardedExperts.forward}
 
-    def start_gather(self, layout):
+    def start_gather(self, layout, *args):
         events.append(("gather", layer_of[id(self)]))
-        return orig["gather"](self, layout)
+        return orig["gather"](self, layout, *args)
 
     def land(self):
         if self.landing:

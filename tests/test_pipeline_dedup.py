@@ -120,7 +120,7 @@ def _worker(rank, world, cases):
         x.requires_grad_(True)
         with RowCounter(rank, world, case["K"]) as counter:
             y, l_aux = model_forward(layers, x, case.get("ckpt"), shared)
-        routes = [s._iterations[-1].route for s in shards]
+        routes = [s.records.current().iterations[-1].route for s in shards]
         assert all(isinstance(r, DedupRoute) for r in routes)
         ((y * dy).sum() + 0.1 * l_aux).backward()
         for s in shards:

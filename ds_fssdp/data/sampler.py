@@ -27,11 +27,19 @@ class WindowSampler:
     def next_batch(self, batch: int, *, rank: int, world: int) -> tuple:
         """This rank's ``batch`` windows of the next global batch (``world * batch`` samples): inputs
         and next-byte targets, long [B, S] each. Every rank calls it once per micro-step."""
-        first = self.position + rank * batch
-        starts_B = torch.stack([self._start(i) for i in range(first, first + batch)])
+        return self.next_batches(batch, ranks=[rank], world=world)[0]
+
+    def next_batches(self, batch: int, *, ranks: list, world: int) -> list:
+        """:meth:`next_batch` of each of ``ranks`` from the same next global batch (advanced once):
+        a pipeline feeds the micro-batches of several data-parallel ranks."""
+        out = []
+        for rank in ranks:
+            first = self.position + rank * batch
+            starts_B = torch.stack([self._start(i) for i in range(first, first + batch)])
+            seq = self.corpus_N[starts_B[:, None] + torch.arange(self.seq_len + 1)].long()
+            out.append((seq[:, :-1], seq[:, 1:]))
         self.position += world * batch
-        seq = self.corpus_N[starts_B[:, None] + torch.arange(self.seq_len + 1)].long()
-        return seq[:, :-1], seq[:, 1:]
+        return out
 
     def state_dict(self) -> dict:
         return {"position": self.position, "seed": self.seed, "seq_len": self.seq_len}

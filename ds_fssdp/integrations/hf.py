@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import deepspeed
 import torch.nn as nn
+from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.utils import logger
 
 import ds_fssdp.runtime.engine as _engine
@@ -88,6 +89,11 @@ def convert(model: nn.Module, *, route_initialize: bool = True) -> nn.Module:
     ``deepspeed.initialize`` to :func:`initialize` (what the HF Trainer needs)."""
     if converted_experts(model):
         raise ValueError(f"convert: {type(model).__name__} is already converted")
+    if isinstance(model, PipelineModule):
+        raise UnsupportedModelError("ds_fssdp.integrations.hf.convert: the model is a DeepSpeed PipelineModule; the "
+                                    "Hugging Face path has no pipeline parallelism (transformers has no pipeline "
+                                    "path): convert the transformers model, or build a PipelineModule of FSSDPMoE "
+                                    "layers (ds_fssdp.models.GPTMoEPipe)")
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     targets = [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
     if not targets:

@@ -27,6 +27,11 @@ Legend: E experts, D ranks, S owned rows, R replica rows, P elements per expert.
   how many layers' replicas are alive at once (the next layer's gather starts during this layer's
   expert compute, so two layers' live across it).
 
+What a forward leaves for its backward (the reduces to expect, RM's layout, the replica buffers it
+keeps alive) is kept per micro-batch in ``records`` (``moe/records.py``): a forward writes the
+newest record, a backward works on the oldest and drops it when done, so several forwards may be
+in flight (DeepSpeed's pipeline engine, 1F1B).
+
 No decisions are made here: layouts come from the planner's placements.
 """
 from __future__ import annotations
@@ -38,6 +43,7 @@ from deepspeed import comm as dist
 
 from ds_fssdp.comm.sparse import SparseAllGather, SparseReduceScatter, Traffic
 from ds_fssdp.moe.experts import ExpertSpec
+from ds_fssdp.moe.records import MicrobatchRecords, MicroRecord
 from ds_fssdp.planner import gather_layout, shard_placement
 from ds_fssdp.topology import Topology
 
@@ -80,7 +86,9 @@ class ReplicaManager:
 
     def __init__(self, *, spec: ExpertSpec, owner_E: torch.Tensor, rows_SP: torch.Tensor, topology: Topology,
                  param_group, rank: int, memory: ReplicaMemory, trainable: bool, hierarchical: bool,
-                 rematerialize: bool):
+                 rematerialize: bool, records: MicrobatchRecords | None = None):
+        """``records``: the layer's per-micro-batch records (shared with its ``ShardedExperts``;
+        None: its own)."""
         self.spec = spec
         self.topology = topology
         self.param_group = param_group
@@ -99,13 +107,13 @@ class ReplicaManager:
         self.prev = None  # the previous layer's manager (RM: its re-gather starts when this backward is done)
         self.above = None  # the next layer's manager (gradients in the gaps: folded when this backward is done)
         self.gaps = None  # callable(): owned gradient final this micro-step (set by the stage), or None
-        self._expected = 0  # reduces this micro-step's backward will start (one per hooked forward)
+        self.records = records if records is not None else MicrobatchRecords()
         self._folded = None  # the fold's statistics once done during the backward
         self.traffic = Traffic(topology.node_D(), rank)
-        self.pending = []  # SparseReduceScatters started, not finished
-        self._remat = None  # (layout, SparseAllGather or None) for the backward under RM
-        self._remat_buffer = None
-        self._live = {}  # id -> bytes of replica buffers counted in ``memory``
+        self.pending = []  # SparseReduceScatters started by the backward in progress, not finished
+        # id -> (bytes, record) of replica buffers counted in ``memory``; the record is the
+        # micro-batch keeping it alive (None: the forward in progress, until it records)
+        self._live = {}
         self.regather_exposed_s = 0.0
         self._landing = None  # callable(): the rows' pending write (``defer``), or None
         self.landing_s = 0.0  # seconds the last landing took (its wait, update and copy); 0 until it runs
@@ -117,7 +125,7 @@ class ReplicaManager:
     @property
     def busy(self) -> bool:
         """A collective of this layer is pending (owners may change only when not)."""
-        return bool(self.pending) or self._remat is not None
+        return bool(self.pending) or any(r.remat is not None for r in self.records)
 
     # -- gathers ---------------------------------------------------------------------------------
     def layout(self, placement_ED):
@@ -150,10 +158,11 @@ class ReplicaManager:
             landing()
         self.landing_s = time.perf_counter() - t0
 
-    def start_gather(self, layout) -> SparseAllGather:
+    def start_gather(self, layout, record: MicroRecord | None = None) -> SparseAllGather:
+        """``record``: the micro-batch whose backward keeps the buffer (None: the forward's)."""
         self.land()
         g = SparseAllGather(self.rows, layout, self.param_group, self.traffic).start()
-        self.count(g.replica_RP)
+        self.count(g.replica_RP, record)
         return g
 
     def gather_now(self, placement_ED, layout, replica_RP, extra_ED, drop_ED=None):
@@ -183,7 +192,7 @@ class ReplicaManager:
     # -- backward --------------------------------------------------------------------------------
     def hook_replicas(self, replica_RP, layout) -> None:
         """Every rank joins every reduce, so the replicas stay in the graph even when empty."""
-        self._expected += 1
+        self.records.forward_record().expected += 1
         replica_RP.requires_grad_(True)
         replica_RP.register_post_accumulate_grad_hook(lambda t, lay=layout: self._replica_backward_done(t, lay))
 
@@ -211,40 +220,47 @@ class ReplicaManager:
         reduce this backward starts has started (else :meth:`accumulate_grads` folds, as without)."""
         if self.gaps is None or self._folded is not None or not self.trainable:
             return
-        if not self._expected or len(self.pending) != self._expected:
+        record = self.records.backward_record()
+        expected = record.expected if record is not None else 0
+        if not expected or len(self.pending) != expected:
             return
         self._folded = self._fold(None, in_backward=True)
         self.gaps()
 
     def drop_for_backward(self, layout) -> None:
         """RM: the replicas of this forward are freed; the backward gathers ``layout`` again."""
+        record = self.records.forward_record()
         if self.trainable and torch.is_grad_enabled():
-            self._expected += 1
-        self._remat = (layout, None)
+            record.expected += 1
+        record.remat = (layout, None)
 
     def replica_grad_ready(self, grad_RP) -> None:
         """Called by the re-materializing expert Function once the replicas' gradient exists."""
-        layout, _ = self._remat
-        self._remat = None
-        self.uncount(self._remat_buffer)
-        self._remat_buffer = None
+        record = self.records.backward_record()
+        layout, _ = record.remat
+        record.remat = None
+        self.uncount(record.remat_buffer)
+        record.remat_buffer = None
         self._reduce_start(grad_RP, layout)
 
     def start_rematerialize(self) -> None:
-        """Start gathering this layer's replicas again for its backward (RM)."""
-        if self._remat is None or self._remat[1] is not None:
+        """Start gathering this layer's replicas again for its backward (RM): those of the
+        micro-batch whose backward runs."""
+        record = self.records.backward_record()
+        if record is None or record.remat is None or record.remat[1] is not None:
             return
-        layout, _ = self._remat
-        self._remat = (layout, self.start_gather(layout))
+        layout, _ = record.remat
+        record.remat = (layout, self.start_gather(layout, record))
 
     def rematerialized(self) -> torch.Tensor:
-        if self._remat_buffer is not None:  # a checkpoint recompute fetched it for this backward
-            return self._remat_buffer
-        layout, pending = self._remat
+        record = self.records.backward_record()
+        if record.remat_buffer is not None:  # a checkpoint recompute fetched it for this backward
+            return record.remat_buffer
+        layout, pending = record.remat
         if pending is None:  # nobody started it (e.g. no following layer in the backward)
-            pending = self.start_gather(layout)
+            pending = self.start_gather(layout, record)
         t0 = time.perf_counter()
-        replica_RP = self._remat_buffer = pending.finish()
+        replica_RP = record.remat_buffer = pending.finish()
         self.regather_exposed_s += time.perf_counter() - t0
         return replica_RP
 
@@ -288,25 +304,37 @@ class ReplicaManager:
         return stats
 
     def end_micro_step(self) -> None:
+        """The backward in progress is done: its record is dropped and the buffers it kept are
+        released (with no forward left in flight, also those of no record)."""
         self.pending = []
-        self._expected = 0
         self._folded = None
-        self._remat = None
         self.regather_exposed_s = 0.0
-        for nbytes in self._live.values():
-            self.memory.release(nbytes, self)
-        self._live = {}
+        done = self.records.end_backward()
+        last = not len(self.records)
+        for key, (nbytes, record) in list(self._live.items()):
+            if record is done or (last and record is None):
+                del self._live[key]
+                self.memory.release(nbytes, self)
 
     # -- memory ----------------------------------------------------------------------------------
-    def count(self, replica_RP) -> None:
+    def count(self, replica_RP, record: MicroRecord | None = None) -> None:
+        """``record``: the micro-batch whose backward keeps the buffer (None: the forward in
+        progress, :meth:`adopt` assigns it)."""
         nbytes = replica_RP.numel() * replica_RP.element_size()
         self.memory.add(nbytes, self)
-        self._live[id(replica_RP)] = nbytes
+        self._live[id(replica_RP)] = (nbytes, record)
+
+    def adopt(self, record: MicroRecord) -> None:
+        """The forward in progress recorded ``record``: the buffers it still counts are kept for
+        that micro-batch's backward."""
+        for key, (nbytes, owner) in self._live.items():
+            if owner is None:
+                self._live[key] = (nbytes, record)
 
     def uncount(self, replica_RP) -> None:
-        nbytes = self._live.pop(id(replica_RP), None)
-        if nbytes is not None:
-            self.memory.release(nbytes, self)
+        entry = self._live.pop(id(replica_RP), None)
+        if entry is not None:
+            self.memory.release(entry[0], self)
 
     # -- owned state -----------------------------------------------------------------------------
     def set_owners(self, owner_E: torch.Tensor, *, rows: torch.Tensor, master: torch.Tensor) -> None:

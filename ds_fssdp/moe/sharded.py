@@ -50,6 +50,7 @@ from ds_fssdp.moe.dispatcher import TokenDispatcher
 from ds_fssdp.moe.experts import ExpertSpec
 from ds_fssdp.moe.gate import GateOutput, uniform_assignment
 from ds_fssdp.moe.pipeline import ExchangeGroups, PipelineExperts
+from ds_fssdp.moe.records import MicrobatchRecords
 from ds_fssdp.moe.remat import RematExpertMLP
 from ds_fssdp.moe.replicas import ReplicaManager, ReplicaMemory
 from ds_fssdp.moe.timing import LayerTimings
@@ -203,10 +204,13 @@ class ShardedExperts:
         self.options = options
         E = owner_E.numel()
         self.context = context if context is not None else default_context(E, topology, predictor, layer_index)
+        # What each forward in flight leaves for its backward, oldest first (moe/records.py)
+        self.records = MicrobatchRecords()
         self.replicas = ReplicaManager(spec=spec, owner_E=owner_E, rows_SP=rows_SP, topology=topology,
                                        param_group=group if param_group is None else param_group, rank=self.rank,
                                        memory=memory if memory is not None else ReplicaMemory(), trainable=trainable,
-                                       hierarchical=options.hierarchical, rematerialize=options.rematerialize)
+                                       hierarchical=options.hierarchical, rematerialize=options.rematerialize,
+                                       records=self.records)
         if exchange is None:
             exchange = ExchangeGroups(intra=group, inter=None, ranks_per_node=topology.num_ranks)
         self.dispatcher = TokenDispatcher(group=group, rank=self.rank, num_experts=E, exchange=exchange,
@@ -225,7 +229,6 @@ class ShardedExperts:
         self._early_end_t = None  # when the previous layer's expert compute ended, if it started this gather
         self.last_tokens_ED = None  # the last training forward's all-gathered counts (trace recording)
         self.last_decision = None  # and what it decided
-        self._iterations = []  # _Iteration per recorded forward of this micro-step (replayed by recomputes)
         # Whether this layer may compute its block's shared experts beside the exchange (moe/side.py):
         # set by the stage at attach (not under ZeRO-3, whose module hooks gather and release them).
         self.side_allowed = False
@@ -265,7 +268,7 @@ class ShardedExperts:
         A forward run inside a backward pass (activation checkpointing recomputing its segment)
         is not a new iteration: it replays the last recorded forward of this layer (same route,
         same replicas, re-gathered under RM) and plans, observes and prefetches nothing."""
-        if self._iterations and torch._C._current_graph_task_id() != -1:
+        if torch._C._current_graph_task_id() != -1 and self._recorded():
             return self._replay(x_TH, idx_TK, weights_TK, side), None
         ctx = self.context()
         self.replicas.land()  # the step's EDP all-gather, where no prefetch's gather landed it
@@ -338,8 +341,10 @@ class ShardedExperts:
         if not record or remat:
             self.replicas.uncount(replica_RP)  # freed with this frame (RM: not saved for backward)
         if record:
-            self._iterations.append(_Iteration(gate_idx_TK, r, layout, None if remat else replica_RP, remat, hooked,
-                                               degrees, side is not None))
+            mine = self.records.forward_record()
+            mine.iterations.append(_Iteration(gate_idx_TK, r, layout, None if remat else replica_RP, remat, hooked,
+                                              degrees, side is not None))
+            self.replicas.adopt(mine)  # the replicas its backward keeps alive are counted for it
         # -- end of replicas on the idle link
         prediction_error = float("nan")  # of the loads the plan assumed
         if observe:
@@ -362,10 +367,16 @@ class ShardedExperts:
                                        weight_bytes=weights_TK.element_size(), k=idx_TK.shape[1]))
         return out_TH, tokens_ED
 
+    def _recorded(self) -> bool:
+        """The micro-batch whose backward runs has a recorded forward left to replay."""
+        record = self.records.backward_record()
+        return record is not None and bool(record.iterations)
+
     def _replay(self, x_TH, idx_TK, weights_TK, side=None) -> torch.Tensor:
-        """The recompute of the last recorded forward: same route and replicas, new autograd graph
-        (and its work beside the exchange again, where it ran there)."""
-        it = self._iterations.pop()
+        """The recompute of the micro-batch in backward's last recorded forward (its oldest in
+        flight; moe/records.py): same route and replicas, new autograd graph (and its work beside
+        the exchange again, where it ran there)."""
+        it = self.records.backward_record().iterations.pop()
         if not torch.equal(idx_TK.to(it.idx_TK.device), it.idx_TK):
             raise RuntimeError(f"fssdp layer {self.layer_index}: the recomputed forward routed tokens differently "
                                "from the original one (a non-deterministic router under activation checkpointing; "
@@ -450,8 +461,7 @@ class ShardedExperts:
         """Fold this micro-step's gradients into ``master.grad`` (the replica manager's); the
         reduce's statistics join this iteration's."""
         self.stats.update({"reduce_bytes": 0, "reduce_bytes_sent_local": 0, "reduce_exposed_s": 0.0})
-        self.stats.update(self.replicas.accumulate_grads(self.context().timers))
-        self._iterations = []
+        self.stats.update(self.replicas.accumulate_grads(self.context().timers))  # drops its record
 
     # -- the record ----------------------------------------------------------------------------
     def _stats(self, layout, gathered, plan, tokens_ED, lp: LayerPlan, *, gather_exposed, critical_s, gather_sent,

@@ -17,14 +17,23 @@ def auto_overlap_degree(*, attention_seconds: float, bandwidth: float, expert_by
 
 
 def auto_materialization_budget(*, memory_bytes: int, expert_bytes: int, num_layers: int,
-                                rematerialize: bool) -> int:
+                                rematerialize: bool, in_flight: int = 1) -> int:
     """Replicas per rank per layer. A replica holds its parameters and, until the reduce, a
     gradient of the same size: 2 * Psi bytes. Without re-materialization every layer keeps its
     replicas through the iteration; with it, the layer computing and the next one, whose gather
-    starts during that compute (replicas on the idle link): two layers live across it."""
-    if memory_bytes < 0 or expert_bytes <= 0 or num_layers < 1:
-        raise ValueError(f"auto budget needs memory_bytes >= 0 ({memory_bytes}), expert_bytes > 0 ({expert_bytes}) "
-                         f"and num_layers >= 1 ({num_layers})")
+    starts during that compute (replicas on the idle link): two layers live across it.
+    ``in_flight``: micro-batches whose forward is done and backward pending at once (a pipeline
+    stage s of S under 1F1B: min(G, S - s)); each keeps every layer's replicas, or under
+    re-materialization its last layer's, until its backward."""
+    if memory_bytes < 0 or expert_bytes <= 0 or num_layers < 1 or in_flight < 1:
+        raise ValueError(f"auto budget needs memory_bytes >= 0 ({memory_bytes}), expert_bytes > 0 ({expert_bytes}), "
+                         f"num_layers >= 1 ({num_layers}) and in_flight >= 1 ({in_flight})")
     per_replica = 2 * expert_bytes
-    layers_resident = min(2, num_layers) if rematerialize else num_layers
-    return memory_bytes // (per_replica * layers_resident)
+    return memory_bytes // (per_replica * resident_layers(num_layers, rematerialize=rematerialize, in_flight=in_flight))
+
+
+def resident_layers(num_layers: int, *, rematerialize: bool, in_flight: int = 1) -> int:
+    """Layers' worth of replicas alive at the peak (:func:`auto_materialization_budget`)."""
+    if rematerialize:
+        return min(2, num_layers) + (in_flight - 1) * (1 if num_layers > 1 else 0)
+    return num_layers * in_flight

@@ -4,7 +4,9 @@ Same signature and return value as ``deepspeed.initialize``. The ``"fssdp"`` sec
 the same config DeepSpeed gets and validated before any collective runs. Expert parameters leave
 the module before DeepSpeed sees it (DeepSpeed trains the dense rest as usual); the returned
 engine is DeepSpeed's own, with ``backward`` and ``step`` extended to reduce, clip and step the
-experts, so the user's ``engine.backward(loss); engine.step()`` loop is unchanged.
+experts, so the user's ``engine.backward(loss); engine.step()`` loop is unchanged. A
+``PipelineModule`` gets DeepSpeed's ``PipelineEngine``, whose ``train_batch`` runs FSSDP inside
+every stage (``runtime/pipeline.py``).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
+from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 from deepspeed.utils import logger
@@ -26,6 +29,7 @@ from ds_fssdp.runtime.faults import install_from_env as install_faults
 from ds_fssdp.runtime.groups import build_groups
 from ds_fssdp.runtime.monitor import StageMonitor
 from ds_fssdp.runtime.health import apply_run_settings, check_combinations, skipped_optimizer_step
+from ds_fssdp.runtime import pipeline
 from ds_fssdp.runtime.sequence_parallel import sequence_parallel_size, sp_grad_scale
 from ds_fssdp.runtime.tensor_parallel import attach_fold, tensor_parallel_size, tp_grad_scale
 from ds_fssdp.runtime.stage import FSSDPStage
@@ -43,16 +47,23 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
     ds_config = _read_config(args, config, config_params)
     fcfg = FSSDPConfig.from_ds_config(ds_config)
     layers = [m for m in model.modules() if isinstance(m, FSSDPExperts)] if model is not None else []
+    pipe = isinstance(model, PipelineModule)  # a stage may hold no MoE layer: it still joins the collectives
     ds_kwargs = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                      training_data=training_data, lr_scheduler=lr_scheduler, distributed_port=distributed_port,
                      mpu=mpu, dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
                      mesh_param=mesh_param, config_params=config_params)
-    if not fcfg.enabled or not layers:
+    if not fcfg.enabled or not (layers or pipe):
         if fcfg.enabled:
             logger.warning("fssdp: the model has no FSSDP experts (FSSDPMoE layers or converted HF experts); initializing plain DeepSpeed")
         return _deepspeed_initialize(**ds_kwargs)
-    sp = check_supported(ds_config, fcfg, model=model, mpu=mpu, mesh_param=mesh_param)
-    tp = tensor_parallel_size(ds_config)  # AutoTP: the FSSDP layers fold over its TP groups
+    layout = None
+    if pipe:
+        layout = pipeline.check_pipeline(ds_config, model, mpu=mpu, mesh_param=mesh_param)
+        check_combinations(ds_config, fcfg, model=model)
+        sp = tp = 1
+    else:
+        sp = check_supported(ds_config, fcfg, model=model, mpu=mpu, mesh_param=mesh_param)
+        tp = tensor_parallel_size(ds_config)  # AutoTP: the FSSDP layers fold over its TP groups
     for layer in layers:  # a layer's own checks (integrations/peft_lora.py: LoRA on HF experts)
         if hasattr(layer, "prepare_initialize"):
             layer.prepare_initialize(ds_config, fcfg, model=model)
@@ -69,21 +80,41 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
         layer.move_experts(device)
     world = dist.get_world_size()
     ranks_per_node = fcfg.resolve_ranks_per_node(world)
-    group_size = fcfg.resolve_group_size(world, ranks_per_node, requested, requested_by)
+    if pipe:  # FSSDP runs inside each stage's data-parallel ranks
+        pipeline.check_stage_nodes(layout, ranks_per_node)
+        group_size = fcfg.resolve_group_size(layout.dp_size, ranks_per_node, requested, requested_by,
+                                             domain="the pipeline stage's data-parallel size")
+    else:
+        group_size = fcfg.resolve_group_size(world, ranks_per_node, requested, requested_by)
     if any(l.sharded is not None for l in layers):
         raise FSSDPConfigError("fssdp: the model's FSSDPMoE layers are already sharded (initialize called twice?)")
+    global_layers = None
+    if pipe:
+        global_layers, total = pipeline.global_layer_indices(len(layers), layout)  # the first collective
+        if not total:
+            logger.warning("fssdp: no pipeline stage has FSSDP experts; initializing plain DeepSpeed")
+            return _deepspeed_initialize(**ds_kwargs)
 
     expert_ids = {id(p) for layer in layers for p in layer.expert_parameters()}
     # FSSDP groups and their expert-data-parallel groups; the sparse collectives get their own
     # process group, so an asynchronous gather or reduce never queues behind (or in front of) the
     # token exchanges.
-    groups = build_groups(world=world, rank=dist.get_rank(), group_size=group_size, ranks_per_node=ranks_per_node)
-    apply_run_settings(fcfg, groups=groups.process_groups())  # collective timeout, deterministic mode
-    # DeepSpeed's divisor of the summed gradients (SP and TP are never combined: refused).
-    grad_scale = sp_grad_scale(ds_config, world=world, sp=sp) if tp == 1 else tp_grad_scale(world=world, tp=tp)
+    groups = build_groups(world=world, rank=dist.get_rank(), group_size=group_size, ranks_per_node=ranks_per_node,
+                          stages=layout.stages if pipe else None)
+    timed = groups.process_groups() + ([layout.dp_group, layout.pipe_group, None] if pipe else [])
+    apply_run_settings(fcfg, groups=timed)  # collective timeout, deterministic mode
+    # DeepSpeed's divisor of the summed gradients (SP and TP are never combined: refused; under
+    # pipeline parallelism its data-parallel size).
+    if pipe:
+        grad_scale = 1.0 / layout.dp_size
+    else:
+        grad_scale = sp_grad_scale(ds_config, world=world, sp=sp) if tp == 1 else tp_grad_scale(world=world, tp=tp)
     stage = FSSDPStage(layers, fcfg, groups.topology, group=groups.tokens, param_group=groups.params,
-                       edp_group=groups.edp, grad_scale=grad_scale, exchange=groups.exchange)
+                       edp_group=groups.edp, grad_scale=grad_scale, exchange=groups.exchange,
+                       dp_group=layout.dp_group if pipe else None, pipe_group=layout.pipe_group if pipe else None)
     stage.groups = groups
+    if pipe:
+        stage.layout, stage.global_layers, stage.num_global_layers = layout, global_layers, total
     ds_kwargs["model_parameters"] = _without(model_parameters, expert_ids)
     if isinstance(optimizer, torch.optim.Optimizer):
         _strip_params(optimizer, expert_ids)
@@ -95,7 +126,11 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
         attach_fold(layers, tp_group=tp_group, tp_size=tp, tp_rank=dist.get_rank(group=tp_group))
     engine.__class__ = _fssdp_engine_class(type(engine))
     engine.fssdp = stage
+    if pipe:  # 1F1B keeps S - s micro-batches' forwards awaiting their backward on stage s
+        stage.in_flight = min(engine.gradient_accumulation_steps(), layout.num_stages - layout.stage_id)
     stage.attach(engine)
+    if pipe:
+        pipeline.attach(engine, layout)
     engine.fssdp_monitor = StageMonitor.for_engine(stage, engine)
     install_faults(engine)  # only when FSSDP_FAULTS is set (tests)
     return engine, ds_optimizer, dataloader, scheduler
@@ -136,8 +171,12 @@ def requested_group_size(model) -> tuple:
 def check_supported(ds_config: dict, fcfg: FSSDPConfig, *, model, mpu, mesh_param=None) -> int:
     """Refuse combinations FSSDP does not handle, before any collective. Returns the Ulysses
     sequence-parallel size (1 without SP; runtime/sequence_parallel.py)."""
-    if isinstance(model, PipelineModule):
-        raise FSSDPConfigError("fssdp does not support pipeline parallelism (the model is a PipelineModule)")
+    stages = (ds_config.get("pipeline") or {}).get("stages", "auto")
+    if isinstance(stages, int) and not isinstance(stages, bool) and stages > 1:
+        raise FSSDPConfigError(f"pipeline.stages ({stages}): pipeline parallelism needs the model as a DeepSpeed "
+                               f"PipelineModule (ds_fssdp.models.GPTMoEPipe, examples/train_gpt_moe.py "
+                               f"--pipeline-stages); {type(model).__name__} is not one, and the Hugging Face Trainer "
+                               "path has no pipeline (transformers has no pipeline path)")
     sp = sequence_parallel_size(ds_config, mpu=mpu, mesh_param=mesh_param)
     if mpu is not None and sp == 1:
         raise FSSDPConfigError("fssdp does not support Megatron-style model/tensor parallelism (an mpu other than "
@@ -259,6 +298,13 @@ _ENGINE_CLASSES = {}
 
 
 def _fssdp_engine_class(base: type) -> type:
+    """``FSSDP<EngineClass>``, a subclass of the engine's own class; for DeepSpeed's pipeline engine
+    also the pipeline mixin and its instruction map with the FSSDP work wrapped around the
+    forward, backward and optimizer-step instructions (runtime/pipeline.py)."""
     if base not in _ENGINE_CLASSES:
-        _ENGINE_CLASSES[base] = type(f"FSSDP{base.__name__}", (FSSDPEngineMixin, base), {})
+        if issubclass(base, PipelineEngine):
+            _ENGINE_CLASSES[base] = type(f"FSSDP{base.__name__}", (pipeline.FSSDPPipelineMixin, FSSDPEngineMixin, base),
+                                         {"_INSTRUCTION_MAP": pipeline.instruction_map(base._INSTRUCTION_MAP)})
+        else:
+            _ENGINE_CLASSES[base] = type(f"FSSDP{base.__name__}", (FSSDPEngineMixin, base), {})
     return _ENGINE_CLASSES[base]

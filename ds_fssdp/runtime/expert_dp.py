@@ -123,6 +123,10 @@ class _ExpertState:
         self._inflight = {}  # layer -> (works, completion) of a reduce started in the gaps
         self._reduced = set()  # layers whose reduce this step has landed (their gradient is final)
 
+    def _device(self):
+        """Where the layers' rows live (the CPU for a pipeline stage without MoE layers)."""
+        return self.shards[0].rows.device if self.shards else torch.device("cpu")
+
     @staticmethod
     def _pieces(numel: int, slice_elems: int) -> list:
         """[start, end) ranges of ``slice_elems`` elements covering ``numel`` (none for 0)."""
@@ -298,7 +302,7 @@ class ReplicatedExperts(_ExpertState):
         same norm, either way). Lands what is in flight first (gap reduces, a split step's
         updates)."""
         self.wait_in_flight()
-        sq = torch.zeros((), dtype=torch.float32, device=self.shards[0].master.device)
+        sq = torch.zeros((), dtype=torch.float32, device=self._device())
         for i, s in enumerate(self.shards):
             if i not in self._reduced:
                 flat = self._scaled_grad(s, scale)
@@ -418,7 +422,7 @@ class PartitionedExperts(_ExpertState):
         gradients (the layers not already reduced in the gaps); this rank's part of the global
         squared norm. Lands what is in flight first (gap reduces, deferred all-gathers)."""
         self.wait_in_flight()
-        sq = torch.zeros((), dtype=torch.float32, device=self.shards[0].rows.device)
+        sq = torch.zeros((), dtype=torch.float32, device=self._device())
         for i, (s, p) in enumerate(zip(self.shards, self.slices)):
             if i not in self._reduced:
                 p.grad = self._reduce_scatter(self._scaled_flat(s, scale))

@@ -15,12 +15,19 @@ computes that norm depends on its optimizer wrapper; this module hooks each supp
   and the overflow check.
 
 Any other wrapper with ``gradient_clipping > 0`` is refused at initialize.
+
+Under pipeline parallelism every stage holds its own dense parameters. DeepSpeed's ZeRO 1/2 norm
+already sums their squares over the pipeline; its ZeRO 0 clip does not (its grid reports the stage
+as the model-parallel rank, so only stage 0's parameters count), so :meth:`ExpertNorm.clip_dense_fp32`
+sums this stage's squares over ``dense_group`` (the pipeline; set by ``runtime/pipeline.py``),
+counting a tied parameter on the first stage that holds it only (``dense_skip``).
 """
 from __future__ import annotations
 
 import math
 
 import torch
+from deepspeed import comm as dist
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
@@ -39,6 +46,8 @@ class ExpertNorm:
         self.expert_sq = None  # float tensor: sum over the group of squared expert gradients
         self.factor = 1.0  # multiply the expert gradients by this before their step
         self.global_norm = None  # dense + expert, unscaled
+        self.dense_group = None  # pipeline parallelism: the dense squares are summed over it (ZeRO 0)
+        self.dense_skip = frozenset()  # ids of parameters another stage counts (tied copies)
 
     def arm(self, expert_sq: torch.Tensor, loss_scale: float) -> None:
         self.expert_sq = expert_sq
@@ -62,8 +71,13 @@ class ExpertNorm:
     def clip_dense_fp32(self, engine) -> None:
         """ZeRO 0 fp32: clip dense gradients (already all-reduced, equal on every rank) on the
         combined norm, as DeepSpeed's ``clip_grad_norm_`` would on the dense ones alone."""
-        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-        dense_sq = sum((g.detach().float().pow(2).sum() for g in grads), torch.zeros(()))
+        params = [p for p in engine.module.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        dense_sq = sum((p.grad.detach().float().pow(2).sum() for p in params if id(p) not in self.dense_skip),
+                       torch.zeros(()))
+        if self.dense_group is not None:
+            dense_sq = dense_sq.to(self.expert_sq.device)
+            dist.all_reduce(dense_sq, group=self.dense_group)
         combined = float((dense_sq.cpu() + self.expert_sq.cpu()).sqrt())
         coef = min(1.0, self.clip / (combined + 1e-6))
         if coef < 1.0:

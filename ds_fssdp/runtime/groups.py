@@ -10,6 +10,11 @@ ZeRO stage >= 1 partitions their optimizer state (``runtime/expert_dp.py``).
 
 With one group (the default) the token exchange keeps the default process group (None) and
 there is no EDP group, exactly as before groups existed.
+
+Under pipeline parallelism (``runtime/pipeline.py``) the same layout is built inside each stage's
+data-parallel ranks (``stages``: every stage's ranks, consecutive), stage after stage, on every
+rank in the same order (``new_group`` is collective over the world): each stage's MoE layers train
+over its own FSSDP and EDP groups, and the token exchange never uses the default group.
 """
 from __future__ import annotations
 
@@ -62,9 +67,13 @@ def group_topology(group_size: int, ranks_per_node: int) -> Topology:
     return Topology(num_ranks=group_size, ranks_per_node=min(group_size, ranks_per_node))
 
 
-def build_groups(*, world: int, rank: int, group_size: int, ranks_per_node: int) -> FSSDPGroups:
+def build_groups(*, world: int, rank: int, group_size: int, ranks_per_node: int,
+                 stages: list | None = None) -> FSSDPGroups:
     """Create the process groups (collective: every rank calls it with the same sizes, already
-    validated by ``FSSDPConfig.resolve_group_size``)."""
+    validated by ``FSSDPConfig.resolve_group_size``). ``stages``: each pipeline stage's ranks
+    (global, consecutive; their number a multiple of ``group_size``), or None: one stage of all."""
+    if stages is not None:
+        return _build_stage_groups(stages, rank=rank, group_size=group_size, ranks_per_node=ranks_per_node)
     topology = group_topology(group_size, ranks_per_node)
     index = rank // group_size
     if group_size == world:
@@ -89,14 +98,48 @@ def build_groups(*, world: int, rank: int, group_size: int, ranks_per_node: int)
                        params=params, edp=edp, edp_ranks=mine, topology=topology, exchange=exchange)
 
 
-def build_exchange_groups(*, world: int, rank: int, group_size: int, ranks_per_node: int) -> ExchangeGroups:
+def _build_stage_groups(stages: list, *, rank: int, group_size: int, ranks_per_node: int) -> FSSDPGroups:
+    """:func:`build_groups` inside every pipeline stage's ranks, stage after stage; this rank's
+    stage's groups are returned. The token group is never the default group (it spans one stage)."""
+    mine = None
+    for ranks in stages:
+        ranks = list(ranks)
+        blocks = [ranks[k:k + group_size] for k in range(0, len(ranks), group_size)]
+        tokens = params = edp = None
+        for block in blocks:
+            t, p = dist.new_group(ranks=block), dist.new_group(ranks=block)
+            if rank in block:
+                tokens, params = t, p
+        edp_mine = (rank, )
+        if len(blocks) > 1:
+            for j in range(group_size):
+                members = ranks[j::group_size]
+                g = dist.new_group(ranks=members)
+                if rank in members:
+                    edp, edp_mine = g, tuple(members)
+        exchange = build_exchange_groups(world=len(ranks), rank=rank, group_size=group_size,
+                                         ranks_per_node=ranks_per_node, domain=ranks)
+        if rank in ranks:
+            mine = FSSDPGroups(group_size=group_size, num_groups=len(blocks),
+                               group_index=ranks.index(rank) // group_size, tokens=tokens, params=params, edp=edp,
+                               edp_ranks=edp_mine, topology=group_topology(group_size, ranks_per_node),
+                               exchange=exchange)
+    if mine is None:
+        raise ValueError(f"rank {rank} is in none of the stages {stages}")
+    return mine
+
+
+def build_exchange_groups(*, world: int, rank: int, group_size: int, ranks_per_node: int,
+                          domain: list | None = None) -> ExchangeGroups:
     """The chunked token exchange's communicators (``moe/pipeline.py``), collective: per FSSDP
     group one per node (same-node pairs; with one node the whole FSSDP group) and, with more than
     one node, one more over the FSSDP group's ranks (cross-node pairs). Separate communicators are
-    separate queues (NCCL: streams), so intra- and inter-node chunks do not wait for each other."""
+    separate queues (NCCL: streams), so intra- and inter-node chunks do not wait for each other.
+    ``domain``: the ranks cut into FSSDP groups (``world`` of them; None: ``range(world)``)."""
     G = group_topology(group_size, ranks_per_node).ranks_per_node
     intra = inter = None
-    for ranks in fssdp_ranks(world, group_size):
+    domain = list(range(world)) if domain is None else list(domain)
+    for ranks in (domain[k:k + group_size] for k in range(0, world, group_size)):
         for n in range(group_size // G):
             g = dist.new_group(ranks=ranks[n * G:(n + 1) * G])
             if rank in ranks[n * G:(n + 1) * G]:

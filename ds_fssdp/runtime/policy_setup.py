@@ -26,13 +26,15 @@ from ds_fssdp.planner.scheduled import ScheduledCostModel
 from ds_fssdp.runtime.profile import measure_expert_flops, measure_link_bandwidth
 
 
-def auto_budget(config: FSSDPConfig, *, expert_bytes: int, num_layers: int) -> int:
-    """``fssdp.materialization_budget`` "auto": the replicas that fit ``replica_memory_bytes``."""
+def auto_budget(config: FSSDPConfig, *, expert_bytes: int, num_layers: int, in_flight: int = 1) -> int:
+    """``fssdp.materialization_budget`` "auto": the replicas that fit ``replica_memory_bytes``
+    (``in_flight``: micro-batches awaiting their backward at once, a pipeline stage's)."""
     budget = auto_materialization_budget(memory_bytes=config.replica_memory_bytes, expert_bytes=expert_bytes,
-                                         num_layers=num_layers, rematerialize=config.rematerialize)
+                                         num_layers=num_layers, rematerialize=config.rematerialize,
+                                         in_flight=in_flight)
     logger.info(f"fssdp: materialization_budget auto -> m = {budget} ({config.replica_memory_bytes} bytes "
-                f"for replicas, {expert_bytes} bytes per expert, {num_layers} layers, rematerialize="
-                f"{config.rematerialize})")
+                f"for replicas, {expert_bytes} bytes per expert, {num_layers} layers, {in_flight} micro-batches in "
+                f"flight, rematerialize={config.rematerialize})")
     return budget
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import inspect
 import time
 
 import torch
@@ -47,6 +46,7 @@ from ds_fssdp.planner.scheduled import ExchangeOptions, ScheduledCostModel
 from ds_fssdp.runtime import costfit, policy_setup
 from ds_fssdp.runtime.edp_sync import EDPSyncPlan
 from ds_fssdp.runtime.expert_dp import make_expert_state
+from ds_fssdp.runtime.expert_optimizer import build_expert_optimizer
 from ds_fssdp.runtime.grad_norm import install_expert_norm, loss_scale_of
 from ds_fssdp.runtime.health import NonFiniteGuard
 from ds_fssdp.topology import Topology
@@ -58,22 +58,31 @@ _SCHEDULED = ("lr", "betas", "momentum")
 class FSSDPStage:
 
     def __init__(self, layers: list, config: FSSDPConfig, topology: Topology, group, *, param_group=None,
-                 edp_group=None, src_rank: int = 0, grad_scale: float | None = None, exchange=None):
+                 edp_group=None, src_rank: int = 0, grad_scale: float | None = None, exchange=None,
+                 dp_group=None, pipe_group=None):
         """``group``: this rank's FSSDP group (token exchange; None: the world), ``param_group``: the
         same ranks for the sparse collectives, ``edp_group``: the ranks at this rank's position in
         every FSSDP group (None: one group), ``topology``: the FSSDP group's nodes, ``grad_scale``:
-        DeepSpeed's factor on summed gradients (None: 1 / world), ``exchange``: the chunked token
-        exchange's groups (``runtime/groups.build_exchange_groups``; None: ``group`` for every pair)."""
+        DeepSpeed's factor on summed gradients (None: 1 / data-parallel size), ``exchange``: the
+        chunked token exchange's groups (``runtime/groups.build_exchange_groups``; None: ``group``
+        for every pair). Pipeline parallelism (``runtime/pipeline.py``): ``dp_group`` the stage's
+        data-parallel ranks (None: the world), ``pipe_group`` the pipeline (norms); no layers: a
+        stage without MoE layers, which joins the step's collectives."""
         self.layers = list(layers)
         self.config = config
         self.topology = topology
         self.group = group
         self.param_group = group if param_group is None else param_group
         self.edp_group = edp_group
-        self.world = dist.get_world_size()  # every rank: gradients are averaged over all of them
+        self.dp_group, self.pipe_group = dp_group, pipe_group
+        self.world = dist.get_world_size(group=dp_group)  # the data-parallel ranks: gradients are averaged over them
         self.group_size = dist.get_world_size(group=group)  # ranks of this FSSDP group (owners)
         self.edp_size = dist.get_world_size(group=edp_group) if edp_group is not None else 1
-        self.group_index = dist.get_rank() // self.group_size
+        self.group_index = dist.get_rank(group=dp_group) // self.group_size
+        # Pipeline parallelism (set by initialize): the PipelineLayout, each layer's index among all
+        # stages' MoE layers and their number (checkpoints key experts by it), micro-batches in flight
+        self.layout, self.global_layers, self.num_global_layers, self.in_flight = None, list(range(len(layers))), \
+            len(layers), 1
         self.groups = None  # runtime.groups.FSSDPGroups when built by ds_fssdp.initialize
         # Summed expert gradients times this at the step: DeepSpeed's data-parallel average (its
         # divisor is W / s under Ulysses SP, runtime/sequence_parallel.py).
@@ -138,7 +147,8 @@ class FSSDPStage:
         self.profile = {}
         self.trace = None
         self.health = NonFiniteGuard(config.nonfinite)  # non-finite losses/gradients (runtime/health.py)
-        same_E = len({l.num_experts for l in self.layers}) == 1
+        self.trace_at_forward = False  # the pipeline engine records each forward's trace entry itself
+        same_E = len({l.num_experts for l in self.layers}) <= 1
         if config.reshard_interval and not same_E:
             raise FSSDPConfigError(f"fssdp.reshard_interval ({config.reshard_interval}) needs the same number of "
                                    f"experts in every MoE layer, got {[l.num_experts for l in self.layers]}")
@@ -186,17 +196,19 @@ class FSSDPStage:
         self.optimizer = build_expert_optimizer(engine.basic_optimizer, self.trainable_masters())
         self.expert_state.optimizer = self.optimizer
         self.norm = install_expert_norm(engine)
-        self._configure_auto_and_policies(dtype, engine.device)
+        if self.layers:  # a pipeline stage without MoE layers decides nothing
+            self._configure_auto_and_policies(dtype, engine.device)
         self.edp_sync = EDPSyncPlan(self.shards, edp_group=self.edp_group, edp_size=self.edp_size,
                                     grads_in_gaps=self.config.grads_in_gaps, cost=self.cost,
                                     partitioned=self.expert_state.partitioned, optimizer=self.optimizer,
                                     ranks_per_node=self.topology.ranks_per_node)
-        if self._schedule_decided() and self.config.hardware is None:
+        if self._schedule_decided() and self.config.hardware is None and self.layers:
             # The schedule's costs measured here, agreed and fitted (runtime/costfit.py); with
             # fssdp.hardware they come from it instead (policy_setup.py), and nothing is measured.
             self.cost_fit = costfit.measure(group=self.group, topology=self.topology, spec=self.layers[0].spec,
                                             dtype=dtype, device=engine.device,
-                                            experts=max(1, self.layers[0].num_experts // self.group_size))
+                                            experts=max(1, self.layers[0].num_experts // self.group_size),
+                                            agree_group=self.dp_group)
             self.schedule_costs = self.cost_fit.costs
             self._price_with(self.schedule_costs)
             self.profile["schedule_costs"] = dataclasses.asdict(self.schedule_costs)
@@ -207,7 +219,7 @@ class FSSDPStage:
             shard.timings.enabled = refits  # the spans feed the refits only
         if engine.wall_clock_breakdown():
             self.timers = engine.timers
-        if self.config.trace_path and dist.get_rank() == 0:
+        if self.config.trace_path and dist.get_rank() == 0 and self.layers:
             from ds_fssdp.sim.traces import TraceWriter
             self.trace = TraceWriter(self.config.trace_path, meta={
                 "top_k": self.layers[0].k, "ranks_per_node": self.topology.ranks_per_node,
@@ -227,7 +239,8 @@ class FSSDPStage:
                 "topology_aware": self.config.topology_aware, "side_ratio": self.side_ratio})
             atexit.register(self.trace.close)
         # The first layer's gather starts with the model's forward, before the first attention.
-        engine.module.register_forward_pre_hook(lambda module, args: self.shards[0].prefetch())
+        if self.layers:
+            engine.module.register_forward_pre_hook(lambda module, args: self.shards[0].prefetch())
         logger.info(f"fssdp: {len(self.layers)} MoE layers, policy={self.config.policy}, "
                     f"{self.world // self.group_size} FSSDP groups of {self.topology.num_ranks} ranks in "
                     f"{self.topology.num_nodes} nodes, expert optimizer {type(self.optimizer).__name__} "
@@ -235,6 +248,12 @@ class FSSDPStage:
                     f"EDP ranks), expert dtype {dtype}")
 
     # -- per micro-step -------------------------------------------------------------------------
+    def begin_forward(self) -> None:
+        """A new micro-batch's training forward starts while earlier ones may still await their
+        backward (the pipeline engine): each layer records it separately (``moe/records.py``)."""
+        for shard in self.shards:
+            shard.records.begin_forward()
+
     def before_backward(self, boundary: bool) -> None:
         """Gradients in the gaps (``fssdp.grads_in_gaps``), on the accumulation boundary only: each
         layer's EDP reduce starts when its owned gradient is final during this backward."""
@@ -261,12 +280,18 @@ class FSSDPStage:
             shard.replicas.gaps = None
         if self.edp_sync is not None:
             self.edp_sync.record_loads()
+        if not self.trace_at_forward:
+            self.record_trace(loss)
+
+    def record_trace(self, loss=None, *, clear: bool = True) -> None:
+        """The trace's entry of the last training forward of every layer (``clear``: only once)."""
         if getattr(self, "trace", None) is not None and all(s.last_tokens_ED is not None for s in self.shards):
             self.trace.append(torch.stack([s.last_tokens_ED for s in self.shards]),
                               loss=float(loss) if loss is not None else float("nan"),
                               arrays=decision_arrays([s.last_decision for s in self.shards]))
-            for s in self.shards:
-                s.last_tokens_ED = s.last_decision = None
+            if clear:
+                for s in self.shards:
+                    s.last_tokens_ED = s.last_decision = None
 
     # -- per optimizer step ---------------------------------------------------------------------
     @torch.no_grad()
@@ -276,8 +301,11 @@ class FSSDPStage:
         sq = self.expert_state.reduce(self.grad_scale).to(engine.device)
         self._edp_reduce_s = time.perf_counter() - t0
         sq += self.health.loss_flag(sq)  # +inf where this rank's loss was not finite: all ranks learn it
-        # Over the world: each expert counted once (expert_dp.py), every rank's loss flag heard.
-        dist.all_reduce(sq, group=self.group if self.edp_size == 1 else None)
+        # Over the data-parallel ranks: each expert counted once (expert_dp.py), every rank's loss flag
+        # heard; under pipeline parallelism then over the pipeline (each stage holds its own layers).
+        dist.all_reduce(sq, group=self.group if self.edp_size == 1 else self.dp_group)
+        if self.pipe_group is not None:
+            dist.all_reduce(sq, group=self.pipe_group)
         self.norm.arm(sq, loss_scale_of(engine.optimizer))
         group0 = engine.basic_optimizer.param_groups[0]
         self._scheduled = {k: group0[k] for k in _SCHEDULED if k in group0}
@@ -336,8 +364,8 @@ class FSSDPStage:
 
     def refit_schedule_costs(self, device) -> None:
         """Refit ``schedule_costs`` from every layer's recorded exchange and GEMM timings, agreed by
-        every rank (collective over the world; runtime/costfit.py)."""
-        self.cost_fit.refit([s.timings for s in self.shards], device=device)
+        every rank (collective over the data-parallel ranks; runtime/costfit.py)."""
+        self.cost_fit.refit([s.timings for s in self.shards], group=self.dp_group, device=device)
         self.schedule_costs = self.cost_fit.costs
         self._price_with(self.schedule_costs)
 
@@ -368,7 +396,7 @@ class FSSDPStage:
         cfg, layer = self.config, self.layers[0]
         if cfg.materialization_budget == "auto":
             self.budget = policy_setup.auto_budget(cfg, expert_bytes=self.shards[0].expert_bytes,
-                                                   num_layers=len(self.layers))
+                                                   num_layers=len(self.layers), in_flight=self.in_flight)
             self.profile["materialization_budget"] = self.budget
         shape = layer.spec.cost_shape(torch.tensor([], dtype=dtype).element_size())
         if policy_setup.needs_cost_model(cfg, edp_size=self.edp_size):
@@ -398,7 +426,7 @@ class FSSDPStage:
         """The work beside the exchange the by-time decisions price a layer with, expert rows per
         token: the first MoE layer's (a family binds the same shared experts in every layer; each
         layer's own degrees price its own, ``moe/sharded.py``)."""
-        return float(self.layers[0].side_ratio)
+        return float(self.layers[0].side_ratio) if self.layers else 0.0
 
     def _schedule_decided(self) -> bool:
         """Whether a layer decision comes from the schedule's costs ("auto" pipeline degrees or one
@@ -468,26 +496,3 @@ class FSSDPStage:
         dist.all_reduce(load_LE, group=self.edp_group)
         return load_LE.cpu()
 
-
-def build_expert_optimizer(basic_optimizer, params: list):
-    """The dense optimizer's type and constructor hyperparameters, over the expert masters (None
-    when DeepSpeed has no optimizer: an inference engine)."""
-    if basic_optimizer is None or not params:
-        return None
-    cls = type(basic_optimizer)
-    allowed = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
-    extra = {}
-    try:
-        from deepspeed.ops.adam import FusedAdam
-        allowed += (FusedAdam, )
-        if isinstance(basic_optimizer, FusedAdam):
-            extra["adam_w_mode"] = basic_optimizer.adam_w_mode
-    except ImportError:
-        pass
-    if cls not in allowed:
-        raise FSSDPConfigError(f"optimizer {cls.__name__} is not supported for fssdp experts; use Adam, AdamW "
-                               "or SGD (DeepSpeed config optimizer.type, with torch_adam true on CPU)")
-    accepted = inspect.signature(cls.__init__).parameters
-    kwargs = {k: v for k, v in basic_optimizer.defaults.items() if k in accepted}
-    kwargs.update(extra)
-    return cls(params, **kwargs)

@@ -130,6 +130,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--png", default=None, help="chart path (default sim_<cluster>_<model>_<gpus>.png)")
     p.add_argument("--no-png", action="store_true")
     p.add_argument("--save-trace", default=None, help="also write the replayed (remapped/synthetic) trace here")
+    p.add_argument("--pipeline-stages", type=int, default=1, help="pipeline stages under 1F1B, FSSDP inside each "
+                   "stage's GPUs (sim/stages.py; a synthetic load-CV workload)")
+    p.add_argument("--micro-batches", type=int, default=None, help="with --pipeline-stages: micro-batches per step "
+                   "(default 4 x stages)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return p.parse_args(argv)
 
@@ -165,6 +169,15 @@ def main(argv=None, *, out=None) -> int:
 
 def _run(args, out) -> int:
     torch.set_num_threads(1)  # small tensors: threads cost more than they give
+    if args.micro_batches is not None and args.pipeline_stages == 1:
+        raise SystemExit(f"--micro-batches ({args.micro_batches}) needs --pipeline-stages above 1")
+    if args.pipeline_stages != 1:
+        if args.pipeline_stages < 1:
+            raise SystemExit(f"--pipeline-stages ({args.pipeline_stages}) must be >= 1")
+        from ds_fssdp.sim.stages import run_cli
+        slack = FSSDPConfig().dispatch_slack
+        return run_cli(args, out, schedule=schedule_options(args),
+                       dispatcher=functools.partial(dispatch_plan, mode=args.dispatch, slack=slack))
     cluster, model = cluster_preset(args.cluster), model_preset(args.model)
     at_scale = model.fixed or any(v is not None for v in (args.group_size, args.load_cv, args.memory_cap,
                                                           args.max_groups))

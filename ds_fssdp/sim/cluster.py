@@ -230,6 +230,7 @@ class PolicyRun:
         L, E, N, B = st.num_layers, st.num_experts, self.N, self.B
         timed = s >= st.load_window
         group_B = {c: np.zeros(B) for c in CATEGORIES}
+        fb_B2 = np.zeros((B, 2))  # the layers' forward and backward (pipeline stages, sim/stages.py)
         glob = dict.fromkeys(CATEGORIES, 0.0)
         glob["rearr"] += self._reshard(s)
         owner_LE = self.owner_LE.numpy()
@@ -256,6 +257,7 @@ class PolicyRun:
             exchange, rows_BN, moe_B = lt.links, lt.links.rows_BN, lt.moe_B
             group_B["comp"] += attn_f + attn_b + moe_B + lt.side_B
             group_B["a2a"] += lt.forward_B + lt.backward_B - moe_B - lt.side_B
+            fb_B2 += np.stack([attn_f + lt.forward_B, attn_b + lt.backward_B], 1)
             reduce_hidden_B = np.zeros(B)
             gather_here_B = gather_before_B = np.zeros(B)  # hidden gather: in this layer's span, in the one before
             if spag is not None:
@@ -312,6 +314,9 @@ class PolicyRun:
                                           lead=1)
         owned_N = np.bincount(owner_LE.ravel(), minlength=N).astype(np.float64) * P
         glob["opt"] += float(optimizer_params(st, owned_N, N).max()) * OPT_TRAFFIC_BYTES / hw.hbm_bw
+        # the slowest group's forward and backward and the iteration's own parts, per step (sim/stages.py)
+        self.phases = dict(glob, forward=float(fb_B2[slowest, 0]), backward=float(fb_B2[slowest, 1]),
+                           spag=float(group_B["spag"][slowest]))
         self._memory(owned_N, ephemeral_BLN)
         self._observe(tokens_LED)
         if timed:

@@ -14,6 +14,7 @@ expert part over the expert-data-parallel group; the runtime's ``PartitionedExpe
 """
 from __future__ import annotations
 
+from ds_fssdp.planner.knobs import resident_layers
 from ds_fssdp.planner.shard import homogeneous_owner
 from ds_fssdp.sim.setup import GRAD_BYTES, OPT_BYTES, PARAM_BYTES, Setup
 
@@ -43,11 +44,12 @@ def ep_memory_bytes(setup: Setup, group_size: int) -> float:
     return float(REPLICA_BYTES * (setup.dense_params + owned) + OPT_BYTES * optimizer_params(setup, owned, group_size))
 
 
-def budget_for_cap(setup: Setup, group_size: int, cap: float, *, rematerialize: bool) -> int:
+def budget_for_cap(setup: Setup, group_size: int, cap: float, *, rematerialize: bool, in_flight: int = 1) -> int:
     """The largest m whose worst case keeps FSSDP's fullest rank within ``cap`` x EP's (at the
-    same group size and homogeneous owners: a re-shard may change what the fullest rank owns)."""
+    same group size and homogeneous owners: a re-shard may change what the fullest rank owns);
+    ``in_flight``: micro-batches holding replicas at once (a pipeline stage's, planner/knobs.py)."""
     if cap < 1.0:
         raise ValueError(f"memory_cap ({cap}) must be >= 1.0: FSSDP owns what EP owns")
-    alive = min(2, setup.num_layers) if rematerialize else setup.num_layers
+    alive = resident_layers(setup.num_layers, rematerialize=rematerialize, in_flight=in_flight)
     per_replica = REPLICA_BYTES * setup.shape.params * alive
     return int((cap - 1.0) * ep_memory_bytes(setup, group_size) // per_replica)

@@ -4,6 +4,7 @@
 One module per job: ``save`` (writing and committing; ``staging`` and ``background`` for an
 asynchronous save), ``load`` (checking and loading),
 ``reshape`` (owners and rows on another world size), ``export`` (the consolidated state dict),
+``pipeline`` (experts by global layer index under pipeline parallelism),
 over the shared ``layout`` (names, manifest, metadata), ``files`` (atomic writes, digests, the
 safe reader), ``collective`` (agreement between ranks) and ``rng``.
 
@@ -44,6 +45,11 @@ next re-shard, if configured, re-plans them). Each rank reads the rows of the ex
 from whichever files hold them. The predictor's windows are kept; on another world size each
 window keeps its per-expert totals (the per-rank split no longer applies). RNG states are
 restored per rank when the world size is the same.
+
+Pipeline parallelism (``pipeline``): DeepSpeed writes its per-layer and per-stage files; the
+experts are keyed by their global MoE layer index (each stage's ranks write their own layers, the
+metadata lists every stage's), so a pipeline checkpoint resumes on another data-parallel size;
+another number of stages is refused by name.
 """
 from ds_fssdp.runtime.checkpoint.export import consolidated_state_dict, export_consolidated
 from ds_fssdp.runtime.checkpoint.files import CheckpointError, load_file, safe_deepspeed_loading

@@ -6,7 +6,7 @@ import os
 import torch
 
 from ds_fssdp.moe.experts import ExpertSpec
-from ds_fssdp.runtime.checkpoint.files import load_file, read_text
+from ds_fssdp.runtime.checkpoint.files import CheckpointError, load_file, read_text
 from ds_fssdp.runtime.checkpoint.layout import (DS_MODEL_STATES, LATEST, read_manifest, read_meta, resolve_tag,
                                                verify_files)
 from ds_fssdp.runtime.checkpoint.reshape import RankFiles, gather_rows
@@ -21,6 +21,10 @@ def consolidated_state_dict(load_dir: str, tag=None, *, verify: bool = True) -> 
         tag = read_text(os.path.join(load_dir, LATEST)).strip()
     root = os.path.join(load_dir, resolve_tag(load_dir, str(tag)))
     manifest, meta = read_manifest(root), read_meta(root)
+    if int(meta.get("pipeline_stages", 1)) > 1:
+        raise CheckpointError(f"{root} was saved with {meta['pipeline_stages']} pipeline stages: the consolidated "
+                              "export reads a checkpoint without pipelining (DeepSpeed keeps a pipeline's dense "
+                              "weights per layer file, under the stage's module names)")
     verify_files(root, manifest, digests=verify)
     out = dense_state_dict(load_dir, os.path.basename(root), meta)
     files = RankFiles(root)

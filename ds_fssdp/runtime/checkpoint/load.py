@@ -14,6 +14,7 @@ from ds_fssdp.moe.experts import ExpertSpec
 from ds_fssdp.runtime.checkpoint.collective import agree, attempt
 from ds_fssdp.runtime.checkpoint.files import CheckpointError, load_file, read_text, safe_deepspeed_loading
 from ds_fssdp.runtime.checkpoint.layout import COMMON, LATEST, META, read_manifest, read_meta, resolve_tag, verify_files
+from ds_fssdp.runtime.checkpoint.pipeline import check_stages, saved_place
 from ds_fssdp.runtime.checkpoint.reshape import RankFiles, gather_rows, owners_after_load, predictor_for, same_groups
 from ds_fssdp.runtime.checkpoint.rng import set_rng_state
 from ds_fssdp.runtime.checkpoint.universal import check_convertible, convert, loading_universal, needs_universal
@@ -37,10 +38,14 @@ def load(engine, load_dir: str, tag=None, *, ds_load, load_module_strict=True, l
     dense_opt = load_optimizer_states and not load_module_only
     expert_opt = (dense_opt if load_expert_optimizer_states is None else load_expert_optimizer_states)
     expert_opt = bool(expert_opt) and not load_module_only
-    check_compatible(engine, meta, root, expert_optimizer=expert_opt)
+    check_stages(engine.fssdp, meta, root)
+    if engine.fssdp.layout is None:
+        check_compatible(engine, meta, root, expert_optimizer=expert_opt)
+    else:  # each stage checks its own layers: every rank refuses alike
+        agree(f"checking {root}", attempt(lambda: check_compatible(engine, meta, root, expert_optimizer=expert_opt)))
     ds_dir, ds_tag, universal = load_dir, dir_tag, nullcontext()
     if needs_universal(engine, meta, dense_optimizer=dense_opt):
-        check_convertible(meta, root, engine.fssdp.world)
+        check_convertible(meta, root, dist.get_world_size())
         (ds_dir, ds_tag), universal = convert(load_dir, dir_tag, manifest), loading_universal(engine)
     with safe_deepspeed_loading(engine), universal:
         load_path, client_state = ds_load(ds_dir, ds_tag, load_module_strict=load_module_strict,
@@ -54,7 +59,7 @@ def load(engine, load_dir: str, tag=None, *, ds_load, load_module_strict=True, l
     agree(f"loading the expert state of {root}", err)
     if dist.get_rank() == 0:
         logger.info(f"fssdp: loaded checkpoint {root} (saved on {meta['world_size']} ranks, loaded on "
-                    f"{engine.fssdp.world})")
+                    f"{dist.get_world_size()})")
     return load_path, client_state
 
 
@@ -62,9 +67,11 @@ def check_compatible(engine, meta: dict, root: str, *, expert_optimizer: bool) -
     """Refuse (on every rank alike) a checkpoint that does not fit the engine."""
     stage = engine.fssdp
     path = os.path.join(root, META)
-    if len(meta["layers"]) != len(stage.layers):
-        raise CheckpointError(f"{path}: {len(meta['layers'])} MoE layers saved, the model has {len(stage.layers)}")
-    for i, (saved, layer) in enumerate(zip(meta["layers"], stage.layers)):
+    if len(meta["layers"]) != stage.num_global_layers:
+        raise CheckpointError(f"{path}: {len(meta['layers'])} MoE layers saved, the model has "
+                              f"{stage.num_global_layers}")
+    for i, layer in zip(stage.global_layers, stage.layers):  # by global index (pipeline stages hold some)
+        saved = meta["layers"][i]
         mine = {"num_experts": layer.num_experts, "activation": layer.spec.activation,
                 "hidden_size": layer.hidden_size, "ffn_hidden_size": layer.ffn_hidden_size}
         diff = {k: (saved[k], v) for k, v in mine.items() if saved[k] != v}
@@ -83,27 +90,30 @@ def load_expert_state(engine, root: str, meta: dict, *, optimizer: bool, full_st
     """Every layer: the rows of the experts this rank owns under the (possibly new) owners, their
     optimizer state; then the stage step, predictor windows and RNG states (``full_state``)."""
     stage = engine.fssdp
-    rank, world = dist.get_rank(), stage.world
-    same_world = meta["world_size"] == world
+    rank, world = dist.get_rank(), stage.world  # the data-parallel ranks (the world without pipelining)
+    same_world = meta["world_size"] == dist.get_world_size()
     files = RankFiles(root)
     common = load_file(os.path.join(root, COMMON)) if (optimizer or full_state) else None
     opt = stage.optimizer
     if optimizer and opt is not None and common["param_groups"]:
         for group, saved in zip(opt.param_groups, common["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
-    for l, (shard, saved) in enumerate(zip(stage.shards, meta["layers"])):
+    for l, (shard, g) in enumerate(zip(stage.shards, stage.global_layers)):
+        saved, (base, local) = meta["layers"][g], saved_place(meta, g)
         saved_owner_E = torch.tensor(saved["owner_E"], dtype=torch.long)
         owner_E = owners_after_load(meta, saved_owner_E, world=world, group_size=stage.group_size,
                                     ranks_per_node=stage.topology.ranks_per_node)
         need_E = torch.nonzero(owner_E == shard.rank).flatten()
         keys = saved["optimizer_rows"] if optimizer and opt is not None else []
-        master_SP, rows = gather_rows(files, l, saved_owner_E=saved_owner_E, need_E=need_E, numel=saved["numel"],
-                                      keys=keys)
+        master_SP, rows = gather_rows(files, local, saved_owner_E=saved_owner_E, need_E=need_E, numel=saved["numel"],
+                                      keys=keys, base=base)
         scalars = None
         param = stage.masters()[l]
         group = next((g for g in opt.param_groups if any(p is param for p in g["params"])), None) if opt else None
         if optimizer and group is not None:  # None: frozen experts, in no optimizer
-            scalars = {k: _scalar_to(v, shard.rows.device, group) for k, v in common["optimizer_scalars"][l].items()}
+            # each pipeline stage's scalars are in its files
+            saved_scalars = files[base]["optimizer_scalars"][local] if stage.layout else common["optimizer_scalars"][l]
+            scalars = {k: _scalar_to(v, shard.rows.device, group) for k, v in saved_scalars.items()}
         # Re-sliced over the EDP group when the expert state is partitioned.
         stage.expert_state.set_state(l, owner_E=owner_E, master_SP=master_SP,
                                      rows=rows if scalars is not None else None, scalars=scalars)
@@ -111,12 +121,15 @@ def load_expert_state(engine, root: str, meta: dict, *, optimizer: bool, full_st
         stage.steps = int(common["steps"])
         same = same_groups(meta, world=world, group_size=stage.group_size)
         planning = files[rank] if same and "predictor" in files[rank] else common  # this group's own
-        stage.predictor.load_state_dict(predictor_for(planning["predictor"], same))
-        stage.window_s = list(planning["window_s"])
-        # the windows' attention parts (the replica reduce's window); a checkpoint from before
-        # they were saved has none: the search prices the reduce against twice the window until
-        # the step agrees on measured ones
-        stage.attention_s = list(planning.get("attention_s", [None] * len(stage.window_s)))
+        if stage.layout is not None and not same:  # the stage's: from its first rank's file
+            planning = files[saved_place(meta, stage.global_layers[0])[0]] if stage.layers else None
+        if planning is not None:
+            stage.predictor.load_state_dict(predictor_for(planning["predictor"], same))
+            stage.window_s = list(planning["window_s"])
+            # the windows' attention parts (the replica reduce's window); a checkpoint from before
+            # they were saved has none: the search prices the reduce against twice the window until
+            # the step agrees on measured ones
+            stage.attention_s = list(planning.get("attention_s", [None] * len(stage.window_s)))
         if same_world:
             set_rng_state(files[rank]["rng"], engine.device)
         elif rank == 0:

@@ -13,8 +13,9 @@ from ds_fssdp.runtime.checkpoint.layout import META, rank_file
 
 
 def same_groups(meta: dict, *, world: int, group_size: int) -> bool:
-    """Saved on the same world size and FSSDP group size (older checkpoints: one group)."""
-    return meta["world_size"] == world and meta.get("group_size", meta["world_size"]) == group_size
+    """Saved on the same data-parallel size ``world`` (the world size, or under pipeline
+    parallelism a stage's data-parallel ranks) and FSSDP group size (older checkpoints: one group)."""
+    return meta.get("dp_size", meta["world_size"]) == world and meta.get("group_size", meta["world_size"]) == group_size
 
 
 def owners_after_load(meta: dict, saved_owner_E: torch.Tensor, *, world: int, group_size: int,
@@ -26,23 +27,25 @@ def owners_after_load(meta: dict, saved_owner_E: torch.Tensor, *, world: int, gr
     return homogeneous_owner(saved_owner_E.numel(), group_size)
 
 
-def gather_rows(files, layer: int, *, saved_owner_E, need_E, numel: int, keys) -> tuple:
-    """Rows [S, P] of the experts ``need_E`` (ascending) and their optimizer rows by key."""
+def gather_rows(files, layer: int, *, saved_owner_E, need_E, numel: int, keys, base: int = 0) -> tuple:
+    """Rows [S, P] of the experts ``need_E`` (ascending) and their optimizer rows by key: ``layer``
+    is the position in the files of ranks ``base + owner`` (a pipeline stage's first rank,
+    ``checkpoint/pipeline.py``)."""
     master_SP = torch.empty(need_E.numel(), numel, dtype=torch.float32)
     rows = {k: torch.empty(need_E.numel(), numel, dtype=torch.float32) for k in keys}
     src_S = saved_owner_E[need_E]
     for src in torch.unique(src_S).tolist():
         sel = torch.nonzero(src_S == src).flatten()
-        saved = files[src]["layers"][layer]
+        saved = files[base + src]["layers"][layer]
         expect_E = torch.nonzero(saved_owner_E == src).flatten()
         if not torch.equal(saved["experts"], expect_E) or saved["master"].shape != (expect_E.numel(), numel):
-            raise CheckpointError(f"{files.path(src)}: layer {layer} holds experts {saved['experts'].tolist()} "
+            raise CheckpointError(f"{files.path(base + src)}: layer {layer} holds experts {saved['experts'].tolist()} "
                                   f"({tuple(saved['master'].shape)}), {META} says {expect_E.tolist()}")
         pos = torch.searchsorted(expect_E, need_E[sel])
         master_SP[sel] = saved["master"].index_select(0, pos).float()
         for k in keys:
             if k not in saved["optimizer_rows"]:
-                raise CheckpointError(f"{files.path(src)}: layer {layer} lacks optimizer state {k!r}")
+                raise CheckpointError(f"{files.path(base + src)}: layer {layer} lacks optimizer state {k!r}")
             rows[k][sel] = saved["optimizer_rows"][k].index_select(0, pos).to(rows[k].dtype)
     return master_SP, rows
 

@@ -18,6 +18,7 @@ from ds_fssdp.runtime.checkpoint.files import (CheckpointError, atomic_write_tex
                                               save_tensors, walk, write_json)
 from ds_fssdp.runtime.checkpoint.layout import (COMMON, FORMAT, LATEST, MANIFEST, META, OLD_PREFIX, TMP_PREFIX, VERSION,
                                                rank_file)
+from ds_fssdp.runtime.checkpoint.pipeline import every_stage_layers, stages_of
 from ds_fssdp.runtime.checkpoint.rng import rng_state
 from ds_fssdp.runtime.checkpoint.staging import check_stageable, staging_deepspeed, to_host
 
@@ -148,13 +149,17 @@ def write_expert_files(engine, root: str, tag: str) -> None:
 
 def expert_state(engine, tag: str) -> dict:
     """File name -> state: this rank's rows; on rank 0 also the shared state and the metadata
-    (JSON). Collective when the expert state is partitioned (``rank_state``)."""
+    (JSON). Collective when the expert state is partitioned (``rank_state``) and under pipeline
+    parallelism (every stage's layers go into the metadata: ``checkpoint/pipeline.py``)."""
     stage = engine.fssdp
     rank = dist.get_rank()
+    layers = layer_meta(engine)
+    if stage.layout is not None:
+        layers = every_stage_layers(stage, layers)
     out = {rank_file(rank): rank_state(stage, engine.device)}
     if rank == 0:
         out[COMMON] = common_state(stage)
-        out[META] = meta_state(engine, tag)
+        out[META] = meta_state(engine, tag, layers=layers)
     return out
 
 
@@ -168,28 +173,36 @@ def rank_state(stage, device) -> dict:
     out = {"format": FORMAT, "version": VERSION, "rank": dist.get_rank(), "layers": layers, "rng": rng_state(device)}
     if stage.edp_size > 1:
         out["layers"] = out["layers"] if stage.group_index == 0 else []  # the first group's files hold every expert
-        # Each FSSDP group plans from its own loads and windows.
+    if stage.edp_size > 1 or stage.layout is not None:
+        # Each FSSDP group (and each pipeline stage) plans from its own loads and windows.
         out.update(predictor=stage.predictor.state_dict(), window_s=list(stage.window_s),
                    attention_s=list(stage.attention_s))
+    if stage.layout is not None:  # each stage steps its own layers
+        out["optimizer_scalars"] = _scalars(stage)
     return out
+
+
+def _scalars(stage) -> list:
+    """The expert optimizer's per-layer scalar state (Adam's step), per layer of the stage."""
+    if stage.optimizer is None:
+        return []
+    copy = lambda v: v.detach().cpu().clone() if torch.is_tensor(v) else v
+    return [{k: copy(v) for k, v in stage.expert_state.scalars(l).items()} for l in range(len(stage.shards))]
 
 
 def common_state(stage) -> dict:
     opt = stage.optimizer
-    scalars, groups = [], []
+    scalars, groups = _scalars(stage), []
     if opt is not None:
-        for l in range(len(stage.shards)):
-            scalars.append({k: (v.detach().cpu().clone() if torch.is_tensor(v) else v)
-                            for k, v in stage.expert_state.scalars(l).items()})
         groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     return {"format": FORMAT, "version": VERSION, "steps": stage.steps, "predictor": stage.predictor.state_dict(),
             "optimizer_scalars": scalars, "param_groups": groups, "window_s": list(stage.window_s),
             "attention_s": list(stage.attention_s)}
 
 
-def meta_state(engine, tag: str) -> dict:
+def layer_meta(engine) -> list:
+    """This rank's layers' descriptions for the metadata."""
     stage = engine.fssdp
-    opt = stage.optimizer
     names = {id(m): n for n, m in engine.module.named_modules()}
     layers = []
     for l, (layer, shard) in enumerate(zip(stage.layers, stage.shards)):
@@ -197,13 +210,24 @@ def meta_state(engine, tag: str) -> dict:
                        "activation": layer.spec.activation, "hidden_size": layer.hidden_size,
                        "ffn_hidden_size": layer.ffn_hidden_size, "numel": layer.spec.numel,
                        "spec": layer.spec.describe(), "owner_E": shard.owner_E.tolist(),
-                       "optimizer_rows": stage.expert_state.row_keys(l)})
-    return {"format": FORMAT, "version": VERSION, "tag": tag, "world_size": stage.world,
-            "group_size": stage.group_size,
-            "ranks_per_node": stage.topology.ranks_per_node, "policy": stage.config.policy, "steps": stage.steps,
-            "global_steps": engine.global_steps, "zero_stage": int(engine.zero_optimization_stage()),
-            "compute_dtype": str(stage.shards[0].rows.dtype), "optimizer": type(opt).__name__ if opt else None,
-            "layers": layers, "ranks": [rank_file(r) for r in range(stage.world)], "common": COMMON}
+                       "optimizer_rows": stage.expert_state.row_keys(l), "dtype": str(shard.rows.dtype)})
+    return layers
+
+
+def meta_state(engine, tag: str, *, layers: list | None = None) -> dict:
+    """The metadata; ``layers``: every layer's description (default: this rank's, :func:`layer_meta`)."""
+    stage = engine.fssdp
+    opt = stage.optimizer
+    layers = layer_meta(engine) if layers is None else layers
+    world = dist.get_world_size()
+    out = {"format": FORMAT, "version": VERSION, "tag": tag, "world_size": world, "group_size": stage.group_size,
+           "ranks_per_node": stage.topology.ranks_per_node, "policy": stage.config.policy, "steps": stage.steps,
+           "global_steps": engine.global_steps, "zero_stage": int(engine.zero_optimization_stage()),
+           "compute_dtype": layers[0]["dtype"] if layers else None, "optimizer": type(opt).__name__ if opt else None,
+           "layers": layers, "ranks": [rank_file(r) for r in range(world)], "common": COMMON}
+    if stage.layout is not None:
+        out.update(pipeline_stages=stages_of(stage), dp_size=stage.world)
+    return out
 
 
 def _prepare(save_dir: str, tmp_dir: str) -> None:
