@@ -124,7 +124,8 @@ def from_pretrained(name_or_path, *, ds_config, **hf_kwargs):
     :data:`REFUSED_KWARGS`, refused by name before anything starts."""
     for key, why in REFUSED_KWARGS.items():
         if hf_kwargs.get(key) is not None:
-            raise ValueError(f"ds_fssdp.integrations.hf.from_pretrained: {key}={hf_kwargs[key]!r} is not supported: {why}")
+            raise ValueError(f"ds_fssdp.integrations.hf.from_pretrained: {key}={hf_kwargs[key]!r} is not supported: "
+                             f"{why}")
     cfg = read_config(ds_config)
     model = load_as(layout_of(cfg), cfg, name_or_path, **hf_kwargs)
     _route()
