@@ -173,10 +173,11 @@ class FSSDPExperts(nn.Module):
         self.sharded = sharded
 
     def expert_parameters(self) -> list:
-        """The full expert parameters while the module holds them (else [])."""
-        if self.sharded is not None or self.owned is not None:
+        """The expert parameters the module shows until sharded (full tensors, lazy ones, or an owned
+        module's meta stand-ins: ``keep_flags``): what ``initialize`` keeps out of DeepSpeed's optimizer."""
+        if self.sharded is not None:
             return []
-        return [getattr(self, n) for n in self.spec.names]
+        return [p for p in (self._parameters.get(n) for n in self.spec.names) if p is not None]
 
     @property
     def lazy(self) -> bool:
