@@ -88,8 +88,10 @@ def sft_worker(rank, world, out_dir):
                          wrappers={type(m).__name__ for n, m in trainer.model.named_modules() if n.endswith("mlp.experts")})
         fssdp_hf.restore_deepspeed_initialize()
     # LoRA on a model from integrations.hf.from_pretrained: this rank reads only its own experts.
-    path = os.path.join(out_dir, f"ckpt-{rank}")
-    tiny_model("qwen3_moe").save_pretrained(path)
+    path = os.path.join(out_dir, "ckpt")
+    if rank == 0:
+        tiny_model("qwen3_moe").save_pretrained(path)
+    torch.distributed.barrier()  # the Trainer runs above started the process group
     model = fssdp_hf.from_pretrained(path, ds_config=copy.deepcopy(Z2_CONFIG), dtype=torch.float32)
     owned = [m.owned.owned_E.tolist() for _, m in fssdp_hf.converted_experts(model)]
     trainer, lora = sft_run(model, os.path.join(out_dir, "loaded_lora"), peft_config=lora_config(rank_pattern={}))
