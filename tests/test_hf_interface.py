@@ -51,9 +51,9 @@ def test_hf_kwargs_pass_through_or_are_refused_by_name(tmp_path, monkeypatch):
     _, want = transformers.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **F32)
     assert fssdp_hf.converted_experts(model) and info == want
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    # dtype, revision and attn_implementation: the rows are transformers' own bf16 load, bitwise.
+    # dtype, revision, trust_remote_code and attn_implementation: the rows are transformers' own bf16 load, bitwise.
     bf16 = fssdp_hf.from_pretrained(path, ds_config=CFG, dtype=torch.bfloat16, revision="main",
-                                    attn_implementation="eager")
+                                    trust_remote_code=True, attn_implementation="eager")
     assert bf16.config._attn_implementation == "eager"
     ref = _plain(path, dtype=torch.bfloat16)
     for got, want in zip(_rows(bf16), _rows(ref)):
