@@ -28,8 +28,9 @@ same ranks (each of the world / S pipelines takes the micro-batches of S ranks: 
 gradient accumulation steps), so its ``losses.jsonl`` matches that run's (the loss includes the
 routers' auxiliary terms either way). Stages need not be even (``--layers 3`` on 2 stages, or
 ``--layers 8 --stage-layers 3,5``). The
-per-layer table lists every stage's layers; the trace, metrics CSV and pictures are rank 0's,
-which holds the first stage's layers.
+per-layer table and the metrics CSV list every stage's layers; each stage's first rank writes its
+layers' trace (``trace.npz`` from the stage holding MoE layer 0, ``trace.stage<s>.npz`` from the
+others), and the pictures show ``trace.npz``'s layers.
 
 Checkpoints and restarts (docs/robustness.md):
 

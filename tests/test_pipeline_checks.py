@@ -43,6 +43,7 @@ def _refusals() -> dict:
     base = pp_config(dp=1, model=THREE)
     return {
         "bf16-zero0": _refused(dict(base, bf16={"enabled": True})),
+        "bf16-zero0-no-clip": _refused(dict(base, bf16={"enabled": True}, gradient_clipping=0.0)),
         "bf16-zero1-fp32-accum": _refused(dict(base, bf16={"enabled": True}, zero_optimization={"stage": 1},
                                                data_types={"grad_accum_dtype": "fp32"})),
         # the optimizer, on a stage without MoE layers too
@@ -87,9 +88,11 @@ def ran(tmp):
 
 def test_refused_on_every_rank_before_any_collective(ran):
     want = {
-        "bf16-zero0": "FSSDPConfigError: bf16.enabled (true) at zero_optimization.stage 0 with gradient_clipping (0.3) "
-                      "and pipeline parallelism: DeepSpeed's BF16_Optimizer clips with stage 0's norm only",
-        "bf16-zero1-fp32-accum": "FSSDPConfigError: bf16.enabled (true) at data_types.grad_accum_dtype ('fp32')",
+        "bf16-zero0": "FSSDPConfigError: bf16.enabled (true) at zero_optimization.stage 0 with pipeline parallelism: "
+                      "DeepSpeed's BF16_Optimizer steps it, whose norm (clipping, non-finite check) counts stage 0's",
+        "bf16-zero0-no-clip": "FSSDPConfigError: bf16.enabled (true) at zero_optimization.stage 0 with pipeline",
+        "bf16-zero1-fp32-accum": "FSSDPConfigError: bf16.enabled (true) with data_types.grad_accum_dtype ('fp32'), "
+                                 "gradient_clipping (0.3) and pipeline parallelism",
         "optimizer": "FSSDPConfigError: optimizer 'Adagrad' (optimizer.type) is not supported for fssdp experts",
         "router-bias": "FSSDPConfigError: fssdp.router_bias_update_rate (0.1) is set, but no MoE layer has a router",
         "half-frozen": "ValueError: FSSDPMoE: some expert tensors require grad and others do not",

@@ -33,9 +33,9 @@ BackwardPass); ``train_batch`` (and ``eval_batch``) return DeepSpeed's loss plus
 terms averaged like it (one all-reduce over the world per batch), the loss the model returns
 without pipelining.
 
-Refused by name before any collective: ZeRO 2/3 (DeepSpeed asserts it later), fp16 at ZeRO 0
-and bf16 with clipping where DeepSpeed's BF16_Optimizer steps (their norms are DeepSpeed's stage-0
-ones), FSSDP layers inside a ``TiedLayerSpec``, a schedule other than ``TrainSchedule`` (DualPipeV's
+Refused by name before any collective: ZeRO 2/3 (DeepSpeed asserts it later), fp16 and bf16 at
+ZeRO 0 and bf16 with fp32 gradient accumulation and clipping (DeepSpeed's FP16_Optimizer and
+BF16_Optimizer: their norms are its stage-0 ones), FSSDP layers inside a ``TiedLayerSpec``, a schedule other than ``TrainSchedule`` (DualPipeV's
 module; a custom ``_train_schedule`` at its first batch), tensor slicing, Ulysses SP and AutoTP,
 stages whose data-parallel ranks are not consecutive, and a stage without any layer. What depends
 on the MoE layers is checked on every stage's layers on every rank (:func:`every_stage_modules`),
@@ -121,22 +121,28 @@ def check_pipeline(ds_config: dict, model, *, mpu=None, mesh_param=None) -> Pipe
 
 
 def _check_precision(ds_config: dict, zero: int) -> None:
-    """The half-precision optimizers whose clip DeepSpeed computes from stage 0's parameters only
+    """The half-precision optimizers whose norm DeepSpeed computes from stage 0's parameters only
     (the grid reports the stage as the model-parallel rank): fp16 at ZeRO 0 (FP16_Optimizer), and
-    bf16 where DeepSpeed's pipeline engine picks its BF16_Optimizer (ZeRO 0, or ZeRO 1 with
-    ``data_types.grad_accum_dtype`` fp32) with ``gradient_clipping`` > 0 (DeepSpeed's default 1.0)."""
+    bf16 where DeepSpeed's pipeline engine picks its BF16_Optimizer: at ZeRO 0 always (its state
+    is partitioned over the data-parallel ranks, which DeepSpeed's ZeRO 0 load cannot read back:
+    ``load_state_dict`` indexes one dict by the data-parallel rank), at ZeRO 1 with
+    ``data_types.grad_accum_dtype`` fp32 when ``gradient_clipping`` > 0 (DeepSpeed's default 1.0)."""
     fp16 = bool((ds_config.get("fp16") or {}).get("enabled", False))
     if fp16 and zero == 0:
         raise FSSDPConfigError("fp16.enabled (true) at zero_optimization.stage 0 with pipeline parallelism: "
                                "DeepSpeed's fp16 optimizer clips with stage 0's norm only; use ZeRO stage 1")
     bf16 = bool((ds_config.get("bf16") or ds_config.get("bfloat16") or {}).get("enabled", False))
+    if bf16 and zero == 0:
+        raise FSSDPConfigError("bf16.enabled (true) at zero_optimization.stage 0 with pipeline parallelism: "
+                               "DeepSpeed's BF16_Optimizer steps it, whose norm (clipping, non-finite check) counts "
+                               "stage 0's parameters only and whose state a ZeRO 0 checkpoint cannot resume; use ZeRO "
+                               "stage 1")
     clip = float(ds_config.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT))
     accum = str((ds_config.get("data_types") or {}).get("grad_accum_dtype", "")).lower()
-    if bf16 and clip > 0 and (zero == 0 or accum in ("fp32", "float32", "float", "torch.float32")):
-        where = "zero_optimization.stage 0" if zero == 0 else f"data_types.grad_accum_dtype ({accum!r})"
-        raise FSSDPConfigError(f"bf16.enabled (true) at {where} with gradient_clipping ({clip}) and pipeline "
-                               "parallelism: DeepSpeed's BF16_Optimizer clips with stage 0's norm only, not the "
-                               "global one; use ZeRO stage 1 (bf16 gradients) or gradient_clipping 0")
+    if bf16 and clip > 0 and accum in ("fp32", "float32", "float", "torch.float32"):
+        raise FSSDPConfigError(f"bf16.enabled (true) with data_types.grad_accum_dtype ({accum!r}), gradient_clipping "
+                               f"({clip}) and pipeline parallelism: DeepSpeed's BF16_Optimizer clips with stage 0's "
+                               "norm only, not the global one; use bf16 gradient accumulation or gradient_clipping 0")
 
 
 def check_stage_parts(parts: list) -> None:
