@@ -64,11 +64,28 @@ def _worker(rank, world, tmp: str):
     fssdp = {"overlap_degree": "auto", "calibration": True, "collective_timeout_s": 120,
              "metrics_csv": os.path.join(tmp, "metrics.csv"), "trace_path": os.path.join(tmp, "trace.npz")}
     out["empty-auto"] = train_pipeline(rank, dict(pp_config(dp=1, model=THREE, fssdp=fssdp), _parts=STAGE0_EMPTY), 2)
-    out["sgd"] = train_pipeline(rank, pp_config(dp=1, model=THREE), 1)
+    out["sgd"] = train_pipeline(rank, pp_config(dp=1, model=THREE), 1, save=os.path.join(tmp, "z0"))
+    out["z0-in-z1"] = _load(pp_config(dp=1, zero=1, model=THREE), os.path.join(tmp, "z0"))
+    z1 = pp_config(dp=1, zero=1, model=THREE)
+    _engine(z1).save_checkpoint(os.path.join(tmp, "z1"))
+    out["z1-in-z0"] = _load(pp_config(dp=1, model=THREE), os.path.join(tmp, "z1"))
     run = lambda engine: setattr(engine.fssdp_pipe, "set_aux_scale",
                                  _times(engine.fssdp_pipe.set_aux_scale, engine.gradient_accumulation_steps()))
     out["control-aux-scale"] = train_pipeline(rank, pp_config(dp=1, model=THREE), 1, engine_hook=run)
     return out
+
+
+def _engine(cfg):
+    import ds_fssdp
+    return ds_fssdp.initialize(model=build(cfg)[1], config=ds_part(cfg))[0]
+
+
+def _load(cfg, where) -> str:
+    try:
+        _engine(cfg).load_checkpoint(where)
+    except Exception as err:  # the refusal is the result
+        return f"{type(err).__name__}: {err}"
+    return "loaded"
 
 
 def _times(set_scale, factor):
@@ -103,6 +120,16 @@ def test_refused_on_every_rank_before_any_collective(ran):
         got = ran[rank]["refusals"]
         for name, message in want.items():
             assert got[name].startswith(message), (rank, name, got[name])
+
+
+def test_a_checkpoint_of_another_zero_kind_is_refused_by_name(ran):
+    """ZeRO 0 keeps the dense optimizer state whole, ZeRO 1 partitioned: DeepSpeed reads only its own
+    kind, so a resume across them (with the optimizer state) is refused before it loads anything."""
+    for rank in range(WORLD):
+        for name, saved, mine in (("z0-in-z1", 0, 1), ("z1-in-z0", 1, 0)):
+            got = ran[rank][name]
+            assert got.startswith("CheckpointError: ") and f"saved at zero_optimization.stage {saved}, this engine " \
+                f"runs stage {mine}" in got, (rank, name, got)
 
 
 def test_a_stage_without_moe_layers_agrees_windows_and_reports_the_other_stages_layers(ran, tmp):
