@@ -149,6 +149,8 @@ class FSSDPStage:
         self.trace = None
         self.health = NonFiniteGuard(config.nonfinite)  # non-finite losses/gradients (runtime/health.py)
         self.trace_at_forward = False  # the pipeline engine records each forward's trace entry itself
+        # Who writes the trace, where: rank 0 (under pipeline parallelism each stage's first rank, runtime/pipeline.py)
+        self.trace_file = config.trace_path if dist.get_rank() == 0 else None
         same_E = len({l.num_experts for l in self.layers}) <= 1
         if config.reshard_interval and not same_E:
             raise FSSDPConfigError(f"fssdp.reshard_interval ({config.reshard_interval}) needs the same number of "
@@ -220,9 +222,9 @@ class FSSDPStage:
             shard.timings.enabled = refits  # the spans feed the refits only
         if engine.wall_clock_breakdown():
             self.timers = engine.timers
-        if self.config.trace_path and dist.get_rank() == 0 and self.layers:
+        if self.trace_file and self.layers:
             from ds_fssdp.sim.traces import TraceWriter
-            self.trace = TraceWriter(self.config.trace_path, meta={
+            self.trace = TraceWriter(self.trace_file, meta={
                 "top_k": self.layers[0].k, "ranks_per_node": self.topology.ranks_per_node,
                 "policy": self.config.policy, "source": "ds_fssdp runtime (fssdp.trace_path)",
                 # What ds_fssdp.report needs to replay the placements from the recorded loads.
@@ -462,8 +464,8 @@ class FSSDPStage:
     def _agree_on_windows(self, device) -> None:
         """Decisions that use the measured attention windows ("auto" t, calibration's budget, the
         split of ZeRO 0's EDP sync) must be the same on every rank: once per step, all ranks adopt
-        the largest measured window."""
-        if (self.config.overlap_degree != "auto"
+        the largest measured window (a pipeline stage without MoE layers has none to agree on)."""
+        if not self.shards or (self.config.overlap_degree != "auto"
                 and not (self.config.calibration and self.config.calibration_latency_budget is None)
                 and not (self.edp_sync is not None and self.edp_sync.may_split)):
             return
