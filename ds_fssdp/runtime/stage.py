@@ -40,7 +40,7 @@ from ds_fssdp.moe.experts_module import FSSDPExperts
 from ds_fssdp.moe.sharded import ReplicaMemory, ShardedExperts, ShardOptions, StepContext, chain
 from ds_fssdp.planner import LoadPredictor, initial_ownership
 from ds_fssdp.planner.baselines import Clock
-from ds_fssdp.planner.record import decision_arrays
+from ds_fssdp.planner.decision import decision_arrays
 from ds_fssdp.planner.layer import build_policies, layer_clock, migrations
 from ds_fssdp.planner.schedule import ScheduleCosts
 from ds_fssdp.planner.scheduled import ExchangeOptions, ScheduledCostModel
