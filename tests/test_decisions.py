@@ -298,13 +298,15 @@ def test_control_tampered_record(runs, key, index, tmp_path, capsys):
 
 def test_check_refuses_what_it_cannot_derive(runs, tmp_path, capsys):
     """Refused by name (exit 2), never passed: a trace without the inputs, re-shards on loads of
-    several FSSDP groups, and the override flags."""
+    several FSSDP groups, a trace that starts mid-run (resumed), and the override flags."""
     from ds_fssdp.report.__main__ import main
     from ds_fssdp.sim.traces import Trace, save_trace
     trace = runs["fssdp-gas2-zero1"]["trace"]
     cases = {"no-steps": Trace(trace.tokens_SLED, trace.meta,
                                {k: v for k, v in trace.arrays.items() if k != "optimizer_step"}),
-             "groups": Trace(trace.tokens_SLED, dict(trace.meta, fssdp_groups=2), trace.arrays)}
+             "groups": Trace(trace.tokens_SLED, dict(trace.meta, fssdp_groups=2), trace.arrays),
+             "resumed": Trace(trace.tokens_SLED, trace.meta,
+                              dict(trace.arrays, optimizer_step=trace.arrays["optimizer_step"] + 3))}
     for name, t in cases.items():
         (tmp_path / name).mkdir()
         save_trace(str(tmp_path / name / "trace.npz"), t)
@@ -312,5 +314,7 @@ def test_check_refuses_what_it_cannot_derive(runs, tmp_path, capsys):
     assert "optimizer_step" in capsys.readouterr().err
     assert main([str(tmp_path / "groups"), "--check"]) == 2
     assert "2 FSSDP groups" in capsys.readouterr().err
+    assert main([str(tmp_path / "resumed"), "--check"]) == 2
+    assert "after optimizer step 3" in capsys.readouterr().err
     assert main([str(tmp_path / "groups"), "--check", "--budget", "3"]) == 2
     assert "--budget" in capsys.readouterr().err

@@ -81,6 +81,10 @@ def refusal(trace: Trace, settings: ReplaySettings) -> str | None:
     if missing:
         return (f"the trace records no {', '.join(missing)} (not written by the runtime's fssdp.trace_path, or "
                 "before its inputs were recorded): nothing to check against")
+    start = int(trace.arrays["optimizer_step"][0]) if trace.steps else 0
+    if start:
+        return (f"the trace starts after optimizer step {start} (a run resumed from a checkpoint): the load "
+                "history and the owners it started from are the checkpoint's, not in the trace")
     if settings.notes:
         return "the trace lacks what the run decided with: " + "; ".join(settings.notes)
     moves = settings.reshard_interval or settings.policy == "smartmoe"
