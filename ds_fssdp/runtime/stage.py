@@ -40,7 +40,7 @@ from ds_fssdp.moe.experts_module import FSSDPExperts
 from ds_fssdp.moe.sharded import ReplicaMemory, ShardedExperts, ShardOptions, StepContext, chain
 from ds_fssdp.planner import LoadPredictor, initial_ownership
 from ds_fssdp.planner.baselines import Clock
-from ds_fssdp.planner.record import decision_arrays
+from ds_fssdp.planner.decision import decision_arrays
 from ds_fssdp.planner.layer import build_policies, layer_clock, migrations
 from ds_fssdp.planner.schedule import ScheduleCosts
 from ds_fssdp.planner.scheduled import ExchangeOptions, ScheduledCostModel
@@ -241,7 +241,9 @@ class FSSDPStage:
                                     else list(self.pipeline_degree)),
                 "topology_aware": self.config.topology_aware, "side_ratio": self.side_ratio,
                 # the re-shards' loads are summed over the FSSDP groups; the trace holds rank 0's group's
-                "fssdp_groups": self.edp_size})
+                "fssdp_groups": self.edp_size,
+                # rank 0 holds the first pipeline stage's layers: the trace records those
+                "pipeline_stages": 1 if self.pipe_group is None else dist.get_world_size(group=self.pipe_group)})
             atexit.register(self.trace.close)
         # The first layer's gather starts with the model's forward, before the first attention.
         if self.layers:
