@@ -78,3 +78,27 @@ def test_uneven_and_empty_owners_load_train_and_save(results, checkpoints, name)
         with open(os.path.join(saved, "model.safetensors.index.json")) as f:
             assert set(json.load(f)["weight_map"]) == keys, how  # no "module." prefix, HF's own names
         _assert_trained_like(saved, ref_model, [r[f"{name}_losses"] for r in results], ref_losses, f"{name} {how}")
+
+
+def info_worker(rank, world, path):
+    import ds_fssdp.integrations.hf as fssdp_hf
+    cfg = dict(_ds_config(group_size=1, zero=3), train_batch_size=2)  # one rank
+    model, info = fssdp_hf.from_pretrained(path, ds_config=cfg, dtype=torch.float32, output_loading_info=True)
+    assert any(hasattr(p, "ds_id") for p in model.parameters())  # partitioned while loading
+    return info
+
+
+def test_loading_info_under_zero3(tmp_path):
+    """ZeRO-3 (the dense part partitioned while it loads): the loading info names what transformers'
+    own names, a checkpoint key that lands nowhere included."""
+    from safetensors.torch import load_file, save_file
+    path = _checkpoint(tmp_path / "ckpt", CASES["mixtral"])
+    for n in os.listdir(path):
+        if n.endswith(".safetensors"):
+            tensors = load_file(os.path.join(path, n))
+            tensors["model.extra.weight"] = torch.zeros(2)
+            save_file(tensors, os.path.join(path, n), metadata={"format": "pt"})
+            break
+    _, want = transformers.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    (info, ) = spawn(1, info_worker, path)
+    assert want["unexpected_keys"] == {"model.extra.weight"} and info == want
