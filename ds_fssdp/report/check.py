@@ -30,7 +30,8 @@ class CheckResult:
     arrays: list  # the decision arrays compared
     reshard_steps: list  # the optimizer steps after which the replay re-sharded
     first: tuple | None  # (iteration, layer, array) of the first difference; None: none
-    pipeline_stages: int = 1  # the run's; the trace holds the first stage's layers
+    pipeline_stages: int = 1  # the run's; the trace holds one stage's layers
+    pipeline_stage: int = 0  # that stage (its first rank wrote the trace)
 
     def lines(self) -> list:
         if self.first is not None:
@@ -38,8 +39,9 @@ class CheckResult:
             return [f"decision differs: iteration {it}, layer {layer}, array {key}"]
         stage = []
         if self.pipeline_stages > 1:
-            stage = [f"pipeline stage 0 of {self.pipeline_stages}: the trace (rank 0's) holds that stage's "
-                     f"{self.layers} MoE layers; the other stages' decisions are not recorded"]
+            stage = [f"pipeline stage {self.pipeline_stage} of {self.pipeline_stages}: the trace (that stage's first "
+                     f"rank's) holds its {self.layers} MoE layers; each other stage's are in its own trace "
+                     "(<trace stem>.stage<s>.npz)"]
         return stage + [f"checked {self.checked} decisions ({self.rows} iterations x {self.layers} layers x "
                 f"{len(self.arrays)} arrays; re-shards after optimizer steps {self.reshard_steps}): all equal to "
                 f"the decisions derived from the trace's inputs"]
@@ -105,4 +107,5 @@ def check(trace: Trace) -> CheckResult:
     S, L = trace.tokens_SLED.shape[:2]
     return CheckResult(checked=S * L * len(order), rows=S, layers=L, arrays=order, reshard_steps=rep.reshard_steps,
                        first=first_difference(compare(trace, rep), order),
-                       pipeline_stages=int(trace.meta.get("pipeline_stages", 1)))
+                       pipeline_stages=int(trace.meta.get("pipeline_stages", 1)),
+                       pipeline_stage=int(trace.meta.get("pipeline_stage", 0)))
