@@ -22,9 +22,9 @@ import torch
 
 from ds_fssdp.config import FSSDPConfig
 from ds_fssdp.moe.sharded import Decision, decision_arrays
-from ds_fssdp.planner import (Clock, CostModel, ExpertShape, Hardware, LoadPredictor, PolicyConfig, homogeneous_owner,
-                              make_policy)
-from ds_fssdp.planner.layer import LayerPlanner, migrating_policies, migrations
+from ds_fssdp.planner import Clock, CostModel, ExpertShape, Hardware, LoadPredictor, homogeneous_owner
+from ds_fssdp.planner.inputs import PlannerSettings, planner_inputs
+from ds_fssdp.planner.layer import LayerPlanner, migrations
 from ds_fssdp.planner.schedule import ScheduleCosts
 from ds_fssdp.planner.scheduled import ExchangeOptions, ScheduledCostModel, exchange_decision
 from ds_fssdp.sim.traces import Trace
@@ -70,18 +70,23 @@ class ReplaySettings:
                                      side_ratio=ex.get("side_ratio", 0.0))
         return ScheduledCostModel(hw, shape, topology, exchange=options)
 
+    def planner_inputs(self, topology: Topology, *, num_experts: int, num_layers: int):
+        """The runtime's planner inputs (``planner.inputs.planner_inputs``, as
+        ``runtime/policy_setup.build_policies`` builds them) from these settings."""
+        settings = PlannerSettings(policy=self.policy, rematerialize=self.rematerialize, budget=self.budget,
+                                   overlap_degree="auto" if self.overlap_by_time else self.overlap_degree,
+                                   calibration=self.calibration,
+                                   calibration_latency_budget=self.calibration_latency_budget,
+                                   placement=self.placement, reshard_interval=self.reshard_interval,
+                                   smartmoe_interval=self.smartmoe_interval, dispatch=self.dispatch,
+                                   dispatch_slack=self.dispatch_slack,
+                                   topology_aware=bool((self.exchange or {}).get("topology_aware", True)))
+        return planner_inputs(settings, num_experts_L=[num_experts] * num_layers, topology=topology,
+                              cost=self.cost_model(topology))
+
     def make_policy(self, topology: Topology, *, num_experts: int, num_layers: int):
-        """The runtime's policy object (``runtime/policy_setup.build_policies``) from these settings."""
-        budget = self.calibration_latency_budget
-        config = PolicyConfig(num_experts=num_experts, num_layers=num_layers, topology=topology, budget=self.budget,
-                              overlap_degree=self.overlap_degree, cost=self.cost_model(topology),
-                              placement=self.placement, reshard_interval=self.reshard_interval,
-                              calibration=self.calibration,
-                              calibration_latency_budget=float("inf") if budget is None else float(budget),
-                              smartmoe_interval=self.smartmoe_interval, dispatch=self.dispatch,
-                              dispatch_slack=self.dispatch_slack, overlap_by_time=self.overlap_by_time)
-        name = "fssdp-rm" if self.policy == "fssdp" and self.rematerialize else self.policy
-        return make_policy(name, config)
+        """The runtime's policy object from these settings."""
+        return self.planner_inputs(topology, num_experts=num_experts, num_layers=num_layers).policy
 
     @classmethod
     def from_trace(cls, trace: Trace, **overrides) -> "ReplaySettings":
@@ -176,10 +181,10 @@ def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
     s = settings or ReplaySettings.from_trace(trace)
     S, L, E, D = trace.tokens_SLED.shape
     topology = Topology(num_ranks=D, ranks_per_node=int(s.ranks_per_node or D))
-    policy = s.make_policy(topology, num_experts=E, num_layers=L)
+    inputs = s.planner_inputs(topology, num_experts=E, num_layers=L)
+    policy, migrators = inputs.policy, inputs.migrators
     predictor = LoadPredictor([E] * L, window=s.window)
     planners = [LayerPlanner(policy, predictor, l) for l in range(L)]
-    migrators = migrating_policies(policy, reshard_interval=s.reshard_interval)
     clock_t = trace.arrays.get("decision_t")
     clock_b = trace.arrays.get("decision_latency_budget")
     clock_w = trace.arrays.get("decision_window_s")

@@ -68,13 +68,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ds_fssdp.planner.baselines import POLICY_NAMES, Clock, PolicyConfig, make_policy
+from ds_fssdp.planner.baselines import POLICY_NAMES
+from ds_fssdp.planner.inputs import planner_inputs
 from ds_fssdp.planner.schedule import drain_in_gaps
 from ds_fssdp.planner.schedule import overlap_window
 from ds_fssdp.planner.cost import CostModel
 from ds_fssdp.planner.layer import LayerPlanner, migrations
 from ds_fssdp.planner.shard import shard_placement
-from ds_fssdp.sim.setup import GRAD_BYTES, MIGRATE_BYTES, OPT_BYTES, OPT_TRAFFIC_BYTES, PARAM_BYTES, Setup
+from ds_fssdp.sim.setup import GRAD_BYTES, MIGRATE_BYTES, OPT_BYTES, OPT_TRAFFIC_BYTES, PARAM_BYTES, Setup, sim_settings
 from ds_fssdp.planner.dispatch import dispatch as planner_dispatch
 from ds_fssdp.planner.materialize import materialize as algorithm1  # the default materializer
 from ds_fssdp.sim.bound import LowerBound
@@ -201,19 +202,14 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
     budget = setup.budget_rm if rm else setup.budget
     attn_f = setup.attention_fwd_s
     attn_b = 2.0 * attn_f
-    config = PolicyConfig(num_experts=E, num_layers=L, topology=topo, budget=budget,
-                          overlap_degree=setup.overlap_degree, cost=cost, placement=placement,
-                          reshard_interval=setup.reshard_interval,
-                          calibration=setup.calibration,
-                          calibration_latency_budget=setup.calibration_budget * attn_f,
-                          overlap_by_time=options.idle_link and options.t_by_time and not fixed_t,
-                          smartmoe_interval=setup.smartmoe_interval, flexmoe_threshold=setup.flexmoe_threshold,
-                          flexmoe_slots=setup.flexmoe_slots, flexmoe_interval=setup.flexmoe_interval,
-                          dispatch=dispatch or "paper", dispatch_slack=dispatch_slack)
     if name not in SIM_POLICY_NAMES:
         raise ValueError(f"policy ({name!r}) must be one of {SIM_POLICY_NAMES}")
-    policy = make_policy("ep" if name == "fsmoe" else name, config, dispatcher=None if dispatch else dispatcher,
-                         materializer=materializer)
+    inputs = planner_inputs(sim_settings(name, setup, budget=budget, by_window=options.idle_link and not fixed_t,
+                                         t_by_time=options.t_by_time, placement=placement,
+                                         dispatch=dispatch or "paper", dispatch_slack=dispatch_slack),
+                            num_experts_L=[E] * L, topology=topo, cost=cost,
+                            dispatcher=None if dispatch else dispatcher, materializer=materializer)
+    policy, rule = inputs.policy, inputs.clock_rule
     gather_class = INTER if topo.num_nodes > 1 else INTRA
     window_L = [attn_f] * L  # replica gather windows the last step's schedule left
     loads = make_predictor(predictor, [E] * L, window=setup.load_window)
@@ -234,7 +230,8 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
     degree_counts, dedup_saved = ({}, {}), 0.0
     for s in range(S):
         br = dict.fromkeys(CATEGORIES, 0.0)
-        for reshard in migrations([policy], s, loads.predict_all(), owner_LE):
+        for reshard in migrations(inputs.migrators, s, loads.predict_all(), owner_LE,
+                                  clock=rule.reshard_clock(window_L, [attn_f] * L)):
             copies = reshard.copies_M4
             if copies.shape[0]:
                 traffic_DD = torch.zeros(D * D, dtype=torch.float64).index_add_(
@@ -252,8 +249,7 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
             window = overlap_window(attn_f, idle, early=options.idle_link)
             # t from the window the last step's schedule left, unless given (then the setup's, as
             # without the idle link: the planner's configured overlap degree)
-            clock = Clock(overlap_degree=cost.overlap_degree(window_L[l]), window_s=float(window_L[l]),
-                          attention_s=attn_f) if options.idle_link and not fixed_t else None
+            clock = rule.clock(float(window_L[l]), attn_f)
             tokens_ED = policy.route(torch.from_numpy(tokens_SLED[s, l].astype(np.int64)))
             if foresight:
                 loads.foresee(l, tokens_ED)
