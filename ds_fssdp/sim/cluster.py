@@ -109,7 +109,7 @@ def check_group_size(group_size: int, topology: Topology) -> None:
 
 
 class ClusterCostModel(CostModel):
-    """The relayed cost model, taking compact plans (what the cluster simulator's dispatcher
+    """The cost model, taking compact plans (what the cluster simulator's dispatcher
     returns; FSSDP's calibration prices its candidates with :meth:`layer_time`). ``scheduled``
     (placement by time): the planner's :class:`~ds_fssdp.planner.scheduled.ScheduledCostModel` of
     the layer schedule, which prices the plan's layer (forward + backward as its exchange runs, and
@@ -171,7 +171,7 @@ class PolicyRun:
         self.name, self.setup, self.N, self.groups = name, setup, N, D // N
         self.B = self.groups if max_groups is None else min(self.groups, max_groups)  # groups simulated
         self.topo = Topology(num_ranks=N, ranks_per_node=min(G, N))
-        self.cost = ClusterCostModel(setup.hw, setup.shape, self.topo, relay=True)
+        self.cost = ClusterCostModel(setup.hw, setup.shape, self.topo)
         self.rm = name == "fssdp-rm"
         if memory_cap is not None:
             if budget is not None:
@@ -363,10 +363,13 @@ class PolicyRun:
         owner_np = owner_E.numpy()
         shard_EN = np.zeros((E, N), dtype=bool)
         shard_EN[np.arange(E), owner_np] = True
-        gather = sparse_collective_links(owner_np, shard_EN | gathered_BEN, ranks_per_node=G, chunk_bytes=psi)
+        relay = self.inputs.relay
+        gather = sparse_collective_links(owner_np, shard_EN | gathered_BEN, ranks_per_node=G, chunk_bytes=psi,
+                                         relay=relay)
         reduce = sparse_collective_links(owner_np, shard_EN | hidden_BEN | calibrated_BEN, ranks_per_node=G,
-                                         chunk_bytes=psi)
-        calib = sparse_collective_links(owner_np, shard_EN | calibrated_BEN, ranks_per_node=G, chunk_bytes=psi)
+                                         chunk_bytes=psi, relay=relay)
+        calib = sparse_collective_links(owner_np, shard_EN | calibrated_BEN, ranks_per_node=G, chunk_bytes=psi,
+                                        relay=relay)
         times = 2.0 if self.rm else 1.0
         if timed:
             self.replicas += float(ephemeral_BLN[:, l].sum()) / st.num_layers / B

@@ -17,9 +17,10 @@ per layer
 * [spag] the SparseAllGather of the hidden replicas (those calibration evicts included) minus the
   attention forward it hides under; the SparseReduceScatter of the replicas used (and fssdp-rm's
   second SparseAllGather) minus the attention backward; calibration's extra gather, all of it
-  (critical path). Collectives are relayed
-  (:meth:`CostModel.sparse_collective_time`).
-* [rearr] FasterMoE's broadcast of shadowed experts (critical path, relayed like the gather).
+  (critical path). Collectives are priced as the runtime moves them
+  (:meth:`CostModel.gather_time`, ``planner/inputs.py``).
+* [rearr] FasterMoE's broadcast of shadowed experts (critical path, NCCL's relayed broadcast:
+  :meth:`CostModel.broadcast_time`).
 * [ar] FasterMoE's reduce of the shadows' gradients (same time as the broadcast) and FlexMoE's
   all-reduce of replicated experts' gradients (ring, :meth:`CostModel.allreduce_time`), both
   exposed: the baselines issue them after the backward (paper Figure 1b).
@@ -197,7 +198,7 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
     if options.price_by_schedule:  # placement by time: calibration and balanced-time price the schedule
         cost = scheduled_cost_model(hw, shape, topo, sched)
     else:
-        cost = CostModel(hw, shape, topo, relay=True)  # every sparse collective relayed, calibration's too
+        cost = CostModel(hw, shape, topo)  # sparse collectives priced as the runtime moves them
     rm = name == "fssdp-rm"
     budget = setup.budget_rm if rm else setup.budget
     attn_f = setup.attention_fwd_s
@@ -276,11 +277,11 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
             charge = LayerCharge(moe_s=float(lt.forward_B[0] + lt.backward_B[0]), window_s=window,
                                  backward_window_s=window_b)
             if bool(lp.gathered_ED.any()):  # what calibration evicted was gathered too
-                gather = cost.sparse_collective_time(owner_E, shard_ED | lp.gathered_ED)
+                gather = cost.gather_time(owner_E, shard_ED | lp.gathered_ED)
                 charge.gather_s = max(0.0, gather - window)
                 br["spag"] += charge.gather_s
             if bool((lp.hidden_ED | lp.calibrated_ED).any()):
-                reduce = cost.sparse_collective_time(owner_E, shard_ED | lp.hidden_ED | lp.calibrated_ED)
+                reduce = cost.gather_time(owner_E, shard_ED | lp.hidden_ED | lp.calibrated_ED)
                 reduce *= 2.0 if lp.rematerialize else 1.0  # fssdp-rm gathers again before it
                 charge.reduce_s = max(0.0, reduce - window_b)
                 br["spag"] += charge.reduce_s
@@ -292,14 +293,14 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
                     window_L[l + 1] = overlap_window(attn_f, idle)
             gaps_L.append(attn_b + float(lt.backward_B[0] - lt.busy_backward_B2[0, ar_class]) - reduce_hidden)
             if bool(lp.calibrated_ED.any()):
-                charge.calibration_s = cost.sparse_collective_time(owner_E, shard_ED | lp.calibrated_ED)
+                charge.calibration_s = cost.gather_time(owner_E, shard_ED | lp.calibrated_ED)
                 br["spag"] += charge.calibration_s
             if charges is not None:
                 if l == 0:
                     charges.append([])
                 charges[-1].append(charge)
             if bool(lp.shadow_ED.any()):
-                bcast = cost.sparse_collective_time(owner_E, shard_ED | lp.shadow_ED)
+                bcast = cost.broadcast_time(owner_E, shard_ED | lp.shadow_ED)
                 br["rearr"] += bcast
                 br["ar"] += bcast
             if bool(lp.persistent_ED.any()):
