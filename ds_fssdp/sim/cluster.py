@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ds_fssdp.planner.baselines.ep import uniform_split
 from ds_fssdp.planner.inputs import planner_inputs
 from ds_fssdp.planner.dispatch import dispatch_plan
 from ds_fssdp.planner.plan import DispatchPlan
@@ -385,7 +386,7 @@ class PolicyRun:
             return tokens_LED
         L, E, D = tokens_LED.shape
         groups_BEN = tokens_LED.reshape(L, E, self.groups, self.N).transpose(0, 2, 1, 3).reshape(-1, E, self.N)
-        routed = uniform_tokens_BEN(groups_BEN).reshape(L, self.groups, E, self.N).transpose(0, 2, 1, 3)
+        routed = uniform_split(groups_BEN).reshape(L, self.groups, E, self.N).transpose(0, 2, 1, 3)
         return np.ascontiguousarray(routed.reshape(L, E, D))
 
     def _observe(self, tokens_LED: np.ndarray) -> None:
@@ -485,16 +486,6 @@ class PolicyRun:
                              degrees={"forward": dict(sorted(self.degree_counts[0].items())),
                                       "backward": dict(sorted(self.degree_counts[1].items()))},
                              dedup_saved_gb=self.dedup_saved / c / 1e9, split_steps=self.split_steps / c)
-
-
-def uniform_tokens_BEN(tokens_BEN: np.ndarray) -> np.ndarray:
-    """:func:`ds_fssdp.planner.baselines.uniform_tokens` for every group at once (ranks numbered
-    inside their group)."""
-    B, E, N = tokens_BEN.shape
-    total_BN = tokens_BEN.sum(1, dtype=np.int64)
-    q_BN, r_BN = total_BN // E, total_BN % E
-    shift_EN = (np.arange(E)[:, None] - np.arange(N)[None, :]) % E
-    return q_BN[:, None, :] + (shift_EN[None] < r_BN[:, None, :])
 
 
 def run_cluster(runs: list, source, *, bound: bool = True) -> list:
