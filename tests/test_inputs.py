@@ -18,7 +18,6 @@ from ds_fssdp.planner.baselines import FSSDPPolicy
 from ds_fssdp.planner.cost import CostModel
 from ds_fssdp.planner.inputs import GATHER_RELAY, ClockRule, PlannerSettings, planner_inputs
 from ds_fssdp.report import replay as replay_mod
-from ds_fssdp.runtime import policy_setup
 from ds_fssdp.sim import cluster as cluster_mod
 from ds_fssdp.sim import simulate as simulate_mod
 from ds_fssdp.sim.setup import sim_settings
@@ -94,12 +93,13 @@ def same_inputs(a, b):
 
 
 def test_every_caller_gets_equal_factory_outputs(monkeypatch):
-    """The runtime (policy_setup), the paper engine, the cluster engine and the replay, given the
-    same settings, all call the factory and get equal inputs; their planners hold its policy."""
+    """The runtime and the replay (planner.inputs.build_policies), the paper engine and the cluster
+    engine, given the same settings, all call the factory and get equal inputs; their planners
+    hold its policy."""
     setup = small_setup()
     attn = setup.attention_fwd_s
     seen = []
-    for m in (policy_setup, simulate_mod, cluster_mod, replay_mod):
+    for m in (inputs_mod, simulate_mod, cluster_mod):  # the runtime and the replay: inputs.build_policies
         spy(monkeypatch, m, seen)
     # the runtime: the "fssdp" block that says what the simulators model
     config = FSSDPConfig(policy="fssdp", overlap_degree="auto", calibration=True, calibration_latency_budget=attn,
@@ -108,25 +108,25 @@ def test_every_caller_gets_equal_factory_outputs(monkeypatch):
     cost = CostModel(HW, SHAPE, TOPO, relay=GATHER_RELAY)
     layers = [types.SimpleNamespace(num_experts=setup.num_experts) for _ in range(setup.num_layers)]
     predictor = LoadPredictor([setup.num_experts] * setup.num_layers, window=setup.load_window)
-    runtime, planners = policy_setup.build_policies(config, layers=layers, topology=TOPO, budget=setup.budget,
-                                                    cost=cost, predictor=predictor)
+    runtime, planners = inputs_mod.build_policies(config, num_experts=[l.num_experts for l in layers], topology=TOPO,
+                                                  budget=setup.budget, cost=cost, predictor=predictor)
     assert all(p.policy is runtime.policy for p in planners)
     # both simulators, in their real mode (t from the window, calibration on, re-shards)
     tokens = tokens_of(setup, 7)
     simulate_mod.simulate_policy("fssdp", setup, tokens)
     run = cluster_mod.PolicyRun("fssdp", setup)
     assert all(p.policy is run.inputs.policy for ps in run.planners_BL for p in ps)
-    # the replay of a run with these settings
-    settings = replay_mod.ReplaySettings(policy="fssdp", budget=setup.budget, overlap_by_time=True, calibration=True,
+    # the replay of a run with these settings, as replay() builds its inputs
+    settings = replay_mod.ReplaySettings(policy="fssdp", budget=setup.budget, overlap_degree="auto", calibration=True,
                                          calibration_latency_budget=attn, reshard_interval=setup.reshard_interval,
                                          smartmoe_interval=setup.smartmoe_interval, placement="paper",
                                          dispatch="paper", dispatch_slack=0.0, hardware=HW.__dict__,
-                                         expert_shape=SHAPE.__dict__,
-                                         ranks_per_node=4)
-    settings.planner_inputs(TOPO, num_experts=setup.num_experts, num_layers=setup.num_layers)
+                                         expert_shape=SHAPE.__dict__, ranks_per_node=4)
+    replay_mod.build_policies(settings, num_experts=[setup.num_experts] * setup.num_layers, topology=TOPO,
+                              budget=settings.budget, cost=settings.cost_model(TOPO), predictor=predictor)
     callers = [s[0] for s in seen]
-    assert callers == ["ds_fssdp.runtime.policy_setup", "ds_fssdp.sim.simulate", "ds_fssdp.sim.cluster",
-                       "ds_fssdp.report.replay"], callers
+    assert callers == ["ds_fssdp.planner.inputs", "ds_fssdp.sim.simulate", "ds_fssdp.sim.cluster",
+                       "ds_fssdp.planner.inputs"], callers
     outs = [s[3] for s in seen]
     flex = {"flexmoe_threshold", "flexmoe_slots", "flexmoe_interval"}  # the runtime has no FlexMoE
     for out in outs[1:]:

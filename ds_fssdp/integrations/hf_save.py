@@ -15,17 +15,24 @@ experts' byte ranges into them, one layer at a time (``safetensors_io.ShardFile`
 crosses a link, and no rank holds more than one layer's experts beyond its own.
 
 Atomic: everything goes into ``.tmp-<name>`` beside ``out_dir`` (same filesystem); rank 0 writes the
-index last and renames the directory into place. A non-empty ``out_dir`` is refused before
-anything is written; a failure on any rank (a full disk: ``OSError(ENOSPC)``) fails every rank alike,
-the temporary directory is removed, and ``out_dir`` is left as it was.
+index last and renames the directory into place. An ``out_dir`` that already holds a model's files
+(weights, an index, ``config.json``: :data:`MODEL_FILES`) is refused before anything is written; one
+holding only other things (the Trainer's ``output_dir`` with its ``checkpoint-N`` folders and logs)
+gets the files moved in one by one, the index last, so the model becomes loadable only once whole.
+A failure on any rank (a full disk: ``OSError(ENOSPC)``) fails every rank alike, the temporary
+directory and anything moved are removed, and ``out_dir`` is left as it was.
 
 ``trainer.save_model(out_dir)`` on a converted model goes through it (:func:`route_trainer_save`,
 installed by ``convert`` and the loaders): the Trainer calls ``save_model`` on every rank, and under
-DeepSpeed it would gather a state dict without the sharded experts. A PEFT model keeps the Trainer's
-and PEFT's own saving (the adapters are dense parameters).
+DeepSpeed it would gather a state dict without the sharded experts. ``model.save_pretrained(out_dir)``
+on a converted model goes through it too (:func:`route_model_save`; transformers' own would write
+FSSDP's tensor names), unless given the whole ``state_dict``. A DeepSpeed engine is unwrapped to its
+module. A PEFT model keeps the Trainer's and PEFT's own saving (the adapters are dense parameters).
 """
 from __future__ import annotations
 
+import fnmatch
+import functools
 import json
 import os
 import shutil
@@ -37,12 +44,18 @@ from ds_fssdp.runtime.checkpoint.files import CheckpointError, fsync_dir, write_
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _DENSE = ".dense"
-HONOURED = ("max_shard_size", "save_original_format", "safe_serialization")
+HONOURED = ("max_shard_size", "save_original_format", "overwrite", "safe_serialization")
+# A model's files in a directory: what a save never mixes with (weights, their index, config, adapters).
+MODEL_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth", "*.gguf",
+               "config.json", "generation_config.json", "adapter_config.json")
 
 
-def save_pretrained(model, out_dir, *, max_shard_size="50GB", save_original_format: bool = True, **kw) -> str:
+def save_pretrained(model, out_dir, *, max_shard_size="50GB", save_original_format: bool = True,
+                    overwrite: bool = False, **kw) -> str:
     """Write ``model`` (converted, sharded or not) as a Hugging Face directory (module docstring).
-    Collective: every rank calls it. Returns ``out_dir``."""
+    Collective: every rank calls it. Returns ``out_dir``. ``overwrite``: a model's files already in
+    ``out_dir`` are replaced (removed just before the new ones move in, the index last) instead of
+    refused, as transformers' own save and the Trainer's ``save_model`` do."""
     from ds_fssdp.integrations.hf import converted_experts
     from ds_fssdp.integrations.hf_keys import SavedExperts
     from ds_fssdp.integrations.safetensors_io import plan_shards
@@ -52,16 +65,18 @@ def save_pretrained(model, out_dir, *, max_shard_size="50GB", save_original_form
         raise ValueError(f"ds_fssdp.integrations.hf.save_pretrained: {key}={value!r} is not supported (it is "
                          "collective, every rank calls it, and writes safetensors into a local directory; "
                          f"supported: {', '.join(HONOURED)})")
+    model = unwrap(model)
     if _is_peft(model):
         return _save_peft(model, out_dir, max_shard_size=max_shard_size)
     comm = Comm()
     return write_hf_dir(model, out_dir, dense=lambda: dense_state_dict(model),
                         rows=lambda module: own_rows(module, comm.rank), dtype=_saved_dtype(model), comm=comm,
-                        max_shard_size=max_shard_size, save_original_format=save_original_format)
+                        max_shard_size=max_shard_size, save_original_format=save_original_format,
+                        overwrite=overwrite)
 
 
 def write_hf_dir(model, out_dir, *, dense, rows, dtype: torch.dtype, comm, max_shard_size="50GB",
-                 save_original_format: bool = True) -> str:
+                 save_original_format: bool = True, overwrite: bool = False) -> str:
     """The writer behind :func:`save_pretrained` and the offline export (``hf_export.py``):
     ``model`` (converted; may be a meta skeleton) names and lays out everything; ``dense()`` is the
     dense state dict (rank 0's; collective where it gathers); ``rows(module)`` this rank's
@@ -76,7 +91,7 @@ def write_hf_dir(model, out_dir, *, dense, rows, dtype: torch.dtype, comm, max_s
              for name, module in modules]
     shards = plan_shards([p for s in saved for p in s.planned], max_bytes=_size(max_shard_size))
     tmp = os.path.join(os.path.dirname(out_dir), f".tmp-{os.path.basename(out_dir)}")
-    comm.agree(f"preparing {out_dir}", lambda: _prepare(out_dir, tmp), root_only=True)
+    comm.agree(f"preparing {out_dir}", lambda: _prepare(out_dir, tmp, overwrite), root_only=True)
     try:
         state = dense()  # collective under ZeRO-3
         files = [_expert_file(tmp, i, shard) for i, shard in enumerate(shards)]
@@ -85,12 +100,23 @@ def write_hf_dir(model, out_dir, *, dense, rows, dtype: torch.dtype, comm, max_s
         del state
         file_of = {key: f for f in files for key in f.entries}
         comm.agree(f"writing the experts into {tmp}", lambda: _write_experts(modules, saved, file_of, rows))
-        comm.agree(f"committing {out_dir}", lambda: _commit(tmp, out_dir, files), root_only=True)
+        comm.agree(f"committing {out_dir}", lambda: _commit(tmp, out_dir, files, overwrite),
+                   root_only=True)
     except BaseException:
         if comm.rank == 0 and os.path.lexists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def unwrap(model):
+    """The model inside a DeepSpeed engine (``engine.module``, whose state dict keys lack the
+    engine's ``module.`` prefix) or a torch DDP wrapper."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from torch.nn.parallel import DistributedDataParallel
+    while isinstance(model, (DeepSpeedEngine, DistributedDataParallel)):
+        model = model.module
+    return model
 
 
 class Comm:
@@ -110,12 +136,22 @@ class Comm:
             raise CheckpointError(f"{what} failed: {type(err).__name__}: {err}") from err
 
 
-def _prepare(out_dir: str, tmp: str) -> None:
-    if os.path.isdir(out_dir) and os.listdir(out_dir):
-        raise CheckpointError(f"{out_dir} is not empty: ds_fssdp.integrations.hf.save_pretrained writes into a new or "
-                              "empty directory only (it never mixes a model with another's files)")
+def model_files(out_dir: str) -> list:
+    """The entries of ``out_dir`` that are a model's files (weights, index, config): what a save
+    into it would mix with."""
+    names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
+    return sorted(n for n in names if any(fnmatch.fnmatch(n, p) for p in MODEL_FILES))
+
+
+def _prepare(out_dir: str, tmp: str, overwrite: bool) -> None:
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
         raise CheckpointError(f"{out_dir} exists and is not a directory")
+    held = model_files(out_dir)
+    if held and not overwrite:
+        raise CheckpointError(f"{out_dir} already holds a model's files ({', '.join(held[:4])}"
+                              f"{', ...' if len(held) > 4 else ''}): ds_fssdp.integrations.hf.save_pretrained never "
+                              "mixes a model with another's files; save into a new directory, remove them, or pass "
+                              "overwrite=True")
     if os.path.lexists(tmp):
         shutil.rmtree(tmp)  # left by an unfinished save
     os.makedirs(tmp)
@@ -178,9 +214,8 @@ def _expert_file(tmp: str, i: int, planned: list):
 def _write_dense(model, tmp: str, dense: dict, files: list, max_shard_size, original_format: bool) -> None:
     """Rank 0: transformers' own save of the dense part (config, generation config, shards), then the
     expert shards' headers."""
-    from transformers.modeling_utils import PreTrainedModel
-    PreTrainedModel.save_pretrained(model, os.path.join(tmp, _DENSE), state_dict=dense, max_shard_size=max_shard_size,
-                                    save_original_format=original_format)
+    hf_save_pretrained()(model, os.path.join(tmp, _DENSE), state_dict=dense, max_shard_size=max_shard_size,
+                         save_original_format=original_format)
     for f in files:
         f.create()
 
@@ -223,7 +258,7 @@ def own_rows(module, rank: int):
     return torch.arange(module.num_experts), module.spec.flatten(module.export_experts())
 
 
-def _commit(tmp: str, out_dir: str, files: list) -> None:
+def _commit(tmp: str, out_dir: str, files: list, overwrite: bool = False) -> None:
     """Rank 0: the final names, the index (last), the rename into place."""
     from ds_fssdp.integrations.safetensors_io import read_header
     dense_dir = os.path.join(tmp, _DENSE)
@@ -256,10 +291,38 @@ def _commit(tmp: str, out_dir: str, files: list) -> None:
     write_json({"metadata": {"total_size": total_size, "total_parameters": total_params},
                 "weight_map": dict(sorted(weight_map.items()))}, os.path.join(tmp, INDEX))
     fsync_dir(tmp)
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        _move_into(tmp, out_dir, overwrite)
+        return
     if os.path.isdir(out_dir):
-        os.rmdir(out_dir)  # empty (checked): the rename below takes its place
+        os.rmdir(out_dir)  # empty: the rename below takes its place
     os.rename(tmp, out_dir)
     fsync_dir(os.path.dirname(out_dir))
+
+
+def _move_into(tmp: str, out_dir: str, overwrite: bool) -> None:
+    """A directory holding other things (the Trainer's ``output_dir`` with its ``checkpoint-N``
+    folders and logs; model files only with ``overwrite``, removed first): the files move in one by
+    one, the index last, so the model is loadable only once complete; a failure removes the ones
+    moved."""
+    if overwrite:
+        for n in model_files(out_dir):  # the previous model's, stale shards included
+            os.remove(os.path.join(out_dir, n))
+    names = sorted(os.listdir(tmp), key=lambda n: (n == INDEX, not n.endswith(".safetensors"), n))
+    clash = [n for n in names if os.path.lexists(os.path.join(out_dir, n))]
+    if clash:
+        raise CheckpointError(f"{out_dir} already has {clash}: the save would overwrite them")
+    moved = []
+    try:
+        for n in names:
+            os.replace(os.path.join(tmp, n), os.path.join(out_dir, n))
+            moved.append(n)
+        fsync_dir(out_dir)
+    except BaseException:
+        for n in moved:
+            os.remove(os.path.join(out_dir, n))
+        raise
+    os.rmdir(tmp)
 
 
 def _is_peft(model) -> bool:
@@ -291,6 +354,7 @@ def route_trainer_save() -> None:
     on every rank (idempotent); other models keep the Trainer's own."""
     import transformers
     trainer = transformers.Trainer
+    route_model_save()
     if getattr(trainer.save_model, "_fssdp_original", None) is not None:
         return
     original = trainer.save_model
@@ -300,7 +364,7 @@ def route_trainer_save() -> None:
         if not _is_fssdp_model(model):
             return original(self, output_dir, _internal_call=_internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        save_pretrained(model, output_dir)
+        save_pretrained(model, output_dir, overwrite=True)  # as the Trainer's own save overwrites
         if self.args.should_save:  # what Trainer._save adds beside the weights
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
@@ -314,8 +378,41 @@ def route_trainer_save() -> None:
 
 
 def restore_trainer_save() -> None:
-    """Undo :func:`route_trainer_save`."""
+    """Undo :func:`route_trainer_save` (and :func:`route_model_save`)."""
     import transformers
+    from transformers.modeling_utils import PreTrainedModel
     original = getattr(transformers.Trainer.save_model, "_fssdp_original", None)
     if original is not None:
         transformers.Trainer.save_model = original
+    PreTrainedModel.save_pretrained = hf_save_pretrained()
+
+
+def hf_save_pretrained():
+    """transformers' own ``PreTrainedModel.save_pretrained`` (also while :func:`route_model_save` is installed)."""
+    from transformers.modeling_utils import PreTrainedModel
+    current = PreTrainedModel.save_pretrained
+    return getattr(current, "_fssdp_original", current)
+
+
+def route_model_save() -> None:
+    """Make ``model.save_pretrained(out_dir, ...)`` on a converted model :func:`save_pretrained`
+    (collective; transformers' own would write the FSSDP tensor names and drop the sharded experts);
+    other models, and a call given the whole ``state_dict`` (``hf_state_dict(model)``), keep
+    transformers' own. Idempotent."""
+    from transformers.modeling_utils import PreTrainedModel
+    if getattr(PreTrainedModel.save_pretrained, "_fssdp_original", None) is not None:
+        return
+    original = PreTrainedModel.save_pretrained
+
+    @functools.wraps(original)
+    def save(self, save_directory, *args, **kwargs):
+        if kwargs.get("state_dict") is not None or not _is_fssdp_model(self):
+            return original(self, save_directory, *args, **kwargs)
+        if args:
+            raise ValueError(f"{type(self).__name__}.save_pretrained on a converted model takes keyword arguments only "
+                             f"(got {len(args)} positional): it is ds_fssdp.integrations.hf.save_pretrained")
+        kwargs.setdefault("overwrite", True)  # as transformers' own save overwrites
+        return save_pretrained(self, save_directory, **kwargs)
+
+    save._fssdp_original = original
+    PreTrainedModel.save_pretrained = save

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 
 from ds_fssdp.planner.baselines import Clock, Policy, PolicyConfig, make_policy
-from ds_fssdp.planner.layer import migrating_policies
+from ds_fssdp.planner.layer import LayerPlanner, migrating_policies
 
 # The runtime's sparse collectives (planner/transfers.py, hierarchical or not) send every chunk
 # from its owner: no node forwards a chunk it received to another node. CostModel(relay=False).
@@ -56,7 +56,8 @@ class PlannerSettings:
 
     @classmethod
     def of(cls, config, *, budget: int) -> "PlannerSettings":
-        """From an ``FSSDPConfig`` (read by attribute: the planner imports no config module)."""
+        """From an ``FSSDPConfig``, or the replay's settings of the same names (read by attribute:
+        the planner imports no config module)."""
         return cls(policy=config.policy, rematerialize=bool(config.rematerialize), budget=int(budget),
                    overlap_degree=config.overlap_degree, calibration=bool(config.calibration),
                    calibration_latency_budget=config.calibration_latency_budget, placement=config.placement,
@@ -150,3 +151,13 @@ def planner_inputs(settings: PlannerSettings, *, num_experts_L: list, topology, 
     return PlannerInputs(policy=policy, policies=policies,
                          migrators=migrating_policies(policy, reshard_interval=s.reshard_interval), clock_rule=rule,
                          relay=GATHER_RELAY, two_hops=bool(s.topology_aware))
+
+
+def build_policies(config, *, num_experts: list, topology, budget: int, cost, predictor) -> tuple:
+    """``(PlannerInputs, planners)``: :func:`planner_inputs` of the ``fssdp`` block ``config`` (the
+    runtime's ``FSSDPConfig``, or the replay's settings of the same names) and each layer's
+    :class:`~ds_fssdp.planner.layer.LayerPlanner` (``num_experts``: each layer's expert count), for
+    the materialization budget ``budget`` and cost model ``cost`` (None: none needed)."""
+    inputs = planner_inputs(PlannerSettings.of(config, budget=budget), num_experts_L=num_experts, topology=topology,
+                            cost=cost)
+    return inputs, [LayerPlanner(inputs.policy_for(E), predictor, i) for i, E in enumerate(num_experts)]

@@ -1,7 +1,7 @@
 """The stage's policy and what it decides with, built once at attach (``FSSDPStage.attach``): the
 "auto" materialization budget, the cost model (``fssdp.hardware``'s, else measured on this machine
-and agreed by every rank), the schedule's costs under ``fssdp.hardware``, and the policy object
-with each layer's planner.
+and agreed by every rank) and the schedule's costs under ``fssdp.hardware``; the policy object
+with each layer's planner is ``planner.inputs.build_policies`` (the report's replay builds it too).
 
 Every rank builds the same ones: the decisions decide the collectives. Only the measured cost
 model talks to other ranks (``runtime/profile.py``'s link measurement and one all-reduce over the
@@ -19,8 +19,6 @@ from deepspeed.utils import logger
 from ds_fssdp.config import FSSDPConfig
 from ds_fssdp.planner import Hardware, auto_materialization_budget
 from ds_fssdp.planner.cost import schedule_costs
-from ds_fssdp.planner.inputs import PlannerSettings, planner_inputs
-from ds_fssdp.planner.layer import LayerPlanner
 from ds_fssdp.planner.schedule import ScheduleCosts
 from ds_fssdp.planner.scheduled import ScheduledCostModel
 from ds_fssdp.runtime.profile import measure_expert_flops, measure_link_bandwidth
@@ -85,13 +83,3 @@ def configured_schedule_costs(hardware, shape) -> ScheduleCosts:
     every rank and in every run, nothing is measured); collective startup is the hardware's
     latency."""
     return schedule_costs(configured_hardware(hardware), shape)
-
-
-def build_policies(config: FSSDPConfig, *, layers: list, topology, budget, cost, predictor) -> tuple:
-    """The planner's inputs (``planner.inputs.planner_inputs``: the policy object, the policies
-    that re-shard after a step, the clock rule) and each layer's ``LayerPlanner``, for the
-    materialization budget ``budget`` and cost model ``cost`` (None: none needed)."""
-    inputs = planner_inputs(PlannerSettings.of(config, budget=budget), num_experts_L=[l.num_experts for l in layers],
-                            topology=topology, cost=cost)
-    planners = [LayerPlanner(inputs.policy_for(l.num_experts), predictor, i) for i, l in enumerate(layers)]
-    return inputs, planners
