@@ -124,13 +124,7 @@ class ClusterCostModel(CostModel):
         return super().layer_price(plan, attention_s)
 
     def layer_time(self, plan) -> float:
-        if self.scheduled is not None:
-            return self.scheduled.layer_time(plan)
-        if not isinstance(plan, DispatchPlan):
-            return super().layer_time(plan)
-        rows = float(plan.rows_D().max())
-        return rows * (3.0 * self.shape.row_flops / self.hw.flops) + 4.0 * float(
-            plan_links(plan, self.topology.ranks_per_node, self.shape.token_bytes).time_B(self.hw)[0])
+        return self.scheduled.layer_time(plan) if self.scheduled is not None else super().layer_time(plan)
 
 
 def plan_links(plan: DispatchPlan, ranks_per_node: int, row_bytes: float) -> Links:

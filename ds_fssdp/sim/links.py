@@ -19,6 +19,7 @@ import numpy as np
 from ds_fssdp.planner.cost import Hardware
 from ds_fssdp.planner.inputs import GATHER_RELAY
 from ds_fssdp.planner.prices import allreduce_links as prices_allreduce_links
+from ds_fssdp.planner.prices import exchange_links as prices_exchange_links
 from ds_fssdp.planner.prices import gather_links, link_seconds
 from ds_fssdp.planner.onecopy import distinct_fraction  # noqa: F401  (the simulators' dedup estimate)
 
@@ -124,19 +125,9 @@ def traffic_BNN(tokens_BED: np.ndarray, holder_BE: np.ndarray, flows_4F: np.ndar
 def traffic_links(traffic_BNN: np.ndarray, *, ranks_per_node: int, row_bytes: float,
                   rows_BNN: np.ndarray | None = None) -> Links:
     """:func:`exchange_links` from a [B, d, h] table of rows sent (``traffic_BNN``, maybe fewer
-    than the rows computed under one copy per destination); ``rows_BNN`` (default: the same) gives
-    the rows each rank computes."""
-    B, N, _ = traffic_BNN.shape
-    G = ranks_per_node
-    n = N // G
-    node_N = np.arange(N) // G
-    same_NN = node_N[:, None] == node_N[None, :]
-    off = traffic_BNN * ~np.eye(N, dtype=bool)
-    intra = off * same_NN
-    inter = off - intra
-    rank_BN = np.maximum(intra.sum(2), intra.sum(1)) * row_bytes
-    out_Bn = inter.sum(2).reshape(B, n, G).sum(2)
-    in_Bn = inter.sum(1).reshape(B, n, G).sum(2)
+    than the rows computed under one copy per destination; the links of
+    :func:`~ds_fssdp.planner.prices.exchange_links`); ``rows_BNN`` (default: the same) gives the
+    rows each rank computes."""
+    rank_BN, node_Bn, out_Bn = prices_exchange_links(traffic_BNN, ranks_per_node=ranks_per_node, row_bytes=row_bytes)
     rows = traffic_BNN if rows_BNN is None else rows_BNN
-    return Links(rank_BN=rank_BN, node_Bn=np.maximum(out_Bn, in_Bn) * row_bytes,
-                 inter_total=float(out_Bn.sum()) * row_bytes, rows_BN=rows.sum(1))
+    return Links(rank_BN=rank_BN, node_Bn=node_Bn, inter_total=float(out_Bn.sum()), rows_BN=rows.sum(1))
