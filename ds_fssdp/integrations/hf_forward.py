@@ -15,7 +15,7 @@ tensors. The probe runs the module's own forward (its eager implementation: the 
 whichever kernel the model was loaded with) on a copy holding small random tensors of its layout
 (E experts as in the module, H = 8, I = 4), so it costs nothing on a meta skeleton of a big model; a
 forward sized by its config instead of its tensors is probed again at the module's own H and I,
-every expert a view of one random expert. Checked once per class, forward and layout.
+every expert a view of one random expert. Checked once per class, forward, layout and config.
 """
 from __future__ import annotations
 
@@ -44,8 +44,10 @@ def check_forward(experts: nn.Module, layout, *, model_type, where: str) -> None
         raise ExtraComputeError(
             f"{where}: model_type {model_type!r}: the experts module holds {extra} beside its expert tensors; its "
             f"forward uses them ({_forward_owner(experts)}), and ds_fssdp's expert compute would drop them")
-    key = (type(experts), type(experts).forward, repr(layout))
-    if key in _CHECKED:  # every layer of a model: one class, one forward, one layout
+    config = getattr(experts, "config", None)
+    key = (type(experts), type(experts).forward, repr(layout),
+           config.to_json_string() if hasattr(config, "to_json_string") else id(config))
+    if key in _CHECKED:  # every layer of a model: one class, forward, layout and config
         return
     with torch.no_grad():
         try:
