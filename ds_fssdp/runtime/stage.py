@@ -240,7 +240,7 @@ class FSSDPStage:
                 "topology_aware": self.config.topology_aware, "side_ratio": self.side_ratio,
                 # the re-shards' loads are summed over the FSSDP groups; the trace holds rank 0's group's
                 "fssdp_groups": self.edp_size,
-                # rank 0 holds the first pipeline stage's layers: the trace records those
+                # under pipeline parallelism each stage's first rank records its stage's layers (pipeline.attach)
                 "pipeline_stages": 1 if self.pipe_group is None else dist.get_world_size(group=self.pipe_group)})
             atexit.register(self.trace.close)
         # The first layer's gather starts with the model's forward, before the first attention.
