@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 transformers = pytest.importorskip("transformers")
 
 from test_hf_big_model import (WORLD, _assert_trained_like, _checkpoint, _ds_config, _rows_match_checkpoint,  # noqa
-                               _train, reference)
+                               _train, reference, save_failing)
 
 CASES = {"qwen2_moe": dict(model_type="qwen2_moe", hidden=16, experts=3, ffn=12, layers=2),
          "mixtral": dict(model_type="mixtral", hidden=16, experts=5, ffn=12, layers=2)}
@@ -33,7 +33,6 @@ CASES = {"qwen2_moe": dict(model_type="qwen2_moe", hidden=16, experts=3, ffn=12,
 def worker(rank, world, paths):
     import ds_fssdp
     import ds_fssdp.integrations.hf as fssdp_hf
-    from ds_fssdp.runtime.checkpoint.files import CheckpointError
     out = {}
     for name in CASES:
         cfg = _ds_config(group_size=4)
@@ -45,16 +44,8 @@ def worker(rank, world, paths):
         fssdp_hf.save_pretrained(engine, os.path.join(paths["out"], f"{name}_engine"))
         if name == "mixtral":  # rank 0 alone fails while it gathers the dense part: every rank fails by name
             from ds_fssdp.integrations import hf_save
-            dense = hf_save.dense_state_dict
-            if rank == 0:
-                hf_save.dense_state_dict = lambda *a: (_ for _ in ()).throw(MemoryError("rank 0 out of memory"))
-            try:
-                fssdp_hf.save_pretrained(model, os.path.join(paths["out"], "failed"))
-                out["failed"] = None
-            except CheckpointError as err:
-                out["failed"] = str(err)
-            finally:
-                hf_save.dense_state_dict = dense
+            out["failed"] = save_failing(lambda: fssdp_hf.save_pretrained(model, os.path.join(paths["out"], "failed")),
+                                         hf_save, "dense_state_dict", MemoryError("rank 0 out of memory"), rank == 0)
         model.save_pretrained(os.path.join(paths["out"], f"{name}_method"))
         fssdp_hf.restore_trainer_save()
         del engine, model

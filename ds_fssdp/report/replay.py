@@ -8,8 +8,8 @@ A trace written by the runtime records each training forward's inputs: the all-g
 schedule's costs each layer decided with (fitted or ``fssdp.hardware``'s) and the row sizes the
 exchange decision priced; the sidecar records the config and the measured hardware. From those
 alone the replay derives every decision again through the functions the runtime calls:
-:func:`~ds_fssdp.planner.layer.build_policies` (the policy, the re-sharding policies, each
-layer's :class:`~ds_fssdp.planner.layer.LayerPlanner`), :func:`~ds_fssdp.planner.layer.layer_clock`
+:func:`~ds_fssdp.planner.inputs.build_policies` (the policy, the re-sharding policies, each
+layer's :class:`~ds_fssdp.planner.layer.LayerPlanner`), the clock rule (``planner.inputs.ClockRule``)
 (t and calibration's latency budget from the window), :func:`~ds_fssdp.planner.layer.migrations`
 at each optimizer step the trace's rows cross (not at each row: with gradient accumulation a step
 spans several rows), and :func:`~ds_fssdp.planner.scheduled.exchange_decision`. It reads none of
@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from ds_fssdp.planner import CostModel, ExpertShape, Hardware, LoadPredictor, homogeneous_owner
-from ds_fssdp.planner.layer import build_policies, layer_clock, migrations
+from ds_fssdp.planner.inputs import build_policies
+from ds_fssdp.planner.layer import migrations
 from ds_fssdp.planner.decision import Decision, decision_arrays
 from ds_fssdp.planner.schedule import ScheduleCosts
 from ds_fssdp.planner.scheduled import ExchangeOptions, ScheduledCostModel, exchange_decision
@@ -65,7 +66,12 @@ class ReplaySettings:
     fssdp_groups: int = 1  # FSSDP groups of the run (the re-shards' loads are summed over them)
     notes: list = field(default_factory=list)
 
-    def cost_model(self, topology: Topology) -> CostModel | None:
+    @property
+    def topology_aware(self) -> bool:
+        """Two-phase collectives and two hops across nodes (the config's default without a record)."""
+        return bool((self.exchange or {}).get("topology_aware", True))
+
+    def cost_model(self, topology: Topology, *, costs=None) -> CostModel | None:
         """The run's cost model: the recorded hardware and expert, the layer priced as the run's
         exchange (:class:`~ds_fssdp.planner.scheduled.ScheduledCostModel`, as the runtime builds it)."""
         if self.hardware is None or self.expert_shape is None:
@@ -77,7 +83,7 @@ class ReplaySettings:
         options = ExchangeOptions.of(shape, top_k=ex["top_k"], one_copy=ex["one_copy_per_destination"],
                                      pipeline_degree=ex["pipeline_degree"], two_hops=ex["topology_aware"],
                                      side_ratio=ex.get("side_ratio", 0.0))
-        return ScheduledCostModel(hw, shape, topology, exchange=options)
+        return ScheduledCostModel(hw, shape, topology, exchange=options, costs=costs)
 
     @classmethod
     def from_trace(cls, trace: Trace, **overrides) -> "ReplaySettings":
@@ -203,11 +209,12 @@ def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
     S, L, E, D = trace.tokens_SLED.shape
     topology = Topology(num_ranks=D, ranks_per_node=int(s.ranks_per_node or D))
     predictor = LoadPredictor([E] * L, window=s.window)
-    cost = s.cost_model(topology)
-    policy, migrators, planners = build_policies(s, num_experts=[E] * L, topology=topology, budget=s.budget,
-                                                 cost=cost, predictor=predictor)
+    priced = {"costs": None}  # the schedule's costs the decision being replayed was priced with
+    cost = s.cost_model(topology, costs=lambda: priced["costs"])
+    built, planners = build_policies(s, num_experts=[E] * L, topology=topology, budget=s.budget, cost=cost,
+                                     predictor=predictor)
+    migrators, rule = built.migrators, built.clock_rule
     inputs = _Inputs(trace)
-    default_costs = getattr(cost, "costs", None)
     # a trace that records the exchange's inputs: its degrees and one copy per destination are derived too
     exchange_recorded = (s.exchange is not None and inputs.costs_SL8 is not None
                          and inputs.row_bytes_SL2 is not None and "decision_degrees" in trace.arrays)
@@ -215,9 +222,7 @@ def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
     tokens = torch.from_numpy(trace.tokens_SLED.astype(np.int64))
     rows, reshards, reshard_steps = [], [], []
     for row in range(S):
-        clocks = [layer_clock(overlap_degree=s.overlap_degree, latency_budget=s.calibration_latency_budget,
-                              window_s=inputs.window(row, l)[0], attention_s=inputs.window(row, l)[1], cost=cost,
-                              num_experts=E) for l in range(L)]
+        clocks = [rule.clock(*inputs.window(row, l), num_experts=E) for l in range(L)]
         step = int(inputs.step_S[row])
         # The runtime re-shards after each applied optimizer step (its step count, then the rows
         # after it carry); a trace without the count: before every row.
@@ -232,8 +237,7 @@ def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
         for l, planner in enumerate(planners):
             tokens_ED = tokens[row, l]
             costs = inputs.costs(row, l)
-            if default_costs is not None:  # the runtime prices with its fitted costs where it has them
-                cost.costs = default_costs if costs is None else costs
+            priced["costs"] = costs  # the runtime's fitted costs where it had them, else the hardware's
             placed_ED, overlap_t = planner.pre_gating_t(owner_LE[l], clocks[l])
             lp = planner.post_gating(owner_LE[l], placed_ED, tokens_ED, clocks[l], overlap_t=overlap_t)
             plan = planner.dispatch(lp, tokens_ED)

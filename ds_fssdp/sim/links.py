@@ -17,6 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ds_fssdp.planner.cost import Hardware
+from ds_fssdp.planner.inputs import GATHER_RELAY
+from ds_fssdp.planner.prices import allreduce_links as prices_allreduce_links
+from ds_fssdp.planner.prices import exchange_links as prices_exchange_links
+from ds_fssdp.planner.prices import gather_links, link_seconds
 from ds_fssdp.planner.onecopy import distinct_fraction  # noqa: F401  (the simulators' dedup estimate)
 
 
@@ -31,105 +35,31 @@ class Links:
 
     def time_B(self, hw: Hardware) -> np.ndarray:
         """Seconds per group: latency + the busiest link; 0 where nothing moves."""
-        busy = np.maximum(self.rank_BN.max(1) / hw.intra_bw, self.node_Bn.max(1) / hw.inter_bw)
-        moved = (self.rank_BN.max(1) > 0) | (self.node_Bn.max(1) > 0)
-        return np.where(moved, hw.latency + busy, 0.0)
-
-
-def exchange_links(tokens_BED: np.ndarray, holder_BE: np.ndarray, *, ranks_per_node: int, row_bytes: float,
-                   flows_4F: np.ndarray | None = None) -> Links:
-    """One token exchange of B groups (:meth:`CostModel.a2a_time`): source d sends its
-    ``tokens_BED[b, e, d]`` rows of expert e to the expert's one holder ``holder_BE[b, e]``
-    (experts with ``holder < 0`` are skipped: their rows travel as ``flows_4F``, rows (b, h, d, k):
-    rank d sends k rows to rank h in group b, as :class:`~ds_fssdp.planner.plan.DispatchPlan`'s
-    flows with the group in place of the expert). Also returns the rows each rank computes."""
-    B, E, N = tokens_BED.shape
-    G, n = ranks_per_node, tokens_BED.shape[2] // ranks_per_node
-    valid_BE = holder_BE >= 0
-    h_BE = np.where(valid_BE, holder_BE, 0)
-    T_BEnG = tokens_BED.reshape(B, E, n, G).astype(np.int64)
-    if not valid_BE.all():
-        T_BEnG[~valid_BE] = 0
-    b_BE = np.broadcast_to(np.arange(B)[:, None], (B, E))
-    e_BE = np.broadcast_to(np.arange(E)[None, :], (B, E))
-    hn_BE = h_BE // G
-    T_BEn = T_BEnG.sum(3)
-    total_BE = T_BEn.sum(2)
-    in_node_BE = T_BEn[b_BE, e_BE, hn_BE]  # rows of e from the holder's node, staying ones included
-    stay_BE = T_BEnG[b_BE, e_BE, hn_BE, h_BE % G]
-    # What each source sends inside its node: the experts held in its node, by node of holder.
-    onehot_BEn = np.zeros((B, E, n), dtype=np.int64)
-    onehot_BEn[b_BE, e_BE, hn_BE] = 1
-    send_same_BN = np.einsum("ben,beng->bng", onehot_BEn, T_BEnG).reshape(B, N)
-    rank_idx = (b_BE * N + h_BE).ravel()
-    node_idx = (b_BE * n + hn_BE).ravel()
-    stay_BN = np.bincount(rank_idx, weights=stay_BE.ravel(), minlength=B * N).reshape(B, N)
-    rows_BN = np.bincount(rank_idx, weights=total_BE.ravel(), minlength=B * N).reshape(B, N)
-    send_intra_BN = send_same_BN - stay_BN
-    send_inter_BN = T_BEnG.sum(1).reshape(B, N) - send_same_BN
-    recv_intra_BN = np.bincount(rank_idx, weights=(in_node_BE - stay_BE).ravel(), minlength=B * N).reshape(B, N)
-    node_in_Bn = np.bincount(node_idx, weights=(total_BE - in_node_BE).ravel(), minlength=B * n).reshape(B, n)
-    node_out_Bn = send_inter_BN.reshape(B, n, G).sum(2)
-    if flows_4F is not None and flows_4F.shape[1]:
-        fb, fh, fd, k = flows_4F
-        k = k.astype(np.float64)
-        fnh, fnd = fh // G, fd // G
-        same = fnh == fnd
-        k_intra = np.where(same & (fh != fd), k, 0.0)
-        k_inter = np.where(same, 0.0, k)
-        rows_BN += np.bincount(fb * N + fh, weights=k, minlength=B * N).reshape(B, N)
-        send_intra_BN = send_intra_BN + np.bincount(fb * N + fd, weights=k_intra, minlength=B * N).reshape(B, N)
-        recv_intra_BN += np.bincount(fb * N + fh, weights=k_intra, minlength=B * N).reshape(B, N)
-        node_out_Bn = node_out_Bn + np.bincount(fb * n + fnd, weights=k_inter, minlength=B * n).reshape(B, n)
-        node_in_Bn += np.bincount(fb * n + fnh, weights=k_inter, minlength=B * n).reshape(B, n)
-    return Links(rank_BN=np.maximum(send_intra_BN, recv_intra_BN) * row_bytes,
-                 node_Bn=np.maximum(node_out_Bn, node_in_Bn) * row_bytes,
-                 inter_total=float(node_out_Bn.sum()) * row_bytes, rows_BN=rows_BN)
+        return link_seconds(self.rank_BN.max(1), self.node_Bn.max(1), hw)
 
 
 def sparse_collective_links(owner_E: np.ndarray, placement_BED: np.ndarray, *, ranks_per_node: int,
-                            chunk_bytes: float) -> Links:
-    """Relayed SparseAllGathers (or their SparseReduceScatters) of B groups' placements with the
-    same owners (:meth:`CostModel.sparse_collective_time` with ``relay=True``; a [E, D] placement
-    is one group): each added replica is one chunk on its rank's link; a node's link carries the
-    chunks it newly receives or the distinct chunks it owns that leave it, whichever is more."""
-    placement_BED = placement_BED.reshape((-1, ) + placement_BED.shape[-2:])
-    B, E, N = placement_BED.shape
-    G = ranks_per_node
-    experts = np.arange(E)
-    added_BED = placement_BED.copy()
-    added_BED[:, experts, owner_E] = False
-    rank_BN = added_BED.sum(1).astype(np.float64) * chunk_bytes
-    n = N // G
-    if n == 1:
-        return Links(rank_BN=rank_BN, node_Bn=np.zeros((B, 1)))
-    entered_BEn = placement_BED.reshape(B, E, n, G).any(3)
-    owner_node_E = owner_E // G
-    entered_BEn[:, experts, owner_node_E] = False
-    node_in_Bn = entered_BEn.sum(1).astype(np.float64)
-    leaves_BE = entered_BEn.any(2).astype(np.float64)
-    node_out_Bn = np.stack([np.bincount(owner_node_E, weights=leaves_BE[b], minlength=n) for b in range(B)])
-    return Links(rank_BN=rank_BN, node_Bn=np.maximum(node_in_Bn, node_out_Bn) * chunk_bytes)
+                            chunk_bytes: float, relay: bool = GATHER_RELAY) -> Links:
+    """SparseAllGathers (or their SparseReduceScatters) of B groups' placements with the same
+    owners (:func:`~ds_fssdp.planner.prices.gather_links`, as the runtime moves them unless
+    ``relay``; a [E, D] placement is one group)."""
+    return Links(*gather_links(owner_E, placement_BED, ranks_per_node=ranks_per_node, chunk_bytes=chunk_bytes,
+                               relay=relay))
 
 
 def allreduce_links(members_KD: np.ndarray, bytes_K: np.ndarray, *, ranks_per_node: int) -> Links:
-    """K ring all-reduces issued together over the world's D ranks (:meth:`CostModel.allreduce_time`):
-    each member's link carries 2 (n - 1) / n of its group's message, and so does the inter-node
-    link of every node a ring that spans nodes passes. As one group (B = 1) of D ranks."""
-    K, D = members_KD.shape
-    size_K = members_KD.sum(1).astype(np.float64)
-    per_member_K = np.where(size_K > 1, 2.0 * (size_K - 1) / np.maximum(size_K, 1) * bytes_K, 0.0)
-    rank_D = per_member_K @ members_KD.astype(np.float64)
-    n = D // ranks_per_node
-    nodes_Kn = members_KD.reshape(K, n, ranks_per_node).any(2)
-    spans_K = nodes_Kn.sum(1) > 1
-    node_n = (per_member_K * spans_K) @ nodes_Kn.astype(np.float64)
+    """K ring all-reduces issued together over the world's D ranks
+    (:func:`~ds_fssdp.planner.prices.allreduce_links`), as one group (B = 1) of D ranks."""
+    rank_D, node_n = prices_allreduce_links(members_KD, bytes_K, ranks_per_node=ranks_per_node)
     return Links(rank_BN=rank_D[None], node_Bn=node_n[None])
 
 
 def traffic_BNN(tokens_BED: np.ndarray, holder_BE: np.ndarray, flows_4F: np.ndarray | None = None) -> np.ndarray:
     """Rows rank d sends rank h in each group, ``[B, d, h]`` (float64; the diagonal: rows a rank
-    computes for its own tokens), from the same inputs as :func:`exchange_links`."""
+    computes for its own tokens): source d sends its ``tokens_BED[b, e, d]`` rows of expert e to the
+    expert's one holder ``holder_BE[b, e]`` (experts with ``holder < 0`` are skipped: their rows
+    travel as ``flows_4F``, rows (b, h, d, k): rank d sends k rows to rank h in group b, as
+    :class:`~ds_fssdp.planner.plan.DispatchPlan`'s flows with the group in place of the expert)."""
     B, E, N = tokens_BED.shape
     valid_BE = holder_BE >= 0
     b_BED = np.broadcast_to(np.arange(B)[:, None, None], (B, E, N))
@@ -146,20 +76,10 @@ def traffic_BNN(tokens_BED: np.ndarray, holder_BE: np.ndarray, flows_4F: np.ndar
 
 def traffic_links(traffic_BNN: np.ndarray, *, ranks_per_node: int, row_bytes: float,
                   rows_BNN: np.ndarray | None = None) -> Links:
-    """:func:`exchange_links` from a [B, d, h] table of rows sent (``traffic_BNN``, maybe fewer
-    than the rows computed under one copy per destination); ``rows_BNN`` (default: the same) gives
-    the rows each rank computes."""
-    B, N, _ = traffic_BNN.shape
-    G = ranks_per_node
-    n = N // G
-    node_N = np.arange(N) // G
-    same_NN = node_N[:, None] == node_N[None, :]
-    off = traffic_BNN * ~np.eye(N, dtype=bool)
-    intra = off * same_NN
-    inter = off - intra
-    rank_BN = np.maximum(intra.sum(2), intra.sum(1)) * row_bytes
-    out_Bn = inter.sum(2).reshape(B, n, G).sum(2)
-    in_Bn = inter.sum(1).reshape(B, n, G).sum(2)
+    """The links of one token exchange of B groups from a [B, d, h] table of rows sent (``traffic_BNN``, maybe fewer
+    than the rows computed under one copy per destination; the links of
+    :func:`~ds_fssdp.planner.prices.exchange_links`); ``rows_BNN`` (default: the same) gives the
+    rows each rank computes."""
+    rank_BN, node_Bn, out_Bn = prices_exchange_links(traffic_BNN, ranks_per_node=ranks_per_node, row_bytes=row_bytes)
     rows = traffic_BNN if rows_BNN is None else rows_BNN
-    return Links(rank_BN=rank_BN, node_Bn=np.maximum(out_Bn, in_Bn) * row_bytes,
-                 inter_total=float(out_Bn.sum()) * row_bytes, rows_BN=rows.sum(1))
+    return Links(rank_BN=rank_BN, node_Bn=node_Bn, inter_total=float(out_Bn.sum()), rows_BN=rows.sum(1))

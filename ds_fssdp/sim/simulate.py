@@ -17,9 +17,10 @@ per layer
 * [spag] the SparseAllGather of the hidden replicas (those calibration evicts included) minus the
   attention forward it hides under; the SparseReduceScatter of the replicas used (and fssdp-rm's
   second SparseAllGather) minus the attention backward; calibration's extra gather, all of it
-  (critical path). Collectives are relayed
-  (:meth:`CostModel.sparse_collective_time`).
-* [rearr] FasterMoE's broadcast of shadowed experts (critical path, relayed like the gather).
+  (critical path). Collectives are priced as the runtime moves them
+  (:meth:`CostModel.gather_time`, ``planner/inputs.py``).
+* [rearr] FasterMoE's broadcast of shadowed experts (critical path, NCCL's relayed broadcast:
+  :meth:`CostModel.broadcast_time`).
 * [ar] FasterMoE's reduce of the shadows' gradients (same time as the broadcast) and FlexMoE's
   all-reduce of replicated experts' gradients (ring, :meth:`CostModel.allreduce_time`), both
   exposed: the baselines issue them after the backward (paper Figure 1b).
@@ -68,13 +69,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ds_fssdp.planner.baselines import POLICY_NAMES, Clock, PolicyConfig, make_policy
+from ds_fssdp.planner.baselines import POLICY_NAMES
+from ds_fssdp.planner.inputs import planner_inputs
 from ds_fssdp.planner.schedule import drain_in_gaps
 from ds_fssdp.planner.schedule import overlap_window
 from ds_fssdp.planner.cost import CostModel
 from ds_fssdp.planner.layer import LayerPlanner, migrations
 from ds_fssdp.planner.shard import shard_placement
-from ds_fssdp.sim.setup import GRAD_BYTES, MIGRATE_BYTES, OPT_BYTES, OPT_TRAFFIC_BYTES, PARAM_BYTES, Setup
+from ds_fssdp.sim.setup import GRAD_BYTES, MIGRATE_BYTES, OPT_BYTES, OPT_TRAFFIC_BYTES, PARAM_BYTES, Setup, sim_settings
 from ds_fssdp.planner.dispatch import dispatch as planner_dispatch
 from ds_fssdp.planner.materialize import materialize as algorithm1  # the default materializer
 from ds_fssdp.sim.bound import LowerBound
@@ -205,30 +207,26 @@ class PaperRun:
             raise ValueError(f"zero_stage ({setup.zero_stage}): the paper engine models ZeRO 0 only (one group, "
                              "FlexMoE's replicated slots); ZeRO 1 is modelled at cluster scale (sim/cluster.py)")
         topo, hw, shape = setup.topology, setup.hw, setup.shape
-        self.name, self.setup, self.D, self.fixed_t = name, setup, D, fixed_t
+        self.name, self.setup, self.D = name, setup, D
         self.options = options = policy_options(name, schedule)
         self.sched = LayerSchedule(hw, shape, ranks_per_node=topo.ranks_per_node, top_k=setup.top_k,
                                    options=options, side_ratio=setup.side_ratio)
         if options.price_by_schedule:  # placement by time: calibration and balanced-time price the schedule
             self.cost = scheduled_cost_model(hw, shape, topo, self.sched)
         else:
-            self.cost = CostModel(hw, shape, topo, relay=True)  # every sparse collective relayed, calibration's too
+            self.cost = CostModel(hw, shape, topo)  # sparse collectives priced as the runtime moves them
         self.rm = name == "fssdp-rm"
         self.budget = setup.budget_rm if self.rm else setup.budget
         attn_f = setup.attention_fwd_s
-        config = PolicyConfig(num_experts=E, num_layers=L, topology=topo, budget=self.budget,
-                              overlap_degree=setup.overlap_degree, cost=self.cost, placement=placement,
-                              reshard_interval=setup.reshard_interval,
-                              calibration=setup.calibration,
-                              calibration_latency_budget=setup.calibration_budget * attn_f,
-                              overlap_by_time=options.idle_link and options.t_by_time and not fixed_t,
-                              smartmoe_interval=setup.smartmoe_interval, flexmoe_threshold=setup.flexmoe_threshold,
-                              flexmoe_slots=setup.flexmoe_slots, flexmoe_interval=setup.flexmoe_interval,
-                              dispatch=dispatch or "paper", dispatch_slack=dispatch_slack)
         if name not in SIM_POLICY_NAMES:
             raise ValueError(f"policy ({name!r}) must be one of {SIM_POLICY_NAMES}")
-        self.policy = make_policy("ep" if name == "fsmoe" else name, config,
-                                  dispatcher=None if dispatch else dispatcher, materializer=materializer)
+        self.inputs = planner_inputs(sim_settings(name, setup, budget=self.budget,
+                                                  by_window=options.idle_link and not fixed_t,
+                                                  t_by_time=options.t_by_time, placement=placement,
+                                                  dispatch=dispatch or "paper", dispatch_slack=dispatch_slack),
+                                     num_experts_L=[E] * L, topology=topo, cost=self.cost,
+                                     dispatcher=None if dispatch else dispatcher, materializer=materializer)
+        self.policy, self.rule = self.inputs.policy, self.inputs.clock_rule
         self.gather_class = INTER if topo.num_nodes > 1 else INTRA
         self.window_L = [attn_f] * L  # replica gather windows the last step's schedule left
         self.loads = make_predictor(predictor, [E] * L, window=setup.load_window)
@@ -278,7 +276,9 @@ class PaperRun:
 
     def _reshard(self, s: int, br: dict) -> None:
         D, P = self.D, self.setup.shape.params
-        for reshard in migrations([self.policy], s, self.loads.predict_all(), self.owner_LE):
+        attn_f, L = self.setup.attention_fwd_s, self.setup.num_layers
+        for reshard in migrations(self.inputs.migrators, s, self.loads.predict_all(), self.owner_LE,
+                                  clock=self.rule.reshard_clock(self.window_L, [attn_f] * L)):
             copies = reshard.copies_M4
             if copies.shape[0]:
                 traffic_DD = torch.zeros(D * D, dtype=torch.float64).index_add_(
@@ -298,8 +298,7 @@ class PaperRun:
         window = overlap_window(attn_f, idle, early=options.idle_link)
         # t from the window the last step's schedule left, unless given (then the setup's, as
         # without the idle link: the planner's configured overlap degree)
-        clock = Clock(overlap_degree=cost.overlap_degree(self.window_L[l]), window_s=float(self.window_L[l]),
-                      attention_s=attn_f) if options.idle_link and not self.fixed_t else None
+        clock = self.rule.clock(float(self.window_L[l]), attn_f)
         tokens_ED = self.policy.route(torch.from_numpy(tokens_LED[l].astype(np.int64)))
         if self.foresight:
             self.loads.foresee(l, tokens_ED)
@@ -352,21 +351,21 @@ class PaperRun:
         shard_ED = shard_placement(owner_E, D)
         reduce_hidden = 0.0
         if bool(lp.gathered_ED.any()):  # what calibration evicted was gathered too
-            gather = cost.sparse_collective_time(owner_E, shard_ED | lp.gathered_ED)
+            gather = cost.gather_time(owner_E, shard_ED | lp.gathered_ED)
             charge.gather_s = max(0.0, gather - charge.window_s)
             br["spag"] += charge.gather_s
         if bool((lp.hidden_ED | lp.calibrated_ED).any()):
-            reduce = cost.sparse_collective_time(owner_E, shard_ED | lp.hidden_ED | lp.calibrated_ED)
+            reduce = cost.gather_time(owner_E, shard_ED | lp.hidden_ED | lp.calibrated_ED)
             reduce *= 2.0 if lp.rematerialize else 1.0  # fssdp-rm gathers again before it
             charge.reduce_s = max(0.0, reduce - charge.backward_window_s)
             br["spag"] += charge.reduce_s
             if self.gather_class == self.ar_class:  # the replica reduce shares the all-reduce's links
                 reduce_hidden = min(reduce, charge.backward_window_s)
         if bool(lp.calibrated_ED.any()):
-            charge.calibration_s = cost.sparse_collective_time(owner_E, shard_ED | lp.calibrated_ED)
+            charge.calibration_s = cost.gather_time(owner_E, shard_ED | lp.calibrated_ED)
             br["spag"] += charge.calibration_s
         if bool(lp.shadow_ED.any()):
-            bcast = cost.sparse_collective_time(owner_E, shard_ED | lp.shadow_ED)
+            bcast = cost.broadcast_time(owner_E, shard_ED | lp.shadow_ED)
             br["rearr"] += bcast
             br["ar"] += bcast
         if bool(lp.persistent_ED.any()):
