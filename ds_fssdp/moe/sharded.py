@@ -194,7 +194,7 @@ class ShardedExperts:
         gate_idx_TK = idx_TK
         if self.options.uniform:
             g = uniform_assignment(GateOutput(idx_TK, weights_TK, None, counts_E), self.owner_E.numel(),
-                                   offset=self.rank * idx_TK.numel())
+                                   rank=self.rank)
             idx_TK, counts_E = g.idx_TK, g.counts_E
         self.prefetch()
         # The window that hid this gather (one function, planner/schedule.overlap_window): the
