@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ds_fssdp.config import POLICIES
+from ds_fssdp.defaults import POLICIES
 from ds_fssdp.report.render import render
 
 

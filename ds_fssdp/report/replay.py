@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ds_fssdp.config import FSSDPConfig
-from ds_fssdp.moe.sharded import Decision, decision_arrays
+from ds_fssdp.defaults import DISPATCH_SLACK, SMARTMOE_INTERVAL
+from ds_fssdp.planner.decision import Decision, decision_arrays
 from ds_fssdp.planner import (Clock, CostModel, ExpertShape, Hardware, LoadPredictor, PolicyConfig, homogeneous_owner,
                               make_policy)
 from ds_fssdp.planner.layer import LayerPlanner, migrating_policies, migrations
@@ -29,9 +29,6 @@ from ds_fssdp.planner.schedule import ScheduleCosts
 from ds_fssdp.planner.scheduled import ExchangeOptions, ScheduledCostModel, exchange_decision
 from ds_fssdp.sim.traces import Trace
 from ds_fssdp.topology import Topology
-
-_FIELDS = FSSDPConfig.model_fields
-
 
 @dataclass
 class ReplaySettings:
@@ -42,11 +39,11 @@ class ReplaySettings:
     ranks_per_node: int | None = None  # None: one node
     placement: str = "paper"  # the runtime's default
     dispatch: str = "balanced"
-    dispatch_slack: float = _FIELDS["dispatch_slack"].default
+    dispatch_slack: float = DISPATCH_SLACK
     reshard_interval: int = 0
     calibration: bool = False
     calibration_latency_budget: float | None = None  # None: the recorded window
-    smartmoe_interval: int = _FIELDS["smartmoe_interval"].default
+    smartmoe_interval: int = SMARTMOE_INTERVAL
     rematerialize: bool = False
     overlap_by_time: bool = False  # overlap_degree "auto": t searched from the recorded window
     hardware: dict | None = None  # the run's cost model: Hardware's fields
