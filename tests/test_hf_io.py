@@ -196,10 +196,10 @@ def test_save_refuses_a_used_directory_and_fails_atomically(tmp_path, monkeypatc
     model = fssdp_hf.from_pretrained(path, ds_config=CFG, **F32)
     used = tmp_path / "used"
     used.mkdir()
-    (used / "notes.txt").write_text("keep me")
-    with pytest.raises(CheckpointError, match="is not empty"):
+    (used / "config.json").write_text("{}")  # another model's file
+    with pytest.raises(CheckpointError, match=r"already holds a model's files \(config\.json\)"):
         fssdp_hf.save_pretrained(model, used)
-    assert os.listdir(used) == ["notes.txt"]
+    assert os.listdir(used) == ["config.json"]
     with pytest.raises(ValueError, match="push_to_hub=True is not supported"):
         fssdp_hf.save_pretrained(model, tmp_path / "x", push_to_hub=True)
 

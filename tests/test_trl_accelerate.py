@@ -4,7 +4,10 @@
   config (ZeRO 2, SGD, clipping): a converted Qwen3-MoE trained in full, and with a LoRA
   ``peft_config`` on its experts and attention (TRL applies PEFT to the converted model), gives
   every micro-step's loss of the same SFT run of the unconverted model under plain DeepSpeed
-  ZeRO 2; the LoRA run's factors equal too.
+  ZeRO 2; the LoRA run's factors equal too. The same LoRA run on a model loaded by
+  ``integrations.hf.from_pretrained`` (each rank holding only its own experts, which PEFT must
+  freeze) gives the same losses and factors, and ``trainer.save_model`` writes the adapters as
+  PEFT saves them (the plain run's, loaded with ``PeftModel.from_pretrained``).
 * ``accelerate launch --use_deepspeed --deepspeed_config_file ...`` runs a converted model's
   training script (``tests/accelerate_train.py``) through FSSDP: its losses equal single-process
   training of the unconverted model (SGD, clipping).
@@ -83,22 +86,48 @@ def sft_worker(rank, world, out_dir):
         out[name] = dict(engine=isinstance(trainer.model_wrapped, FSSDPEngineMixin), losses=trainer.losses,
                          plain_losses=plain.losses, lora=lora, plain_lora=plain_lora,
                          wrappers={type(m).__name__ for n, m in trainer.model.named_modules() if n.endswith("mlp.experts")})
+        fssdp_hf.restore_deepspeed_initialize()
+    # LoRA on a model from integrations.hf.from_pretrained: this rank reads only its own experts.
+    path = os.path.join(out_dir, "ckpt")
+    if rank == 0:
+        tiny_model("qwen3_moe").save_pretrained(path)
+    torch.distributed.barrier()  # the Trainer runs above started the process group
+    model = fssdp_hf.from_pretrained(path, ds_config=copy.deepcopy(Z2_CONFIG), dtype=torch.float32)
+    owned = [m.owned.owned_E.tolist() for _, m in fssdp_hf.converted_experts(model)]
+    trainer, lora = sft_run(model, os.path.join(out_dir, "loaded_lora"), peft_config=lora_config(rank_pattern={}))
+    saved = os.path.join(out_dir, "loaded_adapters")
+    trainer.save_model(saved)
+    wrappers = {type(m).__name__ for n, m in trainer.model.named_modules() if n.endswith("mlp.experts")}
+    out["loaded"] = dict(owned=owned, engine=isinstance(trainer.model_wrapped, FSSDPEngineMixin),
+                         losses=trainer.losses, plain_losses=out["lora"]["plain_losses"], lora=lora,
+                         plain_lora=out["lora"]["plain_lora"], saved=saved, wrappers=wrappers)
     fssdp_hf.restore_deepspeed_initialize()
     return out
 
 
-@pytest.mark.parametrize("name", ["full", "lora"])
+@pytest.mark.parametrize("name", ["full", "lora", "loaded"])
 def test_sft_trainer_matches_plain_deepspeed_zero2(sft, name):
-    for res in sft:
+    for rank, res in enumerate(sft):
         run = res[name]
         assert run["engine"] and len(run["losses"]) == len(run["plain_losses"]) == 3
         torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(run["plain_losses"]), rtol=1e-5,
                                    atol=1e-6)
-        assert set(run["lora"]) == set(run["plain_lora"]) and (name == "lora") == bool(run["lora"])
+        assert set(run["lora"]) == set(run["plain_lora"]) and (name != "full") == bool(run["lora"])
         for key, value in run["plain_lora"].items():
             torch.testing.assert_close(run["lora"][key], value, rtol=1e-4, atol=1e-6, msg=key)
-        if name == "lora":
+        if name != "full":
             assert run["wrappers"] == {"FSSDPParamWrapper"}
+        if name == "loaded":
+            assert run["owned"] == [[0, 1], [0, 1]] if rank == 0 else run["owned"] == [[2, 3], [2, 3]]
+    if name == "loaded":  # PEFT's own files, holding the trained factors under PEFT's saved names
+        from safetensors.torch import load_file
+        saved = sft[0]["loaded"]["saved"]
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(saved))
+        adapters = load_file(os.path.join(saved, "adapter_model.safetensors"))
+        trained = {k.replace(".default.", "."): v for k, v in sft[0]["loaded"]["lora"].items()}
+        assert set(adapters) == set(trained)
+        for key, value in trained.items():
+            torch.testing.assert_close(adapters[key], value, rtol=0, atol=0, msg=key)
 
 
 @pytest.fixture(scope="module")

@@ -272,6 +272,8 @@ class FSSDPHFExperts(FSSDPExperts):
 
     def __init__(self, experts: nn.Module, *, model_type: str, where: str, top_k: int | None = None):
         layout = read_layout(experts, model_type=model_type, where=where)
+        from ds_fssdp.integrations.hf_forward import check_forward
+        check_forward(experts, layout, model_type=model_type, where=where)  # nothing computed beyond the mapped MLPs
         hf_params = {n: p for n, p in experts.named_parameters(recurse=False)}
         first = next(iter(hf_params.values()))
         # Built on the meta device: the real tensors are the HF ones, mapped below.

@@ -42,7 +42,7 @@ import torch.nn as nn
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from ds_fssdp.config import FSSDPConfig
+from ds_fssdp.config import FSSDPConfig, FSSDPConfigError
 from ds_fssdp.moe.experts_module import OwnedRows
 from ds_fssdp.planner import initial_ownership
 from ds_fssdp.runtime.checkpoint.files import CheckpointError
@@ -50,6 +50,19 @@ from ds_fssdp.runtime.checkpoint.files import CheckpointError
 
 # Experts read, converted and copied into their rows together: the loader's only other copy.
 CHUNK_BYTES = 64 * 2**20
+# HF kwargs the loader cannot honour: each is refused by name.
+REFUSED_KWARGS = {
+    "device_map": "DeepSpeed places the model, each rank keeps its own experts",
+    "tp_plan": "transformers' tensor parallelism would split the experts itself (use DeepSpeed AutoTP with FSSDP)",
+    "tp_size": "transformers' tensor parallelism would split the experts itself (use DeepSpeed AutoTP with FSSDP)",
+    "device_mesh": "transformers' tensor parallelism would split the experts itself (use DeepSpeed AutoTP with FSSDP)",
+    "gguf_file": "each rank reads its own experts from safetensors files only",
+    "state_dict": "each rank reads its own experts from the checkpoint's safetensors files",
+}
+# transformers versions the loader's hook (PreTrainedModel._load_pretrained_model) was tested with.
+TESTED_TRANSFORMERS = ">=5.24,<5.26"
+_HOOK_PARAMS = ("model", "state_dict", "checkpoint_files", "load_config")
+_LOAD_CONFIG_FIELDS = ("hf_quantizer", "device_map", "weight_mapping")
 
 
 @dataclass(frozen=True)
@@ -72,7 +85,14 @@ def read_config(ds_config) -> dict:
     if ds_config is None:
         raise ValueError("ds_config is required: the DeepSpeed config (dict or path) with the \"fssdp\" section "
                          "training will use (it decides which experts each rank reads)")
-    return dict(load_ds_config(ds_config))
+    cfg = dict(load_ds_config(ds_config))
+    if not FSSDPConfig.from_ds_config(cfg).enabled:
+        what = "has no \"fssdp\" section" if cfg.get("fssdp") is None else "sets fssdp.enabled false"
+        raise FSSDPConfigError(f"ds_config {what}: ds_fssdp.integrations.hf's loaders read each rank's own experts for "
+                               "FSSDP training (initialize would otherwise run plain DeepSpeed on a model holding a "
+                               "share of its experts); without FSSDP load with transformers' "
+                               "AutoModelForCausalLM.from_pretrained")
+    return cfg
 
 
 def layout_of(ds_config: dict, *, start_comm: bool = True) -> Layout:
@@ -99,7 +119,13 @@ def layout_of(ds_config: dict, *, start_comm: bool = True) -> Layout:
 
 def from_pretrained(name_or_path, *, ds_config, **hf_kwargs):
     """``convert(AutoModelForCausalLM.from_pretrained(name_or_path, **hf_kwargs))``, each rank
-    reading only the experts it will own (module docstring). Every rank calls it."""
+    reading only the experts it will own (module docstring). Every rank calls it. The HF kwargs pass
+    through (``output_loading_info=True`` returns ``(model, info)`` as transformers does) except
+    :data:`REFUSED_KWARGS`, refused by name before anything starts."""
+    for key, why in REFUSED_KWARGS.items():
+        if hf_kwargs.get(key) is not None:
+            raise ValueError(f"ds_fssdp.integrations.hf.from_pretrained: {key}={hf_kwargs[key]!r} is not supported: "
+                             f"{why}")
     cfg = read_config(ds_config)
     model = load_as(layout_of(cfg), cfg, name_or_path, **hf_kwargs)
     _route()
@@ -110,15 +136,16 @@ def load_as(layout: Layout, cfg: dict, name_or_path, **hf_kwargs):
     """:func:`from_pretrained` at a given layout (the rank reads what ``layout`` says it owns)."""
     import transformers
     with _hf_zero3_off(), _loading_hook(lambda *args: _load(layout, cfg, *args)):
-        model = transformers.AutoModelForCausalLM.from_pretrained(name_or_path, **hf_kwargs)
-    _own_all(model)
-    return model
+        out = transformers.AutoModelForCausalLM.from_pretrained(name_or_path, **hf_kwargs)
+    _own_all(out[0] if isinstance(out, tuple) else out)  # (model, loading info) with output_loading_info=True
+    return out
 
 
 def _own_all(model) -> None:
     """A rank that owns every expert (one FSSDP group of one rank) gets an ordinary module, as
-    ``convert`` returns (installed once transformers' loader, which would take them for missing
-    weights, is done)."""
+    ``convert`` returns; a rank owning some gets meta stand-ins of the full tensors beside its rows
+    (``keep_flags``). Both installed once transformers' loader, which would take them for missing
+    weights, is done."""
     from ds_fssdp.integrations.hf import converted_experts
     for _, module in converted_experts(model):
         whole = module.__dict__.pop("_loaded_whole", None)
@@ -126,6 +153,8 @@ def _own_all(model) -> None:
             named, requires_grad = whole
             for name in module.spec.names:
                 module._parameters[name] = nn.Parameter(named[name], requires_grad=requires_grad)
+        elif module.owned is not None:
+            module.keep_flags()  # PEFT or requires_grad_(False) freeze the owned experts too
 
 
 def from_config(config, *, ds_config, seed: int = 0, **hf_kwargs):
@@ -276,9 +305,7 @@ def _loading_hook(hook):
     load_config)`` for the duration."""
     from transformers.modeling_utils import PreTrainedModel
     original = PreTrainedModel.__dict__.get("_load_pretrained_model")
-    if not isinstance(original, staticmethod):
-        raise RuntimeError("ds_fssdp.integrations.hf.from_pretrained: this transformers version has no "
-                           "PreTrainedModel._load_pretrained_model static method to read the experts before")
+    check_transformers(original)
 
     def wrapped(*args, **kwargs):
         return hook(original.__func__, *args, **kwargs)
@@ -288,6 +315,47 @@ def _loading_hook(hook):
         yield
     finally:
         PreTrainedModel._load_pretrained_model = original
+
+
+def check_transformers(original) -> None:
+    """The loader hooks transformers' private ``_load_pretrained_model(model, state_dict,
+    checkpoint_files, load_config)`` and reads three fields of its ``load_config``: another shape of
+    them is refused naming the installed version; a version outside :data:`TESTED_TRANSFORMERS` with
+    the same shape is warned about once."""
+    import dataclasses
+    import inspect
+
+    from packaging.specifiers import SpecifierSet
+    version = installed_transformers()
+    where = (f"ds_fssdp.integrations.hf.from_pretrained: transformers {version} (tested: {TESTED_TRANSFORMERS}; the "
+             "loader hooks its private PreTrainedModel._load_pretrained_model")
+    if not isinstance(original, staticmethod):
+        raise RuntimeError(f"{where}, which this version does not have as a static method)")
+    params = tuple(inspect.signature(original.__func__).parameters)[:len(_HOOK_PARAMS)]
+    if params != _HOOK_PARAMS:
+        raise RuntimeError(f"{where}({', '.join(_HOOK_PARAMS)}, ...), which this version takes as "
+                           f"({', '.join(params)}, ...)); install transformers{TESTED_TRANSFORMERS}")
+    from transformers.modeling_utils import LoadStateDictConfig
+    fields = {f.name for f in dataclasses.fields(LoadStateDictConfig)} if dataclasses.is_dataclass(
+        LoadStateDictConfig) else set(vars(LoadStateDictConfig))
+    missing = [f for f in _LOAD_CONFIG_FIELDS if f not in fields]
+    if missing:
+        raise RuntimeError(f"{where} and reads LoadStateDictConfig.{', '.join(missing)}, which this version does not "
+                           f"have); install transformers{TESTED_TRANSFORMERS}")
+    if version not in SpecifierSet(TESTED_TRANSFORMERS) and str(version) not in _WARNED:
+        _WARNED.add(str(version))
+        logger.warning(f"{where}: this version is outside the tested range; its signature matches, so loading goes "
+                       "on, but check the loaded rows against the checkpoint (tests/test_hf_io.py))")
+
+
+_WARNED: set = set()
+
+
+def installed_transformers():
+    """The installed transformers version (``packaging.version.Version``)."""
+    import transformers
+    from packaging.version import Version
+    return Version(transformers.__version__)
 
 
 @contextmanager

@@ -15,17 +15,24 @@ experts' byte ranges into them, one layer at a time (``safetensors_io.ShardFile`
 crosses a link, and no rank holds more than one layer's experts beyond its own.
 
 Atomic: everything goes into ``.tmp-<name>`` beside ``out_dir`` (same filesystem); rank 0 writes the
-index last and renames the directory into place. A non-empty ``out_dir`` is refused before
-anything is written; a failure on any rank (a full disk: ``OSError(ENOSPC)``) fails every rank alike,
-the temporary directory is removed, and ``out_dir`` is left as it was.
+index last and renames the directory into place. An ``out_dir`` that already holds a model's files
+(weights, an index, ``config.json``: :data:`MODEL_FILES`) is refused before anything is written; one
+holding only other things (the Trainer's ``output_dir`` with its ``checkpoint-N`` folders and logs)
+gets the files moved in one by one, the index last, so the model becomes loadable only once whole.
+A failure on any rank (a full disk: ``OSError(ENOSPC)``) fails every rank alike, the temporary
+directory and anything moved are removed, and ``out_dir`` is left as it was.
 
 ``trainer.save_model(out_dir)`` on a converted model goes through it (:func:`route_trainer_save`,
 installed by ``convert`` and the loaders): the Trainer calls ``save_model`` on every rank, and under
-DeepSpeed it would gather a state dict without the sharded experts. A PEFT model keeps the Trainer's
-and PEFT's own saving (the adapters are dense parameters).
+DeepSpeed it would gather a state dict without the sharded experts. ``model.save_pretrained(out_dir)``
+on a converted model goes through it too (:func:`route_model_save`; transformers' own would write
+FSSDP's tensor names), unless given the whole ``state_dict``. A DeepSpeed engine is unwrapped to its
+module. A PEFT model keeps the Trainer's and PEFT's own saving (the adapters are dense parameters).
 """
 from __future__ import annotations
 
+import fnmatch
+import functools
 import json
 import os
 import shutil
@@ -38,6 +45,9 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _DENSE = ".dense"
 HONOURED = ("max_shard_size", "save_original_format", "safe_serialization")
+# A model's files in a directory: what a save never mixes with (weights, their index, config, adapters).
+MODEL_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth", "*.gguf",
+               "config.json", "generation_config.json", "adapter_config.json")
 
 
 def save_pretrained(model, out_dir, *, max_shard_size="50GB", save_original_format: bool = True, **kw) -> str:
@@ -52,6 +62,7 @@ def save_pretrained(model, out_dir, *, max_shard_size="50GB", save_original_form
         raise ValueError(f"ds_fssdp.integrations.hf.save_pretrained: {key}={value!r} is not supported (it is "
                          "collective, every rank calls it, and writes safetensors into a local directory; "
                          f"supported: {', '.join(HONOURED)})")
+    model = unwrap(model)
     if _is_peft(model):
         return _save_peft(model, out_dir, max_shard_size=max_shard_size)
     comm = Comm()
@@ -93,6 +104,16 @@ def write_hf_dir(model, out_dir, *, dense, rows, dtype: torch.dtype, comm, max_s
     return out_dir
 
 
+def unwrap(model):
+    """The model inside a DeepSpeed engine (``engine.module``, whose state dict keys lack the
+    engine's ``module.`` prefix) or a torch DDP wrapper."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from torch.nn.parallel import DistributedDataParallel
+    while isinstance(model, (DeepSpeedEngine, DistributedDataParallel)):
+        model = model.module
+    return model
+
+
 class Comm:
     """Agreement between the ranks when distributed (else a single process)."""
 
@@ -110,12 +131,21 @@ class Comm:
             raise CheckpointError(f"{what} failed: {type(err).__name__}: {err}") from err
 
 
+def model_files(out_dir: str) -> list:
+    """The entries of ``out_dir`` that are a model's files (weights, index, config): what a save
+    into it would mix with."""
+    names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
+    return sorted(n for n in names if any(fnmatch.fnmatch(n, p) for p in MODEL_FILES))
+
+
 def _prepare(out_dir: str, tmp: str) -> None:
-    if os.path.isdir(out_dir) and os.listdir(out_dir):
-        raise CheckpointError(f"{out_dir} is not empty: ds_fssdp.integrations.hf.save_pretrained writes into a new or "
-                              "empty directory only (it never mixes a model with another's files)")
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
         raise CheckpointError(f"{out_dir} exists and is not a directory")
+    held = model_files(out_dir)
+    if held:
+        raise CheckpointError(f"{out_dir} already holds a model's files ({', '.join(held[:4])}"
+                              f"{', ...' if len(held) > 4 else ''}): ds_fssdp.integrations.hf.save_pretrained never "
+                              "mixes a model with another's files; save into a new directory or remove them")
     if os.path.lexists(tmp):
         shutil.rmtree(tmp)  # left by an unfinished save
     os.makedirs(tmp)
@@ -178,9 +208,8 @@ def _expert_file(tmp: str, i: int, planned: list):
 def _write_dense(model, tmp: str, dense: dict, files: list, max_shard_size, original_format: bool) -> None:
     """Rank 0: transformers' own save of the dense part (config, generation config, shards), then the
     expert shards' headers."""
-    from transformers.modeling_utils import PreTrainedModel
-    PreTrainedModel.save_pretrained(model, os.path.join(tmp, _DENSE), state_dict=dense, max_shard_size=max_shard_size,
-                                    save_original_format=original_format)
+    hf_save_pretrained()(model, os.path.join(tmp, _DENSE), state_dict=dense, max_shard_size=max_shard_size,
+                         save_original_format=original_format)
     for f in files:
         f.create()
 
@@ -256,10 +285,34 @@ def _commit(tmp: str, out_dir: str, files: list) -> None:
     write_json({"metadata": {"total_size": total_size, "total_parameters": total_params},
                 "weight_map": dict(sorted(weight_map.items()))}, os.path.join(tmp, INDEX))
     fsync_dir(tmp)
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        _move_into(tmp, out_dir)
+        return
     if os.path.isdir(out_dir):
-        os.rmdir(out_dir)  # empty (checked): the rename below takes its place
+        os.rmdir(out_dir)  # empty: the rename below takes its place
     os.rename(tmp, out_dir)
     fsync_dir(os.path.dirname(out_dir))
+
+
+def _move_into(tmp: str, out_dir: str) -> None:
+    """A directory holding other things (the Trainer's ``output_dir`` with its ``checkpoint-N``
+    folders and logs, no model files: checked first): the files move in one by one, the index last,
+    so the model is loadable only once complete; a failure removes the ones moved."""
+    names = sorted(os.listdir(tmp), key=lambda n: (n == INDEX, not n.endswith(".safetensors"), n))
+    clash = [n for n in names if os.path.lexists(os.path.join(out_dir, n))]
+    if clash:
+        raise CheckpointError(f"{out_dir} already has {clash}: the save would overwrite them")
+    moved = []
+    try:
+        for n in names:
+            os.replace(os.path.join(tmp, n), os.path.join(out_dir, n))
+            moved.append(n)
+        fsync_dir(out_dir)
+    except BaseException:
+        for n in moved:
+            os.remove(os.path.join(out_dir, n))
+        raise
+    os.rmdir(tmp)
 
 
 def _is_peft(model) -> bool:
@@ -291,6 +344,7 @@ def route_trainer_save() -> None:
     on every rank (idempotent); other models keep the Trainer's own."""
     import transformers
     trainer = transformers.Trainer
+    route_model_save()
     if getattr(trainer.save_model, "_fssdp_original", None) is not None:
         return
     original = trainer.save_model
@@ -314,8 +368,40 @@ def route_trainer_save() -> None:
 
 
 def restore_trainer_save() -> None:
-    """Undo :func:`route_trainer_save`."""
+    """Undo :func:`route_trainer_save` (and :func:`route_model_save`)."""
     import transformers
+    from transformers.modeling_utils import PreTrainedModel
     original = getattr(transformers.Trainer.save_model, "_fssdp_original", None)
     if original is not None:
         transformers.Trainer.save_model = original
+    PreTrainedModel.save_pretrained = hf_save_pretrained()
+
+
+def hf_save_pretrained():
+    """transformers' own ``PreTrainedModel.save_pretrained`` (also while :func:`route_model_save` is installed)."""
+    from transformers.modeling_utils import PreTrainedModel
+    current = PreTrainedModel.save_pretrained
+    return getattr(current, "_fssdp_original", current)
+
+
+def route_model_save() -> None:
+    """Make ``model.save_pretrained(out_dir, ...)`` on a converted model :func:`save_pretrained`
+    (collective; transformers' own would write the FSSDP tensor names and drop the sharded experts);
+    other models, and a call given the whole ``state_dict`` (``hf_state_dict(model)``), keep
+    transformers' own. Idempotent."""
+    from transformers.modeling_utils import PreTrainedModel
+    if getattr(PreTrainedModel.save_pretrained, "_fssdp_original", None) is not None:
+        return
+    original = PreTrainedModel.save_pretrained
+
+    @functools.wraps(original)
+    def save(self, save_directory, *args, **kwargs):
+        if kwargs.get("state_dict") is not None or not _is_fssdp_model(self):
+            return original(self, save_directory, *args, **kwargs)
+        if args:
+            raise ValueError(f"{type(self).__name__}.save_pretrained on a converted model takes keyword arguments only "
+                             f"(got {len(args)} positional): it is ds_fssdp.integrations.hf.save_pretrained")
+        return save_pretrained(self, save_directory, **kwargs)
+
+    save._fssdp_original = original
+    PreTrainedModel.save_pretrained = save

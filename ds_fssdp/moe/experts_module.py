@@ -91,9 +91,11 @@ class FSSDPExperts(nn.Module):
         """Whether the experts train: every expert tensor requires grad (or none does)."""
         if self.sharded is not None:
             return self.sharded.trainable
-        if self.owned is not None:
+        params = [self._parameters.get(n) for n in self.spec.names]
+        if self.owned is not None and all(p is None for p in params):
             return self.owned.requires_grad
-        flags = {getattr(self, n).requires_grad for n in self.spec.names}
+        # Owned rows keep their full tensors as meta stand-ins (keep_flags): what froze those froze the experts.
+        flags = {p.requires_grad for p in params if p is not None}
         if len(flags) > 1:
             raise ValueError(f"{type(self).__name__}: some expert tensors require grad and others do not "
                              f"({ {n: getattr(self, n).requires_grad for n in self.spec.names} }); an expert's "
@@ -176,10 +178,11 @@ class FSSDPExperts(nn.Module):
         self.sharded = sharded
 
     def expert_parameters(self) -> list:
-        """The full expert parameters while the module holds them (else [])."""
-        if self.sharded is not None or self.owned is not None:
+        """The expert parameters the module shows until sharded (full tensors, lazy ones, or an owned
+        module's meta stand-ins: ``keep_flags``): what ``initialize`` keeps out of DeepSpeed's optimizer."""
+        if self.sharded is not None:
             return []
-        return [getattr(self, n) for n in self.spec.names]
+        return [p for p in (self._parameters.get(n) for n in self.spec.names) if p is not None]
 
     @property
     def lazy(self) -> bool:
@@ -199,6 +202,17 @@ class FSSDPExperts(nn.Module):
         for name in self.spec.names:
             self._parameters.pop(name, None)
         self.owned = owned
+
+    def keep_flags(self) -> None:
+        """Owned rows: show the full expert tensors as parameters on the meta device (no storage), so
+        that what freezes a model's parameters (``requires_grad_(False)``, PEFT's base-model freeze)
+        reaches these experts as it reaches a module holding them all; :attr:`trainable` reads them."""
+        if self.owned is None:
+            raise RuntimeError(f"{type(self).__name__}.keep_flags: the module holds no owned rows")
+        dtype = self.owned.rows_SP.dtype
+        for name, shape in self.spec.shapes.items():
+            self._parameters[name] = nn.Parameter(torch.empty(self.num_experts, *shape, device="meta", dtype=dtype),
+                                                  requires_grad=self.owned.requires_grad)
 
     def initial_rows(self, owner_E: torch.Tensor, owned_E: torch.Tensor, *, group_rank: int):
         """What ``initialize`` starts this layer from, when the module already has it: the owned

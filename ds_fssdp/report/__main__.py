@@ -5,6 +5,11 @@ config has ``"fssdp": {"trace_path": ...}``; the main job writes it into its run
 trace file itself (e.g. /work/shared/data/trace_e8.npz). The placement picture replays the planner
 with the settings the runtime recorded in the trace's sidecar; flags override them (for a trace
 recorded elsewhere, or to see what another budget would have placed).
+
+``--check``: derive every decision of the run again from the trace's inputs (counts, agreed
+windows, optimizer steps, fitted costs; report/check.py) and compare them with the runtime's
+record. Exit 0 printing how many decisions were checked, 1 naming the first (iteration, layer,
+array) that differs, 2 when the trace cannot be checked (said why).
 """
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import argparse
 import sys
 
 from ds_fssdp.defaults import POLICIES
-from ds_fssdp.report.render import render
+from ds_fssdp.report.render import find_trace, render
 
 
 def main(argv=None) -> int:
@@ -27,7 +32,11 @@ def main(argv=None) -> int:
     p.add_argument("--overlap-degree", type=int, default=None, help="overlap degree t for the replay")
     p.add_argument("--window", type=int, default=None, help="load predictor window for the replay")
     p.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node for the replay")
+    p.add_argument("--check", action="store_true",
+                   help="check the run's recorded decisions against those derived from the trace's inputs (no PNGs)")
     args = p.parse_args(argv)
+    if args.check:
+        return _check(args)
     try:
         result = render(args.run, out=args.out, trace_path=args.trace, metrics_path=args.metrics, policy=args.policy,
                         budget=args.budget, overlap_degree=args.overlap_degree, window=args.window,
@@ -40,6 +49,25 @@ def main(argv=None) -> int:
     for path in result["files"]:
         print(f"wrote {path}")
     return 0
+
+
+def _check(args) -> int:
+    from ds_fssdp.report.check import CheckRefused, check
+    from ds_fssdp.sim.traces import load_trace
+    overrides = [f"--{k.replace('_', '-')}" for k in ("policy", "budget", "overlap_degree", "window", "ranks_per_node")
+                 if getattr(args, k) is not None]
+    try:
+        if overrides:  # the check is against the run's own settings
+            raise ValueError(f"--check replays the run's recorded settings; refusing {', '.join(overrides)}")
+        path = args.trace or find_trace(args.run)
+        result = check(load_trace(path))
+    except (FileNotFoundError, CheckRefused, ValueError) as err:
+        print(f"ds_fssdp.report --check: {err}", file=sys.stderr)
+        return 2
+    print(f"trace {path}")
+    for line in result.lines():
+        print(line)
+    return 0 if result.first is None else 1
 
 
 if __name__ == "__main__":

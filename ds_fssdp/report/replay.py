@@ -1,17 +1,24 @@
-"""Replay the runtime's decisions from a recorded trace (no communication).
+"""Replay the runtime's decisions from a recorded trace's inputs (no communication, no DeepSpeed).
 
-Legend: S steps, L MoE layers, E experts, D ranks.
+Legend: S trace rows (training forwards: micro-steps), L MoE layers, E experts, D ranks.
 
-A trace records each iteration's ``tokens_ED`` and, from the runtime, what it decided
-(``decision_*`` arrays, docs/traces.md) and the clock it decided with (t and calibration's latency
-budget per layer and step). The replay drives the same policy object as the runtime
-(:class:`~ds_fssdp.planner.layer.LayerPlanner`, :func:`~ds_fssdp.planner.layer.migrations`) with
-the same predictor fed the same counts, and the recorded clock: so it makes the runtime's
-decisions again, step by step (re-shards and SmartMoE's permutations, placements, calibration
-or shadowing, dispatch plans), and :func:`compare` says where they differ. What it cannot know is
-listed in :attr:`Replay.notes`: a trace without the decision record (not from the runtime) is
-replayed with the sidecar's t ("auto": unlimited) and latency budget; calibration, FasterMoE
-need the run's hardware; placement "cost" (removed) is replayed as "joint".
+A trace written by the runtime records each training forward's inputs: the all-gathered
+``tokens_ED`` of every layer, the windows every rank agreed on (``agreed_window_s``,
+``agreed_attention_s``), the optimizer steps applied before it (``optimizer_step``), the
+schedule's costs each layer decided with (fitted or ``fssdp.hardware``'s) and the row sizes the
+exchange decision priced; the sidecar records the config and the measured hardware. From those
+alone the replay derives every decision again through the functions the runtime calls:
+:func:`~ds_fssdp.planner.layer.build_policies` (the policy, the re-sharding policies, each
+layer's :class:`~ds_fssdp.planner.layer.LayerPlanner`), :func:`~ds_fssdp.planner.layer.layer_clock`
+(t and calibration's latency budget from the window), :func:`~ds_fssdp.planner.layer.migrations`
+at each optimizer step the trace's rows cross (not at each row: with gradient accumulation a step
+spans several rows), and :func:`~ds_fssdp.planner.scheduled.exchange_decision`. It reads none of
+the runtime's decisions back; ``report/check.py`` compares them with the record.
+
+A trace without the inputs (not from the runtime, or from before they were recorded) is replayed
+with what is known, and :attr:`Replay.notes` says what is not: each row its own step, no window
+(t "auto" unlimited, calibration's budget the configured one or unlimited); calibration and
+FasterMoE need the run's hardware; placement "cost" (removed) is replayed as "joint".
 """
 from __future__ import annotations
 
@@ -21,36 +28,42 @@ import numpy as np
 import torch
 
 from ds_fssdp.defaults import DISPATCH_SLACK, SMARTMOE_INTERVAL
-from ds_fssdp.planner.decision import Decision, decision_arrays
-from ds_fssdp.planner import (Clock, CostModel, ExpertShape, Hardware, LoadPredictor, PolicyConfig, homogeneous_owner,
-                              make_policy)
-from ds_fssdp.planner.layer import LayerPlanner, migrating_policies, migrations
+from ds_fssdp.planner import CostModel, ExpertShape, Hardware, LoadPredictor, homogeneous_owner
+from ds_fssdp.planner.layer import build_policies, layer_clock, migrations
+from ds_fssdp.planner.record import Decision, decision_arrays
 from ds_fssdp.planner.schedule import ScheduleCosts
 from ds_fssdp.planner.scheduled import ExchangeOptions, ScheduledCostModel, exchange_decision
 from ds_fssdp.sim.traces import Trace
 from ds_fssdp.topology import Topology
 
+# What the runtime records per decision as an input (priced with, not decided): read, never compared.
+INPUT_ARRAYS = ("decision_schedule_costs", "decision_row_bytes", "decision_side_ratio")
+# The runtime's other inputs per row (docs/traces.md): the steps, the agreed windows.
+STEP_INPUTS = ("optimizer_step", "agreed_window_s", "agreed_attention_s")
+
+
 @dataclass
 class ReplaySettings:
+    """The run's ``fssdp`` block as the sidecar records it (the names ``build_policies`` reads)."""
     policy: str = "fssdp"
     budget: int = 2
-    overlap_degree: int = 4
-    window: int = 5
+    overlap_degree: int | str = 4  # or "auto": from the agreed window
+    window: int = 5  # the load predictor's
     ranks_per_node: int | None = None  # None: one node
     placement: str = "paper"  # the runtime's default
     dispatch: str = "balanced"
     dispatch_slack: float = DISPATCH_SLACK
     reshard_interval: int = 0
     calibration: bool = False
-    calibration_latency_budget: float | None = None  # None: the recorded window
+    calibration_latency_budget: float | None = None  # None: the agreed window
     smartmoe_interval: int = SMARTMOE_INTERVAL
     rematerialize: bool = False
-    overlap_by_time: bool = False  # overlap_degree "auto": t searched from the recorded window
     hardware: dict | None = None  # the run's cost model: Hardware's fields
     expert_shape: dict | None = None  # and ExpertShape's
     # how the run's layers exchanged tokens (the by-time decisions' layer price; None: a trace from
     # before it was recorded, priced as the serial exchanges it then was)
     exchange: dict | None = None  # top_k, one_copy_per_destination, pipeline_degree, topology_aware
+    fssdp_groups: int = 1  # FSSDP groups of the run (the re-shards' loads are summed over them)
     notes: list = field(default_factory=list)
 
     def cost_model(self, topology: Topology) -> CostModel | None:
@@ -67,19 +80,6 @@ class ReplaySettings:
                                      side_ratio=ex.get("side_ratio", 0.0))
         return ScheduledCostModel(hw, shape, topology, exchange=options)
 
-    def make_policy(self, topology: Topology, *, num_experts: int, num_layers: int):
-        """The runtime's policy object (``runtime/policy_setup.build_policies``) from these settings."""
-        budget = self.calibration_latency_budget
-        config = PolicyConfig(num_experts=num_experts, num_layers=num_layers, topology=topology, budget=self.budget,
-                              overlap_degree=self.overlap_degree, cost=self.cost_model(topology),
-                              placement=self.placement, reshard_interval=self.reshard_interval,
-                              calibration=self.calibration,
-                              calibration_latency_budget=float("inf") if budget is None else float(budget),
-                              smartmoe_interval=self.smartmoe_interval, dispatch=self.dispatch,
-                              dispatch_slack=self.dispatch_slack, overlap_by_time=self.overlap_by_time)
-        name = "fssdp-rm" if self.policy == "fssdp" and self.rematerialize else self.policy
-        return make_policy(name, config)
-
     @classmethod
     def from_trace(cls, trace: Trace, **overrides) -> "ReplaySettings":
         """Settings from the trace's sidecar (written by the runtime), then ``overrides`` (None: keep)."""
@@ -89,13 +89,12 @@ class ReplaySettings:
         s.policy = str(meta.get("policy", s.policy))
         s.budget = int(meta.get("materialization_budget", s.budget))
         t = meta.get("overlap_degree", s.overlap_degree)
-        recorded = "decision_t" in trace.arrays
-        if t == "auto":
-            s.overlap_by_time = True
+        windows = "agreed_window_s" in trace.arrays
+        if t == "auto" and not windows:
+            notes.append('overlap_degree "auto" was derived from windows this trace does not record; replayed as '
+                         'unlimited')
             t = trace.num_experts
-            if not recorded:
-                notes.append('overlap_degree "auto" was measured per layer at run time; replayed as unlimited')
-        s.overlap_degree = int(t)
+        s.overlap_degree = t if t == "auto" else int(t)
         s.window = int(meta.get("load_window", s.window))
         s.ranks_per_node = meta.get("ranks_per_node")
         s.placement = str(meta.get("placement", s.placement))
@@ -107,6 +106,7 @@ class ReplaySettings:
         s.smartmoe_interval = int(meta.get("smartmoe_interval", s.smartmoe_interval))
         s.rematerialize = bool(meta.get("rematerialize", False))
         s.hardware, s.expert_shape = meta.get("hardware"), meta.get("expert_shape")
+        s.fssdp_groups = int(meta.get("fssdp_groups", 1))
         if "pipeline_degree" in meta:
             s.exchange = {k: meta[k] for k in ("top_k", "one_copy_per_destination", "pipeline_degree",
                                                 "topology_aware")}
@@ -126,8 +126,11 @@ class ReplaySettings:
             s.calibration = False
             if s.policy == "fastermoe":
                 s.policy = "ep"
-        if s.calibration and not recorded and s.calibration_latency_budget is None:
-            notes.append("calibration's latency budget was the measured window; replayed as unlimited")
+        if s.calibration and not windows and s.calibration_latency_budget is None:
+            notes.append("calibration's latency budget was the agreed window, which this trace does not record; "
+                         "replayed as unlimited")
+        if "optimizer_step" not in trace.arrays:
+            notes.append("optimizer steps not recorded: each row replayed as its own step")
         s.notes = notes
         return s
 
@@ -139,8 +142,9 @@ class Replay:
     held_SLED: np.ndarray  # bool: rank d holds expert e (owner or replica) at step s in layer l
     rows_SLD: np.ndarray  # int64: rows (token, expert) rank d computes with those holders
     ep_rows_SLD: np.ndarray  # int64: the same with the owners alone (static EP)
-    decisions: dict  # the ``decision_*`` arrays the runtime records, replayed ([S, L, ...] each)
-    reshards: list = field(default_factory=list)  # per step: the Reshards applied before it (in order)
+    decisions: dict  # the ``decision_*`` arrays the runtime records, derived ([S, L, ...] each)
+    reshards: list = field(default_factory=list)  # per row: the Reshards applied before it (in order)
+    reshard_steps: list = field(default_factory=list)  # the optimizer steps after which a re-shard moved experts
 
     @property
     def notes(self) -> list:
@@ -169,48 +173,76 @@ class Replay:
         return _straggler(self.ep_rows_SLD)
 
 
+class _Inputs:
+    """One trace's per-row inputs (nan / absent: none)."""
+
+    def __init__(self, trace: Trace):
+        a = trace.arrays
+        S, L = trace.tokens_SLED.shape[:2]
+        nan_SL = np.full((S, L), np.nan)
+        self.step_S = a["optimizer_step"].astype(np.int64) if "optimizer_step" in a else np.arange(S)
+        self.per_row_steps = "optimizer_step" not in a
+        self.window_SL = a.get("agreed_window_s", nan_SL)
+        self.attention_SL = a.get("agreed_attention_s", nan_SL)
+        self.costs_SL8 = a.get("decision_schedule_costs")
+        self.row_bytes_SL2 = a.get("decision_row_bytes")
+        self.side_SL = a.get("decision_side_ratio")
+
+    def window(self, row: int, l: int) -> tuple:
+        w, a = self.window_SL[row, l], self.attention_SL[row, l]
+        return (None if np.isnan(w) else float(w)), (None if np.isnan(a) else float(a))
+
+    def costs(self, row: int, l: int) -> ScheduleCosts | None:
+        """The schedule's costs the runtime decided (row, layer) with; None: none recorded."""
+        if self.costs_SL8 is None or np.isnan(self.costs_SL8[row, l]).any():
+            return None
+        return ScheduleCosts.from_row(self.costs_SL8[row, l])
+
+
 def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
     s = settings or ReplaySettings.from_trace(trace)
     S, L, E, D = trace.tokens_SLED.shape
     topology = Topology(num_ranks=D, ranks_per_node=int(s.ranks_per_node or D))
-    policy = s.make_policy(topology, num_experts=E, num_layers=L)
     predictor = LoadPredictor([E] * L, window=s.window)
-    planners = [LayerPlanner(policy, predictor, l) for l in range(L)]
-    migrators = migrating_policies(policy, reshard_interval=s.reshard_interval)
-    clock_t = trace.arrays.get("decision_t")
-    clock_b = trace.arrays.get("decision_latency_budget")
-    clock_w = trace.arrays.get("decision_window_s")
-    clock_a = trace.arrays.get("decision_attention_s")  # absent: a trace from before it was recorded
-    costs_SL8 = trace.arrays.get("decision_schedule_costs")  # the schedule's costs each decision priced with
-    side_SL = trace.arrays.get("decision_side_ratio")  # the work beside the exchange each priced (absent: none)
-    cost = policy.config.cost
+    cost = s.cost_model(topology)
+    policy, migrators, planners = build_policies(s, num_experts=[E] * L, topology=topology, budget=s.budget,
+                                                 cost=cost, predictor=predictor)
+    inputs = _Inputs(trace)
     default_costs = getattr(cost, "costs", None)
-    # a trace that records the exchange's inputs: its degrees and one copy per destination replay too
-    exchange_recorded = (s.exchange is not None and costs_SL8 is not None
-                         and "decision_row_bytes" in trace.arrays and "decision_degrees" in trace.arrays)
+    # a trace that records the exchange's inputs: its degrees and one copy per destination are derived too
+    exchange_recorded = (s.exchange is not None and inputs.costs_SL8 is not None
+                         and inputs.row_bytes_SL2 is not None and "decision_degrees" in trace.arrays)
     owner_LE = homogeneous_owner(E, D).expand(L, E).clone()
     tokens = torch.from_numpy(trace.tokens_SLED.astype(np.int64))
-    steps, reshards = [], []
-    for step in range(S):
-        clocks = [_clock(s, clock_t, clock_b, clock_w, clock_a, step, l) for l in range(L)]
-        reshards.append(migrations(migrators, step, predictor.predict_all(), owner_LE, clock=clocks[0]))
-        for r in reshards[-1]:
+    rows, reshards, reshard_steps = [], [], []
+    for row in range(S):
+        clocks = [layer_clock(overlap_degree=s.overlap_degree, latency_budget=s.calibration_latency_budget,
+                              window_s=inputs.window(row, l)[0], attention_s=inputs.window(row, l)[1], cost=cost,
+                              num_experts=E) for l in range(L)]
+        step = int(inputs.step_S[row])
+        # The runtime re-shards after each applied optimizer step (its step count, then the rows
+        # after it carry); a trace without the count: before every row.
+        crossed = inputs.per_row_steps or (row > 0 and step != int(inputs.step_S[row - 1]))
+        done = migrations(migrators, step, predictor.predict_all(), owner_LE, clock=clocks[0]) if crossed else []
+        reshards.append(done)
+        if done:
+            reshard_steps.append(step)
+        for r in done:
             owner_LE = r.owner_LE
         decisions = []
         for l, planner in enumerate(planners):
-            tokens_ED = tokens[step, l]
-            costs = _recorded_costs(costs_SL8, step, l)
+            tokens_ED = tokens[row, l]
+            costs = inputs.costs(row, l)
             if default_costs is not None:  # the runtime prices with its fitted costs where it has them
                 cost.costs = default_costs if costs is None else costs
             placed_ED, overlap_t = planner.pre_gating_t(owner_LE[l], clocks[l])
             lp = planner.post_gating(owner_LE[l], placed_ED, tokens_ED, clocks[l], overlap_t=overlap_t)
             plan = planner.dispatch(lp, tokens_ED)
             planner.observe(tokens_ED)
-            degrees, one_copy, row_bytes, side_ratio = (-1, -1), -1, (-1, -1), 0.0
-            if exchange_recorded:  # the exchange decision retaken from the recorded costs and row sizes
-                row_bytes = tuple(int(b) for b in trace.arrays["decision_row_bytes"][step, l])
-                if side_SL is not None:
-                    side_ratio = float(side_SL[step, l])
+            degrees, one_copy, row_bytes = (-1, -1), -1, (-1, -1)
+            side_ratio = 0.0 if inputs.side_SL is None else float(inputs.side_SL[row, l])
+            if exchange_recorded:  # the exchange decision from the recorded costs and row sizes
+                row_bytes = tuple(int(b) for b in inputs.row_bytes_SL2[row, l])
                 degrees, one_copy = exchange_decision(
                     costs, lambda: plan.traffic_DD().numpy(), pipeline_degree=s.exchange["pipeline_degree"],
                     one_copy=s.exchange["one_copy_per_destination"], ranks_per_node=topology.ranks_per_node,
@@ -219,65 +251,26 @@ def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
             decisions.append(Decision.of(owner_LE[l], placed_ED, lp, plan, clocks[l], degrees, int(one_copy),
                                          overlap_t=overlap_t, schedule_costs=costs, row_bytes=row_bytes,
                                          side_ratio=side_ratio))
-        steps.append(decision_arrays(decisions))
-    if not steps:
+        rows.append(decision_arrays(decisions))
+    if not rows:
         return Replay(settings=s, owner_SLE=np.zeros((0, L, E), np.int64), held_SLED=np.zeros((0, L, E, D), bool),
                       rows_SLD=np.zeros((0, L, D), np.int64), ep_rows_SLD=np.zeros((0, L, D), np.int64), decisions={})
-    rec = {k: np.stack([d[k] for d in steps]) for k in steps[0]}
+    rec = {k: np.stack([d[k] for d in rows]) for k in rows[0] if k not in INPUT_ARRAYS}
     # The pipeline degrees and one copy per destination follow the run's schedule costs (fitted at
-    # initialize and refitted from timings): replayed where the trace records them per decision.
+    # initialize and refitted from timings): derived where the trace records them per decision.
     if not exchange_recorded:
-        for key in ("decision_degrees", "decision_one_copy", "decision_row_bytes"):
+        for key in ("decision_degrees", "decision_one_copy"):
             rec.pop(key)
-    if clock_a is None:  # a trace from before the attention was recorded: nothing to compare it with
+    if "decision_attention_s" not in trace.arrays:  # a trace from before it was recorded
         rec.pop("decision_attention_s")
-    if costs_SL8 is None:
-        rec.pop("decision_schedule_costs")
-    if side_SL is None or not exchange_recorded:
-        rec.pop("decision_side_ratio")
     # Static EP: every owner computes all its experts' rows.
     ep_rows = np.zeros((S, L, D), dtype=np.int64)
     load_SLE = trace.tokens_SLED.sum(3, dtype=np.int64)
     for e, d in enumerate(homogeneous_owner(E, D).tolist()):
         ep_rows[:, :, d] += load_SLE[:, :, e]
     return Replay(settings=s, owner_SLE=rec["decision_owner"], held_SLED=rec["decision_held"],
-                  rows_SLD=rec["decision_rows"], ep_rows_SLD=ep_rows, decisions=rec, reshards=reshards)
-
-
-def compare(trace: Trace, rep: Replay) -> list:
-    """Where the replayed decisions differ from the recorded ones: ``(key, step, layer)`` of every
-    first difference per key ([] when the runtime made exactly the replay's decisions)."""
-    diffs = []
-    for key, want in rep.decisions.items():
-        got = trace.arrays.get(key)
-        if got is None:
-            diffs.append((key, None, None))
-            continue
-        same = got == want
-        if np.issubdtype(want.dtype, np.floating):  # nan: no budget, no window
-            same |= np.isnan(got) & np.isnan(want)
-        bad = np.argwhere(~same.reshape(same.shape[0], same.shape[1], -1).all(2))
-        if bad.size:
-            diffs.append((key, int(bad[0, 0]), int(bad[0, 1])))
-    return diffs
-
-
-def _recorded_costs(costs_SL8, step: int, l: int) -> ScheduleCosts | None:
-    """The schedule's costs the runtime decided (step, layer) with; None: none recorded."""
-    if costs_SL8 is None or np.isnan(costs_SL8[step, l]).any():
-        return None
-    return ScheduleCosts.from_row(costs_SL8[step, l])
-
-
-def _clock(s: ReplaySettings, clock_t, clock_b, clock_w, clock_a, step: int, l: int) -> Clock:
-    """The recorded clock of (step, layer), else the settings' (a trace without a decision record)."""
-    if clock_t is None:
-        budget = s.calibration_latency_budget
-        return Clock(overlap_degree=s.overlap_degree, latency_budget=float("inf") if budget is None else float(budget))
-    w = None if clock_w is None or np.isnan(clock_w[step, l]) else float(clock_w[step, l])
-    a = None if clock_a is None or np.isnan(clock_a[step, l]) else float(clock_a[step, l])
-    return Clock(overlap_degree=int(clock_t[step, l]), latency_budget=float(clock_b[step, l]), window_s=w,
-                 attention_s=a)
+                  rows_SLD=rec["decision_rows"], ep_rows_SLD=ep_rows, decisions=rec, reshards=reshards,
+                  reshard_steps=reshard_steps)
 
 
 def _straggler(rows_SLD: np.ndarray) -> np.ndarray:

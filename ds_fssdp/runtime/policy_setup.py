@@ -1,7 +1,7 @@
 """The stage's policy and what it decides with, built once at attach (``FSSDPStage.attach``): the
 "auto" materialization budget, the cost model (``fssdp.hardware``'s, else measured on this machine
-and agreed by every rank), the schedule's costs under ``fssdp.hardware``, and the policy object
-with each layer's planner.
+and agreed by every rank) and the schedule's costs under ``fssdp.hardware``; the policy object
+with each layer's planner is ``planner.layer.build_policies`` (the report's replay builds it too).
 
 Every rank builds the same ones: the decisions decide the collectives. Only the measured cost
 model talks to other ranks (``runtime/profile.py``'s link measurement and one all-reduce over the
@@ -18,9 +18,7 @@ from deepspeed.utils import logger
 
 from ds_fssdp.config import FSSDPConfig
 from ds_fssdp.planner import Hardware, auto_materialization_budget
-from ds_fssdp.planner.baselines import PolicyConfig, make_policy
 from ds_fssdp.planner.cost import schedule_costs
-from ds_fssdp.planner.layer import LayerPlanner, migrating_policies
 from ds_fssdp.planner.schedule import ScheduleCosts
 from ds_fssdp.planner.scheduled import ScheduledCostModel
 from ds_fssdp.runtime.profile import measure_expert_flops, measure_link_bandwidth
@@ -85,29 +83,3 @@ def configured_schedule_costs(hardware, shape) -> ScheduleCosts:
     every rank and in every run, nothing is measured); collective startup is the hardware's
     latency."""
     return schedule_costs(configured_hardware(hardware), shape)
-
-
-def build_policies(config: FSSDPConfig, *, layers: list, topology, budget, cost, predictor) -> tuple:
-    """The policy object (every decision of every layer), the policies that re-shard after a
-    step (``planner.layer.migrating_policies``) and each layer's ``LayerPlanner``, for the
-    materialization budget ``budget`` and cost model ``cost`` (None: none needed)."""
-    first = layers[0]
-    name = "fssdp-rm" if config.policy == "fssdp" and config.rematerialize else config.policy
-    latency = config.calibration_latency_budget
-    auto_t = config.overlap_degree == "auto"
-    policy_config = PolicyConfig(num_experts=first.num_experts, num_layers=len(layers), topology=topology,
-                                 budget=budget, overlap_degree=0 if auto_t else config.overlap_degree, cost=cost,
-                                 placement=config.placement, reshard_interval=config.reshard_interval,
-                                 calibration=config.calibration,
-                                 calibration_latency_budget=float("inf") if latency is None else float(latency),
-                                 smartmoe_interval=config.smartmoe_interval, dispatch=config.dispatch,
-                                 dispatch_slack=float(config.dispatch_slack), overlap_by_time=auto_t)
-    policy = make_policy(name, policy_config)
-    migrators = migrating_policies(policy, reshard_interval=config.reshard_interval)
-    # One policy object decides for every layer; a layer with another expert count gets its own.
-    per_E = {first.num_experts: policy}
-    for l in layers:
-        if l.num_experts not in per_E:
-            per_E[l.num_experts] = make_policy(name, dataclasses.replace(policy_config, num_experts=l.num_experts))
-    planners = [LayerPlanner(per_E[l.num_experts], predictor, i) for i, l in enumerate(layers)]
-    return policy, migrators, planners

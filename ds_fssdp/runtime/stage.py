@@ -29,6 +29,7 @@ import atexit
 import dataclasses
 import time
 
+import numpy as np
 import torch
 from deepspeed import comm as dist
 from deepspeed.utils import logger
@@ -39,8 +40,8 @@ from ds_fssdp.moe.experts_module import FSSDPExperts
 from ds_fssdp.moe.sharded import ReplicaMemory, ShardedExperts, ShardOptions, StepContext, chain
 from ds_fssdp.planner import LoadPredictor, initial_ownership
 from ds_fssdp.planner.baselines import Clock
-from ds_fssdp.planner.decision import decision_arrays
-from ds_fssdp.planner.layer import migrations
+from ds_fssdp.planner.record import decision_arrays
+from ds_fssdp.planner.layer import build_policies, layer_clock, migrations
 from ds_fssdp.planner.schedule import ScheduleCosts
 from ds_fssdp.planner.scheduled import ExchangeOptions, ScheduledCostModel
 from ds_fssdp.runtime import costfit, policy_setup
@@ -257,7 +258,9 @@ class FSSDPStage:
                 "one_copy_per_destination": self.config.one_copy_per_destination,
                 "pipeline_degree": (self.pipeline_degree if self.pipeline_degree == "auto"
                                     else list(self.pipeline_degree)),
-                "topology_aware": self.config.topology_aware, "side_ratio": self.side_ratio})
+                "topology_aware": self.config.topology_aware, "side_ratio": self.side_ratio,
+                # the re-shards' loads are summed over the FSSDP groups; the trace holds rank 0's group's
+                "fssdp_groups": self.edp_size})
             atexit.register(self.trace.close)
         # The first layer's gather starts with the model's forward, before the first attention.
         if self.layers:
@@ -307,10 +310,21 @@ class FSSDPStage:
         if getattr(self, "trace", None) is not None and all(s.last_tokens_ED is not None for s in self.shards):
             self.trace.append(torch.stack([s.last_tokens_ED for s in self.shards]),
                               loss=float(loss) if loss is not None else float("nan"),
-                              arrays=decision_arrays([s.last_decision for s in self.shards]))
+                              arrays=dict(decision_arrays([s.last_decision for s in self.shards]),
+                                          **self._decision_inputs()))
             if clear:
                 for s in self.shards:
                     s.clear_record()
+
+    def _decision_inputs(self) -> dict:
+        """What this iteration's decisions were made from besides the counts and the recorded costs
+        (docs/traces.md), for the report's replay to derive them again: the optimizer steps applied
+        before it (the re-shards follow them, not the micro-steps) and the windows every rank agreed
+        on (nan: none yet), from which each layer's clock is derived (``planner.layer.layer_clock``)."""
+        def seconds(values):
+            return np.asarray([float("nan") if v is None else float(v) for v in values], dtype=np.float64)
+        return {"optimizer_step": np.int64(self.steps), "agreed_window_s": seconds(self.window_s),
+                "agreed_attention_s": seconds(self.attention_s)}
 
     # -- per optimizer step ---------------------------------------------------------------------
     @torch.no_grad()
@@ -427,9 +441,9 @@ class FSSDPStage:
             self.schedule_costs = policy_setup.configured_schedule_costs(cfg.hardware, shape)
             self.profile["schedule_costs"] = dataclasses.asdict(self.schedule_costs)
             self._price_with(self.schedule_costs)
-        self.policy, self.migrators, self.planners = policy_setup.build_policies(
-            cfg, layers=self.layers, topology=self.topology, budget=self.budget, cost=self.cost,
-            predictor=self.predictor)
+        self.policy, self.migrators, self.planners = build_policies(
+            cfg, num_experts=[l.num_experts for l in self.layers], topology=self.topology, budget=self.budget,
+            cost=self.cost, predictor=self.predictor)
 
     def exchange_options(self, shape) -> ExchangeOptions:
         """How this run's layers exchange their tokens, for the by-time decisions' layer price
@@ -464,15 +478,9 @@ class FSSDPStage:
         """Layer ``l``'s t and calibration latency budget this iteration: the config's, or from the
         window every rank agreed on (the one t function: :meth:`CostModel.overlap_degree`; "auto"
         also hands the policy the window, from which it searches t by the modelled layer time)."""
-        cfg, w = self.config, self.window_s[l]
-        t, window, attention = cfg.overlap_degree, None, None
-        if t == "auto":
-            t = 0 if w is None else min(self.layers[l].num_experts, self.cost.overlap_degree(w))
-            window, attention = w, self.attention_s[l]
-        budget = cfg.calibration_latency_budget
-        if budget is None:
-            budget = float("inf") if w is None else w
-        return Clock(overlap_degree=t, latency_budget=float(budget), window_s=window, attention_s=attention)
+        return layer_clock(overlap_degree=self.config.overlap_degree,
+                           latency_budget=self.config.calibration_latency_budget, window_s=self.window_s[l],
+                           attention_s=self.attention_s[l], cost=self.cost, num_experts=self.layers[l].num_experts)
 
     def _context(self, l: int) -> StepContext:
         return StepContext(planner=self.planners[l], clock=self.clock(l), timers=self.timers,

@@ -1,0 +1,109 @@
+"""What an HF experts module computes, checked before it is replaced: the gate-weighted sum of the
+expert MLPs that ``hf_experts.to_fssdp`` maps, and nothing else.
+
+Legend: E experts, H hidden, I expert FFN hidden, T tokens, K top-k.
+
+``convert`` replaces the experts module by FSSDP's expert compute, which knows the module's expert
+tensors (``gate_up_proj`` / ``up_proj``, ``down_proj``, their biases), its layout flags and its
+activation (``hf_experts.read_layout``). A family may add to that inside the module: a subclass that
+overrides the decorated forward (transformers' ``use_experts_implementation``) to apply, say, a
+learned norm to each route before the weighted sum (Ergo's ``post_expert_norm``), or tensors of its
+own the forward reads. Replacing such a module would drop that work silently, so it is refused by
+name: any parameter or buffer of the module beyond the mapped tensors, and any forward whose output
+on probe values differs from the weighted expert MLPs computed by ``ds_fssdp.ops`` on the same
+tensors. The probe runs the module's own forward (the configured experts implementation) on a
+copy holding small random tensors of its layout (E experts as in the module, H = 8, I = 4), so it
+costs nothing on a meta skeleton of a big model.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+
+from ds_fssdp import ops
+from ds_fssdp.integrations.hf_experts import UnsupportedExpertsError
+
+# The tensors of transformers' experts contract that ``to_fssdp`` maps.
+MAPPED = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
+_H, _I, _T = 8, 4, 6
+
+
+class ExtraComputeError(UnsupportedExpertsError):
+    """An experts module computes more than the weighted expert MLPs FSSDP would replace it with."""
+
+
+def check_forward(experts: nn.Module, layout, *, model_type, where: str) -> None:
+    """Refuse ``experts`` (by name) unless its forward is the gate-weighted expert MLP of ``layout``."""
+    extra = [n for n, _ in experts.named_parameters() if n not in MAPPED]
+    extra += [n for n, _ in experts.named_buffers()]
+    if extra:
+        raise ExtraComputeError(
+            f"{where}: model_type {model_type!r}: the experts module holds {extra} beside its expert tensors; its "
+            f"forward uses them ({_forward_owner(experts)}), and ds_fssdp's expert compute would drop them")
+    probe = _probe_copy(experts, layout)
+    gen = torch.Generator().manual_seed(1)
+    E = layout.num_experts
+    K = min(2, E)
+    x_TH = torch.randn(_T, _H, generator=gen)
+    idx_TK = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(_T)])
+    w_TK = torch.rand(_T, K, generator=gen) + 0.25
+    with torch.no_grad():
+        try:
+            got = type(experts).forward(probe, x_TH, idx_TK, w_TK)
+        except Exception as err:  # noqa: BLE001 - any failure is named: the forward is not the contract's
+            raise ExtraComputeError(f"{where}: model_type {model_type!r}: the experts module's forward "
+                                    f"({_forward_owner(experts)}) does not run on probe tensors of its own layout "
+                                    f"({type(err).__name__}: {err}); ds_fssdp cannot check what it computes") from err
+        want = _weighted_mlps(probe, layout, x_TH, idx_TK, w_TK)
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape or \
+            not torch.allclose(got.float(), want, rtol=1e-4, atol=1e-5):
+        diff = float((got.float() - want).abs().max()) if isinstance(got, torch.Tensor) and \
+            got.shape == want.shape else f"shape {getattr(got, 'shape', type(got))}"
+        raise ExtraComputeError(
+            f"{where}: model_type {model_type!r}: the experts module's forward ({_forward_owner(experts)}) computes "
+            f"something other than the gate-weighted sum of its expert MLPs (max difference {diff} on probe values); "
+            "ds_fssdp would drop the rest, so it does not convert this family")
+
+
+def _forward_owner(experts: nn.Module) -> str:
+    for cls in type(experts).__mro__:
+        if "forward" in cls.__dict__:
+            return f"{cls.__name__}.forward"
+    return "forward"
+
+
+def _probe_copy(experts: nn.Module, layout) -> nn.Module:
+    """A shallow copy of the module (same class, config and activation) holding small random tensors."""
+    probe = copy.copy(experts)
+    probe._parameters = {}
+    probe._buffers = dict(experts._buffers)
+    probe._modules = dict(experts._modules)
+    gen = torch.Generator().manual_seed(0)
+    E, out = layout.num_experts, (2 * _I if layout.gated else _I)
+    shapes = {("gate_up_proj" if layout.gated else "up_proj"): (E, _H, out) if layout.transposed else (E, out, _H),
+              "down_proj": (E, _I, _H) if layout.transposed else (E, _H, _I)}
+    if layout.bias:
+        shapes[("gate_up_proj_bias" if layout.gated else "up_proj_bias")] = (E, out)
+        shapes["down_proj_bias"] = (E, _H)
+    for name, shape in shapes.items():
+        probe._parameters[name] = nn.Parameter(torch.randn(shape, generator=gen) * 0.5, requires_grad=False)
+    return probe
+
+
+def _weighted_mlps(probe: nn.Module, layout, x_TH, idx_TK, w_TK) -> torch.Tensor:
+    """sum_k w[t, k] * MLP_{idx[t, k]}(x[t]) through ``ds_fssdp.ops`` (what FSSDP computes)."""
+    from dataclasses import replace
+
+    from ds_fssdp.integrations.hf_experts import to_fssdp
+    small = replace(layout, hidden=_H, ffn=_I)
+    weights = to_fssdp(probe, small)
+    out = torch.zeros_like(x_TH)
+    for t in range(x_TH.shape[0]):
+        for k in range(idx_TK.shape[1]):
+            e = int(idx_TK[t, k])
+            y = ops.expert_mlp(x_TH[t:t + 1], {n: v[e:e + 1] for n, v in weights.items()}, [1],
+                               activation=layout.activation, act_params=layout.act_params or None)
+            out[t] += w_TK[t, k] * y[0]
+    return out
