@@ -81,10 +81,14 @@ def test_nothing_is_set_on_a_shard_from_outside():
     assert not found, found
 
 
-def test_a_shards_side_work_permission_is_read_only():
-    from ds_fssdp.moe.sharded import ShardedExperts, ShardOptions
-    assert isinstance(ShardedExperts.side_allowed, property) and ShardedExperts.side_allowed.fset is None
-    assert ShardOptions().side is False and ShardOptions(side=True).side is True
+def test_how_a_shard_runs_is_fixed_at_construction():
+    """Side work and timings are ``ShardOptions`` (frozen): set once, by whoever builds the shard."""
+    import dataclasses
+    from ds_fssdp.moe.sharded import ShardOptions
+    options = ShardOptions(side=True, timed=False)
+    assert options.side is True and options.timed is False and ShardOptions().side is False
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.side = False
 
 
 def _imports(path: pathlib.Path) -> list:

@@ -42,9 +42,9 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-# PEFT detection and the experts' side of LoRA (their factors in the compute, targets, checks) live with
-# the experts module; imported here too for the callers that reach them through this module
-from ds_fssdp.integrations.hf_experts import ExpertLora, FSSDPHFExperts, has_peft, is_param_wrapper
+# The experts' side of LoRA (their factors in the compute, targets, checks) and PEFT detection live with
+# the experts module (has_peft: also for this module's callers)
+from ds_fssdp.integrations.hf_experts import FSSDPHFExperts, has_peft, is_param_wrapper
 
 BASE_LAYER = "base_layer"
 
@@ -146,5 +146,5 @@ def adopt_hook(child: str, where: str):
     return hook
 
 
-__all__ = ["ExpertLora", "adopt", "adopt_hook", "fssdp_wrapper_class", "has_peft", "is_param_wrapper", "release",
-           "strip_wrappers", "wrapper_chain"]
+__all__ = ["adopt", "adopt_hook", "fssdp_wrapper_class", "has_peft", "is_param_wrapper", "release", "strip_wrappers",
+           "wrapper_chain"]

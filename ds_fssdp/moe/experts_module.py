@@ -121,7 +121,7 @@ class FSSDPExperts(nn.Module):
     def side_ratio(self) -> float:
         """Expert rows per token of the work this layer computes beside its exchange (0: none; the
         block computes its shared experts itself)."""
-        if self.side is None or self.sharded is None or self.fold is not None or not self.sharded.side_allowed:
+        if self.side is None or self.sharded is None or self.fold is not None or not self.sharded.options.side:
             return 0.0
         return self.side.ratio
 

@@ -168,11 +168,6 @@ class ShardedExperts:
         self.last_tokens_ED = None  # the last training forward's all-gathered counts (trace recording)
         self.last_decision = None  # and what it decided
 
-    @property
-    def side_allowed(self) -> bool:
-        """Whether this layer may compute its block's shared experts beside the exchange (moe/side.py)."""
-        return self.options.side
-
     # -- the owned state (the replica manager's) --------------------------------------------------
     owner_E = property(lambda self: self.replicas.owner_E)
     owned_E = property(lambda self: self.replicas.owned_E)
@@ -486,9 +481,6 @@ class ShardedExperts:
 
     def land(self) -> None:
         self.replicas.land()
-
-    def stepped(self, *, deferred: bool) -> None:
-        self.replicas.stepped(deferred=deferred)
 
     def load_rows(self, full_EP: torch.Tensor) -> None:
         self.replicas.load_rows(full_EP)

@@ -374,7 +374,7 @@ class FSSDPStage:
             self.steps += 1
         self.expert_state.clear_grads()
         for i, shard in enumerate(self.shards):
-            shard.stepped(deferred=i in deferred)
+            shard.replicas.stepped(deferred=i in deferred)
         self.expert_state.split = next_split
         resharded = self.reshard(world_loads) if applied else 0
         self._steps_seen += 1
