@@ -26,9 +26,11 @@ cuts the model into 2 stages (DeepSpeed's ``PipelineModule``, 1F1B) with FSSDP i
 data-parallel ranks. It trains on the same global batches as the run without pipelining on the
 same ranks (each of the world / S pipelines takes the micro-batches of S ranks: S times the
 gradient accumulation steps), so its ``losses.jsonl`` matches that run's (the loss includes the
-routers' auxiliary terms either way). Stages need not be even (``--layers 3`` on 2 stages). The
-per-layer table lists every stage's layers; the trace, metrics CSV and pictures are rank 0's,
-which holds the first stage's layers.
+routers' auxiliary terms either way). Stages need not be even (``--layers 3`` on 2 stages, or
+``--layers 8 --stage-layers 3,5``). The
+per-layer table and the metrics CSV list every stage's layers; each stage's first rank writes its
+layers' trace (``trace.npz`` from the stage holding MoE layer 0, ``trace.stage<s>.npz`` from the
+others), and the pictures show ``trace.npz``'s layers.
 
 Checkpoints and restarts (docs/robustness.md):
 
@@ -62,6 +64,7 @@ from ds_fssdp.data import load_corpus, sample_batch, split
 from ds_fssdp.data.sampler import WindowSampler
 from ds_fssdp.runtime.checkpoint import CheckpointError
 from ds_fssdp.models import GPTMoE, GPTMoEConfig, GPTMoEPipe
+from ds_fssdp.models.gpt_moe import CHECKPOINTING
 from ds_fssdp.runtime.cpu import skip_shm_comm_build
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -78,8 +81,13 @@ def parse_args():
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--ffn-hidden", type=int, default=512)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--activation-checkpointing", choices=tuple(CHECKPOINTING), default="none",
+                   help="the blocks' activation checkpointing (GPTMoEConfig.activation_checkpointing)")
     p.add_argument("--pipeline-stages", type=int, default=1,
                    help="pipeline stages (DeepSpeed's PipelineModule); must divide the number of ranks")
+    p.add_argument("--stage-layers", default=None,
+                   help="MoE blocks per pipeline stage, comma-separated (e.g. 3,5 for --layers 8 on 2 stages; the "
+                        "embedding goes with stage 0, the head with the last); default: balanced")
     p.add_argument("--out", default=None, help="run directory (default: runs/gpt_moe_<policy>)")
     p.add_argument("--no-report", action="store_true", help="skip the PNGs")
     resume_cli.add_arguments(p)  # --save-dir, --save-interval, --keep-last, --resume, preemption
@@ -88,7 +96,26 @@ def parse_args():
     resume_cli.check_arguments(p, args)
     if args.pipeline_stages < 1:
         p.error(f"--pipeline-stages ({args.pipeline_stages}) must be >= 1")
+    args.parts = None
+    if args.stage_layers is not None:
+        args.parts = stage_parts(p, args.stage_layers, stages=args.pipeline_stages, layers=args.layers)
     return args
+
+
+def stage_parts(p, text: str, *, stages: int, layers: int) -> list:
+    """``--stage-layers`` as GPTMoEPipe's stage boundaries (refused by name when it does not fit)."""
+    try:
+        counts = [int(n) for n in text.split(",")]
+    except ValueError:
+        p.error(f"--stage-layers ({text}) must be comma-separated integers")
+    if stages < 2 or len(counts) != stages or sum(counts) != layers or min(counts) < 0:
+        p.error(f"--stage-layers ({text}) must give each of the {stages} pipeline stages (--pipeline-stages, >= 2) a "
+                f"number of MoE blocks >= 0, {layers} in all (--layers)")
+    parts, edge = [0], 1  # the embedding
+    for n in counts[:-1]:
+        edge += n
+        parts.append(edge)
+    return parts + [layers + 2]  # the head
 
 
 def main():
@@ -118,10 +145,10 @@ def main():
     train_N, val_N = split(load_corpus())
     torch.manual_seed(args.seed)
     cfg = GPTMoEConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, num_experts=args.experts,
-                       ffn_hidden=args.ffn_hidden)
+                       ffn_hidden=args.ffn_hidden, activation_checkpointing=args.activation_checkpointing)
     model = GPTMoE(cfg)
     if stages > 1:  # the same weights, cut into stages
-        model = GPTMoEPipe(model, num_stages=stages)
+        model = GPTMoEPipe(model, num_stages=stages, parts=args.parts)
     engine, _, _, _ = ds_fssdp.initialize(model=model, config=config)
     device = engine.device
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps() // stages

@@ -1,11 +1,16 @@
-"""Decision equality: the runtime and the replay drive the same policy object, so on the same
-recorded trace they make the same decisions, step by step: owners (re-shards, SmartMoE's
+"""Decision equality: the replay derives every decision from the trace's inputs alone (counts, agreed
+windows, optimizer steps, recorded costs) through the functions the runtime calls, and makes the
+runtime's decisions, step by step: owners (re-shards, SmartMoE's
 permutations), pre-gating placements, the final placements after calibration or shadowing,
 calibration's t and acceptance, the clock (t, latency budget), the dispatch plans (digest, rows
 per rank, rank-to-rank traffic), the exchange (pipeline degrees and one copy per destination,
 retaken from the recorded schedule costs and row sizes). Every runtime policy, the RM variant, the placements and dispatch
-modes, on 4 ranks in 2 logical nodes, in one spawn. This is the guard against the copies of the
-per-step chain drifting apart again."""
+modes, on 4 ranks in 2 logical nodes, in one spawn, and gradient accumulation 2 under ZeRO 1 with
+re-shards, calibration and "auto" t. Negative controls perturb one function on the replay's side
+(the window-to-t rule, the re-shard's relabelling, a price) or one recorded decision, and the check
+must name a difference. This is the guard against the copies of the per-step chain drifting apart
+again."""
+import dataclasses
 import os
 import tempfile
 
@@ -23,8 +28,8 @@ HW = {"flops": 1e6, "intra_bw": 1e9, "inter_bw": 1e7}  # slow compute: replicas 
 DIR = tempfile.mkdtemp(prefix="fssdp-decisions-")
 
 
-def _run(policy="fssdp", **fssdp):
-    return ds_config(world=WORLD, zero=0, gas=1, clip=0.0, policy=policy,
+def _run(policy="fssdp", zero=0, gas=1, **fssdp):
+    return ds_config(world=WORLD, zero=zero, gas=gas, clip=0.0, policy=policy,
                      fssdp=dict({"ranks_per_node": 2, "trace_path": os.path.join(DIR, f"{len(RUNS)}.npz")}, **fssdp))
 
 
@@ -44,6 +49,8 @@ for name, kwargs in {
     "fastermoe": dict(policy="fastermoe", hardware=HW),
     # Algorithm 2 and SmartMoE's permutation fire on the same steps (2 and 4).
     "smartmoe-reshard": dict(policy="smartmoe", smartmoe_interval=2, reshard_interval=2),
+    # two micro-steps per optimizer step (trace rows): the re-shards follow the optimizer steps
+    "fssdp-gas2-zero1": dict(zero=1, gas=2, calibration=True, overlap_degree="auto", hardware=HW, reshard_interval=2),
 }.items():
     RUNS[name] = _run(**kwargs)
 
@@ -68,10 +75,14 @@ def runs():
 def test_runtime_decisions_equal_the_replay(runs, name):
     r = runs[name]
     trace, rep = r["trace"], r["replay"]
-    assert trace.tokens_SLED.shape[0] == STEPS
+    rows = STEPS * RUNS[name]["gradient_accumulation_steps"]
+    assert trace.tokens_SLED.shape[0] == rows
     assert "decision_plan_digest" in trace.arrays
     assert r["diffs"] == [], r["diffs"]
-    assert rep.decisions["decision_owner"].shape == trace.arrays["decision_owner"].shape == (STEPS, 2, 8)
+    assert rep.decisions["decision_owner"].shape == trace.arrays["decision_owner"].shape == (rows, 2, 8)
+    # derived, not read back: the clock, the placements, the dispatch (the inputs are not compared)
+    assert {"decision_t", "decision_latency_budget", "decision_held", "decision_plan_digest"} <= set(rep.decisions)
+    assert not {"decision_schedule_costs", "decision_row_bytes", "decision_side_ratio"} & set(rep.decisions)
 
 
 def test_the_runs_made_decisions_worth_comparing(runs):
@@ -197,3 +208,113 @@ def test_the_replay_retakes_the_exchange_with_the_recorded_work_beside_it(runs, 
     got = replay_mod.replay(Trace(trace.tokens_SLED, trace.meta, dict(trace.arrays, decision_side_ratio=marked)))
     assert seen == marked.ravel().tolist()
     assert "decision_side_ratio" not in got.decisions  # an input: read, never compared
+
+
+def _check(trace):
+    from ds_fssdp.report.check import check
+    return check(trace)
+
+
+def test_gas2_reshards_follow_the_optimizer_steps(runs):
+    """Two micro-steps (trace rows) per optimizer step: the runtime re-shards after optimizer steps
+    2 and 4, i.e. before rows 4 and 8, and the replay derives it there; replaying each row as its
+    own step (what the trace's rows alone say) re-shards before row 2 and differs."""
+    from ds_fssdp.report.check import compare
+    from ds_fssdp.report.replay import replay
+    from ds_fssdp.sim.traces import Trace
+    r = runs["fssdp-gas2-zero1"]
+    trace, rep = r["trace"], r["replay"]
+    np.testing.assert_array_equal(trace.arrays["optimizer_step"], np.repeat(np.arange(STEPS), 2))
+    assert rep.reshard_steps == [2, 4]
+    assert [row for row, done in enumerate(rep.reshards) if done] == [4, 8]
+    owners = trace.arrays["decision_owner"]
+    assert (owners[4] != owners[3]).any() and (owners[:4] == owners[0]).all()
+    assert np.isfinite(trace.arrays["agreed_window_s"][2:]).all()
+    assert (trace.arrays["decision_calibration_t"] >= 0).all()
+    rows_as_steps = {k: v for k, v in trace.arrays.items() if k != "optimizer_step"}
+    assert compare(trace, replay(Trace(trace.tokens_SLED, trace.meta, rows_as_steps))) != []
+
+
+# Negative controls: each perturbs one function on the replay's side only (the runtime ran in its
+# own processes), and the check must then name a difference.
+
+def test_control_perturbed_window_to_t_rule(runs, monkeypatch):
+    import ds_fssdp.report.replay as replay_mod
+    rule = replay_mod.layer_clock
+
+    def off_by_one(**kw):
+        clock = rule(**kw)
+        if kw["overlap_degree"] == "auto" and kw["window_s"] is not None:
+            return dataclasses.replace(clock, overlap_degree=clock.overlap_degree - 1)
+        return clock
+    trace = runs["fssdp-gas2-zero1"]["trace"]
+    assert _check(trace).first is None
+    monkeypatch.setattr(replay_mod, "layer_clock", off_by_one)
+    assert _check(trace).first == (2, 0, "decision_t")  # the first row with an agreed window
+
+
+def test_control_different_relabelling(runs, monkeypatch):
+    """Algorithm 2's owners relabelled otherwise (each node's two ranks swapped): the first
+    re-shard's owners differ, before row 4 (after optimizer step 2)."""
+    import ds_fssdp.planner.baselines.fssdp as fssdp_mod
+    relabel = fssdp_mod.relabel_owner
+    monkeypatch.setattr(fssdp_mod, "relabel_owner", lambda *a, **kw: relabel(*a, **kw) ^ 1)
+    first = _check(runs["fssdp-gas2-zero1"]["trace"]).first
+    assert first is not None and first[0] == 4 and first[2] == "decision_owner", first
+
+
+def test_control_price_off_by_ten_percent(runs, monkeypatch):
+    """The binding link's bandwidth (every gather's price: calibration's extra experts within its
+    fixed latency budget, on the configured hardware) 10% low changes a calibration."""
+    from ds_fssdp.planner.cost import CostModel
+    trace = runs["fssdp-time-calibrated"]["trace"]
+    assert _check(trace).first is None
+    bandwidth = CostModel.binding_bandwidth
+    monkeypatch.setattr(CostModel, "binding_bandwidth", property(lambda self: 0.9 * bandwidth.fget(self)))
+    assert _check(trace).first is not None
+
+
+@pytest.mark.parametrize("key,index", [("decision_t", (7, 1)), ("decision_placed", (9, 0, 3, 1)),
+                                       ("decision_traffic", (11, 1, 0, 2)), ("decision_owner", (4, 1, 5)),
+                                       ("decision_calibration_accepted", (5, 0))])
+def test_control_tampered_record(runs, key, index, tmp_path, capsys):
+    """One recorded decision flipped in a copy of the trace: ``--check`` exits 1 naming it (the
+    re-shard's owner: the first row after optimizer step 2), and 0 on the trace as recorded."""
+    from ds_fssdp.report.__main__ import main
+    from ds_fssdp.sim.traces import Trace, save_trace
+    trace = runs["fssdp-gas2-zero1"]["trace"]
+    (tmp_path / "run").mkdir()
+    (tmp_path / "bad").mkdir()
+    save_trace(str(tmp_path / "run" / "trace.npz"), trace)
+    assert main([str(tmp_path / "run"), "--check"]) == 0
+    assert f"checked {STEPS * 2 * 2 * 15} decisions" in capsys.readouterr().out
+    flipped = trace.arrays[key].copy()
+    flipped[index] = ~flipped[index] if flipped.dtype == bool else (flipped[index] + 1) % 4
+    save_trace(str(tmp_path / "bad" / "trace.npz"), Trace(trace.tokens_SLED, trace.meta,
+                                                           dict(trace.arrays, **{key: flipped})))
+    assert main([str(tmp_path / "bad"), "--check"]) == 1
+    assert f"decision differs: iteration {index[0]}, layer {index[1]}, array {key}" in capsys.readouterr().out
+
+
+def test_check_refuses_what_it_cannot_derive(runs, tmp_path, capsys):
+    """Refused by name (exit 2), never passed: a trace without the inputs, re-shards on loads of
+    several FSSDP groups, a trace that starts mid-run (resumed), and the override flags."""
+    from ds_fssdp.report.__main__ import main
+    from ds_fssdp.sim.traces import Trace, save_trace
+    trace = runs["fssdp-gas2-zero1"]["trace"]
+    cases = {"no-steps": Trace(trace.tokens_SLED, trace.meta,
+                               {k: v for k, v in trace.arrays.items() if k != "optimizer_step"}),
+             "groups": Trace(trace.tokens_SLED, dict(trace.meta, fssdp_groups=2), trace.arrays),
+             "resumed": Trace(trace.tokens_SLED, trace.meta,
+                              dict(trace.arrays, optimizer_step=trace.arrays["optimizer_step"] + 3))}
+    for name, t in cases.items():
+        (tmp_path / name).mkdir()
+        save_trace(str(tmp_path / name / "trace.npz"), t)
+    assert main([str(tmp_path / "no-steps"), "--check"]) == 2
+    assert "optimizer_step" in capsys.readouterr().err
+    assert main([str(tmp_path / "groups"), "--check"]) == 2
+    assert "2 FSSDP groups" in capsys.readouterr().err
+    assert main([str(tmp_path / "resumed"), "--check"]) == 2
+    assert "after optimizer step 3" in capsys.readouterr().err
+    assert main([str(tmp_path / "groups"), "--check", "--budget", "3"]) == 2
+    assert "--budget" in capsys.readouterr().err

@@ -51,9 +51,9 @@ def test_hf_kwargs_pass_through_or_are_refused_by_name(tmp_path, monkeypatch):
     _, want = transformers.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **F32)
     assert fssdp_hf.converted_experts(model) and info == want
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    # dtype, revision and attn_implementation: the rows are transformers' own bf16 load, bitwise.
+    # dtype, revision, trust_remote_code and attn_implementation: the rows are transformers' own bf16 load, bitwise.
     bf16 = fssdp_hf.from_pretrained(path, ds_config=CFG, dtype=torch.bfloat16, revision="main",
-                                    attn_implementation="eager")
+                                    trust_remote_code=True, attn_implementation="eager")
     assert bf16.config._attn_implementation == "eager"
     ref = _plain(path, dtype=torch.bfloat16)
     for got, want in zip(_rows(bf16), _rows(ref)):
@@ -219,6 +219,22 @@ def test_saves_through_the_model_an_engine_and_the_trainer_output_dir(tmp_path, 
     # The whole HF state dict given: transformers' own save, as before.
     model.save_pretrained(tmp_path / "given", state_dict=fssdp_hf.hf_state_dict(model))
     assert reloads(tmp_path / "given")
+    # The Trainer's save_model (routed; here on a stand-in Trainer) overwrites, as its own does:
+    # the previous model's files go, stale shards included, the rest stays.
+    from types import SimpleNamespace
+    (out / "model-00009-of-00009.safetensors").write_bytes(b"stale")
+    with torch.no_grad():
+        for _, m in fssdp_hf.converted_experts(model):
+            m.w_down.mul_(2)
+    trainer = SimpleNamespace(model=model, processing_class=None,
+                              args=SimpleNamespace(output_dir=str(out), should_save=True, push_to_hub=False))
+    transformers.Trainer.save_model(trainer)
+    assert "model-00009-of-00009.safetensors" not in os.listdir(out) and "training_args.bin" in os.listdir(out)
+    assert (out / "checkpoint-2" / "model.safetensors.index.json").read_text() == "{}"
+    doubled = transformers.AutoModelForCausalLM.from_pretrained(out, **F32)
+    for (_, m), (_, d) in zip(fssdp_hf.converted_experts(model),
+                              fssdp_hf.converted_experts(fssdp_hf.convert(doubled, route_initialize=False))):
+        assert torch.equal(m.w_down, d.w_down)
 
 
 def _index_keys_of_hf(ref, out) -> set:

@@ -14,7 +14,8 @@ experts under FSSDP) against plain DeepSpeed ZeRO 3, SGD with clipping: every lo
 same with ZeRO-3 ``TrainingArguments`` made first and the model from ``integrations.hf.from_pretrained``
 (the dense part partitioned while it loads). ``trainer.save_model`` on the converted model (before
 ``unconvert``) writes, through ``integrations.hf.save_pretrained``, a directory that reloads to the
-trained weights bitwise.
+trained weights bitwise; so does ``trainer.save_model()`` into ``output_dir`` beside the run's
+``checkpoint-3``, twice.
 """
 import copy
 import json
@@ -100,7 +101,9 @@ def trainer_worker(rank, world, out_dir):
 
     model = fssdp_hf.convert(tiny_model("qwen2_moe"))
     assert deepspeed.initialize is fssdp_hf.initialize
-    trainer = make_trainer(model, SGD_CONFIG, os.path.join(out_dir, "fssdp"), **sgd)
+    # A Trainer checkpoint at the last step: output_dir then holds checkpoint-3 (its save_model first).
+    trainer = make_trainer(model, SGD_CONFIG, os.path.join(out_dir, "fssdp"), save_strategy="steps", save_steps=3,
+                           **sgd)
     trainer.train()
     engine = trainer.model_wrapped
     out["fssdp_engine"] = isinstance(engine, FSSDPEngineMixin)
@@ -115,6 +118,12 @@ def trainer_worker(rank, world, out_dir):
     dist.barrier()
     out["direct_state"] = transformers.AutoModelForCausalLM.from_pretrained(direct).state_dict()
     out["direct_files"] = sorted(os.listdir(direct))
+    # trainer.save_model() into output_dir beside checkpoint-3, twice (the second overwrites, as HF's does).
+    trainer.save_model()
+    trainer.save_model()
+    dist.barrier()
+    out["output_dir_files"] = sorted(os.listdir(trainer.args.output_dir))
+    out["output_dir_state"] = transformers.AutoModelForCausalLM.from_pretrained(trainer.args.output_dir).state_dict()
     fssdp_hf.unconvert(model)  # collective
     saved = os.path.join(out_dir, "saved")
     trainer.save_model(saved)
@@ -189,6 +198,8 @@ def test_hf_trainer_fssdp_matches_plain_deepspeed(tmp_path):
             torch.testing.assert_close(r["fssdp_state"][key], value, rtol=1e-4, atol=1e-6, msg=key)
         torch.testing.assert_close(r["reloaded_logits"], r["trained_logits"], rtol=1e-5, atol=1e-5)
         assert "model.safetensors.index.json" in r["direct_files"] and "training_args.bin" in r["direct_files"]
+        assert {"checkpoint-3", "model.safetensors.index.json"} <= set(r["output_dir_files"])
+        assert all(torch.equal(r["output_dir_state"][k], v) for k, v in r["direct_state"].items())
         for key, value in r["fssdp_state"].items():
             assert torch.equal(r["direct_state"][key], value), key
         # AdamW from the shipped file: step 1 is before any update (same weights, same data).

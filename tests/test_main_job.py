@@ -59,6 +59,10 @@ def test_main_job_trains_and_fills_its_run_directory_then_compares_with_ep(tmp_p
     for l in range(LAYERS):
         np.testing.assert_array_equal(rep.replicas_SL()[:, l], metrics[f"layer{l}/replicas"])
         np.testing.assert_allclose(rep.straggler_SL()[:, l], metrics[f"layer{l}/straggler"], rtol=1e-9)
+    # and every recorded decision is the one derived from the trace's inputs (the offline check)
+    check = subprocess.run([sys.executable, "-m", "ds_fssdp.report", str(run), "--check"], capture_output=True,
+                           text=True, timeout=300)
+    assert check.returncode == 0 and f"{STEPS} iterations x {LAYERS} layers" in check.stdout, check.stdout + check.stderr
 
     proc = launch(*TINY, "--policy", "ep", "--no-report", cwd=tmp_path)
     ep_run = tmp_path / "runs" / "gpt_moe_ep"

@@ -130,7 +130,7 @@ def test_each_imports_fresh(module):
 
 def test_the_replay_runs_without_deepspeed():
     """``ds_fssdp.report`` (its replay and its command line) checks a run offline: importing it
-    imports no DeepSpeed (the planner's record, ``planner/record.py``, and the config's
+    imports no DeepSpeed (the planner's record, ``planner/decision.py``, and the config's
     defaults, ``defaults.py``, need none)."""
     code = ("import sys, ds_fssdp.report.replay, ds_fssdp.report.__main__; "
             "assert 'deepspeed' not in sys.modules, sorted(m for m in sys.modules if m.startswith('ds_fssdp'))")

@@ -11,8 +11,8 @@ learned norm to each route before the weighted sum (Ergo's ``post_expert_norm``)
 own the forward reads. Replacing such a module would drop that work silently, so it is refused by
 name: any parameter or buffer of the module beyond the mapped tensors, and any forward whose output
 on probe values differs from the weighted expert MLPs computed by ``ds_fssdp.ops`` on the same
-tensors. The probe runs the module's own forward (the configured experts implementation) on a
-copy holding small random tensors of its layout (E experts as in the module, H = 8, I = 4), so it
+tensors. The probe runs the module's own forward (its eager implementation: the family's math,
+whichever kernel the model was loaded with) on a copy holding small random tensors of its layout (E experts as in the module, H = 8, I = 4), so it
 costs nothing on a meta skeleton of a big model.
 """
 from __future__ import annotations
@@ -80,6 +80,11 @@ def _probe_copy(experts: nn.Module, layout) -> nn.Module:
     probe._parameters = {}
     probe._buffers = dict(experts._buffers)
     probe._modules = dict(experts._modules)
+    config = getattr(experts, "config", None)
+    if config is not None and hasattr(config, "_experts_implementation_internal"):
+        # The family's own (eager) math on CPU probe tensors, whatever kernel the model was loaded with.
+        probe.config = copy.copy(config)
+        probe.config._experts_implementation_internal = "eager"
     gen = torch.Generator().manual_seed(0)
     E, out = layout.num_experts, (2 * _I if layout.gated else _I)
     shapes = {("gate_up_proj" if layout.gated else "up_proj"): (E, _H, out) if layout.transposed else (E, out, _H),

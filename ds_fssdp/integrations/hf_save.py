@@ -44,15 +44,18 @@ from ds_fssdp.runtime.checkpoint.files import CheckpointError, fsync_dir, write_
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _DENSE = ".dense"
-HONOURED = ("max_shard_size", "save_original_format", "safe_serialization")
+HONOURED = ("max_shard_size", "save_original_format", "overwrite", "safe_serialization")
 # A model's files in a directory: what a save never mixes with (weights, their index, config, adapters).
 MODEL_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth", "*.gguf",
                "config.json", "generation_config.json", "adapter_config.json")
 
 
-def save_pretrained(model, out_dir, *, max_shard_size="50GB", save_original_format: bool = True, **kw) -> str:
+def save_pretrained(model, out_dir, *, max_shard_size="50GB", save_original_format: bool = True,
+                    overwrite: bool = False, **kw) -> str:
     """Write ``model`` (converted, sharded or not) as a Hugging Face directory (module docstring).
-    Collective: every rank calls it. Returns ``out_dir``."""
+    Collective: every rank calls it. Returns ``out_dir``. ``overwrite``: a model's files already in
+    ``out_dir`` are replaced (removed just before the new ones move in, the index last) instead of
+    refused, as transformers' own save and the Trainer's ``save_model`` do."""
     from ds_fssdp.integrations.hf import converted_experts
     from ds_fssdp.integrations.hf_keys import SavedExperts
     from ds_fssdp.integrations.safetensors_io import plan_shards
@@ -68,11 +71,12 @@ def save_pretrained(model, out_dir, *, max_shard_size="50GB", save_original_form
     comm = Comm()
     return write_hf_dir(model, out_dir, dense=lambda: dense_state_dict(model),
                         rows=lambda module: own_rows(module, comm.rank), dtype=_saved_dtype(model), comm=comm,
-                        max_shard_size=max_shard_size, save_original_format=save_original_format)
+                        max_shard_size=max_shard_size, save_original_format=save_original_format,
+                        overwrite=overwrite)
 
 
 def write_hf_dir(model, out_dir, *, dense, rows, dtype: torch.dtype, comm, max_shard_size="50GB",
-                 save_original_format: bool = True) -> str:
+                 save_original_format: bool = True, overwrite: bool = False) -> str:
     """The writer behind :func:`save_pretrained` and the offline export (``hf_export.py``):
     ``model`` (converted; may be a meta skeleton) names and lays out everything; ``dense()`` is the
     dense state dict (rank 0's; collective where it gathers); ``rows(module)`` this rank's
@@ -87,7 +91,7 @@ def write_hf_dir(model, out_dir, *, dense, rows, dtype: torch.dtype, comm, max_s
              for name, module in modules]
     shards = plan_shards([p for s in saved for p in s.planned], max_bytes=_size(max_shard_size))
     tmp = os.path.join(os.path.dirname(out_dir), f".tmp-{os.path.basename(out_dir)}")
-    comm.agree(f"preparing {out_dir}", lambda: _prepare(out_dir, tmp), root_only=True)
+    comm.agree(f"preparing {out_dir}", lambda: _prepare(out_dir, tmp, overwrite), root_only=True)
     try:
         state = dense()  # collective under ZeRO-3
         files = [_expert_file(tmp, i, shard) for i, shard in enumerate(shards)]
@@ -96,7 +100,8 @@ def write_hf_dir(model, out_dir, *, dense, rows, dtype: torch.dtype, comm, max_s
         del state
         file_of = {key: f for f in files for key in f.entries}
         comm.agree(f"writing the experts into {tmp}", lambda: _write_experts(modules, saved, file_of, rows))
-        comm.agree(f"committing {out_dir}", lambda: _commit(tmp, out_dir, files), root_only=True)
+        comm.agree(f"committing {out_dir}", lambda: _commit(tmp, out_dir, files, overwrite),
+                   root_only=True)
     except BaseException:
         if comm.rank == 0 and os.path.lexists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
@@ -138,14 +143,15 @@ def model_files(out_dir: str) -> list:
     return sorted(n for n in names if any(fnmatch.fnmatch(n, p) for p in MODEL_FILES))
 
 
-def _prepare(out_dir: str, tmp: str) -> None:
+def _prepare(out_dir: str, tmp: str, overwrite: bool) -> None:
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
         raise CheckpointError(f"{out_dir} exists and is not a directory")
     held = model_files(out_dir)
-    if held:
+    if held and not overwrite:
         raise CheckpointError(f"{out_dir} already holds a model's files ({', '.join(held[:4])}"
                               f"{', ...' if len(held) > 4 else ''}): ds_fssdp.integrations.hf.save_pretrained never "
-                              "mixes a model with another's files; save into a new directory or remove them")
+                              "mixes a model with another's files; save into a new directory, remove them, or pass "
+                              "overwrite=True")
     if os.path.lexists(tmp):
         shutil.rmtree(tmp)  # left by an unfinished save
     os.makedirs(tmp)
@@ -252,7 +258,7 @@ def own_rows(module, rank: int):
     return torch.arange(module.num_experts), module.spec.flatten(module.export_experts())
 
 
-def _commit(tmp: str, out_dir: str, files: list) -> None:
+def _commit(tmp: str, out_dir: str, files: list, overwrite: bool = False) -> None:
     """Rank 0: the final names, the index (last), the rename into place."""
     from ds_fssdp.integrations.safetensors_io import read_header
     dense_dir = os.path.join(tmp, _DENSE)
@@ -286,7 +292,7 @@ def _commit(tmp: str, out_dir: str, files: list) -> None:
                 "weight_map": dict(sorted(weight_map.items()))}, os.path.join(tmp, INDEX))
     fsync_dir(tmp)
     if os.path.isdir(out_dir) and os.listdir(out_dir):
-        _move_into(tmp, out_dir)
+        _move_into(tmp, out_dir, overwrite)
         return
     if os.path.isdir(out_dir):
         os.rmdir(out_dir)  # empty: the rename below takes its place
@@ -294,10 +300,14 @@ def _commit(tmp: str, out_dir: str, files: list) -> None:
     fsync_dir(os.path.dirname(out_dir))
 
 
-def _move_into(tmp: str, out_dir: str) -> None:
+def _move_into(tmp: str, out_dir: str, overwrite: bool) -> None:
     """A directory holding other things (the Trainer's ``output_dir`` with its ``checkpoint-N``
-    folders and logs, no model files: checked first): the files move in one by one, the index last,
-    so the model is loadable only once complete; a failure removes the ones moved."""
+    folders and logs; model files only with ``overwrite``, removed first): the files move in one by
+    one, the index last, so the model is loadable only once complete; a failure removes the ones
+    moved."""
+    if overwrite:
+        for n in model_files(out_dir):  # the previous model's, stale shards included
+            os.remove(os.path.join(out_dir, n))
     names = sorted(os.listdir(tmp), key=lambda n: (n == INDEX, not n.endswith(".safetensors"), n))
     clash = [n for n in names if os.path.lexists(os.path.join(out_dir, n))]
     if clash:
@@ -354,7 +364,7 @@ def route_trainer_save() -> None:
         if not _is_fssdp_model(model):
             return original(self, output_dir, _internal_call=_internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        save_pretrained(model, output_dir)
+        save_pretrained(model, output_dir, overwrite=True)  # as the Trainer's own save overwrites
         if self.args.should_save:  # what Trainer._save adds beside the weights
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
@@ -401,6 +411,7 @@ def route_model_save() -> None:
         if args:
             raise ValueError(f"{type(self).__name__}.save_pretrained on a converted model takes keyword arguments only "
                              f"(got {len(args)} positional): it is ds_fssdp.integrations.hf.save_pretrained")
+        kwargs.setdefault("overwrite", True)  # as transformers' own save overwrites
         return save_pretrained(self, save_directory, **kwargs)
 
     save._fssdp_original = original

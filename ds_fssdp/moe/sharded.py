@@ -56,7 +56,7 @@ from ds_fssdp.moe.timing import LayerTimings
 from ds_fssdp.planner import LoadPredictor, PolicyConfig, make_policy
 from ds_fssdp.planner.baselines import Clock, LayerPlan
 from ds_fssdp.planner.layer import LayerPlanner
-from ds_fssdp.planner.record import Decision
+from ds_fssdp.planner.decision import Decision
 from ds_fssdp.planner.onecopy import INDEX_BYTES
 from ds_fssdp.planner.schedule import ScheduleCosts, overlap_window
 from ds_fssdp.planner.scheduled import exchange_decision

@@ -30,12 +30,17 @@ class CheckResult:
     arrays: list  # the decision arrays compared
     reshard_steps: list  # the optimizer steps after which the replay re-sharded
     first: tuple | None  # (iteration, layer, array) of the first difference; None: none
+    pipeline_stages: int = 1  # the run's; the trace holds the first stage's layers
 
     def lines(self) -> list:
         if self.first is not None:
             it, layer, key = self.first
             return [f"decision differs: iteration {it}, layer {layer}, array {key}"]
-        return [f"checked {self.checked} decisions ({self.rows} iterations x {self.layers} layers x "
+        stage = []
+        if self.pipeline_stages > 1:
+            stage = [f"pipeline stage 0 of {self.pipeline_stages}: the trace (rank 0's) holds that stage's "
+                     f"{self.layers} MoE layers; the other stages' decisions are not recorded"]
+        return stage + [f"checked {self.checked} decisions ({self.rows} iterations x {self.layers} layers x "
                 f"{len(self.arrays)} arrays; re-shards after optimizer steps {self.reshard_steps}): all equal to "
                 f"the decisions derived from the trace's inputs"]
 
@@ -76,6 +81,10 @@ def refusal(trace: Trace, settings: ReplaySettings) -> str | None:
     if missing:
         return (f"the trace records no {', '.join(missing)} (not written by the runtime's fssdp.trace_path, or "
                 "before its inputs were recorded): nothing to check against")
+    start = int(trace.arrays["optimizer_step"][0]) if trace.steps else 0
+    if start:
+        return (f"the trace starts after optimizer step {start} (a run resumed from a checkpoint): the load "
+                "history and the owners it started from are the checkpoint's, not in the trace")
     if settings.notes:
         return "the trace lacks what the run decided with: " + "; ".join(settings.notes)
     moves = settings.reshard_interval or settings.policy == "smartmoe"
@@ -95,4 +104,5 @@ def check(trace: Trace) -> CheckResult:
     order = list(rep.decisions)
     S, L = trace.tokens_SLED.shape[:2]
     return CheckResult(checked=S * L * len(order), rows=S, layers=L, arrays=order, reshard_steps=rep.reshard_steps,
-                       first=first_difference(compare(trace, rep), order))
+                       first=first_difference(compare(trace, rep), order),
+                       pipeline_stages=int(trace.meta.get("pipeline_stages", 1)))

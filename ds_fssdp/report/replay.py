@@ -30,7 +30,7 @@ import torch
 from ds_fssdp.defaults import DISPATCH_SLACK, SMARTMOE_INTERVAL
 from ds_fssdp.planner import CostModel, ExpertShape, Hardware, LoadPredictor, homogeneous_owner
 from ds_fssdp.planner.layer import build_policies, layer_clock, migrations
-from ds_fssdp.planner.record import Decision, decision_arrays
+from ds_fssdp.planner.decision import Decision, decision_arrays
 from ds_fssdp.planner.schedule import ScheduleCosts
 from ds_fssdp.planner.scheduled import ExchangeOptions, ScheduledCostModel, exchange_decision
 from ds_fssdp.sim.traces import Trace

@@ -25,6 +25,7 @@ from deepspeed.utils import logger
 from ds_fssdp.config import FSSDPConfig, FSSDPConfigError
 from ds_fssdp.moe.experts_module import FSSDPExperts
 from ds_fssdp.runtime.elastic import init_distributed
+from ds_fssdp.runtime.expert_optimizer import check_expert_optimizer
 from ds_fssdp.runtime.faults import install_from_env as install_faults
 from ds_fssdp.runtime.groups import build_groups
 from ds_fssdp.runtime.monitor import StageMonitor
@@ -56,10 +57,12 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
         if fcfg.enabled:
             logger.warning("fssdp: the model has no FSSDP experts (FSSDPMoE layers or converted HF experts); initializing plain DeepSpeed")
         return _deepspeed_initialize(**ds_kwargs)
-    layout = None
+    layout, whole = None, model
     if pipe:
         layout = pipeline.check_pipeline(ds_config, model, mpu=mpu, mesh_param=mesh_param)
-        check_combinations(ds_config, fcfg, model=model)
+        whole = pipeline.whole_model(model)  # every stage's layers: every rank refuses alike
+        pipeline.check_layers(whole)
+        check_combinations(ds_config, fcfg, model=whole)
         sp = tp = 1
     else:
         sp = check_supported(ds_config, fcfg, model=model, mpu=mpu, mesh_param=mesh_param)
@@ -68,7 +71,9 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
         if hasattr(layer, "prepare_initialize"):
             layer.prepare_initialize(ds_config, fcfg, model=model)
     prepare_zero3(layers, ds_config)  # before any collective: it may refuse
-    requested, requested_by = requested_group_size(model)
+    check_expert_optimizer(ds_config, optimizer, trains=any(m.trainable for m in whole.modules()
+                                                            if isinstance(m, FSSDPExperts)))
+    requested, requested_by = requested_group_size(whole)
 
     init_distributed(backend=get_accelerator().communication_backend_name(), distributed_port=distributed_port,
                      dist_init_required=dist_init_required)  # restart-safe under torchrun
@@ -129,6 +134,7 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
     engine.fssdp = stage
     if pipe:  # 1F1B keeps S - s micro-batches' forwards awaiting their backward on stage s
         stage.in_flight = min(engine.gradient_accumulation_steps(), layout.num_stages - layout.stage_id)
+        pipeline.prepare(stage, layout)
     stage.attach(engine)
     if pipe:
         pipeline.attach(engine, layout)

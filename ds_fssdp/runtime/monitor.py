@@ -6,7 +6,9 @@ Legend: L MoE layers.
 After every optimizer step (the engine's ``step`` at the accumulation boundary) rank 0 writes, per
 MoE layer, the values of that layer's last training iteration (with gradient accumulation: the
 last micro-step), plus a few per-step values of the stage. Byte counts are totals over the group;
-exposed seconds are rank 0's own waits. Names (docs/observability.md):
+exposed seconds are rank 0's own waits. Under pipeline parallelism each stage's first rank sends its
+layers' values to rank 0 at the step (its layers' own exposed waits), and a layer's ``l`` is its
+index among all stages' MoE layers. Names (docs/observability.md):
 
 * CSV (``fssdp.metrics_csv``, default ``fssdp_metrics.csv``): one row per step, columns ``step``,
   ``samples``, ``layer{l}/{metric}`` for every layer and :data:`LAYER_METRICS`, then
@@ -56,6 +58,7 @@ class StageMonitor:
     def __init__(self, num_layers: int, *, csv_path: str | None, ds_monitor=None, rank: int = 0):
         self.num_layers = num_layers
         self.rank = rank
+        self.active = bool(csv_path) or ds_monitor is not None  # rank 0 writes somewhere (the same on every rank)
         self.ds_monitor = ds_monitor if rank == 0 else None
         self.csv_path = csv_path if rank == 0 else None
         self.columns = (["step", "samples"] +
@@ -78,7 +81,8 @@ class StageMonitor:
         ds_monitor = getattr(engine, "monitor", None)
         if ds_monitor is not None and not ds_monitor.enabled:
             ds_monitor = None
-        monitor = cls(len(stage.layers), csv_path=stage.config.metrics_csv, ds_monitor=ds_monitor, rank=rank)
+        monitor = cls(getattr(stage, "num_global_layers", len(stage.layers)), csv_path=stage.config.metrics_csv,
+                      ds_monitor=ds_monitor, rank=rank)
         if rank == 0:
             where = [f"CSV {os.path.abspath(monitor.csv_path)}"] if monitor.csv_path else []
             where += ["DeepSpeed's monitor"] if ds_monitor is not None else []
@@ -87,9 +91,11 @@ class StageMonitor:
         return monitor
 
     def values(self, stage) -> dict:
-        """This step's metrics by name (``layer{l}/{metric}`` and the step metrics)."""
+        """This step's metrics by name (``layer{l}/{metric}``, ``l`` the layer's index among all
+        pipeline stages' MoE layers, and the step metrics)."""
         out = {}
-        for l, layer in enumerate(stage.layers):
+        indices = getattr(stage, "global_layers", None) or range(len(stage.layers))
+        for l, layer in zip(indices, stage.layers):
             stats = layer.last_stats
             for m in LAYER_METRICS:
                 out[f"layer{l}/{m}"] = _number(stats.get(m))
@@ -98,9 +104,29 @@ class StageMonitor:
         return out
 
     def after_step(self, engine) -> None:
+        stage = engine.fssdp
+        if getattr(stage, "layout", None) is not None:  # pipeline stages: every stage's layers to rank 0
+            return self._after_pipeline_step(engine)
         if self.rank != 0 or (self._writer is None and self.ds_monitor is None):
             return
-        values = self.values(engine.fssdp)
+        self._write(engine, self.values(stage))
+
+    def _after_pipeline_step(self, engine) -> None:
+        """Each stage's first rank (pipeline 0: ranks 0, dp, 2 dp, ...) sends its layers' values to
+        rank 0 over their pipe group (collective over it); the step metrics are rank 0's."""
+        stage = engine.fssdp
+        if not self.active or stage.layout.stages[stage.layout.stage_id][0] != self.rank:
+            return
+        parts = [None] * stage.layout.num_stages
+        dist.all_gather_object(parts, self.values(stage), group=stage.pipe_group)
+        if self.rank != 0:
+            return
+        values = dict(parts[0])
+        for part in parts[1:]:
+            values.update({k: v for k, v in part.items() if k.startswith("layer")})
+        self._write(engine, values)
+
+    def _write(self, engine, values: dict) -> None:
         if self._writer is not None:
             self._writer.writerow([engine.global_steps, engine.global_samples] + [values[c] for c in self.columns[2:]])
             self._file.flush()

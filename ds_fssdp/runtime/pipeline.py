@@ -33,10 +33,13 @@ BackwardPass); ``train_batch`` (and ``eval_batch``) return DeepSpeed's loss plus
 terms averaged like it (one all-reduce over the world per batch), the loss the model returns
 without pipelining.
 
-Refused by name before any collective: ZeRO 2/3 (DeepSpeed asserts it later), fp16 at ZeRO 0
-(its norm is DeepSpeed's stage-0 one), FSSDP layers inside a ``TiedLayerSpec``, a schedule other
-than ``TrainSchedule`` (DualPipeV's module; a custom ``_train_schedule`` at its first batch),
-tensor slicing, Ulysses SP and AutoTP, and stages whose data-parallel ranks are not consecutive.
+Refused by name before any collective: ZeRO 2/3 (DeepSpeed asserts it later), fp16 and bf16 at
+ZeRO 0 and bf16 with fp32 gradient accumulation and clipping (DeepSpeed's FP16_Optimizer and
+BF16_Optimizer: their norms are its stage-0 ones), FSSDP layers inside a ``TiedLayerSpec``, a schedule other than ``TrainSchedule`` (DualPipeV's
+module; a custom ``_train_schedule`` at its first batch), tensor slicing, Ulysses SP and AutoTP,
+stages whose data-parallel ranks are not consecutive, and a stage without any layer. What depends
+on the MoE layers is checked on every stage's layers on every rank (:func:`every_stage_modules`),
+so a layer only one stage holds is refused on all of them alike.
 """
 from __future__ import annotations
 
@@ -47,8 +50,10 @@ from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
+from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
 from deepspeed.runtime.pipe.engine import PipelineError
-from deepspeed.runtime.pipe.module import TiedLayerSpec
+from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
+from torch import nn
 
 from ds_fssdp.config import FSSDPConfigError
 from ds_fssdp.moe.aux_loss import AuxLossToBackward
@@ -85,10 +90,7 @@ def check_pipeline(ds_config: dict, model, *, mpu=None, mesh_param=None) -> Pipe
     if zero >= 2:
         raise FSSDPConfigError(f"zero_optimization.stage ({zero}) with pipeline parallelism: DeepSpeed's pipeline "
                                "engine supports ZeRO 0 and 1 only (use stage 0 or 1)")
-    fp16 = bool((ds_config.get("fp16") or {}).get("enabled", False))
-    if fp16 and zero == 0:
-        raise FSSDPConfigError("fp16.enabled (true) at zero_optimization.stage 0 with pipeline parallelism: "
-                               "DeepSpeed's fp16 optimizer clips with stage 0's norm only; use ZeRO stage 1")
+    _check_precision(ds_config, zero)
     sp = sequence_parallel_size(ds_config, mpu=mpu, mesh_param=mesh_param)
     if mpu is not None or mesh_param is not None or sp > 1:
         raise FSSDPConfigError("fssdp with pipeline parallelism takes no mpu, mesh_param or sequence_parallel_size "
@@ -111,22 +113,96 @@ def check_pipeline(ds_config: dict, model, *, mpu=None, mesh_param=None) -> Pipe
             raise FSSDPConfigError(f"fssdp with pipeline parallelism needs each stage's data-parallel ranks "
                                    f"consecutive (PipeDataParallelTopology: axes pipe, data); stage {s} has ranks "
                                    f"{list(ranks)} (topology axes {axes})")
+    check_stage_parts(list(model.parts))
     _check_tied(model)
     grid = model._grid
     return PipelineLayout(num_stages=num_stages, stage_id=grid.get_stage_id(), stages=stages,
                           dp_group=grid.get_data_parallel_group(), pipe_group=grid.get_pipe_parallel_group())
 
 
+def _check_precision(ds_config: dict, zero: int) -> None:
+    """The half-precision optimizers whose norm DeepSpeed computes from stage 0's parameters only
+    (the grid reports the stage as the model-parallel rank): fp16 at ZeRO 0 (FP16_Optimizer), and
+    bf16 where DeepSpeed's pipeline engine picks its BF16_Optimizer: at ZeRO 0 always (its state
+    is partitioned over the data-parallel ranks, which DeepSpeed's ZeRO 0 load cannot read back:
+    ``load_state_dict`` indexes one dict by the data-parallel rank), at ZeRO 1 with
+    ``data_types.grad_accum_dtype`` fp32 when ``gradient_clipping`` > 0 (DeepSpeed's default 1.0)."""
+    fp16 = bool((ds_config.get("fp16") or {}).get("enabled", False))
+    if fp16 and zero == 0:
+        raise FSSDPConfigError("fp16.enabled (true) at zero_optimization.stage 0 with pipeline parallelism: "
+                               "DeepSpeed's fp16 optimizer clips with stage 0's norm only; use ZeRO stage 1")
+    bf16 = bool((ds_config.get("bf16") or ds_config.get("bfloat16") or {}).get("enabled", False))
+    if bf16 and zero == 0:
+        raise FSSDPConfigError("bf16.enabled (true) at zero_optimization.stage 0 with pipeline parallelism: "
+                               "DeepSpeed's BF16_Optimizer steps it, whose norm (clipping, non-finite check) counts "
+                               "stage 0's parameters only and whose state a ZeRO 0 checkpoint cannot resume; use ZeRO "
+                               "stage 1")
+    clip = float(ds_config.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT))
+    accum = str((ds_config.get("data_types") or {}).get("grad_accum_dtype", "")).lower()
+    if bf16 and clip > 0 and accum in ("fp32", "float32", "float", "torch.float32"):
+        raise FSSDPConfigError(f"bf16.enabled (true) with data_types.grad_accum_dtype ({accum!r}), gradient_clipping "
+                               f"({clip}) and pipeline parallelism: DeepSpeed's BF16_Optimizer clips with stage 0's "
+                               "norm only, not the global one; use bf16 gradient accumulation or gradient_clipping 0")
+
+
+def check_stage_parts(parts: list) -> None:
+    """Every stage holds at least one layer (``parts``: the PipelineModule's stage boundaries)."""
+    empty = [s for s in range(len(parts) - 1) if parts[s + 1] <= parts[s]]
+    if empty:
+        raise FSSDPConfigError(f"fssdp with pipeline parallelism: pipeline stage(s) {empty} of {len(parts) - 1} hold "
+                               f"no layer (the PipelineModule's stage boundaries {parts}); give every stage a layer "
+                               "or use fewer stages")
+
+
+def _meta_build(spec):
+    """A spec built on the meta device (no memory, the RNG untouched), to look inside."""
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        return spec.build()
+
+
+def every_stage_modules(model) -> list:
+    """Every stage's layers as modules (a list per stage), the same on every rank, without a
+    collective: this stage's as built, another stage's ``nn.Module`` layers as given and its
+    ``LayerSpec`` layers built on the meta device; functions are left out."""
+    tied, out = {}, []
+    for s in range(len(model.parts) - 1):
+        mods = []
+        for idx in range(model.parts[s], model.parts[s + 1]):
+            spec = model._layer_specs[idx]
+            if isinstance(spec, nn.Module):
+                mods.append(spec)
+            elif isinstance(spec, TiedLayerSpec):
+                if spec.key not in tied:
+                    tied[spec.key] = (model.tied_modules[spec.key] if spec.key in model.tied_modules else
+                                      _meta_build(spec))
+                mods.append(tied[spec.key])
+            elif isinstance(spec, LayerSpec):
+                local = model._modules.get(str(idx))
+                mods.append(local if local is not None else _meta_build(spec))
+        out.append(mods)
+    return out
+
+
+def whole_model(model) -> nn.ModuleList:
+    """Every stage's layers in one module, for the checks that look at the MoE layers: each rank
+    decides on all of them, so a layer only one stage holds is refused on every rank alike."""
+    return nn.ModuleList([m for mods in every_stage_modules(model) for m in mods])
+
+
+def check_layers(whole: nn.Module) -> None:
+    """What ``FSSDPStage`` asks of each MoE layer, asked of every stage's before any collective."""
+    for layer in whole.modules():
+        if isinstance(layer, FSSDPExperts):
+            layer.trainable  # an expert's tensors train or freeze together (ValueError by name)
+
+
 def _check_tied(model) -> None:
     """FSSDP layers inside a ``TiedLayerSpec`` are refused on every rank alike: the specs not built on
-    this stage are built on the meta device (no memory, the RNG untouched) to look inside."""
+    this stage are built on the meta device to look inside."""
     for spec in model._layer_specs:
         if not isinstance(spec, TiedLayerSpec):
             continue
-        built = model.tied_modules[spec.key] if spec.key in model.tied_modules else None
-        if built is None:
-            with torch.random.fork_rng(devices=[]), torch.device("meta"):
-                built = spec.build()
+        built = model.tied_modules[spec.key] if spec.key in model.tied_modules else _meta_build(spec)
         if any(isinstance(m, FSSDPExperts) for m in built.modules()):
             raise FSSDPConfigError(f"fssdp layers inside a TiedLayerSpec (key {spec.key!r}, {spec.typename.__name__}) "
                                    "are not supported: a tied module is replicated on several stages, FSSDP shards "
@@ -184,9 +260,30 @@ class PipelineRun:
         return total / (dp * micro_batches)
 
 
+def trace_file(trace_path: str | None, layout: PipelineLayout, *, rank: int, global_layers: list) -> str | None:
+    """Where this rank writes the trace of its stage's MoE layers (None: it does not): each stage's
+    first rank, the stage holding MoE layer 0 at ``fssdp.trace_path``, stage s at
+    ``<trace_path stem>.stage<s>.npz`` (docs/design.md, section 9)."""
+    if not trace_path or not global_layers or rank != layout.stages[layout.stage_id][0]:
+        return None
+    if global_layers[0] == 0:
+        return trace_path
+    stem = trace_path[:-len(".npz")] if trace_path.endswith(".npz") else trace_path
+    return f"{stem}.stage{layout.stage_id}.npz"
+
+
+def prepare(stage, layout: PipelineLayout) -> None:
+    """Before ``FSSDPStage.attach``: each stage's first rank writes its layers' trace."""
+    stage.trace_file = trace_file(stage.config.trace_path, layout, rank=dist.get_rank(),
+                                  global_layers=stage.global_layers)
+
+
 def attach(engine, layout: PipelineLayout) -> None:
     """After ``FSSDPStage.attach``: what the pipeline adds to the engine and its stage."""
     stage = engine.fssdp
+    if stage.trace is not None:  # which of all stages' MoE layers this trace's layer axis holds
+        stage.trace.meta.update(pipeline_stage=layout.stage_id, pipeline_stages=layout.num_stages,
+                                global_layers=list(stage.global_layers), num_global_layers=stage.num_global_layers)
     stage.trace_at_forward = True  # several forwards in flight: each forward's entry when it runs
     stage.norm.dense_group = layout.pipe_group
     # DeepSpeed marks a tied module's parameters on every stage but the first that holds it.

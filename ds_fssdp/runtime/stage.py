@@ -40,7 +40,7 @@ from ds_fssdp.moe.experts_module import FSSDPExperts
 from ds_fssdp.moe.sharded import ReplicaMemory, ShardedExperts, ShardOptions, StepContext, chain
 from ds_fssdp.planner import LoadPredictor, initial_ownership
 from ds_fssdp.planner.baselines import Clock
-from ds_fssdp.planner.record import decision_arrays
+from ds_fssdp.planner.decision import decision_arrays
 from ds_fssdp.planner.layer import build_policies, layer_clock, migrations
 from ds_fssdp.planner.schedule import ScheduleCosts
 from ds_fssdp.planner.scheduled import ExchangeOptions, ScheduledCostModel
@@ -141,6 +141,8 @@ class FSSDPStage:
         self.trace = None
         self.health = NonFiniteGuard(self.config.nonfinite)  # non-finite losses/gradients (runtime/health.py)
         self.trace_at_forward = False  # the pipeline engine records each forward's trace entry itself
+        # Who writes the trace, where: rank 0 (under pipeline parallelism each stage's first rank, runtime/pipeline.py)
+        self.trace_file = self.config.trace_path if dist.get_rank() == 0 else None
 
     def _shard(self, i: int, layer, *, src_rank: int, exchange) -> ShardedExperts:
         """Layer ``i``'s experts sharded over this rank's FSSDP group: its owned rows from a loader,
@@ -241,9 +243,9 @@ class FSSDPStage:
                         f"{self.cost_fit.error:.3f})")
         if engine.wall_clock_breakdown():
             self.timers = engine.timers
-        if self.config.trace_path and dist.get_rank() == 0 and self.layers:
+        if self.trace_file and self.layers:
             from ds_fssdp.sim.traces import TraceWriter
-            self.trace = TraceWriter(self.config.trace_path, meta={
+            self.trace = TraceWriter(self.trace_file, meta={
                 "top_k": self.layers[0].k, "ranks_per_node": self.topology.ranks_per_node,
                 "policy": self.config.policy, "source": "ds_fssdp runtime (fssdp.trace_path)",
                 # What ds_fssdp.report needs to replay the placements from the recorded loads.
@@ -260,7 +262,9 @@ class FSSDPStage:
                                     else list(self.pipeline_degree)),
                 "topology_aware": self.config.topology_aware, "side_ratio": self.side_ratio,
                 # the re-shards' loads are summed over the FSSDP groups; the trace holds rank 0's group's
-                "fssdp_groups": self.edp_size})
+                "fssdp_groups": self.edp_size,
+                # rank 0 holds the first pipeline stage's layers: the trace records those
+                "pipeline_stages": 1 if self.pipe_group is None else dist.get_world_size(group=self.pipe_group)})
             atexit.register(self.trace.close)
         # The first layer's gather starts with the model's forward, before the first attention.
         if self.layers:
@@ -490,8 +494,8 @@ class FSSDPStage:
     def _agree_on_windows(self, device) -> None:
         """Decisions that use the measured attention windows ("auto" t, calibration's budget, the
         split of ZeRO 0's EDP sync) must be the same on every rank: once per step, all ranks adopt
-        the largest measured window."""
-        if (self.config.overlap_degree != "auto"
+        the largest measured window (a pipeline stage without MoE layers has none to agree on)."""
+        if not self.shards or (self.config.overlap_degree != "auto"
                 and not (self.config.calibration and self.config.calibration_latency_budget is None)
                 and not (self.edp_sync is not None and self.edp_sync.may_split)):
             return

@@ -39,6 +39,7 @@ def load(engine, load_dir: str, tag=None, *, ds_load, load_module_strict=True, l
     expert_opt = (dense_opt if load_expert_optimizer_states is None else load_expert_optimizer_states)
     expert_opt = bool(expert_opt) and not load_module_only
     check_stages(engine.fssdp, meta, root)
+    check_zero_stage(engine, meta, root, dense_optimizer=dense_opt)
     if engine.fssdp.layout is None:
         check_compatible(engine, meta, root, expert_optimizer=expert_opt)
     else:  # each stage checks its own layers: every rank refuses alike
@@ -61,6 +62,19 @@ def load(engine, load_dir: str, tag=None, *, ds_load, load_module_strict=True, l
         logger.info(f"fssdp: loaded checkpoint {root} (saved on {meta['world_size']} ranks, loaded on "
                     f"{dist.get_world_size()})")
     return load_path, client_state
+
+
+def check_zero_stage(engine, meta: dict, root: str, *, dense_optimizer: bool) -> None:
+    """DeepSpeed keeps the dense optimizer state whole in its model files at ZeRO 0 and in per-rank
+    partitions at ZeRO >= 1, and reads only its own stage's kind (a ZeRO 0 checkpoint in a ZeRO 1
+    engine: files missing; the universal conversion needs the partitions): refused by name."""
+    saved, mine = int(meta.get("zero_stage", 0)), int(engine.zero_optimization_stage())
+    if dense_optimizer and (saved == 0) != (mine == 0):
+        raise CheckpointError(f"{os.path.join(root, META)}: saved at zero_optimization.stage {saved}, this engine runs "
+                              f"stage {mine}: DeepSpeed keeps the dense optimizer state whole at stage 0 and partitioned "
+                              "above, and loads only its own kind; resume at stage "
+                              f"{saved}, or load with load_optimizer_states=False (the dense optimizer state starts "
+                              "fresh)")
 
 
 def check_compatible(engine, meta: dict, root: str, *, expert_optimizer: bool) -> None:

@@ -1,8 +1,8 @@
-"""The runtime's record of what each training forward of a layer decided (the trace's
-``decision_*`` arrays, docs/traces.md): pure, so that the report's replay compares against it
-without the runtime.
+"""What one training forward of a layer decided: the record the runtime writes in its trace and
+the report's replay derives from the trace's inputs (docs/traces.md). Pure (no DeepSpeed, no
+process group): the replay runs without them.
 
-Legend: E experts, D ranks, L MoE layers.
+Legend: E experts, D ranks.
 """
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ds_fssdp.planner.baselines.base import Clock, LayerPlan
+from ds_fssdp.planner.baselines import Clock, LayerPlan
+
+__all__ = ["Decision", "decision_arrays", "plan_digest"]
 
 
 @dataclass(frozen=True)
