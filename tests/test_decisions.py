@@ -239,17 +239,17 @@ def test_gas2_reshards_follow_the_optimizer_steps(runs):
 # own processes), and the check must then name a difference.
 
 def test_control_perturbed_window_to_t_rule(runs, monkeypatch):
-    import ds_fssdp.report.replay as replay_mod
-    rule = replay_mod.layer_clock
+    from ds_fssdp.planner.inputs import ClockRule
+    rule = ClockRule.clock
 
-    def off_by_one(**kw):
-        clock = rule(**kw)
-        if kw["overlap_degree"] == "auto" and kw["window_s"] is not None:
+    def off_by_one(self, window_s, attention_s=None, *, num_experts=None):
+        clock = rule(self, window_s, attention_s, num_experts=num_experts)
+        if self.overlap_degree == "auto" and window_s is not None:
             return dataclasses.replace(clock, overlap_degree=clock.overlap_degree - 1)
         return clock
     trace = runs["fssdp-gas2-zero1"]["trace"]
     assert _check(trace).first is None
-    monkeypatch.setattr(replay_mod, "layer_clock", off_by_one)
+    monkeypatch.setattr(ClockRule, "clock", off_by_one)
     assert _check(trace).first == (2, 0, "decision_t")  # the first row with an agreed window
 
 

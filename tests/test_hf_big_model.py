@@ -144,6 +144,22 @@ def _rows_match_checkpoint(model, path) -> bool:
                for name, m in fssdp_hf.converted_experts(model))
 
 
+def save_failing(save, owner, attr: str, error: Exception, here: bool):
+    """``save()`` with ``owner.attr`` raising ``error`` on this rank if ``here``: None, or the text
+    of the CheckpointError every rank gets."""
+    from ds_fssdp.runtime.checkpoint.files import CheckpointError
+    original = getattr(owner, attr)
+    if here:
+        setattr(owner, attr, lambda *a, **k: (_ for _ in ()).throw(error))
+    try:
+        save()
+        return None
+    except CheckpointError as err:
+        return str(err)
+    finally:
+        setattr(owner, attr, original)
+
+
 def worker(rank, world, paths):
     import deepspeed
     from deepspeed import comm as dist
@@ -205,16 +221,9 @@ def worker(rank, world, paths):
         engine.save_checkpoint(os.path.join(paths["out"], f"fused{zero}_engine"))  # for the offline export
         if zero == 1:  # a full disk on rank 1 alone: every rank fails alike, nothing is left
             from ds_fssdp.integrations.safetensors_io import ShardFile
-            write = ShardFile.write
-            if rank == 1:
-                ShardFile.write = lambda self, *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device"))
-            try:
-                fssdp_hf.save_pretrained(model, os.path.join(paths["out"], "full_disk"))
-                out["full_disk"] = None
-            except CheckpointError as err:
-                out["full_disk"] = str(err)
-            finally:
-                ShardFile.write = write
+            out["full_disk"] = save_failing(lambda: fssdp_hf.save_pretrained(model, os.path.join(paths["out"],
+                                                                                                  "full_disk")),
+                                            ShardFile, "write", OSError(28, "No space left on device"), rank == 1)
         del engine, model
 
     # A fresh model (from_config): each rank draws its own experts at initialize; the rows are the

@@ -8,7 +8,8 @@
 
 Every rank's rows equal its experts in the checkpoint bitwise; the losses equal a single-process
 HF run's (DP math by hand, SGD, clipping); the saved directories hold transformers' own key names
-and reload to its trained weights and logits.
+and reload to its trained weights and logits. A save whose dense part fails on rank 0 alone fails
+every rank by name and leaves nothing. One rank under ZeRO 3: the loading info is transformers'.
 """
 import json
 import os
@@ -23,7 +24,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 transformers = pytest.importorskip("transformers")
 
 from test_hf_big_model import (WORLD, _assert_trained_like, _checkpoint, _ds_config, _rows_match_checkpoint,  # noqa
-                               _train, reference)
+                               _train, reference, save_failing)
 
 CASES = {"qwen2_moe": dict(model_type="qwen2_moe", hidden=16, experts=3, ffn=12, layers=2),
          "mixtral": dict(model_type="mixtral", hidden=16, experts=5, ffn=12, layers=2)}
@@ -41,6 +42,10 @@ def worker(rank, world, paths):
         out[f"{name}_rows_match"] = _rows_match_checkpoint(model, paths[name])
         out[f"{name}_losses"] = _train(engine, rank)
         fssdp_hf.save_pretrained(engine, os.path.join(paths["out"], f"{name}_engine"))
+        if name == "mixtral":  # rank 0 alone fails while it gathers the dense part: every rank fails by name
+            from ds_fssdp.integrations import hf_save
+            out["failed"] = save_failing(lambda: fssdp_hf.save_pretrained(model, os.path.join(paths["out"], "failed")),
+                                         hf_save, "dense_state_dict", MemoryError("rank 0 out of memory"), rank == 0)
         model.save_pretrained(os.path.join(paths["out"], f"{name}_method"))
         fssdp_hf.restore_trainer_save()
         del engine, model
@@ -78,3 +83,33 @@ def test_uneven_and_empty_owners_load_train_and_save(results, checkpoints, name)
         with open(os.path.join(saved, "model.safetensors.index.json")) as f:
             assert set(json.load(f)["weight_map"]) == keys, how  # no "module." prefix, HF's own names
         _assert_trained_like(saved, ref_model, [r[f"{name}_losses"] for r in results], ref_losses, f"{name} {how}")
+
+
+def test_a_failure_on_one_rank_fails_every_rank(results, checkpoints):
+    for r in results:
+        assert r["failed"] is not None and "rank(s) [0]" in r["failed"] and "rank 0 out of memory" in r["failed"]
+    assert not any(n in ("failed", ".tmp-failed") for n in os.listdir(checkpoints["out"]))
+
+
+def info_worker(rank, world, path):
+    import ds_fssdp.integrations.hf as fssdp_hf
+    cfg = dict(_ds_config(group_size=1, zero=3), train_batch_size=2)  # one rank
+    model, info = fssdp_hf.from_pretrained(path, ds_config=cfg, dtype=torch.float32, output_loading_info=True)
+    assert any(hasattr(p, "ds_id") for p in model.parameters())  # partitioned while loading
+    return info
+
+
+def test_loading_info_under_zero3(tmp_path):
+    """ZeRO-3 (the dense part partitioned while it loads): the loading info names what transformers'
+    own names, a checkpoint key that lands nowhere included."""
+    from safetensors.torch import load_file, save_file
+    path = _checkpoint(tmp_path / "ckpt", CASES["mixtral"])
+    for n in os.listdir(path):
+        if n.endswith(".safetensors"):
+            tensors = load_file(os.path.join(path, n))
+            tensors["model.extra.weight"] = torch.zeros(2)
+            save_file(tensors, os.path.join(path, n), metadata={"format": "pt"})
+            break
+    _, want = transformers.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    (info, ) = spawn(1, info_worker, path)
+    assert want["unexpected_keys"] == {"model.extra.weight"} and info == want

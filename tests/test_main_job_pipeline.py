@@ -43,3 +43,11 @@ def test_pipeline_stages_train_like_the_run_without_them(tmp_path):
     assert summary["ranks"] == 4 and len(summary["layers"]) == 3  # every stage's layers in the table
     assert any(layer["replicas"] > 0 for layer in summary["layers"])
     assert summary["val_loss"] == pytest.approx(base["val_loss"], rel=2e-6)
+    # every stage's layers in the metrics CSV (rank 0's, gathered from each stage's first rank) and
+    # each stage's own trace
+    header = (pp / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert [c for c in header if c.endswith("/straggler")] == [f"layer{g}/straggler" for g in range(3)]
+    from ds_fssdp.sim.traces import load_trace
+    first, second = load_trace(str(pp / "trace.npz")), load_trace(str(pp / "trace.stage1.npz"))
+    assert first.meta["global_layers"] == [0, 1] and second.meta["global_layers"] == [2]
+    assert first.tokens_SLED.shape[1] == 2 and second.tokens_SLED.shape[1] == 1

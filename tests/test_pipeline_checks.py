@@ -152,6 +152,9 @@ def test_a_stage_without_moe_layers_agrees_windows_and_reports_the_other_stages_
     assert not [f for f in os.listdir(tmp) if f.startswith("trace.stage")]
     with open(os.path.join(tmp, "trace.json")) as f:
         assert json.load(f)["num_global_layers"] == 3
+    from ds_fssdp.report.check import check  # the stage's decisions, derived from its trace's inputs
+    result = check(trace)
+    assert result.first is None and result.pipeline_stage == (1, 2, [0, 1, 2]), result
 
 
 def test_aux_loss_scale_negative_control(ran):

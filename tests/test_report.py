@@ -131,3 +131,20 @@ def test_replay_of_a_removed_cost_placement_plans_joint_and_says_so():
         assert np.array_equal(r.held_SLED[s, 0], want.numpy())
         predictor.observe(0, tokens[s, 0])
     assert r.replicas_SL()[5:, 0].max() >= 1  # the hot expert gets a replica
+
+
+def test_check_refuses_a_trace_without_the_runtime_record(run_dir):
+    """A trace not written by the runtime (routing counts only) has nothing to check against: exit 2,
+    naming what it lacks (never a pass)."""
+    proc = subprocess.run([sys.executable, "-m", "ds_fssdp.report", str(run_dir), "--check"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "decision_owner" in proc.stderr and "optimizer_step" in proc.stderr, proc.stderr
+
+
+def test_first_difference_is_the_earliest_iteration_then_layer_then_array():
+    from ds_fssdp.report.check import first_difference
+    order = ["decision_owner", "decision_t", "decision_held"]
+    diffs = [("decision_held", 3, 0), ("decision_t", 3, 0), ("decision_owner", 3, 1), ("decision_owner", 5, 0)]
+    assert first_difference(diffs, order) == (3, 0, "decision_t")
+    assert first_difference([], order) is None

@@ -146,14 +146,14 @@ def gathered_dense(engine) -> dict:
 
 def _uniform_gates(model, current):
     """The ``uniform`` policy's routing in the reference: rank r's tokens are assigned round robin
-    starting at r * (its assignments), as each rank does."""
+    starting at expert r, as each rank does."""
     from ds_fssdp.moe.gate import uniform_assignment
     for layer in model.moe_layers():
         gate, forward = layer.gate, layer.gate.forward
 
         def patched(x_TH, gate=gate, forward=forward):
             out = forward(x_TH)
-            return uniform_assignment(out, gate.num_experts, offset=current["rank"] * out.idx_TK.numel())
+            return uniform_assignment(out, gate.num_experts, rank=current["rank"])
 
         gate.forward = patched
 

@@ -52,8 +52,10 @@ loads, the experts never); experts already partitioned by ``zero.Init`` are refu
 
 Big models (``hf_load.py``, ``hf_save.py``): :func:`from_pretrained` / :func:`from_config` build the
 converted model without any rank reading or drawing an expert it does not own;
-:func:`save_pretrained` (collective; ``trainer.save_model`` goes through it) writes the Hugging Face
-directory with each rank writing its own experts.
+:func:`save_pretrained` (collective; ``trainer.save_model`` and ``model.save_pretrained`` go through
+it, a DeepSpeed engine is unwrapped) writes the Hugging Face directory with each rank writing its own
+experts. An experts module that computes more than its gate-weighted expert MLPs is refused by name
+(``hf_forward.py``).
 
 Saving: the state dict of a converted model holds the experts as ``<...>.experts.w_gate`` etc. (or
 not at all once sharded). :func:`unconvert` puts every original HF experts module back in place

@@ -12,8 +12,10 @@ own the forward reads. Replacing such a module would drop that work silently, so
 name: any parameter or buffer of the module beyond the mapped tensors, and any forward whose output
 on probe values differs from the weighted expert MLPs computed by ``ds_fssdp.ops`` on the same
 tensors. The probe runs the module's own forward (its eager implementation: the family's math,
-whichever kernel the model was loaded with) on a copy holding small random tensors of its layout (E experts as in the module, H = 8, I = 4), so it
-costs nothing on a meta skeleton of a big model.
+whichever kernel the model was loaded with) on a copy holding small random tensors of its layout
+(E experts as in the module, H = 8, I = 4), so it costs nothing on a meta skeleton of a big model; a
+forward sized by its config instead of its tensors is probed again at the module's own H and I,
+every expert a view of one random expert. Checked once per class, forward, layout and config.
 """
 from __future__ import annotations
 
@@ -42,21 +44,22 @@ def check_forward(experts: nn.Module, layout, *, model_type, where: str) -> None
         raise ExtraComputeError(
             f"{where}: model_type {model_type!r}: the experts module holds {extra} beside its expert tensors; its "
             f"forward uses them ({_forward_owner(experts)}), and ds_fssdp's expert compute would drop them")
-    probe = _probe_copy(experts, layout)
-    gen = torch.Generator().manual_seed(1)
-    E = layout.num_experts
-    K = min(2, E)
-    x_TH = torch.randn(_T, _H, generator=gen)
-    idx_TK = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(_T)])
-    w_TK = torch.rand(_T, K, generator=gen) + 0.25
+    config = getattr(experts, "config", None)
+    key = (type(experts), type(experts).forward, repr(layout),
+           config.to_json_string() if hasattr(config, "to_json_string") else id(config))
+    if key in _CHECKED:  # every layer of a model: one class, forward, layout and config
+        return
     with torch.no_grad():
         try:
-            got = type(experts).forward(probe, x_TH, idx_TK, w_TK)
-        except Exception as err:  # noqa: BLE001 - any failure is named: the forward is not the contract's
-            raise ExtraComputeError(f"{where}: model_type {model_type!r}: the experts module's forward "
-                                    f"({_forward_owner(experts)}) does not run on probe tensors of its own layout "
-                                    f"({type(err).__name__}: {err}); ds_fssdp cannot check what it computes") from err
-        want = _weighted_mlps(probe, layout, x_TH, idx_TK, w_TK)
+            got, want = _probe(experts, layout, hidden=_H, ffn=_I, distinct=True)
+        except Exception:  # noqa: BLE001 - a forward sized by its config: again at the module's own sizes
+            try:
+                got, want = _probe(experts, layout, hidden=layout.hidden, ffn=layout.ffn, distinct=False)
+            except Exception as err:  # noqa: BLE001 - any failure is named: the forward is not the contract's
+                raise ExtraComputeError(
+                    f"{where}: model_type {model_type!r}: the experts module's forward ({_forward_owner(experts)}) "
+                    f"does not run on probe tensors of its own layout ({type(err).__name__}: {err}); ds_fssdp "
+                    "cannot check what it computes") from err
     if not isinstance(got, torch.Tensor) or got.shape != want.shape or \
             not torch.allclose(got.float(), want, rtol=1e-4, atol=1e-5):
         diff = float((got.float() - want).abs().max()) if isinstance(got, torch.Tensor) and \
@@ -65,6 +68,24 @@ def check_forward(experts: nn.Module, layout, *, model_type, where: str) -> None
             f"{where}: model_type {model_type!r}: the experts module's forward ({_forward_owner(experts)}) computes "
             f"something other than the gate-weighted sum of its expert MLPs (max difference {diff} on probe values); "
             "ds_fssdp would drop the rest, so it does not convert this family")
+    _CHECKED.add(key)
+
+
+_CHECKED: set = set()
+
+
+def _probe(experts: nn.Module, layout, *, hidden: int, ffn: int, distinct: bool) -> tuple:
+    """(the module's forward, the weighted expert MLPs) on probe tokens, its tensors at ``hidden`` and
+    ``ffn``; ``distinct=False``: every expert one random expert (a view: no E copies at full size)."""
+    probe = _probe_copy(experts, layout, hidden=hidden, ffn=ffn, distinct=distinct)
+    gen = torch.Generator().manual_seed(1)
+    E = layout.num_experts
+    K = min(2, E)
+    x_TH = torch.randn(_T, hidden, generator=gen)
+    idx_TK = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(_T)])
+    w_TK = torch.rand(_T, K, generator=gen) + 0.25
+    got = type(experts).forward(probe, x_TH, idx_TK, w_TK)
+    return got, _weighted_mlps(probe, layout, x_TH, idx_TK, w_TK, hidden=hidden, ffn=ffn)
 
 
 def _forward_owner(experts: nn.Module) -> str:
@@ -74,8 +95,8 @@ def _forward_owner(experts: nn.Module) -> str:
     return "forward"
 
 
-def _probe_copy(experts: nn.Module, layout) -> nn.Module:
-    """A shallow copy of the module (same class, config and activation) holding small random tensors."""
+def _probe_copy(experts: nn.Module, layout, *, hidden: int, ffn: int, distinct: bool) -> nn.Module:
+    """A shallow copy of the module (same class, config and activation) holding random tensors."""
     probe = copy.copy(experts)
     probe._parameters = {}
     probe._buffers = dict(experts._buffers)
@@ -86,24 +107,24 @@ def _probe_copy(experts: nn.Module, layout) -> nn.Module:
         probe.config = copy.copy(config)
         probe.config._experts_implementation_internal = "eager"
     gen = torch.Generator().manual_seed(0)
-    E, out = layout.num_experts, (2 * _I if layout.gated else _I)
-    shapes = {("gate_up_proj" if layout.gated else "up_proj"): (E, _H, out) if layout.transposed else (E, out, _H),
-              "down_proj": (E, _I, _H) if layout.transposed else (E, _H, _I)}
+    E, out = layout.num_experts, (2 * ffn if layout.gated else ffn)
+    shapes = {("gate_up_proj" if layout.gated else "up_proj"): (hidden, out) if layout.transposed else (out, hidden),
+              "down_proj": (ffn, hidden) if layout.transposed else (hidden, ffn)}
     if layout.bias:
-        shapes[("gate_up_proj_bias" if layout.gated else "up_proj_bias")] = (E, out)
-        shapes["down_proj_bias"] = (E, _H)
+        shapes[("gate_up_proj_bias" if layout.gated else "up_proj_bias")] = (out, )
+        shapes["down_proj_bias"] = (hidden, )
     for name, shape in shapes.items():
-        probe._parameters[name] = nn.Parameter(torch.randn(shape, generator=gen) * 0.5, requires_grad=False)
+        t = torch.randn((E if distinct else 1, *shape), generator=gen) * (0.5 if distinct else shape[-1]**-0.5)
+        probe._parameters[name] = nn.Parameter(t if distinct else t.expand(E, *shape), requires_grad=False)
     return probe
 
 
-def _weighted_mlps(probe: nn.Module, layout, x_TH, idx_TK, w_TK) -> torch.Tensor:
+def _weighted_mlps(probe: nn.Module, layout, x_TH, idx_TK, w_TK, *, hidden: int, ffn: int) -> torch.Tensor:
     """sum_k w[t, k] * MLP_{idx[t, k]}(x[t]) through ``ds_fssdp.ops`` (what FSSDP computes)."""
     from dataclasses import replace
 
     from ds_fssdp.integrations.hf_experts import to_fssdp
-    small = replace(layout, hidden=_H, ffn=_I)
-    weights = to_fssdp(probe, small)
+    weights = to_fssdp(probe, replace(layout, hidden=hidden, ffn=ffn), copy=False)
     out = torch.zeros_like(x_TH)
     for t in range(x_TH.shape[0]):
         for k in range(idx_TK.shape[1]):

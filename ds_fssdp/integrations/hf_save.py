@@ -93,11 +93,13 @@ def write_hf_dir(model, out_dir, *, dense, rows, dtype: torch.dtype, comm, max_s
     tmp = os.path.join(os.path.dirname(out_dir), f".tmp-{os.path.basename(out_dir)}")
     comm.agree(f"preparing {out_dir}", lambda: _prepare(out_dir, tmp, overwrite), root_only=True)
     try:
-        state = dense()  # collective under ZeRO-3
+        held = {}  # a failure on one rank (rank 0 holds the dense part) fails every rank alike
+        comm.agree(f"gathering the dense part of {out_dir}", lambda: held.update(state=dense()))  # ZeRO-3: collective
         files = [_expert_file(tmp, i, shard) for i, shard in enumerate(shards)]
         comm.agree(f"writing the dense part into {tmp}",
-                   lambda: _write_dense(model, tmp, state, files, max_shard_size, save_original_format), root_only=True)
-        del state
+                   lambda: _write_dense(model, tmp, held["state"], files, max_shard_size, save_original_format),
+                   root_only=True)
+        del held
         file_of = {key: f for f in files for key in f.entries}
         comm.agree(f"writing the experts into {tmp}", lambda: _write_experts(modules, saved, file_of, rows))
         comm.agree(f"committing {out_dir}", lambda: _commit(tmp, out_dir, files, overwrite),

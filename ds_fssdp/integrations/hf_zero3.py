@@ -15,11 +15,13 @@ and tied weights are left to transformers' finalization, as after its own load.
 """
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 
 import torch
 import torch.nn as nn
 from deepspeed import comm as dist
+from deepspeed.utils import logger
 
 
 def load_dense_partitioned(model, files, load_config, ds_config: dict):
@@ -40,12 +42,19 @@ def load_dense_partitioned(model, files, load_config, ds_config: dict):
     rank = dist.get_rank()
     tied = set(model.all_tied_weights_keys)
     skip = {id(m) for _, m in converted_experts(model)}  # each rank holds its own experts already
+    # Checkpoint keys landing nowhere, reported as transformers' loader reports them (the experts'
+    # sources are expected: _keys_to_ignore_on_load_unexpected); the same on every rank.
+    ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    unexpected = {k for k in files.keys() if not _lands(k, renamings, converters, model, known, ignore)}
+    missing = set()  # model tensors no key lands on: initialized below by the family's init, and named
     for module_name, module, owner in in_init_order(model):
         if id(module) in skip:
             continue
         params = [n for n, _ in module.named_parameters(recurse=False) if _full(module_name, n) not in tied]
         buffers = [n for n, _ in module.named_buffers(recurse=False) if n not in module._non_persistent_buffers_set]
         keys = keys_of.get(module_name, [])
+        found = {rename_source_key(k, renamings, converters, model.base_model_prefix, known)[0] for k in keys}
+        missing |= {_full(module_name, n) for n in params + buffers} - found
         if rank != 0:  # the others read only the buffers (never partitioned)
             wanted = {_full(module_name, n) for n in buffers}
             keys = [k for k in keys if rename_source_key(k, renamings, converters, model.base_model_prefix,
@@ -64,9 +73,19 @@ def load_dense_partitioned(model, files, load_config, ds_config: dict):
         if params or buffers:
             module._is_hf_initialized = True  # transformers' finalization leaves it alone
     model._weight_conversions = [c for c in load_config.weight_mapping or [] if c.was_used()]
+    if missing and rank == 0:
+        # Not in the returned info: transformers' finalization would replace them (already partitioned).
+        logger.warning(f"fssdp: {len(missing)} tensors of the dense part are not in the checkpoint; initialized by "
+                       f"the family's _init_weights and partitioned: {sorted(missing)[:8]}")
     # Tied weights are reported missing, as transformers' loader reports them: its finalization ties them.
-    return LoadStateDictInfo(missing_keys=set(tied), unexpected_keys=set(), mismatched_keys=set(), error_msgs=[],
+    return LoadStateDictInfo(missing_keys=set(tied), unexpected_keys=unexpected, mismatched_keys=set(), error_msgs=[],
                              conversion_errors={}, skipped_pp_keys=set()), None
+
+
+def _lands(key: str, renamings, converters, model, known: dict, ignore: list) -> bool:
+    from transformers.core_model_loading import rename_source_key
+    renamed, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, known)
+    return renamed in known or any(p.search(renamed) for p in ignore)
 
 
 def init_dense_partitioned(model, ds_config: dict) -> None:

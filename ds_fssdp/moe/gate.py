@@ -73,11 +73,12 @@ class TopKGate(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
-def uniform_assignment(gate: GateOutput, num_experts: int, *, offset: int = 0) -> GateOutput:
-    """The ``uniform`` policy's routing: assignment a of this rank goes to expert (a + offset) mod E,
-    so every expert gets the same number of rows (the no-straggler speed reference). The
-    combine weights stay the gate's, so gradients still flow; what the model computes changes."""
+def uniform_assignment(gate: GateOutput, num_experts: int, *, rank: int) -> GateOutput:
+    """The ``uniform`` policy's routing: assignment a of rank ``rank`` (inside its FSSDP group) goes
+    to expert (a + rank) mod E, so every expert gets the same number of rows (the no-straggler
+    speed reference) and the remainder lands as ``planner.baselines.ep.uniform_split`` counts it.
+    The combine weights stay the gate's, so gradients still flow; what the model computes changes."""
     T, K = gate.idx_TK.shape
-    idx_TK = ((torch.arange(T * K, device=gate.idx_TK.device) + offset) % num_experts).view(T, K)
+    idx_TK = ((torch.arange(T * K, device=gate.idx_TK.device) + rank) % num_experts).view(T, K)
     counts_E = torch.bincount(idx_TK.reshape(-1), minlength=num_experts)
     return GateOutput(idx_TK=idx_TK, weights_TK=gate.weights_TK, l_aux=gate.l_aux, counts_E=counts_E)

@@ -210,7 +210,7 @@ class ShardedExperts:
         gate_idx_TK = idx_TK
         if self.options.uniform:
             g = uniform_assignment(GateOutput(idx_TK, weights_TK, None, counts_E), self.owner_E.numel(),
-                                   offset=self.rank * idx_TK.numel())
+                                   rank=self.rank)
             idx_TK, counts_E = g.idx_TK, g.counts_E
         self.prefetch()
         window, early_s, early_end = self._measure_window()

@@ -15,6 +15,8 @@ import torch
 
 from ds_fssdp.planner.knobs import auto_overlap_degree
 from ds_fssdp.planner.plan import DispatchPlan
+from ds_fssdp.planner.prices import (allreduce_links, allreduce_share, exposed_s, gather_links, link_seconds,
+                                     reduce_scatter_share)
 from ds_fssdp.planner.schedule import Linear, ScheduleCosts
 from ds_fssdp.topology import Topology
 
@@ -26,8 +28,7 @@ def exposed_transfer(gather_s: float, window_s: float, *, rematerialize: bool = 
     backward's (``backward_window_s``; None: twice the window); under re-materialization the
     backward gathers again before its reduce."""
     window_b = 2.0 * window_s if backward_window_s is None else backward_window_s
-    f, b = gather_s - window_s, (2.0 if rematerialize else 1.0) * gather_s - window_b
-    return (f if f > 0.0 else 0.0) + (b if b > 0.0 else 0.0)
+    return float(exposed_s(gather_s, window_s) + exposed_s((2.0 if rematerialize else 1.0) * gather_s, window_b))
 
 
 @dataclass(frozen=True)
@@ -70,10 +71,10 @@ class ExpertShape:
 
 
 class CostModel:
-    """One model of the hardware for every decision and every simulator. ``relay``: sparse
-    collectives are relayed (:meth:`sparse_collective_time`; the simulators' assumption, and
-    what calibration's :meth:`gather_time` then prices); else each chunk leaves its owner's node
-    once per node it enters (the runtime's two-phase collectives)."""
+    """One model of the hardware for every decision and every simulator; the prices are
+    ``planner/prices.py``'s. ``relay``: sparse collectives are priced relayed
+    (:func:`~ds_fssdp.planner.prices.gather_links`); default (the runtime's, ``planner/inputs.py``):
+    each chunk leaves its owner's node once per node it enters."""
 
     def __init__(self, hw: Hardware, shape: ExpertShape, topology: Topology, *, relay: bool = False):
         self.hw, self.shape, self.topology, self.relay = hw, shape, topology, relay
@@ -105,77 +106,33 @@ class CostModel:
             return 0.0
         intra = traffic_DD * self._same_DD
         inter = traffic_DD * ~self._same_DD
-        rank_time = torch.maximum(intra.sum(1), intra.sum(0)) / self.hw.intra_bw
         N = self.topology.num_nodes
         node_out = torch.zeros(N, dtype=torch.float64).index_add_(0, self._node_D, inter.sum(1))
         node_in = torch.zeros(N, dtype=torch.float64).index_add_(0, self._node_D, inter.sum(0))
-        node_time = torch.maximum(node_out, node_in) / self.hw.inter_bw
-        return self.hw.latency + max(float(rank_time.max()), float(node_time.max()))
+        return link_seconds(float(torch.maximum(intra.sum(1), intra.sum(0)).max()),
+                            float(torch.maximum(node_out, node_in).max()), self.hw)
 
     # -- sparse collectives ---------------------------------------------------------------------
     def gather_time(self, owner_E: torch.Tensor, placement_ED: torch.Tensor) -> float:
-        """SparseAllGather (and, symmetrically, SparseReduceScatter) of ``placement_ED``.
-
-        Well routed (section 3.3): a chunk enters each node it newly reaches once over the
+        """SparseAllGather (and, symmetrically, SparseReduceScatter) of ``placement_ED`` as the
+        runtime moves it (section 3.3: a chunk enters each node it newly reaches once over the
         inter-node link and is forwarded inside the node; every added replica costs one chunk on
-        its rank's intra-node link. Relayed under ``relay``."""
+        its rank's intra-node link). Relayed under ``relay``
+        (:func:`~ds_fssdp.planner.prices.gather_links`)."""
         return self.sparse_collective_time(owner_E, placement_ED, relay=self.relay)
 
-    def _direct_gather_time(self, owner_E: torch.Tensor, placement_ED: torch.Tensor) -> float:
-        shard_ED = torch.zeros_like(placement_ED)
-        shard_ED[torch.arange(owner_E.numel()), owner_E] = True
-        added_ED = placement_ED & ~shard_ED
-        if not bool(added_ED.any()):
-            return 0.0
-        psi = float(self.shape.expert_bytes)
-        N = self.topology.num_nodes
-        node_has_EN = torch.zeros(owner_E.numel(), N, dtype=torch.bool)
-        node_has_EN.index_put_((torch.nonzero(placement_ED)[:, 0], self._node_D[torch.nonzero(placement_ED)[:, 1]]),
-                               torch.tensor(True))
-        owner_node_E = self._node_D[owner_E]
-        entered_EN = node_has_EN.clone()
-        entered_EN[torch.arange(owner_E.numel()), owner_node_E] = False
-        node_in = entered_EN.sum(0).double() * psi
-        node_out = torch.bincount(owner_node_E, weights=entered_EN.sum(1).double(), minlength=N) * psi
-        rank_in = added_ED.sum(0).double() * psi
-        inter = float(torch.maximum(node_in, node_out).max()) / self.hw.inter_bw if N > 1 else 0.0
-        intra = float(rank_in.max()) / self.hw.intra_bw
-        return self.hw.latency + max(inter, intra)
+    def broadcast_time(self, owner_E: torch.Tensor, placement_ED: torch.Tensor) -> float:
+        """NCCL broadcasts of whole experts from their owners to ``placement_ED`` (FasterMoE's
+        shadows): pipelined rings, so a node forwards what it received (relayed)."""
+        return self.sparse_collective_time(owner_E, placement_ED, relay=True)
 
     def sparse_collective_time(self, owner_E: torch.Tensor, placement_ED: torch.Tensor, *, relay: bool = True) -> float:
-        """SparseAllGather of ``placement_ED`` (or its mirror SparseReduceScatter, or a broadcast of
-        whole experts when a row of ``placement_ED`` is all True).
-
-        ``relay=False`` is :meth:`gather_time`: the owner's node sends one copy to every node the
-        chunk newly enters. ``relay=True`` lets any node that already holds a chunk forward it
-        (section 3.3: "any device holding a chunk's current replica can supply it"; NCCL's
-        pipelined ring broadcast does this), so a node sends each chunk it owns at most once and
-        the inter-node bound is max(chunks a node receives, distinct chunks a node must send out)."""
-        if not relay:
-            return self._direct_gather_time(owner_E, placement_ED)
-        owner_E = owner_E.to("cpu", torch.long)
-        placement_ED = placement_ED.to("cpu", torch.bool)
-        num_experts = owner_E.numel()
-        experts = torch.arange(num_experts)
-        added_ED = placement_ED.clone()
-        added_ED[experts, owner_E] = False
-        if not bool(added_ED.any()):
-            return 0.0
-        psi = float(self.shape.expert_bytes)
-        N = self.topology.num_nodes
-        intra = float(added_ED.sum(0).max()) * psi / self.hw.intra_bw
-        inter = 0.0
-        if N > 1:
-            node_has_EN = torch.zeros(num_experts, N, dtype=torch.long).index_add_(
-                1, self._node_D, placement_ED.long()) > 0
-            owner_node_E = self._node_D[owner_E]
-            entered_EN = node_has_EN.clone()
-            entered_EN[experts, owner_node_E] = False
-            node_in = entered_EN.sum(0).double()
-            leaves_E = entered_EN.any(1).double()
-            node_out = torch.zeros(N, dtype=torch.float64).index_add_(0, owner_node_E, leaves_E)
-            inter = float(torch.maximum(node_in, node_out).max()) * psi / self.hw.inter_bw
-        return self.hw.latency + max(inter, intra)
+        """Seconds of :func:`~ds_fssdp.planner.prices.gather_links` over this topology's links
+        (relayed unless ``relay`` is False: :meth:`gather_time` prices as the cost model does)."""
+        rank_BN, node_Bn = gather_links(owner_E.to("cpu", torch.long).numpy(), placement_ED.to("cpu", torch.bool).numpy(),
+                                        ranks_per_node=self.topology.ranks_per_node,
+                                        chunk_bytes=float(self.shape.expert_bytes), relay=relay)
+        return link_seconds(rank_BN.max(), node_Bn.max(), self.hw)
 
     def transfer_time(self, traffic_DD: torch.Tensor) -> float:
         """Point-to-point transfers of ``traffic_DD[s, d]`` bytes from rank s to rank d, all at once
@@ -185,30 +142,13 @@ class CostModel:
         return self._exchange_time(traffic_DD)
 
     def allreduce_time(self, groups_KD: torch.Tensor, bytes_K: torch.Tensor) -> float:
-        """K all-reduces issued together; group k (bool row of ``groups_KD``) sums ``bytes_K[k]`` bytes.
-
-        Ring all-reduce: each member sends and receives 2 (n - 1) / n of the message over its own
-        link; a ring that spans several nodes, ordered by node, enters and leaves each of its
-        nodes once, so that node's inter-node link carries the same 2 (n - 1) / n (Eq. 5 per rank).
-        Groups of one rank cost nothing. One latency for the batch (bucketed into one call)."""
-        groups_KD = groups_KD.to("cpu", torch.bool)
-        bytes_K = bytes_K.to("cpu", torch.float64).reshape(-1)
-        size_K = groups_KD.sum(1).double()
-        active_K = size_K > 1
-        if not bool(active_K.any()):
-            return 0.0
-        groups_KD, bytes_K, size_K = groups_KD[active_K], bytes_K[active_K], size_K[active_K]
-        per_member_K = 2.0 * (size_K - 1) / size_K * bytes_K
-        rank_D = (groups_KD.double() * per_member_K[:, None]).sum(0)
-        N = self.topology.num_nodes
-        inter = 0.0
-        if N > 1:
-            nodes_KN = torch.zeros(groups_KD.shape[0], N, dtype=torch.long).index_add_(
-                1, self._node_D, groups_KD.long()) > 0
-            spans_K = nodes_KN.sum(1) > 1
-            node_N = (nodes_KN.double() * (per_member_K * spans_K.double())[:, None]).sum(0)
-            inter = float(node_N.max()) / self.hw.inter_bw
-        return self.hw.latency + max(float(rank_D.max()) / self.hw.intra_bw, inter)
+        """K ring all-reduces issued together; group k (bool row of ``groups_KD``) sums ``bytes_K[k]``
+        bytes (:func:`~ds_fssdp.planner.prices.allreduce_links`); groups of one rank cost nothing;
+        one latency for the batch (bucketed into one call)."""
+        rank_D, node_n = allreduce_links(groups_KD.to("cpu", torch.bool).numpy(),
+                                         bytes_K.to("cpu", torch.float64).reshape(-1).numpy(),
+                                         ranks_per_node=self.topology.ranks_per_node)
+        return link_seconds(rank_D.max(), node_n.max() if self.topology.num_nodes > 1 else 0.0, self.hw)
 
     def flow_layer_times(self, flow_XDD: torch.Tensor) -> torch.Tensor:
         """:meth:`layer_time` of X candidate plans at once, each given as its rank-to-rank flow
@@ -253,7 +193,7 @@ class CostModel:
         the slice each rank holds: a ring all-reduce moves 2 (n - 1) / n of it, a reduce-scatter
         (partitioned state) n - 1 times its piece; over the binding link (an EDP group spans groups)."""
         n = max(1, int(ranks))
-        factor = float(n - 1) if partitioned else 2.0 * (n - 1) / n
+        factor = n * reduce_scatter_share(n) if partitioned else allreduce_share(n)
         return Linear(self.hw.latency, factor / self.binding_bandwidth)
 
     @property

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+from ds_fssdp.planner.prices import replica_bytes
+
 
 def auto_overlap_degree(*, attention_seconds: float, bandwidth: float, expert_bytes: int) -> int:
     if attention_seconds < 0 or bandwidth <= 0 or expert_bytes <= 0:
@@ -18,8 +20,8 @@ def auto_overlap_degree(*, attention_seconds: float, bandwidth: float, expert_by
 
 def auto_materialization_budget(*, memory_bytes: int, expert_bytes: int, num_layers: int,
                                 rematerialize: bool, in_flight: int = 1) -> int:
-    """Replicas per rank per layer. A replica holds its parameters and, until the reduce, a
-    gradient of the same size: 2 * Psi bytes. Without re-materialization every layer keeps its
+    """Replicas per rank per layer. A replica holds :func:`~ds_fssdp.planner.prices.replica_bytes`
+    (2 Psi). Without re-materialization every layer keeps its
     replicas through the iteration; with it, the layer computing and the next one, whose gather
     starts during that compute (replicas on the idle link): two layers live across it.
     ``in_flight``: micro-batches whose forward is done and backward pending at once (a pipeline
@@ -28,7 +30,7 @@ def auto_materialization_budget(*, memory_bytes: int, expert_bytes: int, num_lay
     if memory_bytes < 0 or expert_bytes <= 0 or num_layers < 1 or in_flight < 1:
         raise ValueError(f"auto budget needs memory_bytes >= 0 ({memory_bytes}), expert_bytes > 0 ({expert_bytes}), "
                          f"num_layers >= 1 ({num_layers}) and in_flight >= 1 ({in_flight})")
-    per_replica = 2 * expert_bytes
+    per_replica = int(replica_bytes(expert_bytes))
     return memory_bytes // (per_replica * resident_layers(num_layers, rematerialize=rematerialize, in_flight=in_flight))
 
 

@@ -23,7 +23,6 @@ import dataclasses
 
 import torch
 
-from ds_fssdp.planner.baselines import PolicyConfig, make_policy
 from ds_fssdp.planner.baselines.base import Clock, LayerPlan, Policy
 from ds_fssdp.planner.baselines.fssdp import FSSDPPolicy
 from ds_fssdp.planner.calibrate import leaves_room
@@ -111,50 +110,3 @@ def migrating_policies(policy: Policy, *, reshard_interval: int) -> list:
     if isinstance(policy, FSSDPPolicy) or type(policy).reshard is not Policy.reshard:
         out.append(policy)
     return out
-
-
-def layer_clock(*, overlap_degree, latency_budget: float | None, window_s: float | None,
-                attention_s: float | None, cost, num_experts: int) -> Clock:
-    """A layer's t and calibration latency budget for one iteration from the window every rank
-    agreed on (``window_s``, ``attention_s``: None before the first step's agreement), the one
-    clock rule of the runtime (``FSSDPStage.clock``) and the report's replay. ``overlap_degree``:
-    the config's t, or "auto" (from the window: :meth:`CostModel.overlap_degree`, and the window
-    handed to the policy, which searches t by the modelled layer time); ``latency_budget``: the
-    config's (None: the window, inf without one)."""
-    t, window, attention = overlap_degree, None, None
-    if t == "auto":
-        t = 0 if window_s is None else min(num_experts, cost.overlap_degree(window_s))
-        window, attention = window_s, attention_s
-    budget = latency_budget
-    if budget is None:
-        budget = float("inf") if window_s is None else window_s
-    return Clock(overlap_degree=t, latency_budget=float(budget), window_s=window, attention_s=attention)
-
-
-def build_policies(config, *, num_experts: list, topology, budget: int, cost, predictor) -> tuple:
-    """The policy object (every decision of every layer), the policies that re-shard after a
-    step (:func:`migrating_policies`) and each layer's :class:`LayerPlanner`, for the
-    materialization budget ``budget`` and cost model ``cost`` (None: none needed). ``config``:
-    the ``fssdp`` block (the runtime's ``FSSDPConfig``, or the replay's settings of the same
-    names: policy, rematerialize, overlap_degree, placement, reshard_interval, calibration,
-    calibration_latency_budget, smartmoe_interval, dispatch, dispatch_slack); ``num_experts``:
-    each layer's expert count."""
-    name = "fssdp-rm" if config.policy == "fssdp" and config.rematerialize else config.policy
-    latency = config.calibration_latency_budget
-    auto_t = config.overlap_degree == "auto"
-    policy_config = PolicyConfig(num_experts=num_experts[0], num_layers=len(num_experts), topology=topology,
-                                 budget=budget, overlap_degree=0 if auto_t else config.overlap_degree, cost=cost,
-                                 placement=config.placement, reshard_interval=config.reshard_interval,
-                                 calibration=config.calibration,
-                                 calibration_latency_budget=float("inf") if latency is None else float(latency),
-                                 smartmoe_interval=config.smartmoe_interval, dispatch=config.dispatch,
-                                 dispatch_slack=float(config.dispatch_slack), overlap_by_time=auto_t)
-    policy = make_policy(name, policy_config)
-    migrators = migrating_policies(policy, reshard_interval=config.reshard_interval)
-    # One policy object decides for every layer; a layer with another expert count gets its own.
-    per_E = {num_experts[0]: policy}
-    for E in num_experts:
-        if E not in per_E:
-            per_E[E] = make_policy(name, dataclasses.replace(policy_config, num_experts=E))
-    planners = [LayerPlanner(per_E[E], predictor, i) for i, E in enumerate(num_experts)]
-    return policy, migrators, planners

@@ -8,12 +8,14 @@ recorded elsewhere, or to see what another budget would have placed).
 
 ``--check``: derive every decision of the run again from the trace's inputs (counts, agreed
 windows, optimizer steps, fitted costs; report/check.py) and compare them with the runtime's
-record. Exit 0 printing how many decisions were checked, 1 naming the first (iteration, layer,
-array) that differs, 2 when the trace cannot be checked (said why).
+record (a pipelined run: every stage's trace). Exit 0 printing how many decisions were checked,
+1 naming the first (iteration, layer, array) that differs, 2 when a trace cannot be checked (said
+why).
 """
 from __future__ import annotations
 
 import argparse
+import glob
 import sys
 
 from ds_fssdp.defaults import POLICIES
@@ -59,15 +61,23 @@ def _check(args) -> int:
     try:
         if overrides:  # the check is against the run's own settings
             raise ValueError(f"--check replays the run's recorded settings; refusing {', '.join(overrides)}")
-        path = args.trace or find_trace(args.run)
-        result = check(load_trace(path))
+        paths = [args.trace] if args.trace else stage_traces(find_trace(args.run))
+        results = [(path, check(load_trace(path))) for path in paths]
     except (FileNotFoundError, CheckRefused, ValueError) as err:
         print(f"ds_fssdp.report --check: {err}", file=sys.stderr)
         return 2
-    print(f"trace {path}")
-    for line in result.lines():
-        print(line)
-    return 0 if result.first is None else 1
+    for path, result in results:
+        print(f"trace {path}")
+        for line in result.lines():
+            print(line)
+    return 0 if all(result.first is None for _, result in results) else 1
+
+
+def stage_traces(path: str) -> list:
+    """``path`` and, for a pipelined run, the other stages' traces beside it (``<stem>.stage<s>.npz``,
+    written by each stage's first rank: runtime/pipeline.trace_file)."""
+    stem = path[:-len(".npz")] if path.endswith(".npz") else path
+    return [path] + sorted(glob.glob(f"{glob.escape(stem)}.stage*.npz"))
 
 
 if __name__ == "__main__":

@@ -30,16 +30,16 @@ class CheckResult:
     arrays: list  # the decision arrays compared
     reshard_steps: list  # the optimizer steps after which the replay re-sharded
     first: tuple | None  # (iteration, layer, array) of the first difference; None: none
-    pipeline_stages: int = 1  # the run's; the trace holds the first stage's layers
+    pipeline_stage: tuple | None = None  # (stage, stages, global layers) of a pipelined run's trace
 
     def lines(self) -> list:
         if self.first is not None:
             it, layer, key = self.first
             return [f"decision differs: iteration {it}, layer {layer}, array {key}"]
         stage = []
-        if self.pipeline_stages > 1:
-            stage = [f"pipeline stage 0 of {self.pipeline_stages}: the trace (rank 0's) holds that stage's "
-                     f"{self.layers} MoE layers; the other stages' decisions are not recorded"]
+        if self.pipeline_stage is not None:
+            s, n, layers = self.pipeline_stage
+            stage = [f"pipeline stage {s} of {n}: MoE layers {layers} (layer i here is the stage's i-th)"]
         return stage + [f"checked {self.checked} decisions ({self.rows} iterations x {self.layers} layers x "
                 f"{len(self.arrays)} arrays; re-shards after optimizer steps {self.reshard_steps}): all equal to "
                 f"the decisions derived from the trace's inputs"]
@@ -105,4 +105,10 @@ def check(trace: Trace) -> CheckResult:
     S, L = trace.tokens_SLED.shape[:2]
     return CheckResult(checked=S * L * len(order), rows=S, layers=L, arrays=order, reshard_steps=rep.reshard_steps,
                        first=first_difference(compare(trace, rep), order),
-                       pipeline_stages=int(trace.meta.get("pipeline_stages", 1)))
+                       pipeline_stage=_stage(trace.meta))
+
+
+def _stage(meta: dict) -> tuple | None:
+    if int(meta.get("pipeline_stages", 1)) <= 1:
+        return None
+    return int(meta["pipeline_stage"]), int(meta["pipeline_stages"]), list(meta.get("global_layers", []))

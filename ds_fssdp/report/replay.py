@@ -8,8 +8,8 @@ A trace written by the runtime records each training forward's inputs: the all-g
 schedule's costs each layer decided with (fitted or ``fssdp.hardware``'s) and the row sizes the
 exchange decision priced; the sidecar records the config and the measured hardware. From those
 alone the replay derives every decision again through the functions the runtime calls:
-:func:`~ds_fssdp.planner.layer.build_policies` (the policy, the re-sharding policies, each
-layer's :class:`~ds_fssdp.planner.layer.LayerPlanner`), :func:`~ds_fssdp.planner.layer.layer_clock`
+:func:`~ds_fssdp.planner.inputs.build_policies` (the policy, the re-sharding policies, each
+layer's :class:`~ds_fssdp.planner.layer.LayerPlanner`), the clock rule (``planner.inputs.ClockRule``)
 (t and calibration's latency budget from the window), :func:`~ds_fssdp.planner.layer.migrations`
 at each optimizer step the trace's rows cross (not at each row: with gradient accumulation a step
 spans several rows), and :func:`~ds_fssdp.planner.scheduled.exchange_decision`. It reads none of
@@ -29,7 +29,8 @@ import torch
 
 from ds_fssdp.defaults import DISPATCH_SLACK, SMARTMOE_INTERVAL
 from ds_fssdp.planner import CostModel, ExpertShape, Hardware, LoadPredictor, homogeneous_owner
-from ds_fssdp.planner.layer import build_policies, layer_clock, migrations
+from ds_fssdp.planner.inputs import build_policies
+from ds_fssdp.planner.layer import migrations
 from ds_fssdp.planner.decision import Decision, decision_arrays
 from ds_fssdp.planner.schedule import ScheduleCosts
 from ds_fssdp.planner.scheduled import ExchangeOptions, ScheduledCostModel, exchange_decision
@@ -65,6 +66,11 @@ class ReplaySettings:
     exchange: dict | None = None  # top_k, one_copy_per_destination, pipeline_degree, topology_aware
     fssdp_groups: int = 1  # FSSDP groups of the run (the re-shards' loads are summed over them)
     notes: list = field(default_factory=list)
+
+    @property
+    def topology_aware(self) -> bool:
+        """Two-phase collectives and two hops across nodes (the config's default without a record)."""
+        return bool((self.exchange or {}).get("topology_aware", True))
 
     def cost_model(self, topology: Topology) -> CostModel | None:
         """The run's cost model: the recorded hardware and expert, the layer priced as the run's
@@ -205,8 +211,9 @@ def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
     topology = Topology(num_ranks=D, ranks_per_node=int(s.ranks_per_node or D))
     predictor = LoadPredictor([E] * L, window=s.window)
     cost = s.cost_model(topology)
-    policy, migrators, planners = build_policies(s, num_experts=[E] * L, topology=topology, budget=s.budget,
-                                                 cost=cost, predictor=predictor)
+    built, planners = build_policies(s, num_experts=[E] * L, topology=topology, budget=s.budget, cost=cost,
+                                     predictor=predictor)
+    migrators, rule = built.migrators, built.clock_rule
     inputs = _Inputs(trace)
     default_costs = getattr(cost, "costs", None)
     # a trace that records the exchange's inputs: its degrees and one copy per destination are derived too
@@ -216,9 +223,7 @@ def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
     tokens = torch.from_numpy(trace.tokens_SLED.astype(np.int64))
     rows, reshards, reshard_steps = [], [], []
     for row in range(S):
-        clocks = [layer_clock(overlap_degree=s.overlap_degree, latency_budget=s.calibration_latency_budget,
-                              window_s=inputs.window(row, l)[0], attention_s=inputs.window(row, l)[1], cost=cost,
-                              num_experts=E) for l in range(L)]
+        clocks = [rule.clock(*inputs.window(row, l), num_experts=E) for l in range(L)]
         step = int(inputs.step_S[row])
         # The runtime re-shards after each applied optimizer step (its step count, then the rows
         # after it carry); a trace without the count: before every row.

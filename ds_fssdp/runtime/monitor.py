@@ -118,7 +118,7 @@ class StageMonitor:
         if not self.active or stage.layout.stages[stage.layout.stage_id][0] != self.rank:
             return
         parts = [None] * stage.layout.num_stages
-        dist.all_gather_object(parts, self.values(stage), group=stage.pipe_group)
+        dist.all_gather_object(parts, self.values(stage), group=stage.layout.pipe_group)
         if self.rank != 0:
             return
         values = dict(parts[0])

@@ -282,8 +282,8 @@ def attach(engine, layout: PipelineLayout) -> None:
     """After ``FSSDPStage.attach``: what the pipeline adds to the engine and its stage."""
     stage = engine.fssdp
     if stage.trace is not None:  # which of all stages' MoE layers this trace's layer axis holds
-        stage.trace.meta.update(pipeline_stage=layout.stage_id, pipeline_stages=layout.num_stages,
-                                global_layers=list(stage.global_layers), num_global_layers=stage.num_global_layers)
+        stage.trace.meta.update(pipeline_stage=layout.stage_id, global_layers=list(stage.global_layers),
+                                num_global_layers=stage.num_global_layers)
     stage.trace_at_forward = True  # several forwards in flight: each forward's entry when it runs
     stage.norm.dense_group = layout.pipe_group
     # DeepSpeed marks a tied module's parameters on every stage but the first that holds it.

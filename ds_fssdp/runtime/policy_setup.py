@@ -1,7 +1,7 @@
 """The stage's policy and what it decides with, built once at attach (``FSSDPStage.attach``): the
 "auto" materialization budget, the cost model (``fssdp.hardware``'s, else measured on this machine
 and agreed by every rank) and the schedule's costs under ``fssdp.hardware``; the policy object
-with each layer's planner is ``planner.layer.build_policies`` (the report's replay builds it too).
+with each layer's planner is ``planner.inputs.build_policies`` (the report's replay builds it too).
 
 Every rank builds the same ones: the decisions decide the collectives. Only the measured cost
 model talks to other ranks (``runtime/profile.py``'s link measurement and one all-reduce over the

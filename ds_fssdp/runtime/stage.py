@@ -41,7 +41,8 @@ from ds_fssdp.moe.sharded import ReplicaMemory, ShardedExperts, ShardOptions, St
 from ds_fssdp.planner import LoadPredictor, initial_ownership
 from ds_fssdp.planner.baselines import Clock
 from ds_fssdp.planner.decision import decision_arrays
-from ds_fssdp.planner.layer import build_policies, layer_clock, migrations
+from ds_fssdp.planner.inputs import build_policies
+from ds_fssdp.planner.layer import migrations
 from ds_fssdp.planner.schedule import ScheduleCosts
 from ds_fssdp.planner.scheduled import ExchangeOptions, ScheduledCostModel
 from ds_fssdp.runtime import costfit, policy_setup
@@ -111,9 +112,8 @@ class FSSDPStage:
         config = self.config
         self.budget = None if config.materialization_budget == "auto" else config.materialization_budget  # m; attach
         # What each layer's forward asks its stage for (``_context``), built in attach.
-        self.policy = None  # the planner's policy object: every decision of every layer
         self.planners = []  # LayerPlanner per layer
-        self.migrators = []  # who re-shards after a step (planner.layer.migrating_policies)
+        self.inputs = None  # planner.inputs.PlannerInputs: the policy, who re-shards, the clock rule
         self.cost = None  # CostModel (measured at attach or from fssdp.hardware), when a decision needs one
         self.pipeline_degree = config.pipeline_degrees()  # "auto" or (forward, backward)
         self.schedule_costs = None  # planner.schedule.ScheduleCosts for "auto" degrees, built in attach
@@ -263,7 +263,7 @@ class FSSDPStage:
                 "topology_aware": self.config.topology_aware, "side_ratio": self.side_ratio,
                 # the re-shards' loads are summed over the FSSDP groups; the trace holds rank 0's group's
                 "fssdp_groups": self.edp_size,
-                # rank 0 holds the first pipeline stage's layers: the trace records those
+                # under pipeline parallelism each stage's first rank records its stage's layers (pipeline.attach)
                 "pipeline_stages": 1 if self.pipe_group is None else dist.get_world_size(group=self.pipe_group)})
             atexit.register(self.trace.close)
         # The first layer's gather starts with the model's forward, before the first attention.
@@ -324,7 +324,7 @@ class FSSDPStage:
         """What this iteration's decisions were made from besides the counts and the recorded costs
         (docs/traces.md), for the report's replay to derive them again: the optimizer steps applied
         before it (the re-shards follow them, not the micro-steps) and the windows every rank agreed
-        on (nan: none yet), from which each layer's clock is derived (``planner.layer.layer_clock``)."""
+        on (nan: none yet), from which each layer's clock is derived (``planner.inputs.ClockRule``)."""
         def seconds(values):
             return np.asarray([float("nan") if v is None else float(v) for v in values], dtype=np.float64)
         return {"optimizer_step": np.int64(self.steps), "agreed_window_s": seconds(self.window_s),
@@ -445,7 +445,7 @@ class FSSDPStage:
             self.schedule_costs = policy_setup.configured_schedule_costs(cfg.hardware, shape)
             self.profile["schedule_costs"] = dataclasses.asdict(self.schedule_costs)
             self._price_with(self.schedule_costs)
-        self.policy, self.migrators, self.planners = build_policies(
+        self.inputs, self.planners = build_policies(
             cfg, num_experts=[l.num_experts for l in self.layers], topology=self.topology, budget=self.budget,
             cost=self.cost, predictor=self.predictor)
 
@@ -479,12 +479,20 @@ class FSSDPStage:
         return self.pipeline_degree == "auto" or self.config.one_copy_per_destination == "auto"
 
     def clock(self, l: int) -> Clock:
-        """Layer ``l``'s t and calibration latency budget this iteration: the config's, or from the
-        window every rank agreed on (the one t function: :meth:`CostModel.overlap_degree`; "auto"
-        also hands the policy the window, from which it searches t by the modelled layer time)."""
-        return layer_clock(overlap_degree=self.config.overlap_degree,
-                           latency_budget=self.config.calibration_latency_budget, window_s=self.window_s[l],
-                           attention_s=self.attention_s[l], cost=self.cost, num_experts=self.layers[l].num_experts)
+        """Layer ``l``'s t and calibration latency budget this iteration, from the window every rank
+        agreed on (the one clock rule: ``planner.inputs.ClockRule``)."""
+        return self.inputs.clock_rule.clock(self.window_s[l], self.attention_s[l],
+                                            num_experts=self.layers[l].num_experts)
+
+    @property
+    def policy(self):
+        """The planner's policy object: every decision of every layer (of the first expert count)."""
+        return None if self.inputs is None else self.inputs.policy
+
+    @property
+    def migrators(self) -> list:
+        """Who re-shards after a step (``planner.layer.migrating_policies``)."""
+        return [] if self.inputs is None else self.inputs.migrators
 
     def _context(self, l: int) -> StepContext:
         return StepContext(planner=self.planners[l], clock=self.clock(l), timers=self.timers,
@@ -519,7 +527,8 @@ class FSSDPStage:
         owner_LE = torch.stack([s.owner_E for s in self.shards])
         load_LE = self.world_loads() if world_loads is None else world_loads
         sent = 0
-        for r in migrations(self.migrators, self.steps, load_LE, owner_LE, clock=self.clock(0)):
+        clock = self.inputs.clock_rule.reshard_clock(self.window_s, self.attention_s)
+        for r in migrations(self.migrators, self.steps, load_LE, owner_LE, clock=clock):
             self.wait_in_flight()  # only when something moves: the step's all-gathers stay in flight otherwise
             sent += sum(self.expert_state.migrate(i, r.owner_LE[i], self.param_group) for i in range(len(self.shards)))
             logger.info(f"fssdp: re-sharded at step {self.steps}: {r.copies_M4.shape[0]} experts moved ({sent} bytes "

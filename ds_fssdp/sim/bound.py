@@ -114,8 +114,7 @@ class LowerBound:
         # With an experts' gather beside the forward, the (u, v) grid; else v alone.
         kinds = (False, True) if setup.zero_stage == 0 and setup.topology.num_ranks // group_size > 1 else (False, )
         self.syncs = [sync_times(setup, group_size, split_experts=split) for split in kinds]
-        self.weights = [[(u, v) for u in (WEIGHTS if sync.forward_gather_s > 0 else (1.0, )) for v in WEIGHTS]
-                        for sync in self.syncs]
+        self.us = [WEIGHTS if sync.forward_gather_s > 0 else (1.0, ) for sync in self.syncs]  # v: all of WEIGHTS
 
     def step(self, s: int, tokens_LED: np.ndarray) -> None:
         if s < self.setup.load_window:
@@ -145,9 +144,12 @@ class LowerBound:
         # the slots' ring all-reduce after the backward: P experts through the node link, p through a rank's
         synced_C = P_C * psi / hw.inter_bw if n > 1 else ch.p_A[a_C] * psi / hw.intra_bw
         exposed_C = np.where(synced_C > 0, lat + synced_C, 0.0)
-        forward_LASB = np.zeros((L, A, S.size, B))
-        compute_LASB = np.zeros((L, A, S.size, B))  # the backward's attention, exchange and compute
-        busy_LASB = np.zeros((L, A, S.size, B))
+        # Only the states a node can hold (fits) are ever used: each layer is priced on them alone.
+        a_K, s_K = ch.a_K, ch.s_K
+        K = a_K.size
+        m_LKB = np.zeros((L, K, B))
+        c_LKB = np.zeros((L, K, B))  # the backward's attention, exchange and compute
+        u_LKB = np.zeros((L, K, B))
         for l in range(L):
             t_EBN = tokens_LED[l].reshape(E, D // N, N)[:, :B].astype(np.float64)
             rows_BN = t_EBN.sum(0)
@@ -161,30 +163,30 @@ class LowerBound:
                 t_EBn = t_EBN.reshape(E, B, n, G).sum(3)
                 # per rank, by the node's s experts, with destinations of keep_A experts each
                 common_SB = leaving_bytes(t_EBn.sum(0)[None], top_rows(t_EBn)[S], k, tb).max(2)
-                ranks_ASBN = leaving_bytes(rows_1BN[None], top_KBN[S][None], k, tb, share=share_ABN[:, None])
-                cross_ASB = np.maximum(common_SB[None], ranks_ASBN.reshape(A, S.size, B, n, G).sum(4).max(3))
-                x_ASB = np.where(cross_ASB > 0, 2.0 * lat + 2.0 * cross_ASB / hw.inter_bw, 0.0)
-                busy_LASB[l] = x_ASB  # the node link: the gathers' link past one node
+                ranks_KBN = leaving_bytes(rows_1BN, top_KBN[S[s_K]], k, tb, share=share_ABN[a_K],
+                                          phi_share=phi_power(share_ABN, k)[a_K])
+                cross_KB = np.maximum(common_SB[s_K], ranks_KBN.reshape(K, B, n, G).sum(3).max(2))
+                x_KB = np.where(cross_KB > 0, 2.0 * lat + 2.0 * cross_KB / hw.inter_bw, 0.0)
+                u_LKB[l] = x_KB  # the node link: the gathers' link past one node
             else:
-                x_ASB = np.zeros((A, 1, B))
-                busy_LASB[l] = np.where(out_AB > 0, 2.0 * lat + 2.0 * out_AB / hw.intra_bw, 0.0)[:, None]
-            x_ASB = np.maximum(x_AB[:, None], x_ASB)
+                x_KB = np.zeros((K, B))
+                u_LKB[l] = np.where(out_AB > 0, 2.0 * lat + 2.0 * out_AB / hw.intra_bw, 0.0)[a_K]
+            x_KB = np.maximum(x_AB[a_K], x_KB)
             bal_B = rows_BN.sum(1) / N * g + side
-            forward_LASB[l] = np.maximum(bal_B + one_AB[:, None], x_ASB)
-            compute_LASB[l] = 2.0 * attn_f + np.maximum(2.0 * bal_B + one_AB[:, None], x_ASB)
+            m_LKB[l] = np.maximum(bal_B + one_AB[a_K], x_KB)
+            c_LKB[l] = 2.0 * attn_f + np.maximum(2.0 * bal_B + one_AB[a_K], x_KB)
         owned = math.ceil(E * L / N) * st.shape.params
         tail = st.extra_compute_s + optimizer_params(st, owned, N) * OPT_TRAFFIC_BYTES / hw.hbm_bw
-        fits = ch.fits_AS
-        m_LKB, u_LKB, c_LKB = forward_LASB[:, fits], busy_LASB[:, fits], compute_LASB[:, fits]
         b_LCB = np.maximum(c_LKB[:, state_C], reduce_C[None, :, None] + u_LKB[:, state_C])
 
-        def least(b: int, sync, weights) -> float:  # the best relaxation of one way to sync
+        def least(b: int, sync, us) -> float:  # the best relaxation of one way to sync: every v at once per u
             return sync.step_gather_s + max(
-                chain_bound(m_LKB[:, :, b], b_LCB[:, :, b], gather_C, attn_f, v, sync.reduce_s, u_LKB[:, :, b],
-                            state_C=state_C, exposed_C=exposed_C, u=u) + (1.0 - u) * sync.forward_gather_s
-                for u, v in weights)
+                max(chain_bound(m_LKB[:, :, b], b_LCB[:, :, b], gather_C, attn_f, WEIGHTS, sync.reduce_s,
+                                u_LKB[:, :, b], state_C=state_C, exposed_C=exposed_C, u=u)
+                    + (1.0 - u) * sync.forward_gather_s)
+                for u in us)
 
-        low_B = np.array([min(least(b, sync, w) for sync, w in zip(self.syncs, self.weights)) for b in range(B)])
+        low_B = np.array([min(least(b, sync, us) for sync, us in zip(self.syncs, self.us)) for b in range(B)])
         self.total += float(low_B.max()) + tail
         self.counted += 1
 
@@ -236,7 +238,7 @@ class Choices:
 
 
 def leaving_bytes(rows: np.ndarray, kept: np.ndarray, k: int, token_bytes: float, *,
-                  share: np.ndarray | None = None) -> np.ndarray:
+                  share: np.ndarray | None = None, phi_share: np.ndarray | None = None) -> np.ndarray:
     """The least bytes a source sends for its ``rows`` of which at most ``kept`` stay.
 
     Each token crosses at most once per destination, so at least (rows - kept) / k tokens cross
@@ -247,7 +249,8 @@ def leaving_bytes(rows: np.ndarray, kept: np.ndarray, k: int, token_bytes: float
     h of phi(p_h), phi(p) = 1 - (1 - p)^k. The p_h sum to q, the share that leaves, each at most
     ``share``; phi is concave with phi(0) = 0, so the sum is least with as many p_h at ``share``
     as fit and one remainder: floor(q / share) phi(share) + phi(rest) (>= phi(q) >= q; and no
-    more than k q: a policy without dedup sends q rows)."""
+    more than k q: a policy without dedup sends q rows). ``phi_share``: phi(``share``) if the
+    caller has it (the same numbers, computed once for shares repeated across ``kept``)."""
     out = np.maximum(0.0, rows - kept)
     if share is None:
         return out / k * token_bytes
@@ -255,8 +258,13 @@ def leaving_bytes(rows: np.ndarray, kept: np.ndarray, k: int, token_bytes: float
     q, p = np.broadcast_arrays(q, share)
     full = np.floor(np.divide(q, p, out=np.zeros_like(q), where=p > 0) + 1e-12)
     rest = np.maximum(0.0, q - full * p)
-    phi = lambda x: 1.0 - (1.0 - x) ** k  # noqa: E731
-    return rows * (full * phi(p) + phi(rest)) / k * token_bytes
+    phi_p = phi_power(p, k) if phi_share is None else phi_share
+    return rows * (full * phi_p + phi_power(rest, k)) / k * token_bytes
+
+
+def phi_power(x: np.ndarray, k: int) -> np.ndarray:
+    """phi(x) = 1 - (1 - x)^k of :func:`leaving_bytes`."""
+    return 1.0 - (1.0 - x) ** k
 
 
 def top_rows(t_E__: np.ndarray) -> np.ndarray:
@@ -277,7 +285,8 @@ def chain_bound(m_LK: np.ndarray, b_LC: np.ndarray, g_C: np.ndarray, attention_s
     the link the next gather uses, at most m; None: 0): a shortest path over the layers, whose next
     step depends on a state only. The pair term is u + max(a, g) with a = attention + m - u; with
     the states sorted by a, a choice of gather g costs min(least V' with a <= g, plus g; least
-    V' + a with a > g), V' = V + u, V a state's least value over its choices."""
+    V' + a with a > g), V' = V + u, V a state's least value over its choices. ``v`` an array: the
+    bound at each of its values (an array; the same numbers as one call each)."""
     L, K = m_LK.shape
     busy_LK = np.zeros_like(m_LK) if busy_LK is None else busy_LK
     # the forward's terms are all linear in (attention, m, g, busy): weighing them weighs the sum
@@ -288,16 +297,19 @@ def chain_bound(m_LK: np.ndarray, b_LC: np.ndarray, g_C: np.ndarray, attention_s
     if starts.size != K:
         raise ValueError(f"state_C must be sorted with every one of the {K} states present")
     extra_C = 0.0 if exposed_C is None else exposed_C
-    value_C = np.maximum(attention_s, g_C) + v * b_LC[0] + extra_C  # layer 0: its window is its attention alone
+    # every v at once (rows): the path's order of states and the gathers' places in it depend on u alone
+    v_V1 = np.reshape(v, (-1, 1))
+    value_VC = np.maximum(attention_s, g_C) + v_V1 * b_LC[0] + extra_C  # layer 0: its window is its attention alone
     for l in range(1, L):
         a_K = attention_s + m_LK[l - 1] - busy_LK[l - 1]
-        value_K = np.minimum.reduceat(value_C, starts) + busy_LK[l - 1]
+        value_VK = np.minimum.reduceat(value_VC, starts, axis=1) + busy_LK[l - 1]
         order = np.argsort(a_K, kind="stable")
-        a_sorted, v_sorted = a_K[order], value_K[order]
-        below = np.minimum.accumulate(v_sorted)  # least V among the i + 1 smallest a
-        above = np.minimum.accumulate((v_sorted + a_sorted)[::-1])[::-1]  # least V + a from i on
+        a_sorted, v_sorted = a_K[order], value_VK[:, order]
+        below = np.minimum.accumulate(v_sorted, axis=1)  # least V among the i + 1 smallest a
+        above = np.minimum.accumulate((v_sorted + a_sorted)[:, ::-1], axis=1)[:, ::-1]  # least V + a from i on
         i = np.searchsorted(a_sorted, g_C, side="right")  # previous states with a <= g
-        with_g = np.where(i > 0, below[np.maximum(i - 1, 0)] + g_C, np.inf)
-        with_a = np.where(i < K, above[np.minimum(i, K - 1)], np.inf)
-        value_C = np.minimum(with_g, with_a) + v * b_LC[l] + extra_C
-    return float((np.minimum.reduceat(value_C, starts) + m_LK[L - 1]).min()) + (1.0 - v) * allreduce_s
+        with_g = np.where(i > 0, below[:, np.maximum(i - 1, 0)] + g_C, np.inf)
+        with_a = np.where(i < K, above[:, np.minimum(i, K - 1)], np.inf)
+        value_VC = np.minimum(with_g, with_a) + v_V1 * b_LC[l] + extra_C
+    least_V = (np.minimum.reduceat(value_VC, starts, axis=1) + m_LK[L - 1]).min(1) + (1.0 - v_V1[:, 0]) * allreduce_s
+    return float(least_V[0]) if np.ndim(v) == 0 else least_V

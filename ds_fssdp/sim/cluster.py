@@ -46,12 +46,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ds_fssdp.planner.baselines import PolicyConfig, make_policy
+from ds_fssdp.planner.baselines.ep import uniform_split
+from ds_fssdp.planner.inputs import planner_inputs
 from ds_fssdp.planner.dispatch import dispatch_plan
 from ds_fssdp.planner.plan import DispatchPlan
 from ds_fssdp.planner.layer import LayerPlanner, migrations
 from ds_fssdp.planner.predict import LoadPredictor
-from ds_fssdp.planner.baselines import Clock
 from ds_fssdp.sim.bound import LowerBound
 from ds_fssdp.planner.scheduled import ScheduledCostModel
 from ds_fssdp.sim.links import Links, exchange_links, sparse_collective_links, traffic_BNN
@@ -60,7 +60,7 @@ from ds_fssdp.sim.pipeline import (INTER, INTRA, LayerSchedule, ScheduleOptions,
 from ds_fssdp.sim.memory import budget_for_cap, ep_memory_bytes, optimizer_params
 from ds_fssdp.planner.materialize import materialize as algorithm1  # the default materializer
 from ds_fssdp.sim.setup import (GRAD_BYTES, MIGRATE_BYTES, OPT_BYTES, OPT_TRAFFIC_BYTES, PARAM_BYTES, Setup,
-                                derive_overlap_degree)
+                                derive_overlap_degree, sim_settings)
 from ds_fssdp.sim.sync import SyncTimes, exposed_sync, sync_times
 from ds_fssdp.planner.schedule import overlap_window, split_sync_pays
 from ds_fssdp.planner.cost import CostModel
@@ -110,7 +110,7 @@ def check_group_size(group_size: int, topology: Topology) -> None:
 
 
 class ClusterCostModel(CostModel):
-    """The relayed cost model, taking compact plans (what the cluster simulator's dispatcher
+    """The cost model, taking compact plans (what the cluster simulator's dispatcher
     returns; FSSDP's calibration prices its candidates with :meth:`layer_time`). ``scheduled``
     (placement by time): the planner's :class:`~ds_fssdp.planner.scheduled.ScheduledCostModel` of
     the layer schedule, which prices the plan's layer (forward + backward as its exchange runs, and
@@ -172,7 +172,7 @@ class PolicyRun:
         self.name, self.setup, self.N, self.groups = name, setup, N, D // N
         self.B = self.groups if max_groups is None else min(self.groups, max_groups)  # groups simulated
         self.topo = Topology(num_ranks=N, ranks_per_node=min(G, N))
-        self.cost = ClusterCostModel(setup.hw, setup.shape, self.topo, relay=True)
+        self.cost = ClusterCostModel(setup.hw, setup.shape, self.topo)
         self.rm = name == "fssdp-rm"
         if memory_cap is not None:
             if budget is not None:
@@ -186,14 +186,13 @@ class PolicyRun:
             overlap_degree = derive_overlap_degree(setup.hw, self.topo, setup.shape, attention_s=attn_f)
         self.overlap_degree = overlap_degree
         self.options = policy_options(name, schedule)
-        config = PolicyConfig(num_experts=setup.num_experts, num_layers=setup.num_layers, topology=self.topo,
-                              budget=self.budget, overlap_degree=overlap_degree, cost=self.cost,
-                              reshard_interval=setup.reshard_interval, calibration=setup.calibration,
-                              calibration_latency_budget=setup.calibration_budget * attn_f,
-                              overlap_by_time=self.options.idle_link and self.options.t_by_time and not self.fixed_t)
         dispatcher = dispatcher or functools.partial(dispatch_plan, mode="paper")
-        self.policy = make_policy("ep" if name == "fsmoe" else name, config, dispatcher=dispatcher,
-                                  materializer=materializer)
+        self.inputs = planner_inputs(sim_settings(name, setup, budget=self.budget,
+                                                  by_window=self.options.idle_link and not self.fixed_t,
+                                                  t_by_time=self.options.t_by_time, overlap_degree=overlap_degree),
+                                     num_experts_L=[setup.num_experts] * setup.num_layers, topology=self.topo,
+                                     cost=self.cost, dispatcher=dispatcher, materializer=materializer)
+        self.policy = self.inputs.policy
         self.sched = LayerSchedule(setup.hw, setup.shape, ranks_per_node=self.topo.ranks_per_node,
                                    top_k=setup.top_k, options=self.options, side_ratio=setup.side_ratio)
         if self.options.price_by_schedule:
@@ -226,6 +225,7 @@ class PolicyRun:
 
     # -- per step ----------------------------------------------------------------------------------
     def step(self, s: int, tokens_LED: np.ndarray) -> None:
+        tokens_LED = self._route(tokens_LED)
         st, hw, P = self.setup, self.setup.hw, self.setup.shape.params
         L, E, N, B = st.num_layers, st.num_experts, self.N, self.B
         timed = s >= st.load_window
@@ -250,8 +250,6 @@ class PolicyRun:
             if self.planned:
                 holder_BE, flows_4F, spag = self._plan_layer(l, tokens_BEN, ephemeral_BLN, timed)
             else:
-                if self.name == "uniform":
-                    tokens_BEN = uniform_tokens_BEN(tokens_BEN)
                 holder_BE, flows_4F, spag = np.broadcast_to(owner_LE[l], (B, E)), None, None
             lt = self.sched.layer(traffic_BNN(tokens_BEN, holder_BE, flows_4F))
             exchange, rows_BN, moe_B = lt.links, lt.links.rows_BN, lt.moe_B
@@ -343,11 +341,8 @@ class PolicyRun:
             tokens_ED = torch.from_numpy(np.ascontiguousarray(tokens_BEN[b], dtype=np.int64))
             planner = self.planners_BL[b][l]
             t0 = time.thread_time()
-            clock = None
-            if self.options.idle_link and not self.fixed_t:  # t from the window the last step's schedule left
-                window = float(self.window_BL[b, l])
-                clock = Clock(overlap_degree=self.cost.overlap_degree(window), window_s=window,
-                              attention_s=self.setup.attention_fwd_s)
+            # t from the window the last step's schedule left (or the fixed t)
+            clock = self.inputs.clock_rule.clock(float(self.window_BL[b, l]), self.setup.attention_fwd_s)
             placement_ED, overlap_t = planner.pre_gating_t(owner_E, clock)
             t1 = time.thread_time()
             lp = planner.post_gating(owner_E, placement_ED, tokens_ED, clock, overlap_t=overlap_t)
@@ -369,10 +364,13 @@ class PolicyRun:
         owner_np = owner_E.numpy()
         shard_EN = np.zeros((E, N), dtype=bool)
         shard_EN[np.arange(E), owner_np] = True
-        gather = sparse_collective_links(owner_np, shard_EN | gathered_BEN, ranks_per_node=G, chunk_bytes=psi)
+        relay = self.inputs.relay
+        gather = sparse_collective_links(owner_np, shard_EN | gathered_BEN, ranks_per_node=G, chunk_bytes=psi,
+                                         relay=relay)
         reduce = sparse_collective_links(owner_np, shard_EN | hidden_BEN | calibrated_BEN, ranks_per_node=G,
-                                         chunk_bytes=psi)
-        calib = sparse_collective_links(owner_np, shard_EN | calibrated_BEN, ranks_per_node=G, chunk_bytes=psi)
+                                         chunk_bytes=psi, relay=relay)
+        calib = sparse_collective_links(owner_np, shard_EN | calibrated_BEN, ranks_per_node=G, chunk_bytes=psi,
+                                        relay=relay)
         times = 2.0 if self.rm else 1.0
         if timed:
             self.replicas += float(ephemeral_BLN[:, l].sum()) / st.num_layers / B
@@ -381,6 +379,16 @@ class PolicyRun:
         return holder_BE, np.concatenate(flows, 1), (gather, reduce, calib, times)
 
     # -- pieces ------------------------------------------------------------------------------------
+    def _route(self, tokens_LED: np.ndarray) -> np.ndarray:
+        """The tokens the gate dispatches (the policy's ``route``): Uniform rewrites every group's,
+        and its predictors and re-shards see the rewritten loads, as the runtime's."""
+        if self.name != "uniform":
+            return tokens_LED
+        L, E, D = tokens_LED.shape
+        groups_BEN = tokens_LED.reshape(L, E, self.groups, self.N).transpose(0, 2, 1, 3).reshape(-1, E, self.N)
+        routed = uniform_split(groups_BEN).reshape(L, self.groups, E, self.N).transpose(0, 2, 1, 3)
+        return np.ascontiguousarray(routed.reshape(L, E, D))
+
     def _observe(self, tokens_LED: np.ndarray) -> None:
         L, E = tokens_LED.shape[:2]
         load_LE = tokens_LED.sum(2, dtype=np.int64)
@@ -394,9 +402,12 @@ class PolicyRun:
         self.observed += 1
 
     def _reshard(self, s: int) -> float:
-        if not self.observed or not self.planned:
+        if not self.observed or not self.inputs.migrators:
             return 0.0
-        done = migrations([self.policy], s, self.world_predictor.predict_all(), self.owner_LE)
+        # the first group's windows: every group re-shards alike (the runtime's agreed windows)
+        clock = self.inputs.clock_rule.reshard_clock(list(self.window_BL[0]),
+                                                     [self.setup.attention_fwd_s] * self.setup.num_layers)
+        done = migrations(self.inputs.migrators, s, self.world_predictor.predict_all(), self.owner_LE, clock=clock)
         if not done:
             return 0.0
         self.owner_LE = done[-1].owner_LE
@@ -475,16 +486,6 @@ class PolicyRun:
                              degrees={"forward": dict(sorted(self.degree_counts[0].items())),
                                       "backward": dict(sorted(self.degree_counts[1].items()))},
                              dedup_saved_gb=self.dedup_saved / c / 1e9, split_steps=self.split_steps / c)
-
-
-def uniform_tokens_BEN(tokens_BEN: np.ndarray) -> np.ndarray:
-    """:func:`ds_fssdp.planner.baselines.uniform_tokens` for every group at once (ranks numbered
-    inside their group)."""
-    B, E, N = tokens_BEN.shape
-    total_BN = tokens_BEN.sum(1, dtype=np.int64)
-    q_BN, r_BN = total_BN // E, total_BN % E
-    shift_EN = (np.arange(E)[:, None] - np.arange(N)[None, :]) % E
-    return q_BN[:, None, :] + (shift_EN[None] < r_BN[:, None, :])
 
 
 def run_cluster(runs: list, source, *, bound: bool = True) -> list:

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ds_fssdp.planner.cost import Hardware
+from ds_fssdp.planner.inputs import GATHER_RELAY
+from ds_fssdp.planner.prices import allreduce_links as prices_allreduce_links
+from ds_fssdp.planner.prices import gather_links, link_seconds
 from ds_fssdp.planner.onecopy import distinct_fraction  # noqa: F401  (the simulators' dedup estimate)
 
 
@@ -31,9 +34,7 @@ class Links:
 
     def time_B(self, hw: Hardware) -> np.ndarray:
         """Seconds per group: latency + the busiest link; 0 where nothing moves."""
-        busy = np.maximum(self.rank_BN.max(1) / hw.intra_bw, self.node_Bn.max(1) / hw.inter_bw)
-        moved = (self.rank_BN.max(1) > 0) | (self.node_Bn.max(1) > 0)
-        return np.where(moved, hw.latency + busy, 0.0)
+        return link_seconds(self.rank_BN.max(1), self.node_Bn.max(1), hw)
 
 
 def exchange_links(tokens_BED: np.ndarray, holder_BE: np.ndarray, *, ranks_per_node: int, row_bytes: float,
@@ -88,42 +89,18 @@ def exchange_links(tokens_BED: np.ndarray, holder_BE: np.ndarray, *, ranks_per_n
 
 
 def sparse_collective_links(owner_E: np.ndarray, placement_BED: np.ndarray, *, ranks_per_node: int,
-                            chunk_bytes: float) -> Links:
-    """Relayed SparseAllGathers (or their SparseReduceScatters) of B groups' placements with the
-    same owners (:meth:`CostModel.sparse_collective_time` with ``relay=True``; a [E, D] placement
-    is one group): each added replica is one chunk on its rank's link; a node's link carries the
-    chunks it newly receives or the distinct chunks it owns that leave it, whichever is more."""
-    placement_BED = placement_BED.reshape((-1, ) + placement_BED.shape[-2:])
-    B, E, N = placement_BED.shape
-    G = ranks_per_node
-    experts = np.arange(E)
-    added_BED = placement_BED.copy()
-    added_BED[:, experts, owner_E] = False
-    rank_BN = added_BED.sum(1).astype(np.float64) * chunk_bytes
-    n = N // G
-    if n == 1:
-        return Links(rank_BN=rank_BN, node_Bn=np.zeros((B, 1)))
-    entered_BEn = placement_BED.reshape(B, E, n, G).any(3)
-    owner_node_E = owner_E // G
-    entered_BEn[:, experts, owner_node_E] = False
-    node_in_Bn = entered_BEn.sum(1).astype(np.float64)
-    leaves_BE = entered_BEn.any(2).astype(np.float64)
-    node_out_Bn = np.stack([np.bincount(owner_node_E, weights=leaves_BE[b], minlength=n) for b in range(B)])
-    return Links(rank_BN=rank_BN, node_Bn=np.maximum(node_in_Bn, node_out_Bn) * chunk_bytes)
+                            chunk_bytes: float, relay: bool = GATHER_RELAY) -> Links:
+    """SparseAllGathers (or their SparseReduceScatters) of B groups' placements with the same
+    owners (:func:`~ds_fssdp.planner.prices.gather_links`, as the runtime moves them unless
+    ``relay``; a [E, D] placement is one group)."""
+    return Links(*gather_links(owner_E, placement_BED, ranks_per_node=ranks_per_node, chunk_bytes=chunk_bytes,
+                               relay=relay))
 
 
 def allreduce_links(members_KD: np.ndarray, bytes_K: np.ndarray, *, ranks_per_node: int) -> Links:
-    """K ring all-reduces issued together over the world's D ranks (:meth:`CostModel.allreduce_time`):
-    each member's link carries 2 (n - 1) / n of its group's message, and so does the inter-node
-    link of every node a ring that spans nodes passes. As one group (B = 1) of D ranks."""
-    K, D = members_KD.shape
-    size_K = members_KD.sum(1).astype(np.float64)
-    per_member_K = np.where(size_K > 1, 2.0 * (size_K - 1) / np.maximum(size_K, 1) * bytes_K, 0.0)
-    rank_D = per_member_K @ members_KD.astype(np.float64)
-    n = D // ranks_per_node
-    nodes_Kn = members_KD.reshape(K, n, ranks_per_node).any(2)
-    spans_K = nodes_Kn.sum(1) > 1
-    node_n = (per_member_K * spans_K) @ nodes_Kn.astype(np.float64)
+    """K ring all-reduces issued together over the world's D ranks
+    (:func:`~ds_fssdp.planner.prices.allreduce_links`), as one group (B = 1) of D ranks."""
+    rank_D, node_n = prices_allreduce_links(members_KD, bytes_K, ranks_per_node=ranks_per_node)
     return Links(rank_BN=rank_D[None], node_Bn=node_n[None])
 
 

@@ -15,10 +15,11 @@ expert part over the expert-data-parallel group; the runtime's ``PartitionedExpe
 from __future__ import annotations
 
 from ds_fssdp.planner.knobs import resident_layers
+from ds_fssdp.planner.prices import replica_bytes
 from ds_fssdp.planner.shard import homogeneous_owner
 from ds_fssdp.sim.setup import GRAD_BYTES, OPT_BYTES, PARAM_BYTES, Setup
 
-REPLICA_BYTES = PARAM_BYTES + GRAD_BYTES
+STATE_BYTES = PARAM_BYTES + GRAD_BYTES  # a held parameter and its gradient (the optimizer's apart)
 
 
 def owned_per_layer(num_experts: int, group_size: int) -> int:
@@ -41,7 +42,7 @@ def optimizer_params(setup: Setup, owned, group_size: int):
 def ep_memory_bytes(setup: Setup, group_size: int) -> float:
     """Model states of EP's fullest rank with groups of ``group_size``."""
     owned = owned_per_layer(setup.num_experts, group_size) * setup.num_layers * setup.shape.params
-    return float(REPLICA_BYTES * (setup.dense_params + owned) + OPT_BYTES * optimizer_params(setup, owned, group_size))
+    return float(STATE_BYTES * (setup.dense_params + owned) + OPT_BYTES * optimizer_params(setup, owned, group_size))
 
 
 def budget_for_cap(setup: Setup, group_size: int, cap: float, *, rematerialize: bool, in_flight: int = 1) -> int:
@@ -51,5 +52,5 @@ def budget_for_cap(setup: Setup, group_size: int, cap: float, *, rematerialize: 
     if cap < 1.0:
         raise ValueError(f"memory_cap ({cap}) must be >= 1.0: FSSDP owns what EP owns")
     alive = resident_layers(setup.num_layers, rematerialize=rematerialize, in_flight=in_flight)
-    per_replica = REPLICA_BYTES * setup.shape.params * alive
+    per_replica = replica_bytes(setup.shape.expert_bytes) * alive
     return int((cap - 1.0) * ep_memory_bytes(setup, group_size) // per_replica)

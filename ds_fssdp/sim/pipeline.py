@@ -182,5 +182,5 @@ def scheduled_cost_model(hw: Hardware, shape, topology, schedule: LayerSchedule)
     calibration and the ``balanced-time`` dispatch weigh a candidate plan by its forward +
     backward as ``schedule`` runs it (the planner's :class:`~ds_fssdp.planner.scheduled.ScheduledCostModel`,
     which the runtime builds from its configuration), so keeping tokens local and balancing rows
-    are one objective. Sparse collectives relayed, as everywhere in the simulators."""
-    return ScheduledCostModel(hw, shape, topology, exchange=schedule.exchange, relay=True, costs=schedule.costs)
+    are one objective. Sparse collectives priced as the runtime moves them (``planner/inputs.py``)."""
+    return ScheduledCostModel(hw, shape, topology, exchange=schedule.exchange, costs=schedule.costs)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ds_fssdp.planner.cost import CostModel, ExpertShape, Hardware
+from ds_fssdp.planner.inputs import PlannerSettings
 from ds_fssdp.planner.knobs import auto_materialization_budget
 from ds_fssdp.sim.presets import ClusterPreset, ModelPreset
 from ds_fssdp.topology import Topology
@@ -98,6 +99,28 @@ class Setup:
                 "latency": self.hw.latency, "hbm_bw": self.hw.hbm_bw
             }
         }
+
+
+def sim_settings(name: str, setup: Setup, *, budget: int, by_window: bool, t_by_time: bool = True,
+                 overlap_degree: int | None = None, placement: str = "paper", dispatch: str = "paper",
+                 dispatch_slack: float = 0.0) -> PlannerSettings:
+    """The planner settings a simulated policy runs with (``planner.inputs.planner_inputs`` builds
+    its inputs, as the runtime's from its config): ``by_window``: t from each layer's window (the
+    runtime's "auto"; else ``overlap_degree``, default the setup's, fixed), searched by time under
+    ``t_by_time``;
+    calibration's latency budget ``calibration_budget`` attention forwards. The setup's
+    ``reshard_interval`` is FSSDP's: the baselines run as published (DeepSpeed's EP, FSMoE and the
+    others never run Algorithm 2), a runtime run of theirs with ``reshard_interval`` 0."""
+    fssdp = name in ("fssdp", "fssdp-rm")
+    t = setup.overlap_degree if overlap_degree is None else int(overlap_degree)
+    return PlannerSettings(policy=name, budget=int(budget), overlap_degree="auto" if by_window else t,
+                           calibration=setup.calibration,
+                           calibration_latency_budget=setup.calibration_budget * setup.attention_fwd_s,
+                           placement=placement, reshard_interval=setup.reshard_interval if fssdp else 0,
+                           smartmoe_interval=setup.smartmoe_interval, dispatch=dispatch,
+                           dispatch_slack=float(dispatch_slack), t_by_time=t_by_time,
+                           flexmoe_threshold=setup.flexmoe_threshold, flexmoe_slots=setup.flexmoe_slots,
+                           flexmoe_interval=setup.flexmoe_interval)
 
 
 def derive_overlap_degree(hw: Hardware, topology: Topology, shape: ExpertShape, *, attention_s: float) -> int:

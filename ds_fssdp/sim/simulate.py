@@ -17,9 +17,10 @@ per layer
 * [spag] the SparseAllGather of the hidden replicas (those calibration evicts included) minus the
   attention forward it hides under; the SparseReduceScatter of the replicas used (and fssdp-rm's
   second SparseAllGather) minus the attention backward; calibration's extra gather, all of it
-  (critical path). Collectives are relayed
-  (:meth:`CostModel.sparse_collective_time`).
-* [rearr] FasterMoE's broadcast of shadowed experts (critical path, relayed like the gather).
+  (critical path). Collectives are priced as the runtime moves them
+  (:meth:`CostModel.gather_time`, ``planner/inputs.py``).
+* [rearr] FasterMoE's broadcast of shadowed experts (critical path, NCCL's relayed broadcast:
+  :meth:`CostModel.broadcast_time`).
 * [ar] FasterMoE's reduce of the shadows' gradients (same time as the broadcast) and FlexMoE's
   all-reduce of replicated experts' gradients (ring, :meth:`CostModel.allreduce_time`), both
   exposed: the baselines issue them after the backward (paper Figure 1b).
@@ -68,13 +69,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ds_fssdp.planner.baselines import POLICY_NAMES, Clock, PolicyConfig, make_policy
+from ds_fssdp.planner.baselines import POLICY_NAMES
+from ds_fssdp.planner.inputs import planner_inputs
 from ds_fssdp.planner.schedule import drain_in_gaps
 from ds_fssdp.planner.schedule import overlap_window
 from ds_fssdp.planner.cost import CostModel
 from ds_fssdp.planner.layer import LayerPlanner, migrations
 from ds_fssdp.planner.shard import shard_placement
-from ds_fssdp.sim.setup import GRAD_BYTES, MIGRATE_BYTES, OPT_BYTES, OPT_TRAFFIC_BYTES, PARAM_BYTES, Setup
+from ds_fssdp.sim.setup import GRAD_BYTES, MIGRATE_BYTES, OPT_BYTES, OPT_TRAFFIC_BYTES, PARAM_BYTES, Setup, sim_settings
 from ds_fssdp.planner.dispatch import dispatch as planner_dispatch
 from ds_fssdp.planner.materialize import materialize as algorithm1  # the default materializer
 from ds_fssdp.sim.bound import LowerBound
@@ -196,24 +198,19 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
     if options.price_by_schedule:  # placement by time: calibration and balanced-time price the schedule
         cost = scheduled_cost_model(hw, shape, topo, sched)
     else:
-        cost = CostModel(hw, shape, topo, relay=True)  # every sparse collective relayed, calibration's too
+        cost = CostModel(hw, shape, topo)  # sparse collectives priced as the runtime moves them
     rm = name == "fssdp-rm"
     budget = setup.budget_rm if rm else setup.budget
     attn_f = setup.attention_fwd_s
     attn_b = 2.0 * attn_f
-    config = PolicyConfig(num_experts=E, num_layers=L, topology=topo, budget=budget,
-                          overlap_degree=setup.overlap_degree, cost=cost, placement=placement,
-                          reshard_interval=setup.reshard_interval,
-                          calibration=setup.calibration,
-                          calibration_latency_budget=setup.calibration_budget * attn_f,
-                          overlap_by_time=options.idle_link and options.t_by_time and not fixed_t,
-                          smartmoe_interval=setup.smartmoe_interval, flexmoe_threshold=setup.flexmoe_threshold,
-                          flexmoe_slots=setup.flexmoe_slots, flexmoe_interval=setup.flexmoe_interval,
-                          dispatch=dispatch or "paper", dispatch_slack=dispatch_slack)
     if name not in SIM_POLICY_NAMES:
         raise ValueError(f"policy ({name!r}) must be one of {SIM_POLICY_NAMES}")
-    policy = make_policy("ep" if name == "fsmoe" else name, config, dispatcher=None if dispatch else dispatcher,
-                         materializer=materializer)
+    inputs = planner_inputs(sim_settings(name, setup, budget=budget, by_window=options.idle_link and not fixed_t,
+                                         t_by_time=options.t_by_time, placement=placement,
+                                         dispatch=dispatch or "paper", dispatch_slack=dispatch_slack),
+                            num_experts_L=[E] * L, topology=topo, cost=cost,
+                            dispatcher=None if dispatch else dispatcher, materializer=materializer)
+    policy, rule = inputs.policy, inputs.clock_rule
     gather_class = INTER if topo.num_nodes > 1 else INTRA
     window_L = [attn_f] * L  # replica gather windows the last step's schedule left
     loads = make_predictor(predictor, [E] * L, window=setup.load_window)
@@ -234,7 +231,8 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
     degree_counts, dedup_saved = ({}, {}), 0.0
     for s in range(S):
         br = dict.fromkeys(CATEGORIES, 0.0)
-        for reshard in migrations([policy], s, loads.predict_all(), owner_LE):
+        for reshard in migrations(inputs.migrators, s, loads.predict_all(), owner_LE,
+                                  clock=rule.reshard_clock(window_L, [attn_f] * L)):
             copies = reshard.copies_M4
             if copies.shape[0]:
                 traffic_DD = torch.zeros(D * D, dtype=torch.float64).index_add_(
@@ -252,8 +250,7 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
             window = overlap_window(attn_f, idle, early=options.idle_link)
             # t from the window the last step's schedule left, unless given (then the setup's, as
             # without the idle link: the planner's configured overlap degree)
-            clock = Clock(overlap_degree=cost.overlap_degree(window_L[l]), window_s=float(window_L[l]),
-                          attention_s=attn_f) if options.idle_link and not fixed_t else None
+            clock = rule.clock(float(window_L[l]), attn_f)
             tokens_ED = policy.route(torch.from_numpy(tokens_SLED[s, l].astype(np.int64)))
             if foresight:
                 loads.foresee(l, tokens_ED)
@@ -280,11 +277,11 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
             charge = LayerCharge(moe_s=float(lt.forward_B[0] + lt.backward_B[0]), window_s=window,
                                  backward_window_s=window_b)
             if bool(lp.gathered_ED.any()):  # what calibration evicted was gathered too
-                gather = cost.sparse_collective_time(owner_E, shard_ED | lp.gathered_ED)
+                gather = cost.gather_time(owner_E, shard_ED | lp.gathered_ED)
                 charge.gather_s = max(0.0, gather - window)
                 br["spag"] += charge.gather_s
             if bool((lp.hidden_ED | lp.calibrated_ED).any()):
-                reduce = cost.sparse_collective_time(owner_E, shard_ED | lp.hidden_ED | lp.calibrated_ED)
+                reduce = cost.gather_time(owner_E, shard_ED | lp.hidden_ED | lp.calibrated_ED)
                 reduce *= 2.0 if lp.rematerialize else 1.0  # fssdp-rm gathers again before it
                 charge.reduce_s = max(0.0, reduce - window_b)
                 br["spag"] += charge.reduce_s
@@ -296,14 +293,14 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
                     window_L[l + 1] = overlap_window(attn_f, idle)
             gaps_L.append(attn_b + float(lt.backward_B[0] - lt.busy_backward_B2[0, ar_class]) - reduce_hidden)
             if bool(lp.calibrated_ED.any()):
-                charge.calibration_s = cost.sparse_collective_time(owner_E, shard_ED | lp.calibrated_ED)
+                charge.calibration_s = cost.gather_time(owner_E, shard_ED | lp.calibrated_ED)
                 br["spag"] += charge.calibration_s
             if charges is not None:
                 if l == 0:
                     charges.append([])
                 charges[-1].append(charge)
             if bool(lp.shadow_ED.any()):
-                bcast = cost.sparse_collective_time(owner_E, shard_ED | lp.shadow_ED)
+                bcast = cost.broadcast_time(owner_E, shard_ED | lp.shadow_ED)
                 br["rearr"] += bcast
                 br["ar"] += bcast
             if bool(lp.persistent_ED.any()):

@@ -8,6 +8,7 @@ Legend: E experts, D ranks.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ds_fssdp.planner.baselines.base import Policy
@@ -25,11 +26,19 @@ class UniformPolicy(Policy):
 
 
 def uniform_tokens(tokens_ED: torch.Tensor) -> torch.Tensor:
-    """Rank d's assignments split evenly over the E experts; the remainder goes to the experts
-    d, d + 1, ... (mod E), so remainders from different ranks land on different experts."""
-    tokens_ED = tokens_ED.to("cpu", torch.long)
-    E, D = tokens_ED.shape
-    total_D = tokens_ED.sum(0)
-    q_D, r_D = total_D // E, total_D % E
-    shift_ED = torch.remainder(torch.arange(E)[:, None] - torch.arange(D)[None, :], E)
-    return q_D[None, :] + (shift_ED < r_D[None, :]).long()
+    """:func:`uniform_split` of one group's ``tokens_ED`` (long [E, D])."""
+    return torch.from_numpy(uniform_split(tokens_ED.to("cpu", torch.long).numpy()))
+
+
+def uniform_split(tokens_xEN: np.ndarray) -> np.ndarray:
+    """The ``uniform`` routing's counts, the one remainder rule: rank d of a group (d numbered
+    inside it) sends its assignment a to expert (a + d) mod E (``moe/gate.uniform_assignment``),
+    so its n assignments split q = n // E to every expert and one more to the r = n mod E experts
+    d, d + 1, ..., d + r - 1 (mod E): remainders from different ranks land on different experts.
+    ``tokens_xEN``: [..., E, N] counts (any leading dims: layers, groups); int64 of the same shape."""
+    tokens_xEN = np.asarray(tokens_xEN)
+    E, N = tokens_xEN.shape[-2:]
+    total_xN = tokens_xEN.sum(-2, dtype=np.int64)
+    q_xN, r_xN = total_xN // E, total_xN % E
+    shift_EN = (np.arange(E)[:, None] - np.arange(N)[None, :]) % E
+    return q_xN[..., None, :] + (shift_EN < r_xN[..., None, :])

@@ -56,7 +56,7 @@ class FasterMoEPolicy(Policy):
                 for i in torch.nonzero(saved_C > 0).flatten().tolist():
                     trial_shadow_ED = shadow_ED.clone()
                     trial_shadow_ED[rest[i]] = ~current_ED[rest[i]]
-                    trial_bcast_s = cost.sparse_collective_time(owner_E, shard_ED | trial_shadow_ED, relay=True)
+                    trial_bcast_s = cost.broadcast_time(owner_E, shard_ED | trial_shadow_ED)
                     if float(saved_C[i]) > 2.0 * (trial_bcast_s - bcast_s):
                         found = (i, trial_shadow_ED, trial_bcast_s)
                         break
