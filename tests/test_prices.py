@@ -43,3 +43,36 @@ def test_ring_shares_and_allreduce():
     assert cost.allreduce_time(torch.tensor(members), torch.tensor([8.0, 4.0])) == 1.0 + 16.0 / 10.0
     assert cost.edp_reduce_linear(4, partitioned=False).per_unit_s == pytest.approx(1.5 / 10.0)
     assert cost.edp_reduce_linear(4, partitioned=True).per_unit_s == pytest.approx(3.0 / 10.0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_gather_price_is_what_the_runtime_moves(seed):
+    """The runtime's SparseAllGather (planner/transfers.gather_layout, two phases across nodes):
+    the chunks each node sends out and takes in over its node link, and each rank receives, are
+    what gather_links(relay=False) prices; relayed pricing undercounts a node's sends."""
+    from ds_fssdp.planner.inputs import GATHER_RELAY
+    from ds_fssdp.planner.transfers import gather_layout
+    gen = torch.Generator().manual_seed(seed)
+    E, D, G = 12, 8, 2
+    topo = Topology(D, G)
+    owner_E = torch.arange(E) % D
+    placement_ED = torch.rand(E, D, generator=gen) < 0.4
+    placement_ED[torch.arange(E), owner_E] = True
+    node_out, node_in, rank_in = np.zeros(D // G), np.zeros(D // G), np.zeros(D)
+    for r in range(D):
+        for phase in gather_layout(owner_E, placement_ED, r, topology=topo).phases:
+            for peer, k in enumerate(phase.send_splits):
+                if peer // G != r // G:
+                    node_out[r // G] += k
+            for peer, k in enumerate(phase.recv_splits):
+                rank_in[r] += k
+                if peer // G != r // G:
+                    node_in[r // G] += k
+    rank, node = gather_links(owner_E.numpy(), placement_ED.numpy(), ranks_per_node=G, chunk_bytes=1.0,
+                              relay=GATHER_RELAY)
+    assert rank[0].tolist() == rank_in.tolist()
+    assert node[0].tolist() == np.maximum(node_out, node_in).tolist()
+    _, relayed = gather_links(owner_E.numpy(), placement_ED.numpy(), ranks_per_node=G, chunk_bytes=1.0, relay=True)
+    assert (relayed[0] <= node[0]).all()
+    if seed in (0, 3):  # negative control: here the relayed price of the busiest node link is lower
+        assert relayed.max() < node.max() == np.maximum(node_out, node_in).max()

@@ -17,7 +17,7 @@ from ds_fssdp.planner.schedule import (LayerLoad, choose_degrees, drain_in_gaps,
 from ds_fssdp.planner.shard import homogeneous_owner
 from ds_fssdp.sim.__main__ import main
 from ds_fssdp.sim.cluster import PolicyRun, run_cluster, simulate_cluster
-from ds_fssdp.sim.links import distinct_fraction, exchange_links, traffic_BNN, traffic_links
+from ds_fssdp.sim.links import Links, distinct_fraction, traffic_BNN, traffic_links
 from ds_fssdp.sim.pipeline import SERIAL, LayerSchedule, ScheduleOptions
 from ds_fssdp.sim.setup import Setup, derive_overlap_degree
 from ds_fssdp.sim.simulate import simulate
@@ -128,6 +128,59 @@ def test_layer_schedule_is_pipeline_time_of_the_groups_loads():
     over_f, _ = one_copy_overhead_s(costs, sent, ranks_per_node=4, top_k=2, weight_bytes=float(SHAPE.param_bytes),
                                     degrees=deg1)
     assert one_dd.forward_B[0] == pytest.approx((pipeline_times(costs, hop, deg1[0]) + over_f).max(), rel=1e-12)
+
+
+def exchange_links(tokens_BED: np.ndarray, holder_BE: np.ndarray, *, ranks_per_node: int, row_bytes: float,
+                   flows_4F: np.ndarray | None = None) -> Links:
+    """The reference the traffic-table path (sim/links.traffic_links, planner/prices.exchange_links)
+    is checked against, computed per expert instead: one token exchange of B groups
+    (:meth:`CostModel.a2a_time`): source d sends its
+    ``tokens_BED[b, e, d]`` rows of expert e to the expert's one holder ``holder_BE[b, e]``
+    (experts with ``holder < 0`` are skipped: their rows travel as ``flows_4F``, rows (b, h, d, k):
+    rank d sends k rows to rank h in group b, as :class:`~ds_fssdp.planner.plan.DispatchPlan`'s
+    flows with the group in place of the expert). Also returns the rows each rank computes."""
+    B, E, N = tokens_BED.shape
+    G, n = ranks_per_node, tokens_BED.shape[2] // ranks_per_node
+    valid_BE = holder_BE >= 0
+    h_BE = np.where(valid_BE, holder_BE, 0)
+    T_BEnG = tokens_BED.reshape(B, E, n, G).astype(np.int64)
+    if not valid_BE.all():
+        T_BEnG[~valid_BE] = 0
+    b_BE = np.broadcast_to(np.arange(B)[:, None], (B, E))
+    e_BE = np.broadcast_to(np.arange(E)[None, :], (B, E))
+    hn_BE = h_BE // G
+    T_BEn = T_BEnG.sum(3)
+    total_BE = T_BEn.sum(2)
+    in_node_BE = T_BEn[b_BE, e_BE, hn_BE]  # rows of e from the holder's node, staying ones included
+    stay_BE = T_BEnG[b_BE, e_BE, hn_BE, h_BE % G]
+    # What each source sends inside its node: the experts held in its node, by node of holder.
+    onehot_BEn = np.zeros((B, E, n), dtype=np.int64)
+    onehot_BEn[b_BE, e_BE, hn_BE] = 1
+    send_same_BN = np.einsum("ben,beng->bng", onehot_BEn, T_BEnG).reshape(B, N)
+    rank_idx = (b_BE * N + h_BE).ravel()
+    node_idx = (b_BE * n + hn_BE).ravel()
+    stay_BN = np.bincount(rank_idx, weights=stay_BE.ravel(), minlength=B * N).reshape(B, N)
+    rows_BN = np.bincount(rank_idx, weights=total_BE.ravel(), minlength=B * N).reshape(B, N)
+    send_intra_BN = send_same_BN - stay_BN
+    send_inter_BN = T_BEnG.sum(1).reshape(B, N) - send_same_BN
+    recv_intra_BN = np.bincount(rank_idx, weights=(in_node_BE - stay_BE).ravel(), minlength=B * N).reshape(B, N)
+    node_in_Bn = np.bincount(node_idx, weights=(total_BE - in_node_BE).ravel(), minlength=B * n).reshape(B, n)
+    node_out_Bn = send_inter_BN.reshape(B, n, G).sum(2)
+    if flows_4F is not None and flows_4F.shape[1]:
+        fb, fh, fd, k = flows_4F
+        k = k.astype(np.float64)
+        fnh, fnd = fh // G, fd // G
+        same = fnh == fnd
+        k_intra = np.where(same & (fh != fd), k, 0.0)
+        k_inter = np.where(same, 0.0, k)
+        rows_BN += np.bincount(fb * N + fh, weights=k, minlength=B * N).reshape(B, N)
+        send_intra_BN = send_intra_BN + np.bincount(fb * N + fd, weights=k_intra, minlength=B * N).reshape(B, N)
+        recv_intra_BN += np.bincount(fb * N + fh, weights=k_intra, minlength=B * N).reshape(B, N)
+        node_out_Bn = node_out_Bn + np.bincount(fb * n + fnd, weights=k_inter, minlength=B * n).reshape(B, n)
+        node_in_Bn += np.bincount(fb * n + fnh, weights=k_inter, minlength=B * n).reshape(B, n)
+    return Links(rank_BN=np.maximum(send_intra_BN, recv_intra_BN) * row_bytes,
+                 node_Bn=np.maximum(node_out_Bn, node_in_Bn) * row_bytes,
+                 inter_total=float(node_out_Bn.sum()) * row_bytes, rows_BN=rows_BN)
 
 
 def test_traffic_links_equal_exchange_links():

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ds_fssdp.planner.knobs import auto_overlap_degree
 from ds_fssdp.planner.plan import DispatchPlan
-from ds_fssdp.planner.prices import (allreduce_links, allreduce_share, exposed_s, gather_links, link_seconds,
-                                     reduce_scatter_share)
+from ds_fssdp.planner.prices import (allreduce_links, allreduce_share, exchange_links, exposed_s, gather_links,
+                                     link_seconds, reduce_scatter_share)
 from ds_fssdp.planner.schedule import Linear, ScheduleCosts
 from ds_fssdp.topology import Topology
 
@@ -78,7 +79,6 @@ class CostModel:
 
     def __init__(self, hw: Hardware, shape: ExpertShape, topology: Topology, *, relay: bool = False):
         self.hw, self.shape, self.topology, self.relay = hw, shape, topology, relay
-        self._node_D = topology.node_D()
         self._same_DD = topology.same_node_DD()
 
     # -- compute ---------------------------------------------------------------------------------
@@ -101,16 +101,10 @@ class CostModel:
         return float(traffic_DD[self._same_DD].sum()), float(traffic_DD[~self._same_DD].sum())
 
     def _exchange_time(self, traffic_DD: torch.Tensor) -> float:
-        """traffic_DD[s, d]: bytes from rank s to rank d."""
-        if float(traffic_DD.sum()) == 0:
-            return 0.0
-        intra = traffic_DD * self._same_DD
-        inter = traffic_DD * ~self._same_DD
-        N = self.topology.num_nodes
-        node_out = torch.zeros(N, dtype=torch.float64).index_add_(0, self._node_D, inter.sum(1))
-        node_in = torch.zeros(N, dtype=torch.float64).index_add_(0, self._node_D, inter.sum(0))
-        return link_seconds(float(torch.maximum(intra.sum(1), intra.sum(0)).max()),
-                            float(torch.maximum(node_out, node_in).max()), self.hw)
+        """traffic_DD[s, d]: bytes from rank s to rank d (:func:`~ds_fssdp.planner.prices.exchange_links`)."""
+        rank_BN, node_Bn, _ = exchange_links(traffic_DD.to("cpu", torch.float64).numpy()[None],
+                                             ranks_per_node=self.topology.ranks_per_node)
+        return link_seconds(rank_BN.max(), node_Bn.max(), self.hw)
 
     # -- sparse collectives ---------------------------------------------------------------------
     def gather_time(self, owner_E: torch.Tensor, placement_ED: torch.Tensor) -> float:
@@ -154,16 +148,10 @@ class CostModel:
         """:meth:`layer_time` of X candidate plans at once, each given as its rank-to-rank flow
         ``flow_XDD[x, d, d2]`` = rows rank d sends rank d2 (``plan_EDD.sum(0)``; float64 [X])."""
         flow_XDD = flow_XDD.to("cpu", torch.float64)
-        X, D = flow_XDD.shape[0], flow_XDD.shape[1]
         compute_X = flow_XDD.sum(1).amax(1) * (3.0 * self.shape.row_flops / self.hw.flops)
-        traffic_XDD = flow_XDD * float(self.shape.token_bytes) * (1.0 - torch.eye(D, dtype=torch.float64))
-        intra_XDD = traffic_XDD * self._same_DD
-        inter_XDD = traffic_XDD - intra_XDD
-        rank_X = torch.maximum(intra_XDD.sum(2), intra_XDD.sum(1)).amax(1) / self.hw.intra_bw
-        onehot_DN = torch.nn.functional.one_hot(self._node_D, self.topology.num_nodes).double()
-        node_X = torch.maximum(inter_XDD.sum(2) @ onehot_DN, inter_XDD.sum(1) @ onehot_DN).amax(1) / self.hw.inter_bw
-        exchange_X = torch.where(traffic_XDD.sum((1, 2)) > 0, self.hw.latency + torch.maximum(rank_X, node_X),
-                                 torch.zeros(X, dtype=torch.float64))
+        rank_XD, node_Xn, _ = exchange_links(flow_XDD.numpy(), ranks_per_node=self.topology.ranks_per_node,
+                                             row_bytes=float(self.shape.token_bytes))
+        exchange_X = torch.from_numpy(np.asarray(link_seconds(rank_XD.max(1), node_Xn.max(1), self.hw)))
         return compute_X + 4.0 * exchange_X
 
     def overlap_window(self, overlap_degree: int) -> float:

@@ -91,3 +91,23 @@ def allreduce_links(members_KD: np.ndarray, bytes_K: np.ndarray, *, ranks_per_no
     nodes_Kn = members_KD.reshape(K, D // G, G).any(2)
     spans_K = nodes_Kn.sum(1) > 1
     return rank_D, (per_member_K * spans_K) @ nodes_Kn.astype(np.float64)
+
+
+def exchange_links(traffic_BNN: np.ndarray, *, ranks_per_node: int, row_bytes: float = 1.0) -> tuple:
+    """``(rank_BN, node_Bn, inter_Bn)``: bytes over each link of B exchanges, ``traffic_BNN[b, d, h]``
+    rows rank d sends rank h (the diagonal stays home), ``row_bytes`` each: a rank link carries the
+    busier direction of what it sends and receives inside its node, a node link the busier of what
+    leaves and enters it; ``inter_Bn``: what leaves each node."""
+    traffic_BNN = np.asarray(traffic_BNN, dtype=np.float64)
+    B, N, _ = traffic_BNN.shape
+    G = min(int(ranks_per_node), N)
+    n = N // G
+    node_N = np.arange(N) // G
+    same_NN = node_N[:, None] == node_N[None, :]
+    off = traffic_BNN * ~np.eye(N, dtype=bool)
+    intra = off * same_NN
+    inter = off - intra
+    out_Bn = inter.sum(2).reshape(B, n, G).sum(2)
+    in_Bn = inter.sum(1).reshape(B, n, G).sum(2)
+    return (np.maximum(intra.sum(2), intra.sum(1)) * row_bytes, np.maximum(out_Bn, in_Bn) * row_bytes,
+            out_Bn * row_bytes)

@@ -85,14 +85,22 @@ class ExchangeOptions:
 
 class ScheduledCostModel(CostModel):
     """:class:`CostModel` with :meth:`layer_time` priced by the schedule that runs the layer
-    (module docstring). ``costs``: the schedule's costs (default: the hardware's,
-    :func:`~ds_fssdp.planner.cost.schedule_costs`)."""
+    (module docstring). ``costs``: the schedule's costs, or a function returning its owner's current
+    ones (the runtime's fitted or configured costs, the replay's recorded ones: one link model,
+    read where it is kept, never set from outside); None (or a function returning None): the
+    hardware's, :func:`~ds_fssdp.planner.cost.schedule_costs`."""
 
     def __init__(self, hw: Hardware, shape: ExpertShape, topology: Topology, *, exchange: ExchangeOptions,
-                 relay: bool = False, costs: ScheduleCosts | None = None):
+                 relay: bool = False, costs=None):
         super().__init__(hw, shape, topology, relay=relay)
         self.exchange = exchange
-        self.costs = schedule_costs(hw, shape) if costs is None else costs
+        self._hardware_costs = schedule_costs(hw, shape)
+        self._costs = costs
+
+    @property
+    def costs(self) -> ScheduleCosts:
+        c = self._costs() if callable(self._costs) else self._costs
+        return self._hardware_costs if c is None else c
 
     def price(self, plan) -> ExchangePrice:
         """The exchange of ``plan`` (a compact :class:`DispatchPlan` or a dense ``plan_EDD``)."""

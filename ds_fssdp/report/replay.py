@@ -72,7 +72,7 @@ class ReplaySettings:
         """Two-phase collectives and two hops across nodes (the config's default without a record)."""
         return bool((self.exchange or {}).get("topology_aware", True))
 
-    def cost_model(self, topology: Topology) -> CostModel | None:
+    def cost_model(self, topology: Topology, *, costs=None) -> CostModel | None:
         """The run's cost model: the recorded hardware and expert, the layer priced as the run's
         exchange (:class:`~ds_fssdp.planner.scheduled.ScheduledCostModel`, as the runtime builds it)."""
         if self.hardware is None or self.expert_shape is None:
@@ -84,7 +84,7 @@ class ReplaySettings:
         options = ExchangeOptions.of(shape, top_k=ex["top_k"], one_copy=ex["one_copy_per_destination"],
                                      pipeline_degree=ex["pipeline_degree"], two_hops=ex["topology_aware"],
                                      side_ratio=ex.get("side_ratio", 0.0))
-        return ScheduledCostModel(hw, shape, topology, exchange=options)
+        return ScheduledCostModel(hw, shape, topology, exchange=options, costs=costs)
 
     @classmethod
     def from_trace(cls, trace: Trace, **overrides) -> "ReplaySettings":
@@ -210,12 +210,12 @@ def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
     S, L, E, D = trace.tokens_SLED.shape
     topology = Topology(num_ranks=D, ranks_per_node=int(s.ranks_per_node or D))
     predictor = LoadPredictor([E] * L, window=s.window)
-    cost = s.cost_model(topology)
+    priced = {"costs": None}  # the schedule's costs the decision being replayed was priced with
+    cost = s.cost_model(topology, costs=lambda: priced["costs"])
     built, planners = build_policies(s, num_experts=[E] * L, topology=topology, budget=s.budget, cost=cost,
                                      predictor=predictor)
     migrators, rule = built.migrators, built.clock_rule
     inputs = _Inputs(trace)
-    default_costs = getattr(cost, "costs", None)
     # a trace that records the exchange's inputs: its degrees and one copy per destination are derived too
     exchange_recorded = (s.exchange is not None and inputs.costs_SL8 is not None
                          and inputs.row_bytes_SL2 is not None and "decision_degrees" in trace.arrays)
@@ -238,8 +238,7 @@ def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
         for l, planner in enumerate(planners):
             tokens_ED = tokens[row, l]
             costs = inputs.costs(row, l)
-            if default_costs is not None:  # the runtime prices with its fitted costs where it has them
-                cost.costs = default_costs if costs is None else costs
+            priced["costs"] = costs  # the runtime's fitted costs where it had them, else the hardware's
             placed_ED, overlap_t = planner.pre_gating_t(owner_LE[l], clocks[l])
             lp = planner.post_gating(owner_LE[l], placed_ED, tokens_ED, clocks[l], overlap_t=overlap_t)
             plan = planner.dispatch(lp, tokens_ED)

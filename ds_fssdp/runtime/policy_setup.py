@@ -53,11 +53,12 @@ def configured_hardware(hardware) -> Hardware:
 
 
 def cost_model(config: FSSDPConfig, *, spec, shape, topology, group, expert_bytes: int, exchange,
-               dtype, device) -> tuple:
+               dtype, device, costs=None) -> tuple:
     """The hardware from ``fssdp.hardware``, else measured (link bandwidth over ``group``, expert
     GEMM speed of ``spec``), agreed on by every rank of ``group``: the decisions decide the
     collectives. ``shape``: the expert's cost shape, ``exchange``: how the layers exchange their
-    tokens (``FSSDPStage.exchange_options``). Returns the ``ScheduledCostModel`` and the profile
+    tokens (``FSSDPStage.exchange_options``), ``costs``: the schedule's costs it prices layers with
+    (``ScheduledCostModel``'s). Returns the ``ScheduledCostModel`` and the profile
     entries (``link_bandwidth`` when measured, ``hardware``, ``expert_shape``)."""
     profile = {}
     if config.hardware is not None:
@@ -74,7 +75,7 @@ def cost_model(config: FSSDPConfig, *, spec, shape, topology, group, expert_byte
                     f"{config.overlap_degree!r} (auto: per layer from its measured attention window)")
     profile["hardware"] = dataclasses.asdict(hw)
     profile["expert_shape"] = dataclasses.asdict(shape)
-    return ScheduledCostModel(hw, shape, topology, exchange=exchange), profile
+    return ScheduledCostModel(hw, shape, topology, exchange=exchange, costs=costs), profile
 
 
 def configured_schedule_costs(hardware, shape) -> ScheduleCosts:

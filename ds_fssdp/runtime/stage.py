@@ -43,8 +43,7 @@ from ds_fssdp.planner.baselines import Clock
 from ds_fssdp.planner.decision import decision_arrays
 from ds_fssdp.planner.inputs import build_policies
 from ds_fssdp.planner.layer import migrations
-from ds_fssdp.planner.schedule import ScheduleCosts
-from ds_fssdp.planner.scheduled import ExchangeOptions, ScheduledCostModel
+from ds_fssdp.planner.scheduled import ExchangeOptions
 from ds_fssdp.runtime import costfit, policy_setup
 from ds_fssdp.runtime.edp_sync import EDPSyncPlan
 from ds_fssdp.runtime.expert_dp import make_expert_state
@@ -237,7 +236,6 @@ class FSSDPStage:
                                             experts=max(1, self.layers[0].num_experts // self.group_size),
                                             agree_group=self.dp_group)
             self.schedule_costs = self.cost_fit.costs
-            self._price_with(self.schedule_costs)
             self.profile["schedule_costs"] = dataclasses.asdict(self.schedule_costs)
             logger.info(f"fssdp: schedule costs fitted {self.schedule_costs} (relative error "
                         f"{self.cost_fit.error:.3f})")
@@ -403,13 +401,6 @@ class FSSDPStage:
         every rank (collective over the data-parallel ranks; runtime/costfit.py)."""
         self.cost_fit.refit([s.timings for s in self.shards], group=self.dp_group, device=device)
         self.schedule_costs = self.cost_fit.costs
-        self._price_with(self.schedule_costs)
-
-    def _price_with(self, costs: ScheduleCosts) -> None:
-        """The by-time decisions price plans with the costs the degrees are chosen from (fitted or
-        ``fssdp.hardware``'s; without them, the agreed hardware's: ``ScheduledCostModel``'s own)."""
-        if isinstance(self.cost, ScheduledCostModel):
-            self.cost.costs = costs
 
     def _reduce_router_loads(self, device) -> None:
         """Routing-bias updates count loads over the world: each FSSDP group saw its own."""
@@ -439,12 +430,11 @@ class FSSDPStage:
             self.cost, measured = policy_setup.cost_model(
                 cfg, spec=layer.spec, shape=shape, topology=self.topology, group=self.param_group,
                 expert_bytes=self.shards[0].expert_bytes, exchange=self.exchange_options(shape), dtype=dtype,
-                device=device)
+                device=device, costs=lambda: self.schedule_costs)  # the costs the degrees are chosen from
             self.profile.update(measured)
         if self._schedule_decided() and cfg.hardware is not None:
             self.schedule_costs = policy_setup.configured_schedule_costs(cfg.hardware, shape)
             self.profile["schedule_costs"] = dataclasses.asdict(self.schedule_costs)
-            self._price_with(self.schedule_costs)
         self.inputs, self.planners = build_policies(
             cfg, num_experts=[l.num_experts for l in self.layers], topology=self.topology, budget=self.budget,
             cost=self.cost, predictor=self.predictor)

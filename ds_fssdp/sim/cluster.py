@@ -54,7 +54,7 @@ from ds_fssdp.planner.layer import LayerPlanner, migrations
 from ds_fssdp.planner.predict import LoadPredictor
 from ds_fssdp.sim.bound import LowerBound
 from ds_fssdp.planner.scheduled import ScheduledCostModel
-from ds_fssdp.sim.links import Links, exchange_links, sparse_collective_links, traffic_BNN
+from ds_fssdp.sim.links import Links, sparse_collective_links, traffic_BNN, traffic_links
 from ds_fssdp.sim.pipeline import (INTER, INTRA, LayerSchedule, ScheduleOptions, binding_class, policy_options,
                                    scheduled_cost_model)
 from ds_fssdp.sim.memory import budget_for_cap, ep_memory_bytes, optimizer_params
@@ -124,20 +124,14 @@ class ClusterCostModel(CostModel):
         return super().layer_price(plan, attention_s)
 
     def layer_time(self, plan) -> float:
-        if self.scheduled is not None:
-            return self.scheduled.layer_time(plan)
-        if not isinstance(plan, DispatchPlan):
-            return super().layer_time(plan)
-        rows = float(plan.rows_D().max())
-        return rows * (3.0 * self.shape.row_flops / self.hw.flops) + 4.0 * float(
-            plan_links(plan, self.topology.ranks_per_node, self.shape.token_bytes).time_B(self.hw)[0])
+        return self.scheduled.layer_time(plan) if self.scheduled is not None else super().layer_time(plan)
 
 
 def plan_links(plan: DispatchPlan, ranks_per_node: int, row_bytes: float) -> Links:
     fl = plan.flows_4F
     flows_4F = np.stack([np.zeros_like(fl[0]), fl[1], fl[2], fl[3]])
-    return exchange_links(plan.tokens_ED[None], plan.holder_E[None], ranks_per_node=ranks_per_node,
-                          row_bytes=row_bytes, flows_4F=flows_4F)
+    return traffic_links(traffic_BNN(plan.tokens_ED[None], plan.holder_E[None], flows_4F),
+                         ranks_per_node=ranks_per_node, row_bytes=row_bytes)
 
 
 class PolicyRun:
