@@ -134,6 +134,25 @@ def plan_links(plan: DispatchPlan, ranks_per_node: int, row_bytes: float) -> Lin
                          ranks_per_node=ranks_per_node, row_bytes=row_bytes)
 
 
+@dataclass
+class StepAccounts:
+    """One step's per-group accounts, filled layer by layer (:meth:`PolicyRun.step`)."""
+
+    group_B: dict  # category -> seconds per group (the layers' parts)
+    fb_B2: np.ndarray  # the layers' forward and backward (pipeline stages, sim/stages.py)
+    ephemeral_BLN: np.ndarray  # replicas each rank holds per layer
+    backward_BL: np.ndarray
+    gaps_BL: np.ndarray  # the link gaps of each layer's backward, and of its forward
+    fgaps_BL: np.ndarray
+    idle_B: np.ndarray  # the previous layer's forward time its gather link is free
+    layer_degrees: list
+
+    @classmethod
+    def empty(cls, B: int, L: int, N: int) -> "StepAccounts":
+        return cls({c: np.zeros(B) for c in CATEGORIES}, np.zeros((B, 2)), np.zeros((B, L, N)), np.zeros((B, L)),
+                   np.zeros((B, L)), np.zeros((B, L)), np.zeros(B), [])
+
+
 class PolicyRun:
     """One policy at one group size, fed the world's ``tokens_LED`` step by step."""
 
@@ -220,80 +239,113 @@ class PolicyRun:
     # -- per step ----------------------------------------------------------------------------------
     def step(self, s: int, tokens_LED: np.ndarray) -> None:
         tokens_LED = self._route(tokens_LED)
-        st, hw, P = self.setup, self.setup.hw, self.setup.shape.params
-        L, E, N, B = st.num_layers, st.num_experts, self.N, self.B
+        st = self.setup
         timed = s >= st.load_window
-        group_B = {c: np.zeros(B) for c in CATEGORIES}
-        fb_B2 = np.zeros((B, 2))  # the layers' forward and backward (pipeline stages, sim/stages.py)
         glob = dict.fromkeys(CATEGORIES, 0.0)
         glob["rearr"] += self._reshard(s)
-        owner_LE = self.owner_LE.numpy()
-        ephemeral_BLN = np.zeros((B, L, N))
-        backward_BL = np.zeros((B, L))
+        acc = StepAccounts.empty(self.B, st.num_layers, self.N)
+        sync = self._sync(self._split)
+        ar_class = binding_class(sync.links, st.hw) if self.options.grad_gaps else INTER
+        for l in range(st.num_layers):
+            self._layer(l, tokens_LED, acc, ar_class, timed)
+        if self.degree_log is not None:
+            self.degree_log.append(acc.layer_degrees)
+        slowest, owned_N = self._close_step(glob, acc, sync, timed)
+        self._memory(owned_N, acc.ephemeral_BLN)
+        self._observe(tokens_LED)
+        if timed:
+            self.counted += 1
+            self._add_links("ar", sync.links, 1.0)
+            self.count_s += st.num_layers * float(self.count_links.time_B(st.hw)[0])
+            for c in CATEGORIES:
+                self.totals[c] += acc.group_B[c][slowest] + glob[c]
+            self.step_s.append(sum(acc.group_B[c][slowest] + glob[c] for c in CATEGORIES))
+
+    def _layer(self, l: int, tokens_LED: np.ndarray, acc: StepAccounts, ar_class: int, timed: bool) -> None:
+        """Layer ``l`` of every simulated group: planned (or EP's / Uniform's holders), priced by
+        the schedule, its replicas' gather and reduce charged past their windows; the gaps and
+        windows it leaves go to ``acc``."""
+        st, hw = self.setup, self.setup.hw
+        L, E, N, B = st.num_layers, st.num_experts, self.N, self.B
         attn_f = st.attention_fwd_s
         attn_b = 2.0 * attn_f
-        gaps_BL = np.zeros((B, L))  # the link gaps of each layer's backward, and of its forward
-        fgaps_BL = np.zeros((B, L))
-        idle_B = np.zeros(B)  # the previous layer's forward time its gather link is free
-        sync = self._sync(self._split)
-        ar_class = binding_class(sync.links, hw) if self.options.grad_gaps else INTER
-        layer_degrees = []
-        for l in range(L):
-            tokens_BEN = tokens_LED[l].reshape(E, self.groups, N)[:, :B].transpose(1, 0, 2)
-            window_B = np.array([overlap_window(attn_f, float(i), early=self.options.idle_link) for i in idle_B])
-            if self.planned:
-                holder_BE, flows_4F, spag = self._plan_layer(l, tokens_BEN, ephemeral_BLN, timed)
-            else:
-                holder_BE, flows_4F, spag = np.broadcast_to(owner_LE[l], (B, E)), None, None
-            lt = self.sched.layer(traffic_BNN(tokens_BEN, holder_BE, flows_4F))
-            exchange, rows_BN, moe_B = lt.links, lt.links.rows_BN, lt.moe_B
-            group_B["comp"] += attn_f + attn_b + moe_B + lt.side_B
-            group_B["a2a"] += lt.forward_B + lt.backward_B - moe_B - lt.side_B
-            fb_B2 += np.stack([attn_f + lt.forward_B, attn_b + lt.backward_B], 1)
-            reduce_hidden_B = np.zeros(B)
-            gather_here_B = gather_before_B = np.zeros(B)  # hidden gather: in this layer's span, in the one before
-            if spag is not None:
-                gather, reduce, calib, times = spag
-                window_b_B = (self.sched.reduce_windows(lt, attn_f, across_nodes=self.gather_class == INTER)
-                              if self.options.idle_link else attn_b)
-                # Nothing to gather costs 0, hence max(0, 0 - window) = 0: the paper engine's "if any" is implied.
-                group_B["spag"] += np.maximum(0.0, gather.time_B(hw) - window_B)
-                group_B["spag"] += np.maximum(0.0, reduce.time_B(hw) * times - window_b_B)
-                group_B["spag"] += calib.time_B(hw)
-                if self.gather_class == ar_class:  # the replica gather and reduce share the sync's links
-                    reduce_hidden_B = np.minimum(reduce.time_B(hw) * times, window_b_B)
-                    hidden_B = np.minimum(gather.time_B(hw), window_B)  # from the window's start
-                    gather_before_B = np.minimum(hidden_B, window_B - attn_f)
-                    gather_here_B = hidden_B - gather_before_B
-            if self.options.idle_link:
-                idle_B = np.maximum(0.0, lt.forward_B - lt.busy_forward_B2[:, self.gather_class])
-                if l + 1 < L:
-                    self.window_BL[:, l + 1] = [overlap_window(attn_f, float(i)) for i in idle_B]
-            backward_BL[:, l] = attn_b + (moe_B + lt.side_B) * 2.0 / 3.0
-            gaps_BL[:, l] = attn_b + lt.backward_B - lt.busy_backward_B2[:, ar_class] - reduce_hidden_B
-            fgaps_BL[:, l] = attn_f + lt.forward_B - lt.busy_forward_B2[:, ar_class] - gather_here_B
-            if l:
-                fgaps_BL[:, l - 1] -= gather_before_B
-            layer_degrees.append(lt.degrees)
-            if timed:
-                self._add_links("a2a", exchange, 4.0)
-                self._add_links("count", self.count_links, 1.0)
-                mean = float(rows_BN.mean())
-                self.straggler.append(float(rows_BN.max()) / mean if mean > 0 else 1.0)
-                self.inter_bytes += 4.0 * exchange.inter_total
-                self.dedup_saved += 4.0 * lt.saved_bytes / B
-                for b_deg in lt.degrees:
-                    for counts, deg in zip(self.degree_counts, b_deg):
-                        counts[deg] = counts.get(deg, 0) + 1
-        if self.degree_log is not None:
-            self.degree_log.append(layer_degrees)
+        group_B = acc.group_B
+        tokens_BEN = tokens_LED[l].reshape(E, self.groups, N)[:, :B].transpose(1, 0, 2)
+        window_B = np.array([overlap_window(attn_f, float(i), early=self.options.idle_link) for i in acc.idle_B])
+        if self.planned:
+            holder_BE, flows_4F, spag = self._plan_layer(l, tokens_BEN, acc.ephemeral_BLN, timed)
+        else:
+            holder_BE, flows_4F, spag = np.broadcast_to(self.owner_LE.numpy()[l], (B, E)), None, None
+        lt = self.sched.layer(traffic_BNN(tokens_BEN, holder_BE, flows_4F))
+        moe_B = lt.moe_B
+        group_B["comp"] += attn_f + attn_b + moe_B + lt.side_B
+        group_B["a2a"] += lt.forward_B + lt.backward_B - moe_B - lt.side_B
+        acc.fb_B2 += np.stack([attn_f + lt.forward_B, attn_b + lt.backward_B], 1)
+        reduce_hidden_B = np.zeros(B)
+        gather_here_B = gather_before_B = np.zeros(B)  # hidden gather: in this layer's span, in the one before
+        if spag is not None:
+            reduce_hidden_B, gather_here_B, gather_before_B = self._charge_replicas(spag, lt, window_B, ar_class,
+                                                                                    group_B)
+        if self.options.idle_link:
+            acc.idle_B = np.maximum(0.0, lt.forward_B - lt.busy_forward_B2[:, self.gather_class])
+            if l + 1 < L:
+                self.window_BL[:, l + 1] = [overlap_window(attn_f, float(i)) for i in acc.idle_B]
+        acc.backward_BL[:, l] = attn_b + (moe_B + lt.side_B) * 2.0 / 3.0
+        acc.gaps_BL[:, l] = attn_b + lt.backward_B - lt.busy_backward_B2[:, ar_class] - reduce_hidden_B
+        acc.fgaps_BL[:, l] = attn_f + lt.forward_B - lt.busy_forward_B2[:, ar_class] - gather_here_B
+        if l:
+            acc.fgaps_BL[:, l - 1] -= gather_before_B
+        acc.layer_degrees.append(lt.degrees)
+        if timed:
+            self._count_layer(lt)
+
+    def _charge_replicas(self, spag: tuple, lt, window_B: np.ndarray, ar_class: int, group_B: dict) -> tuple:
+        """[spag]: the replicas' gather past its window, the reduce (twice under re-materialization)
+        past the backward's, calibration's gather whole. Returns what of the reduce, and of the
+        gather in this layer's span and the one before, sits on the sync's links (0 elsewhere)."""
+        hw, attn_f = self.setup.hw, self.setup.attention_fwd_s
+        B = window_B.shape[0]
+        gather, reduce, calib, times = spag
+        window_b_B = (self.sched.reduce_windows(lt, attn_f, across_nodes=self.gather_class == INTER)
+                      if self.options.idle_link else 2.0 * attn_f)
+        # Nothing to gather costs 0, hence max(0, 0 - window) = 0: the paper engine's "if any" is implied.
+        group_B["spag"] += np.maximum(0.0, gather.time_B(hw) - window_B)
+        group_B["spag"] += np.maximum(0.0, reduce.time_B(hw) * times - window_b_B)
+        group_B["spag"] += calib.time_B(hw)
+        reduce_hidden_B = np.zeros(B)
+        gather_here_B = gather_before_B = np.zeros(B)
+        if self.gather_class == ar_class:  # the replica gather and reduce share the sync's links
+            reduce_hidden_B = np.minimum(reduce.time_B(hw) * times, window_b_B)
+            hidden_B = np.minimum(gather.time_B(hw), window_B)  # from the window's start
+            gather_before_B = np.minimum(hidden_B, window_B - attn_f)
+            gather_here_B = hidden_B - gather_before_B
+        return reduce_hidden_B, gather_here_B, gather_before_B
+
+    def _count_layer(self, lt) -> None:
+        """A timed layer's links, straggler, inter-node bytes, dedup savings and degrees."""
+        exchange, rows_BN = lt.links, lt.links.rows_BN
+        self._add_links("a2a", exchange, 4.0)
+        self._add_links("count", self.count_links, 1.0)
+        mean = float(rows_BN.mean())
+        self.straggler.append(float(rows_BN.max()) / mean if mean > 0 else 1.0)
+        self.inter_bytes += 4.0 * exchange.inter_total
+        self.dedup_saved += 4.0 * lt.saved_bytes / self.B
+        for b_deg in lt.degrees:
+            for counts, deg in zip(self.degree_counts, b_deg):
+                counts[deg] = counts.get(deg, 0) + 1
+
+    def _close_step(self, glob: dict, acc: StepAccounts, sync: SyncTimes, timed: bool) -> tuple:
+        """The iteration's own parts into ``glob`` (extra compute, the exposed sync, the optimizer
+        step), the runtime's split decision for the next step, and the slowest group's phases.
+        Returns (the slowest group, each rank's owned expert parameters)."""
+        st, hw, P, L, N = self.setup, self.setup.hw, self.setup.shape.params, self.setup.num_layers, self.N
         glob["comp"] += st.extra_compute_s
-        slowest = int(np.argmax(sum(group_B.values())))
+        slowest = int(np.argmax(sum(acc.group_B.values())))
         # With the gaps: each layer's share of the reduce issued after its backward, sent in the gaps
         # below; the partitioned experts' gather (ZeRO 1) before each layer's first use in the next
         # forward (its replica gather, a layer ahead, under FSSDP), in the forward's gaps (sim/sync.py).
-        glob["ar"] += exposed_sync(sync, gaps=self.options.grad_gaps, backward_gaps_L=gaps_BL[slowest],
-                                   forward_gaps_L=fgaps_BL[slowest], backward_L=backward_BL[slowest],
+        glob["ar"] += exposed_sync(sync, gaps=self.options.grad_gaps, backward_gaps_L=acc.gaps_BL[slowest],
+                                   forward_gaps_L=acc.fgaps_BL[slowest], backward_L=acc.backward_BL[slowest],
                                    lead=1 if self.planned else 0)
         # the experts' all-gather ran in the next forward (EP and Uniform gather at the step)
         self.split_steps += int(timed and sync.forward_gather_s > 0.0 and self.options.grad_gaps)
@@ -302,22 +354,14 @@ class PolicyRun:
             # with each layer updated where its summed gradients land), from this step's gaps.
             whole, split = self._sync(False), self._sync(True)
             self._split = split_sync_pays([whole.reduce_s / L] * L, [split.reduce_s / L] * L,
-                                          [split.forward_gather_s / L] * L, gaps_BL[slowest], fgaps_BL[slowest],
-                                          lead=1)
-        owned_N = np.bincount(owner_LE.ravel(), minlength=N).astype(np.float64) * P
+                                          [split.forward_gather_s / L] * L, acc.gaps_BL[slowest],
+                                          acc.fgaps_BL[slowest], lead=1)
+        owned_N = np.bincount(self.owner_LE.numpy().ravel(), minlength=N).astype(np.float64) * P
         glob["opt"] += float(optimizer_params(st, owned_N, N).max()) * OPT_TRAFFIC_BYTES / hw.hbm_bw
         # the slowest group's forward and backward and the iteration's own parts, per step (sim/stages.py)
-        self.phases = dict(glob, forward=float(fb_B2[slowest, 0]), backward=float(fb_B2[slowest, 1]),
-                           spag=float(group_B["spag"][slowest]))
-        self._memory(owned_N, ephemeral_BLN)
-        self._observe(tokens_LED)
-        if timed:
-            self.counted += 1
-            self._add_links("ar", sync.links, 1.0)
-            self.count_s += L * float(self.count_links.time_B(hw)[0])
-            for c in CATEGORIES:
-                self.totals[c] += group_B[c][slowest] + glob[c]
-            self.step_s.append(sum(group_B[c][slowest] + glob[c] for c in CATEGORIES))
+        self.phases = dict(glob, forward=float(acc.fb_B2[slowest, 0]), backward=float(acc.fb_B2[slowest, 1]),
+                           spag=float(acc.group_B["spag"][slowest]))
+        return slowest, owned_N
 
     def _plan_layer(self, l: int, tokens_BEN: np.ndarray, ephemeral_BLN: np.ndarray, timed: bool):
         """Plan layer ``l`` group by group (the policy, timed): the holders, the flows and the

@@ -187,172 +187,222 @@ def simulate_policy(name: str, setup: Setup, tokens_SLED: np.ndarray, *, dispatc
     ``degrees``: a list that gets, per step, each layer's (forward, backward) degree.
     ``predictor``: as :func:`simulate`. ``charges``: a list that gets, per step, each layer's
     :class:`LayerCharge` (what its MoE part was charged, and the windows it was charged against)."""
-    S, L, E, D = tokens_SLED.shape
-    if setup.zero_stage != 0:
-        raise ValueError(f"zero_stage ({setup.zero_stage}): the paper engine models ZeRO 0 only (one group, FlexMoE's "
-                         "replicated slots); ZeRO 1 is modelled at cluster scale (sim/cluster.py)")
-    topo, hw, shape = setup.topology, setup.hw, setup.shape
-    options = policy_options(name, schedule)
-    sched = LayerSchedule(hw, shape, ranks_per_node=topo.ranks_per_node, top_k=setup.top_k, options=options,
-                          side_ratio=setup.side_ratio)
-    if options.price_by_schedule:  # placement by time: calibration and balanced-time price the schedule
-        cost = scheduled_cost_model(hw, shape, topo, sched)
-    else:
-        cost = CostModel(hw, shape, topo)  # sparse collectives priced as the runtime moves them
-    rm = name == "fssdp-rm"
-    budget = setup.budget_rm if rm else setup.budget
-    attn_f = setup.attention_fwd_s
-    attn_b = 2.0 * attn_f
-    if name not in SIM_POLICY_NAMES:
-        raise ValueError(f"policy ({name!r}) must be one of {SIM_POLICY_NAMES}")
-    inputs = planner_inputs(sim_settings(name, setup, budget=budget, by_window=options.idle_link and not fixed_t,
-                                         t_by_time=options.t_by_time, placement=placement,
-                                         dispatch=dispatch or "paper", dispatch_slack=dispatch_slack),
-                            num_experts_L=[E] * L, topology=topo, cost=cost,
-                            dispatcher=None if dispatch else dispatcher, materializer=materializer)
-    policy, rule = inputs.policy, inputs.clock_rule
-    gather_class = INTER if topo.num_nodes > 1 else INTRA
-    window_L = [attn_f] * L  # replica gather windows the last step's schedule left
-    loads = make_predictor(predictor, [E] * L, window=setup.load_window)
-    foresight = isinstance(loads, ForesightPredictor)
-    planners = [LayerPlanner(policy, loads, l) for l in range(L)]
-    owner_LE = policy.initial_owner()
-    P, psi = shape.params, float(shape.expert_bytes)
-    dense_ar_s = cost.allreduce_time(torch.ones(1, D, dtype=torch.bool),
-                                     torch.tensor([float(setup.dense_params * GRAD_BYTES)]))
-    ar_class = binding_class(allreduce_links(np.ones((1, D), dtype=bool), np.array([float(setup.dense_params)]),
-                                             ranks_per_node=topo.ranks_per_node), hw)
-    reserved = policy.reserved_slots * L * P
-    totals = dict.fromkeys(CATEGORIES, 0.0)
-    step_s, straggler, inter_bytes, replicas = [], [], 0.0, 0.0
-    migrated = 0
-    peak_total, peak_memory = -1.0, {}
-    counted = 0
-    degree_counts, dedup_saved = ({}, {}), 0.0
-    for s in range(S):
+    run = PaperRun(name, setup, tokens_SLED.shape[3], dispatcher=dispatcher, materializer=materializer,
+                   placement=placement, dispatch=dispatch, dispatch_slack=dispatch_slack, schedule=schedule,
+                   fixed_t=fixed_t, predictor=predictor)
+    for s in range(tokens_SLED.shape[0]):
+        run.step(s, tokens_SLED[s], decisions=decisions, degrees=degrees, charges=charges)
+    return run.result()
+
+
+class PaperRun:
+    """One policy in the paper engine (one group of every rank), fed ``tokens_LED`` step by step
+    (:func:`simulate_policy`)."""
+
+    def __init__(self, name: str, setup: Setup, D: int, *, dispatcher, materializer, placement: str,
+                 dispatch: str | None, dispatch_slack: float, schedule: ScheduleOptions | None, fixed_t: bool,
+                 predictor: str):
+        L, E = setup.num_layers, setup.num_experts
+        if setup.zero_stage != 0:
+            raise ValueError(f"zero_stage ({setup.zero_stage}): the paper engine models ZeRO 0 only (one group, "
+                             "FlexMoE's replicated slots); ZeRO 1 is modelled at cluster scale (sim/cluster.py)")
+        topo, hw, shape = setup.topology, setup.hw, setup.shape
+        self.name, self.setup, self.D = name, setup, D
+        self.options = options = policy_options(name, schedule)
+        self.sched = LayerSchedule(hw, shape, ranks_per_node=topo.ranks_per_node, top_k=setup.top_k,
+                                   options=options, side_ratio=setup.side_ratio)
+        if options.price_by_schedule:  # placement by time: calibration and balanced-time price the schedule
+            self.cost = scheduled_cost_model(hw, shape, topo, self.sched)
+        else:
+            self.cost = CostModel(hw, shape, topo)  # sparse collectives priced as the runtime moves them
+        self.rm = name == "fssdp-rm"
+        self.budget = setup.budget_rm if self.rm else setup.budget
+        attn_f = setup.attention_fwd_s
+        if name not in SIM_POLICY_NAMES:
+            raise ValueError(f"policy ({name!r}) must be one of {SIM_POLICY_NAMES}")
+        self.inputs = planner_inputs(sim_settings(name, setup, budget=self.budget,
+                                                  by_window=options.idle_link and not fixed_t,
+                                                  t_by_time=options.t_by_time, placement=placement,
+                                                  dispatch=dispatch or "paper", dispatch_slack=dispatch_slack),
+                                     num_experts_L=[E] * L, topology=topo, cost=self.cost,
+                                     dispatcher=None if dispatch else dispatcher, materializer=materializer)
+        self.policy, self.rule = self.inputs.policy, self.inputs.clock_rule
+        self.gather_class = INTER if topo.num_nodes > 1 else INTRA
+        self.window_L = [attn_f] * L  # replica gather windows the last step's schedule left
+        self.loads = make_predictor(predictor, [E] * L, window=setup.load_window)
+        self.foresight = isinstance(self.loads, ForesightPredictor)
+        self.planners = [LayerPlanner(self.policy, self.loads, l) for l in range(L)]
+        self.owner_LE = self.policy.initial_owner()
+        self.dense_ar_s = self.cost.allreduce_time(torch.ones(1, D, dtype=torch.bool),
+                                                   torch.tensor([float(setup.dense_params * GRAD_BYTES)]))
+        self.ar_class = binding_class(allreduce_links(np.ones((1, D), dtype=bool),
+                                                      np.array([float(setup.dense_params)]),
+                                                      ranks_per_node=topo.ranks_per_node), hw)
+        self.reserved = self.policy.reserved_slots * L * shape.params
+        self.totals = dict.fromkeys(CATEGORIES, 0.0)
+        self.step_s, self.straggler, self.inter_bytes, self.replicas = [], [], 0.0, 0.0
+        self.migrated = 0
+        self.peak_total, self.peak_memory = -1.0, {}
+        self.counted = 0
+        self.degree_counts, self.dedup_saved = ({}, {}), 0.0
+
+    def step(self, s: int, tokens_LED: np.ndarray, *, decisions: list | None, degrees: list | None,
+             charges: list | None) -> None:
+        setup, L, D = self.setup, self.setup.num_layers, self.D
         br = dict.fromkeys(CATEGORIES, 0.0)
-        for reshard in migrations(inputs.migrators, s, loads.predict_all(), owner_LE,
-                                  clock=rule.reshard_clock(window_L, [attn_f] * L)):
-            copies = reshard.copies_M4
-            if copies.shape[0]:
-                traffic_DD = torch.zeros(D * D, dtype=torch.float64).index_add_(
-                    0, copies[:, 2] * D + copies[:, 3],
-                    torch.full((copies.shape[0], ), float(MIGRATE_BYTES * P), dtype=torch.float64)).view(D, D)
-                br["rearr"] += cost.transfer_time(traffic_DD)
-                migrated += copies.shape[0]
-            owner_LE = reshard.owner_LE
+        self._reshard(s, br)
         ephemeral_LD = torch.zeros(L, D, dtype=torch.float64)
         persistent_D = torch.zeros(D, dtype=torch.float64)
         backward_L, gaps_L, layer_degrees = [], [], []
         idle = 0.0
         for l in range(L):
-            owner_E, planner = owner_LE[l], planners[l]
-            window = overlap_window(attn_f, idle, early=options.idle_link)
-            # t from the window the last step's schedule left, unless given (then the setup's, as
-            # without the idle link: the planner's configured overlap degree)
-            clock = rule.clock(float(window_L[l]), attn_f)
-            tokens_ED = policy.route(torch.from_numpy(tokens_SLED[s, l].astype(np.int64)))
-            if foresight:
-                loads.foresee(l, tokens_ED)
-            placement_ED, overlap_t = planner.pre_gating_t(owner_E, clock)
-            lp = planner.post_gating(owner_E, placement_ED, tokens_ED, clock, overlap_t=overlap_t)
-            plan_EDD = planner.dispatch_dense(lp, tokens_ED)
-            planner.observe(tokens_ED)
-            if decisions is not None:
-                if l == 0:
-                    decisions.append([])
-                decisions[-1].append((owner_E.clone(), placement_ED.clone(), lp.placement_ED.clone()))
-
-            rows_D = plan_EDD.sum((0, 1))
-            lt = sched.layer(plan_EDD.sum(0).double().numpy()[None])
-            moe_s = float(lt.moe_B[0] + lt.side_B[0])
-            br["comp"] += attn_f + attn_b + moe_s
-            backward_L.append(attn_b + moe_s * 2.0 / 3.0)
-            br["a2a"] += float(lt.forward_B[0] + lt.backward_B[0]) - moe_s
-            layer_degrees.append(lt.degrees[0])
-            reduce_hidden = 0.0
-            window_b = float(sched.reduce_windows(lt, attn_f, across_nodes=gather_class == INTER)[0]) \
-                if options.idle_link else attn_b
-            shard_ED = shard_placement(owner_E, D)
-            charge = LayerCharge(moe_s=float(lt.forward_B[0] + lt.backward_B[0]), window_s=window,
-                                 backward_window_s=window_b)
-            if bool(lp.gathered_ED.any()):  # what calibration evicted was gathered too
-                gather = cost.gather_time(owner_E, shard_ED | lp.gathered_ED)
-                charge.gather_s = max(0.0, gather - window)
-                br["spag"] += charge.gather_s
-            if bool((lp.hidden_ED | lp.calibrated_ED).any()):
-                reduce = cost.gather_time(owner_E, shard_ED | lp.hidden_ED | lp.calibrated_ED)
-                reduce *= 2.0 if lp.rematerialize else 1.0  # fssdp-rm gathers again before it
-                charge.reduce_s = max(0.0, reduce - window_b)
-                br["spag"] += charge.reduce_s
-                if gather_class == ar_class:  # the replica reduce shares the all-reduce's links
-                    reduce_hidden = min(reduce, window_b)
-            if options.idle_link:
-                idle = max(0.0, float(lt.forward_B[0] - lt.busy_forward_B2[0, gather_class]))
-                if l + 1 < L:
-                    window_L[l + 1] = overlap_window(attn_f, idle)
-            gaps_L.append(attn_b + float(lt.backward_B[0] - lt.busy_backward_B2[0, ar_class]) - reduce_hidden)
-            if bool(lp.calibrated_ED.any()):
-                charge.calibration_s = cost.gather_time(owner_E, shard_ED | lp.calibrated_ED)
-                br["spag"] += charge.calibration_s
-            if charges is not None:
-                if l == 0:
-                    charges.append([])
-                charges[-1].append(charge)
-            if bool(lp.shadow_ED.any()):
-                bcast = cost.broadcast_time(owner_E, shard_ED | lp.shadow_ED)
-                br["rearr"] += bcast
-                br["ar"] += bcast
-            if bool(lp.persistent_ED.any()):
-                holders_ED = shard_ED | lp.persistent_ED
-                groups_KD = holders_ED[holders_ED.sum(1) > 1]
-                br["ar"] += cost.allreduce_time(groups_KD, torch.full((groups_KD.shape[0], ), psi))
-                persistent_D += lp.persistent_ED.sum(0).double()
-            ephemeral_LD[l] = lp.ephemeral_ED.sum(0).double()
-            if s >= setup.load_window:
-                mean_rows = float(rows_D.double().mean())
-                straggler.append(float(rows_D.max()) / mean_rows if mean_rows > 0 else 1.0)
-                inter_bytes += 4.0 * lt.links.inter_total
-                replicas += float(lp.ephemeral_ED.sum() + lp.persistent_ED.sum()) / L
-                dedup_saved += 4.0 * lt.saved_bytes
-                for counts, deg in zip(degree_counts, lt.degrees[0]):
-                    counts[deg] = counts.get(deg, 0) + 1
-
+            idle = self._layer(s, l, tokens_LED, br, idle, decisions=decisions, charges=charges,
+                               ephemeral_LD=ephemeral_LD, persistent_D=persistent_D, backward_L=backward_L,
+                               gaps_L=gaps_L, layer_degrees=layer_degrees)
         br["comp"] += setup.extra_compute_s
         # Layer 0's backward runs last: the dense all-reduce can hide under the others'.
-        if options.grad_gaps:  # each layer's share issued after its backward, sent in the gaps below
-            br["ar"] += drain_in_gaps([dense_ar_s / L] * L, gaps_L[::-1])
+        if self.options.grad_gaps:  # each layer's share issued after its backward, sent in the gaps below
+            br["ar"] += drain_in_gaps([self.dense_ar_s / L] * L, gaps_L[::-1])
         else:
-            br["ar"] += max(0.0, dense_ar_s - (sum(backward_L) - backward_L[0]))
+            br["ar"] += max(0.0, self.dense_ar_s - (sum(backward_L) - backward_L[0]))
         if degrees is not None:
             degrees.append(layer_degrees)
-        owned_D = torch.bincount(owner_LE.flatten(), minlength=D).double() * P
+        self._optimizer_and_memory(br, ephemeral_LD, persistent_D)
+        if s >= setup.load_window:
+            self.counted += 1
+            for k in CATEGORIES:
+                self.totals[k] += br[k]
+            self.step_s.append(sum(br.values()))
+
+    def _reshard(self, s: int, br: dict) -> None:
+        D, P = self.D, self.setup.shape.params
+        attn_f, L = self.setup.attention_fwd_s, self.setup.num_layers
+        for reshard in migrations(self.inputs.migrators, s, self.loads.predict_all(), self.owner_LE,
+                                  clock=self.rule.reshard_clock(self.window_L, [attn_f] * L)):
+            copies = reshard.copies_M4
+            if copies.shape[0]:
+                traffic_DD = torch.zeros(D * D, dtype=torch.float64).index_add_(
+                    0, copies[:, 2] * D + copies[:, 3],
+                    torch.full((copies.shape[0], ), float(MIGRATE_BYTES * P), dtype=torch.float64)).view(D, D)
+                br["rearr"] += self.cost.transfer_time(traffic_DD)
+                self.migrated += copies.shape[0]
+            self.owner_LE = reshard.owner_LE
+
+    def _layer(self, s: int, l: int, tokens_LED: np.ndarray, br: dict, idle: float, *, decisions, charges,
+               ephemeral_LD, persistent_D, backward_L: list, gaps_L: list, layer_degrees: list) -> float:
+        """Plan, price and charge layer ``l``; returns the time its forward leaves the gather's link free."""
+        setup, options, cost, sched = self.setup, self.options, self.cost, self.sched
+        L, D, attn_f = setup.num_layers, self.D, setup.attention_fwd_s
+        attn_b = 2.0 * attn_f
+        owner_E, planner = self.owner_LE[l], self.planners[l]
+        window = overlap_window(attn_f, idle, early=options.idle_link)
+        # t from the window the last step's schedule left, unless given (then the setup's, as
+        # without the idle link: the planner's configured overlap degree)
+        clock = self.rule.clock(float(self.window_L[l]), attn_f)
+        tokens_ED = self.policy.route(torch.from_numpy(tokens_LED[l].astype(np.int64)))
+        if self.foresight:
+            self.loads.foresee(l, tokens_ED)
+        placement_ED, overlap_t = planner.pre_gating_t(owner_E, clock)
+        lp = planner.post_gating(owner_E, placement_ED, tokens_ED, clock, overlap_t=overlap_t)
+        plan_EDD = planner.dispatch_dense(lp, tokens_ED)
+        planner.observe(tokens_ED)
+        if decisions is not None:
+            if l == 0:
+                decisions.append([])
+            decisions[-1].append((owner_E.clone(), placement_ED.clone(), lp.placement_ED.clone()))
+
+        rows_D = plan_EDD.sum((0, 1))
+        lt = sched.layer(plan_EDD.sum(0).double().numpy()[None])
+        moe_s = float(lt.moe_B[0] + lt.side_B[0])
+        br["comp"] += attn_f + attn_b + moe_s
+        backward_L.append(attn_b + moe_s * 2.0 / 3.0)
+        br["a2a"] += float(lt.forward_B[0] + lt.backward_B[0]) - moe_s
+        layer_degrees.append(lt.degrees[0])
+        window_b = float(sched.reduce_windows(lt, attn_f, across_nodes=self.gather_class == INTER)[0]) \
+            if options.idle_link else attn_b
+        charge = LayerCharge(moe_s=float(lt.forward_B[0] + lt.backward_B[0]), window_s=window,
+                             backward_window_s=window_b)
+        reduce_hidden = self._charge_replicas(owner_E, lp, charge, br, persistent_D)
+        if options.idle_link:
+            idle = max(0.0, float(lt.forward_B[0] - lt.busy_forward_B2[0, self.gather_class]))
+            if l + 1 < L:
+                self.window_L[l + 1] = overlap_window(attn_f, idle)
+        gaps_L.append(attn_b + float(lt.backward_B[0] - lt.busy_backward_B2[0, self.ar_class]) - reduce_hidden)
+        if charges is not None:
+            if l == 0:
+                charges.append([])
+            charges[-1].append(charge)
+        ephemeral_LD[l] = lp.ephemeral_ED.sum(0).double()
+        if s >= setup.load_window:
+            mean_rows = float(rows_D.double().mean())
+            self.straggler.append(float(rows_D.max()) / mean_rows if mean_rows > 0 else 1.0)
+            self.inter_bytes += 4.0 * lt.links.inter_total
+            self.replicas += float(lp.ephemeral_ED.sum() + lp.persistent_ED.sum()) / L
+            self.dedup_saved += 4.0 * lt.saved_bytes
+            for counts, deg in zip(self.degree_counts, lt.degrees[0]):
+                counts[deg] = counts.get(deg, 0) + 1
+        return idle
+
+    def _charge_replicas(self, owner_E, lp, charge: LayerCharge, br: dict, persistent_D) -> float:
+        """[spag] the replicas' gather past its window, their reduce past the backward's and
+        calibration's gather into ``charge`` and ``br``; FasterMoE's shadows ([rearr], [ar]) and
+        FlexMoE's slots' all-reduce ([ar]). Returns what of the reduce hides on the all-reduce's links."""
+        cost, D = self.cost, self.D
+        shard_ED = shard_placement(owner_E, D)
+        reduce_hidden = 0.0
+        if bool(lp.gathered_ED.any()):  # what calibration evicted was gathered too
+            gather = cost.gather_time(owner_E, shard_ED | lp.gathered_ED)
+            charge.gather_s = max(0.0, gather - charge.window_s)
+            br["spag"] += charge.gather_s
+        if bool((lp.hidden_ED | lp.calibrated_ED).any()):
+            reduce = cost.gather_time(owner_E, shard_ED | lp.hidden_ED | lp.calibrated_ED)
+            reduce *= 2.0 if lp.rematerialize else 1.0  # fssdp-rm gathers again before it
+            charge.reduce_s = max(0.0, reduce - charge.backward_window_s)
+            br["spag"] += charge.reduce_s
+            if self.gather_class == self.ar_class:  # the replica reduce shares the all-reduce's links
+                reduce_hidden = min(reduce, charge.backward_window_s)
+        if bool(lp.calibrated_ED.any()):
+            charge.calibration_s = cost.gather_time(owner_E, shard_ED | lp.calibrated_ED)
+            br["spag"] += charge.calibration_s
+        if bool(lp.shadow_ED.any()):
+            bcast = cost.broadcast_time(owner_E, shard_ED | lp.shadow_ED)
+            br["rearr"] += bcast
+            br["ar"] += bcast
+        if bool(lp.persistent_ED.any()):
+            holders_ED = shard_ED | lp.persistent_ED
+            groups_KD = holders_ED[holders_ED.sum(1) > 1]
+            br["ar"] += cost.allreduce_time(groups_KD, torch.full((groups_KD.shape[0], ),
+                                                                  float(self.setup.shape.expert_bytes)))
+            persistent_D += lp.persistent_ED.sum(0).double()
+        return reduce_hidden
+
+    def _optimizer_and_memory(self, br: dict, ephemeral_LD, persistent_D) -> None:
+        """[opt] the busiest rank's optimizer step, and the peak of model-state memory."""
+        setup, hw, P, L, D = self.setup, self.setup.hw, self.setup.shape.params, self.setup.num_layers, self.D
+        owned_D = torch.bincount(self.owner_LE.flatten(), minlength=D).double() * P
         updated_D = setup.dense_params + owned_D + persistent_D * P
         br["opt"] += float(updated_D.max()) * OPT_TRAFFIC_BYTES / hw.hbm_bw
-
-        if rm and L > 1:
+        if self.rm and L > 1:
             replica_D = (ephemeral_LD[:-1] + ephemeral_LD[1:]).max(0).values * P
         else:
-            replica_D = ephemeral_LD.sum(0) * P if not rm else ephemeral_LD[0] * P
-        stateful_D = setup.dense_params + owned_D + reserved
+            replica_D = ephemeral_LD.sum(0) * P if not self.rm else ephemeral_LD[0] * P
+        stateful_D = setup.dense_params + owned_D + self.reserved
         param_D = PARAM_BYTES * (stateful_D + replica_D)
         grad_D = GRAD_BYTES * (stateful_D + replica_D)
         opt_D = OPT_BYTES * stateful_D
         total_D = param_D + grad_D + opt_D
         d = int(torch.argmax(total_D))
-        if float(total_D[d]) > peak_total:
-            peak_total = float(total_D[d])
-            peak_memory = {"param": float(param_D[d]), "grad": float(grad_D[d]), "opt": float(opt_D[d])}
+        if float(total_D[d]) > self.peak_total:
+            self.peak_total = float(total_D[d])
+            self.peak_memory = {"param": float(param_D[d]), "grad": float(grad_D[d]), "opt": float(opt_D[d])}
 
-        if s >= setup.load_window:
-            counted += 1
-            for k in CATEGORIES:
-                totals[k] += br[k]
-            step_s.append(sum(br.values()))
-    return PolicyResult(policy=name, iteration_s=sum(totals.values()) / counted,
-                        breakdown_s={k: v / counted for k, v in totals.items()}, memory_bytes=peak_memory,
-                        straggler=float(np.mean(straggler)), inter_node_gb=inter_bytes / counted / 1e9,
-                        replicas_per_layer=replicas / counted, migrated_experts=migrated, budget=budget,
-                        step_s=step_s, dedup_saved_gb=dedup_saved / counted / 1e9,
-                        degrees={"forward": dict(sorted(degree_counts[0].items())),
-                                 "backward": dict(sorted(degree_counts[1].items()))})
+    def result(self) -> PolicyResult:
+        counted = self.counted
+        return PolicyResult(policy=self.name, iteration_s=sum(self.totals.values()) / counted,
+                            breakdown_s={k: v / counted for k, v in self.totals.items()},
+                            memory_bytes=self.peak_memory, straggler=float(np.mean(self.straggler)),
+                            inter_node_gb=self.inter_bytes / counted / 1e9, replicas_per_layer=self.replicas / counted,
+                            migrated_experts=self.migrated, budget=self.budget, step_s=self.step_s,
+                            dedup_saved_gb=self.dedup_saved / counted / 1e9,
+                            degrees={"forward": dict(sorted(self.degree_counts[0].items())),
+                                     "backward": dict(sorted(self.degree_counts[1].items()))})
