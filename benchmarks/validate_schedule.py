@@ -45,6 +45,7 @@ import platform
 import statistics
 import sys
 import tempfile
+from unittest import mock
 
 import torch
 import torch.multiprocessing as mp
@@ -153,9 +154,10 @@ def run_arm(args, rank, policy, degree, upfront):
     torch.manual_seed(args.seed)
     model = GPTMoE(model_cfg(args, GPTMoEConfig))
     spec = model.moe_layers()[0].spec
-    engine, *_ = ds_fssdp.initialize(model=model, config=ds_config(args, policy, degree))
-    for layer in engine.fssdp.shards:
-        layer.timings.enabled = True  # the spans are what this script measures (no refits here)
+    from ds_fssdp.runtime.stage import FSSDPStage
+    # The layers record their spans (what this script measures) though no refit reads them here.
+    with mock.patch.object(FSSDPStage, "_times_layers", lambda self: True):
+        engine, *_ = ds_fssdp.initialize(model=model, config=ds_config(args, policy, degree))
     data = batches(args, rank)
     measured, loads, chosen, rounds = [], [], [], []
     for step in range(args.warmup + args.steps):

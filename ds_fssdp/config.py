@@ -13,8 +13,9 @@ from typing import Annotated, Any, Literal, Mapping, Optional, Union
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, ValidationError
 
+from ds_fssdp.defaults import DISPATCH_SLACK, POLICIES, SMARTMOE_INTERVAL  # noqa: F401 (POLICIES: re-exported)
+
 SECTION = "fssdp"
-POLICIES = ("fssdp", "ep", "uniform", "fastermoe", "smartmoe")
 PLACEMENTS = ("joint", "paper")
 _AUTO_KEYS = ("materialization_budget", "overlap_degree")
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
@@ -88,7 +89,7 @@ class FSSDPConfig(DeepSpeedConfigModel):
     destination, two hops across nodes; every rank takes the same degrees). 1 (or
     both directions 1): the unchunked exchange. Results equal degree 1 up to fp32 summation order."""
 
-    smartmoe_interval: StrictInt = Field(25, ge=1)
+    smartmoe_interval: StrictInt = Field(SMARTMOE_INTERVAL, ge=1)
     """Policy ``smartmoe``: re-permute experts every this many optimizer steps."""
 
     hardware: Optional[HardwareConfig] = None
@@ -162,7 +163,7 @@ class FSSDPConfig(DeepSpeedConfigModel):
     exchange over the links, from ``hardware`` or measured), or ``paper`` (Algorithm 3: local,
     same node, all holders, split evenly)."""
 
-    dispatch_slack: Annotated[Union[StrictFloat, StrictInt], Field(ge=0)] = 0.03
+    dispatch_slack: Annotated[Union[StrictFloat, StrictInt], Field(ge=0)] = DISPATCH_SLACK
     """``balanced`` dispatch: the busiest rank may compute this fraction more rows than the best
     possible, so fewer tokens leave their node. On the shared trace (8 ranks, 2 nodes, m = 2):
     slack 0 gives straggler 1.002 and 1.9% of tokens across nodes, 0.03 gives 1.033 and 0.9%

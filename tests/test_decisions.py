@@ -4,12 +4,14 @@ runtime's decisions, step by step: owners (re-shards, SmartMoE's
 permutations), pre-gating placements, the final placements after calibration or shadowing,
 calibration's t and acceptance, the clock (t, latency budget), the dispatch plans (digest, rows
 per rank, rank-to-rank traffic), the exchange (pipeline degrees and one copy per destination,
-retaken from the recorded schedule costs and row sizes). Every runtime policy, the RM variant, the placements and dispatch
-modes, on 4 ranks in 2 logical nodes, in one spawn, and gradient accumulation 2 under ZeRO 1 with
-re-shards, calibration and "auto" t. Negative controls perturb one function on the replay's side
-(the window-to-t rule, the re-shard's relabelling, a price) or one recorded decision, and the check
-must name a difference. This is the guard against the copies of the per-step chain drifting apart
-again."""
+retaken from the recorded schedule costs and row sizes). Every runtime policy, the RM variant, the
+placements and dispatch modes, on 4 ranks in 2 logical nodes, in one spawn, and gradient
+accumulation 2 under ZeRO 1 with re-shards, calibration and "auto" t. Both simulators in their real
+mode (t from their modelled windows, calibration, SmartMoE's or Algorithm 2's re-shards, the
+cluster engine at ZeRO 1) make the decisions derived from their own inputs. Negative controls
+perturb one function on one side (the replay's window-to-t rule, relabelling, a price; the
+simulator's clock rule or re-shards) or one recorded decision, and the check must name a
+difference. This is the guard against the copies of the per-step chain drifting apart again."""
 import dataclasses
 import os
 import tempfile
@@ -318,3 +320,122 @@ def test_check_refuses_what_it_cannot_derive(runs, tmp_path, capsys):
     assert "after optimizer step 3" in capsys.readouterr().err
     assert main([str(tmp_path / "groups"), "--check", "--budget", "3"]) == 2
     assert "--budget" in capsys.readouterr().err
+
+
+def _sim_setup(trace, **overrides):
+    from ds_fssdp.planner.cost import ExpertShape, Hardware
+    from ds_fssdp.sim.setup import Setup
+    from ds_fssdp.topology import Topology
+    m, (S, L, E, D) = trace.meta, trace.tokens_SLED.shape
+    return Setup(**dict(dict(topology=Topology(num_ranks=D, ranks_per_node=m["ranks_per_node"]),
+                             hw=Hardware(flops=1e9, intra_bw=1e9, inter_bw=1.5e8),
+                             shape=ExpertShape(hidden=16, ffn=24, matrices=2, param_bytes=4), num_layers=L,
+                             num_experts=E, tokens_per_gpu=64, attention_flops_per_token=1e3, dense_params=1000,
+                             overlap_degree=2, budget=2, budget_rm=2, flexmoe_slots=0, reshard_interval=2,
+                             smartmoe_interval=2, calibration=True, load_window=2), **overrides))
+
+
+def _replay_of_simulated(trace, captured, windows_SL, attention_s, monkeypatch):
+    """The replay's decisions from the simulator's inputs: its settings, its windows (the clock's
+    inputs), its prices (the cost object it decided with), the trace's counts, a step per row."""
+    from ds_fssdp.report.replay import ReplaySettings, replay
+    from ds_fssdp.sim.traces import Trace
+    settings, cost = captured["settings"], captured["cost"]
+    s = ReplaySettings(policy=settings.policy, budget=settings.budget, overlap_degree=settings.overlap_degree,
+                       window=trace.meta["load_window"], ranks_per_node=trace.meta["ranks_per_node"],
+                       placement=settings.placement, dispatch=settings.dispatch,
+                       dispatch_slack=settings.dispatch_slack, reshard_interval=settings.reshard_interval,
+                       calibration=settings.calibration, calibration_latency_budget=settings.calibration_latency_budget,
+                       smartmoe_interval=settings.smartmoe_interval, rematerialize=settings.rematerialize)
+    monkeypatch.setattr(ReplaySettings, "cost_model", lambda self, topology: cost)
+    S, L = trace.tokens_SLED.shape[:2]
+    inputs = {"optimizer_step": np.arange(S), "agreed_window_s": windows_SL,
+              "agreed_attention_s": np.full((S, L), attention_s)}
+    return replay(Trace(trace.tokens_SLED, trace.meta, inputs), s)
+
+
+def _simulated_and_derived(trace, monkeypatch, *, engine, policy, zero, perturb=None):
+    """Run a simulator in its real mode on ``trace``'s counts (``perturb``: "t", its clock rule from
+    half its window, or "no-reshard", in the simulator only) and the replay on the simulator's inputs; returns
+    the simulator's (owner, placed, held) arrays, the replay, the settings and the windows."""
+    import ds_fssdp.planner.layer as layer_mod
+    from ds_fssdp.planner.inputs import ClockRule
+    sim_mod = __import__(f"ds_fssdp.sim.{'simulate' if engine == 'paper' else 'cluster'}", fromlist=["x"])
+    S, L = trace.tokens_SLED.shape[:2]
+    setup = _sim_setup(trace, zero_stage=zero)
+    captured, windows, calls = {}, np.full((S, L), np.nan), []
+    factory, pre = sim_mod.planner_inputs, layer_mod.LayerPlanner.pre_gating_t
+
+    class Recording(ClockRule):  # the window the simulator hands its clock rule (under "t": half of it used)
+        def clock(self, window_s=None, attention_s=None, **kw):
+            captured["window"] = window_s
+            if perturb == "t" and window_s is not None:
+                window_s, attention_s = window_s / 2, None if attention_s is None else attention_s / 2
+            return ClockRule.clock(self, window_s, attention_s, **kw)
+
+    def spy_inputs(settings, **kw):
+        captured.update(settings=settings, cost=kw["cost"])
+        inputs = factory(settings, **kw)
+        inputs = dataclasses.replace(inputs, clock_rule=Recording(**dataclasses.asdict(inputs.clock_rule)))
+        if perturb == "no-reshard":
+            inputs = dataclasses.replace(inputs, migrators=[])
+        return inputs
+
+    def spy_pre(self, owner_E, clock=None):  # the layer's clock is the rule's last call
+        calls.append((self.layer, captured["window"] if clock.window_s is not None else None))
+        return pre(self, owner_E, clock)
+    monkeypatch.setattr(sim_mod, "planner_inputs", spy_inputs)
+    monkeypatch.setattr(layer_mod.LayerPlanner, "pre_gating_t", spy_pre)
+    decisions = []
+    if engine == "paper":
+        from ds_fssdp.sim.simulate import simulate_policy
+        simulate_policy(policy, setup, trace.tokens_SLED, decisions=decisions)
+    else:
+        from ds_fssdp.sim.cluster import PolicyRun
+        run = PolicyRun(policy, setup, decisions=decisions)
+        for step in range(S):
+            run.step(step, trace.tokens_SLED[step])
+    monkeypatch.setattr(layer_mod.LayerPlanner, "pre_gating_t", pre)
+    assert len(calls) == S * L  # one group: one pre-gating per layer and step
+    for i, (l, w) in enumerate(calls):
+        windows[i // L, l] = np.nan if w is None else w
+    rep = _replay_of_simulated(trace, captured, windows, setup.attention_fwd_s, monkeypatch)
+    got = {key: np.stack([[layer[i].numpy() for layer in step] for step in decisions])
+           for key, i in (("decision_owner", 0), ("decision_placed", 1), ("decision_held", 2))}
+    return got, rep, captured["settings"], windows
+
+
+REAL_MODE = [("paper", "smartmoe", 0), ("paper", "fssdp", 0), ("cluster", "fssdp", 1)]
+
+
+@pytest.mark.parametrize("engine,policy,zero", REAL_MODE)
+def test_simulators_in_their_real_mode_decide_as_derived(runs, monkeypatch, engine, policy, zero):
+    """Both simulators in their real mode (FSSDP's t from each layer's modelled window, searched by
+    time; calibration on; SmartMoE's permutation (its fixed t, as published) or Algorithm 2
+    re-sharding every 2 steps; the cluster engine at ZeRO 1) on the runtime's recorded counts make
+    the decisions the replay derives from the simulator's own inputs (its settings, windows and
+    prices) through the runtime's functions: owners, pre-gating and final placements, step by step.
+    The simulators step once per trace row (they model no gradient accumulation)."""
+    trace = runs["smartmoe-reshard"]["trace"]
+    got, rep, settings, windows = _simulated_and_derived(trace, monkeypatch, engine=engine, policy=policy, zero=zero)
+    # SmartMoE runs as published: its fixed t (the simulators price its exchange without the idle link)
+    assert settings.overlap_degree == ("auto" if policy == "fssdp" else 2) and settings.calibration
+    assert np.isfinite(windows).all() == (policy == "fssdp")
+    for key, value in got.items():
+        np.testing.assert_array_equal(value, rep.decisions[key], err_msg=f"{engine} {policy}: {key}")
+    owners = rep.decisions["decision_owner"]
+    assert (owners != owners[0]).any(), "no re-shard moved an expert"
+    if policy == "fssdp":  # calibration is FSSDP's
+        assert (rep.decisions["decision_calibration_t"] >= 0).all()
+        assert (rep.decisions["decision_t"] < trace.tokens_SLED.shape[2]).any()  # windows that bind t
+
+
+@pytest.mark.parametrize("engine,policy,zero,perturb", [("paper", "fssdp", 0, "t"), ("cluster", "fssdp", 1, "t"),
+                                                        ("paper", "smartmoe", 0, "no-reshard"),
+                                                        ("cluster", "fssdp", 1, "no-reshard")])
+def test_control_simulator_with_another_rule_differs(runs, monkeypatch, engine, policy, zero, perturb):
+    """Negative control: the simulator alone with another window-to-t rule (t and the search from
+    half its window), or without re-shards, no longer makes the decisions derived from its inputs."""
+    got, rep, _, _ = _simulated_and_derived(runs["smartmoe-reshard"]["trace"], monkeypatch, engine=engine,
+                                            policy=policy, zero=zero, perturb=perturb)
+    assert any((value != rep.decisions[key]).any() for key, value in got.items()), (engine, policy, perturb)

@@ -70,17 +70,15 @@ def _worker(rank, world, cases):
         layers = make_layers(case)
         factors = []
 
-        def with_lora(s):
-            if case.get("lora"):
-                f, s.lora_factors = lora_factors(case)
-                factors[:] = f
+        if case.get("lora"):  # the layer hands its factors to the sharded forward
+            factors, fn = lora_factors(case)
+            layers[0].lora_factors = lambda: fn
 
         shards = attach_shards(layers, placements(case, world, len(layers)), rank=rank,
                                topo=Topology(num_ranks=world, ranks_per_node=case["rpn"]),
                                exchange=groups[case["rpn"]], degrees=case["deg"],
                                options=ShardOptions(rematerialize=case.get("remat", False),
-                                                    one_copy_per_destination=case.get("dedup", True)),
-                               prepare=with_lora)
+                                                    one_copy_per_destination=case.get("dedup", True)))
         out.append(dict(forward_backward(layers, shards, case, rank, H),
                         lora=[f.grad for f in factors] if case.get("lora") else None,
                         dedup=[l.last_stats["a2a_meta_bytes"] > 0 for l in layers],  # routing entries sent
@@ -92,7 +90,8 @@ def _worker(rank, world, cases):
 def _reference(case, world):
     layers = make_layers(case)
     if case.get("lora"):
-        factors, layers[0].lora_factors = lora_factors(case)
+        factors, fn = lora_factors(case)
+        layers[0].lora_factors = lambda: fn
     per_rank = []
     for rank in range(world):
         for layer in layers:

@@ -106,14 +106,13 @@ def _worker(rank, world, cases):
     for case in cases:
         layers = make_layers(case)
         options = ShardOptions(rematerialize=case.get("remat", False), one_copy_per_destination=True,
-                               hierarchical=case.get("hierarchical", True))
+                               hierarchical=case.get("hierarchical", True), side=True)
         shards = attach_shards(layers, [placement(case, world, i) for i in range(len(layers))], rank=rank,
                                topo=Topology(num_ranks=world, ranks_per_node=case["rpn"]),
                                exchange=groups[case["rpn"]], degrees=case["deg"], options=options)
         shared, calls = make_shared(case), [0]
-        for layer, shard, mlp in zip(layers, shards, shared or []):
+        for layer, mlp in zip(layers, shared or []):
             layer.side = SharedSide(mlp, 1.0)
-            shard.side_allowed = True
             own = layer.side._forward
             layer.side._forward = lambda *a, own=own: calls.__setitem__(0, calls[0] + 1) or own(*a)
         x, dy = rank_inputs(case, rank, H)

@@ -26,6 +26,8 @@ exact: transposes, slices and de-interleaving, inverted by :func:`to_hf`.
 """
 from __future__ import annotations
 
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +37,7 @@ from ds_fssdp import ops
 from ds_fssdp.moe.experts import ExpertSpec
 from ds_fssdp.moe.experts_module import FSSDPExperts
 from ds_fssdp.moe.layer import expert_seed
+from ds_fssdp.ops.lora import LoraFactors
 
 LAYOUT_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
 # Gated expert variants tried against a module's ``_apply_gate``, with the constants each needs.
@@ -52,6 +55,18 @@ class UnsupportedExpertsError(ValueError):
 def is_experts_module(module: nn.Module) -> bool:
     """Whether ``module`` follows transformers' experts contract (``use_experts_implementation``)."""
     return all(hasattr(module, f) for f in LAYOUT_FLAGS) and hasattr(type(module), "_apply_gate")
+
+
+def has_peft() -> bool:
+    """Whether PEFT is loaded (a model cannot hold PEFT wrappers otherwise)."""
+    return "peft" in sys.modules
+
+
+def is_param_wrapper(module: nn.Module) -> bool:
+    if not has_peft():
+        return False
+    from peft.tuners.lora.layer import ParamWrapper
+    return isinstance(module, ParamWrapper)
 
 
 @dataclass(frozen=True)
@@ -206,6 +221,41 @@ def _join(gate, up, concatenated):
     return torch.cat([gate, up], -1) if concatenated else torch.stack([gate, up], -1).flatten(-2)
 
 
+# -- LoRA factors in the expert compute (PEFT's wrappers: integrations/peft_lora.py) ------------------
+class ExpertLora:
+    """The active adapters' factors of one experts module, by FSSDP weight name, stacked [E, ...]."""
+
+    def __init__(self, experts: "FSSDPHFExperts", active: dict):
+        E = experts.num_experts
+        layout = experts.layout
+        self.stacks = {}
+        for hf_name, adapters in active.items():
+            for A_w, B_w, scaling in adapters:
+                r = A_w.shape[0] // E
+                a_EIr = A_w.view(E, r, A_w.shape[1]).transpose(1, 2)
+                b_ErO = B_w.view(B_w.shape[0], r, E).permute(2, 1, 0)
+                for name, part_ErO in _fssdp_parts(hf_name, b_ErO, layout):
+                    self.stacks.setdefault(name, []).append((a_EIr, part_ErO, float(scaling)))
+
+    def __call__(self, local_E: torch.Tensor) -> dict:
+        """The factors of the experts computed here, in compute-slot order."""
+        out = {}
+        for name, stacks in self.stacks.items():
+            idx = local_E.to(stacks[0][0].device)
+            out[name] = [LoraFactors(a.index_select(0, idx), b.index_select(0, idx), s) for a, b, s in stacks]
+        return out
+
+
+def _fssdp_parts(hf_name: str, b_ErO: torch.Tensor, layout) -> list:
+    """The FSSDP weights an HF target feeds, with their columns of ``B^T``."""
+    if hf_name == "down_proj":
+        return [("w_down" if layout.gated else "w_b", b_ErO)]
+    if hf_name == "up_proj":
+        return [("w_a", b_ErO)]
+    gate, up = _split(b_ErO, layout.ffn, layout.concatenated)
+    return [("w_gate", gate), ("w_up", up)]
+
+
 def _drop_stand_ins(module, state_dict, prefix, local_metadata) -> None:
     for name in module.stand_ins:
         state_dict.pop(prefix + name, None)
@@ -247,7 +297,6 @@ class FSSDPHFExperts(FSSDPExperts):
         # PEFT's ``target_parameters`` match a converted model too.
         self.is_transposed = layout.transposed
         self._lora_active = {}
-        self.lora_factors = None
         self._adopt_handle = None  # convert's forward pre-hook on the MoE block (peft_lora.adopt_hook)
         # They never enter a state dict, and ``prepare_initialize`` drops them when no PEFT wrapper
         # targets this module (PEFT must be applied before initialize).
@@ -296,41 +345,47 @@ class FSSDPHFExperts(FSSDPExperts):
         return rows_SP
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        return super().forward(hidden_states, top_k_index, top_k_weights).to(hidden_states.dtype)
+
+    def lora_factors(self):
+        """The LoRA factors the PEFT wrappers above made active for this forward (None: none)."""
         active = {name: factors for name, factors in self._lora_active.items() if factors}
-        if active:
-            from ds_fssdp.integrations.peft_lora import ExpertLora
-            self.lora_factors = ExpertLora(self, active)
-        if self.sharded is not None:
-            self.sharded.lora_factors = self.lora_factors
-        try:
-            out_TH = super().forward(hidden_states, top_k_index, top_k_weights)
-        finally:
-            self.lora_factors = None
-            if self.sharded is not None:
-                self.sharded.lora_factors = None
-        return out_TH.to(hidden_states.dtype)
+        return ExpertLora(self, active) if active else None
 
     def prepare_initialize(self, ds_config: dict, fcfg, *, model: nn.Module) -> None:
-        """Called by ``ds_fssdp.initialize`` before any collective: refuses what LoRA on these
-        experts cannot run (``peft_lora.check_config``); without LoRA the PEFT stand-ins go (ZeRO 3
-        would partition them)."""
-        from ds_fssdp.integrations.peft_lora import check_config
-        if not check_config(self, ds_config, fcfg, model=model):
+        """Called by ``ds_fssdp.initialize`` before any collective: where a PEFT wrapper targets
+        these experts, refuses by key what LoRA on them cannot run; without LoRA the PEFT stand-ins
+        go (ZeRO 3 would partition them)."""
+        if not any(is_param_wrapper(m) and m.get_base_layer() is self for m in model.modules()):
             for name in self.stand_ins:
                 self._parameters.pop(name, None)
             self.stand_ins = ()
+            return
+        where = f"LoRA on FSSDP experts ({self.extra_repr()})"
+        if (ds_config.get("zero_optimization") or {}).get("stage", 0) == 3:
+            raise ValueError(f"{where}: zero_optimization.stage (3) is not supported: ZeRO-3 would partition the LoRA "
+                             "factors, which the expert compute reads whole; use stage 0, 1 or 2 (the base experts "
+                             "are sharded by FSSDP either way)")
+        if fcfg.rematerialize:
+            raise ValueError(f"{where}: fssdp.rematerialize (true) is not supported: the re-materializing backward "
+                             "recomputes the expert MLP outside autograd, so the LoRA factors would get no gradient")
 
+    @contextmanager
     def lora(self, param_name: str, factors: list):
         """Context: ``factors`` [(lora_A.weight, lora_B.weight, scaling)] are the active LoRA of the
         HF tensor ``param_name`` for one forward (PEFT's wrappers, ``peft_lora.py``)."""
-        from ds_fssdp.integrations.peft_lora import active_lora
-        return active_lora(self, param_name, factors)
+        self._lora_active[param_name] = factors
+        try:
+            yield
+        finally:
+            self._lora_active.pop(param_name, None)
 
     @property
     def lora_targets(self) -> dict:
         """HF tensor name -> (in, out) features of the projections LoRA may target."""
-        from ds_fssdp.integrations.peft_lora import lora_targets
-        return lora_targets(self.layout)
+        lay = self.layout
+        up = "gate_up_proj" if lay.gated else "up_proj"
+        return {up: (lay.hidden, 2 * lay.ffn if lay.gated else lay.ffn), "down_proj": (lay.ffn, lay.hidden)}
 
     @torch.no_grad()
     def hf_tensors(self, like: torch.Tensor | None = None) -> dict:

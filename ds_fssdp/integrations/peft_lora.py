@@ -40,28 +40,13 @@ recomputes the expert MLP outside autograd); merging is refused while converted.
 """
 from __future__ import annotations
 
-import sys
-from contextlib import contextmanager
-
-import torch
 import torch.nn as nn
 
-from ds_fssdp.integrations.hf_experts import FSSDPHFExperts, _split
-from ds_fssdp.ops.lora import LoraFactors
+# The experts' side of LoRA (their factors in the compute, targets, checks) and PEFT detection live with
+# the experts module (has_peft: also for this module's callers)
+from ds_fssdp.integrations.hf_experts import FSSDPHFExperts, has_peft, is_param_wrapper
 
 BASE_LAYER = "base_layer"
-
-
-def has_peft() -> bool:
-    """Whether PEFT is loaded (a model cannot hold PEFT wrappers otherwise)."""
-    return "peft" in sys.modules
-
-
-def is_param_wrapper(module: nn.Module) -> bool:
-    if not has_peft():
-        return False
-    from peft.tuners.lora.layer import ParamWrapper
-    return isinstance(module, ParamWrapper)
 
 
 def strip_wrappers(name: str) -> str:
@@ -161,73 +146,5 @@ def adopt_hook(child: str, where: str):
     return hook
 
 
-# -- the factors in the expert compute ---------------------------------------------------------
-class ExpertLora:
-    """The active adapters' factors of one experts module, by FSSDP weight name, stacked [E, ...]."""
-
-    def __init__(self, experts: FSSDPHFExperts, active: dict):
-        E = experts.num_experts
-        layout = experts.layout
-        self.stacks = {}
-        for hf_name, adapters in active.items():
-            for A_w, B_w, scaling in adapters:
-                r = A_w.shape[0] // E
-                a_EIr = A_w.view(E, r, A_w.shape[1]).transpose(1, 2)
-                b_ErO = B_w.view(B_w.shape[0], r, E).permute(2, 1, 0)
-                for name, part_ErO in _fssdp_parts(hf_name, b_ErO, layout):
-                    self.stacks.setdefault(name, []).append((a_EIr, part_ErO, float(scaling)))
-
-    def __call__(self, local_E: torch.Tensor) -> dict:
-        """The factors of the experts computed here, in compute-slot order."""
-        out = {}
-        for name, stacks in self.stacks.items():
-            idx = local_E.to(stacks[0][0].device)
-            out[name] = [LoraFactors(a.index_select(0, idx), b.index_select(0, idx), s) for a, b, s in stacks]
-        return out
-
-
-def _fssdp_parts(hf_name: str, b_ErO: torch.Tensor, layout) -> list:
-    """The FSSDP weights an HF target feeds, with their columns of ``B^T``."""
-    if hf_name == "down_proj":
-        return [("w_down" if layout.gated else "w_b", b_ErO)]
-    if hf_name == "up_proj":
-        return [("w_a", b_ErO)]
-    gate, up = _split(b_ErO, layout.ffn, layout.concatenated)
-    return [("w_gate", gate), ("w_up", up)]
-
-
-def lora_targets(layout) -> dict:
-    """HF parameter name -> (in features, out features) of the expert projections LoRA may target."""
-    up = "gate_up_proj" if layout.gated else "up_proj"
-    return {up: (layout.hidden, 2 * layout.ffn if layout.gated else layout.ffn), "down_proj": (layout.ffn, layout.hidden)}
-
-
-def check_config(experts: FSSDPHFExperts, ds_config: dict, fcfg, *, model: nn.Module) -> bool:
-    """Whether a PEFT wrapper targets ``experts``; if so, refuse by key what LoRA on them cannot run."""
-    wrapped = any(is_param_wrapper(m) and m.get_base_layer() is experts for m in model.modules())
-    if not wrapped:
-        return False
-    where = f"LoRA on FSSDP experts ({experts.extra_repr()})"
-    stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
-    if stage == 3:
-        raise ValueError(f"{where}: zero_optimization.stage (3) is not supported: ZeRO-3 would partition the LoRA "
-                         "factors, which the expert compute reads whole; use stage 0, 1 or 2 (the base experts are "
-                         "sharded by FSSDP either way)")
-    if fcfg.rematerialize:
-        raise ValueError(f"{where}: fssdp.rematerialize (true) is not supported: the re-materializing backward "
-                         "recomputes the expert MLP outside autograd, so the LoRA factors would get no gradient")
-    return True
-
-
-@contextmanager
-def active_lora(experts, param_name: str, factors: list):
-    """Make ``factors`` the active LoRA of ``param_name`` for one forward of ``experts``."""
-    experts._lora_active[param_name] = factors
-    try:
-        yield
-    finally:
-        experts._lora_active.pop(param_name, None)
-
-
-__all__ = ["ExpertLora", "adopt", "adopt_hook", "active_lora", "fssdp_wrapper_class", "has_peft", "is_param_wrapper",
-           "lora_targets", "release", "strip_wrappers", "wrapper_chain"]
+__all__ = ["adopt", "adopt_hook", "fssdp_wrapper_class", "has_peft", "is_param_wrapper", "release", "strip_wrappers",
+           "wrapper_chain"]

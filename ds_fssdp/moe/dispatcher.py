@@ -35,17 +35,18 @@ from ds_fssdp.planner.plan import DispatchPlan
 class TokenDispatcher:
 
     def __init__(self, *, group, rank: int, num_experts: int, exchange=None, world: int | None = None,
-                 dedup: bool = False, ranks_per_node: int | None = None):
+                 dedup: bool = False, ranks_per_node: int | None = None, timings=None):
         """``exchange``: the chunked exchange's :class:`~ds_fssdp.moe.pipeline.ExchangeGroups`
         (``run_pipelined``); ``world``: the group's ranks. ``ranks_per_node``: with ``dedup`` and
         several nodes of several ranks, rows cross to a node once, to a relay there, which forwards
-        them inside its node (None: one hop)."""
+        them inside its node (None: one hop). ``timings``: a ``moe.timing.LayerTimings`` timing each
+        exchange (None: untimed)."""
         self.group = group
         self.exchange = exchange
         self.world = world
         self.rank = rank
         self.num_experts = num_experts
-        self.timings = None  # moe.timing.LayerTimings: each exchange timed when set
+        self.timings = timings
         self.dedup = dedup
         self.ranks_per_node = ranks_per_node or 1
 

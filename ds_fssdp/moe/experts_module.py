@@ -112,24 +112,30 @@ class FSSDPExperts(nn.Module):
             return self._folded(x_TH, idx_TK, weights_TK)
         return self._route_and_compute(x_TH, idx_TK, weights_TK, counts_E)
 
+    def lora_factors(self):
+        """This forward's LoRA factors of the experts: a callable local_E -> factors by weight name
+        (``ops.lora``), or None (none; ``integrations/hf_experts.py``: its PEFT wrappers' adapters)."""
+        return None
+
     @property
     def side_ratio(self) -> float:
         """Expert rows per token of the work this layer computes beside its exchange (0: none; the
         block computes its shared experts itself)."""
-        if self.side is None or self.sharded is None or self.fold is not None or not self.sharded.side_allowed:
+        if self.side is None or self.sharded is None or self.fold is not None or not self.sharded.options.side:
             return 0.0
         return self.side.ratio
 
     def _route_and_compute(self, x_TH, idx_TK, weights_TK, counts_E=None) -> tuple:
         if counts_E is None:
             counts_E = torch.bincount(idx_TK.reshape(-1), minlength=self.num_experts)
+        lora = self.lora_factors()
         if self.sharded is None:
             self._check_whole("forward")
-            out_TH, load_E = self._local_forward(x_TH, idx_TK, weights_TK, counts_E), counts_E
+            out_TH, load_E = self._local_forward(x_TH, idx_TK, weights_TK, counts_E, lora), counts_E
         else:
             side = self.side.work(x_TH) if self.side_ratio else None  # the block's input, unfolded
             out_TH, tokens_ED = self.sharded.forward(x_TH, idx_TK, weights_TK, counts_E, observe=self.training,
-                                                     side=side)
+                                                     side=side, lora=lora)
             load_E = None if tokens_ED is None else tokens_ED.sum(1)  # None: a recompute (counted once)
         if self.training and load_E is not None:
             self.observe_load(load_E)
@@ -144,16 +150,15 @@ class FSSDPExperts(nn.Module):
                                                  tp_fold.split(weights_TK, f))
         return tp_fold.gather(out_CH, f, x_TH.shape[0]), load_E
 
-    def _local_forward(self, x_TH, idx_TK, weights_TK, counts_E):
+    def _local_forward(self, x_TH, idx_TK, weights_TK, counts_E, lora=None):
         counts_E = counts_E.cpu()
         r = route(idx_TK, counts_E.view(-1, 1, 1), rank=0, local_E=torch.arange(self.num_experts))
         weights = {name: getattr(self, name) for name in self.spec.names}
         self._local_stats = {"replicas": 0, "expert_bytes": self.spec.numel * weights[self.spec.names[0]].element_size(),
                              "gather_bytes": 0, "reduce_bytes": 0, "tokens_per_rank": [int(counts_E.sum())],
                              "straggler": 1.0, "ep_straggler": 1.0}
-        lora_factors = getattr(self, "lora_factors", None)  # set per forward by integrations/peft_lora.py
         expert_fn = mlp_fn(weights, self.spec.activation, act_params=self.spec.act_params,
-                           lora=lora_factors(torch.arange(self.num_experts)) if lora_factors is not None else None)
+                           lora=lora(torch.arange(self.num_experts)) if lora is not None else None)
         return dispatch_compute_combine(x_TH, weights_TK, r, expert_fn=expert_fn, exchange=local_exchange)
 
     @property

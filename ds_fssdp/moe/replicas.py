@@ -9,7 +9,7 @@ Legend: E experts, D ranks, S owned rows, R replica rows, P elements per expert.
   without what calibration evicted);
 * :meth:`hook_replicas`: when the replicas' gradient exists, their SparseReduceScatter starts;
   :meth:`accumulate_grads` (after the engine's backward) folds everything into ``master.grad``;
-  with gradients in the gaps (``gaps`` set by the stage for the boundary micro-step) the fold
+  with gradients in the gaps (``gaps``: the stage's, on the boundary micro-step) the fold
   happens during the backward instead, when the layer below's expert backward is done
   (:meth:`backward_done_below`, chained by ``above``), and ``gaps`` is told the owned gradient is
   final (the stage starts its EDP reduce);
@@ -86,9 +86,10 @@ class ReplicaManager:
 
     def __init__(self, *, spec: ExpertSpec, owner_E: torch.Tensor, rows_SP: torch.Tensor, topology: Topology,
                  param_group, rank: int, memory: ReplicaMemory, trainable: bool, hierarchical: bool,
-                 rematerialize: bool, records: MicrobatchRecords | None = None):
+                 rematerialize: bool, records: MicrobatchRecords | None = None, gaps=None):
         """``records``: the layer's per-micro-batch records (shared with its ``ShardedExperts``;
-        None: its own)."""
+        None: its own). ``gaps``: gradients in the gaps, a callable returning this micro-step's
+        callable() to call once the owned gradient is final (``StepContext.gaps``), or None."""
         self.spec = spec
         self.topology = topology
         self.param_group = param_group
@@ -106,7 +107,7 @@ class ReplicaManager:
         self.master = self.rows  # the optimizer's copy; fp32 beside low-precision rows
         self.prev = None  # the previous layer's manager (RM: its re-gather starts when this backward is done)
         self.above = None  # the next layer's manager (gradients in the gaps: folded when this backward is done)
-        self.gaps = None  # callable(): owned gradient final this micro-step (set by the stage), or None
+        self.gaps = gaps
         self.records = records if records is not None else MicrobatchRecords()
         self._folded = None  # the fold's statistics once done during the backward
         self.traffic = Traffic(topology.node_D(), rank)
@@ -144,6 +145,12 @@ class ReplicaManager:
         self.land()
         self._landing = landing
         self.landing_s = 0.0
+
+    def stepped(self, *, deferred: bool) -> None:
+        """The optimizer step is done: it left the rows to land at their next use (``deferred``,
+        :meth:`defer`) or wrote them itself (no landing to time next)."""
+        if not deferred:
+            self.landing_s = 0.0
 
     @torch.no_grad()
     def land(self) -> None:
@@ -220,12 +227,15 @@ class ReplicaManager:
         reduce this backward starts has started (else :meth:`accumulate_grads` folds, as without)."""
         if self.gaps is None or self._folded is not None or not self.trainable:
             return
+        gaps = self.gaps()
+        if gaps is None:
+            return
         record = self.records.backward_record()
         expected = record.expected if record is not None else 0
         if not expected or len(self.pending) != expected:
             return
         self._folded = self._fold(None, in_backward=True)
-        self.gaps()
+        gaps()
 
     def drop_for_backward(self, layout) -> None:
         """RM: the replicas of this forward are freed; the backward gathers ``layout`` again."""

@@ -13,8 +13,9 @@ Three parts, each with one job (Megatron-Core's router / dispatcher / experts):
   other than (1, 1) their chunked forms in ``moe/pipeline.py``).
 
 What changes per step (the policy's planner, the clock: t and calibration's latency budget,
-DeepSpeed's timers) comes from ``context()``, a callable the stage passes in; nothing is set on
-a shard from outside.
+DeepSpeed's timers, the gaps' callback) comes from ``context()``, a callable the stage passes in;
+how the layer runs from its ``ShardOptions``; this forward's LoRA factors from the experts
+module's call. Nothing is set on a shard from outside (``tests/test_module_shape.py``).
 
 Per iteration:
 
@@ -73,6 +74,9 @@ class ShardOptions:
     one_copy_per_destination: bool | str = True  # a token crosses to a rank once (moe/dedup.py); with
     # hierarchical and several nodes: to a node once, forwarded inside it; "auto": per layer and step
     # where the schedule's costs say it pays (planner.onecopy.choose_exchange)
+    side: bool = False  # may compute its block's shared experts beside the exchange (moe/side.py): not under
+    # ZeRO-3, whose module hooks gather and release them around the block's own call
+    timed: bool = True  # record the exchange and GEMM spans (moe/timing.py): the stage's cost refits read them
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,9 @@ class StepContext:
     timers: object | None = None  # DeepSpeed's SynchronizedWallClockTimer for the exposed waits
     pipeline_degree: object = (1, 1)  # (forward, backward) chunks of the token exchange, or "auto"
     schedule_costs: ScheduleCosts | None = None  # what "auto" decides from (agreed by every rank)
+    # Gradients in the gaps: called when this micro-step's owned gradient is final (the stage starts
+    # the layer's EDP reduce, runtime/edp_sync.py); None: not this micro-step
+    gaps: Callable[[], None] | None = None
 
 
 def default_context(num_experts: int, topology: Topology, predictor: LoadPredictor, layer: int) -> Callable:
@@ -107,6 +114,18 @@ class _Iteration:
     side: bool = False  # it computed the block's work beside the exchange (moe/side.py)
 
 
+@dataclass
+class _Gathered:
+    """The replicas one forward computes with: the prefetched gather's and what post-gating added."""
+    lp: LayerPlan | None  # post-gating's decision
+    layout: object  # the final replicas' layout
+    replica_RP: torch.Tensor
+    layouts: list  # the layouts the gathers moved (the hidden one, then post-gating's)
+    sent: int  # bytes this rank sent for them
+    exposed_s: float  # the wait for the prefetched gather
+    critical_s: float = 0.0  # post-gating's gather, on the critical path
+
+
 class ShardedExperts:
 
     def __init__(self, *, spec: ExpertSpec, layer_index: int, owner_E: torch.Tensor, rows_SP: torch.Tensor,
@@ -129,28 +148,25 @@ class ShardedExperts:
                                        param_group=group if param_group is None else param_group, rank=self.rank,
                                        memory=memory if memory is not None else ReplicaMemory(), trainable=trainable,
                                        hierarchical=options.hierarchical, rematerialize=options.rematerialize,
-                                       records=self.records)
+                                       records=self.records, gaps=lambda: self.context().gaps)
+        # Exchange, GEMM and whole-layer spans (forward and backward): the cost model's refits.
+        self.timings = LayerTimings(rank=self.rank, ranks_per_node=topology.ranks_per_node, enabled=options.timed)
         if exchange is None:
             exchange = ExchangeGroups(intra=group, inter=None, ranks_per_node=topology.num_ranks)
         self.dispatcher = TokenDispatcher(group=group, rank=self.rank, num_experts=E, exchange=exchange,
                                           world=topology.num_ranks, dedup=options.one_copy_per_destination is True,
-                                          ranks_per_node=topology.ranks_per_node if options.hierarchical else None)
-        # Exchange, GEMM and whole-layer spans (forward and backward): the cost model's refits.
-        self.timings = LayerTimings(rank=self.rank, ranks_per_node=topology.ranks_per_node)
-        self.dispatcher.timings = self.timings
-        self.next = None  # the following MoE layer (prefetch chain, :func:`chain`)
+                                          ranks_per_node=topology.ranks_per_node if options.hierarchical else None,
+                                          timings=self.timings)
+        self.next = self.prev = None  # the following and preceding MoE layers (prefetch chain, :func:`chain`)
         self.is_last = True
         self._gather = None  # (placement_ED, t, layout, SparseAllGather) started for the next forward
         self.stats = {}
         self.measured_window_s = None  # this rank's moving average of the overlap window (schedule.overlap_window)
         self.measured_attention_s = None  # and of its attention part alone (the replica reduce's window)
         self._prefetch_t = None
-        self._early_end_t = None  # when the previous layer's expert compute ended, if it started this gather
+        self._started_next = None  # (the next layer's gather, when this compute ended): this forward started it
         self.last_tokens_ED = None  # the last training forward's all-gathered counts (trace recording)
         self.last_decision = None  # and what it decided
-        # Whether this layer may compute its block's shared experts beside the exchange (moe/side.py):
-        # set by the stage at attach (not under ZeRO-3, whose module hooks gather and release them).
-        self.side_allowed = False
 
     # -- the owned state (the replica manager's) --------------------------------------------------
     owner_E = property(lambda self: self.replicas.owner_E)
@@ -171,24 +187,24 @@ class ShardedExperts:
         if self._gather is not None:
             return
         self._prefetch_t = time.perf_counter()
-        self._early_end_t = None
         placement_ED, t = self.plan_placement(self.context())
         layout = self.replicas.layout(placement_ED)
         self._gather = (placement_ED, t, layout, self.replicas.start_gather(layout))
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, x_TH: torch.Tensor, idx_TK: torch.Tensor, weights_TK: torch.Tensor, counts_E: torch.Tensor, *,
-                observe: bool = True, side=None) -> tuple:
+                observe: bool = True, side=None, lora=None) -> tuple:
         """Returns ``(out_TH, tokens_ED)``; ``tokens_ED`` is None for a recompute. ``observe``: feed
         this iteration's loads to the predictor (a training forward). ``side``: the block's work
         beside the exchange (``moe.side.SideWork``; priced into the degrees, computed and delivered
-        at a chunked exchange, left to the block at degree 1), or None.
+        at a chunked exchange, left to the block at degree 1), or None. ``lora``: this forward's
+        LoRA factors, a callable local_E -> factors by weight name (``ops.lora``), or None.
 
         A forward run inside a backward pass (activation checkpointing recomputing its segment)
         is not a new iteration: it replays the last recorded forward of this layer (same route,
         same replicas, re-gathered under RM) and plans, observes and prefetches nothing."""
         if torch._C._current_graph_task_id() != -1 and self._recorded():
-            return self._replay(x_TH, idx_TK, weights_TK, side), None
+            return self._replay(x_TH, idx_TK, weights_TK, side, lora), None
         ctx = self.context()
         self.replicas.land()  # the step's EDP all-gather, where no prefetch's gather landed it
         gate_idx_TK = idx_TK
@@ -197,47 +213,85 @@ class ShardedExperts:
                                    rank=self.rank)
             idx_TK, counts_E = g.idx_TK, g.counts_E
         self.prefetch()
-        # The window that hid this gather (one function, planner/schedule.overlap_window): the
-        # previous layer's exchange + expert compute when it started the gather, then the attention.
-        now, early_end = time.perf_counter(), self._early_end_t
+        window, early_s, early_end = self._measure_window()
+        (placed_ED, overlap_t, layout, gather), self._gather = self._gather, None
+        grouped = self.dispatcher.group_by_expert(idx_TK)  # before the waits: needs no plan
+        tokens_ED = self.dispatcher.all_gather_counts(counts_E)
+        got = self._replicas_for(ctx, gather, placed_ED, layout, tokens_ED, overlap_t)
+        plan = ctx.planner.dispatch(got.lp, tokens_ED)
+        token_bytes = x_TH.shape[1] * x_TH.element_size()
+        traffic_DD = functools.cache(lambda: plan.traffic_DD().numpy())  # what "auto" decides from, once
+        side_ratio = 0.0 if side is None else side.ratio
+        degrees, one_copy = self._exchange(ctx, traffic_DD, token_bytes=token_bytes, top_k=idx_TK.shape[1],
+                                           weight_bytes=weights_TK.element_size(), side_ratio=side_ratio)
+        r = self.dispatcher.route(idx_TK, plan, local_E=got.layout.local_E, grouped=grouped, dedup=one_copy,
+                                  degrees=degrees)
+        out_TH, early_next = self._compute(x_TH, weights_TK, r, got, gate_idx_TK=gate_idx_TK, observe=observe,
+                                           degrees=degrees, side=side, lora=lora)
+        prediction_error = float("nan")  # of the loads the plan assumed
+        if observe:
+            prediction_error = ctx.planner.observe(tokens_ED)
+            self.last_tokens_ED = tokens_ED
+            self.last_decision = Decision.of(self.owner_E, placed_ED, got.lp, plan, ctx.clock, degrees, one_copy,
+                                             overlap_t=overlap_t, schedule_costs=ctx.schedule_costs,
+                                             row_bytes=(token_bytes, weights_TK.element_size()),
+                                             side_ratio=side_ratio)
+        self.stats = self._stats(got, plan, tokens_ED, token_bytes=token_bytes, prediction_error=prediction_error,
+                                 window=window, overlap_t=overlap_t, ctx=ctx)
+        self.stats["pipeline_degree_fwd"], self.stats["pipeline_degree_bwd"] = degrees
+        self.stats["one_copy"] = int(one_copy)
+        self.stats["side_overlapped"] = int(side is not None and tuple(degrees) != (1, 1))
+        self.stats.update({"gather_early_s": early_s, "gather_started_early": early_end is not None,
+                           "next_gather_started_early": early_next})
+        self.stats.update(_dedup_stats(r, plan, ranks_per_node=self.topology.ranks_per_node, token_bytes=token_bytes,
+                                       weight_bytes=weights_TK.element_size(), k=idx_TK.shape[1]))
+        return out_TH, tokens_ED
+
+    def _measure_window(self) -> tuple:
+        """``(window, early_s, early_end)``: the window that hid this layer's gather (one function,
+        planner/schedule.overlap_window): the previous layer's exchange + expert compute when it
+        started the gather (``early_s``, ended at ``early_end``; None: it did not), then the
+        attention; folded into this rank's moving averages."""
+        started = self.prev._started_next if self.prev is not None else None
+        now = time.perf_counter()
+        early_end = started[1] if started is not None and started[0] is self._gather else None
         early_s = 0.0 if early_end is None else early_end - self._prefetch_t
         attention = now - (self._prefetch_t if early_end is None else early_end)
         window = overlap_window(attention, early_s)
         m, a = self.measured_window_s, self.measured_attention_s
         self.measured_window_s = window if m is None else 0.9 * m + 0.1 * window
         self.measured_attention_s = attention if a is None else 0.9 * a + 0.1 * attention
-        (placed_ED, overlap_t, layout, gather), self._gather = self._gather, None
-        grouped = self.dispatcher.group_by_expert(idx_TK)  # before the waits: needs no plan
-        tokens_ED = self.dispatcher.all_gather_counts(counts_E)
+        return window, early_s, early_end
+
+    def _replicas_for(self, ctx: StepContext, gather, placed_ED, layout, tokens_ED, overlap_t: int) -> _Gathered:
+        """Wait for the prefetched replicas (the exposed part timed), then post-gating: it returns
+        what it decided, and what it adds is gathered now, on the critical path."""
         t0 = time.perf_counter()
         _timer(ctx.timers, "fssdp_gather_wait", True)
         replica_RP = gather.finish()
         _timer(ctx.timers, "fssdp_gather_wait", False)
-        gather_exposed = time.perf_counter() - t0
-        gather_sent = gather.sent
-        # Post-gating returns what it decided; what it adds is gathered now, on the critical path.
-        lp = ctx.planner.post_gating(self.owner_E, placed_ED, tokens_ED, ctx.clock, overlap_t=overlap_t)
+        exposed_s = time.perf_counter() - t0
+        got = _Gathered(lp=None, layout=layout, replica_RP=replica_RP, layouts=[layout], sent=gather.sent,
+                        exposed_s=exposed_s)
+        got.lp = lp = ctx.planner.post_gating(self.owner_E, placed_ED, tokens_ED, ctx.clock, overlap_t=overlap_t)
         extra_ED = (lp.calibrated_ED | lp.shadow_ED) & ~placed_ED
-        critical_s = 0.0
-        placement_ED = placed_ED
-        gathered = [layout]  # the layouts the gathers moved (the hidden one, then post-gating's)
         if bool(extra_ED.any()):
             t1 = time.perf_counter()
-            placement_ED, layout, replica_RP, delta, extra_sent = self.replicas.gather_now(
+            _, got.layout, got.replica_RP, delta, extra_sent = self.replicas.gather_now(
                 placed_ED, layout, replica_RP, extra_ED, lp.evicted_ED)
-            critical_s = time.perf_counter() - t1
-            gather_sent += extra_sent
-            gathered.append(delta)
+            got.critical_s = time.perf_counter() - t1
+            got.sent += extra_sent
+            got.layouts.append(delta)
         elif lp.evicted_ED is not None:
             raise RuntimeError(f"fssdp layer {self.layer_index}: post-gating evicted replicas without adding any")
-        plan = ctx.planner.dispatch(lp, tokens_ED)
-        token_bytes = x_TH.shape[1] * x_TH.element_size()
-        traffic_DD = functools.cache(lambda: plan.traffic_DD().numpy())  # what "auto" decides from, once
-        side_ratio = 0.0 if side is None else side.ratio
-        degrees, one_copy = self._exchange(ctx, traffic_DD, token_bytes=token_bytes, top_k=idx_TK.shape[1],
-                                           weight_bytes=weights_TK.element_size(), side_ratio=side_ratio)
-        r = self.dispatcher.route(idx_TK, plan, local_E=layout.local_E, grouped=grouped, dedup=one_copy,
-                                  degrees=degrees)
+        return got
+
+    def _compute(self, x_TH, weights_TK, r, got: _Gathered, *, gate_idx_TK, observe: bool, degrees: tuple,
+                 side, lora) -> tuple:
+        """``(out_TH, early_next)``: the exchange and expert compute over this forward's replicas,
+        recorded for its backward (or recompute); the next layer's gather started first where
+        nothing started it yet (``early_next``)."""
+        layout, replica_RP = got.layout, got.replica_RP
         grad = torch.is_grad_enabled()
         # A forward that a backward may follow (or recompute, under checkpointing) is recorded.
         record = grad or observe
@@ -254,9 +308,9 @@ class ShardedExperts:
         if early_next:
             self.next.prefetch()
         out_TH = self._run(x_TH, weights_TK, r, replica_RP, remat=remat, local_E=layout.local_E, degrees=degrees,
-                           other=lambda: self._other_bytes(early_next), side=side)
+                           other=lambda: self._other_bytes(early_next), side=side, lora=lora)
         if early_next:
-            self.next._early_end_t = time.perf_counter()
+            self._started_next = (self.next._gather, time.perf_counter())
         if not record or remat:
             self.replicas.uncount(replica_RP)  # freed with this frame (RM: not saved for backward)
         if record:
@@ -264,34 +318,14 @@ class ShardedExperts:
             mine.iterations.append(_Iteration(gate_idx_TK, r, layout, None if remat else replica_RP, remat, hooked,
                                               degrees, side is not None))
             self.replicas.adopt(mine)  # the replicas its backward keeps alive are counted for it
-        # -- end of replicas on the idle link
-        prediction_error = float("nan")  # of the loads the plan assumed
-        if observe:
-            prediction_error = ctx.planner.observe(tokens_ED)
-            self.last_tokens_ED = tokens_ED
-            self.last_decision = Decision.of(self.owner_E, placed_ED, lp, plan, ctx.clock, degrees, one_copy,
-                                             overlap_t=overlap_t, schedule_costs=ctx.schedule_costs,
-                                             row_bytes=(token_bytes, weights_TK.element_size()),
-                                             side_ratio=side_ratio)
-        self.stats = self._stats(layout, gathered, plan, tokens_ED, lp, gather_exposed=gather_exposed,
-                                 critical_s=critical_s,
-                                 gather_sent=gather_sent, token_bytes=token_bytes,
-                                 prediction_error=prediction_error, window=window, overlap_t=overlap_t, ctx=ctx)
-        self.stats["pipeline_degree_fwd"], self.stats["pipeline_degree_bwd"] = degrees
-        self.stats["one_copy"] = int(one_copy)
-        self.stats["side_overlapped"] = int(side is not None and tuple(degrees) != (1, 1))
-        self.stats.update({"gather_early_s": early_s, "gather_started_early": early_end is not None,
-                           "next_gather_started_early": early_next})
-        self.stats.update(_dedup_stats(r, plan, ranks_per_node=self.topology.ranks_per_node, token_bytes=token_bytes,
-                                       weight_bytes=weights_TK.element_size(), k=idx_TK.shape[1]))
-        return out_TH, tokens_ED
+        return out_TH, early_next
 
     def _recorded(self) -> bool:
         """The micro-batch whose backward runs has a recorded forward left to replay."""
         record = self.records.backward_record()
         return record is not None and bool(record.iterations)
 
-    def _replay(self, x_TH, idx_TK, weights_TK, side=None) -> torch.Tensor:
+    def _replay(self, x_TH, idx_TK, weights_TK, side=None, lora=None) -> torch.Tensor:
         """The recompute of the micro-batch in backward's last recorded forward (its oldest in
         flight; moe/records.py): same route and replicas, new autograd graph (and its work beside
         the exchange again, where it ran there)."""
@@ -306,7 +340,7 @@ class ShardedExperts:
         elif torch.is_grad_enabled() and self.trainable and not it.hooked:
             self.replicas.hook_replicas(replica_RP, it.layout)  # the first pass ran without a graph (reentrant)
         return self._run(x_TH, weights_TK, it.route, replica_RP, remat=it.remat, local_E=it.layout.local_E,
-                         degrees=it.degrees, side=side if it.side else None)
+                         degrees=it.degrees, side=side if it.side else None, lora=lora)
 
     def _other_bytes(self, early_next: bool) -> tuple:
         """Bytes of the replicas' collectives in flight during this layer's timed forward and
@@ -344,17 +378,18 @@ class ShardedExperts:
                                  weight_bytes=weight_bytes, two_hops=self.options.hierarchical, side_ratio=side_ratio)
 
     def _run(self, x_TH, weights_TK, r, replica_RP, *, remat: bool, local_E, degrees: tuple,
-             other=None, side=None) -> torch.Tensor:
+             other=None, side=None, lora=None) -> torch.Tensor:
         """Degree (1, 1): today's ``compute.dispatch_compute_combine`` (the block computes its
         side work itself); otherwise the chunked pipeline (``moe/pipeline.py``) over the same
         weights, with ``side`` computed beside the exchange. ``other``: the timing's other bytes
-        (:meth:`_other_bytes`)."""
+        (:meth:`_other_bytes`). ``lora``: the forward's LoRA factors (:meth:`forward`; refused
+        at initialize with rematerialize, whose backward recomputes the MLP outside autograd)."""
         plain = r.route if isinstance(r, DedupRoute) else r  # the timing's units: rows per assignment
+        lora = lora(local_E) if lora is not None else None  # of the experts computed here
         if tuple(degrees) == (1, 1):
-            expert_fn = self._expert_fn(replica_RP, remat=remat, local_E=local_E)
+            expert_fn = self._expert_fn(replica_RP, remat=remat, lora=lora)
             return self.timings.layer(lambda x: self.dispatcher.run(x, weights_TK, r, expert_fn=expert_fn), x_TH,
                                       plain, other=other)
-        lora = self.lora_factors(local_E) if getattr(self, "lora_factors", None) is not None else None
         experts = PipelineExperts(spec=self.spec, rows=self.rows, replica=replica_RP, lora=lora,
                                   source=self.replicas if remat else None)
         side_rows = 0.0 if side is None else side.ratio * float(x_TH.shape[0])
@@ -362,12 +397,9 @@ class ShardedExperts:
                                                                           degrees=tuple(degrees), side=side),
                                   x_TH, plain, other=other, side_rows=side_rows)
 
-    def _expert_fn(self, replica_RP, *, remat: bool, local_E: torch.Tensor):
-        """The expert function over the owned rows and this forward's replicas (``local_E``: the
-        experts this rank computes, owned then replicas)."""
-        # LoRA factors of those experts, set per forward by the experts module
-        # (integrations/peft_lora.py); LoRA with rematerialize is refused at initialize.
-        lora = self.lora_factors(local_E) if getattr(self, "lora_factors", None) is not None else None
+    def _expert_fn(self, replica_RP, *, remat: bool, lora):
+        """The expert function over the owned rows and this forward's replicas (``lora``: the LoRA
+        factors of the experts this rank computes, owned then replicas)."""
         if remat:
             rows, spec, source = self.rows, self.spec, self.replicas
             return self.timings.expert_fn(lambda xg, sizes: RematExpertMLP.apply(xg, rows, replica_RP, source, spec,
@@ -383,8 +415,9 @@ class ShardedExperts:
         self.stats.update(self.replicas.accumulate_grads(self.context().timers))  # drops its record
 
     # -- the record ----------------------------------------------------------------------------
-    def _stats(self, layout, gathered, plan, tokens_ED, lp: LayerPlan, *, gather_exposed, critical_s, gather_sent,
-               token_bytes, prediction_error, window, overlap_t: int, ctx: StepContext) -> dict:
+    def _stats(self, got: _Gathered, plan, tokens_ED, *, token_bytes, prediction_error, window, overlap_t: int,
+               ctx: StepContext) -> dict:
+        layout, gathered, lp = got.layout, got.layouts, got.lp
         rows_D = plan.rows_D().double()
         moved_intra, moved_inter = plan.moved(self.topology.ranks_per_node)
         ep_rows_D = torch.zeros_like(rows_D).index_add_(0, self.owner_E, tokens_ED.sum(1).double())
@@ -397,9 +430,9 @@ class ShardedExperts:
             "gather_bytes": sum(g.added_pairs for g in gathered) * psi,
             "gather_bytes_intra": sum(g.intra_pairs for g in gathered) * psi,
             "gather_bytes_inter": sum(g.inter_pairs for g in gathered) * psi,
-            "gather_bytes_sent_local": gather_sent,
-            "gather_exposed_s": gather_exposed + critical_s,
-            "post_gating_gather_s": critical_s,
+            "gather_bytes_sent_local": got.sent,
+            "gather_exposed_s": got.exposed_s + got.critical_s,
+            "post_gating_gather_s": got.critical_s,
             "reduce_bytes": 0,
             "reduce_bytes_sent_local": 0,
             "reduce_exposed_s": 0.0,
@@ -424,6 +457,10 @@ class ShardedExperts:
         if ctx.planner.policy.name == "fastermoe":
             stats["shadowed"] = int(lp.shadow_ED.any(1).sum())
         return stats
+
+    def clear_record(self) -> None:
+        """The trace took the last training forward's record (the stage records each once)."""
+        self.last_tokens_ED = self.last_decision = None
 
     # -- state -----------------------------------------------------------------------------------
     def set_owners(self, owner_E: torch.Tensor, *, rows: torch.Tensor, master: torch.Tensor) -> None:
@@ -457,7 +494,7 @@ def chain(shards: list) -> None:
     """The prefetch chain, in model order: each layer starts the next one's gather when its
     forward is done, and (RM) each one's backward starts the previous one's re-gather."""
     for prev, nxt in zip(shards, shards[1:]):
-        prev.next = nxt
+        prev.next, nxt.prev = nxt, prev
         nxt.replicas.prev = prev.replicas
         prev.replicas.above = nxt.replicas  # gradients in the gaps: each backward completes the layer above
         prev.is_last = False

@@ -67,14 +67,14 @@ class _Stamp(torch.autograd.Function):
 class LayerTimings:
     """The last ``capacity`` spans of each kind of one layer on this rank."""
 
-    def __init__(self, *, rank: int, ranks_per_node: int, capacity: int = 64):
+    def __init__(self, *, rank: int, ranks_per_node: int, capacity: int = 64, enabled: bool = True):
         self.rank = rank
         self.ranks_per_node = ranks_per_node
         self.spans = {k: deque(maxlen=capacity) for k in KINDS}  # (units, start, end[, minus])
         self._a2a_seen = 0  # exchanges recorded so far (spans["a2a"] keeps the last ``capacity``)
-        # Off: every method runs its function untimed (the stage switches it off when no refit
-        # reads the spans: fixed degrees, costs from fssdp.hardware, cost_refresh_interval 0).
-        self.enabled = True
+        # Off: every method runs its function untimed (the stage builds its layers with it off when no
+        # refit reads the spans: fixed degrees, costs from fssdp.hardware, cost_refresh_interval 0).
+        self.enabled = enabled
 
     def samples(self, kind: str) -> list:
         """[(units, seconds)] of ``kind``, oldest first."""

@@ -214,18 +214,3 @@ class _FlowFill:
         self.rem[x0, d0] -= k
         return True
 
-
-TIME_SLACKS = (0.0, 0.02, 0.05, 0.1, 0.2)
-
-
-def time_balanced_dispatch(placement_ED: torch.Tensor, tokens_ED: torch.Tensor, topology: Topology, *,
-                           cost, slacks=TIME_SLACKS) -> torch.Tensor:
-    """Balance modelled rank *time* (expert compute + token exchange over intra- and inter-node
-    links, ``planner.cost``), not only rows: among the row-balanced plans with the cap ``slacks``
-    above the bound (a looser cap moves fewer tokens, across nodes last) and Algorithm 3's
-    locality-first plan, return the one with the least modelled layer time (ties: the first)."""
-    from ds_fssdp.planner.dispatch import paper_dispatch
-    candidates = [balanced_dispatch(placement_ED, tokens_ED, topology, slack=s) for s in slacks]
-    candidates.append(paper_dispatch(placement_ED, tokens_ED, topology))
-    times = [cost.layer_time(plan) for plan in candidates]
-    return candidates[min(range(len(times)), key=times.__getitem__)]

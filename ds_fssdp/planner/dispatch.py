@@ -15,7 +15,7 @@ import torch
 
 from ds_fssdp.planner import fast
 from ds_fssdp.planner.plan import DispatchPlan
-from ds_fssdp.planner.balance import balanced_dispatch, time_balanced_dispatch
+from ds_fssdp.planner.balance import balanced_dispatch
 from ds_fssdp.topology import Topology
 
 
@@ -50,6 +50,21 @@ def dispatch_plan(placement_ED: torch.Tensor, tokens_ED: torch.Tensor, topology:
         return fast.dispatch_compact(placement_ED, tokens_ED, topology, mode == "balanced", slack)  # checks shapes
     return DispatchPlan.from_dense(placement_ED, dispatch(placement_ED, tokens_ED, topology, mode=mode, cost=cost,
                                                           slack=slack))
+
+
+TIME_SLACKS = (0.0, 0.02, 0.05, 0.1, 0.2)
+
+
+def time_balanced_dispatch(placement_ED: torch.Tensor, tokens_ED: torch.Tensor, topology: Topology, *,
+                           cost, slacks=TIME_SLACKS) -> torch.Tensor:
+    """Balance modelled rank *time* (expert compute + token exchange over intra- and inter-node
+    links, ``planner.cost``), not only rows: among the row-balanced plans with the cap ``slacks``
+    above the bound (a looser cap moves fewer tokens, across nodes last) and Algorithm 3's
+    locality-first plan, return the one with the least modelled layer time (ties: the first)."""
+    candidates = [balanced_dispatch(placement_ED, tokens_ED, topology, slack=s) for s in slacks]
+    candidates.append(paper_dispatch(placement_ED, tokens_ED, topology))
+    times = [cost.layer_time(plan) for plan in candidates]
+    return candidates[min(range(len(times)), key=times.__getitem__)]
 
 
 def paper_dispatch(placement_ED: torch.Tensor, tokens_ED: torch.Tensor, topology: Topology) -> torch.Tensor:

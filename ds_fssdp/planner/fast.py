@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from deepspeed.utils import logger
 
 from ds_fssdp.planner.plan import DispatchPlan
 from ds_fssdp.topology import Topology
@@ -23,6 +22,8 @@ try:
     from ds_fssdp.planner import _fastplan
 except ImportError:  # a source tree used without `pip install`
     _fastplan = None
+    # DeepSpeed's logger only here: the planner (and the report's replay on it) needs no DeepSpeed
+    from deepspeed.utils import logger
     logger.info("ds_fssdp: the planner's C extension is not built; planning uses the Python reference "
                 "(correct, but milliseconds per layer). `pip install -e .` builds it.")
 

@@ -18,7 +18,7 @@ import argparse
 import glob
 import sys
 
-from ds_fssdp.config import POLICIES
+from ds_fssdp.defaults import POLICIES
 from ds_fssdp.report.render import find_trace, render
 
 

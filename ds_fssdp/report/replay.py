@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ds_fssdp.defaults import DISPATCH_SLACK, SMARTMOE_INTERVAL
 from ds_fssdp.planner import CostModel, ExpertShape, Hardware, LoadPredictor, homogeneous_owner
 from ds_fssdp.planner.inputs import build_policies
 from ds_fssdp.planner.layer import migrations
@@ -52,11 +53,11 @@ class ReplaySettings:
     ranks_per_node: int | None = None  # None: one node
     placement: str = "paper"  # the runtime's default
     dispatch: str = "balanced"
-    dispatch_slack: float = 0.03  # FSSDPConfig's default
+    dispatch_slack: float = DISPATCH_SLACK
     reshard_interval: int = 0
     calibration: bool = False
     calibration_latency_budget: float | None = None  # None: the agreed window
-    smartmoe_interval: int = 25  # FSSDPConfig's default
+    smartmoe_interval: int = SMARTMOE_INTERVAL
     rematerialize: bool = False
     hardware: dict | None = None  # the run's cost model: Hardware's fields
     expert_shape: dict | None = None  # and ExpertShape's

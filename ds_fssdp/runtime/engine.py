@@ -34,7 +34,7 @@ from ds_fssdp.runtime import pipeline
 from ds_fssdp.runtime.sequence_parallel import sequence_parallel_size, sp_grad_scale
 from ds_fssdp.runtime.tensor_parallel import attach_fold, tensor_parallel_size, tp_grad_scale
 from ds_fssdp.runtime.stage import FSSDPStage
-from ds_fssdp.runtime.zero3 import prepare_layers as prepare_zero3
+from ds_fssdp.runtime.zero3 import prepare_layers as prepare_zero3, zero_stage
 
 # DeepSpeed's own initialize, captured at import: integrations may route deepspeed.initialize to
 # ds_fssdp.initialize (the HF Trainer looks it up at call time), and this must not recurse.
@@ -116,7 +116,8 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
         grad_scale = sp_grad_scale(ds_config, world=world, sp=sp) if tp == 1 else tp_grad_scale(world=world, tp=tp)
     stage = FSSDPStage(layers, fcfg, groups.topology, group=groups.tokens, param_group=groups.params,
                        edp_group=groups.edp, grad_scale=grad_scale, exchange=groups.exchange,
-                       dp_group=layout.dp_group if pipe else None, pipe_group=layout.pipe_group if pipe else None)
+                       dp_group=layout.dp_group if pipe else None, pipe_group=layout.pipe_group if pipe else None,
+                       zero_stage=zero_stage(ds_config))
     stage.groups = groups
     if pipe:
         stage.layout, stage.global_layers, stage.num_global_layers = layout, global_layers, total

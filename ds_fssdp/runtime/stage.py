@@ -60,7 +60,7 @@ class FSSDPStage:
 
     def __init__(self, layers: list, config: FSSDPConfig, topology: Topology, group, *, param_group=None,
                  edp_group=None, src_rank: int = 0, grad_scale: float | None = None, exchange=None,
-                 dp_group=None, pipe_group=None):
+                 dp_group=None, pipe_group=None, zero_stage: int = 0):
         """``group``: this rank's FSSDP group (token exchange; None: the world), ``param_group``: the
         same ranks for the sparse collectives, ``edp_group``: the ranks at this rank's position in
         every FSSDP group (None: one group), ``topology``: the FSSDP group's nodes, ``grad_scale``:
@@ -68,7 +68,8 @@ class FSSDPStage:
         chunked token exchange's groups (``runtime/groups.build_exchange_groups``; None: ``group``
         for every pair). Pipeline parallelism (``runtime/pipeline.py``): ``dp_group`` the stage's
         data-parallel ranks (None: the world), ``pipe_group`` the pipeline (norms); no layers: a
-        stage without MoE layers, which joins the step's collectives."""
+        stage without MoE layers, which joins the step's collectives. ``zero_stage``: DeepSpeed's
+        ZeRO stage for the dense parameters (checked against the engine's at :meth:`attach`)."""
         self.layers = list(layers)
         self.config = config
         self.topology = topology
@@ -76,14 +77,27 @@ class FSSDPStage:
         self.param_group = group if param_group is None else param_group
         self.edp_group = edp_group
         self.dp_group, self.pipe_group = dp_group, pipe_group
-        self.world = dist.get_world_size(group=dp_group)  # the data-parallel ranks: gradients are averaged over them
-        self.group_size = dist.get_world_size(group=group)  # ranks of this FSSDP group (owners)
-        self.edp_size = dist.get_world_size(group=edp_group) if edp_group is not None else 1
-        self.group_index = dist.get_rank(group=dp_group) // self.group_size
+        self.zero_stage = zero_stage
+        self._init_sizes(grad_scale)
+        self._check_same_experts()
+        self._init_decisions()
+        self._init_step_state()
+        self.predictor = LoadPredictor([l.num_experts for l in self.layers], window=config.load_window)
+        self.memory = ReplicaMemory()
+        for i, layer in enumerate(self.layers):
+            layer.attach_sharded(self._shard(i, layer, src_rank=src_rank, exchange=exchange))
+        chain(self.shards)
+
+    def _init_sizes(self, grad_scale) -> None:
+        """The data-parallel, FSSDP and EDP sizes, this rank's FSSDP group, DeepSpeed's gradient scale."""
+        self.world = dist.get_world_size(group=self.dp_group)  # data-parallel ranks: gradients are averaged over them
+        self.group_size = dist.get_world_size(group=self.group)  # ranks of this FSSDP group (owners)
+        self.edp_size = dist.get_world_size(group=self.edp_group) if self.edp_group is not None else 1
+        self.group_index = dist.get_rank(group=self.dp_group) // self.group_size
         # Pipeline parallelism (set by initialize): the PipelineLayout, each layer's index among all
         # stages' MoE layers and their number (checkpoints key experts by it), micro-batches in flight
-        self.layout, self.global_layers, self.num_global_layers, self.in_flight = None, list(range(len(layers))), \
-            len(layers), 1
+        self.layout, self.global_layers, self.num_global_layers, self.in_flight = None, list(range(len(self.layers))), \
+            len(self.layers), 1
         self.groups = None  # runtime.groups.FSSDPGroups when built by ds_fssdp.initialize
         # Summed expert gradients times this at the step: DeepSpeed's data-parallel average (its
         # divisor is W / s under Ulysses SP, runtime/sequence_parallel.py).
@@ -91,12 +105,11 @@ class FSSDPStage:
         if self.group_size * self.edp_size != self.world:
             raise ValueError(f"FSSDP group ({self.group_size} ranks) x EDP group ({self.edp_size}) != world "
                              f"({self.world})")
-        self.predictor = LoadPredictor([l.num_experts for l in self.layers], window=config.load_window)
-        self.memory = ReplicaMemory()
+
+    def _init_decisions(self) -> None:
+        """What the layers' decisions are made from, built in :meth:`attach`."""
+        config = self.config
         self.budget = None if config.materialization_budget == "auto" else config.materialization_budget  # m; attach
-        options = ShardOptions(uniform=config.policy == "uniform", rematerialize=config.rematerialize,
-                               hierarchical=config.topology_aware,
-                               one_copy_per_destination=config.one_copy_per_destination)
         # What each layer's forward asks its stage for (``_context``), built in attach.
         self.planners = []  # LayerPlanner per layer
         self.inputs = None  # planner.inputs.PlannerInputs: the policy, who re-shards, the clock rule
@@ -108,6 +121,7 @@ class FSSDPStage:
         # Gradients in the gaps: each layer's EDP reduce slice and the split flag for the next step
         # (runtime/edp_sync.py), built in attach.
         self.edp_sync = None
+        self._gaps = False  # this micro-step's backward starts the EDP reduces (before_backward)
         self._gaps_started = []  # layers whose EDP reduce started during this step's backward
         self._edp_reduce_s = 0.0  # the step's wait for the EDP reduces still in flight
         # The schedule's fitted costs (runtime/costfit.py): measured at attach, refitted every
@@ -115,30 +129,8 @@ class FSSDPStage:
         self.cost_fit = None
         self._steps_seen = 0
         self.timers = None
-        for i, layer in enumerate(self.layers):
-            if not isinstance(layer, FSSDPExperts):
-                raise TypeError(f"FSSDPStage takes FSSDPExperts modules (FSSDPMoE is one), got {type(layer).__name__}")
-            trainable = layer.trainable
-            layer.router_bias_update_rate = float(config.router_bias_update_rate)
-            owner_E, owned_E = initial_ownership(layer.num_experts, group_size=self.group_size,
-                                                 group_rank=dist.get_rank(group=group))
-            # Rows a loader already read for this rank, or fresh rows of a lazy layer's own experts:
-            # nothing moves (every rank of every group has its own).
-            rows_SP = layer.initial_rows(owner_E, owned_E, group_rank=dist.get_rank(group=group))
-            if rows_SP is None:
-                full_EP = layer.expert_rows()
-                # Every owner starts from rank src_rank's initial values (of the first FSSDP group), as
-                # DeepSpeed broadcasts the dense ones from rank 0 (a group of one rank owns them all).
-                rows_SP = full_EP if self.group_size == 1 else scatter_rows(full_EP, owner_E, src=src_rank,
-                                                                             group=group)
-                if edp_group is not None:
-                    dist.broadcast(rows_SP, src=dist.get_global_rank(edp_group, 0), group=edp_group)
-            layer.attach_sharded(ShardedExperts(spec=layer.spec, layer_index=i, owner_E=owner_E, rows_SP=rows_SP,
-                                                topology=topology, group=group, param_group=self.param_group,
-                                                predictor=self.predictor, options=options, memory=self.memory,
-                                                trainable=trainable, context=lambda l=i: self._context(l),
-                                                exchange=exchange))
-        chain(self.shards)
+
+    def _init_step_state(self) -> None:
         self.optimizer = None
         self.expert_state = None  # ReplicatedExperts | PartitionedExperts (runtime/expert_dp.py), set in attach
         self.norm = None
@@ -146,20 +138,52 @@ class FSSDPStage:
         self.steps = 0
         self.profile = {}
         self.trace = None
-        self.health = NonFiniteGuard(config.nonfinite)  # non-finite losses/gradients (runtime/health.py)
+        self.health = NonFiniteGuard(self.config.nonfinite)  # non-finite losses/gradients (runtime/health.py)
         self.trace_at_forward = False  # the pipeline engine records each forward's trace entry itself
         # Who writes the trace, where: rank 0 (under pipeline parallelism each stage's first rank, runtime/pipeline.py)
-        self.trace_file = config.trace_path if dist.get_rank() == 0 else None
-        same_E = len({l.num_experts for l in self.layers}) <= 1
-        if config.reshard_interval and not same_E:
-            raise FSSDPConfigError(f"fssdp.reshard_interval ({config.reshard_interval}) needs the same number of "
-                                   f"experts in every MoE layer, got {[l.num_experts for l in self.layers]}")
-        if config.trace_path and not same_E:
-            raise FSSDPConfigError(f"fssdp.trace_path ({config.trace_path!r}) needs the same number of experts in "
-                                   f"every MoE layer, got {[l.num_experts for l in self.layers]}")
-        if config.policy in ("fastermoe", "smartmoe") and not same_E:
-            raise FSSDPConfigError(f"fssdp.policy ({config.policy!r}) needs the same number of experts in every MoE "
-                                   f"layer, got {[l.num_experts for l in self.layers]}")
+        self.trace_file = self.config.trace_path if dist.get_rank() == 0 else None
+
+    def _shard(self, i: int, layer, *, src_rank: int, exchange) -> ShardedExperts:
+        """Layer ``i``'s experts sharded over this rank's FSSDP group: its owned rows from a loader,
+        fresh, or scattered from ``src_rank``."""
+        if not isinstance(layer, FSSDPExperts):
+            raise TypeError(f"FSSDPStage takes FSSDPExperts modules (FSSDPMoE is one), got {type(layer).__name__}")
+        config, group = self.config, self.group
+        layer.router_bias_update_rate = float(config.router_bias_update_rate)
+        owner_E, owned_E = initial_ownership(layer.num_experts, group_size=self.group_size,
+                                             group_rank=dist.get_rank(group=group))
+        # Rows a loader already read for this rank, or fresh rows of a lazy layer's own experts:
+        # nothing moves (every rank of every group has its own).
+        rows_SP = layer.initial_rows(owner_E, owned_E, group_rank=dist.get_rank(group=group))
+        if rows_SP is None:
+            full_EP = layer.expert_rows()
+            # Every owner starts from rank src_rank's initial values (of the first FSSDP group), as
+            # DeepSpeed broadcasts the dense ones from rank 0 (a group of one rank owns them all).
+            rows_SP = full_EP if self.group_size == 1 else scatter_rows(full_EP, owner_E, src=src_rank, group=group)
+            if self.edp_group is not None:
+                dist.broadcast(rows_SP, src=dist.get_global_rank(self.edp_group, 0), group=self.edp_group)
+        # ZeRO-3's module hooks gather and release a module's weights around its own call: its blocks
+        # compute their shared experts themselves (moe/side.py).
+        options = ShardOptions(uniform=config.policy == "uniform", rematerialize=config.rematerialize,
+                               hierarchical=config.topology_aware,
+                               one_copy_per_destination=config.one_copy_per_destination, side=self.zero_stage < 3,
+                               timed=self._times_layers())
+        return ShardedExperts(spec=layer.spec, layer_index=i, owner_E=owner_E, rows_SP=rows_SP, topology=self.topology,
+                              group=group, param_group=self.param_group, predictor=self.predictor, options=options,
+                              memory=self.memory, trainable=layer.trainable, context=lambda l=i: self._context(l),
+                              exchange=exchange)
+
+    def _check_same_experts(self) -> None:
+        """What needs the same number of experts in every MoE layer (refused before any collective)."""
+        if len({l.num_experts for l in self.layers}) <= 1:
+            return
+        counts = [l.num_experts for l in self.layers]
+        for key, on in (("reshard_interval", bool(self.config.reshard_interval)),
+                        ("trace_path", bool(self.config.trace_path)),
+                        ("policy", self.config.policy in ("fastermoe", "smartmoe"))):
+            if on:
+                raise FSSDPConfigError(f"fssdp.{key} ({getattr(self.config, key)!r}) needs the same number of "
+                                       f"experts in every MoE layer, got {counts}")
 
     @property
     def shards(self) -> list:
@@ -187,11 +211,11 @@ class FSSDPStage:
         elif engine.fp16_enabled():
             dtype = torch.float16
         zero_stage = int(engine.zero_optimization_stage())
+        if zero_stage != self.zero_stage:  # the layers were built for the config's (side work, moe/side.py)
+            raise RuntimeError(f"fssdp: DeepSpeed runs ZeRO stage {zero_stage}, the stage was built for "
+                               f"{self.zero_stage}")
         for shard in self.shards:
             shard.use_precision(dtype, engine.device)
-            # ZeRO-3's module hooks gather and release a module's weights around its own call: its
-            # blocks compute their shared experts themselves (moe/side.py)
-            shard.side_allowed = zero_stage < 3
         self.expert_state = make_expert_state(self.shards, zero_stage=zero_stage,
                                               edp_group=self.edp_group, edp_size=self.edp_size,
                                               edp_rank=self.group_index)
@@ -204,7 +228,7 @@ class FSSDPStage:
                                     grads_in_gaps=self.config.grads_in_gaps, cost=self.cost,
                                     partitioned=self.expert_state.partitioned, optimizer=self.optimizer,
                                     ranks_per_node=self.topology.ranks_per_node)
-        if self._schedule_decided() and self.config.hardware is None and self.layers:
+        if self._measures_costs():
             # The schedule's costs measured here, agreed and fitted (runtime/costfit.py); with
             # fssdp.hardware they come from it instead (policy_setup.py), and nothing is measured.
             self.cost_fit = costfit.measure(group=self.group, topology=self.topology, spec=self.layers[0].spec,
@@ -215,9 +239,6 @@ class FSSDPStage:
             self.profile["schedule_costs"] = dataclasses.asdict(self.schedule_costs)
             logger.info(f"fssdp: schedule costs fitted {self.schedule_costs} (relative error "
                         f"{self.cost_fit.error:.3f})")
-        refits = self.cost_fit is not None and bool(self.config.cost_refresh_interval)
-        for shard in self.shards:
-            shard.timings.enabled = refits  # the spans feed the refits only
         if engine.wall_clock_breakdown():
             self.timers = engine.timers
         if self.trace_file and self.layers:
@@ -262,10 +283,8 @@ class FSSDPStage:
     def before_backward(self, boundary: bool) -> None:
         """Gradients in the gaps (``fssdp.grads_in_gaps``), on the accumulation boundary only: each
         layer's EDP reduce starts when its owned gradient is final during this backward."""
-        gaps = bool(self.config.grads_in_gaps and boundary and self.expert_state is not None)
+        self._gaps = bool(self.config.grads_in_gaps and boundary and self.expert_state is not None)
         self._gaps_started = []
-        for i, shard in enumerate(self.shards):
-            shard.replicas.gaps = (lambda i=i: self._start_gap_reduce(i)) if gaps else None
 
     def _start_gap_reduce(self, i: int) -> None:
         nbytes = self.edp_sync.layer_slice_bytes(i)
@@ -282,7 +301,7 @@ class FSSDPStage:
     def after_backward(self, loss=None) -> None:
         for shard in self.shards:
             shard.accumulate_grads()
-            shard.replicas.gaps = None
+        self._gaps = False
         if self.edp_sync is not None:
             self.edp_sync.record_loads()
         if not self.trace_at_forward:
@@ -297,7 +316,7 @@ class FSSDPStage:
                                           **self._decision_inputs()))
             if clear:
                 for s in self.shards:
-                    s.last_tokens_ED = s.last_decision = None
+                    s.clear_record()
 
     def _decision_inputs(self) -> dict:
         """What this iteration's decisions were made from besides the counts and the recorded costs
@@ -357,8 +376,7 @@ class FSSDPStage:
             self.steps += 1
         self.expert_state.clear_grads()
         for i, shard in enumerate(self.shards):
-            if i not in deferred:  # its rows were written at the step: no landing to time next
-                shard.replicas.landing_s = 0.0
+            shard.replicas.stepped(deferred=i in deferred)
         self.expert_state.split = next_split
         resharded = self.reshard(world_loads) if applied else 0
         self._steps_seen += 1
@@ -436,6 +454,15 @@ class FSSDPStage:
         layer's own degrees price its own, ``moe/sharded.py``)."""
         return float(self.layers[0].side_ratio) if self.layers else 0.0
 
+    def _times_layers(self) -> bool:
+        """Whether the layers record their exchange and GEMM spans: the refits alone read them."""
+        return self._measures_costs() and bool(self.config.cost_refresh_interval)
+
+    def _measures_costs(self) -> bool:
+        """Whether attach measures and fits the schedule's costs (runtime/costfit.py): a decision
+        comes from them and ``fssdp.hardware`` does not give them."""
+        return self._schedule_decided() and self.config.hardware is None and bool(self.layers)
+
     def _schedule_decided(self) -> bool:
         """Whether a layer decision comes from the schedule's costs ("auto" pipeline degrees or one
         copy per destination)."""
@@ -459,7 +486,8 @@ class FSSDPStage:
 
     def _context(self, l: int) -> StepContext:
         return StepContext(planner=self.planners[l], clock=self.clock(l), timers=self.timers,
-                           pipeline_degree=self.pipeline_degree, schedule_costs=self.schedule_costs)
+                           pipeline_degree=self.pipeline_degree, schedule_costs=self.schedule_costs,
+                           gaps=(lambda: self._start_gap_reduce(l)) if self._gaps else None)
 
     def _agree_on_windows(self, device) -> None:
         """Decisions that use the measured attention windows ("auto" t, calibration's budget, the
