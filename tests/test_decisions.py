@@ -347,7 +347,7 @@ def _replay_of_simulated(trace, captured, windows_SL, attention_s, monkeypatch):
                        dispatch_slack=settings.dispatch_slack, reshard_interval=settings.reshard_interval,
                        calibration=settings.calibration, calibration_latency_budget=settings.calibration_latency_budget,
                        smartmoe_interval=settings.smartmoe_interval, rematerialize=settings.rematerialize)
-    monkeypatch.setattr(ReplaySettings, "cost_model", lambda self, topology: cost)
+    monkeypatch.setattr(ReplaySettings, "cost_model", lambda self, topology, costs=None: cost)
     S, L = trace.tokens_SLED.shape[:2]
     inputs = {"optimizer_step": np.arange(S), "agreed_window_s": windows_SL,
               "agreed_attention_s": np.full((S, L), attention_s)}
