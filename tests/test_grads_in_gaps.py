@@ -226,7 +226,8 @@ def _worker(rank, world, runs, steps):
             inputs = _orig(self, attention_s=attention_s, schedule_costs=schedule_costs)
             costs = schedule_costs if schedule_costs is not None else self.cost.schedule_costs()
             decided.append({"inputs": inputs, "attention": list(attention_s), "loads": list(self.loads),
-                            "costs": costs, "bytes": [s.rows.numel() * 4 for s in self.shards]})
+                            "degrees": [s.last_decision.degrees for s in self.shards], "costs": costs,
+                            "bytes": [s.rows.numel() * 4 for s in self.shards]})
             return inputs
 
         patched = {"before_step": before_step, "attach": attach, "after_backward": after_backward,
@@ -496,9 +497,9 @@ def test_the_split_decision_is_the_models_agreed_over_the_edp_group(trained):
     """With a modelled device (``fssdp.hardware``) every step's decision for the next is
     ``split_sync_pays`` (lead 1) on what the stage recorded, per layer: the all-reduce, the
     reduce-scatter and the all-gather of its fp32 gradient at the configured bandwidth and latency,
-    its backward gap (twice its attention window and its last load's idle link in the backward)
-    and forward gap; agreed over the EDP group (split only where every member's model says so), so
-    every member splits the same steps; the first step is never split."""
+    its backward gap (twice its attention window and its last load's idle link in the backward, at
+    the degree it ran at) and forward gap; agreed over the EDP group (split only where every
+    member's model says so), so every member splits the same steps; the first step is never split."""
     from ds_fssdp.planner.schedule import idle_link_s, split_sync_pays
     pays = {}
     for rank in range(WORLD):
@@ -514,10 +515,11 @@ def test_the_split_decision_is_the_models_agreed_over_the_edp_group(trained):
             assert allreduce == [lat + 1.0 / bw * b for b in rec["bytes"]], rec
             assert scatter == gather == [lat + 1.0 / bw * (b / 2) for b in rec["bytes"]], rec
             assert rec["attention"] == [ATTENTION[step][rank // 2]] * 3
-            assert backward == [2.0 * a + idle_link_s(rec["costs"], ld, 1, backward=True)
-                                for a, ld in zip(rec["attention"], rec["loads"])], rec
-            assert forward == [a + idle_link_s(rec["costs"], ld, 1, backward=False)
-                               for a, ld in zip(rec["attention"], rec["loads"])], rec
+            # each layer's gaps at the pipeline degrees it ran at (forward, backward)
+            assert backward == [2.0 * a + idle_link_s(rec["costs"], ld, deg[1], backward=True)
+                                for a, ld, deg in zip(rec["attention"], rec["loads"], rec["degrees"])], rec
+            assert forward == [a + idle_link_s(rec["costs"], ld, deg[0], backward=False)
+                               for a, ld, deg in zip(rec["attention"], rec["loads"], rec["degrees"])], rec
             pays[rank, step] = split_sync_pays(*rec["inputs"], lead=1)
     for rank in range(WORLD):
         run = trained[rank]["z0-decide"]

@@ -21,7 +21,7 @@ from ds_fssdp.sim.memory import budget_for_cap, ep_memory_bytes, optimizer_param
 from ds_fssdp.sim.pipeline import ScheduleOptions
 from ds_fssdp.sim.setup import GRAD_BYTES, OPT_BYTES, Setup, derive_overlap_degree
 from ds_fssdp.sim.simulate import simulate_policy
-from ds_fssdp.sim.sync import exposed_sync, sync_times
+from ds_fssdp.sim.sync import exposed_sync, split_inputs, sync_times
 from ds_fssdp.sim.synth import synthetic_trace
 
 SHAPE = ExpertShape(hidden=512, ffn=2048)
@@ -281,8 +281,9 @@ def test_zero_0_splits_the_experts_sync_where_it_pays(inter_bw, splits):
     owned = np.full(4, 16 * L / 4)  # homogeneous owners, no re-shard
     whole, split = sync_times(setup, 4, owned), sync_times(setup, 4, owned, split_experts=True)
     taken = [sync.forward_gather_s > 0 for sync, _, _ in calls]
-    decided = [split_sync_pays([whole.reduce_s / L] * L, [split.reduce_s / L] * L, [split.forward_gather_s / L] * L,
-                               kw["backward_gaps_L"], kw["forward_gaps_L"], lead=1) for _, kw, _ in calls]
+    owner_LE = np.tile(np.arange(16) % 4, (L, 1))
+    decided = [split_sync_pays(*split_inputs(setup, 4, owner_LE, kw["backward_gaps_L"], kw["forward_gaps_L"]), lead=1)
+               for _, kw, _ in calls]
     assert taken[0] is False  # nothing decided before the first step
     assert taken[1:] == decided[:-1]  # each step as decided after the one before
     assert all(t == splits for t in taken[1:]), taken
@@ -291,3 +292,57 @@ def test_zero_0_splits_the_experts_sync_where_it_pays(inter_bw, splits):
         assert value == pytest.approx(exposed_sync(split if splits else whole, **kw))
         if splits:
             assert value < exposed_sync(whole, **kw)
+
+
+def test_runtime_and_simulator_build_the_split_inputs_in_one_place(monkeypatch):
+    """The split decision's inputs come from ``planner.schedule.split_sync_inputs`` for the runtime
+    (``EDPSyncPlan.split_inputs``) and the cluster simulator (``sim.sync.split_inputs``) alike, and
+    for the same situation (uneven owners: layer i's reduce is its busiest owner's fp32 master
+    gradient; the same gaps, each layer's at the degrees it ran at; the same EDP ring) they are
+    equal: the experts' gradient in fp32, the dense gradients not in it. A caller building its own
+    inputs is not recorded and fails."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import ds_fssdp.runtime.edp_sync as edp_sync
+    import ds_fssdp.sim.sync as sim_sync
+    from ds_fssdp.planner.schedule import split_sync_inputs
+    calls = []
+
+    def recorded(*args, **kw):
+        calls.append(split_sync_inputs(*args, **kw))
+        return calls[-1]
+
+    monkeypatch.setattr(edp_sync, "split_sync_inputs", recorded)
+    monkeypatch.setattr(sim_sync, "split_sync_inputs", recorded)
+    setup, N, L = setup_with(0, ranks=8, ranks_per_node=2, layers=3), 4, 3
+    n = 8 // N  # the EDP group
+    uneven_E = np.r_[np.zeros(7, dtype=np.int64), np.arange(9) % 4]  # rank 0 owns 10 experts
+    owner_LE = np.array([np.arange(16) % 4, uneven_E, np.arange(16) // 4])
+    owned_L = [int(np.bincount(o, minlength=N).max()) for o in owner_LE]
+    assert owned_L == [4, 10, 4]
+    attention, idle = [1e-3, 2e-3, 3e-3], {(True, 3): 5e-4, (False, 2): 7e-4}
+    backward_L = [2.0 * a + idle[True, 3] for a in attention]
+    forward_L = [a + idle[False, 2] for a in attention]
+
+    def ring(nbytes):
+        members = np.tile(np.eye(N, dtype=bool), (1, n))
+        return float(allreduce_links(members, np.full(N, float(nbytes)), ranks_per_node=2).time_B(setup.hw)[0])
+
+    simulated = split_inputs(setup, N, owner_LE, backward_L, forward_L)
+    # the runtime: the same ring as its cost model (a reduce-scatter priced per rank's slice) and gaps
+    cost = SimpleNamespace(edp_reduce_linear=lambda size, partitioned: (lambda b: ring(b * size / 2.0))
+                           if partitioned else ring)
+    monkeypatch.setattr(edp_sync, "idle_link_s", lambda costs, load, degree, backward: idle[backward, degree])
+    shards = [SimpleNamespace(rows=torch.zeros(k * setup.shape.params, dtype=torch.bfloat16)) for k in owned_L]
+    plan = edp_sync.EDPSyncPlan(shards, edp_group=None, edp_size=n, grads_in_gaps=True, cost=cost,
+                                partitioned=False, optimizer=None, ranks_per_node=2)
+    plan.loads, plan.degrees = [object()] * L, [(2, 3)] * L
+    runtime = plan.split_inputs(attention_s=attention, schedule_costs=object())
+    assert len(calls) == 2 and calls == [simulated, runtime]
+    assert runtime == simulated
+    allreduce_L, scatter_L, gather_L, back, fwd = runtime
+    assert allreduce_L == [ring(4.0 * k * setup.shape.params) for k in owned_L]  # fp32, no dense gradients
+    assert scatter_L == gather_L == [ring(2.0 * k * setup.shape.params) for k in owned_L]
+    assert back == backward_L and fwd == forward_L

@@ -596,6 +596,22 @@ def split_sync_exposed(reduce_L, gather_L, backward_gaps_L, forward_gaps_L, *, l
             + drain_before_deadlines(list(gather_L), list(forward_gaps_L), lead=lead))
 
 
+def split_sync_inputs(expert_elems_L, grad_bytes: int, backward_gaps_L, forward_gaps_L, *,
+                      allreduce, reduce_scatter) -> tuple:
+    """:func:`split_sync_pays`'s inputs for a ZeRO 0 step, per layer: the all-reduce, the
+    reduce-scatter and the all-gather (the same bytes) of the experts' gradient reduced over the
+    EDP group, ``expert_elems_L[i]`` elements of layer i per rank in ``grad_bytes`` each (the
+    runtime reduces its experts' fp32 master gradients: 4), and the gaps its layers' schedule
+    leaves (``backward_gaps_L`` / ``forward_gaps_L``, at the degrees each layer runs at).
+    ``allreduce`` / ``reduce_scatter``: seconds of that collective for a gradient of so many
+    bytes per rank. The dense gradients are not in it: DeepSpeed all-reduces them after the
+    backward, before the step, whether ours is split or not (the same seconds after either).
+    The one place the runtime (``runtime/edp_sync.py``) and the simulators build them."""
+    nbytes_L = [float(e) * grad_bytes for e in expert_elems_L]
+    halves_L = [reduce_scatter(b) for b in nbytes_L]
+    return [allreduce(b) for b in nbytes_L], halves_L, list(halves_L), list(backward_gaps_L), list(forward_gaps_L)
+
+
 def split_sync_pays(allreduce_L, reduce_L, gather_L, backward_gaps_L, forward_gaps_L, *, lead: int) -> bool:
     """Whether a gradient all-reduce is slower whole than split around the step
     (:func:`split_sync_exposed` of each: ``allreduce_L`` per layer with nothing to gather, against

@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 from deepspeed import comm as dist
 
-from ds_fssdp.planner.schedule import gap_slice_bytes, idle_link_s, loads_from_traffic, split_sync_pays
+from ds_fssdp.planner.schedule import (gap_slice_bytes, idle_link_s, loads_from_traffic, split_sync_inputs,
+                                       split_sync_pays)
 
 # Expert optimizers a split step may step one layer at a time (expert_dp.py), exactly as in one
 # step of all: torch's keep every state per parameter. DeepSpeed's FusedAdam counts its step in the
@@ -46,9 +47,11 @@ class EDPSyncPlan:
         self.planned = bool(grads_in_gaps) and edp_size > 1 and cost is not None
         # Each layer's gap reduce slice, bytes per rank (None: not planned yet, the default),
         # agreed over the EDP group; and what the next plan is made from (this rank's load of
-        # each layer in the last training forward, planner.schedule.LayerLoad or None).
+        # each layer in the last training forward, planner.schedule.LayerLoad or None, and the
+        # (forward, backward) pipeline degrees it ran at).
         self.slice_bytes = [None] * len(self.shards)
         self.loads = [None] * len(self.shards)
+        self.degrees = [(1, 1)] * len(self.shards)
 
     def layer_slice_bytes(self, i: int) -> int:
         """Layer ``i``'s gap reduce slice in bytes per rank: the planned one, else the documented
@@ -62,6 +65,7 @@ class EDPSyncPlan:
         """After a backward: this rank's load of each layer's last training forward (when planned)."""
         if self.planned:
             self.loads = [self._rank_load(s) for s in self.shards]
+            self.degrees = [(1, 1) if s.last_decision is None else s.last_decision.degrees for s in self.shards]
 
     def _rank_load(self, shard):
         """This rank's load of a layer's last training forward (its plan's traffic), or None."""
@@ -73,16 +77,17 @@ class EDPSyncPlan:
                                   token_bytes=token_bytes)[shard.rank]
 
     def _idle_s(self, schedule_costs, *, backward: bool) -> list:
-        """Each layer's link gap (:func:`idle_link_s` of its last load at degree 1; None without
-        a load), from the costs the schedule is planned with (``schedule_costs``; None: the cost
-        model's)."""
+        """Each layer's link gap (:func:`idle_link_s` of its last load at the pipeline degree it ran
+        at in that direction; None without a load), from the costs the schedule is planned with
+        (``schedule_costs``; None: the cost model's)."""
         costs = schedule_costs if schedule_costs is not None else self.cost.schedule_costs()
-        return [None if ld is None else idle_link_s(costs, ld, 1, backward=backward) for ld in self.loads]
+        return [None if ld is None else idle_link_s(costs, ld, max(1, deg[1 if backward else 0]), backward=backward)
+                for ld, deg in zip(self.loads, self.degrees)]
 
     def plan_slices(self, device, *, split: bool, schedule_costs) -> None:
         """Each layer's EDP reduce slice for the next step: :func:`planner.schedule.gap_slice_bytes`
         over the gap the layer below's backward leaves on the links (:func:`idle_link_s` of its
-        last load at degree 1) and the modelled reduce (a reduce-scatter when partitioned or
+        last load at its degree) and the modelled reduce (a reduce-scatter when partitioned or
         ``split``); the smallest over the EDP group (every member must cut the same slices).
         Without a plan: the fixed default (no collective)."""
         if not self.planned:
@@ -96,21 +101,19 @@ class EDPSyncPlan:
         self.slice_bytes = [int(v) for v in agreed.tolist()]
 
     def split_inputs(self, *, attention_s: list, schedule_costs):
-        """:func:`split_sync_pays`'s inputs for the next step, per layer: the modelled all-reduce,
-        reduce-scatter and all-gather of its fp32 gradient, its backward gap (twice its attention
-        window ``attention_s`` and the link gap of its last load's backward) and forward gap (its
-        window and its forward's link gap). None where one is missing (no attention window or no
-        load yet)."""
+        """:func:`split_sync_inputs` for the next step: each layer's fp32 master gradient reduced
+        over the EDP group at the modelled costs, its backward gap (twice its attention window
+        ``attention_s`` and the link gap of its last load's backward) and forward gap (its window
+        and its forward's link gap). None where one is missing (no attention window or no load yet)."""
         if any(a is None for a in attention_s) or any(ld is None for ld in self.loads):
             return None
         n = self.edp_size
-        whole = self.cost.edp_reduce_linear(n, partitioned=False)
         part = self.cost.edp_reduce_linear(n, partitioned=True)
-        nbytes = [s.rows.numel() * 4 for s in self.shards]
-        halves = [part(b / n) for b in nbytes]  # the reduce-scatter and the all-gather move the same bytes
         backward = [2.0 * a + g for a, g in zip(attention_s, self._idle_s(schedule_costs, backward=True))]
         forward = [a + g for a, g in zip(attention_s, self._idle_s(schedule_costs, backward=False))]
-        return [whole(b) for b in nbytes], halves, list(halves), backward, forward
+        return split_sync_inputs([s.rows.numel() for s in self.shards], 4, backward, forward,
+                                 allreduce=self.cost.edp_reduce_linear(n, partitioned=False),
+                                 reduce_scatter=lambda b: part(b / n))
 
     @property
     def may_split(self) -> bool:

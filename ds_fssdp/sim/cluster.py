@@ -61,7 +61,7 @@ from ds_fssdp.sim.memory import budget_for_cap, ep_memory_bytes, optimizer_param
 from ds_fssdp.planner.materialize import materialize as algorithm1  # the default materializer
 from ds_fssdp.sim.setup import (GRAD_BYTES, MIGRATE_BYTES, OPT_BYTES, OPT_TRAFFIC_BYTES, PARAM_BYTES, Setup,
                                 derive_overlap_degree, sim_settings)
-from ds_fssdp.sim.sync import SyncTimes, exposed_sync, sync_times
+from ds_fssdp.sim.sync import SyncTimes, exposed_sync, split_inputs, sync_times
 from ds_fssdp.planner.schedule import overlap_window, split_sync_pays
 from ds_fssdp.planner.cost import CostModel
 from ds_fssdp.sim.simulate import CATEGORIES, PolicyResult
@@ -225,7 +225,7 @@ class PolicyRun:
                                       for _ in range(B if self.planned else 0))]
         self.world_predictor = LoadPredictor([E] * L, window=setup.load_window)
         self.observed = 0
-        self._sync_cache = {}  # split -> SyncTimes
+        self._sync_cache = {}  # split -> SyncTimes; "ring": the EDP ring's seconds per byte count
         self._split = False  # this step's experts' sync split around the step (decided after the last)
         self.split_steps = 0
         self.count_links = self._count_links()
@@ -338,7 +338,7 @@ class PolicyRun:
         """The iteration's own parts into ``glob`` (extra compute, the exposed sync, the optimizer
         step), the runtime's split decision for the next step, and the slowest group's phases.
         Returns (the slowest group, each rank's owned expert parameters)."""
-        st, hw, P, L, N = self.setup, self.setup.hw, self.setup.shape.params, self.setup.num_layers, self.N
+        st, hw, P, N = self.setup, self.setup.hw, self.setup.shape.params, self.N
         glob["comp"] += st.extra_compute_s
         slowest = int(np.argmax(sum(acc.group_B.values())))
         # With the gaps: each layer's share of the reduce issued after its backward, sent in the gaps
@@ -352,10 +352,9 @@ class PolicyRun:
         if self.planned and self.options.grad_gaps and st.zero_stage == 0:
             # The runtime's decision for the next step (ZeRO 0: the experts' all-reduce whole, or split
             # with each layer updated where its summed gradients land), from this step's gaps.
-            whole, split = self._sync(False), self._sync(True)
-            self._split = split_sync_pays([whole.reduce_s / L] * L, [split.reduce_s / L] * L,
-                                          [split.forward_gather_s / L] * L, acc.gaps_BL[slowest],
-                                          acc.fgaps_BL[slowest], lead=1)
+            inputs = split_inputs(st, self.N, self.owner_LE.numpy(), acc.gaps_BL[slowest], acc.fgaps_BL[slowest],
+                                  memo=self._sync_cache.setdefault("ring", {}))
+            self._split = split_sync_pays(*inputs, lead=1)
         owned_N = np.bincount(self.owner_LE.numpy().ravel(), minlength=N).astype(np.float64) * P
         glob["opt"] += float(optimizer_params(st, owned_N, N).max()) * OPT_TRAFFIC_BYTES / hw.hbm_bw
         # the slowest group's forward and backward and the iteration's own parts, per step (sim/stages.py)

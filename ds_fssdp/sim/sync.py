@@ -10,8 +10,9 @@ gradients (the ranks at one position in every group).
   ``ReplicatedExperts``, DeepSpeed's stage 0): ``reduce_s`` is the whole ring. Under FSSDP with
   the gaps the experts' part may be split instead (``split_experts``; the cluster engine takes
   the runtime's decision, :func:`~ds_fssdp.planner.schedule.split_sync_pays` on the last step's
-  gaps): its reduce-scatter before the step, its all-gather of the summed gradients in the next
-  forward (``forward_gather_s``), each layer's update where they land.
+  gaps, the runtime's inputs: :func:`split_inputs`): its reduce-scatter before the step, its
+  all-gather of the summed gradients in the next forward (``forward_gather_s``), each layer's
+  update where they land.
 * ZeRO 1: a ring all-reduce is a reduce-scatter and an all-gather of the same bytes, so
   ``reduce_s`` is the reduce-scatter (half), which must land before the step (the optimizer
   steps slices, its global norm needs every gradient); the dense parameters' all-gather runs at
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ds_fssdp.planner.schedule import split_sync_exposed
+from ds_fssdp.planner.schedule import split_sync_exposed, split_sync_inputs
 from ds_fssdp.sim.links import Links, allreduce_links
 from ds_fssdp.sim.setup import GRAD_BYTES, Setup
 
@@ -91,3 +92,27 @@ def exposed_sync(sync: SyncTimes, *, gaps: bool, backward_gaps_L, forward_gaps_L
         return max(0.0, sync.reduce_s - hidden) + sync.step_gather_s + sync.forward_gather_s
     return sync.step_gather_s + split_sync_exposed([sync.reduce_s / L] * L, [sync.forward_gather_s / L] * L,
                                                    backward_gaps_L, forward_gaps_L, lead=lead)
+
+
+MASTER_GRAD_BYTES = 4  # the runtime's experts reduce their fp32 master gradients (runtime/expert_dp.py)
+
+
+def split_inputs(setup: Setup, group_size: int, owner_LE: np.ndarray, backward_gaps_L, forward_gaps_L,
+                 memo: dict | None = None) -> tuple:
+    """:func:`~ds_fssdp.planner.schedule.split_sync_inputs` for groups of ``group_size`` ranks with
+    owners ``owner_LE``: layer i's gradient is what the rank owning most of its experts reduces (fp32,
+    as the runtime), over the EDP rings (all-reduce; reduce-scatter: half its bytes); the gaps the
+    step's layers left (at the degrees they ran at). ``memo``: seconds per byte count, reused."""
+    D, N, G = setup.topology.num_ranks, group_size, setup.topology.ranks_per_node
+    edp_M = np.tile(np.eye(N, dtype=bool), (1, D // N))
+    memo = {} if memo is None else memo
+
+    def ring(nbytes: float) -> float:
+        if nbytes not in memo:
+            links = allreduce_links(edp_M, np.full(N, float(nbytes)), ranks_per_node=G)
+            memo[nbytes] = float(links.time_B(setup.hw)[0])
+        return memo[nbytes]
+
+    elems_L = [int(np.bincount(np.asarray(o).ravel(), minlength=N).max()) * setup.shape.params for o in owner_LE]
+    return split_sync_inputs(elems_L, MASTER_GRAD_BYTES, backward_gaps_L, forward_gaps_L,
+                             allreduce=ring, reduce_scatter=lambda b: ring(b / 2.0))
