@@ -2,6 +2,8 @@
 random selection bias where the family has one (so it matters), and their batches."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ds_fssdp.integrations.hf_tiny import BIASED_FAMILIES as BIASED
@@ -48,3 +50,13 @@ def dp_step(model, params: list, opt, batches: list, clip: float) -> list:
 
 
 __all__ = ["BIASED", "FAMILIES", "VOCAB", "batch", "dp_step", "tiny_config", "tiny_model"]
+
+
+def saved_tensors(path) -> dict:
+    """Every tensor of the safetensors files in the directory ``path``, by key."""
+    from safetensors.torch import load_file
+    out = {}
+    for n in os.listdir(path):
+        if n.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, n)))
+    return out

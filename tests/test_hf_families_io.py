@@ -17,7 +17,6 @@ A family the installed transformers lacks is skipped, naming it; one that comput
 expert MLPs is refused (tests/test_hf_interface.py).
 """
 import json
-import os
 
 import pytest
 import torch
@@ -26,6 +25,7 @@ transformers = pytest.importorskip("transformers")
 
 import ds_fssdp.integrations.hf as fssdp_hf  # noqa: E402
 from ds_fssdp.integrations import hf_load  # noqa: E402
+from hf_tiny import saved_tensors  # noqa: E402
 
 pytestmark = pytest.mark.slow
 CFG = {"train_micro_batch_size_per_gpu": 1, "fssdp": {"policy": "fssdp"}}
@@ -59,15 +59,6 @@ def tiny_any(model_type: str):
     return transformers.AutoConfig.for_model(model_type, **kw)
 
 
-def _files(path) -> dict:
-    from safetensors.torch import load_file
-    out = {}
-    for n in os.listdir(path):
-        if n.endswith(".safetensors"):
-            out.update(load_file(os.path.join(path, n)))
-    return out
-
-
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_family_loads_and_saves_bitwise(tmp_path, model_type):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -90,7 +81,7 @@ def test_family_loads_and_saves_bitwise(tmp_path, model_type):
             assert m.owned.owned_E.numel() == count and torch.equal(m.owned.rows_SP, full[m.owned.owned_E])
     fssdp_hf.save_pretrained(model, tmp_path / "out", max_shard_size="30KB")
     with open(tmp_path / "out" / "model.safetensors.index.json") as f:
-        assert set(json.load(f)["weight_map"]) == set(_files(path))  # transformers' own key names
+        assert set(json.load(f)["weight_map"]) == set(saved_tensors(path))  # transformers' own key names
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", **F32).state_dict()
     assert all(torch.equal(reloaded[k], v) for k, v in ref.state_dict().items())
     fssdp_hf.restore_trainer_save()

@@ -27,7 +27,7 @@ from ds_fssdp.integrations import hf_load  # noqa: E402
 from ds_fssdp.integrations.hf_experts import to_hf  # noqa: E402
 from ds_fssdp.integrations.hf_keys import SavedExperts  # noqa: E402
 from ds_fssdp.runtime.checkpoint.files import CheckpointError  # noqa: E402
-from hf_tiny import FAMILIES, VOCAB, batch, tiny_config, tiny_model  # noqa: E402
+from hf_tiny import FAMILIES, VOCAB, batch, saved_tensors, tiny_config, tiny_model  # noqa: E402
 
 CFG = {"train_micro_batch_size_per_gpu": 1, "fssdp": {"policy": "fssdp"}}
 F32 = dict(dtype=torch.float32)
@@ -38,15 +38,6 @@ def _saved(tmp_path, model_type, **overrides):
     model = tiny_model(model_type, experts=8, **overrides)
     model.save_pretrained(path, max_shard_size="20KB")
     return path, model
-
-
-def _files(path) -> dict:
-    from safetensors.torch import load_file
-    out = {}
-    for n in os.listdir(path):
-        if n.endswith(".safetensors"):
-            out.update(load_file(os.path.join(path, n)))
-    return out
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -63,7 +54,7 @@ def test_load_and_save_like_transformers(tmp_path, model_type, monkeypatch):
         torch.testing.assert_close(model(**batch()).logits, ref.eval()(**batch()).logits, rtol=1e-5, atol=2e-5)
 
     # Rank r of an FSSDP group of 3 reads exactly its rows, and would write the checkpoint's own tensors.
-    files = _files(path)
+    files = saved_tensors(path)
     ref_rows = [m.spec.flatten(m.export_experts()) for _, m in fssdp_hf.converted_experts(plain)]
     for r in range(3):
         part = hf_load.load_as(hf_load.Layout(rank=r, world=3, group_size=3, zero_stage=0), CFG, path, **F32)
@@ -93,7 +84,7 @@ def test_save_in_the_model_format(tmp_path):
     model = fssdp_hf.from_pretrained(path, ds_config=CFG, **F32)
     fssdp_hf.save_pretrained(model, tmp_path / "fused", save_original_format=False)
     ref.save_pretrained(tmp_path / "hf_fused", save_original_format=False)
-    assert set(_files(tmp_path / "fused")) == set(_files(tmp_path / "hf_fused"))
+    assert set(saved_tensors(tmp_path / "fused")) == set(saved_tensors(tmp_path / "hf_fused"))
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fused", **F32).state_dict()
     assert all(torch.equal(reloaded[k], v) for k, v in ref.state_dict().items())
 
