@@ -265,7 +265,7 @@ class PolicyRun:
         """Layer ``l`` of every simulated group: planned (or EP's / Uniform's holders), priced by
         the schedule, its replicas' gather and reduce charged past their windows; the gaps and
         windows it leaves go to ``acc``."""
-        st, hw = self.setup, self.setup.hw
+        st = self.setup
         L, E, N, B = st.num_layers, st.num_experts, self.N, self.B
         attn_f = st.attention_fwd_s
         attn_b = 2.0 * attn_f
@@ -365,9 +365,9 @@ class PolicyRun:
     def _plan_layer(self, l: int, tokens_BEN: np.ndarray, ephemeral_BLN: np.ndarray, timed: bool):
         """Plan layer ``l`` group by group (the policy, timed): the holders, the flows and the
         sparse collectives' links (gather, reduce, calibration, reduce repeats) of all groups."""
-        st, hw = self.setup, self.setup.hw
+        st = self.setup
         B, N, E, G = self.B, self.N, st.num_experts, self.topo.ranks_per_node
-        psi, attn_b = float(st.shape.expert_bytes), 2.0 * st.attention_fwd_s
+        psi = float(st.shape.expert_bytes)
         owner_E = self.owner_LE[l]
         holder_BE = np.empty((B, E), dtype=np.int64)
         hidden_BEN = np.empty((B, E, N), dtype=bool)
