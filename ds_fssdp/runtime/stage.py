@@ -35,7 +35,7 @@ from deepspeed import comm as dist
 from deepspeed.utils import logger
 
 from ds_fssdp.comm.sparse import scatter_rows
-from ds_fssdp.config import FSSDPConfig, FSSDPConfigError
+from ds_fssdp.config import FSSDPConfig
 from ds_fssdp.moe.experts_module import FSSDPExperts
 from ds_fssdp.moe.sharded import ReplicaMemory, ShardedExperts, ShardOptions, StepContext, chain
 from ds_fssdp.planner import LoadPredictor, initial_ownership
@@ -79,7 +79,6 @@ class FSSDPStage:
         self.dp_group, self.pipe_group = dp_group, pipe_group
         self.zero_stage = zero_stage
         self._init_sizes(grad_scale)
-        self._check_same_experts()
         self._init_decisions()
         self._init_step_state()
         self.predictor = LoadPredictor([l.num_experts for l in self.layers], window=config.load_window)
@@ -172,18 +171,6 @@ class FSSDPStage:
                               group=group, param_group=self.param_group, predictor=self.predictor, options=options,
                               memory=self.memory, trainable=layer.trainable, context=lambda l=i: self._context(l),
                               exchange=exchange)
-
-    def _check_same_experts(self) -> None:
-        """What needs the same number of experts in every MoE layer (refused before any collective)."""
-        if len({l.num_experts for l in self.layers}) <= 1:
-            return
-        counts = [l.num_experts for l in self.layers]
-        for key, on in (("reshard_interval", bool(self.config.reshard_interval)),
-                        ("trace_path", bool(self.config.trace_path)),
-                        ("policy", self.config.policy in ("fastermoe", "smartmoe"))):
-            if on:
-                raise FSSDPConfigError(f"fssdp.{key} ({getattr(self.config, key)!r}) needs the same number of "
-                                       f"experts in every MoE layer, got {counts}")
 
     @property
     def shards(self) -> list:
