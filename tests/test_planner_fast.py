@@ -46,7 +46,9 @@ def test_c_matches_reference():
                                balanced_dispatch_reference(placement, T, topo, slack=slack))
 
 
-def test_compact_plan_equals_the_dense_one():
+def test_compact_plan_equals_the_dense_one(monkeypatch):
+    """A compact plan's tables equal the dense plan's sums (traffic_DD in C and in the Python reference)."""
+    from ds_fssdp.planner import plan as plan_module
     from ds_fssdp.planner.dispatch import dispatch_plan
     from ds_fssdp.planner.plan import DispatchPlan
     gen = torch.Generator().manual_seed(2)
@@ -63,6 +65,9 @@ def test_compact_plan_equals_the_dense_one():
                 assert torch.equal(plan.dense(), dense)
                 assert torch.equal(plan.rows_D(), dense.sum((0, 1)))
                 assert torch.equal(plan.traffic_DD(), dense.sum(0))
+                with monkeypatch.context() as m:
+                    m.setattr(plan_module, "_fastplan", None)
+                    assert torch.equal(plan.traffic_DD(), dense.sum(0))
                 moved_DD = dense.sum(0).fill_diagonal_(0)
                 same_DD = topo.same_node_DD()
                 assert plan.moved(G) == (int(moved_DD[same_DD].sum()), int(moved_DD[~same_DD].sum()))

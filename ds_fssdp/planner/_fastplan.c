@@ -1153,6 +1153,42 @@ done:
     return ret;
 }
 
+/* plan_traffic(holder_E, tokens_ED, flows_4F, out, E, D, F): out int64 [D*D] = the compact plan's
+ * traffic (DispatchPlan.traffic_DD: rows d sends h, the tokens of single-holder experts and the flows). */
+static PyObject *plan_traffic(PyObject *self, PyObject *args) {
+    Py_buffer holder, tokens, flows, out;
+    long long E, D, F;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*LLL", &holder, &tokens, &flows, &out, &E, &D, &F)) return NULL;
+    PyObject *ret = NULL;
+    int64_t *T = out.buf;
+    const int64_t *H = holder.buf, *K = tokens.buf, *fl = flows.buf;
+    if (check_len(&holder, 8 * E, "holder_E") || check_len(&tokens, 8 * E * D, "tokens_ED") ||
+        check_len(&flows, 8 * 4 * F, "flows_4F") || check_len(&out, 8 * D * D, "out"))
+        goto done;
+    memset(T, 0, sizeof(int64_t) * (size_t)(D * D));
+    for (int64_t e = 0; e < E; e++) {
+        if (H[e] >= D) goto bad;
+        if (H[e] >= 0)
+            for (int64_t d = 0; d < D; d++) T[d * D + H[e]] += K[e * D + d];
+    }
+    for (int64_t i = 0; i < F; i++) {
+        int64_t h = fl[F + i], d = fl[2 * F + i];
+        if (h < 0 || h >= D || d < 0 || d >= D) goto bad;
+        T[d * D + h] += fl[3 * F + i];
+    }
+    ret = Py_None;
+    Py_INCREF(ret);
+    goto done;
+bad:
+    PyErr_SetString(PyExc_ValueError, "plan_traffic: a holder or flow rank out of range");
+done:
+    PyBuffer_Release(&holder);
+    PyBuffer_Release(&tokens);
+    PyBuffer_Release(&flows);
+    PyBuffer_Release(&out);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
     {"materialize_alg1", materialize_alg1, METH_VARARGS, "Algorithm 1 into a placement."},
     {"materialize_joint", materialize_joint, METH_VARARGS, "Joint materialization into a placement."},
@@ -1160,6 +1196,7 @@ static PyMethodDef methods[] = {
     {"dispatch_compact", dispatch_compact, METH_VARARGS,
      "Either dispatch as (X, F, bytes [holder_E, rep_X, tokens_ED, flows_4F])."},
     {"schedule_times", schedule_times, METH_VARARGS, "Each load's one direction of the layer schedule."},
+    {"plan_traffic", plan_traffic, METH_VARARGS, "A compact plan's rank-to-rank traffic."},
     {"choose_degrees", choose_degrees, METH_VARARGS, "The layer schedule's (forward, backward) degrees."},
     {NULL, NULL, 0, NULL},
 };

@@ -17,6 +17,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+try:
+    from ds_fssdp.planner import _fastplan
+except ImportError:  # a source tree used without `pip install` (planner/fast.py says so once)
+    _fastplan = None
+
 
 @dataclass(slots=True)
 class DispatchPlan:  # read-only by convention (slots, not frozen: built every layer, every iteration)
@@ -65,6 +70,11 @@ class DispatchPlan:  # read-only by convention (slots, not frozen: built every l
         """traffic[d, h]: tokens rank d sends to rank h over all experts (long [D, D], diagonal
         included: the tokens that stay)."""
         E, D = self.tokens_ED.shape
+        if _fastplan is not None:  # the same sums in C
+            out = np.empty((D, D), dtype=np.int64)
+            _fastplan.plan_traffic(*(np.ascontiguousarray(a, dtype=np.int64) for a in
+                                     (self.holder_E, self.tokens_ED, self.flows_4F)), out, E, D, self.flows_4F.shape[1])
+            return torch.from_numpy(out)
         single = np.flatnonzero(self.holder_E >= 0)
         _, h, d, k = self.flows_4F
         index = np.concatenate([(np.arange(D)[None, :] * D + self.holder_E[single][:, None]).ravel(), d * D + h])
