@@ -173,3 +173,24 @@ def test_a_very_large_layer_frees_its_scratch_and_plans_the_same_again():
     for _ in range(2):
         assert torch.equal(balanced_dispatch(placement, T, topo, slack=0.03), want)
         assert torch.equal(dispatch_plan(placement, T, topo, mode="balanced", slack=0.03).dense(), want)
+
+
+def test_gather_links_in_c_is_the_reference(monkeypatch):
+    """prices.gather_links in C (_fastplan.gather_links) gives the numpy reference's arrays on random
+    placements: one group and many, one node and several, relayed or not, a rank per node."""
+    import numpy as np
+
+    from ds_fssdp.planner import prices
+    rng = np.random.default_rng(3)
+    for B, E, N, G in [(1, 64, 32, 8), (5, 16, 8, 2), (2, 8, 8, 8), (1, 12, 4, 8), (3, 12, 6, 3), (1, 16, 8, 1)]:
+        for relay in (True, False):
+            for frac in (0.0, 0.05, 0.5):
+                owner = rng.integers(0, N, E)
+                placement = rng.random((B, E, N)) < frac
+                placement[:, np.arange(E), owner] = True
+                got = prices.gather_links(owner, placement, ranks_per_node=G, chunk_bytes=3.5e6, relay=relay)
+                with monkeypatch.context() as m:
+                    m.setattr(prices, "_fastplan", None)
+                    want = prices.gather_links(owner, placement, ranks_per_node=G, chunk_bytes=3.5e6, relay=relay)
+                assert all(np.array_equal(g, w) and g.shape == w.shape for g, w in zip(got, want))
+                assert frac < 0.5 or want[0].any()  # replicas to count

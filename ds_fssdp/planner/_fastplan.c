@@ -1189,6 +1189,62 @@ done:
     return ret;
 }
 
+/* gather_links(owner_E, placement_BED, rank_BN, node_Bn, B, E, N, G, chunk_bytes, relay): the links'
+ * bytes of B groups' sparse collectives (ds_fssdp/planner/prices.py gather_links: the same counts,
+ * times chunk_bytes); G <= N divides N, n = N / G nodes. */
+static PyObject *gather_links(PyObject *self, PyObject *args) {
+    Py_buffer owner, place, rank, node;
+    long long B, E, N, G;
+    double chunk;
+    int relay;
+    if (!PyArg_ParseTuple(args, "y*y*w*w*LLLLdp", &owner, &place, &rank, &node, &B, &E, &N, &G, &chunk, &relay))
+        return NULL;
+    PyObject *ret = NULL;
+    const int64_t *O = owner.buf;
+    const uint8_t *P = place.buf;
+    double *R = rank.buf, *M = node.buf;
+    long long n = G >= 1 && N % G == 0 ? N / G : 0;
+    int64_t *in_n, *out_n;
+    if (n < 1 || n > MAX_D) {
+        PyErr_Format(PyExc_ValueError, "gather_links: %lld ranks per node must divide the %lld ranks", G, N);
+        goto done;
+    }
+    if (check_len(&owner, 8 * E, "owner_E") || check_len(&place, B * E * N, "placement_BED") ||
+        check_len(&rank, 8 * B * N, "rank_BN") || check_len(&node, 8 * B * n, "node_Bn") || check_owner(O, E, N))
+        goto done;
+    if (!(in_n = scratch_get(SCRATCH_SCHEDULE, sizeof(int64_t) * (size_t)(2 * n + N)))) goto done;
+    out_n = in_n + n;
+    int64_t *count_N = out_n + n;
+    for (long long b = 0; b < B; b++) {
+        memset(in_n, 0, sizeof(int64_t) * (size_t)(2 * n + N));
+        for (long long e = 0; e < E; e++) {
+            const uint8_t *p = P + (b * E + e) * N;
+            int64_t home = O[e] / G, leaves = 0;
+            for (long long d = 0; d < N; d++) count_N[d] += p[d] && d != O[e];
+            for (long long m = 0; m < n; m++) {
+                if (m == home) continue;
+                int entered = 0;
+                for (long long j = 0; j < G; j++) entered |= p[m * G + j] != 0;
+                in_n[m] += entered;
+                leaves += entered;
+            }
+            out_n[home] += relay ? leaves > 0 : leaves;
+        }
+        for (long long d = 0; d < N; d++) R[b * N + d] = (double)count_N[d] * chunk;
+        for (long long m = 0; m < n; m++)
+            M[b * n + m] = n == 1 ? 0.0 : (double)(in_n[m] > out_n[m] ? in_n[m] : out_n[m]) * chunk;
+    }
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    scratch_trim();
+    PyBuffer_Release(&owner);
+    PyBuffer_Release(&place);
+    PyBuffer_Release(&rank);
+    PyBuffer_Release(&node);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
     {"materialize_alg1", materialize_alg1, METH_VARARGS, "Algorithm 1 into a placement."},
     {"materialize_joint", materialize_joint, METH_VARARGS, "Joint materialization into a placement."},
@@ -1196,6 +1252,7 @@ static PyMethodDef methods[] = {
     {"dispatch_compact", dispatch_compact, METH_VARARGS,
      "Either dispatch as (X, F, bytes [holder_E, rep_X, tokens_ED, flows_4F])."},
     {"schedule_times", schedule_times, METH_VARARGS, "Each load's one direction of the layer schedule."},
+    {"gather_links", gather_links, METH_VARARGS, "The links' bytes of B groups' sparse collectives."},
     {"plan_traffic", plan_traffic, METH_VARARGS, "A compact plan's rank-to-rank traffic."},
     {"choose_degrees", choose_degrees, METH_VARARGS, "The layer schedule's (forward, backward) degrees."},
     {NULL, NULL, 0, NULL},

@@ -15,6 +15,11 @@ from __future__ import annotations
 
 import numpy as np
 
+try:
+    from ds_fssdp.planner import _fastplan
+except ImportError:  # a source tree used without `pip install` (planner/fast.py says so once)
+    _fastplan = None
+
 def link_seconds(rank_bytes, node_bytes, hw):
     """Seconds of a collective whose busiest rank link carries ``rank_bytes`` and busiest node
     link ``node_bytes`` (scalars or arrays): one latency plus the slower; 0 where nothing moves."""
@@ -61,6 +66,11 @@ def gather_links(owner_E: np.ndarray, placement_BED: np.ndarray, *, ranks_per_no
     placement_BED = placement_BED.reshape((-1, ) + placement_BED.shape[-2:])
     B, E, N = placement_BED.shape
     G = min(int(ranks_per_node), N)
+    if _fastplan is not None:  # the same counts in C
+        rank_BN, node_Bn = np.empty((B, N)), np.empty((B, N // G))
+        _fastplan.gather_links(np.ascontiguousarray(owner_E), np.ascontiguousarray(placement_BED), rank_BN, node_Bn,
+                               B, E, N, G, float(chunk_bytes), bool(relay))
+        return rank_BN, node_Bn
     experts = np.arange(E)
     added_BED = placement_BED.copy()
     added_BED[:, experts, owner_E] = False

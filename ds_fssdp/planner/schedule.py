@@ -434,12 +434,22 @@ def loads_of(cols) -> list:
 def _by_link(traffic_DD: np.ndarray, ranks_per_node: int) -> tuple:
     """(node of each rank [D], rows d sends h inside its node, rows d sends h across nodes), the
     diagonal (rows that stay) in neither."""
-    D, G = traffic_DD.shape[0], int(ranks_per_node)
+    node, intra, cross = _link_masks(traffic_DD.shape[0], int(ranks_per_node))
+    return node, traffic_DD * intra, traffic_DD * cross
+
+
+@functools.lru_cache(maxsize=16)
+def _link_masks(D: int, G: int) -> tuple:
+    """(node of each rank, 1.0 where d and h differ inside a node, 1.0 where they are in different
+    nodes), read-only."""
     if G < 1 or D % G:
-        raise ValueError(f"loads_from_plan: ranks_per_node ({ranks_per_node}) must divide the ranks ({D})")
+        raise ValueError(f"loads_from_plan: ranks_per_node ({G}) must divide the ranks ({D})")
     node = np.arange(D) // G
     same = node[:, None] == node[None, :]
-    return node, traffic_DD * (1 - np.eye(D)) * same, traffic_DD * ~same
+    out = node, (1 - np.eye(D)) * same, (~same).astype(np.float64)
+    for a in out:
+        a.flags.writeable = False
+    return out
 
 
 # -- gradients in the gaps and replicas on the idle link (issue 24, items 4 and 5) ----------------

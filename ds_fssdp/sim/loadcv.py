@@ -82,27 +82,33 @@ class LoadCVSource:
         L, E, D = self.num_layers, self.num_experts, self.num_ranks
         rho = 1.0 - self.drift
         u_LE = rng.standard_normal((L, E))
+        # one step's arrays, kept across steps (fresh ones of 60 M entries cost their page faults again)
+        noise_LDE, edges_LDE = np.empty((L, D, E), dtype=np.float32), np.empty((L, D, E))
+        cut_LDE, counts_LDE = np.empty((L, D, E), dtype=np.int32), np.empty((L, D, E), dtype=np.int32)
         for s in range(self.steps):
             if s:
                 u_LE = rho * u_LE + math.sqrt(1 - rho * rho) * rng.standard_normal((L, E))
             z_LE = math.sqrt(1 - self.jitter**2) * u_LE + self.jitter * rng.standard_normal((L, E))
-            noise_LDE = rng.standard_normal((L, D, E), dtype=np.float32)
+            rng.standard_normal(dtype=np.float32, out=noise_LDE)
             noise_LDE *= self.rank_spread
             noise_LDE += (self.sigma * z_LE[:, None, :]).astype(np.float32)
-            p_LDE = _cap(_softmax(noise_LDE), self.cap)
-            yield systematic_counts(p_LDE, self.assignments_per_rank, rng).transpose(0, 2, 1).copy()
+            p_LDE = _cap(_softmax(noise_LDE, out=noise_LDE), self.cap, out=noise_LDE)
+            counts = systematic_counts(p_LDE, self.assignments_per_rank, rng, out=(edges_LDE, cut_LDE, counts_LDE))
+            yield counts.transpose(0, 2, 1).copy()
 
 
-def systematic_counts(p_XE: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
+def systematic_counts(p_XE: np.ndarray, n: int, rng: np.random.Generator, out: tuple | None = None) -> np.ndarray:
     """int32 counts per row of ``p_XE`` summing to ``n``, each within one of ``n p`` (systematic
     sampling: one uniform offset per row). A multinomial draw costs five times as much at this
-    size and adds only sampling noise to the rank noise already in ``p``."""
-    edges_XE = p_XE.astype(np.float64)
+    size and adds only sampling noise to the rank noise already in ``p``. ``out``: (float64,
+    int32, int32) arrays of ``p_XE``'s shape to work in, the last one returned."""
+    edges_XE, cut_XE, counts_XE = out or (np.empty(p_XE.shape), np.empty(p_XE.shape, np.int32),
+                                          np.empty(p_XE.shape, np.int32))
+    np.copyto(edges_XE, p_XE)
     np.cumsum(edges_XE, axis=-1, out=edges_XE)
     edges_XE *= n / edges_XE[..., -1:]
     edges_XE += rng.random(p_XE.shape[:-1] + (1, ))  # floor(u) = 0 below the first edge: the counts sum to n
-    cut_XE = edges_XE.astype(np.int32)  # floor: the edges are >= 0
-    counts_XE = np.empty_like(cut_XE)
+    np.copyto(cut_XE, edges_XE, casting="unsafe")  # floor: the edges are >= 0
     counts_XE[..., 0] = cut_XE[..., 0]
     np.subtract(cut_XE[..., 1:], cut_XE[..., :-1], out=counts_XE[..., 1:])
     return counts_XE

@@ -81,17 +81,18 @@ def bisect_sigma(skew, target: float) -> float:
     return 0.5 * (lo + hi)
 
 
-def _softmax(x: np.ndarray) -> np.ndarray:
-    e = x - x.max(-1, keepdims=True)
+def _softmax(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    e = np.subtract(x, x.max(-1, keepdims=True), out=out)
     np.exp(e, out=e)
     e /= e.sum(-1, keepdims=True)
     return e
 
 
-def _cap(p: np.ndarray, cap: float) -> np.ndarray:
+def _cap(p: np.ndarray, cap: float, out: np.ndarray | None = None) -> np.ndarray:
     """Water-fill: clip shares at ``cap`` and hand the excess to the unclipped experts in
     proportion (repeated until nothing exceeds the cap). Only rows with a share over the cap
-    take a round (a round leaves the others as they are: their excess is 0)."""
+    take a round (a round leaves the others as they are: their excess is 0). ``out``: where the
+    shares go (``p`` itself may be)."""
     if cap >= 1.0:
         return p
     rows = p.reshape(-1, p.shape[-1])
@@ -109,7 +110,8 @@ def _cap(p: np.ndarray, cap: float) -> np.ndarray:
             sub = sub + np.divide(free, free_sum, out=np.zeros_like(free), where=free_sum > 0) * excess
         rows = rows.copy()
         rows[idx] = sub
-    return (rows / rows.sum(-1, keepdims=True)).reshape(p.shape)
+    return np.divide(rows, rows.sum(-1, keepdims=True), out=None if out is None else out.reshape(rows.shape)
+                     ).reshape(p.shape)
 
 
 def _std_of_shares(share_SLE: np.ndarray) -> float:
