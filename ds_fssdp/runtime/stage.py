@@ -416,7 +416,7 @@ class FSSDPStage:
         if policy_setup.needs_cost_model(cfg, edp_size=self.edp_size):
             self.cost, measured = policy_setup.cost_model(
                 cfg, spec=layer.spec, shape=shape, topology=self.topology, group=self.param_group,
-                expert_bytes=self.shards[0].expert_bytes, exchange=self.exchange_options(shape), dtype=dtype,
+                expert_bytes=self.shards[0].expert_bytes, exchange=lambda: self.exchange_options(shape), dtype=dtype,
                 device=device, costs=lambda: self.schedule_costs)  # the costs the degrees are chosen from
             self.profile.update(measured)
         if self._schedule_decided() and cfg.hardware is not None:
@@ -428,10 +428,11 @@ class FSSDPStage:
 
     def exchange_options(self, shape) -> ExchangeOptions:
         """How this run's layers exchange their tokens, for the by-time decisions' layer price
-        (planner/scheduled.py; the report's replay rebuilds it from the trace's record)."""
+        (planner/scheduled.py; the report's replay rebuilds it from the trace's record); two hops as
+        the planner inputs say (``planner.inputs.PlannerInputs.two_hops``)."""
         cfg = self.config
         return ExchangeOptions.of(shape, top_k=self.layers[0].k, one_copy=cfg.one_copy_per_destination,
-                                  pipeline_degree=self.pipeline_degree, two_hops=cfg.topology_aware,
+                                  pipeline_degree=self.pipeline_degree, two_hops=self.inputs.two_hops,
                                   side_ratio=self.side_ratio)
 
     @property
