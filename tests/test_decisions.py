@@ -54,6 +54,9 @@ for name, kwargs in {
     "smartmoe-reshard": dict(policy="smartmoe", smartmoe_interval=2, reshard_interval=2),
     # two micro-steps per optimizer step (trace rows): the re-shards follow the optimizer steps
     "fssdp-gas2-zero1": dict(zero=1, gas=2, calibration=True, overlap_degree="auto", hardware=HW, reshard_interval=2),
+    # 2 FSSDP groups of 2: the re-shards plan from the loads summed over both (the trace holds group 0's counts)
+    "fssdp-groups2-gas2": dict(zero=1, gas=2, group_size=2, calibration=True, overlap_degree="auto", hardware=HW,
+                               reshard_interval=2),
 }.items():
     RUNS[name] = _run(**kwargs)
 
@@ -236,6 +239,42 @@ def test_gas2_reshards_follow_the_optimizer_steps(runs):
     assert (trace.arrays["decision_calibration_t"] >= 0).all()
     rows_as_steps = {k: v for k, v in trace.arrays.items() if k != "optimizer_step"}
     assert compare(trace, replay(Trace(trace.tokens_SLED, trace.meta, rows_as_steps))) != []
+
+
+def test_groups_reshard_from_the_recorded_world_loads(runs, tmp_path, capsys):
+    """Two FSSDP groups of 2: every group re-shards from the loads summed over both (each group's
+    counts differ), which the runtime records per row (``reshard_world_load``); the replay derives
+    the re-shards from them, and ``--check`` passes. Every rank ends with the same owners. Negative
+    controls: the world's loads perturbed at the first re-shard (experts reversed), or one recorded
+    owner flipped, fail naming the row after optimizer step 2."""
+    from ds_fssdp.planner import LoadPredictor
+    from ds_fssdp.report.__main__ import main
+    from ds_fssdp.sim.traces import Trace, save_trace
+    r = runs["fssdp-groups2-gas2"]
+    trace, rep = r["trace"], r["replay"]
+    assert trace.meta["fssdp_groups"] == 2 and trace.tokens_SLED.shape[3] == 2 and rep.reshard_steps == [2, 4]
+    owners, world = trace.arrays["decision_owner"], trace.arrays["reshard_world_load"]
+    assert (owners[4] != owners[3]).any() and (owners[:4] == owners[0]).all()
+    for res in r["results"][1:]:
+        assert all(torch.equal(a, b) for a, b in zip(res["owners"], r["results"][0]["owners"]))
+    assert np.isnan(world[:2]).all() and np.isfinite(world[2:]).all()
+    group0 = LoadPredictor([8, 8], window=trace.meta["load_window"])
+    for row in range(4):
+        for l in range(2):
+            group0.observe(l, torch.from_numpy(trace.tokens_SLED[row, l].astype(np.int64)))
+    own = group0.predict_all().numpy()  # group 0's own prediction at the first re-shard: the other's adds
+    assert (world[4] >= own).all() and (world[4] > own).any()
+    cases = {"run": trace.arrays,
+             "loads": dict(trace.arrays, reshard_world_load=np.concatenate([world[:4], world[4:, :, ::-1]])),
+             "owner": dict(trace.arrays, decision_owner=np.concatenate([owners[:4], (owners[4:] + 1) % 2]))}
+    codes = {}
+    for name, arrays in cases.items():
+        (tmp_path / name).mkdir()
+        save_trace(str(tmp_path / name / "trace.npz"), Trace(trace.tokens_SLED, trace.meta, arrays))
+        codes[name] = main([str(tmp_path / name), "--check"]), capsys.readouterr().out
+    assert codes["run"][0] == 0 and "re-shards after optimizer steps [2, 4]" in codes["run"][1], codes["run"]
+    for name in ("loads", "owner"):
+        assert codes[name][0] == 1 and "decision differs: iteration 4, layer 0, array decision_owner" in codes[name][1]
 
 
 # Negative controls: each perturbs one function on the replay's side only (the runtime ran in its

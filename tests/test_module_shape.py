@@ -128,12 +128,26 @@ def test_each_imports_fresh(module):
                    capture_output=True)
 
 
+def test_the_planner_and_ops_are_pure():
+    """planner/ and ops/ import neither DeepSpeed nor the runtime's layers (comm, runtime, moe), not
+    even inside a function (the C extension's fallback once imported DeepSpeed's logger)."""
+    impure = ("deepspeed", "ds_fssdp.comm", "ds_fssdp.runtime", "ds_fssdp.moe", "ds_fssdp.integrations")
+    found = {str(p.relative_to(ROOT)): m for p in [*(PACKAGE / "planner").rglob("*.py"), *(ROOT / "ops").rglob("*.py")]
+             for m, _ in _imports(p) if m.startswith(impure)}
+    assert not found, found
+    assert ("deepspeed", True) in _imports(PACKAGE / "runtime" / "engine.py")  # the scan sees an import
+
+
 def test_the_replay_runs_without_deepspeed():
     """``ds_fssdp.report`` (its replay and its command line) checks a run offline: importing it
     imports no DeepSpeed (the planner's record, ``planner/decision.py``, and the config's
     defaults, ``defaults.py``, need none)."""
     code = ("import sys, ds_fssdp.report.replay, ds_fssdp.report.__main__; "
             "assert 'deepspeed' not in sys.modules, sorted(m for m in sys.modules if m.startswith('ds_fssdp'))")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=300)
+    # the planner without its C extension (a source tree never built) says so without DeepSpeed's logger
+    code = ("import sys; sys.modules['ds_fssdp.planner._fastplan'] = None; import ds_fssdp.planner.fast as f, "
+            "ds_fssdp.report.replay; assert not f.AVAILABLE and 'deepspeed' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=300)
     # Negative control: the runtime's shard does import it (the check can see an import).
     code = "import sys, ds_fssdp.moe.sharded; assert 'deepspeed' in sys.modules"

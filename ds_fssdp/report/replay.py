@@ -12,7 +12,8 @@ alone the replay derives every decision again through the functions the runtime 
 layer's :class:`~ds_fssdp.planner.layer.LayerPlanner`), the clock rule (``planner.inputs.ClockRule``)
 (t and calibration's latency budget from the window), :func:`~ds_fssdp.planner.layer.migrations`
 at each optimizer step the trace's rows cross (not at each row: with gradient accumulation a step
-spans several rows), and :func:`~ds_fssdp.planner.scheduled.exchange_decision`. It reads none of
+spans several rows; with several FSSDP groups on the world's loads the runtime recorded,
+``reshard_world_load``, the trace holding one group's counts), and :func:`~ds_fssdp.planner.scheduled.exchange_decision`. It reads none of
 the runtime's decisions back; ``report/check.py`` compares them with the record.
 
 A trace without the inputs (not from the runtime, or from before they were recorded) is replayed
@@ -64,7 +65,7 @@ class ReplaySettings:
     # how the run's layers exchanged tokens (the by-time decisions' layer price; None: a trace from
     # before it was recorded, priced as the serial exchanges it then was)
     exchange: dict | None = None  # top_k, one_copy_per_destination, pipeline_degree, topology_aware
-    fssdp_groups: int = 1  # FSSDP groups of the run (the re-shards' loads are summed over them)
+    fssdp_groups: int = 1  # FSSDP groups of the run (the re-shards' loads are summed over them: recorded)
     notes: list = field(default_factory=list)
 
     @property
@@ -197,6 +198,15 @@ class _Inputs:
         self.costs_SL8 = a.get("decision_schedule_costs")
         self.row_bytes_SL2 = a.get("decision_row_bytes")
         self.side_SL = a.get("decision_side_ratio")
+        self.world_load_SLE = a.get("reshard_world_load")  # several FSSDP groups: what the re-shards planned from
+
+    def reshard_load(self, row: int, predictor: LoadPredictor):
+        """The loads the re-shards before ``row`` plan from: the world's the runtime recorded (several
+        FSSDP groups; all nan: none yet), else predicted from the trace's counts."""
+        if self.world_load_SLE is None:
+            return predictor.predict_all()
+        load_LE = self.world_load_SLE[row]
+        return None if np.isnan(load_LE).all() else torch.from_numpy(load_LE.astype(np.float64))
 
     def window(self, row: int, l: int) -> tuple:
         w, a = self.window_SL[row, l], self.attention_SL[row, l]
@@ -233,7 +243,8 @@ def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
         # The runtime re-shards after each applied optimizer step (its step count, then the rows
         # after it carry); a trace without the count: before every row.
         crossed = inputs.per_row_steps or (row > 0 and step != int(inputs.step_S[row - 1]))
-        done = migrations(migrators, step, predictor.predict_all(), owner_LE, clock=clocks[0]) if crossed else []
+        done = migrations(migrators, step, inputs.reshard_load(row, predictor), owner_LE,
+                          clock=clocks[0]) if crossed else []
         reshards.append(done)
         if done:
             reshard_steps.append(step)

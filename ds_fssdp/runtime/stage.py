@@ -116,6 +116,7 @@ class FSSDPStage:
         self.pipeline_degree = config.pipeline_degrees()  # "auto" or (forward, backward)
         self.schedule_costs = None  # planner.schedule.ScheduleCosts for "auto" degrees, built in attach
         self.window_s = [None] * len(self.layers)  # the overlap windows every rank agreed on (seconds)
+        self.reshard_load_LE = None  # the world's loads the last step's re-shards planned from (world_loads)
         self.attention_s = [None] * len(self.layers)  # and their attention parts (the replica reduces' windows)
         # Gradients in the gaps: each layer's EDP reduce slice and the split flag for the next step
         # (runtime/edp_sync.py), built in attach.
@@ -309,11 +310,17 @@ class FSSDPStage:
         """What this iteration's decisions were made from besides the counts and the recorded costs
         (docs/traces.md), for the report's replay to derive them again: the optimizer steps applied
         before it (the re-shards follow them, not the micro-steps) and the windows every rank agreed
-        on (nan: none yet), from which each layer's clock is derived (``planner.inputs.ClockRule``)."""
+        on (nan: none yet), from which each layer's clock is derived (``planner.inputs.ClockRule``), and with
+        several FSSDP groups the world's loads the re-shards planned from (the trace holds one group's counts)."""
         def seconds(values):
             return np.asarray([float("nan") if v is None else float(v) for v in values], dtype=np.float64)
-        return {"optimizer_step": np.int64(self.steps), "agreed_window_s": seconds(self.window_s),
-                "agreed_attention_s": seconds(self.attention_s)}
+        out = {"optimizer_step": np.int64(self.steps), "agreed_window_s": seconds(self.window_s),
+               "agreed_attention_s": seconds(self.attention_s)}
+        if self.edp_size > 1 and self.migrators:  # summed over the groups: the trace holds one group's counts
+            load_LE = self.reshard_load_LE
+            out["reshard_world_load"] = (np.full((len(self.layers), self.layers[0].num_experts), np.nan)
+                                         if load_LE is None else load_LE.numpy().astype(np.float64))
+        return out
 
     # -- per optimizer step ---------------------------------------------------------------------
     @torch.no_grad()
@@ -346,7 +353,7 @@ class FSSDPStage:
         next_split = self.edp_sync.decide_split(engine.device, attention_s=self.attention_s,
                                                 schedule_costs=self.schedule_costs)
         self.edp_sync.plan_slices(engine.device, split=next_split, schedule_costs=self.schedule_costs)
-        world_loads = self.world_loads() if applied and self.migrators else None
+        world_loads = self.reshard_load_LE = self.world_loads() if applied and self.migrators else None
         deferred = []  # layers whose EDP all-gather lands in the next forward (expert_dp.py)
         if applied:
             if self.optimizer is not None:  # None: every expert is frozen
@@ -487,12 +494,14 @@ class FSSDPStage:
             return
         w = torch.tensor([s.measured_window_s or 0.0 for s in self.shards] +
                          [s.measured_attention_s or 0.0 for s in self.shards], dtype=torch.float64, device=device)
-        dist.all_reduce(w, op=dist.ReduceOp.MAX, group=self.param_group)
+        # over every group: the re-shards' t comes from the window, and every group must plan the same owners
+        dist.all_reduce(w, op=dist.ReduceOp.MAX, group=self.param_group if self.edp_size == 1 else self.dp_group)
         first = self.window_s[0] is None
         agreed = w.tolist()
         self.window_s, self.attention_s = agreed[:len(self.shards)], agreed[len(self.shards):]
         if first and self.config.overlap_degree == "auto":
-            logger.info(f"fssdp: overlap_degree auto -> t = {[self.clock(l).overlap_degree for l in range(len(self.shards))]} per layer "
+            t_L = [self.clock(l).overlap_degree for l in range(len(self.shards))]
+            logger.info(f"fssdp: overlap_degree auto -> t = {t_L} per layer "
                         f"(windows {[round(v * 1e3, 3) for v in w.tolist()]} ms)")
 
     def reshard(self, world_loads=None) -> int:
