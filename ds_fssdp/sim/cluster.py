@@ -144,7 +144,6 @@ class StepAccounts:
     group_B: dict  # category -> seconds per group (the layers' parts)
     fb_B2: np.ndarray  # the layers' forward and backward (pipeline stages, sim/stages.py)
     ephemeral_BLN: np.ndarray  # replicas each rank holds per layer
-    backward_BL: np.ndarray
     gaps_BL: np.ndarray  # the link gaps of each layer's backward, and of its forward
     fgaps_BL: np.ndarray
     idle_B: np.ndarray  # the previous layer's forward time its gather link is free
@@ -153,7 +152,7 @@ class StepAccounts:
     @classmethod
     def empty(cls, B: int, L: int, N: int) -> "StepAccounts":
         return cls({c: np.zeros(B) for c in CATEGORIES}, np.zeros((B, 2)), np.zeros((B, L, N)), np.zeros((B, L)),
-                   np.zeros((B, L)), np.zeros((B, L)), np.zeros(B), [])
+                   np.zeros((B, L)), np.zeros(B), [])
 
 
 class PolicyRun:
@@ -311,7 +310,6 @@ class PolicyRun:
             acc.idle_B = np.maximum(0.0, lt.forward_B - lt.busy_forward_B2[:, self.gather_class])
             if l + 1 < L:
                 self.window_BL[:, l + 1] = [overlap_window(attn_f, float(i)) for i in acc.idle_B]
-        acc.backward_BL[:, l] = attn_b + (moe_B + lt.side_B) * 2.0 / 3.0
         acc.gaps_BL[:, l] = attn_b + lt.backward_B - lt.busy_backward_B2[:, ar_class] - reduce_hidden_B
         acc.fgaps_BL[:, l] = attn_f + lt.forward_B - lt.busy_forward_B2[:, ar_class] - gather_here_B
         if l:

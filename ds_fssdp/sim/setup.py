@@ -77,19 +77,15 @@ class Setup:
         if isinstance(self.gas, bool) or not isinstance(self.gas, int) or self.gas < 1:
             raise ValueError(f"gas ({self.gas!r}) must be an int >= 1 (micro-steps per optimizer step)")
 
-    def timed(self, row: int) -> bool:
-        """Whether trace row ``row`` belongs to a charged optimizer step: one that begins after the
-        predictor's first full window (steady state)."""
+    def timed(self, row: int) -> bool:  # row's optimizer step begins after the predictor's first window
         return row - row % self.gas >= self.load_window
 
-    @property
-    def rows_needed(self) -> int:
-        """Trace rows a simulation needs: one whole optimizer step after the load window."""
-        return -(-self.load_window // self.gas) * self.gas + self.gas
-
-    def boundary(self, row: int) -> bool:
-        """Whether trace row ``row`` is its optimizer step's last micro-step (the accumulation boundary)."""
+    def boundary(self, row: int) -> bool:  # row is its optimizer step's last micro-step
         return row % self.gas == self.gas - 1
+
+    @property
+    def rows_needed(self) -> int:  # one whole optimizer step after the load window
+        return -(-self.load_window // self.gas) * self.gas + self.gas
 
     @property
     def attention_fwd_s(self) -> float:
