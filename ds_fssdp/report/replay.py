@@ -73,18 +73,22 @@ class ReplaySettings:
         """Two-phase collectives and two hops across nodes (the config's default without a record)."""
         return bool((self.exchange or {}).get("topology_aware", True))
 
-    def cost_model(self, topology: Topology, *, costs=None) -> CostModel | None:
+    def cost_model(self, topology: Topology, *, costs=None, two_hops=None) -> CostModel | None:
         """The run's cost model: the recorded hardware and expert, the layer priced as the run's
-        exchange (:class:`~ds_fssdp.planner.scheduled.ScheduledCostModel`, as the runtime builds it)."""
+        exchange (:class:`~ds_fssdp.planner.scheduled.ScheduledCostModel`, as the runtime builds it).
+        ``two_hops``: a function returning the planner inputs' (None: the recorded setting's)."""
         if self.hardware is None or self.expert_shape is None:
             return None
         hw, shape = Hardware(**self.hardware), ExpertShape(**self.expert_shape)
         if self.exchange is None:
             return CostModel(hw, shape, topology)
         ex = self.exchange
-        options = ExchangeOptions.of(shape, top_k=ex["top_k"], one_copy=ex["one_copy_per_destination"],
-                                     pipeline_degree=ex["pipeline_degree"], two_hops=ex["topology_aware"],
-                                     side_ratio=ex.get("side_ratio", 0.0))
+        hops = two_hops if two_hops is not None else (lambda: self.topology_aware)
+
+        def options():
+            return ExchangeOptions.of(shape, top_k=ex["top_k"], one_copy=ex["one_copy_per_destination"],
+                                      pipeline_degree=ex["pipeline_degree"], two_hops=hops(),
+                                      side_ratio=ex.get("side_ratio", 0.0))
         return ScheduledCostModel(hw, shape, topology, exchange=options, costs=costs)
 
     @classmethod
@@ -221,7 +225,8 @@ def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
     topology = Topology(num_ranks=D, ranks_per_node=int(s.ranks_per_node or D))
     predictor = LoadPredictor([E] * L, window=s.window)
     priced = {"costs": None}  # the schedule's costs the decision being replayed was priced with
-    cost = s.cost_model(topology, costs=lambda: priced["costs"])
+    built = None  # the planner inputs: their two hops price the exchange (read when a plan is priced)
+    cost = s.cost_model(topology, costs=lambda: priced["costs"], two_hops=lambda: built.two_hops)
     built, planners = build_policies(s, num_experts=[E] * L, topology=topology, budget=s.budget, cost=cost,
                                      predictor=predictor)
     migrators, rule = built.migrators, built.clock_rule
@@ -262,7 +267,7 @@ def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
                     costs, lambda: plan.traffic_DD().numpy(), pipeline_degree=s.exchange["pipeline_degree"],
                     one_copy=s.exchange["one_copy_per_destination"], ranks_per_node=topology.ranks_per_node,
                     token_bytes=row_bytes[0], top_k=int(s.exchange["top_k"]), weight_bytes=row_bytes[1],
-                    two_hops=bool(s.exchange["topology_aware"]), side_ratio=side_ratio)
+                    two_hops=built.two_hops, side_ratio=side_ratio)
             decisions.append(Decision.of(owner_LE[l], placed_ED, lp, plan, clocks[l], degrees, int(one_copy),
                                          overlap_t=overlap_t, schedule_costs=costs, row_bytes=row_bytes,
                                          side_ratio=side_ratio))

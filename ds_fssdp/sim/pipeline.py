@@ -115,14 +115,23 @@ class LayerSchedule:
     """Prices a layer for one engine: hardware, ranks per node, token bytes, top-k, options."""
 
     def __init__(self, hw: Hardware, shape, *, ranks_per_node: int, top_k: int, options: ScheduleOptions,
-                 side_ratio: float = 0.0):
+                 two_hops=True, side_ratio: float = 0.0):
+        """``two_hops``: a function returning the planner inputs' (``PlannerInputs.two_hops``, the
+        runtime's ``topology_aware``: what both engines pass), read at the first layer priced
+        (after the factory ran); or a value (a schedule priced on its own)."""
         self.hw, self.shape, self.G, self.top_k, self.options = hw, shape, ranks_per_node, top_k, options
         self.costs = schedule_costs(hw, shape)
-        d = options.pipeline_degree
-        # one copy runs as the runtime's two hops (its default)
-        self.exchange = ExchangeOptions.of(shape, top_k=top_k, one_copy=options.dedup,
-                                           pipeline_degree="auto" if d is None else (d, d), two_hops=True,
-                                           side_ratio=side_ratio)
+        self._two_hops, self._exchange, self._side_ratio = two_hops, None, side_ratio
+
+    @property
+    def exchange(self) -> ExchangeOptions:
+        if self._exchange is None:
+            d = self.options.pipeline_degree
+            self._exchange = ExchangeOptions.of(self.shape, top_k=self.top_k, one_copy=self.options.dedup,
+                                                pipeline_degree="auto" if d is None else (d, d),
+                                                two_hops=hops() if callable(hops := self._two_hops) else hops,
+                                                side_ratio=self._side_ratio)
+        return self._exchange
 
     def layer(self, traffic_BNN: np.ndarray) -> LayerTimes:
         row_bytes = float(self.shape.token_bytes)
@@ -137,7 +146,7 @@ class LayerSchedule:
             # (one copy per destination sends fewer rows than it computes, and its routing entries and gate
             # weights besides).
             price = self.exchange.price(self.costs, traffic_BNN[b], ranks_per_node=self.G)
-            deg, loads = price.degrees, price.loads
+            deg, load = price.degrees, price.link_load
             prices.append(price)
             degrees.append(deg)
             taken.append(price.one_copy)
@@ -147,7 +156,7 @@ class LayerSchedule:
                     routed[b] = price.routed
             fwd[b], bwd[b] = price.forward_R.max(), price.backward_R.max()
             # Every rank's load carries the group's busiest links (loads_from_traffic): one is enough.
-            busy_f[b], busy_b[b] = link_busy(self.costs, loads[0], deg[0]), link_busy(self.costs, loads[0], deg[1])
+            busy_f[b], busy_b[b] = link_busy(self.costs, load, deg[0]), link_busy(self.costs, load, deg[1])
         links = traffic_links(sent_BNN, ranks_per_node=self.G, row_bytes=row_bytes, rows_BNN=traffic_BNN)
         if routed:  # one copy per destination over two hops: the routed bytes in place of one hop's
             idx = list(routed)
@@ -156,7 +165,7 @@ class LayerSchedule:
                 links.inter_total += crossing * row_bytes
                 links.rank_BN[b], links.node_Bn[b] = rank_N * row_bytes, node_n * row_bytes
         moe_B = links.rows_BN.max(1) * (3.0 * self.shape.row_flops / self.hw.flops)
-        side_B = np.array([max(ld.side_rows for ld in p.loads) for p in prices]) * (3.0 * self.shape.row_flops /
+        side_B = np.array([p.load_cols[:, 4].max() for p in prices]) * (3.0 * self.shape.row_flops /
                                                                                      self.hw.flops)
         return LayerTimes(links=links, moe_B=moe_B, side_B=side_B, forward_B=fwd, backward_B=bwd, degrees=degrees,
                           busy_forward_B2=busy_f, busy_backward_B2=busy_b,
@@ -183,4 +192,4 @@ def scheduled_cost_model(hw: Hardware, shape, topology, schedule: LayerSchedule)
     backward as ``schedule`` runs it (the planner's :class:`~ds_fssdp.planner.scheduled.ScheduledCostModel`,
     which the runtime builds from its configuration), so keeping tokens local and balancing rows
     are one objective. Sparse collectives priced as the runtime moves them (``planner/inputs.py``)."""
-    return ScheduledCostModel(hw, shape, topology, exchange=schedule.exchange, costs=schedule.costs)
+    return ScheduledCostModel(hw, shape, topology, exchange=lambda: schedule.exchange, costs=schedule.costs)
