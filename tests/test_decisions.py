@@ -8,7 +8,8 @@ retaken from the recorded schedule costs and row sizes). Every runtime policy, t
 placements and dispatch modes, on 4 ranks in 2 logical nodes, in one spawn, and gradient
 accumulation 2 under ZeRO 1 with re-shards, calibration and "auto" t. Both simulators in their real
 mode (t from their modelled windows, calibration, SmartMoE's or Algorithm 2's re-shards, the
-cluster engine at ZeRO 1) make the decisions derived from their own inputs. Negative controls
+cluster engine at ZeRO 1, gradient accumulation 2 on the GAS 2 run's counts) make the decisions
+derived from their own inputs. Negative controls
 perturb one function on one side (the replay's window-to-t rule, relabelling, a price; the
 simulator's clock rule or re-shards) or one recorded decision, and the check must name a
 difference. This is the guard against the copies of the per-step chain drifting apart again."""
@@ -53,6 +54,9 @@ for name, kwargs in {
     "smartmoe-reshard": dict(policy="smartmoe", smartmoe_interval=2, reshard_interval=2),
     # two micro-steps per optimizer step (trace rows): the re-shards follow the optimizer steps
     "fssdp-gas2-zero1": dict(zero=1, gas=2, calibration=True, overlap_degree="auto", hardware=HW, reshard_interval=2),
+    # 2 FSSDP groups of 2: the re-shards plan from the loads summed over both (the trace holds group 0's counts)
+    "fssdp-groups2-gas2": dict(zero=1, gas=2, group_size=2, calibration=True, overlap_degree="auto", hardware=HW,
+                               reshard_interval=2),
 }.items():
     RUNS[name] = _run(**kwargs)
 
@@ -237,6 +241,42 @@ def test_gas2_reshards_follow_the_optimizer_steps(runs):
     assert compare(trace, replay(Trace(trace.tokens_SLED, trace.meta, rows_as_steps))) != []
 
 
+def test_groups_reshard_from_the_recorded_world_loads(runs, tmp_path, capsys):
+    """Two FSSDP groups of 2: every group re-shards from the loads summed over both (each group's
+    counts differ), which the runtime records per row (``reshard_world_load``); the replay derives
+    the re-shards from them, and ``--check`` passes. Every rank ends with the same owners. Negative
+    controls: the world's loads perturbed at the first re-shard (experts reversed), or one recorded
+    owner flipped, fail naming the row after optimizer step 2."""
+    from ds_fssdp.planner import LoadPredictor
+    from ds_fssdp.report.__main__ import main
+    from ds_fssdp.sim.traces import Trace, save_trace
+    r = runs["fssdp-groups2-gas2"]
+    trace, rep = r["trace"], r["replay"]
+    assert trace.meta["fssdp_groups"] == 2 and trace.tokens_SLED.shape[3] == 2 and rep.reshard_steps == [2, 4]
+    owners, world = trace.arrays["decision_owner"], trace.arrays["reshard_world_load"]
+    assert (owners[4] != owners[3]).any() and (owners[:4] == owners[0]).all()
+    for res in r["results"][1:]:
+        assert all(torch.equal(a, b) for a, b in zip(res["owners"], r["results"][0]["owners"]))
+    assert np.isnan(world[:2]).all() and np.isfinite(world[2:]).all()
+    group0 = LoadPredictor([8, 8], window=trace.meta["load_window"])
+    for row in range(4):
+        for l in range(2):
+            group0.observe(l, torch.from_numpy(trace.tokens_SLED[row, l].astype(np.int64)))
+    own = group0.predict_all().numpy()  # group 0's own prediction at the first re-shard: the other's adds
+    assert (world[4] >= own).all() and (world[4] > own).any()
+    cases = {"run": trace.arrays,
+             "loads": dict(trace.arrays, reshard_world_load=np.concatenate([world[:4], world[4:, :, ::-1]])),
+             "owner": dict(trace.arrays, decision_owner=np.concatenate([owners[:4], (owners[4:] + 1) % 2]))}
+    codes = {}
+    for name, arrays in cases.items():
+        (tmp_path / name).mkdir()
+        save_trace(str(tmp_path / name / "trace.npz"), Trace(trace.tokens_SLED, trace.meta, arrays))
+        codes[name] = main([str(tmp_path / name), "--check"]), capsys.readouterr().out
+    assert codes["run"][0] == 0 and "re-shards after optimizer steps [2, 4]" in codes["run"][1], codes["run"]
+    for name in ("loads", "owner"):
+        assert codes[name][0] == 1 and "decision differs: iteration 4, layer 0, array decision_owner" in codes[name][1]
+
+
 # Negative controls: each perturbs one function on the replay's side only (the runtime ran in its
 # own processes), and the check must then name a difference.
 
@@ -335,9 +375,10 @@ def _sim_setup(trace, **overrides):
                              smartmoe_interval=2, calibration=True, load_window=2), **overrides))
 
 
-def _replay_of_simulated(trace, captured, windows_SL, attention_s, monkeypatch):
+def _replay_of_simulated(trace, captured, windows_SL, attention_s, monkeypatch, *, gas=1):
     """The replay's decisions from the simulator's inputs: its settings, its windows (the clock's
-    inputs), its prices (the cost object it decided with), the trace's counts, a step per row."""
+    inputs), its prices (the cost object it decided with), the trace's counts, ``gas`` rows per
+    optimizer step (the runtime's record of them)."""
     from ds_fssdp.report.replay import ReplaySettings, replay
     from ds_fssdp.sim.traces import Trace
     settings, cost = captured["settings"], captured["cost"]
@@ -347,22 +388,24 @@ def _replay_of_simulated(trace, captured, windows_SL, attention_s, monkeypatch):
                        dispatch_slack=settings.dispatch_slack, reshard_interval=settings.reshard_interval,
                        calibration=settings.calibration, calibration_latency_budget=settings.calibration_latency_budget,
                        smartmoe_interval=settings.smartmoe_interval, rematerialize=settings.rematerialize)
-    monkeypatch.setattr(ReplaySettings, "cost_model", lambda self, topology, costs=None: cost)
+    monkeypatch.setattr(ReplaySettings, "cost_model", lambda self, topology, costs=None, two_hops=None: cost)
     S, L = trace.tokens_SLED.shape[:2]
-    inputs = {"optimizer_step": np.arange(S), "agreed_window_s": windows_SL,
+    inputs = {"optimizer_step": np.arange(S) // gas, "agreed_window_s": windows_SL,
               "agreed_attention_s": np.full((S, L), attention_s)}
     return replay(Trace(trace.tokens_SLED, trace.meta, inputs), s)
 
 
-def _simulated_and_derived(trace, monkeypatch, *, engine, policy, zero, perturb=None):
-    """Run a simulator in its real mode on ``trace``'s counts (``perturb``: "t", its clock rule from
-    half its window, or "no-reshard", in the simulator only) and the replay on the simulator's inputs; returns
-    the simulator's (owner, placed, held) arrays, the replay, the settings and the windows."""
+def _simulated_and_derived(trace, monkeypatch, *, engine, policy, zero, gas=1, perturb=None):
+    """Run a simulator in its real mode at ``gas`` micro-steps per optimizer step on ``trace``'s counts
+    (``perturb``: "t", its clock rule from half its window, "no-reshard", or "micro-steps": every row
+    its own optimizer step, in the simulator only) and the replay on the simulator's inputs at
+    ``gas``; returns the simulator's (owner, placed, held) arrays, the replay, the settings and the
+    windows."""
     import ds_fssdp.planner.layer as layer_mod
     from ds_fssdp.planner.inputs import ClockRule
     sim_mod = __import__(f"ds_fssdp.sim.{'simulate' if engine == 'paper' else 'cluster'}", fromlist=["x"])
     S, L = trace.tokens_SLED.shape[:2]
-    setup = _sim_setup(trace, zero_stage=zero)
+    setup = _sim_setup(trace, zero_stage=zero, gas=1 if perturb == "micro-steps" else gas)
     captured, windows, calls = {}, np.full((S, L), np.nan), []
     factory, pre = sim_mod.planner_inputs, layer_mod.LayerPlanner.pre_gating_t
 
@@ -399,25 +442,29 @@ def _simulated_and_derived(trace, monkeypatch, *, engine, policy, zero, perturb=
     assert len(calls) == S * L  # one group: one pre-gating per layer and step
     for i, (l, w) in enumerate(calls):
         windows[i // L, l] = np.nan if w is None else w
-    rep = _replay_of_simulated(trace, captured, windows, setup.attention_fwd_s, monkeypatch)
+    rep = _replay_of_simulated(trace, captured, windows, setup.attention_fwd_s, monkeypatch, gas=gas)
     got = {key: np.stack([[layer[i].numpy() for layer in step] for step in decisions])
            for key, i in (("decision_owner", 0), ("decision_placed", 1), ("decision_held", 2))}
     return got, rep, captured["settings"], windows
 
 
-REAL_MODE = [("paper", "smartmoe", 0), ("paper", "fssdp", 0), ("cluster", "fssdp", 1)]
+REAL_MODE = [("paper", "smartmoe", 0, 1), ("paper", "fssdp", 0, 1), ("cluster", "fssdp", 1, 1),
+             ("paper", "fssdp", 0, 2), ("cluster", "fssdp", 1, 2)]
+GAS_TRACE = {1: "smartmoe-reshard", 2: "fssdp-gas2-zero1"}  # the runtime's counts, at its GAS
 
 
-@pytest.mark.parametrize("engine,policy,zero", REAL_MODE)
-def test_simulators_in_their_real_mode_decide_as_derived(runs, monkeypatch, engine, policy, zero):
+@pytest.mark.parametrize("engine,policy,zero,gas", REAL_MODE)
+def test_simulators_in_their_real_mode_decide_as_derived(runs, monkeypatch, engine, policy, zero, gas):
     """Both simulators in their real mode (FSSDP's t from each layer's modelled window, searched by
     time; calibration on; SmartMoE's permutation (its fixed t, as published) or Algorithm 2
-    re-sharding every 2 steps; the cluster engine at ZeRO 1) on the runtime's recorded counts make
-    the decisions the replay derives from the simulator's own inputs (its settings, windows and
-    prices) through the runtime's functions: owners, pre-gating and final placements, step by step.
-    The simulators step once per trace row (they model no gradient accumulation)."""
-    trace = runs["smartmoe-reshard"]["trace"]
-    got, rep, settings, windows = _simulated_and_derived(trace, monkeypatch, engine=engine, policy=policy, zero=zero)
+    re-sharding every 2 optimizer steps; the cluster engine at ZeRO 1; gradient accumulation 2 on
+    the counts of the runtime's GAS 2 run) on the runtime's recorded counts make the decisions the
+    replay derives from the simulator's own inputs (its settings, windows and prices, the optimizer
+    steps at the simulator's GAS) through the runtime's functions: owners, pre-gating and final
+    placements, micro-step by micro-step."""
+    trace = runs[GAS_TRACE[gas]]["trace"]
+    got, rep, settings, windows = _simulated_and_derived(trace, monkeypatch, engine=engine, policy=policy, zero=zero,
+                                                         gas=gas)
     # SmartMoE runs as published: its fixed t (the simulators price its exchange without the idle link)
     assert settings.overlap_degree == ("auto" if policy == "fssdp" else 2) and settings.calibration
     assert np.isfinite(windows).all() == (policy == "fssdp")
@@ -425,17 +472,21 @@ def test_simulators_in_their_real_mode_decide_as_derived(runs, monkeypatch, engi
         np.testing.assert_array_equal(value, rep.decisions[key], err_msg=f"{engine} {policy}: {key}")
     owners = rep.decisions["decision_owner"]
     assert (owners != owners[0]).any(), "no re-shard moved an expert"
+    moved = [r for r in range(1, len(owners)) if (owners[r] != owners[r - 1]).any()]
+    assert all(r % (2 * gas) == 0 for r in moved), moved  # after every 2nd optimizer step, never between micro-steps
     if policy == "fssdp":  # calibration is FSSDP's
         assert (rep.decisions["decision_calibration_t"] >= 0).all()
         assert (rep.decisions["decision_t"] < trace.tokens_SLED.shape[2]).any()  # windows that bind t
 
 
-@pytest.mark.parametrize("engine,policy,zero,perturb", [("paper", "fssdp", 0, "t"), ("cluster", "fssdp", 1, "t"),
-                                                        ("paper", "smartmoe", 0, "no-reshard"),
-                                                        ("cluster", "fssdp", 1, "no-reshard")])
-def test_control_simulator_with_another_rule_differs(runs, monkeypatch, engine, policy, zero, perturb):
+@pytest.mark.parametrize("engine,policy,zero,gas,perturb", [
+    ("paper", "fssdp", 0, 1, "t"), ("cluster", "fssdp", 1, 1, "t"), ("paper", "smartmoe", 0, 1, "no-reshard"),
+    ("cluster", "fssdp", 1, 1, "no-reshard"), ("paper", "fssdp", 0, 2, "micro-steps"),
+    ("cluster", "fssdp", 1, 2, "micro-steps")])
+def test_control_simulator_with_another_rule_differs(runs, monkeypatch, engine, policy, zero, gas, perturb):
     """Negative control: the simulator alone with another window-to-t rule (t and the search from
-    half its window), or without re-shards, no longer makes the decisions derived from its inputs."""
-    got, rep, _, _ = _simulated_and_derived(runs["smartmoe-reshard"]["trace"], monkeypatch, engine=engine,
-                                            policy=policy, zero=zero, perturb=perturb)
+    half its window), without re-shards, or re-sharding by micro-step (GAS 1 on the GAS 2 run's
+    counts), no longer makes the decisions derived from its inputs."""
+    got, rep, _, _ = _simulated_and_derived(runs[GAS_TRACE[gas]]["trace"], monkeypatch, engine=engine,
+                                            policy=policy, zero=zero, gas=gas, perturb=perturb)
     assert any((value != rep.decisions[key]).any() for key, value in got.items()), (engine, policy, perturb)

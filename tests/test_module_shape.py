@@ -83,6 +83,30 @@ def test_nothing_is_set_on_a_shard_from_outside():
     assert not found, found
 
 
+def stage_set_from_outside(source: str) -> list:
+    """``(line, target)`` of every assignment to an attribute of the FSSDP stage (a name ``stage``, or
+    ``<engine>.fssdp``) outside the stage itself."""
+    def is_stage(v):
+        return (isinstance(v, ast.Name) and v.id == "stage") or (isinstance(v, ast.Attribute) and v.attr == "fssdp")
+    return [(node.lineno, ast.unparse(t)) for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+            for t in _targets(node) if isinstance(t, ast.Attribute) and is_stage(t.value)]
+
+
+def test_nothing_is_set_on_the_stage_from_outside():
+    """The stage's groups, pipeline layout and global layers come in at construction, its micro-batches
+    in flight and trace file from them, a checkpoint's steps and planning state through
+    ``FSSDPStage.restore``: no module assigns to the stage's attributes (negative control: the
+    assignments ``initialize`` once made are found)."""
+    old = ("stage.groups = groups\nif pipe:\n    stage.layout, stage.global_layers = layout, g\n"
+           "engine.fssdp.in_flight = 2\nstage.norm.dense_group = None\n")
+    assert sorted(line for line, _ in stage_set_from_outside(old)) == [1, 3, 3, 4]
+    found = {rel: hits for path in sorted(PACKAGE.rglob("*.py"))
+             if (rel := path.relative_to(PACKAGE).as_posix()) != "runtime/stage.py"
+             and (hits := stage_set_from_outside(path.read_text()))}
+    assert not found, found
+
+
 def test_how_a_shard_runs_is_fixed_at_construction():
     """Side work and timings are ``ShardOptions`` (frozen): set once, by whoever builds the shard."""
     import dataclasses
@@ -128,12 +152,26 @@ def test_each_imports_fresh(module):
                    capture_output=True)
 
 
+def test_the_planner_and_ops_are_pure():
+    """planner/ and ops/ import neither DeepSpeed nor the runtime's layers (comm, runtime, moe), not
+    even inside a function (the C extension's fallback once imported DeepSpeed's logger)."""
+    impure = ("deepspeed", "ds_fssdp.comm", "ds_fssdp.runtime", "ds_fssdp.moe", "ds_fssdp.integrations")
+    found = {str(p.relative_to(ROOT)): m for p in [*(PACKAGE / "planner").rglob("*.py"), *(ROOT / "ops").rglob("*.py")]
+             for m, _ in _imports(p) if m.startswith(impure)}
+    assert not found, found
+    assert ("deepspeed", True) in _imports(PACKAGE / "runtime" / "engine.py")  # the scan sees an import
+
+
 def test_the_replay_runs_without_deepspeed():
     """``ds_fssdp.report`` (its replay and its command line) checks a run offline: importing it
     imports no DeepSpeed (the planner's record, ``planner/decision.py``, and the config's
     defaults, ``defaults.py``, need none)."""
     code = ("import sys, ds_fssdp.report.replay, ds_fssdp.report.__main__; "
             "assert 'deepspeed' not in sys.modules, sorted(m for m in sys.modules if m.startswith('ds_fssdp'))")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=300)
+    # the planner without its C extension (a source tree never built) says so without DeepSpeed's logger
+    code = ("import sys; sys.modules['ds_fssdp.planner._fastplan'] = None; import ds_fssdp.planner.fast as f, "
+            "ds_fssdp.report.replay; assert not f.AVAILABLE and 'deepspeed' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=300)
     # Negative control: the runtime's shard does import it (the check can see an import).
     code = "import sys, ds_fssdp.moe.sharded; assert 'deepspeed' in sys.modules"

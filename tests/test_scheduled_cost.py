@@ -12,6 +12,7 @@ from ds_fssdp import Topology
 from ds_fssdp.config import FSSDPConfig
 from ds_fssdp.planner import CostModel, ExpertShape, Hardware
 from ds_fssdp.planner.dispatch import dispatch_plan
+from ds_fssdp.planner.inputs import PlannerSettings, planner_inputs
 from ds_fssdp.planner.scheduled import ExchangeOptions, ScheduledCostModel
 from ds_fssdp.planner.shard import homogeneous_owner
 from ds_fssdp.report.replay import ReplaySettings
@@ -69,7 +70,8 @@ def test_the_simulators_layer_is_the_same_price(schedule):
 
 def _stage(side_ratio=0.0, **fssdp):
     cfg = FSSDPConfig(**fssdp)
-    return types.SimpleNamespace(config=cfg, pipeline_degree=cfg.pipeline_degrees(),
+    inputs = planner_inputs(PlannerSettings.of(cfg, budget=0), num_experts_L=[16], topology=TOPO)  # its two hops
+    return types.SimpleNamespace(config=cfg, pipeline_degree=cfg.pipeline_degrees(), inputs=inputs,
                                  layers=[types.SimpleNamespace(k=2)], side_ratio=side_ratio)
 
 

@@ -21,6 +21,7 @@ from ds_fssdp.sim.links import Links, distinct_fraction, traffic_BNN, traffic_li
 from ds_fssdp.sim.pipeline import SERIAL, LayerSchedule, ScheduleOptions
 from ds_fssdp.sim.setup import Setup, derive_overlap_degree
 from ds_fssdp.sim.simulate import simulate
+from ds_fssdp.sim.sync import dense_sync
 from ds_fssdp.sim.synth import synthetic_trace
 
 HW = Hardware(flops=100e12, intra_bw=200e9, inter_bw=25e9, latency=10e-6, hbm_bw=2e12)
@@ -215,6 +216,13 @@ SERIAL_BEFORE = {
     "cluster4": {"ep": 0.02097190223140571, "uniform": 0.01458232695296, "fssdp": 0.014550222366720001,
                  "fssdp-rm": 0.014023142592365713},
 }
+# Their sync, as it was charged until the simulators took DeepSpeed's dense part and the runtime's
+# experts' part apart (sim/sync.py): one bf16 ring of both hidden under the backward (the paper
+# engine's whole, so 0 but FasterMoE's and FlexMoE's own collectives). Now the dense all-reduce
+# runs after the backward and, without the gaps, the experts' fp32 all-reduce at the step: every
+# arm's iteration less its sync is what it was.
+SYNC_BEFORE = {"cluster4": {"ep": 0.0003017412944457144, "uniform": 0.0018927391795200003,
+                            "fssdp": 0.0012692618817828575, "fssdp-rm": 0.0016849413756342857}}
 
 
 def test_serial_reproduces_the_numbers_before_and_the_schedule_is_faster():
@@ -222,8 +230,8 @@ def test_serial_reproduces_the_numbers_before_and_the_schedule_is_faster():
     names = list(SERIAL_BEFORE["paper"]) + ["fsmoe"]
     serial = by_name(simulate(setup, tokens, names, schedule=SERIAL))
     full = by_name(simulate(setup, tokens, names))
-    for name, want in SERIAL_BEFORE["paper"].items():
-        assert serial[name].iteration_s == pytest.approx(want, rel=1e-9), name
+    for name, want in SERIAL_BEFORE["paper"].items():  # one group: DeepSpeed's dense all-reduce, no longer hidden
+        assert serial[name].iteration_s == pytest.approx(want + dense_sync(setup), rel=1e-9), name
     assert serial["fsmoe"].iteration_s == pytest.approx(serial["ep"].iteration_s, rel=1e-12)
     assert set(serial["fssdp"].degrees["forward"]) == {1} and set(full["ep"].degrees["backward"]) == {1}
     assert set(full["fsmoe"].degrees["backward"]) != {1} and sum(full["fsmoe"].degrees["forward"].values()) == 7 * 2
@@ -232,7 +240,9 @@ def test_serial_reproduces_the_numbers_before_and_the_schedule_is_faster():
     serial4 = by_name(simulate_cluster(setup, tokens, names4, group_size=4, schedule=SERIAL))
     full4 = by_name(simulate_cluster(setup, tokens, names4, group_size=4))
     for name, want in SERIAL_BEFORE["cluster4"].items():
-        assert serial4[name].iteration_s == pytest.approx(want, rel=1e-9), name
+        sync = serial4[name].breakdown_s["ar"]
+        assert serial4[name].iteration_s - sync == pytest.approx(want - SYNC_BEFORE["cluster4"][name], rel=1e-9), name
+        assert sync > dense_sync(setup) > 0
     no_gaps = ScheduleOptions(grad_gaps=False)
     pipe = by_name(simulate(setup, tokens, names, schedule=no_gaps, bound=False))
     pipe4 = by_name(simulate_cluster(setup, tokens, names4, group_size=4, schedule=no_gaps))
@@ -242,11 +252,15 @@ def test_serial_reproduces_the_numbers_before_and_the_schedule_is_faster():
         # The chosen degrees never lose to degree 1; with the all-reduce accounted alike, fsmoe <= ep.
         assert pip["fsmoe"].iteration_s < pip["ep"].iteration_s * 0.99
         assert pip["fssdp"].iteration_s < ser["fssdp"].iteration_s
-        assert res["fssdp"].iteration_s < res["fsmoe"].iteration_s
+        # FSSDP's layers beat FSMoE's; in groups of 4 its whole step need not: Algorithm 2's owners
+        # concentrate experts, and the busiest owner's fp32 EDP reduce is the step's (sim/sync.py)
+        assert (res["fssdp"].iteration_s - res["fssdp"].breakdown_s["ar"]
+                < res["fsmoe"].iteration_s - res["fsmoe"].breakdown_s["ar"])
         low = res["ep"].lower_bound_s
         assert low > 0 and all(r.lower_bound_s == low for r in res.values())
         for r in list(res.values()) + list(ser.values()):
             assert low <= r.iteration_s, r.policy
+    assert full["fssdp"].iteration_s < full["fsmoe"].iteration_s
     # Gradients in the gaps charge what the serial accounting hid: the last layer's share (here a
     # half: 2 layers) can only go after the backward that produces it.
     assert full["fsmoe"].breakdown_s["ar"] >= serial["fsmoe"].breakdown_s["ar"]

@@ -19,9 +19,10 @@ from ds_fssdp.sim.cluster import simulate_cluster
 from ds_fssdp.sim.links import allreduce_links
 from ds_fssdp.sim.memory import budget_for_cap, ep_memory_bytes, optimizer_params
 from ds_fssdp.sim.pipeline import ScheduleOptions
-from ds_fssdp.sim.setup import GRAD_BYTES, OPT_BYTES, Setup, derive_overlap_degree
+from ds_fssdp.planner.prices import allreduce_share, reduce_scatter_share
+from ds_fssdp.sim.setup import GRAD_BYTES, OPT_BYTES, PARAM_BYTES, Setup, derive_overlap_degree
 from ds_fssdp.sim.simulate import simulate_policy
-from ds_fssdp.sim.sync import exposed_sync, split_inputs, sync_times
+from ds_fssdp.sim.sync import MASTER_GRAD_BYTES, dense_sync, expert_inputs, exposed_sync, sync_times
 from ds_fssdp.sim.synth import synthetic_trace
 
 SHAPE = ExpertShape(hidden=512, ffn=2048)
@@ -78,45 +79,55 @@ def test_drain_before_deadlines_known_answers_and_replay():
         drain_before_deadlines([1.0], [1.0], lead=-1)
 
 
-def ring_s(setup, members, sizes):
+def ring_s(setup, members, sizes, share=allreduce_share):
     return float(allreduce_links(members, np.asarray(sizes, dtype=np.float64),
-                                 ranks_per_node=setup.topology.ranks_per_node).time_B(setup.hw)[0])
+                                 ranks_per_node=setup.topology.ranks_per_node, share=share).time_B(setup.hw)[0])
 
 
-def test_sync_is_the_all_reduce_at_zero_0_and_its_halves_at_zero_1():
+def test_sync_is_deepspeeds_dense_part_and_the_runtimes_experts_part():
+    """DeepSpeed's dense collectives (bf16: an all-reduce at ZeRO 0; a reduce-scatter and the
+    parameters' all-gather at ZeRO 1) apart from the experts' (fp32 master gradients over the EDP
+    rings: all-reduced at ZeRO 0, reduce-scattered at ZeRO 1 and the stepped rows all-gathered in
+    their dtype), every collective priced with the price list's ring shares."""
     z0, z1 = setup_with(0), setup_with(1)
     N, D = 4, 8
     owned_N = np.array([10.0, 6.0, 8.0, 8.0])
     dense_M, edp_M = np.ones((1, D), dtype=bool), np.tile(np.eye(N, dtype=bool), (1, D // N))
-    dense_K, edp_K = [z0.dense_params * GRAD_BYTES], owned_N * z0.shape.params * GRAD_BYTES
-    whole = ring_s(z0, np.concatenate([dense_M, edp_M]), np.concatenate([dense_K, edp_K]))
+    dense_K, fp32_K = [z0.dense_params * GRAD_BYTES], owned_N * z0.shape.params * MASTER_GRAD_BYTES
     s0 = sync_times(z0, N, owned_N)
-    assert (s0.reduce_s, s0.step_gather_s, s0.forward_gather_s) == (pytest.approx(whole), 0.0, 0.0)
+    assert dense_sync(z0) == s0.step_gather_s == pytest.approx(ring_s(z0, dense_M, dense_K))
+    assert (s0.reduce_s, s0.forward_gather_s) == (pytest.approx(ring_s(z0, edp_M, fp32_K)), 0.0)
     s1 = sync_times(z1, N, owned_N)
+    assert s1.step_gather_s == pytest.approx(ring_s(z1, dense_M, dense_K, reduce_scatter_share)
+                                             + ring_s(z1, dense_M, [z1.dense_params * PARAM_BYTES],
+                                                      reduce_scatter_share))
+    assert s1.reduce_s == pytest.approx(ring_s(z1, edp_M, fp32_K, reduce_scatter_share))
+    assert s1.forward_gather_s == pytest.approx(ring_s(z1, edp_M, owned_N * z1.shape.params * PARAM_BYTES,
+                                                       reduce_scatter_share))
     lat = z1.hw.latency
-    assert s1.reduce_s == pytest.approx(lat + (whole - lat) / 2)  # a reduce-scatter: half the ring's bytes
-    assert s1.step_gather_s == pytest.approx(ring_s(z1, dense_M, np.asarray(dense_K) / 2))
-    assert s1.forward_gather_s == pytest.approx(ring_s(z1, edp_M, edp_K / 2))
-    assert s1.forward_gather_s > s1.step_gather_s > 0
-    np.testing.assert_allclose(s1.links.node_Bn, s0.links.node_Bn)  # the same bytes in all
-    # one group: nothing to sync over an EDP group, only the dense part
-    one = sync_times(z1, D)
-    assert one.forward_gather_s == 0.0 and one.step_gather_s == pytest.approx(ring_s(z1, dense_M, np.asarray(dense_K) / 2))
+    assert s1.reduce_s - lat == pytest.approx((s0.reduce_s - lat) / 2)  # a reduce-scatter: half the ring's bytes
+    # the same bytes over every link at ZeRO 1 as at ZeRO 0 but the experts' gather (bf16 rows, not fp32)
+    gathered = allreduce_links(edp_M, owned_N * z1.shape.params * MASTER_GRAD_BYTES / 2, ranks_per_node=2,
+                               share=reduce_scatter_share)
+    np.testing.assert_allclose(s1.links.node_Bn + gathered.node_Bn, s0.links.node_Bn)
+    one = sync_times(z1, D)  # one group: nothing to sync over an EDP group, only the dense part
+    assert (one.reduce_s, one.forward_gather_s) == (0.0, 0.0) and one.step_gather_s == pytest.approx(dense_sync(z1))
     even = sync_times(z1, N)  # even owners: E L / N each
-    assert even.forward_gather_s == pytest.approx(ring_s(z1, edp_M, np.full(N, 16 * 4 / N) * z1.shape.params))
+    assert even.reduce_s == pytest.approx(ring_s(z1, edp_M, np.full(N, 16 * 4 / N) * z1.shape.params * 4,
+                                                 reduce_scatter_share))
 
 
-def test_zero_0_split_is_the_experts_reduce_scatter_beside_the_dense_all_reduce():
+def test_zero_0_split_is_the_experts_reduce_scatter_and_all_gather():
     z0 = setup_with(0)
     N, D = 4, 8
-    dense_M, edp_M = np.ones((1, D), dtype=bool), np.tile(np.eye(N, dtype=bool), (1, D // N))
-    dense_K, edp_K = [z0.dense_params * GRAD_BYTES], np.full(N, 16 * 4 / N) * z0.shape.params * GRAD_BYTES
+    edp_M = np.tile(np.eye(N, dtype=bool), (1, D // N))
+    fp32_K = np.full(N, 16 * 4 / N) * z0.shape.params * MASTER_GRAD_BYTES
     s = sync_times(z0, N, split_experts=True)
-    assert s.reduce_s == pytest.approx(ring_s(z0, np.concatenate([dense_M, edp_M]), np.concatenate([dense_K, edp_K / 2])))
-    assert s.forward_gather_s == pytest.approx(ring_s(z0, edp_M, edp_K / 2)) and s.step_gather_s == 0.0
-    assert s.reduce_s < sync_times(z0, N).reduce_s
+    half = ring_s(z0, edp_M, fp32_K, reduce_scatter_share)
+    assert (s.reduce_s, s.forward_gather_s) == (pytest.approx(half), pytest.approx(half))  # the summed fp32 gradient
+    assert s.step_gather_s == pytest.approx(dense_sync(z0)) and s.reduce_s < sync_times(z0, N).reduce_s
     one = sync_times(z0, D, split_experts=True)  # one group: no experts' sync to split
-    assert (one.forward_gather_s, one.reduce_s) == (0.0, pytest.approx(sync_times(z0, D).reduce_s))
+    assert (one.forward_gather_s, one.reduce_s) == (0.0, 0.0)
 
 
 def test_split_sync_pays_known_answers():
@@ -132,20 +143,19 @@ def test_split_sync_pays_known_answers():
 
 
 def test_exposed_sync_serial_and_in_the_gaps():
-    s1 = sync_times(setup_with(1), 4)
-    L = 4
-    back, bgaps, fgaps = [1e-3] * L, [2e-4] * L, [3e-4] * L
-    serial = exposed_sync(s1, gaps=False, backward_gaps_L=bgaps, forward_gaps_L=fgaps, backward_L=back, lead=0)
-    assert serial == pytest.approx(max(0.0, s1.reduce_s - 3e-3) + s1.step_gather_s + s1.forward_gather_s)
+    """The dense part whole; the experts' at the step layer after layer (serial), or drained in the
+    gaps (split_sync_exposed: the all-reduce alone, or its reduce-scatter and all-gather when split)."""
+    L, dense = 4, 0.25
+    experts = ([1e-3] * L, [5e-4] * L, [4e-4] * L, [2e-4] * L, [3e-4] * L)
+    allreduce_L, reduce_L, gather_L, bgaps, fgaps = experts
+    assert exposed_sync(dense, None, gaps=True, split=True, lead=1) == dense  # one group
+    assert exposed_sync(dense, experts, gaps=False, split=False, lead=0) == pytest.approx(dense + 4e-3)
+    assert exposed_sync(dense, experts, gaps=False, split=True, lead=0) == pytest.approx(dense + 4 * 9e-4)
+    assert exposed_sync(dense, experts, gaps=True, split=False, lead=1) == pytest.approx(dense + 4e-3 - 3 * 2e-4)
     for lead in (0, 1):
-        gapped = exposed_sync(s1, gaps=True, backward_gaps_L=bgaps, forward_gaps_L=fgaps, backward_L=back, lead=lead)
-        expect = (s1.reduce_s - 3 * 2e-4) + s1.step_gather_s + drain_before_deadlines(
-            [s1.forward_gather_s / L] * L, fgaps, lead=lead)
+        gapped = exposed_sync(dense, experts, gaps=True, split=True, lead=lead)
+        expect = dense + (2e-3 - 3 * 2e-4) + drain_before_deadlines(gather_L, fgaps, lead=lead)
         assert gapped == pytest.approx(expect)
-    # ZeRO 0 has nothing to gather: the reduce alone
-    s0 = sync_times(setup_with(0), 4)
-    assert exposed_sync(s0, gaps=True, backward_gaps_L=bgaps, forward_gaps_L=[0.0] * L, backward_L=back,
-                        lead=1) == pytest.approx(s0.reduce_s - 3 * 2e-4)
 
 
 def test_partitioned_optimizer_state_in_memory_and_the_caps_budget():
@@ -161,17 +171,20 @@ def test_partitioned_optimizer_state_in_memory_and_the_caps_budget():
     assert budget_for_cap(z1, 4, 1.5, rematerialize=False) < budget_for_cap(z0, 4, 1.5, rematerialize=False)
 
 
+def recording(calls):
+    """``cluster.exposed_sync`` that records each step's charge with its inputs."""
+    def recorded(dense_s, experts, **kw):
+        value = exposed_sync(dense_s, experts, **kw)
+        calls.append((dense_s, experts, kw, value))
+        return value
+    return recorded
+
+
 @pytest.fixture(scope="module")
 def runs():
-    """Both stages, every policy; under ZeRO 1 each step's sync charge is recorded with its inputs."""
+    """Both stages, every policy; each step's sync charge is recorded with its inputs."""
     import ds_fssdp.sim.cluster as cluster
     out, calls = {}, []
-
-    def recorded(sync, **kw):
-        value = exposed_sync(sync, **kw)
-        calls.append((sync, kw, value))
-        return value
-
     for z in (0, 1):
         setup = setup_with(z)
         tokens = synthetic_trace(steps=9, num_layers=setup.num_layers, num_experts=16, num_ranks=8,
@@ -180,7 +193,7 @@ def runs():
         out[z] = {}
         for name in ("ep", "fsmoe", "fssdp", "fssdp-rm"):
             calls.clear()
-            cluster.exposed_sync, original = recorded, cluster.exposed_sync
+            cluster.exposed_sync, original = recording(calls), cluster.exposed_sync
             try:
                 r, = simulate_cluster(setup, tokens, [name], group_size=4, memory_cap=1.5)
             finally:
@@ -190,22 +203,23 @@ def runs():
 
 
 def test_zero_1_charges_each_schedule_what_it_runs(runs):
-    """EP gathers at the step, whole; fsmoe and FSSDP gather their experts in the next forward's
-    gaps, before each layer's first use (FSSDP's a layer ahead: its replica gather), which hides part
-    of it; what each step is charged is that; the optimizer steps slices, the memory shrinks and
-    stays within the cap, the bound below."""
+    """EP reduces and gathers at the step, whole; fsmoe and FSSDP gather their experts in the next
+    forward's gaps, before each layer's first use (FSSDP's a layer ahead: its replica gather), which
+    hides part of it; DeepSpeed's dense part whole for all; what each step is charged is that; the
+    optimizer steps slices, the memory shrinks and stays within the cap, the bound below."""
     z0, z1 = runs[0], runs[1]
     for name, (r, calls) in z1.items():
         assert len(calls) == 4
-        assert r.breakdown_s["ar"] == pytest.approx(np.mean([v for _, _, v in calls]))
-        for sync, kw, value in calls:
-            assert sync.reduce_s > 0 and sync.step_gather_s > 0 and sync.forward_gather_s > 0
+        assert r.breakdown_s["ar"] == pytest.approx(np.mean([v for *_, v in calls]))
+        for dense_s, experts, kw, value in calls:
+            assert dense_s == pytest.approx(dense_sync(setup_with(1))) and kw["split"]
+            allreduce_L, reduce_L, gather_L, _, fgaps = experts
             if name == "ep":
-                assert not kw["gaps"] and value >= sync.step_gather_s + sync.forward_gather_s
+                assert not kw["gaps"] and value == pytest.approx(dense_s + sum(reduce_L) + sum(gather_L))
                 continue
             assert kw["gaps"] and kw["lead"] == (0 if name == "fsmoe" else 1)
-            assert min(kw["forward_gaps_L"]) > 0
-            at_the_step = exposed_sync(sync, **dict(kw, forward_gaps_L=[0.0] * len(kw["forward_gaps_L"])))
+            assert min(fgaps) > 0
+            at_the_step = exposed_sync(dense_s, experts[:4] + ([0.0] * len(fgaps), ), **kw)
             assert value < at_the_step - 1e-9, name
         assert r.breakdown_s["opt"] < z0[name][0].breakdown_s["opt"], name  # the optimizer steps slices
         assert sum(r.memory_bytes.values()) <= 1.5 * r.ep_memory_bytes * (1 + 1e-9), name
@@ -213,7 +227,7 @@ def test_zero_1_charges_each_schedule_what_it_runs(runs):
         assert 0 < r.lower_bound_s <= r.iteration_s, (name, r.lower_bound_s, r.iteration_s)
     for name, (r, calls) in z0.items():  # ZeRO 0: EP and fsmoe all-reduce before the step
         if name in ("ep", "fsmoe"):
-            assert all(sync.step_gather_s == sync.forward_gather_s == 0.0 for sync, _, _ in calls)
+            assert not any(kw["split"] for _, _, kw, _ in calls)
 
 
 @pytest.mark.parametrize("zero", [0, 1])
@@ -266,37 +280,31 @@ def test_zero_0_splits_the_experts_sync_where_it_pays(inter_bw, splits):
                              assignments_per_rank=2 * setup.tokens_per_gpu, target_std=0.12, top_k=2,
                              seed=1).tokens_SLED
     calls = []
-
-    def recorded(sync, **kw):
-        value = exposed_sync(sync, **kw)
-        calls.append((sync, kw, value))
-        return value
-
-    cluster.exposed_sync, original = recorded, cluster.exposed_sync
+    cluster.exposed_sync, original = recording(calls), cluster.exposed_sync
     try:
         r, = simulate_cluster(setup, tokens, ["fssdp"], group_size=4)
     finally:
         cluster.exposed_sync = original
     L = setup.num_layers
-    owned = np.full(4, 16 * L / 4)  # homogeneous owners, no re-shard
-    whole, split = sync_times(setup, 4, owned), sync_times(setup, 4, owned, split_experts=True)
-    taken = [sync.forward_gather_s > 0 for sync, _, _ in calls]
-    owner_LE = np.tile(np.arange(16) % 4, (L, 1))
-    decided = [split_sync_pays(*split_inputs(setup, 4, owner_LE, kw["backward_gaps_L"], kw["forward_gaps_L"]), lead=1)
-               for _, kw, _ in calls]
+    owner_LE = np.tile(np.arange(16) % 4, (L, 1))  # homogeneous owners, no re-shard
+    taken = [kw["split"] for _, _, kw, _ in calls]
+    decided = [split_sync_pays(*expert_inputs(setup, 4, owner_LE, experts[3], experts[4]), lead=1)
+               for _, experts, _, _ in calls]
     assert taken[0] is False  # nothing decided before the first step
     assert taken[1:] == decided[:-1]  # each step as decided after the one before
     assert all(t == splits for t in taken[1:]), taken
     assert r.split_steps == (1.0 if splits else 0.0)
-    for sync, kw, value in calls[1:]:
-        assert value == pytest.approx(exposed_sync(split if splits else whole, **kw))
+    for dense_s, experts, kw, value in calls[1:]:
+        whole = exposed_sync(dense_s, experts, **dict(kw, split=False))
+        assert value == pytest.approx(exposed_sync(dense_s, experts, **dict(kw, split=splits)))
         if splits:
-            assert value < exposed_sync(whole, **kw)
+            assert value < whole
 
 
 def test_runtime_and_simulator_build_the_split_inputs_in_one_place(monkeypatch):
     """The split decision's inputs come from ``planner.schedule.split_sync_inputs`` for the runtime
-    (``EDPSyncPlan.split_inputs``) and the cluster simulator (``sim.sync.split_inputs``) alike, and
+    (``EDPSyncPlan.split_inputs``) and the cluster simulator (``sim.sync.expert_inputs``: its decision and its
+    charge) alike, and
     for the same situation (uneven owners: layer i's reduce is its busiest owner's fp32 master
     gradient; the same gaps, each layer's at the degrees it ran at; the same EDP ring) they are
     equal: the experts' gradient in fp32, the dense gradients not in it. A caller building its own
@@ -330,7 +338,7 @@ def test_runtime_and_simulator_build_the_split_inputs_in_one_place(monkeypatch):
         members = np.tile(np.eye(N, dtype=bool), (1, n))
         return float(allreduce_links(members, np.full(N, float(nbytes)), ranks_per_node=2).time_B(setup.hw)[0])
 
-    simulated = split_inputs(setup, N, owner_LE, backward_L, forward_L)
+    simulated = expert_inputs(setup, N, owner_LE, backward_L, forward_L)
     # the runtime: the same ring as its cost model (a reduce-scatter priced per rank's slice) and gaps
     cost = SimpleNamespace(edp_reduce_linear=lambda size, partitioned: (lambda b: ring(b * size / 2.0))
                            if partitioned else ring)
@@ -346,3 +354,45 @@ def test_runtime_and_simulator_build_the_split_inputs_in_one_place(monkeypatch):
     assert allreduce_L == [ring(4.0 * k * setup.shape.params) for k in owned_L]  # fp32, no dense gradients
     assert scatter_L == gather_L == [ring(2.0 * k * setup.shape.params) for k in owned_L]
     assert back == backward_L and fwd == forward_L
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_the_sync_charge_is_built_from_the_runtimes_split_inputs(zero, monkeypatch):
+    """Every step's sync charge (cluster engine, FSSDP with the gaps) is DeepSpeed's dense part plus
+    the experts' part from ``planner.schedule.split_sync_inputs`` on the runtime's inputs: each
+    layer's busiest owner's fp32 master gradient over the EDP rings (at ZeRO 1 the stepped rows
+    gathered in their dtype), that step's gaps, priced with the price list's ring shares, built here
+    again: equal. Negative control: the simulator's gradient bytes drifted to bf16, and they differ."""
+    import ds_fssdp.sim.cluster as cluster
+    import ds_fssdp.sim.sync as sim_sync
+    from ds_fssdp.planner.schedule import split_sync_exposed, split_sync_inputs
+    setup = setup_with(zero)
+    tokens = synthetic_trace(steps=8, num_layers=setup.num_layers, num_experts=16, num_ranks=8,
+                             assignments_per_rank=2 * setup.tokens_per_gpu, target_std=0.12, top_k=2,
+                             seed=4).tokens_SLED
+    edp_M = np.tile(np.eye(4, dtype=bool), (1, 2))
+    elems_L = [16 // 4 * setup.shape.params] * setup.num_layers  # homogeneous owners (no re-shard)
+
+    def here(experts):
+        return split_sync_inputs(elems_L, 4, experts[3], experts[4],
+                                 allreduce=lambda b: ring_s(setup, edp_M, np.full(4, b)),
+                                 reduce_scatter=lambda b: ring_s(setup, edp_M, np.full(4, b), reduce_scatter_share),
+                                 gather_bytes=2 if zero else None)
+
+    def charged_from_the_runtimes_inputs() -> bool:
+        calls = []
+        monkeypatch.setattr(cluster, "exposed_sync", recording(calls))
+        simulate_cluster(setup, tokens, ["fssdp"], group_size=4)
+        assert len(calls) == 8
+        agree = True
+        for dense_s, experts, kw, value in calls:
+            want = here(experts)
+            agree &= all(np.allclose(a, b, rtol=1e-12, atol=0) for a, b in zip(experts, want))
+            work, gather = (want[1], want[2]) if kw["split"] else (want[0], [0.0] * len(want[0]))
+            agree &= value == pytest.approx(dense_sync(setup) + split_sync_exposed(work, gather, want[3], want[4],
+                                                                                   lead=1), rel=1e-12)
+        return agree
+
+    assert charged_from_the_runtimes_inputs()
+    monkeypatch.setattr(sim_sync, "MASTER_GRAD_BYTES", 2)
+    assert not charged_from_the_runtimes_inputs()

@@ -36,6 +36,7 @@ from functools import partial
 
 import torch
 
+from ds_fssdp.integrations.safetensors_io import _runs
 from ds_fssdp.runtime.checkpoint.files import CheckpointError
 
 # Ops that act on each expert alone: the stacking of per-expert tensors on dim 0, and ops on dims >= 1.
@@ -323,8 +324,3 @@ class SavedExperts:
                                              "not among the planned keys")
             out.append((full, t, 0))
         return out
-
-
-def _runs(rows: list) -> list:
-    from ds_fssdp.integrations.safetensors_io import _runs as runs
-    return runs(rows)

@@ -89,7 +89,7 @@ class Block(nn.Module):
 
 class GPTMoE(nn.Module):
     """``forward(idx, targets)`` returns the loss (cross-entropy + aux_loss_coef * sum of l_aux);
-    ``forward(idx)`` returns the logits. ``last_ce`` / ``last_aux`` keep the two parts."""
+    ``forward(idx)`` returns the logits."""
 
     def __init__(self, cfg: GPTMoEConfig):
         super().__init__()
@@ -99,8 +99,6 @@ class GPTMoE(nn.Module):
         self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layers)])
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.last_ce = None
-        self.last_aux = None
         for name, p in self.named_parameters():
             if p.dim() == 2 and "moe" not in name:
                 nn.init.normal_(p, std=cfg.init_std)
@@ -120,5 +118,4 @@ class GPTMoE(nn.Module):
         if targets_BS is None:
             return logits_BSV
         ce = F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]), targets_BS.reshape(-1))
-        self.last_ce, self.last_aux = ce.detach(), aux.detach()
         return ce + self.cfg.aux_loss_coef * aux

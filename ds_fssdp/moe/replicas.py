@@ -73,10 +73,6 @@ class ReplicaMemory:
             if not self._by_layer[id(owner)]:
                 del self._by_layer[id(owner)]
 
-    @property
-    def layers_alive(self) -> int:
-        return len(self._by_layer)
-
     def reset_peak(self) -> None:
         self.peak = self.current
         self.layers_peak = len(self._by_layer)

@@ -79,7 +79,6 @@ class CostModel:
 
     def __init__(self, hw: Hardware, shape: ExpertShape, topology: Topology, *, relay: bool = False):
         self.hw, self.shape, self.topology, self.relay = hw, shape, topology, relay
-        self._same_DD = topology.same_node_DD()
 
     # -- compute ---------------------------------------------------------------------------------
     def compute_time_D(self, rows_D: torch.Tensor, *, backward: bool = True) -> torch.Tensor:
@@ -90,21 +89,7 @@ class CostModel:
     # -- token all-to-all -----------------------------------------------------------------------
     def a2a_time(self, plan_EDD: torch.Tensor) -> float:
         """One token exchange (rows of H each): the slowest link decides."""
-        traffic_DD = plan_EDD.sum(0).double() * self.shape.token_bytes
-        traffic_DD.fill_diagonal_(0)
-        return self._exchange_time(traffic_DD)
-
-    def a2a_bytes(self, plan_EDD: torch.Tensor) -> tuple:
-        """(intra-node, inter-node) token bytes of one exchange."""
-        traffic_DD = plan_EDD.sum(0).double() * self.shape.token_bytes
-        traffic_DD.fill_diagonal_(0)
-        return float(traffic_DD[self._same_DD].sum()), float(traffic_DD[~self._same_DD].sum())
-
-    def _exchange_time(self, traffic_DD: torch.Tensor) -> float:
-        """traffic_DD[s, d]: bytes from rank s to rank d (:func:`~ds_fssdp.planner.prices.exchange_links`)."""
-        rank_BN, node_Bn, _ = exchange_links(traffic_DD.to("cpu", torch.float64).numpy()[None],
-                                             ranks_per_node=self.topology.ranks_per_node)
-        return link_seconds(rank_BN.max(), node_Bn.max(), self.hw)
+        return self.transfer_time(plan_EDD.sum(0).double() * self.shape.token_bytes)
 
     # -- sparse collectives ---------------------------------------------------------------------
     def gather_time(self, owner_E: torch.Tensor, placement_ED: torch.Tensor) -> float:
@@ -133,7 +118,8 @@ class CostModel:
         (expert migration, FlexMoE expansion): the slowest rank link or node link decides."""
         traffic_DD = traffic_DD.to("cpu", torch.float64).clone()
         traffic_DD.fill_diagonal_(0)
-        return self._exchange_time(traffic_DD)
+        rank_BN, node_Bn, _ = exchange_links(traffic_DD.numpy()[None], ranks_per_node=self.topology.ranks_per_node)
+        return link_seconds(rank_BN.max(), node_Bn.max(), self.hw)
 
     def allreduce_time(self, groups_KD: torch.Tensor, bytes_K: torch.Tensor) -> float:
         """K ring all-reduces issued together; group k (bool row of ``groups_KD``) sums ``bytes_K[k]``

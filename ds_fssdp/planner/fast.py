@@ -12,6 +12,8 @@ could index out of bounds (owner ids, negative counts) and raises ValueError.
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -22,9 +24,7 @@ try:
     from ds_fssdp.planner import _fastplan
 except ImportError:  # a source tree used without `pip install`
     _fastplan = None
-    # DeepSpeed's logger only here: the planner (and the report's replay on it) needs no DeepSpeed
-    from deepspeed.utils import logger
-    logger.info("ds_fssdp: the planner's C extension is not built; planning uses the Python reference "
+    logging.getLogger(__name__).info("ds_fssdp: the planner's C extension is not built; planning uses the Python reference "
                 "(correct, but milliseconds per layer). `pip install -e .` builds it.")
 
 AVAILABLE = _fastplan is not None

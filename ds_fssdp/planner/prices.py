@@ -88,14 +88,16 @@ def gather_links(owner_E: np.ndarray, placement_BED: np.ndarray, *, ranks_per_no
     return rank_BN, np.maximum(node_in_Bn, node_out_Bn) * chunk_bytes
 
 
-def allreduce_links(members_KD: np.ndarray, bytes_K: np.ndarray, *, ranks_per_node: int) -> tuple:
+def allreduce_links(members_KD: np.ndarray, bytes_K: np.ndarray, *, ranks_per_node: int,
+                    share=allreduce_share) -> tuple:
     """``(rank_D, node_n)``: bytes over each link of K ring all-reduces issued together over D
     ranks (group k: the ranks of ``members_KD[k]``, a message of ``bytes_K[k]``): each member's
-    link carries :func:`allreduce_share` of its message, and so does the inter-node link of every
-    node a ring that spans nodes passes (ordered by node, it enters and leaves each once)."""
+    link carries ``share`` of its message (:func:`allreduce_share`; a reduce-scatter's or an
+    all-gather's: :func:`reduce_scatter_share`), and so does the inter-node link of every node a
+    ring that spans nodes passes (ordered by node, it enters and leaves each once)."""
     members_KD = np.asarray(members_KD, dtype=bool)
     K, D = members_KD.shape
-    per_member_K = allreduce_share(members_KD.sum(1)) * np.asarray(bytes_K, dtype=np.float64)
+    per_member_K = share(members_KD.sum(1)) * np.asarray(bytes_K, dtype=np.float64)
     rank_D = per_member_K @ members_KD.astype(np.float64)
     G = min(int(ranks_per_node), D)
     nodes_Kn = members_KD.reshape(K, D // G, G).any(2)

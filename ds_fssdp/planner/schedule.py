@@ -601,19 +601,24 @@ def split_sync_exposed(reduce_L, gather_L, backward_gaps_L, forward_gaps_L, *, l
 
 
 def split_sync_inputs(expert_elems_L, grad_bytes: int, backward_gaps_L, forward_gaps_L, *,
-                      allreduce, reduce_scatter) -> tuple:
+                      allreduce, reduce_scatter, gather_bytes: int | None = None) -> tuple:
     """:func:`split_sync_pays`'s inputs for a ZeRO 0 step, per layer: the all-reduce, the
     reduce-scatter and the all-gather (the same bytes) of the experts' gradient reduced over the
     EDP group, ``expert_elems_L[i]`` elements of layer i per rank in ``grad_bytes`` each (the
     runtime reduces its experts' fp32 master gradients: 4), and the gaps its layers' schedule
     leaves (``backward_gaps_L`` / ``forward_gaps_L``, at the degrees each layer runs at).
     ``allreduce`` / ``reduce_scatter``: seconds of that collective for a gradient of so many
-    bytes per rank. The dense gradients are not in it: DeepSpeed all-reduces them after the
-    backward, before the step, whether ours is split or not (the same seconds after either).
-    The one place the runtime (``runtime/edp_sync.py``) and the simulators build them."""
+    bytes per rank (an all-gather moves a reduce-scatter's). ``gather_bytes``: the all-gather's
+    bytes per element where they differ (ZeRO >= 1 gathers the stepped rows in their dtype;
+    None: ``grad_bytes``, a split step's summed gradient). The dense gradients are not in it:
+    DeepSpeed's, after the backward, whether ours is split or not (the same seconds after either).
+    The one place the runtime (``runtime/edp_sync.py``) and the simulators (``sim/sync.py``: their
+    decision and their charge) build them."""
     nbytes_L = [float(e) * grad_bytes for e in expert_elems_L]
     halves_L = [reduce_scatter(b) for b in nbytes_L]
-    return [allreduce(b) for b in nbytes_L], halves_L, list(halves_L), list(backward_gaps_L), list(forward_gaps_L)
+    gather_L = list(halves_L) if gather_bytes is None else [reduce_scatter(float(e) * gather_bytes)
+                                                            for e in expert_elems_L]
+    return [allreduce(b) for b in nbytes_L], halves_L, gather_L, list(backward_gaps_L), list(forward_gaps_L)
 
 
 def split_sync_pays(allreduce_L, reduce_L, gather_L, backward_gaps_L, forward_gaps_L, *, lead: int) -> bool:

@@ -88,14 +88,20 @@ class ScheduledCostModel(CostModel):
     (module docstring). ``costs``: the schedule's costs, or a function returning its owner's current
     ones (the runtime's fitted or configured costs, the replay's recorded ones: one link model,
     read where it is kept, never set from outside); None (or a function returning None): the
-    hardware's, :func:`~ds_fssdp.planner.cost.schedule_costs`."""
+    hardware's, :func:`~ds_fssdp.planner.cost.schedule_costs`. ``exchange``: the options, or a
+    function returning them (built with the two hops of the planner inputs the model is one of,
+    ``planner/inputs.py``: read when a plan is priced, after the factory ran)."""
 
-    def __init__(self, hw: Hardware, shape: ExpertShape, topology: Topology, *, exchange: ExchangeOptions,
+    def __init__(self, hw: Hardware, shape: ExpertShape, topology: Topology, *, exchange,
                  relay: bool = False, costs=None):
         super().__init__(hw, shape, topology, relay=relay)
-        self.exchange = exchange
+        self._exchange = exchange
         self._hardware_costs = schedule_costs(hw, shape)
         self._costs = costs
+
+    @property
+    def exchange(self) -> ExchangeOptions:
+        return self._exchange() if callable(self._exchange) else self._exchange
 
     @property
     def costs(self) -> ScheduleCosts:

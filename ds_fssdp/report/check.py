@@ -88,9 +88,10 @@ def refusal(trace: Trace, settings: ReplaySettings) -> str | None:
     if settings.notes:
         return "the trace lacks what the run decided with: " + "; ".join(settings.notes)
     moves = settings.reshard_interval or settings.policy == "smartmoe"
-    if settings.fssdp_groups > 1 and moves:
+    if settings.fssdp_groups > 1 and moves and "reshard_world_load" not in trace.arrays:
         return (f"the run re-shards on loads summed over its {settings.fssdp_groups} FSSDP groups (fssdp.group_size "
-                "below the world), and the trace holds rank 0's group's counts only")
+                "below the world), the trace holds rank 0's group's counts and no reshard_world_load (written "
+                "before it was recorded)")
     return None
 
 

@@ -12,7 +12,8 @@ alone the replay derives every decision again through the functions the runtime 
 layer's :class:`~ds_fssdp.planner.layer.LayerPlanner`), the clock rule (``planner.inputs.ClockRule``)
 (t and calibration's latency budget from the window), :func:`~ds_fssdp.planner.layer.migrations`
 at each optimizer step the trace's rows cross (not at each row: with gradient accumulation a step
-spans several rows), and :func:`~ds_fssdp.planner.scheduled.exchange_decision`. It reads none of
+spans several rows; with several FSSDP groups on the world's loads the runtime recorded,
+``reshard_world_load``, the trace holding one group's counts), and :func:`~ds_fssdp.planner.scheduled.exchange_decision`. It reads none of
 the runtime's decisions back; ``report/check.py`` compares them with the record.
 
 A trace without the inputs (not from the runtime, or from before they were recorded) is replayed
@@ -64,7 +65,7 @@ class ReplaySettings:
     # how the run's layers exchanged tokens (the by-time decisions' layer price; None: a trace from
     # before it was recorded, priced as the serial exchanges it then was)
     exchange: dict | None = None  # top_k, one_copy_per_destination, pipeline_degree, topology_aware
-    fssdp_groups: int = 1  # FSSDP groups of the run (the re-shards' loads are summed over them)
+    fssdp_groups: int = 1  # FSSDP groups of the run (the re-shards' loads are summed over them: recorded)
     notes: list = field(default_factory=list)
 
     @property
@@ -72,18 +73,22 @@ class ReplaySettings:
         """Two-phase collectives and two hops across nodes (the config's default without a record)."""
         return bool((self.exchange or {}).get("topology_aware", True))
 
-    def cost_model(self, topology: Topology, *, costs=None) -> CostModel | None:
+    def cost_model(self, topology: Topology, *, costs=None, two_hops=None) -> CostModel | None:
         """The run's cost model: the recorded hardware and expert, the layer priced as the run's
-        exchange (:class:`~ds_fssdp.planner.scheduled.ScheduledCostModel`, as the runtime builds it)."""
+        exchange (:class:`~ds_fssdp.planner.scheduled.ScheduledCostModel`, as the runtime builds it).
+        ``two_hops``: a function returning the planner inputs' (None: the recorded setting's)."""
         if self.hardware is None or self.expert_shape is None:
             return None
         hw, shape = Hardware(**self.hardware), ExpertShape(**self.expert_shape)
         if self.exchange is None:
             return CostModel(hw, shape, topology)
         ex = self.exchange
-        options = ExchangeOptions.of(shape, top_k=ex["top_k"], one_copy=ex["one_copy_per_destination"],
-                                     pipeline_degree=ex["pipeline_degree"], two_hops=ex["topology_aware"],
-                                     side_ratio=ex.get("side_ratio", 0.0))
+        hops = two_hops if two_hops is not None else (lambda: self.topology_aware)
+
+        def options():
+            return ExchangeOptions.of(shape, top_k=ex["top_k"], one_copy=ex["one_copy_per_destination"],
+                                      pipeline_degree=ex["pipeline_degree"], two_hops=hops(),
+                                      side_ratio=ex.get("side_ratio", 0.0))
         return ScheduledCostModel(hw, shape, topology, exchange=options, costs=costs)
 
     @classmethod
@@ -193,6 +198,15 @@ class _Inputs:
         self.costs_SL8 = a.get("decision_schedule_costs")
         self.row_bytes_SL2 = a.get("decision_row_bytes")
         self.side_SL = a.get("decision_side_ratio")
+        self.world_load_SLE = a.get("reshard_world_load")  # several FSSDP groups: what the re-shards planned from
+
+    def reshard_load(self, row: int, predictor: LoadPredictor):
+        """The loads the re-shards before ``row`` plan from: the world's the runtime recorded (several
+        FSSDP groups; all nan: none yet), else predicted from the trace's counts."""
+        if self.world_load_SLE is None:
+            return predictor.predict_all()
+        load_LE = self.world_load_SLE[row]
+        return None if np.isnan(load_LE).all() else torch.from_numpy(load_LE.astype(np.float64))
 
     def window(self, row: int, l: int) -> tuple:
         w, a = self.window_SL[row, l], self.attention_SL[row, l]
@@ -211,7 +225,8 @@ def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
     topology = Topology(num_ranks=D, ranks_per_node=int(s.ranks_per_node or D))
     predictor = LoadPredictor([E] * L, window=s.window)
     priced = {"costs": None}  # the schedule's costs the decision being replayed was priced with
-    cost = s.cost_model(topology, costs=lambda: priced["costs"])
+    built = None  # the planner inputs: their two hops price the exchange (read when a plan is priced)
+    cost = s.cost_model(topology, costs=lambda: priced["costs"], two_hops=lambda: built.two_hops)
     built, planners = build_policies(s, num_experts=[E] * L, topology=topology, budget=s.budget, cost=cost,
                                      predictor=predictor)
     migrators, rule = built.migrators, built.clock_rule
@@ -228,7 +243,8 @@ def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
         # The runtime re-shards after each applied optimizer step (its step count, then the rows
         # after it carry); a trace without the count: before every row.
         crossed = inputs.per_row_steps or (row > 0 and step != int(inputs.step_S[row - 1]))
-        done = migrations(migrators, step, predictor.predict_all(), owner_LE, clock=clocks[0]) if crossed else []
+        done = migrations(migrators, step, inputs.reshard_load(row, predictor), owner_LE,
+                          clock=clocks[0]) if crossed else []
         reshards.append(done)
         if done:
             reshard_steps.append(step)
@@ -251,7 +267,7 @@ def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
                     costs, lambda: plan.traffic_DD().numpy(), pipeline_degree=s.exchange["pipeline_degree"],
                     one_copy=s.exchange["one_copy_per_destination"], ranks_per_node=topology.ranks_per_node,
                     token_bytes=row_bytes[0], top_k=int(s.exchange["top_k"]), weight_bytes=row_bytes[1],
-                    two_hops=bool(s.exchange["topology_aware"]), side_ratio=side_ratio)
+                    two_hops=built.two_hops, side_ratio=side_ratio)
             decisions.append(Decision.of(owner_LE[l], placed_ED, lp, plan, clocks[l], degrees, int(one_copy),
                                          overlap_t=overlap_t, schedule_costs=costs, row_bytes=row_bytes,
                                          side_ratio=side_ratio))

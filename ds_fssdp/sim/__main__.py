@@ -121,6 +121,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "what the decisions cost when the prediction is right); the paper engine only")
     p.add_argument("--no-price-by-schedule", action="store_true", help="FSSDP: calibration and the balanced-time "
                    "dispatch price plans by the serial layer time (default: the schedule's)")
+    p.add_argument("--gas", type=int, default=1, help="gradient accumulation: trace rows (micro-steps) per "
+                   "optimizer step; the sync, the optimizer step and the re-shards once per optimizer step, as the "
+                   "runtime's (default 1)")
     p.add_argument("--zero-stage", type=int, default=0, help="ZeRO stage of the optimizer state, every policy alike "
                    "(sim/sync.py): 0 replicated, gradients all-reduced before the step; 1 partitioned (dense over the "
                    "world, experts over their EDP group), gradients reduce-scattered and parameters all-gathered "
@@ -169,6 +172,11 @@ def main(argv=None, *, out=None) -> int:
 
 def _run(args, out) -> int:
     torch.set_num_threads(1)  # small tensors: threads cost more than they give
+    if args.gas < 1:
+        raise SystemExit(f"--gas ({args.gas}) must be >= 1 (micro-steps per optimizer step)")
+    if args.gas != 1 and args.pipeline_stages != 1:
+        raise SystemExit(f"--gas ({args.gas}) with --pipeline-stages ({args.pipeline_stages}): the stages' "
+                         "micro-batches are the accumulation (--micro-batches)")
     if args.micro_batches is not None and args.pipeline_stages == 1:
         raise SystemExit(f"--micro-batches ({args.micro_batches}) needs --pipeline-stages above 1")
     if args.pipeline_stages != 1:
@@ -205,7 +213,7 @@ def _run(args, out) -> int:
                         flexmoe_slots=args.flexmoe_slots, reshard_interval=args.reshard_interval,
                         smartmoe_interval=args.smartmoe_interval, flexmoe_threshold=args.flexmoe_threshold,
                         flexmoe_interval=args.flexmoe_interval, calibration=calibration,
-                        calibration_budget=args.calibration_budget, zero_stage=args.zero_stage)
+                        calibration_budget=args.calibration_budget, zero_stage=args.zero_stage, gas=args.gas)
     synth = {k: v for k, v in (("drift", args.drift), ("jitter", args.jitter)) if v is not None}
     if at_scale and args.trace == SYNTHETIC and args.target_std is None:
         cv = DEFAULT_LOAD_CV if args.load_cv is None else args.load_cv

@@ -15,9 +15,12 @@ one group spans the world: the same numbers as :func:`ds_fssdp.sim.simulate.simu
 
 Per iteration and policy, on top of :mod:`.simulate`'s accounting (its categories, its memory):
 
-* groups run their layers independently and meet at the gradient all-reduce: a category's time is
-  the slowest group's (the group with the longest layers), plus the per-iteration parts (re-shard,
-  the exposed all-reduce of dense and EDP gradients, optimizer step);
+* an iteration is an optimizer step: ``Setup.gas`` micro-steps (trace rows), each planned and
+  priced layer by layer (its replicas gathered and reduced), then the sync, the optimizer step and
+  the re-shards after it, as the runtime's;
+* groups run their layers independently and meet at the sync: a category's time is the slowest
+  group's (the group with the longest layers over the step's micro-steps), plus the per-iteration
+  parts (re-shard, the exposed sync of dense and EDP gradients, :mod:`.sync`; optimizer step);
 * ``count_allgather_s``: the all-gather of ``tokens_ED`` inside each group before every layer's
   dispatch (a ring: every link carries (N - 1) E 8-byte counts; one latency), not in
   ``iteration_s``;
@@ -61,7 +64,7 @@ from ds_fssdp.sim.memory import budget_for_cap, ep_memory_bytes, optimizer_param
 from ds_fssdp.planner.materialize import materialize as algorithm1  # the default materializer
 from ds_fssdp.sim.setup import (GRAD_BYTES, MIGRATE_BYTES, OPT_BYTES, OPT_TRAFFIC_BYTES, PARAM_BYTES, Setup,
                                 derive_overlap_degree, sim_settings)
-from ds_fssdp.sim.sync import SyncTimes, exposed_sync, split_inputs, sync_times
+from ds_fssdp.sim.sync import dense_sync, expert_inputs, exposed_sync, sync_times
 from ds_fssdp.planner.schedule import overlap_window, split_sync_pays
 from ds_fssdp.planner.cost import CostModel
 from ds_fssdp.sim.simulate import CATEGORIES, PolicyResult
@@ -141,7 +144,6 @@ class StepAccounts:
     group_B: dict  # category -> seconds per group (the layers' parts)
     fb_B2: np.ndarray  # the layers' forward and backward (pipeline stages, sim/stages.py)
     ephemeral_BLN: np.ndarray  # replicas each rank holds per layer
-    backward_BL: np.ndarray
     gaps_BL: np.ndarray  # the link gaps of each layer's backward, and of its forward
     fgaps_BL: np.ndarray
     idle_B: np.ndarray  # the previous layer's forward time its gather link is free
@@ -150,7 +152,7 @@ class StepAccounts:
     @classmethod
     def empty(cls, B: int, L: int, N: int) -> "StepAccounts":
         return cls({c: np.zeros(B) for c in CATEGORIES}, np.zeros((B, 2)), np.zeros((B, L, N)), np.zeros((B, L)),
-                   np.zeros((B, L)), np.zeros((B, L)), np.zeros(B), [])
+                   np.zeros((B, L)), np.zeros(B), [])
 
 
 class PolicyRun:
@@ -207,7 +209,8 @@ class PolicyRun:
                                      cost=self.cost, dispatcher=dispatcher, materializer=materializer)
         self.policy = self.inputs.policy
         self.sched = LayerSchedule(setup.hw, setup.shape, ranks_per_node=self.topo.ranks_per_node,
-                                   top_k=setup.top_k, options=self.options, side_ratio=setup.side_ratio)
+                                   top_k=setup.top_k, options=self.options, two_hops=lambda: self.inputs.two_hops,
+                                   side_ratio=setup.side_ratio)
         if self.options.price_by_schedule:
             self.cost.scheduled = scheduled_cost_model(setup.hw, setup.shape, self.topo, self.sched)
         self.gather_class = INTER if self.topo.num_nodes > 1 else INTRA
@@ -225,8 +228,11 @@ class PolicyRun:
                                       for _ in range(B if self.planned else 0))]
         self.world_predictor = LoadPredictor([E] * L, window=setup.load_window)
         self.observed = 0
-        self._sync_cache = {}  # split -> SyncTimes; "ring": the EDP ring's seconds per byte count
+        self._sync_cache = {}  # split -> SyncTimes (the sync's links)
+        self._ring_memo = {}  # the EDP ring's seconds per (bytes, collective)
+        self._dense_s = dense_sync(setup)
         self._split = False  # this step's experts' sync split around the step (decided after the last)
+        self._glob, self._group_sum = {}, {}  # the optimizer step's accounts so far (its micro-steps')
         self.split_steps = 0
         self.count_links = self._count_links()
         self.totals = dict.fromkeys(CATEGORIES, 0.0)
@@ -234,15 +240,21 @@ class PolicyRun:
         self.step_s, self.straggler, self.inter_bytes, self.replicas = [], [], 0.0, 0.0
         self.count_s, self.plan_pre_s, self.plan_post_s = 0.0, 0.0, 0.0
         self.migrated, self.counted, self.peak_total, self.peak_memory = 0, 0, -1.0, {}
+        self.micro_counted = 0  # timed micro-steps (trace rows); ``counted``: timed optimizer steps
         self.decisions = decisions
 
     # -- per step ----------------------------------------------------------------------------------
     def step(self, s: int, tokens_LED: np.ndarray) -> None:
+        """Trace row ``s``: one micro-step. Every ``Setup.gas``-th closes an optimizer step (the
+        sync, the optimizer step), and the re-shards follow it, before the next micro-step, as the
+        runtime's (its step count: ``s // gas``)."""
         tokens_LED = self._route(tokens_LED)
         st = self.setup
-        timed = s >= st.load_window
-        glob = dict.fromkeys(CATEGORIES, 0.0)
-        glob["rearr"] += self._reshard(s)
+        timed, boundary = st.timed(s), st.boundary(s)
+        if s % st.gas == 0:
+            self._glob, self._group_sum = dict.fromkeys(CATEGORIES, 0.0), dict.fromkeys(CATEGORIES, 0.0)
+            self._glob["rearr"] += self._reshard(s // st.gas)
+        glob = self._glob
         acc = StepAccounts.empty(self.B, st.num_layers, self.N)
         sync = self._sync(self._split)
         ar_class = binding_class(sync.links, st.hw) if self.options.grad_gaps else INTER
@@ -250,16 +262,24 @@ class PolicyRun:
             self._layer(l, tokens_LED, acc, ar_class, timed)
         if self.degree_log is not None:
             self.degree_log.append(acc.layer_degrees)
-        slowest, owned_N = self._close_step(glob, acc, sync, timed)
+        glob["comp"] += st.extra_compute_s  # every micro-step's dense layers
+        for c in CATEGORIES:
+            self._group_sum[c] = self._group_sum[c] + acc.group_B[c]
+        owned_N = np.bincount(self.owner_LE.numpy().ravel(), minlength=self.N).astype(np.float64) * st.shape.params
         self._memory(owned_N, acc.ephemeral_BLN)
-        self._observe(tokens_LED)
         if timed:
-            self.counted += 1
-            self._add_links("ar", sync.links, 1.0)
+            self.micro_counted += 1
             self.count_s += st.num_layers * float(self.count_links.time_B(st.hw)[0])
-            for c in CATEGORIES:
-                self.totals[c] += acc.group_B[c][slowest] + glob[c]
-            self.step_s.append(sum(acc.group_B[c][slowest] + glob[c] for c in CATEGORIES))
+        if boundary:
+            slowest = self._close_step(glob, acc, owned_N, timed)
+            if timed:
+                self.counted += 1
+                self._add_links("ar", sync.links, 1.0)
+                step = {c: self._group_sum[c][slowest] + glob[c] for c in CATEGORIES}
+                for c in CATEGORIES:
+                    self.totals[c] += step[c]
+                self.step_s.append(sum(step.values()))
+        self._observe(tokens_LED)
 
     def _layer(self, l: int, tokens_LED: np.ndarray, acc: StepAccounts, ar_class: int, timed: bool) -> None:
         """Layer ``l`` of every simulated group: planned (or EP's / Uniform's holders), priced by
@@ -290,7 +310,6 @@ class PolicyRun:
             acc.idle_B = np.maximum(0.0, lt.forward_B - lt.busy_forward_B2[:, self.gather_class])
             if l + 1 < L:
                 self.window_BL[:, l + 1] = [overlap_window(attn_f, float(i)) for i in acc.idle_B]
-        acc.backward_BL[:, l] = attn_b + (moe_B + lt.side_B) * 2.0 / 3.0
         acc.gaps_BL[:, l] = attn_b + lt.backward_B - lt.busy_backward_B2[:, ar_class] - reduce_hidden_B
         acc.fgaps_BL[:, l] = attn_f + lt.forward_B - lt.busy_forward_B2[:, ar_class] - gather_here_B
         if l:
@@ -334,33 +353,33 @@ class PolicyRun:
             for counts, deg in zip(self.degree_counts, b_deg):
                 counts[deg] = counts.get(deg, 0) + 1
 
-    def _close_step(self, glob: dict, acc: StepAccounts, sync: SyncTimes, timed: bool) -> tuple:
-        """The iteration's own parts into ``glob`` (extra compute, the exposed sync, the optimizer
-        step), the runtime's split decision for the next step, and the slowest group's phases.
-        Returns (the slowest group, each rank's owned expert parameters)."""
-        st, hw, P, N = self.setup, self.setup.hw, self.setup.shape.params, self.N
-        glob["comp"] += st.extra_compute_s
-        slowest = int(np.argmax(sum(acc.group_B.values())))
-        # With the gaps: each layer's share of the reduce issued after its backward, sent in the gaps
-        # below; the partitioned experts' gather (ZeRO 1) before each layer's first use in the next
-        # forward (its replica gather, a layer ahead, under FSSDP), in the forward's gaps (sim/sync.py).
-        glob["ar"] += exposed_sync(sync, gaps=self.options.grad_gaps, backward_gaps_L=acc.gaps_BL[slowest],
-                                   forward_gaps_L=acc.fgaps_BL[slowest], backward_L=acc.backward_BL[slowest],
+    def _close_step(self, glob: dict, acc: StepAccounts, owned_N: np.ndarray, timed: bool) -> int:
+        """The optimizer step's own parts into ``glob`` (the exposed sync, the optimizer step) after
+        its last micro-step ``acc``, the runtime's split decision for the next step, and the slowest
+        group's phases. Returns the slowest group (over the step's micro-steps: the groups meet at
+        the sync)."""
+        st, hw, N = self.setup, self.setup.hw, self.N
+        slowest = int(np.argmax(sum(self._group_sum.values())))
+        # The experts' sync from the runtime's inputs (sim/sync.py): with the gaps, each layer's reduce
+        # issued after its backward on the boundary micro-step, sent in the gaps below; its all-gather
+        # (split, or ZeRO 1) before its first use in the next forward (its replica gather, a layer ahead,
+        # under FSSDP), in the forward's gaps. DeepSpeed's dense collectives after the backward.
+        experts = expert_inputs(st, N, self.owner_LE.numpy(), acc.gaps_BL[slowest], acc.fgaps_BL[slowest],
+                                memo=self._ring_memo)
+        split = self._split or st.zero_stage >= 1
+        glob["ar"] += exposed_sync(self._dense_s, experts, gaps=self.options.grad_gaps, split=split,
                                    lead=1 if self.planned else 0)
         # the experts' all-gather ran in the next forward (EP and Uniform gather at the step)
-        self.split_steps += int(timed and sync.forward_gather_s > 0.0 and self.options.grad_gaps)
-        if self.planned and self.options.grad_gaps and st.zero_stage == 0:
+        self.split_steps += int(timed and experts is not None and split and self.options.grad_gaps)
+        if self.planned and self.options.grad_gaps and st.zero_stage == 0 and experts is not None:
             # The runtime's decision for the next step (ZeRO 0: the experts' all-reduce whole, or split
             # with each layer updated where its summed gradients land), from this step's gaps.
-            inputs = split_inputs(st, self.N, self.owner_LE.numpy(), acc.gaps_BL[slowest], acc.fgaps_BL[slowest],
-                                  memo=self._sync_cache.setdefault("ring", {}))
-            self._split = split_sync_pays(*inputs, lead=1)
-        owned_N = np.bincount(self.owner_LE.numpy().ravel(), minlength=N).astype(np.float64) * P
+            self._split = split_sync_pays(*experts, lead=1)
         glob["opt"] += float(optimizer_params(st, owned_N, N).max()) * OPT_TRAFFIC_BYTES / hw.hbm_bw
         # the slowest group's forward and backward and the iteration's own parts, per step (sim/stages.py)
         self.phases = dict(glob, forward=float(acc.fb_B2[slowest, 0]), backward=float(acc.fb_B2[slowest, 1]),
                            spag=float(acc.group_B["spag"][slowest]))
-        return slowest, owned_N
+        return slowest
 
     def _plan_layer(self, l: int, tokens_BEN: np.ndarray, ephemeral_BLN: np.ndarray, timed: bool):
         """Plan layer ``l`` group by group (the policy, timed): the holders, the flows and the
@@ -466,10 +485,9 @@ class PolicyRun:
         nodes = N // G
         return Links(np.full((B, N), moved), np.full((B, nodes), moved if nodes > 1 else 0.0))
 
-    def _sync(self, split: bool) -> SyncTimes:
-        """The dense gradients over the world plus, with several groups, each EDP group's owned
-        expert gradients (and, under ZeRO 1, parameters), issued together (sim/sync.py); ``split``
-        (ZeRO 0): the experts' all-reduce split around the step."""
+    def _sync(self, split: bool):
+        """The step's sync at the owners (:func:`~ds_fssdp.sim.sync.sync_times`): its links and
+        the link class it binds on; ``split`` (ZeRO 0): the experts' all-reduce split around the step."""
         if split not in self._sync_cache:
             owned_N = np.bincount(self.owner_LE.numpy().ravel(), minlength=self.N).astype(np.float64)
             self._sync_cache[split] = sync_times(self.setup, self.N, owned_N, split_experts=split)
@@ -513,7 +531,8 @@ class PolicyRun:
         return ClusterResult(policy=self.name, iteration_s=sum(self.totals.values()) / c,
                              breakdown_s={k: v / c for k, v in self.totals.items()}, memory_bytes=self.peak_memory,
                              straggler=float(np.mean(self.straggler)), inter_node_gb=self.inter_bytes / c / 1e9,
-                             replicas_per_layer=self.replicas / c, migrated_experts=self.migrated,
+                             replicas_per_layer=self.replicas / max(1, self.micro_counted),
+                             migrated_experts=self.migrated,
                              budget=self.budget, step_s=self.step_s, group_size=self.N,
                              count_allgather_s=self.count_s / c,
                              planning_s={"pre_gating": self.plan_pre_s / c, "post_gating": self.plan_post_s / c},
@@ -529,9 +548,10 @@ def run_cluster(runs: list, source, *, bound: bool = True) -> list:
     """Feed every step of ``source`` (an iterable of ``tokens_LED``: a [S, L, E, D] array, or a
     :class:`~ds_fssdp.sim.loadcv.LoadCVSource`) to every run in turn; their results, each with
     the workload's :class:`~ds_fssdp.sim.bound.LowerBound` (the least over the runs' group sizes,
-    with the most replicas any run may hold) as ``lower_bound_s``."""
+    with the most replicas any run may hold) as ``lower_bound_s`` (none under gradient
+    accumulation: the bound prices one micro-step per optimizer step)."""
     bounds = []
-    if bound and runs:
+    if bound and runs and runs[0].setup.gas == 1:
         budget = max([r.budget for r in runs if r.planned], default=0)
         # past the most a run holds without re-materializing, the reduce runs twice (fssdp-rm)
         plain = max([r.budget for r in runs if r.planned and not r.rm], default=0)
@@ -545,9 +565,10 @@ def run_cluster(runs: list, source, *, bound: bool = True) -> list:
         for b in bounds:
             b.step(s, tokens_LED)
         steps += 1
-    window = runs[0].setup.load_window if runs else 0
-    if steps <= window:
-        raise ValueError(f"the trace has {steps} steps; the simulation needs more than the load window ({window})")
+    if runs and steps < runs[0].setup.rows_needed:
+        st = runs[0].setup
+        raise ValueError(f"the trace has {steps} steps; the simulation needs {st.rows_needed}: one whole optimizer "
+                         f"step ({st.gas} rows) after the load window ({st.load_window})")
     results = [run.result() for run in runs]
     if bounds:
         low = min(b.result() for b in bounds)

@@ -20,7 +20,7 @@ from ds_fssdp.planner.cost import Hardware
 from ds_fssdp.planner.inputs import GATHER_RELAY
 from ds_fssdp.planner.prices import allreduce_links as prices_allreduce_links
 from ds_fssdp.planner.prices import exchange_links as prices_exchange_links
-from ds_fssdp.planner.prices import gather_links, link_seconds
+from ds_fssdp.planner.prices import allreduce_share, gather_links, link_seconds
 from ds_fssdp.planner.onecopy import distinct_fraction  # noqa: F401  (the simulators' dedup estimate)
 
 
@@ -47,10 +47,11 @@ def sparse_collective_links(owner_E: np.ndarray, placement_BED: np.ndarray, *, r
                                relay=relay))
 
 
-def allreduce_links(members_KD: np.ndarray, bytes_K: np.ndarray, *, ranks_per_node: int) -> Links:
-    """K ring all-reduces issued together over the world's D ranks
-    (:func:`~ds_fssdp.planner.prices.allreduce_links`), as one group (B = 1) of D ranks."""
-    rank_D, node_n = prices_allreduce_links(members_KD, bytes_K, ranks_per_node=ranks_per_node)
+def allreduce_links(members_KD: np.ndarray, bytes_K: np.ndarray, *, ranks_per_node: int,
+                    share=allreduce_share) -> Links:
+    """K ring all-reduces (or, by ``share``, reduce-scatters / all-gathers) issued together over the
+    world's D ranks (:func:`~ds_fssdp.planner.prices.allreduce_links`), as one group (B = 1) of D ranks."""
+    rank_D, node_n = prices_allreduce_links(members_KD, bytes_K, ranks_per_node=ranks_per_node, share=share)
     return Links(rank_BN=rank_D[None], node_Bn=node_n[None])
 
 

@@ -115,14 +115,23 @@ class LayerSchedule:
     """Prices a layer for one engine: hardware, ranks per node, token bytes, top-k, options."""
 
     def __init__(self, hw: Hardware, shape, *, ranks_per_node: int, top_k: int, options: ScheduleOptions,
-                 side_ratio: float = 0.0):
+                 two_hops=True, side_ratio: float = 0.0):
+        """``two_hops``: a function returning the planner inputs' (``PlannerInputs.two_hops``, the
+        runtime's ``topology_aware``: what both engines pass), read at the first layer priced
+        (after the factory ran); or a value (a schedule priced on its own)."""
         self.hw, self.shape, self.G, self.top_k, self.options = hw, shape, ranks_per_node, top_k, options
         self.costs = schedule_costs(hw, shape)
-        d = options.pipeline_degree
-        # one copy runs as the runtime's two hops (its default)
-        self.exchange = ExchangeOptions.of(shape, top_k=top_k, one_copy=options.dedup,
-                                           pipeline_degree="auto" if d is None else (d, d), two_hops=True,
-                                           side_ratio=side_ratio)
+        self._two_hops, self._exchange, self._side_ratio = two_hops, None, side_ratio
+
+    @property
+    def exchange(self) -> ExchangeOptions:
+        if self._exchange is None:
+            d = self.options.pipeline_degree
+            self._exchange = ExchangeOptions.of(self.shape, top_k=self.top_k, one_copy=self.options.dedup,
+                                                pipeline_degree="auto" if d is None else (d, d),
+                                                two_hops=hops() if callable(hops := self._two_hops) else hops,
+                                                side_ratio=self._side_ratio)
+        return self._exchange
 
     def layer(self, traffic_BNN: np.ndarray) -> LayerTimes:
         row_bytes = float(self.shape.token_bytes)
@@ -183,4 +192,4 @@ def scheduled_cost_model(hw: Hardware, shape, topology, schedule: LayerSchedule)
     backward as ``schedule`` runs it (the planner's :class:`~ds_fssdp.planner.scheduled.ScheduledCostModel`,
     which the runtime builds from its configuration), so keeping tokens local and balancing rows
     are one objective. Sparse collectives priced as the runtime moves them (``planner/inputs.py``)."""
-    return ScheduledCostModel(hw, shape, topology, exchange=schedule.exchange, costs=schedule.costs)
+    return ScheduledCostModel(hw, shape, topology, exchange=lambda: schedule.exchange, costs=schedule.costs)

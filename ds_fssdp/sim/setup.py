@@ -64,6 +64,9 @@ class Setup:
     # ZeRO stage of the optimizer state (sim/sync.py, sim/memory.py): 0 replicated, 1 partitioned (the
     # dense part over the world, the experts over their EDP group)
     zero_stage: int = 0
+    # gradient accumulation: trace rows (micro-steps) per optimizer step; the sync, the optimizer step and
+    # the re-shards once per optimizer step, as the runtime's (sim/simulate.py, sim/cluster.py)
+    gas: int = 1
     label: str = ""
 
     def __post_init__(self):
@@ -71,6 +74,18 @@ class Setup:
             raise ValueError(f"zero_stage ({self.zero_stage!r}) must be 0 or 1: the simulators model ZeRO 0 (replicated "
                              "optimizer state) and 1 (partitioned optimizer state); 2 (partitioned gradients) and 3 "
                              "(partitioned parameters) are not modelled")
+        if isinstance(self.gas, bool) or not isinstance(self.gas, int) or self.gas < 1:
+            raise ValueError(f"gas ({self.gas!r}) must be an int >= 1 (micro-steps per optimizer step)")
+
+    def timed(self, row: int) -> bool:  # row's optimizer step begins after the predictor's first window
+        return row - row % self.gas >= self.load_window
+
+    def boundary(self, row: int) -> bool:  # row is its optimizer step's last micro-step
+        return row % self.gas == self.gas - 1
+
+    @property
+    def rows_needed(self) -> int:  # one whole optimizer step after the load window
+        return -(-self.load_window // self.gas) * self.gas + self.gas
 
     @property
     def attention_fwd_s(self) -> float:
@@ -94,7 +109,7 @@ class Setup:
             "smartmoe_interval": self.smartmoe_interval, "flexmoe_threshold": self.flexmoe_threshold,
             "calibration": self.calibration, "calibration_budget_attn": self.calibration_budget,
             "dense_params": self.dense_params, "extra_compute_ms": 1e3 * self.extra_compute_s,
-            "side_ratio": self.side_ratio, "zero_stage": self.zero_stage, "hardware": {
+            "side_ratio": self.side_ratio, "zero_stage": self.zero_stage, "gas": self.gas, "hardware": {
                 "flops": self.hw.flops, "intra_bw": self.hw.intra_bw, "inter_bw": self.hw.inter_bw,
                 "latency": self.hw.latency, "hbm_bw": self.hw.hbm_bw
             }

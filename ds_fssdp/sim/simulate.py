@@ -30,8 +30,8 @@ per iteration
   experts, dense first layers; 0 for the paper's presets).
 * [rearr] the reshard's copies (SmartMoE's permutation, FlexMoE's expansions, FSSDP's Algorithm 2):
   parameters + optimizer state, 14 bytes per parameter, all at once (:meth:`CostModel.transfer_time`).
-* [ar] the dense data-parallel all-reduce of the non-expert gradients (bf16, ring over all ranks),
-  minus the backward compute it overlaps (all layers' backward but the last one to run).
+* [ar] DeepSpeed's data-parallel all-reduce of the non-expert gradients (bf16, ring over all ranks;
+  :func:`~ds_fssdp.sim.sync.dense_sync`): its engine runs it after the backward, so nothing hides it.
 * [opt] the optimizer step of the busiest rank: memory bound, 28 bytes of HBM traffic per
   parameter it updates (dense + owned experts + FlexMoE's replicas) over the HBM bandwidth.
 
@@ -42,11 +42,12 @@ chosen degrees, minus that compute), over the bytes left by one copy per destina
 gather of layer l + 1 hides in its attention forward plus the time layer l's forward leaves the
 gather's link class free, and t comes from that window (the last step's, through the
 :class:`~ds_fssdp.planner.baselines.Clock`); the reduce in the attention backward plus the time
-its backward leaves that link free; [ar] under gradients in the gaps: each layer's 1/L share of
-the all-reduce is issued after its backward and sent in the backward gaps of the layers below
-(the backward minus its link class's exchange time and the replica reduce sharing it,
-``drain_in_gaps``); the remainder is exposed. Each result carries the workload's lower bound
-(:mod:`.bound`).
+its backward leaves that link free. Each result carries the workload's lower bound (:mod:`.bound`).
+
+Gradient accumulation (``Setup.gas``): trace rows are micro-steps, each planned and charged layer
+by layer (per layer above, and the extra compute); the [ar] sync and the [opt] step once per
+optimizer step, after its last micro-step; the re-shards after it, before the next (the runtime's
+step count); an iteration is an optimizer step. No bound then (it prices one micro-step per step).
 
 Not modelled: contention between overlapped collectives and the token exchanges or the dense
 all-reduce, the gate, norms and element-wise work (same for every policy), planning time.
@@ -71,7 +72,6 @@ import torch
 
 from ds_fssdp.planner.baselines import POLICY_NAMES
 from ds_fssdp.planner.inputs import planner_inputs
-from ds_fssdp.planner.schedule import drain_in_gaps
 from ds_fssdp.planner.schedule import overlap_window
 from ds_fssdp.planner.cost import CostModel
 from ds_fssdp.planner.layer import LayerPlanner, migrations
@@ -81,9 +81,8 @@ from ds_fssdp.planner.dispatch import dispatch as planner_dispatch
 from ds_fssdp.planner.materialize import materialize as algorithm1  # the default materializer
 from ds_fssdp.sim.bound import LowerBound
 from ds_fssdp.sim.foresight import ForesightPredictor, make_predictor
-from ds_fssdp.sim.links import allreduce_links
-from ds_fssdp.sim.pipeline import (INTER, INTRA, LayerSchedule, ScheduleOptions, scheduled_cost_model, binding_class,
-                                   policy_options)
+from ds_fssdp.sim.pipeline import INTER, INTRA, LayerSchedule, ScheduleOptions, scheduled_cost_model, policy_options
+from ds_fssdp.sim.sync import dense_sync
 
 CATEGORIES = ("comp", "a2a", "spag", "rearr", "ar", "opt")
 SIM_POLICY_NAMES = POLICY_NAMES + ("fsmoe", )  # the planner's policies and FSMoE's schedule over EP
@@ -155,13 +154,13 @@ def simulate(setup: Setup, tokens_SLED: np.ndarray, policies, *, dispatcher=plan
     if (L, E, D) != (setup.num_layers, setup.num_experts, setup.topology.num_ranks):
         raise ValueError(f"trace is [steps, {L} layers, {E} experts, {D} ranks] but the setup has "
                          f"{setup.num_layers} layers, {setup.num_experts} experts, {setup.topology.num_ranks} ranks")
-    if S <= setup.load_window:
-        raise ValueError(f"the trace has {S} steps; the simulation needs more than the load window "
-                         f"({setup.load_window})")
+    if S < setup.rows_needed:
+        raise ValueError(f"the trace has {S} steps; the simulation needs {setup.rows_needed}: one whole optimizer "
+                         f"step ({setup.gas} rows) after the load window ({setup.load_window})")
     results = [simulate_policy(name, setup, tokens_SLED, dispatcher=dispatcher, materializer=materializer,
                                placement=placement, dispatch=dispatch, dispatch_slack=dispatch_slack,
                                schedule=schedule, fixed_t=fixed_t, predictor=predictor) for name in policies]
-    if bound:
+    if bound and setup.gas == 1:  # the bound prices one micro-step per optimizer step
         # FasterMoE's shadows are not bounded by a budget: with it, any rank may hold every expert.
         # FlexMoE's slots are kept across steps (not gathered every step). Past FSSDP's m, replicas
         # are re-materialized (fssdp-rm) or broadcast (FasterMoE): their reduce is charged twice.
@@ -210,7 +209,7 @@ class PaperRun:
         self.name, self.setup, self.D = name, setup, D
         self.options = options = policy_options(name, schedule)
         self.sched = LayerSchedule(hw, shape, ranks_per_node=topo.ranks_per_node, top_k=setup.top_k,
-                                   options=options, side_ratio=setup.side_ratio)
+                                   options=options, two_hops=lambda: self.inputs.two_hops, side_ratio=setup.side_ratio)
         if options.price_by_schedule:  # placement by time: calibration and balanced-time price the schedule
             self.cost = scheduled_cost_model(hw, shape, topo, self.sched)
         else:
@@ -233,51 +232,49 @@ class PaperRun:
         self.foresight = isinstance(self.loads, ForesightPredictor)
         self.planners = [LayerPlanner(self.policy, self.loads, l) for l in range(L)]
         self.owner_LE = self.policy.initial_owner()
-        self.dense_ar_s = self.cost.allreduce_time(torch.ones(1, D, dtype=torch.bool),
-                                                   torch.tensor([float(setup.dense_params * GRAD_BYTES)]))
-        self.ar_class = binding_class(allreduce_links(np.ones((1, D), dtype=bool),
-                                                      np.array([float(setup.dense_params)]),
-                                                      ranks_per_node=topo.ranks_per_node), hw)
+        self.dense_s = dense_sync(setup)  # DeepSpeed's all-reduce after the backward (sim/sync.py)
         self.reserved = self.policy.reserved_slots * L * shape.params
         self.totals = dict.fromkeys(CATEGORIES, 0.0)
         self.step_s, self.straggler, self.inter_bytes, self.replicas = [], [], 0.0, 0.0
         self.migrated = 0
         self.peak_total, self.peak_memory = -1.0, {}
-        self.counted = 0
+        self.counted, self.micro_counted = 0, 0  # timed optimizer steps, timed micro-steps (trace rows)
         self.degree_counts, self.dedup_saved = ({}, {}), 0.0
 
     def step(self, s: int, tokens_LED: np.ndarray, *, decisions: list | None, degrees: list | None,
              charges: list | None) -> None:
+        """Trace row ``s``: one micro-step; every ``Setup.gas``-th closes an optimizer step (the dense
+        all-reduce, the optimizer step), and the re-shards follow it, before the next, as the runtime's."""
         setup, L, D = self.setup, self.setup.num_layers, self.D
-        br = dict.fromkeys(CATEGORIES, 0.0)
-        self._reshard(s, br)
+        if s % setup.gas == 0:
+            self.br = dict.fromkeys(CATEGORIES, 0.0)
+            self._reshard(s // setup.gas, self.br)
+        br = self.br
         ephemeral_LD = torch.zeros(L, D, dtype=torch.float64)
         persistent_D = torch.zeros(D, dtype=torch.float64)
-        backward_L, gaps_L, layer_degrees = [], [], []
+        layer_degrees = []
         idle = 0.0
         for l in range(L):
             idle = self._layer(s, l, tokens_LED, br, idle, decisions=decisions, charges=charges,
-                               ephemeral_LD=ephemeral_LD, persistent_D=persistent_D, backward_L=backward_L,
-                               gaps_L=gaps_L, layer_degrees=layer_degrees)
+                               ephemeral_LD=ephemeral_LD, persistent_D=persistent_D, layer_degrees=layer_degrees)
         br["comp"] += setup.extra_compute_s
-        # Layer 0's backward runs last: the dense all-reduce can hide under the others'.
-        if self.options.grad_gaps:  # each layer's share issued after its backward, sent in the gaps below
-            br["ar"] += drain_in_gaps([self.dense_ar_s / L] * L, gaps_L[::-1])
-        else:
-            br["ar"] += max(0.0, self.dense_ar_s - (sum(backward_L) - backward_L[0]))
         if degrees is not None:
             degrees.append(layer_degrees)
-        self._optimizer_and_memory(br, ephemeral_LD, persistent_D)
-        if s >= setup.load_window:
+        self._memory(ephemeral_LD)
+        if not setup.boundary(s):
+            return
+        br["ar"] += self.dense_s  # DeepSpeed's, after the boundary's backward: nothing hides it
+        self._optimizer(br, persistent_D)
+        if setup.timed(s):
             self.counted += 1
             for k in CATEGORIES:
                 self.totals[k] += br[k]
             self.step_s.append(sum(br.values()))
 
-    def _reshard(self, s: int, br: dict) -> None:
+    def _reshard(self, step: int, br: dict) -> None:
         D, P = self.D, self.setup.shape.params
         attn_f, L = self.setup.attention_fwd_s, self.setup.num_layers
-        for reshard in migrations(self.inputs.migrators, s, self.loads.predict_all(), self.owner_LE,
+        for reshard in migrations(self.inputs.migrators, step, self.loads.predict_all(), self.owner_LE,
                                   clock=self.rule.reshard_clock(self.window_L, [attn_f] * L)):
             copies = reshard.copies_M4
             if copies.shape[0]:
@@ -289,11 +286,10 @@ class PaperRun:
             self.owner_LE = reshard.owner_LE
 
     def _layer(self, s: int, l: int, tokens_LED: np.ndarray, br: dict, idle: float, *, decisions, charges,
-               ephemeral_LD, persistent_D, backward_L: list, gaps_L: list, layer_degrees: list) -> float:
+               ephemeral_LD, persistent_D, layer_degrees: list) -> float:
         """Plan, price and charge layer ``l``; returns the time its forward leaves the gather's link free."""
-        setup, options, cost, sched = self.setup, self.options, self.cost, self.sched
-        L, D, attn_f = setup.num_layers, self.D, setup.attention_fwd_s
-        attn_b = 2.0 * attn_f
+        setup, options, sched = self.setup, self.options, self.sched
+        L, attn_f = setup.num_layers, setup.attention_fwd_s
         owner_E, planner = self.owner_LE[l], self.planners[l]
         window = overlap_window(attn_f, idle, early=options.idle_link)
         # t from the window the last step's schedule left, unless given (then the setup's, as
@@ -314,26 +310,25 @@ class PaperRun:
         rows_D = plan_EDD.sum((0, 1))
         lt = sched.layer(plan_EDD.sum(0).double().numpy()[None])
         moe_s = float(lt.moe_B[0] + lt.side_B[0])
-        br["comp"] += attn_f + attn_b + moe_s
-        backward_L.append(attn_b + moe_s * 2.0 / 3.0)
+        br["comp"] += 3.0 * attn_f + moe_s  # the attention's forward and its backward (twice as long)
         br["a2a"] += float(lt.forward_B[0] + lt.backward_B[0]) - moe_s
         layer_degrees.append(lt.degrees[0])
         window_b = float(sched.reduce_windows(lt, attn_f, across_nodes=self.gather_class == INTER)[0]) \
-            if options.idle_link else attn_b
+            if options.idle_link else 2.0 * attn_f
         charge = LayerCharge(moe_s=float(lt.forward_B[0] + lt.backward_B[0]), window_s=window,
                              backward_window_s=window_b)
-        reduce_hidden = self._charge_replicas(owner_E, lp, charge, br, persistent_D)
+        self._charge_replicas(owner_E, lp, charge, br, persistent_D)
         if options.idle_link:
             idle = max(0.0, float(lt.forward_B[0] - lt.busy_forward_B2[0, self.gather_class]))
             if l + 1 < L:
                 self.window_L[l + 1] = overlap_window(attn_f, idle)
-        gaps_L.append(attn_b + float(lt.backward_B[0] - lt.busy_backward_B2[0, self.ar_class]) - reduce_hidden)
         if charges is not None:
             if l == 0:
                 charges.append([])
             charges[-1].append(charge)
         ephemeral_LD[l] = lp.ephemeral_ED.sum(0).double()
-        if s >= setup.load_window:
+        if setup.timed(s):
+            self.micro_counted += l == 0
             mean_rows = float(rows_D.double().mean())
             self.straggler.append(float(rows_D.max()) / mean_rows if mean_rows > 0 else 1.0)
             self.inter_bytes += 4.0 * lt.links.inter_total
@@ -343,13 +338,12 @@ class PaperRun:
                 counts[deg] = counts.get(deg, 0) + 1
         return idle
 
-    def _charge_replicas(self, owner_E, lp, charge: LayerCharge, br: dict, persistent_D) -> float:
+    def _charge_replicas(self, owner_E, lp, charge: LayerCharge, br: dict, persistent_D) -> None:
         """[spag] the replicas' gather past its window, their reduce past the backward's and
         calibration's gather into ``charge`` and ``br``; FasterMoE's shadows ([rearr], [ar]) and
-        FlexMoE's slots' all-reduce ([ar]). Returns what of the reduce hides on the all-reduce's links."""
+        FlexMoE's slots' all-reduce ([ar])."""
         cost, D = self.cost, self.D
         shard_ED = shard_placement(owner_E, D)
-        reduce_hidden = 0.0
         if bool(lp.gathered_ED.any()):  # what calibration evicted was gathered too
             gather = cost.gather_time(owner_E, shard_ED | lp.gathered_ED)
             charge.gather_s = max(0.0, gather - charge.window_s)
@@ -359,8 +353,6 @@ class PaperRun:
             reduce *= 2.0 if lp.rematerialize else 1.0  # fssdp-rm gathers again before it
             charge.reduce_s = max(0.0, reduce - charge.backward_window_s)
             br["spag"] += charge.reduce_s
-            if self.gather_class == self.ar_class:  # the replica reduce shares the all-reduce's links
-                reduce_hidden = min(reduce, charge.backward_window_s)
         if bool(lp.calibrated_ED.any()):
             charge.calibration_s = cost.gather_time(owner_E, shard_ED | lp.calibrated_ED)
             br["spag"] += charge.calibration_s
@@ -374,14 +366,18 @@ class PaperRun:
             br["ar"] += cost.allreduce_time(groups_KD, torch.full((groups_KD.shape[0], ),
                                                                   float(self.setup.shape.expert_bytes)))
             persistent_D += lp.persistent_ED.sum(0).double()
-        return reduce_hidden
 
-    def _optimizer_and_memory(self, br: dict, ephemeral_LD, persistent_D) -> None:
-        """[opt] the busiest rank's optimizer step, and the peak of model-state memory."""
-        setup, hw, P, L, D = self.setup, self.setup.hw, self.setup.shape.params, self.setup.num_layers, self.D
-        owned_D = torch.bincount(self.owner_LE.flatten(), minlength=D).double() * P
+    def _optimizer(self, br: dict, persistent_D) -> None:
+        """[opt] the busiest rank's optimizer step."""
+        setup, P = self.setup, self.setup.shape.params
+        owned_D = torch.bincount(self.owner_LE.flatten(), minlength=self.D).double() * P
         updated_D = setup.dense_params + owned_D + persistent_D * P
-        br["opt"] += float(updated_D.max()) * OPT_TRAFFIC_BYTES / hw.hbm_bw
+        br["opt"] += float(updated_D.max()) * OPT_TRAFFIC_BYTES / setup.hw.hbm_bw
+
+    def _memory(self, ephemeral_LD) -> None:
+        """The peak of model-state memory."""
+        setup, P, L, D = self.setup, self.setup.shape.params, self.setup.num_layers, self.D
+        owned_D = torch.bincount(self.owner_LE.flatten(), minlength=D).double() * P
         if self.rm and L > 1:
             replica_D = (ephemeral_LD[:-1] + ephemeral_LD[1:]).max(0).values * P
         else:
@@ -401,7 +397,8 @@ class PaperRun:
         return PolicyResult(policy=self.name, iteration_s=sum(self.totals.values()) / counted,
                             breakdown_s={k: v / counted for k, v in self.totals.items()},
                             memory_bytes=self.peak_memory, straggler=float(np.mean(self.straggler)),
-                            inter_node_gb=self.inter_bytes / counted / 1e9, replicas_per_layer=self.replicas / counted,
+                            inter_node_gb=self.inter_bytes / counted / 1e9,
+                            replicas_per_layer=self.replicas / max(1, self.micro_counted),
                             migrated_experts=self.migrated, budget=self.budget, step_s=self.step_s,
                             dedup_saved_gb=self.dedup_saved / counted / 1e9,
                             degrees={"forward": dict(sorted(self.degree_counts[0].items())),
