@@ -119,6 +119,14 @@ class ScheduleCosts:
         """One exchange (or one chunk of it): intra- and inter-node parts on their own streams."""
         return max(self.a2a_intra(intra_bytes), self.a2a_inter(inter_bytes))
 
+    @functools.cached_property
+    def c_row(self) -> np.ndarray:
+        """The seven numbers the schedule's C takes (``_fastplan``): the three fits' startups and
+        rates, then ``backward_factor``."""
+        row = np.array(self.as_row()[:7], dtype=np.float64)
+        row.flags.writeable = False
+        return row
+
     def as_row(self) -> list:
         """The eight numbers a trace records per decision (:meth:`from_row` rebuilds these costs)."""
         return [self.a2a_intra.startup_s, self.a2a_intra.per_unit_s, self.a2a_inter.startup_s,
@@ -173,7 +181,7 @@ def pipeline_times(costs: ScheduleCosts, loads, degree: int, *, backward: bool =
     a = load_columns(loads)
     if costs.concurrent and _fastplan is not None and len(a):
         out = np.empty(len(a))
-        _fastplan.schedule_times(a, _cost_row(costs), out, len(a), int(degree), bool(backward))
+        _fastplan.schedule_times(a, costs.c_row, out, len(a), int(degree), bool(backward))
         return out
     if isinstance(loads, np.ndarray):
         loads = loads_of(a)
@@ -198,13 +206,6 @@ def load_columns(loads) -> np.ndarray:
         return np.ascontiguousarray(loads, dtype=np.float64).reshape(-1, 6)
     return np.array([(ld.intra_bytes, ld.inter_bytes, ld.local_rows, ld.remote_rows, ld.side_rows, ld.relay_bytes)
                      for ld in loads], dtype=np.float64).reshape(-1, 6)
-
-
-@functools.lru_cache(maxsize=64)
-def _cost_row(costs: ScheduleCosts) -> np.ndarray:
-    return np.array([costs.a2a_intra.startup_s, costs.a2a_intra.per_unit_s, costs.a2a_inter.startup_s,
-                     costs.a2a_inter.per_unit_s, costs.gemm.startup_s, costs.gemm.per_unit_s, costs.backward_factor],
-                    dtype=np.float64)
 
 
 def _relay_times(costs: ScheduleCosts, loads: list, cols, n: int, backward: bool):
@@ -368,7 +369,7 @@ def choose_degrees(costs: ScheduleCosts, loads, *, max_degree: int = MAX_DEGREE)
         return 1, 1
     a = load_columns(loads)
     if _fastplan is not None:
-        return _fastplan.choose_degrees(a, _cost_row(costs), len(a), int(max_degree))
+        return _fastplan.choose_degrees(a, costs.c_row, len(a), int(max_degree))
 
     def best(backward: bool) -> int:
         pick, pick_s = 1, None
