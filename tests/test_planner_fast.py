@@ -194,3 +194,24 @@ def test_gather_links_in_c_is_the_reference(monkeypatch):
                     want = prices.gather_links(owner, placement, ranks_per_node=G, chunk_bytes=3.5e6, relay=relay)
                 assert all(np.array_equal(g, w) and g.shape == w.shape for g, w in zip(got, want))
                 assert frac < 0.5 or want[0].any()  # replicas to count
+
+
+def test_group_traffic_in_c_is_the_reference(monkeypatch):
+    """sim/links.traffic_BNN in C (_fastplan.plan_traffic, grouped) gives the numpy reference's
+    table: B groups' tokens to their single holders (non-contiguous int32 counts, replicated experts
+    skipped) and the flows, with and without flows."""
+    import numpy as np
+
+    from ds_fssdp.sim import links
+    rng = np.random.default_rng(4)
+    for B, E, N in [(4, 32, 16), (1, 8, 4)]:
+        for with_flows in (False, True):
+            tokens_BEN = rng.integers(0, 500, (E, 2 * B, N)).astype(np.int32)[:, :B].transpose(1, 0, 2)
+            holder_BE = rng.integers(-1, N, (B, E))
+            flows_4F = np.stack([rng.integers(0, B, 40), rng.integers(0, N, 40), rng.integers(0, N, 40),
+                                 rng.integers(1, 100, 40)]) if with_flows else None
+            got = links.traffic_BNN(tokens_BEN, holder_BE, flows_4F)
+            with monkeypatch.context() as m:
+                m.setattr(links, "_fastplan", None)
+                want = links.traffic_BNN(tokens_BEN, holder_BE, flows_4F)
+            assert np.array_equal(got, want) and got.dtype == want.dtype and want.any()

@@ -1153,34 +1153,39 @@ done:
     return ret;
 }
 
-/* plan_traffic(holder_E, tokens_ED, flows_4F, out, E, D, F): out int64 [D*D] = the compact plan's
- * traffic (DispatchPlan.traffic_DD: rows d sends h, the tokens of single-holder experts and the flows). */
+/* plan_traffic(holder_BE, tokens_BED, flows_4F, out, B, E, D, F, grouped): out float64 [B*D*D] = rows d sends h
+ * in each of B groups (DispatchPlan.traffic_DD, sim/links.traffic_BNN): each single-holder expert's tokens to its
+ * holder, and the flows (rows x or b, h, d, k: the group b when grouped, else 0); integer sums, exact in doubles. */
 static PyObject *plan_traffic(PyObject *self, PyObject *args) {
     Py_buffer holder, tokens, flows, out;
-    long long E, D, F;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*LLL", &holder, &tokens, &flows, &out, &E, &D, &F)) return NULL;
+    long long B, E, D, F;
+    int grouped;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*LLLLp", &holder, &tokens, &flows, &out, &B, &E, &D, &F, &grouped))
+        return NULL;
     PyObject *ret = NULL;
-    int64_t *T = out.buf;
+    double *T = out.buf;
     const int64_t *H = holder.buf, *K = tokens.buf, *fl = flows.buf;
-    if (check_len(&holder, 8 * E, "holder_E") || check_len(&tokens, 8 * E * D, "tokens_ED") ||
-        check_len(&flows, 8 * 4 * F, "flows_4F") || check_len(&out, 8 * D * D, "out"))
+    if (check_len(&holder, 8 * B * E, "holder") || check_len(&tokens, 8 * B * E * D, "tokens") ||
+        check_len(&flows, 8 * 4 * F, "flows_4F") || check_len(&out, 8 * B * D * D, "out"))
         goto done;
-    memset(T, 0, sizeof(int64_t) * (size_t)(D * D));
-    for (int64_t e = 0; e < E; e++) {
-        if (H[e] >= D) goto bad;
-        if (H[e] >= 0)
-            for (int64_t d = 0; d < D; d++) T[d * D + H[e]] += K[e * D + d];
-    }
+    memset(T, 0, sizeof(double) * (size_t)(B * D * D));
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t e = 0; e < E; e++) {
+            int64_t h = H[b * E + e];
+            if (h >= D) goto bad;
+            if (h >= 0)
+                for (int64_t d = 0; d < D; d++) T[(b * D + d) * D + h] += (double)K[(b * E + e) * D + d];
+        }
     for (int64_t i = 0; i < F; i++) {
-        int64_t h = fl[F + i], d = fl[2 * F + i];
-        if (h < 0 || h >= D || d < 0 || d >= D) goto bad;
-        T[d * D + h] += fl[3 * F + i];
+        int64_t b = grouped ? fl[i] : 0, h = fl[F + i], d = fl[2 * F + i];
+        if (b < 0 || b >= B || h < 0 || h >= D || d < 0 || d >= D) goto bad;
+        T[(b * D + d) * D + h] += (double)fl[3 * F + i];
     }
     ret = Py_None;
     Py_INCREF(ret);
     goto done;
 bad:
-    PyErr_SetString(PyExc_ValueError, "plan_traffic: a holder or flow rank out of range");
+    PyErr_SetString(PyExc_ValueError, "plan_traffic: a holder, group or flow rank out of range");
 done:
     PyBuffer_Release(&holder);
     PyBuffer_Release(&tokens);
@@ -1253,7 +1258,7 @@ static PyMethodDef methods[] = {
      "Either dispatch as (X, F, bytes [holder_E, rep_X, tokens_ED, flows_4F])."},
     {"schedule_times", schedule_times, METH_VARARGS, "Each load's one direction of the layer schedule."},
     {"gather_links", gather_links, METH_VARARGS, "The links' bytes of B groups' sparse collectives."},
-    {"plan_traffic", plan_traffic, METH_VARARGS, "A compact plan's rank-to-rank traffic."},
+    {"plan_traffic", plan_traffic, METH_VARARGS, "Rows each rank sends each rank, per group."},
     {"choose_degrees", choose_degrees, METH_VARARGS, "The layer schedule's (forward, backward) degrees."},
     {NULL, NULL, 0, NULL},
 };

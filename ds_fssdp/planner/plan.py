@@ -71,10 +71,11 @@ class DispatchPlan:  # read-only by convention (slots, not frozen: built every l
         included: the tokens that stay)."""
         E, D = self.tokens_ED.shape
         if _fastplan is not None:  # the same sums in C
-            out = np.empty((D, D), dtype=np.int64)
+            out = np.empty((D, D))
             _fastplan.plan_traffic(*(np.ascontiguousarray(a, dtype=np.int64) for a in
-                                     (self.holder_E, self.tokens_ED, self.flows_4F)), out, E, D, self.flows_4F.shape[1])
-            return torch.from_numpy(out)
+                                     (self.holder_E, self.tokens_ED, self.flows_4F)), out, 1, E, D,
+                                   self.flows_4F.shape[1], False)
+            return torch.from_numpy(out.astype(np.int64))
         single = np.flatnonzero(self.holder_E >= 0)
         _, h, d, k = self.flows_4F
         index = np.concatenate([(np.arange(D)[None, :] * D + self.holder_E[single][:, None]).ravel(), d * D + h])

@@ -20,7 +20,7 @@ from ds_fssdp.planner.cost import Hardware
 from ds_fssdp.planner.inputs import GATHER_RELAY
 from ds_fssdp.planner.prices import allreduce_links as prices_allreduce_links
 from ds_fssdp.planner.prices import exchange_links as prices_exchange_links
-from ds_fssdp.planner.prices import allreduce_share, gather_links, link_seconds
+from ds_fssdp.planner.prices import _fastplan, allreduce_share, gather_links, link_seconds
 from ds_fssdp.planner.onecopy import distinct_fraction  # noqa: F401  (the simulators' dedup estimate)
 
 
@@ -62,6 +62,12 @@ def traffic_BNN(tokens_BED: np.ndarray, holder_BE: np.ndarray, flows_4F: np.ndar
     travel as ``flows_4F``, rows (b, h, d, k): rank d sends k rows to rank h in group b, as
     :class:`~ds_fssdp.planner.plan.DispatchPlan`'s flows with the group in place of the expert)."""
     B, E, N = tokens_BED.shape
+    if _fastplan is not None:  # the same sums in C
+        out = np.empty((B, N, N))
+        flows = np.zeros((4, 0), dtype=np.int64) if flows_4F is None else flows_4F
+        _fastplan.plan_traffic(*(np.ascontiguousarray(a, dtype=np.int64) for a in (holder_BE, tokens_BED, flows)), out,
+                               B, E, N, flows.shape[1], True)
+        return out
     valid_BE = holder_BE >= 0
     b_BED = np.broadcast_to(np.arange(B)[:, None, None], (B, E, N))
     d_BED = np.broadcast_to(np.arange(N)[None, None, :], (B, E, N))
