@@ -48,7 +48,6 @@ from ds_fssdp.planner.dispatch import dispatch as planner_dispatch
 from ds_fssdp.planner.dispatch import dispatch_plan
 from ds_fssdp.sim.cluster import CLUSTER_POLICIES, simulate_cluster
 from ds_fssdp.sim.foresight import PREDICTORS
-from ds_fssdp.sim.plot import plot_results
 from ds_fssdp.sim.presets import CLUSTERS, MODELS, cluster_preset, model_preset
 from ds_fssdp.sim.report import format_table, to_json
 from ds_fssdp.sim.setup import ZERO_STAGES, build_setup
@@ -253,6 +252,7 @@ def _run(args, out) -> int:
     summary["schedule"] = dataclasses.asdict(schedule)
     if not args.no_png:
         png = args.png or f"sim_{cluster.name}_{model.name}_{args.gpus}.png"
+        from ds_fssdp.sim.plot import plot_results  # matplotlib only when plotting (0.4 s)
         plot_results(png, results, title=f"{summary['label']}; {trace_summary.get('description', '')}")
         summary["png"] = png
     if args.json:

@@ -96,22 +96,20 @@ def _cap(p: np.ndarray, cap: float, out: np.ndarray | None = None) -> np.ndarray
     if cap >= 1.0:
         return p
     rows = p.reshape(-1, p.shape[-1])
-    idx = np.flatnonzero((rows > cap).any(-1))
-    if idx.size:
-        sub = rows[idx]
-        for _ in range(p.shape[-1]):
-            over = sub > cap
-            if not over.any():
-                break
-            excess = np.where(over, sub - cap, 0).sum(-1, keepdims=True)
-            sub = np.where(over, cap, sub)
-            free = np.where(sub < cap, sub, 0)
-            free_sum = free.sum(-1, keepdims=True)
-            sub = sub + np.divide(free, free_sum, out=np.zeros_like(free), where=free_sum > 0) * excess
-        rows = rows.copy()
-        rows[idx] = sub
-    return np.divide(rows, rows.sum(-1, keepdims=True), out=None if out is None else out.reshape(rows.shape)
-                     ).reshape(p.shape)
+    idx = np.flatnonzero(rows.max(-1) > cap)
+    sub = rows[idx]
+    for _ in range(p.shape[-1]):
+        over = sub > cap
+        if not over.any():
+            break
+        excess = np.where(over, sub - cap, 0).sum(-1, keepdims=True)
+        sub = np.where(over, cap, sub)
+        free = np.where(sub < cap, sub, 0)
+        free_sum = free.sum(-1, keepdims=True)
+        sub = sub + np.divide(free, free_sum, out=np.zeros_like(free), where=free_sum > 0) * excess
+    shares = np.divide(rows, rows.sum(-1, keepdims=True), out=None if out is None else out.reshape(rows.shape))
+    shares[idx] = sub / sub.sum(-1, keepdims=True)
+    return shares.reshape(p.shape)
 
 
 def _std_of_shares(share_SLE: np.ndarray) -> float:
