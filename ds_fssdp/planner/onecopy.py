@@ -41,8 +41,11 @@ def distinct_fraction(traffic_DD, top_k: int) -> np.ndarray:
         raise ValueError(f"top_k ({top_k}) must be >= 1")
     traffic = np.asarray(traffic_DD, dtype=np.float64)
     total = traffic.sum(-1, keepdims=True)
-    p = np.divide(traffic, total, out=np.zeros_like(traffic), where=total > 0)
+    # (masked divisions only where a zero needs them: numpy's masked loops are slow)
+    p = traffic / total if total.all() else np.divide(traffic, total, out=np.zeros_like(traffic), where=total > 0)
     k = float(top_k)
+    if p.all():
+        return (1.0 - (1.0 - p) ** k) / (k * p)
     return np.divide(1.0 - (1.0 - p) ** k, k * p, out=np.ones_like(p), where=p > 0)
 
 
@@ -55,10 +58,10 @@ def one_copy_overhead_s(costs: ScheduleCosts, sent_DD, *, ranks_per_node: int, t
     sent = np.asarray(sent_DD, dtype=np.float64)
     D = sent.shape[0]
     _, intra, cross = _by_link(sent, ranks_per_node)
-    intra_rows, inter_rows = intra.sum(1), cross.sum(1)
-    count = _lin(costs.a2a_intra, np.full(D, float(D * INDEX_BYTES)))
-    entries = _exchange(costs, intra_rows * top_k * INDEX_BYTES, inter_rows * top_k * INDEX_BYTES)
-    w_intra, w_inter = intra_rows * top_k * weight_bytes, inter_rows * top_k * weight_bytes
+    intra_k, inter_k = intra.sum(1) * top_k, cross.sum(1) * top_k  # routing entries (rows times K)
+    count = _lin(costs.a2a_intra, float(D * INDEX_BYTES))  # every rank's, the same
+    entries = _exchange(costs, intra_k * INDEX_BYTES, inter_k * INDEX_BYTES)
+    w_intra, w_inter = intra_k * weight_bytes, inter_k * weight_bytes
     if tuple(degrees) == (1, 1):  # riding with the rows: their bytes at the exchange's rate
         weights_fwd = weights_bwd = w_intra * costs.a2a_intra.per_unit_s + w_inter * costs.a2a_inter.per_unit_s
     else:
@@ -229,9 +232,7 @@ def relay_traffic(traffic_DD, *, ranks_per_node: int, top_k: int, sent_DD=None) 
     hop_Dn = to_node_Dn * distinct_fraction(to_node_Dn, top_k)
     hop_Dn[np.arange(D), node] = 0.0  # a node's own tokens take the hop inside it alone
     node_out = hop_Dn.sum(1).reshape(n, G).sum(1)
-    # rows relay (m, j) forwards to h in m: sources of local index j, [j, h]
-    fwd_GD = sent.reshape(n, G, D).sum(0)
-    moved_GD = fwd_GD.copy()
+    moved_GD = sent.reshape(n, G, D).sum(0)  # rows relay (m, j) forwards to h in m: sources of local index j, [j, h]
     moved_GD.reshape(G, n, G)[np.arange(G), :, np.arange(G)] = 0.0
     relay_out = moved_GD.reshape(G, n, G).sum(2).T.reshape(D)  # relay (m, j)
     relay_in = moved_GD.sum(0)
