@@ -18,12 +18,10 @@ import numpy as np
 import torch
 
 from ds_fssdp.planner.plan import DispatchPlan
+from ds_fssdp.planner.prices import _fastplan  # the planner's C, None where not built
 from ds_fssdp.topology import Topology
 
-try:
-    from ds_fssdp.planner import _fastplan
-except ImportError:  # a source tree used without `pip install`
-    _fastplan = None
+if _fastplan is None:  # a source tree used without `pip install`
     logging.getLogger(__name__).info("ds_fssdp: the planner's C extension is not built; planning uses the Python reference "
                 "(correct, but milliseconds per layer). `pip install -e .` builds it.")
 

@@ -17,10 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-try:
-    from ds_fssdp.planner import _fastplan
-except ImportError:  # a source tree used without `pip install` (planner/fast.py says so once)
-    _fastplan = None
+from ds_fssdp.planner.prices import _fastplan  # the planner's C, None where not built
 
 
 @dataclass(slots=True)

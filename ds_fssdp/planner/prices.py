@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-try:
+try:  # the planner's C (one import for the planner's modules)
     from ds_fssdp.planner import _fastplan
 except ImportError:  # a source tree used without `pip install` (planner/fast.py says so once)
     _fastplan = None
