@@ -64,7 +64,7 @@ from ds_fssdp.sim.memory import budget_for_cap, ep_memory_bytes, optimizer_param
 from ds_fssdp.planner.materialize import materialize as algorithm1  # the default materializer
 from ds_fssdp.sim.setup import (GRAD_BYTES, MIGRATE_BYTES, OPT_BYTES, OPT_TRAFFIC_BYTES, PARAM_BYTES, Setup,
                                 derive_overlap_degree, sim_settings)
-from ds_fssdp.sim.sync import dense_sync, expert_inputs, exposed_sync, sync_times
+from ds_fssdp.sim.sync import MASTER_GRAD_BYTES, dense_sync, expert_inputs, exposed_sync, sync_times
 from ds_fssdp.planner.schedule import overlap_window, split_sync_pays
 from ds_fssdp.planner.cost import CostModel
 from ds_fssdp.sim.simulate import CATEGORIES, PolicyResult
@@ -219,6 +219,7 @@ class PolicyRun:
         self.degree_counts = ({}, {})
         self.dedup_saved = 0.0
         self.planned = name.startswith("fssdp")
+        self.deepspeed_moe = name in ("ep", "uniform")  # DeepSpeed's MoE: its engine syncs the experts (sim/sync.py)
         L, E, B = setup.num_layers, setup.num_experts, self.B
         self.owner_LE = self.policy.initial_owner()
         # Each group plans like the runtime's stage of that group: its own predictor of its own
@@ -364,11 +365,16 @@ class PolicyRun:
         # issued after its backward on the boundary micro-step, sent in the gaps below; its all-gather
         # (split, or ZeRO 1) before its first use in the next forward (its replica gather, a layer ahead,
         # under FSSDP), in the forward's gaps. DeepSpeed's dense collectives after the backward.
-        experts = expert_inputs(st, N, self.owner_LE.numpy(), acc.gaps_BL[slowest], acc.fgaps_BL[slowest],
-                                memo=self._ring_memo)
         split = self._split or st.zero_stage >= 1
-        glob["ar"] += exposed_sync(self._dense_s, experts, gaps=self.options.grad_gaps, split=split,
-                                   lead=1 if self.planned else 0)
+        if self.deepspeed_moe:  # DeepSpeed's: the experts after the dense gradients, after the backward
+            sync, experts = self._sync(split), None
+            glob["ar"] += exposed_sync(sync.step_gather_s + sync.reduce_s + sync.forward_gather_s, None,
+                                       gaps=False, split=split, lead=0)
+        else:
+            experts = expert_inputs(st, N, self.owner_LE.numpy(), acc.gaps_BL[slowest], acc.fgaps_BL[slowest],
+                                    memo=self._ring_memo)
+            glob["ar"] += exposed_sync(self._dense_s, experts, gaps=self.options.grad_gaps, split=split,
+                                       lead=1 if self.planned else 0)
         # the experts' all-gather ran in the next forward (EP and Uniform gather at the step)
         self.split_steps += int(timed and experts is not None and split and self.options.grad_gaps)
         if self.planned and self.options.grad_gaps and st.zero_stage == 0 and experts is not None:
@@ -490,7 +496,8 @@ class PolicyRun:
         the link class it binds on; ``split`` (ZeRO 0): the experts' all-reduce split around the step."""
         if split not in self._sync_cache:
             owned_N = np.bincount(self.owner_LE.numpy().ravel(), minlength=self.N).astype(np.float64)
-            self._sync_cache[split] = sync_times(self.setup, self.N, owned_N, split_experts=split)
+            self._sync_cache[split] = sync_times(self.setup, self.N, owned_N, split_experts=split,
+                                                 grad_bytes=GRAD_BYTES if self.deepspeed_moe else MASTER_GRAD_BYTES)
         return self._sync_cache[split]
 
     def _memory(self, owned_N: np.ndarray, ephemeral_BLN: np.ndarray) -> None:
