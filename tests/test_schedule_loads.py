@@ -57,35 +57,41 @@ def test_pipeline_times_equal_the_scalar_function_exactly():
             assert got.tolist() == [pipeline_time(costs, ld, n, backward=backward) for ld in loads]
 
 
-def test_the_degree_search_prices_the_slowest_rank_exactly():
-    """choose_degrees searches in Python floats over the loads no other load dominates
-    (schedule.slowest_candidates): each candidate's time is pipeline_times' number bit for bit, the
-    slowest of them is the slowest of all ranks at every degree, two hops and one, and a rank with
-    fewer local and remote rows over the same links is left out."""
-    from ds_fssdp.planner.schedule import _concurrent_time, choose_degrees, pipeline_times, slowest_candidates
+def test_the_schedule_in_c_is_the_python_reference_bit_for_bit(monkeypatch):
+    """Under concurrent costs pipeline_times and choose_degrees run in C (_fastplan): every load's
+    time at every degree, both directions, one hop and two (with side work), is the Python
+    reference's number bit for bit, and the degrees are the reference's search (the slowest rank's
+    time, least over degrees, a relative 1e-9 to win), loads given as LayerLoads or columns."""
+    from ds_fssdp.planner import schedule
+    if schedule._fastplan is None:
+        pytest.skip("the planner's C extension is not built")
     rng = np.random.default_rng(5)
-    costs = ScheduleCosts(a2a_intra=Linear(1e-5, 5e-12), a2a_inter=Linear(2e-5, 4e-11), gemm=Linear(3e-6, 2e-8),
-                          backward_factor=2.0)
-    for relay in (0.0, 3e7):
-        loads = [LayerLoad(2e7, 0.0 if relay else 1e7, float(l), float(r), relay_bytes=relay)
-                 for l, r in rng.integers(0, 40, (24, 2)) * 100]
-        loads.append(dataclasses.replace(loads[0], intra_bytes=9e7))  # other links: its own group
-        front = slowest_candidates(loads)
-        assert loads[-1] in front and len(front) < len(loads)
-        for f in front:  # no load over the same links has as many rows of both kinds and more of one
-            assert not any(ld.intra_bytes == f.intra_bytes and ld.local_rows >= f.local_rows
-                           and ld.remote_rows >= f.remote_rows and (ld.local_rows, ld.remote_rows) !=
-                           (f.local_rows, f.remote_rows) for ld in loads)
-        for n in range(1, 9):
-            for backward in (False, True):
-                every = pipeline_times(costs, loads, n, backward=backward)
-                mine = [_concurrent_time(costs, ld, n, backward) for ld in loads]
-                assert mine == every.tolist()
-                assert max(_concurrent_time(costs, ld, n, backward) for ld in front) == every.max()
-        f, b = choose_degrees(costs, loads)
-        want = [min(range(1, 9), key=lambda n: (pipeline_times(costs, loads, n, backward=bw).max(), n))
-                for bw in (False, True)]
-        assert (f, b) == tuple(want) and b > 1
+    for trial in range(60):
+        costs = ScheduleCosts(a2a_intra=Linear(*rng.uniform([0, 1e-12], [3e-5, 1e-9])),
+                              a2a_inter=Linear(*rng.uniform([0, 1e-12], [3e-5, 1e-8])),
+                              gemm=Linear(*rng.uniform([0, 1e-10], [1e-5, 1e-7])), backward_factor=rng.uniform(1, 3))
+        relay = float(rng.uniform(0, 1e8)) if trial % 2 else 0.0
+        inter = 0.0 if relay or trial % 4 == 2 else float(rng.uniform(0, 1e8))
+        rows = rng.integers(0, 5000, (int(rng.integers(1, 70)), 3)).astype(float)
+        loads = [LayerLoad(float(rng.uniform(0, 1e8)) if i == 0 else 2e7, inter, r[0], r[1], relay_bytes=relay,
+                           side_rows=r[2] if trial % 3 else 0.0) for i, r in enumerate(rows)]
+        got = {(n, bw): schedule.pipeline_times(costs, loads, n, backward=bw) for n in range(1, 12)
+               for bw in (False, True)}
+        degrees = schedule.choose_degrees(costs, loads)
+        assert schedule.choose_degrees(costs, schedule.load_columns(loads)) == degrees
+        with monkeypatch.context() as m:
+            m.setattr(schedule, "_fastplan", None)
+            for (n, bw), times in got.items():
+                assert times.tolist() == schedule.pipeline_times(costs, loads, n, backward=bw).tolist()
+            assert schedule.choose_degrees(costs, loads) == degrees
+        want = []
+        for bw in (False, True):
+            pick = 1
+            for n in range(2, 9):
+                if got[n, bw].max() < got[pick, bw].max() * (1.0 - 1e-9):
+                    pick = n
+            want.append(pick)
+        assert degrees == tuple(want)
 
 
 def test_other_traffic_is_priced_only_without_concurrency():

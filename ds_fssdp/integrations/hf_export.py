@@ -35,15 +35,9 @@ def export_hf(load_dir: str, out_dir: str, *, model: str, tag=None, dtype=None, 
     from ds_fssdp.integrations.hf import convert, converted_experts, expert_keys
     from ds_fssdp.integrations.hf_load import _hf_zero3_off
     from ds_fssdp.integrations.hf_save import Comm, write_hf_dir
-    from ds_fssdp.runtime.checkpoint.export import dense_state_dict
-    from ds_fssdp.runtime.checkpoint.files import read_text
-    from ds_fssdp.runtime.checkpoint.layout import LATEST, read_manifest, read_meta, resolve_tag, verify_files
+    from ds_fssdp.runtime.checkpoint.export import all_rows, dense_state_dict, open_checkpoint
     from ds_fssdp.runtime.checkpoint.reshape import RankFiles
-    if tag is None:
-        tag = read_text(os.path.join(load_dir, LATEST)).strip()
-    root = os.path.join(load_dir, resolve_tag(load_dir, str(tag)))
-    manifest, meta = read_manifest(root), read_meta(root)
-    verify_files(root, manifest, digests=verify)
+    root, meta = open_checkpoint(load_dir, tag, verify=verify)
     config = transformers.AutoConfig.from_pretrained(model, **hf_kwargs)
     dtype = _dtype(dtype if dtype is not None else getattr(config, "dtype", None) or torch.float32)
     with _hf_zero3_off(), torch.device("meta"):
@@ -70,12 +64,8 @@ def export_hf(load_dir: str, out_dir: str, *, model: str, tag=None, dtype=None, 
         return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items() if k in want}
 
     def rows(module):
-        from ds_fssdp.runtime.checkpoint.reshape import gather_rows
         l, saved = layers[next(n for n, m in modules.items() if m is module)]
-        owner_E = torch.tensor(saved["owner_E"], dtype=torch.long)
-        every_E = torch.arange(owner_E.numel())
-        master_EP, _ = gather_rows(files, l, saved_owner_E=owner_E, need_E=every_E, numel=saved["numel"], keys=[])
-        return every_E, master_EP
+        return torch.arange(saved["num_experts"]), all_rows(files, l, saved)
 
     return write_hf_dir(skeleton, out_dir, dense=dense, rows=rows, dtype=dtype, comm=Comm(),
                         max_shard_size=max_shard_size)

@@ -46,8 +46,6 @@ def _family_keys(hidden: int, experts: int, ffn: int) -> dict:
 
 
 TESTED_FAMILIES = tuple(_family_keys(16, 4, 12))
-# Families whose router carries an e_score_correction_bias (DeepSeek-V3's aux-loss-free balancing).
-BIASED_FAMILIES = ("deepseek_v3", "glm4_moe", "minimax_m2")
 _LAYER_TYPES = {"qwen3_5_moe_text": ("linear_attention", "full_attention"),
                 "qwen3_next": ("linear_attention", "full_attention"),
                 "gpt_oss": ("sliding_attention", "full_attention")}

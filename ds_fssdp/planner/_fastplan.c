@@ -29,7 +29,7 @@ static inline int64_t sel_i(int c, int64_t a, int64_t b) { return b ^ ((a ^ b) &
 /* Scratch memory kept between calls, one buffer per use (the GIL is held throughout, so there is
  * one caller at a time): planning runs for every layer every iteration, and fresh allocations of
  * these sizes page-fault on first touch. NULL with MemoryError set if it cannot grow. */
-enum { SCRATCH_ENTRY, SCRATCH_CORE, SCRATCH_TOUCHED, SCRATCH_FLOWS, SCRATCH_DENSE, SCRATCH_SLOTS };
+enum { SCRATCH_ENTRY, SCRATCH_CORE, SCRATCH_TOUCHED, SCRATCH_FLOWS, SCRATCH_DENSE, SCRATCH_SCHEDULE, SCRATCH_SLOTS };
 static char *scratch_buf[SCRATCH_SLOTS];
 static size_t scratch_size[SCRATCH_SLOTS];
 static void *scratch_get(int slot, size_t bytes) {
@@ -941,6 +941,66 @@ static int balanced_core(const uint8_t *P, const int64_t *T, const int64_t *node
 }
 
 /* ---------------------------------------------------------------------------------------------
+ * The layer schedule under concurrent costs (ds_fssdp/planner/schedule.py: pipeline_times and
+ * choose_degrees): the same operations in the same order, so the same doubles. A load is six
+ * doubles (schedule.LOAD_COLUMNS: intra, inter, local, remote, side, relay); the costs seven
+ * (intra-node startup and rate, inter-node startup and rate, GEMM startup and rate, backward factor).
+ */
+static inline double lin(const double *c, double u) { return u <= 0 ? 0.0 : c[0] + c[1] * u; }
+static inline double dmax(double a, double b) { return a >= b ? a : b; }
+
+/* One direction of one load at degree n (schedule._one_hop_times, _relay_times, _pipeline);
+ * scratch: 5n doubles. */
+static double load_time(const double *c, const double *ld, int64_t n, int backward, double *scratch) {
+    double f = backward ? c[6] : 1.0, intra = ld[0], inter = ld[1], local = ld[2], remote = ld[3], side = ld[4],
+           relay = ld[5], dn = (double)n;
+    if (n == 1)
+        return 2.0 * dmax(lin(c, intra), lin(c + 2, inter)) + f * lin(c + 4, local + remote) + f * lin(c + 4, side) +
+               0.0 + 2.0 * lin(c + 2, relay);
+    double g = f * lin(c + 4, remote / dn), s = f * lin(c + 4, side), compute = f * lin(c + 4, local);
+    if (relay > 0) { /* two hops: relay_order's R, I, C, J, Q (kinds 0-4) on the node link, rank link, compute */
+        static const int res[5] = {0, 1, 2, 1, 0};
+        double r = lin(c + 2, relay / dn), x = lin(c, intra / dn), dur[5] = {r, x, g, x, r};
+        double free_[3] = {r * 0.0, r * 0.0, compute}, *ended = scratch; /* ended[kind * n + chunk] */
+#define STEP(kind, j)                                                                                  \
+    do {                                                                                               \
+        double st_ = free_[res[kind]];                                                                 \
+        if (kind) st_ = dmax(st_, ended[((kind) - 1) * n + (j)]);                                      \
+        ended[(kind) * n + (j)] = free_[res[kind]] = st_ + dur[kind];                                  \
+    } while (0)
+        STEP(0, 0);
+        for (int64_t t = 0; t < n + 2; t++) {
+            if (t < n) {
+                if (t + 1 < n) STEP(0, t + 1);
+                STEP(1, t);
+            }
+            if (t >= 1 && t <= n) {
+                STEP(2, t - 1);
+                STEP(3, t - 1);
+            }
+            if (t >= 2) STEP(4, t - 2);
+        }
+#undef STEP
+        double tail = dmax(free_[2], ended[3 * n + n - 1]);
+        return dmax(free_[0], tail + s);
+    }
+    /* one hop: the links run d1, then d_i and c_(i-1) for i = 2..n, then c_n (_link_order) */
+    double x = dmax(lin(c, intra / dn), lin(c + 2, inter / dn)), link = x * 0.0, *done_d = scratch;
+    int64_t gi = 1;
+    for (int64_t i = 1; i <= n + 1; i++) {
+        if (i <= n) {
+            link = link + x;
+            done_d[i] = link;
+        }
+        if (i >= 2) { /* combine i - 1 once chunk i - 1 is computed */
+            for (; gi <= i - 1; gi++) compute = dmax(compute, done_d[gi]) + g;
+            link = dmax(link, compute) + x;
+        }
+    }
+    return dmax(link, compute + s);
+}
+
+/* ---------------------------------------------------------------------------------------------
  * Entry points.
  */
 
@@ -1017,12 +1077,90 @@ done:
     return out;
 }
 
+
+/* Loads [R*6] and costs [7] of the schedule's entry points, checked. */
+static int schedule_args(Py_buffer *loads, long long R, Py_buffer *costs, long long n) {
+    if (R < 1 || n < 1) {
+        PyErr_Format(PyExc_ValueError, "the schedule needs >= 1 load (%lld) and degree >= 1 (%lld)", R, n);
+        return -1;
+    }
+    if (check_len(loads, (int64_t)sizeof(double) * 6 * R, "loads")) return -1;
+    return check_len(costs, (int64_t)sizeof(double) * 7, "costs");
+}
+
+/* schedule_times(loads, costs, out, R, n, backward): out [R] = each load's one direction at degree n. */
+static PyObject *schedule_times(PyObject *self, PyObject *args) {
+    Py_buffer loads, costs, out;
+    long long R, n;
+    int backward;
+    if (!PyArg_ParseTuple(args, "y*y*w*LLp", &loads, &costs, &out, &R, &n, &backward)) return NULL;
+    PyObject *ret = NULL;
+    double *scratch;
+    if (schedule_args(&loads, R, &costs, n) || check_len(&out, (int64_t)sizeof(double) * R, "out")) goto done;
+    if (!(scratch = scratch_get(SCRATCH_SCHEDULE, sizeof(double) * (size_t)(5 * n + 2)))) goto done;
+    for (long long i = 0; i < R; i++)
+        ((double *)out.buf)[i] = load_time(costs.buf, (const double *)loads.buf + 6 * i, n, backward, scratch);
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    scratch_trim();
+    PyBuffer_Release(&loads);
+    PyBuffer_Release(&costs);
+    PyBuffer_Release(&out);
+    return ret;
+}
+
+/* choose_degrees(loads, costs, R, max_degree) -> (forward, backward): per direction the degree
+ * whose slowest load is fastest, a degree winning only below the best so far times (1 - 1e-9)
+ * (schedule.choose_degrees); a degree stops at the first load that reaches that bar. */
+static PyObject *choose_degrees(PyObject *self, PyObject *args) {
+    Py_buffer loads, costs;
+    long long R, max_degree;
+    if (!PyArg_ParseTuple(args, "y*y*LL", &loads, &costs, &R, &max_degree)) return NULL;
+    PyObject *ret = NULL;
+    double *scratch;
+    if (schedule_args(&loads, R, &costs, max_degree)) goto done;
+    if (!(scratch = scratch_get(SCRATCH_SCHEDULE, sizeof(double) * (size_t)(5 * max_degree + 2)))) goto done;
+    long long pick[2];
+    const double *L = loads.buf;
+    for (int backward = 0; backward < 2; backward++) {
+        double pick_s = 0.0;
+        long long at = 0;
+        pick[backward] = 1;
+        for (long long n = 1; n <= max_degree; n++) {
+            double bar = pick_s * (1.0 - 1e-9), s = 0.0;
+            long long first = at;
+            for (long long k = 0; k < R; k++) {
+                long long i = (first + k) % R; /* the last degree's slowest load first */
+                double v = load_time(costs.buf, L + 6 * i, n, backward, scratch);
+                if (!k || v > s) {
+                    s = v;
+                    at = i;
+                    if (n > 1 && s >= bar) break;
+                }
+            }
+            if (n == 1 || s < bar) {
+                pick[backward] = n;
+                pick_s = s;
+            }
+        }
+    }
+    ret = Py_BuildValue("LL", pick[0], pick[1]);
+done:
+    scratch_trim();
+    PyBuffer_Release(&loads);
+    PyBuffer_Release(&costs);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
     {"materialize_alg1", materialize_alg1, METH_VARARGS, "Algorithm 1 into a placement."},
     {"materialize_joint", materialize_joint, METH_VARARGS, "Joint materialization into a placement."},
     {"dispatch_dense", dispatch_dense, METH_VARARGS, "Either dispatch into a zeroed dense plan."},
     {"dispatch_compact", dispatch_compact, METH_VARARGS,
      "Either dispatch as (X, F, bytes [holder_E, rep_X, tokens_ED, flows_4F])."},
+    {"schedule_times", schedule_times, METH_VARARGS, "Each load's one direction of the layer schedule."},
+    {"choose_degrees", choose_degrees, METH_VARARGS, "The layer schedule's (forward, backward) degrees."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -19,12 +19,13 @@ Across nodes (``topology_aware`` and several nodes of several ranks) it runs as 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 
-from ds_fssdp.planner.schedule import (MAX_DEGREE, LayerLoad, ScheduleCosts, _by_link, _exchange, _lin,
-                                      choose_degrees, loads_from_traffic, pipeline_times)
+from ds_fssdp.planner.schedule import (MAX_DEGREE, ScheduleCosts, _by_link, _exchange, _lin, choose_degrees,
+                                      columns_of, loads_from_traffic, loads_of, pipeline_times)
 
 INDEX_BYTES = 8  # a routing entry (long)
 
@@ -90,11 +91,21 @@ class ExchangePrice:
     """The exchange :func:`price_exchange` chose and what it priced it with."""
     degrees: tuple  # (forward, backward)
     one_copy: bool
-    loads: list  # one LayerLoad per rank
+    load_cols: np.ndarray  # each rank's LayerLoad as schedule.load_columns, float64 [D, 6]
     forward_R: np.ndarray  # seconds per rank, overheads included
     backward_R: np.ndarray
     sent_DD: np.ndarray | None  # rows one copy per destination sends (None: every row)
     routed: tuple | None  # its two hops' :func:`relay_traffic` (None: one hop)
+
+    @functools.cached_property
+    def loads(self) -> list:
+        """One LayerLoad per rank."""
+        return loads_of(self.load_cols)
+
+    @property
+    def link_load(self):
+        """The first rank's LayerLoad: its links are every rank's (the group's busiest)."""
+        return loads_of(self.load_cols[:1])[0]
 
 
 def price_exchange(costs: ScheduleCosts, traffic_DD, *, ranks_per_node: int, token_bytes: float, top_k: int,
@@ -131,14 +142,14 @@ def price_exchange(costs: ScheduleCosts, traffic_DD, *, ranks_per_node: int, tok
                 if G >= 2 and D % G == 0 and D // G >= 2:
                     routed = relay_traffic(traffic, ranks_per_node=G, top_k=top_k, sent_DD=sent)
                 loads = relay_loads(traffic, ranks_per_node=G, token_bytes=token_bytes, top_k=top_k, sent_DD=sent,
-                                    routed=routed, side_D=side_D)
+                                    routed=routed, side_D=side_D, columns=True)
             else:
                 loads = loads_from_traffic(traffic, ranks_per_node=G, token_bytes=token_bytes, sent_DD=sent,
-                                           side_D=side_D)
+                                           side_D=side_D, columns=True)
         else:
-            loads = loads_from_traffic(traffic, ranks_per_node=G, token_bytes=token_bytes, side_D=side_D)
-        deg = tuple(degrees) if degrees is not None else choose_degrees(costs, list(dict.fromkeys(loads)),
-                                                                        max_degree=max_degree)
+            loads = loads_from_traffic(traffic, ranks_per_node=G, token_bytes=token_bytes, side_D=side_D,
+                                       columns=True)
+        deg = tuple(degrees) if degrees is not None else choose_degrees(costs, loads, max_degree=max_degree)
         if c:
             over_f, over_b = one_copy_overhead_s(costs, sent, ranks_per_node=G, top_k=top_k,
                                                  weight_bytes=weight_bytes, degrees=deg)
@@ -162,7 +173,7 @@ def side_rows(traffic_DD, top_k: int, side_ratio: float):
 
 
 def relay_loads(traffic_DD, *, ranks_per_node: int, token_bytes: float, top_k: int, sent_DD=None,
-                routed: tuple | None = None, side_D=None) -> list:
+                routed: tuple | None = None, side_D=None, columns: bool = False) -> list:
     """:func:`loads_from_traffic` of the two-hop exchange (module docstring) from the plan's
     ``traffic_DD`` (rows per assignment), the rows that cross estimated by :func:`distinct_fraction`
     (k independent picks; every rank, the simulators and a recorded trace estimate alike), per link
@@ -174,22 +185,23 @@ def relay_loads(traffic_DD, *, ranks_per_node: int, token_bytes: float, top_k: i
 
     One node, or one rank per node: :func:`loads_from_traffic` of the one-hop one copy. ``sent_DD``:
     ``traffic_DD`` times its :func:`distinct_fraction`, and ``routed``: its :func:`relay_traffic`,
-    where the caller has them already; ``side_D``: each rank's ``side_rows`` (default none)."""
+    where the caller has them already; ``side_D``: each rank's ``side_rows`` (default none);
+    ``columns``: their ``schedule.load_columns`` instead."""
     t = np.asarray(traffic_DD, dtype=np.float64)
     D, G = t.shape[0], int(ranks_per_node)
     if G < 1 or D % G:
         raise ValueError(f"relay_loads: ranks_per_node ({ranks_per_node}) must divide the ranks ({D})")
     sent = t * distinct_fraction(t, top_k) if sent_DD is None else np.asarray(sent_DD, dtype=np.float64)
     if D // G == 1 or G == 1:
-        return loads_from_traffic(t, ranks_per_node=G, token_bytes=token_bytes, sent_DD=sent, side_D=side_D)
+        return loads_from_traffic(t, ranks_per_node=G, token_bytes=token_bytes, sent_DD=sent, side_D=side_D,
+                                  columns=columns)
     if routed is None:
         routed = relay_traffic(t, ranks_per_node=G, top_k=top_k, sent_DD=sent)
     rank_D, node_n = routed[:2]
     intra, relay = float(rank_D.max()) * token_bytes, float(node_n.max()) * token_bytes
     rows_D, local = t.sum(0), np.diagonal(t)
-    return [LayerLoad(intra_bytes=intra, inter_bytes=0.0, local_rows=float(local[d]),
-                      remote_rows=float(rows_D[d] - local[d]), relay_bytes=relay,
-                      side_rows=0.0 if side_D is None else float(side_D[d])) for d in range(D)]
+    cols = columns_of(intra, 0.0, local, rows_D - local, side_D, relay)
+    return cols if columns else loads_of(cols)
 
 
 def relay_traffic(traffic_DD, *, ranks_per_node: int, top_k: int, sent_DD=None) -> tuple:

@@ -57,11 +57,15 @@ bytes (:func:`other_traffic_s`): the same sum-of-parts accounting as a chunked l
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
 import numpy as np
+
+try:
+    from ds_fssdp.planner import _fastplan
+except ImportError:  # a source tree used without `pip install` (planner/fast.py says so once)
+    _fastplan = None
 
 MAX_DEGREE = 8
 
@@ -159,13 +163,20 @@ def pipeline_time(costs: ScheduleCosts, load: LayerLoad, degree: int, *, backwar
     return float(pipeline_times(costs, [load], degree, backward=backward)[0])
 
 
-def pipeline_times(costs: ScheduleCosts, loads: list, degree: int, *, backward: bool = False) -> np.ndarray:
+def pipeline_times(costs: ScheduleCosts, loads, degree: int, *, backward: bool = False) -> np.ndarray:
     """:func:`pipeline_time` of every load at once (float64 [len(loads)]): the one implementation
-    of the modelled schedule."""
+    of the modelled schedule (in C, ``_fastplan.schedule_times``, under concurrent costs where it is
+    built: the same operations in the same order). ``loads``: :class:`LayerLoad` s, or their
+    :func:`load_columns` (no other traffic)."""
     if degree < 1:
         raise ValueError(f"pipeline degree ({degree}) must be >= 1")
-    a = np.array([(ld.intra_bytes, ld.inter_bytes, ld.local_rows, ld.remote_rows, ld.side_rows, ld.relay_bytes)
-                  for ld in loads], dtype=np.float64).reshape(-1, 6)
+    a = load_columns(loads)
+    if costs.concurrent and _fastplan is not None and len(a):
+        out = np.empty(len(a))
+        _fastplan.schedule_times(a, _cost_row(costs), out, len(a), int(degree), bool(backward))
+        return out
+    if isinstance(loads, np.ndarray):
+        loads = loads_of(a)
     relay = a[:, 5]
     if degree == 1:  # the relay hop and its return around the exchange inside the node
         return _one_hop_times(costs, loads, a[:, :5].T, 1, backward) + 2.0 * _lin(costs.a2a_inter, relay)
@@ -178,18 +189,22 @@ def pipeline_times(costs: ScheduleCosts, loads: list, degree: int, *, backward: 
                     _one_hop_times(costs, loads, a[:, :5].T, degree, backward))
 
 
-def _concurrent_time(costs: ScheduleCosts, ld: LayerLoad, degree: int, backward: bool) -> float:
-    """:func:`pipeline_times` of one load under concurrent costs, in Python floats: the same
-    operations in the same order (so the same number), without numpy's per-call cost; what
-    :func:`choose_degrees` searches with."""
-    cols = (float(ld.intra_bytes), float(ld.inter_bytes), float(ld.local_rows), float(ld.remote_rows),
-            float(ld.side_rows))
-    relay = float(ld.relay_bytes)
-    if degree == 1:
-        return _one_hop_times(costs, [ld], cols, 1, backward) + 2.0 * _lin(costs.a2a_inter, relay)
-    if relay > 0:
-        return _relay_times(costs, [ld], (*cols, relay), degree, backward)
-    return _one_hop_times(costs, [ld], cols, degree, backward)
+LOAD_COLUMNS = ("intra_bytes", "inter_bytes", "local_rows", "remote_rows", "side_rows", "relay_bytes")
+
+
+def load_columns(loads) -> np.ndarray:
+    """float64 [len(loads), 6]: each :class:`LayerLoad`'s :data:`LOAD_COLUMNS` (an array of them as it is)."""
+    if isinstance(loads, np.ndarray):
+        return np.ascontiguousarray(loads, dtype=np.float64).reshape(-1, 6)
+    return np.array([(ld.intra_bytes, ld.inter_bytes, ld.local_rows, ld.remote_rows, ld.side_rows, ld.relay_bytes)
+                     for ld in loads], dtype=np.float64).reshape(-1, 6)
+
+
+@functools.lru_cache(maxsize=64)
+def _cost_row(costs: ScheduleCosts) -> np.ndarray:
+    return np.array([costs.a2a_intra.startup_s, costs.a2a_intra.per_unit_s, costs.a2a_inter.startup_s,
+                     costs.a2a_inter.per_unit_s, costs.gemm.startup_s, costs.gemm.per_unit_s, costs.backward_factor],
+                    dtype=np.float64)
 
 
 def _relay_times(costs: ScheduleCosts, loads: list, cols, n: int, backward: bool):
@@ -212,15 +227,6 @@ def _relay_times(costs: ScheduleCosts, loads: list, cols, n: int, backward: bool
     free = [r * 0.0, r * 0.0, c0]
     dur = (r, x, g, x, r)
     ended = [[None] * n for _ in range(5)]  # [kind][chunk]: kinds R, I, C, J, Q
-    if isinstance(r, float) and isinstance(c0, float):  # one load (choose_degrees): _max inlined
-        for kind, j, resource in _relay_steps(n):
-            start = free[resource]
-            if kind:
-                before = ended[kind - 1][j]
-                start = start if start >= before else before
-            ended[kind][j] = free[resource] = start + dur[kind]
-        tail = free[2] if free[2] >= ended[3][n - 1] else ended[3][n - 1]
-        return free[0] if free[0] >= tail + s else tail + s
     for kind, j, resource in _relay_steps(n):
         start = free[resource] if kind == 0 else _max(free[resource], ended[kind - 1][j])
         ended[kind][j] = free[resource] = start + dur[kind]
@@ -350,54 +356,28 @@ def layer_time(costs: ScheduleCosts, load: LayerLoad, degrees: tuple) -> float:
     return pipeline_time(costs, load, degrees[0]) + pipeline_time(costs, load, degrees[1], backward=True)
 
 
-def choose_degrees(costs: ScheduleCosts, loads: list, *, max_degree: int = MAX_DEGREE) -> tuple:
+def choose_degrees(costs: ScheduleCosts, loads, *, max_degree: int = MAX_DEGREE) -> tuple:
     """(forward, backward) degrees of a layer for every rank at once (the exchange is one collective,
     so all ranks must chunk it alike): each direction's degree minimises the slowest rank's
-    :func:`pipeline_time` over ``loads`` (one :class:`LayerLoad` per rank; the smaller on a tie)."""
+    :func:`pipeline_time` over ``loads`` (one :class:`LayerLoad` per rank, or their
+    :func:`load_columns`); a degree wins only below the best so far by a relative 1e-9 (the
+    smaller on a tie). In C where it is built (``_fastplan.choose_degrees``, the same numbers)."""
     if not costs.concurrent:
         # Serial parts: n chunks cost 2n exchange startups and n + 1 GEMM startups for the same
         # bytes and rows, never less than one chunk's, so degree 1 (and the loads are not needed).
         return 1, 1
-    front = slowest_candidates(loads)
+    a = load_columns(loads)
+    if _fastplan is not None:
+        return _fastplan.choose_degrees(a, _cost_row(costs), len(a), int(max_degree))
 
     def best(backward: bool) -> int:
-        order = list(front)  # the last degree's slowest load first: it most often rules a degree out
         pick, pick_s = 1, None
         for n in range(1, max_degree + 1):
-            bar = None if pick_s is None else pick_s * (1.0 - 1e-9)
-            s, at = None, 0
-            for i, ld in enumerate(order):
-                v = _concurrent_time(costs, ld, n, backward)  # the max over loads = max of pipeline_times
-                if s is None or v > s:
-                    s, at = v, i
-                    if bar is not None and s >= bar:
-                        break  # the slowest rank is at least this slow: n cannot win
-            order.insert(0, order.pop(at))
-            if bar is None or s < bar:
+            s = pipeline_times(costs, a, n, backward=backward).max()
+            if pick_s is None or s < pick_s * (1.0 - 1e-9):
                 pick, pick_s = n, s
         return pick
     return best(False), best(True)
-
-
-_LINK_FIELDS = tuple(f.name for f in dataclasses.fields(LayerLoad) if f.name not in ("local_rows", "remote_rows"))
-
-
-def slowest_candidates(loads: list) -> list:
-    """The loads among which the slowest rank's :func:`pipeline_time` is, at any degree: those no
-    other load with the same links dominates (at least as many local and as many remote rows).
-    The schedule's time never falls when a rank computes more rows (every operation waits on the
-    ones before it; a GEMM takes no less for more rows), so a dominated load is never slower."""
-    groups = {}
-    for ld in dict.fromkeys(loads):
-        groups.setdefault(tuple(getattr(ld, f) for f in _LINK_FIELDS), []).append(ld)
-    front = []
-    for group in groups.values():
-        top_remote = None
-        for ld in sorted(group, key=lambda v: (-v.local_rows, -v.remote_rows)):
-            if top_remote is None or ld.remote_rows > top_remote:
-                front.append(ld)
-                top_remote = ld.remote_rows
-    return front
 
 
 def loads_from_plan(plan, *, ranks_per_node: int, token_bytes: float) -> list:
@@ -414,12 +394,14 @@ def loads_from_plan(plan, *, ranks_per_node: int, token_bytes: float) -> list:
     return loads_from_traffic(plan.traffic_DD(), ranks_per_node=ranks_per_node, token_bytes=token_bytes)
 
 
-def loads_from_traffic(traffic_DD, *, ranks_per_node: int, token_bytes: float, sent_DD=None, side_D=None) -> list:
+def loads_from_traffic(traffic_DD, *, ranks_per_node: int, token_bytes: float, sent_DD=None, side_D=None,
+                       columns: bool = False) -> list:
     """:func:`loads_from_plan` from the plan's token traffic alone (``traffic_DD[d, h]``: rows rank d
     sends rank h, the diagonal stays; a recorded decision's ``traffic_DD``): rows rank h computes
     are its column's sum. ``sent_DD``: the rows that actually cross (one copy per destination sends
     fewer than it computes; the simulators' estimate), default ``traffic_DD``. ``side_D``: each
-    rank's work beside the exchange (``side_rows``; default none)."""
+    rank's work beside the exchange (``side_rows``; default none). ``columns``: their
+    :func:`load_columns` instead (what the pricing runs on; no objects built)."""
     rows_D = np.asarray(traffic_DD, dtype=np.float64).sum(0)
     local = np.diag(np.asarray(traffic_DD, dtype=np.float64))
     traffic = np.asarray(traffic_DD if sent_DD is None else sent_DD, dtype=np.float64)
@@ -432,9 +414,21 @@ def loads_from_traffic(traffic_DD, *, ranks_per_node: int, token_bytes: float, s
     # busiest intra-node link and busiest inter-node link have moved theirs.
     intra_bytes = float(np.maximum(intra_out, intra_in).max()) * token_bytes
     inter_bytes = float(np.maximum(node_out, node_in).max()) * token_bytes
-    return [LayerLoad(intra_bytes=intra_bytes, inter_bytes=inter_bytes, local_rows=float(local[d]),
-                      remote_rows=float(rows_D[d] - local[d]), side_rows=0.0 if side_D is None else float(side_D[d]))
-            for d in range(D)]
+    cols = columns_of(intra_bytes, inter_bytes, local, rows_D - local, side_D)
+    return cols if columns else loads_of(cols)
+
+
+def columns_of(intra_bytes: float, inter_bytes: float, local_D, remote_D, side_D=None, relay_bytes: float = 0.0):
+    """:func:`load_columns` of D ranks sharing their links (``side_D`` None: no side work)."""
+    cols = np.empty((len(local_D), 6))
+    cols[:, 0], cols[:, 1], cols[:, 2], cols[:, 3], cols[:, 5] = intra_bytes, inter_bytes, local_D, remote_D, relay_bytes
+    cols[:, 4] = 0.0 if side_D is None else side_D
+    return cols
+
+
+def loads_of(cols) -> list:
+    """The :class:`LayerLoad` s of :func:`load_columns` ``cols``."""
+    return [LayerLoad(*row[:4], relay_bytes=row[5], side_rows=row[4]) for row in np.asarray(cols).tolist()]
 
 
 def _by_link(traffic_DD: np.ndarray, ranks_per_node: int) -> tuple:

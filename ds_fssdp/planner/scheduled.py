@@ -134,7 +134,7 @@ def reduce_window_s(costs: ScheduleCosts, price: ExchangePrice, attention_s: flo
     ``attention_s``) plus the time its backward exchange (``price``) leaves the reduce's link free:
     the node link when the group spans nodes (``across_nodes``), else the rank's. What both
     simulators charge the reduce against, and what the search by time prices it with."""
-    busy = link_busy(costs, price.loads[0], price.degrees[1])[1 if across_nodes else 0]
+    busy = link_busy(costs, price.link_load, price.degrees[1])[1 if across_nodes else 0]
     idle = float(price.backward_R.max()) - busy
     return 2.0 * attention_s + (idle if idle > 0.0 else 0.0)
 

@@ -31,6 +31,7 @@ from deepspeed import comm as dist
 from ds_fssdp import ops
 from ds_fssdp.moe.experts import ExpertSpec
 from ds_fssdp.planner.schedule import ScheduleCosts, fit_schedule_costs
+from ds_fssdp.runtime.profile import median_seconds
 from ds_fssdp.topology import Topology
 
 RUN_SAMPLES = 16  # per layer and kind, the newest, at each refit
@@ -91,16 +92,10 @@ def measure_exchange(*, group, topology: Topology, token_bytes: int, device, row
             splits = [n if p else 0 for p in peers]
             send = torch.zeros(sum(splits), dtype=torch.float32, device=device)
             recv = torch.empty_like(send)
-            times = []
-            for i in range(repeats + 1):
-                dist.barrier(group=group)
-                t0 = time.perf_counter()
-                dist.all_to_all_single(recv, send, output_split_sizes=splits, input_split_sizes=splits, group=group)
-                if send.is_cuda:
-                    torch.cuda.synchronize()
-                if i:
-                    times.append(time.perf_counter() - t0)
-            out[name].append((float(sum(splits) * 4), statistics.median(times)))
+            seconds = median_seconds(lambda: dist.all_to_all_single(recv, send, output_split_sizes=splits,
+                                                                    input_split_sizes=splits, group=group),
+                                     repeats=repeats, cuda=send.is_cuda, before=lambda: dist.barrier(group=group))
+            out[name].append((float(sum(splits) * 4), seconds))
     return out
 
 

@@ -95,8 +95,8 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
         raise FSSDPConfigError("fssdp: the model's FSSDPMoE layers are already sharded (initialize called twice?)")
     global_layers = None
     if pipe:
-        global_layers, total = pipeline.global_layer_indices(len(layers), layout)  # the first collective
-        if not total:
+        global_layers = pipeline.global_layer_indices(len(layers), layout)  # the first collective
+        if not global_layers[1]:
             logger.warning("fssdp: no pipeline stage has FSSDP experts; initializing plain DeepSpeed")
             return _deepspeed_initialize(**ds_kwargs)
 
@@ -114,13 +114,8 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
         grad_scale = 1.0 / layout.dp_size
     else:
         grad_scale = sp_grad_scale(ds_config, world=world, sp=sp) if tp == 1 else tp_grad_scale(world=world, tp=tp)
-    stage = FSSDPStage(layers, fcfg, groups.topology, group=groups.tokens, param_group=groups.params,
-                       edp_group=groups.edp, grad_scale=grad_scale, exchange=groups.exchange,
-                       dp_group=layout.dp_group if pipe else None, pipe_group=layout.pipe_group if pipe else None,
-                       zero_stage=zero_stage(ds_config))
-    stage.groups = groups
-    if pipe:
-        stage.layout, stage.global_layers, stage.num_global_layers = layout, global_layers, total
+    stage = FSSDPStage(layers, fcfg, groups, grad_scale=grad_scale, zero_stage=zero_stage(ds_config), layout=layout,
+                       global_layers=global_layers)
     ds_kwargs["model_parameters"] = _without(model_parameters, expert_ids)
     if isinstance(optimizer, torch.optim.Optimizer):
         _strip_params(optimizer, expert_ids)
@@ -132,9 +127,6 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
         attach_fold(layers, tp_group=tp_group, tp_size=tp, tp_rank=dist.get_rank(group=tp_group))
     engine.__class__ = _fssdp_engine_class(type(engine))
     engine.fssdp = stage
-    if pipe:  # 1F1B keeps S - s micro-batches' forwards awaiting their backward on stage s
-        stage.in_flight = min(engine.gradient_accumulation_steps(), layout.num_stages - layout.stage_id)
-        pipeline.prepare(stage, layout)
     stage.attach(engine)
     if pipe:
         pipeline.attach(engine, layout)

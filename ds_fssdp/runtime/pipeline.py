@@ -260,10 +260,12 @@ class PipelineRun:
         return total / (dp * micro_batches)
 
 
-def trace_file(trace_path: str | None, layout: PipelineLayout, *, rank: int, global_layers: list) -> str | None:
-    """Where this rank writes the trace of its stage's MoE layers (None: it does not): each stage's
-    first rank, the stage holding MoE layer 0 at ``fssdp.trace_path``, stage s at
-    ``<trace_path stem>.stage<s>.npz`` (docs/design.md, section 9)."""
+def trace_file(trace_path: str | None, layout: PipelineLayout | None, *, rank: int, global_layers: list) -> str | None:
+    """Where this rank writes the trace of its stage's MoE layers (None: it does not): rank 0 without
+    pipeline parallelism; else each stage's first rank, the stage holding MoE layer 0 at
+    ``fssdp.trace_path``, stage s at ``<trace_path stem>.stage<s>.npz`` (docs/design.md, section 9)."""
+    if layout is None:
+        return trace_path if rank == 0 else None
     if not trace_path or not global_layers or rank != layout.stages[layout.stage_id][0]:
         return None
     if global_layers[0] == 0:
@@ -272,19 +274,9 @@ def trace_file(trace_path: str | None, layout: PipelineLayout, *, rank: int, glo
     return f"{stem}.stage{layout.stage_id}.npz"
 
 
-def prepare(stage, layout: PipelineLayout) -> None:
-    """Before ``FSSDPStage.attach``: each stage's first rank writes its layers' trace."""
-    stage.trace_file = trace_file(stage.config.trace_path, layout, rank=dist.get_rank(),
-                                  global_layers=stage.global_layers)
-
-
 def attach(engine, layout: PipelineLayout) -> None:
     """After ``FSSDPStage.attach``: what the pipeline adds to the engine and its stage."""
     stage = engine.fssdp
-    if stage.trace is not None:  # which of all stages' MoE layers this trace's layer axis holds
-        stage.trace.meta.update(pipeline_stage=layout.stage_id, global_layers=list(stage.global_layers),
-                                num_global_layers=stage.num_global_layers)
-    stage.trace_at_forward = True  # several forwards in flight: each forward's entry when it runs
     stage.norm.dense_group = layout.pipe_group
     # DeepSpeed marks a tied module's parameters on every stage but the first that holds it.
     stage.norm.dense_skip = frozenset(id(p) for p in engine.module.parameters()

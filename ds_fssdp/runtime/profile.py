@@ -27,16 +27,9 @@ def measure_link_bandwidth(*, group, chunk_bytes: int, device, repeats: int = 3)
     n = max(1, chunk_bytes // 4)
     send = torch.zeros(world * n, dtype=torch.float32, device=device)
     recv = torch.empty_like(send)
-    times = []
-    for i in range(repeats + 1):
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        dist.all_to_all_single(recv, send, group=group)
-        if send.is_cuda:
-            torch.cuda.synchronize()
-        if i:
-            times.append(time.perf_counter() - t0)
-    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    seconds = median_seconds(lambda: dist.all_to_all_single(recv, send, group=group), repeats=repeats,
+                             cuda=send.is_cuda, before=lambda: dist.barrier(group=group))
+    t = torch.tensor([seconds], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # every rank uses the same number
     return (world - 1) * n * 4 / float(t)
 
@@ -47,12 +40,22 @@ def measure_expert_flops(spec: ExpertSpec, *, dtype: torch.dtype, device, rows: 
     H = spec.shapes[spec.names[0]][0]
     x = torch.randn(rows, H, dtype=dtype, device=device)
     w = {n: torch.randn(1, *s, dtype=dtype, device=device) * 0.02 for n, s in spec.shapes.items()}
+    seconds = median_seconds(lambda: ops.expert_mlp(x, w, [rows], activation=spec.activation,
+                                                    act_params=spec.act_params), repeats=repeats, cuda=x.is_cuda)
+    return 2.0 * spec.numel * rows / seconds
+
+
+def median_seconds(fn, *, repeats: int, cuda: bool, before=None) -> float:
+    """The median seconds of ``fn()`` over ``repeats`` runs after one warm-up (``before()`` untimed
+    ahead of each run; ``cuda``: synchronize before reading the clock)."""
     times = []
     for i in range(repeats + 1):
+        if before is not None:
+            before()
         t0 = time.perf_counter()
-        ops.expert_mlp(x, w, [rows], activation=spec.activation, act_params=spec.act_params)
-        if x.is_cuda:
+        fn()
+        if cuda:
             torch.cuda.synchronize()
         if i:
             times.append(time.perf_counter() - t0)
-    return 2.0 * spec.numel * rows / statistics.median(times)
+    return statistics.median(times)

@@ -44,13 +44,13 @@ from ds_fssdp.planner.decision import decision_arrays
 from ds_fssdp.planner.inputs import build_policies
 from ds_fssdp.planner.layer import migrations
 from ds_fssdp.planner.scheduled import ExchangeOptions
-from ds_fssdp.runtime import costfit, policy_setup
+from ds_fssdp.runtime import costfit, pipeline, policy_setup
 from ds_fssdp.runtime.edp_sync import EDPSyncPlan
 from ds_fssdp.runtime.expert_dp import make_expert_state
 from ds_fssdp.runtime.expert_optimizer import build_expert_optimizer
 from ds_fssdp.runtime.grad_norm import install_expert_norm, loss_scale_of
+from ds_fssdp.runtime.groups import FSSDPGroups
 from ds_fssdp.runtime.health import NonFiniteGuard
-from ds_fssdp.topology import Topology
 
 # Hyperparameters an LR/momentum schedule changes on DeepSpeed's optimizer; mirrored every step.
 _SCHEDULED = ("lr", "betas", "momentum")
@@ -58,25 +58,26 @@ _SCHEDULED = ("lr", "betas", "momentum")
 
 class FSSDPStage:
 
-    def __init__(self, layers: list, config: FSSDPConfig, topology: Topology, group, *, param_group=None,
-                 edp_group=None, src_rank: int = 0, grad_scale: float | None = None, exchange=None,
-                 dp_group=None, pipe_group=None, zero_stage: int = 0):
-        """``group``: this rank's FSSDP group (token exchange; None: the world), ``param_group``: the
-        same ranks for the sparse collectives, ``edp_group``: the ranks at this rank's position in
-        every FSSDP group (None: one group), ``topology``: the FSSDP group's nodes, ``grad_scale``:
-        DeepSpeed's factor on summed gradients (None: 1 / data-parallel size), ``exchange``: the
-        chunked token exchange's groups (``runtime/groups.build_exchange_groups``; None: ``group``
-        for every pair). Pipeline parallelism (``runtime/pipeline.py``): ``dp_group`` the stage's
-        data-parallel ranks (None: the world), ``pipe_group`` the pipeline (norms); no layers: a
-        stage without MoE layers, which joins the step's collectives. ``zero_stage``: DeepSpeed's
-        ZeRO stage for the dense parameters (checked against the engine's at :meth:`attach`)."""
+    def __init__(self, layers: list, config: FSSDPConfig, groups: FSSDPGroups, *, src_rank: int = 0,
+                 grad_scale: float | None = None, zero_stage: int = 0, layout=None, global_layers: tuple | None = None):
+        """``groups``: this rank's FSSDP group (``tokens``: the token exchange, None: the world;
+        ``params``: the same ranks for the sparse collectives), its EDP group (the ranks at its
+        position in every FSSDP group; None: one group), the group's nodes and the chunked token
+        exchange's groups (``runtime/groups.py``). ``grad_scale``: DeepSpeed's factor on summed
+        gradients (None: 1 / data-parallel size). ``zero_stage``: DeepSpeed's ZeRO stage for the
+        dense parameters (checked against the engine's at :meth:`attach`). Pipeline parallelism
+        (``runtime/pipeline.py``): ``layout`` (its ``dp_group``: the stage's data-parallel ranks,
+        ``pipe_group``: the pipeline, for norms) and ``global_layers``: (each layer's index among
+        all stages' MoE layers, their number; checkpoints key experts by it); no layers: a stage
+        without MoE layers, which joins the step's collectives."""
         self.layers = list(layers)
         self.config = config
-        self.topology = topology
-        self.group = group
-        self.param_group = group if param_group is None else param_group
-        self.edp_group = edp_group
-        self.dp_group, self.pipe_group = dp_group, pipe_group
+        self.topology, self.group, self.param_group, self.edp_group = groups.topology, groups.tokens, groups.params, \
+            groups.edp
+        self.layout = layout
+        self.dp_group, self.pipe_group = (None, None) if layout is None else (layout.dp_group, layout.pipe_group)
+        self.global_layers, self.num_global_layers = global_layers or (list(range(len(self.layers))), len(self.layers))
+        self.in_flight = 1  # micro-batches awaiting their backward at once (a pipeline stage's: attach)
         self.zero_stage = zero_stage
         self._init_sizes(grad_scale)
         self._init_decisions()
@@ -84,7 +85,7 @@ class FSSDPStage:
         self.predictor = LoadPredictor([l.num_experts for l in self.layers], window=config.load_window)
         self.memory = ReplicaMemory()
         for i, layer in enumerate(self.layers):
-            layer.attach_sharded(self._shard(i, layer, src_rank=src_rank, exchange=exchange))
+            layer.attach_sharded(self._shard(i, layer, src_rank=src_rank, exchange=groups.exchange))
         chain(self.shards)
 
     def _init_sizes(self, grad_scale) -> None:
@@ -93,11 +94,6 @@ class FSSDPStage:
         self.group_size = dist.get_world_size(group=self.group)  # ranks of this FSSDP group (owners)
         self.edp_size = dist.get_world_size(group=self.edp_group) if self.edp_group is not None else 1
         self.group_index = dist.get_rank(group=self.dp_group) // self.group_size
-        # Pipeline parallelism (set by initialize): the PipelineLayout, each layer's index among all
-        # stages' MoE layers and their number (checkpoints key experts by it), micro-batches in flight
-        self.layout, self.global_layers, self.num_global_layers, self.in_flight = None, list(range(len(self.layers))), \
-            len(self.layers), 1
-        self.groups = None  # runtime.groups.FSSDPGroups when built by ds_fssdp.initialize
         # Summed expert gradients times this at the step: DeepSpeed's data-parallel average (its
         # divisor is W / s under Ulysses SP, runtime/sequence_parallel.py).
         self.grad_scale = 1.0 / self.world if grad_scale is None else grad_scale
@@ -139,9 +135,9 @@ class FSSDPStage:
         self.profile = {}
         self.trace = None
         self.health = NonFiniteGuard(self.config.nonfinite)  # non-finite losses/gradients (runtime/health.py)
-        self.trace_at_forward = False  # the pipeline engine records each forward's trace entry itself
-        # Who writes the trace, where: rank 0 (under pipeline parallelism each stage's first rank, runtime/pipeline.py)
-        self.trace_file = self.config.trace_path if dist.get_rank() == 0 else None
+        self.trace_at_forward = self.layout is not None  # the pipeline engine records each forward's entry itself
+        self.trace_file = pipeline.trace_file(self.config.trace_path, self.layout, rank=dist.get_rank(),
+                                              global_layers=self.global_layers)
 
     def _shard(self, i: int, layer, *, src_rank: int, exchange) -> ShardedExperts:
         """Layer ``i``'s experts sharded over this rank's FSSDP group: its owned rows from a loader,
@@ -163,11 +159,11 @@ class FSSDPStage:
             if self.edp_group is not None:
                 dist.broadcast(rows_SP, src=dist.get_global_rank(self.edp_group, 0), group=self.edp_group)
         # ZeRO-3's module hooks gather and release a module's weights around its own call: its blocks
-        # compute their shared experts themselves (moe/side.py).
+        # compute their shared experts themselves (moe/side.py). Timed: only the refits read the spans.
         options = ShardOptions(uniform=config.policy == "uniform", rematerialize=config.rematerialize,
                                hierarchical=config.topology_aware,
                                one_copy_per_destination=config.one_copy_per_destination, side=self.zero_stage < 3,
-                               timed=self._times_layers())
+                               timed=self._measures_costs() and bool(config.cost_refresh_interval))
         return ShardedExperts(spec=layer.spec, layer_index=i, owner_E=owner_E, rows_SP=rows_SP, topology=self.topology,
                               group=group, param_group=self.param_group, predictor=self.predictor, options=options,
                               memory=self.memory, trainable=layer.trainable, context=lambda l=i: self._context(l),
@@ -181,9 +177,6 @@ class FSSDPStage:
         """What the expert optimizer steps: each layer's fp32 master, or this rank's slice of it
         (frozen layers' too: they are in no optimizer and their gradients stay zero)."""
         return self.expert_state.params() if self.expert_state is not None else [s.master for s in self.shards]
-
-    def trainable_masters(self) -> list:
-        return [p for p, s in zip(self.masters(), self.shards) if s.trainable]
 
     def state_bytes(self) -> dict:
         """Bytes of expert state on this rank: ``expert_params`` (compute rows), ``expert_master``
@@ -207,9 +200,12 @@ class FSSDPStage:
         self.expert_state = make_expert_state(self.shards, zero_stage=zero_stage,
                                               edp_group=self.edp_group, edp_size=self.edp_size,
                                               edp_rank=self.group_index)
-        self.optimizer = build_expert_optimizer(engine.basic_optimizer, self.trainable_masters())
+        self.optimizer = build_expert_optimizer(engine.basic_optimizer,
+                                                [p for p, s in zip(self.masters(), self.shards) if s.trainable])
         self.expert_state.optimizer = self.optimizer
         self.norm = install_expert_norm(engine)
+        if self.layout is not None:  # 1F1B keeps S - s micro-batches' forwards awaiting their backward on stage s
+            self.in_flight = min(engine.gradient_accumulation_steps(), self.layout.num_stages - self.layout.stage_id)
         if self.layers:  # a pipeline stage without MoE layers decides nothing
             self._configure_auto_and_policies(dtype, engine.device)
         self.edp_sync = EDPSyncPlan(self.shards, edp_group=self.edp_group, edp_size=self.edp_size,
@@ -249,8 +245,10 @@ class FSSDPStage:
                 "topology_aware": self.config.topology_aware, "side_ratio": self.side_ratio,
                 # the re-shards' loads are summed over the FSSDP groups; the trace holds rank 0's group's
                 "fssdp_groups": self.edp_size,
-                # under pipeline parallelism each stage's first rank records its stage's layers (pipeline.attach)
-                "pipeline_stages": 1 if self.pipe_group is None else dist.get_world_size(group=self.pipe_group)})
+                # under pipeline parallelism each stage's first rank records its stage's layers
+                "pipeline_stages": 1 if self.pipe_group is None else dist.get_world_size(group=self.pipe_group),
+                **({} if self.layout is None else {"pipeline_stage": self.layout.stage_id, "num_global_layers":
+                                                   self.num_global_layers, "global_layers": list(self.global_layers)})})
             atexit.register(self.trace.close)
         # The first layer's gather starts with the model's forward, before the first attention.
         if self.layers:
@@ -295,6 +293,15 @@ class FSSDPStage:
         if not self.trace_at_forward:
             self.record_trace(loss)
 
+    def restore(self, steps: int, *, planning: dict | None = None) -> None:
+        """A checkpoint's optimizer steps and ``planning`` state (None: kept): the load predictor's, the
+        agreed windows and their attention parts (none in a checkpoint from before they were saved)."""
+        self.steps = steps
+        if planning is not None:
+            self.predictor.load_state_dict(planning["predictor"])
+            self.window_s = list(planning["window_s"])
+            self.attention_s = list(planning.get("attention_s", [None] * len(self.window_s)))
+
     def record_trace(self, loss=None, *, clear: bool = True) -> None:
         """The trace's entry of the last training forward of every layer (``clear``: only once)."""
         if getattr(self, "trace", None) is not None and all(s.last_tokens_ED is not None for s in self.shards):
@@ -318,8 +325,8 @@ class FSSDPStage:
                "agreed_attention_s": seconds(self.attention_s)}
         if self.edp_size > 1 and self.migrators:  # summed over the groups: the trace holds one group's counts
             load_LE = self.reshard_load_LE
-            out["reshard_world_load"] = (np.full((len(self.layers), self.layers[0].num_experts), np.nan)
-                                         if load_LE is None else load_LE.numpy().astype(np.float64))
+            out["reshard_world_load"] = np.full((len(self.layers), self.layers[0].num_experts), np.nan) \
+                if load_LE is None else load_LE.numpy()
         return out
 
     # -- per optimizer step ---------------------------------------------------------------------
@@ -376,7 +383,9 @@ class FSSDPStage:
         self._steps_seen += 1
         interval = self.config.cost_refresh_interval
         if interval and self.cost_fit is not None and self._steps_seen % interval == 0:
-            self.refit_schedule_costs(engine.device)
+            # from every layer's recorded exchange and GEMM timings, agreed over the data-parallel ranks
+            self.cost_fit.refit([s.timings for s in self.shards], group=self.dp_group, device=engine.device)
+            self.schedule_costs = self.cost_fit.costs
         if engine.wall_clock_breakdown() and engine.global_steps % engine.steps_per_print() == 0:
             engine.timers.log(["fssdp_gather_wait", "fssdp_reduce_wait"])
         self.last_step = {"applied": applied, "expert_grad_factor": factor, "global_grad_norm": self.norm.global_norm,
@@ -389,12 +398,6 @@ class FSSDPStage:
                           "edp_split": split,
                           "cost_fit_error": self.cost_fit.error if self.cost_fit is not None else None}
         self.memory.reset_peak()
-
-    def refit_schedule_costs(self, device) -> None:
-        """Refit ``schedule_costs`` from every layer's recorded exchange and GEMM timings, agreed by
-        every rank (collective over the data-parallel ranks; runtime/costfit.py)."""
-        self.cost_fit.refit([s.timings for s in self.shards], group=self.dp_group, device=device)
-        self.schedule_costs = self.cost_fit.costs
 
     def _reduce_router_loads(self, device) -> None:
         """Routing-bias updates count loads over the world: each FSSDP group saw its own."""
@@ -449,10 +452,6 @@ class FSSDPStage:
         layer's own degrees price its own, ``moe/sharded.py``)."""
         return float(self.layers[0].side_ratio) if self.layers else 0.0
 
-    def _times_layers(self) -> bool:
-        """Whether the layers record their exchange and GEMM spans: the refits alone read them."""
-        return self._measures_costs() and bool(self.config.cost_refresh_interval)
-
     def _measures_costs(self) -> bool:
         """Whether attach measures and fits the schedule's costs (runtime/costfit.py): a decision
         comes from them and ``fssdp.hardware`` does not give them."""
@@ -468,11 +467,6 @@ class FSSDPStage:
         agreed on (the one clock rule: ``planner.inputs.ClockRule``)."""
         return self.inputs.clock_rule.clock(self.window_s[l], self.attention_s[l],
                                             num_experts=self.layers[l].num_experts)
-
-    @property
-    def policy(self):
-        """The planner's policy object: every decision of every layer (of the first expert count)."""
-        return None if self.inputs is None else self.inputs.policy
 
     @property
     def migrators(self) -> list:

@@ -97,9 +97,12 @@ def systematic_counts(p_XE: np.ndarray, n: int, rng: np.random.Generator) -> np.
     """int32 counts per row of ``p_XE`` summing to ``n``, each within one of ``n p`` (systematic
     sampling: one uniform offset per row). A multinomial draw costs five times as much at this
     size and adds only sampling noise to the rank noise already in ``p``."""
-    edges_XE = np.cumsum(p_XE, axis=-1, dtype=np.float64)
+    edges_XE = p_XE.astype(np.float64)
+    np.cumsum(edges_XE, axis=-1, out=edges_XE)
     edges_XE *= n / edges_XE[..., -1:]
     edges_XE += rng.random(p_XE.shape[:-1] + (1, ))  # floor(u) = 0 below the first edge: the counts sum to n
-    cut_XE = np.floor(edges_XE).astype(np.int64)
-    counts_XE = np.diff(cut_XE, axis=-1, prepend=0)
-    return counts_XE.astype(np.int32)
+    cut_XE = edges_XE.astype(np.int32)  # floor: the edges are >= 0
+    counts_XE = np.empty_like(cut_XE)
+    counts_XE[..., 0] = cut_XE[..., 0]
+    np.subtract(cut_XE[..., 1:], cut_XE[..., :-1], out=counts_XE[..., 1:])
+    return counts_XE

@@ -146,7 +146,7 @@ class LayerSchedule:
             # (one copy per destination sends fewer rows than it computes, and its routing entries and gate
             # weights besides).
             price = self.exchange.price(self.costs, traffic_BNN[b], ranks_per_node=self.G)
-            deg, loads = price.degrees, price.loads
+            deg, load = price.degrees, price.link_load
             prices.append(price)
             degrees.append(deg)
             taken.append(price.one_copy)
@@ -156,7 +156,7 @@ class LayerSchedule:
                     routed[b] = price.routed
             fwd[b], bwd[b] = price.forward_R.max(), price.backward_R.max()
             # Every rank's load carries the group's busiest links (loads_from_traffic): one is enough.
-            busy_f[b], busy_b[b] = link_busy(self.costs, loads[0], deg[0]), link_busy(self.costs, loads[0], deg[1])
+            busy_f[b], busy_b[b] = link_busy(self.costs, load, deg[0]), link_busy(self.costs, load, deg[1])
         links = traffic_links(sent_BNN, ranks_per_node=self.G, row_bytes=row_bytes, rows_BNN=traffic_BNN)
         if routed:  # one copy per destination over two hops: the routed bytes in place of one hop's
             idx = list(routed)
@@ -165,7 +165,7 @@ class LayerSchedule:
                 links.inter_total += crossing * row_bytes
                 links.rank_BN[b], links.node_Bn[b] = rank_N * row_bytes, node_n * row_bytes
         moe_B = links.rows_BN.max(1) * (3.0 * self.shape.row_flops / self.hw.flops)
-        side_B = np.array([max(ld.side_rows for ld in p.loads) for p in prices]) * (3.0 * self.shape.row_flops /
+        side_B = np.array([p.load_cols[:, 4].max() for p in prices]) * (3.0 * self.shape.row_flops /
                                                                                      self.hw.flops)
         return LayerTimes(links=links, moe_B=moe_B, side_B=side_B, forward_B=fwd, backward_B=bwd, degrees=degrees,
                           busy_forward_B2=busy_f, busy_backward_B2=busy_b,

@@ -82,27 +82,34 @@ def bisect_sigma(skew, target: float) -> float:
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:
-    x = x - x.max(-1, keepdims=True)
-    e = np.exp(x)
-    return e / e.sum(-1, keepdims=True)
+    e = x - x.max(-1, keepdims=True)
+    np.exp(e, out=e)
+    e /= e.sum(-1, keepdims=True)
+    return e
 
 
 def _cap(p: np.ndarray, cap: float) -> np.ndarray:
     """Water-fill: clip shares at ``cap`` and hand the excess to the unclipped experts in
-    proportion (repeated until nothing exceeds the cap)."""
+    proportion (repeated until nothing exceeds the cap). Only rows with a share over the cap
+    take a round (a round leaves the others as they are: their excess is 0)."""
     if cap >= 1.0:
         return p
-    p = p.copy()
-    for _ in range(p.shape[-1]):
-        over = p > cap
-        if not over.any():
-            break
-        excess = np.where(over, p - cap, 0).sum(-1, keepdims=True)
-        p = np.where(over, cap, p)
-        free = np.where(p < cap, p, 0)
-        free_sum = free.sum(-1, keepdims=True)
-        p = p + np.divide(free, free_sum, out=np.zeros_like(free), where=free_sum > 0) * excess
-    return p / p.sum(-1, keepdims=True)
+    rows = p.reshape(-1, p.shape[-1])
+    idx = np.flatnonzero((rows > cap).any(-1))
+    if idx.size:
+        sub = rows[idx]
+        for _ in range(p.shape[-1]):
+            over = sub > cap
+            if not over.any():
+                break
+            excess = np.where(over, sub - cap, 0).sum(-1, keepdims=True)
+            sub = np.where(over, cap, sub)
+            free = np.where(sub < cap, sub, 0)
+            free_sum = free.sum(-1, keepdims=True)
+            sub = sub + np.divide(free, free_sum, out=np.zeros_like(free), where=free_sum > 0) * excess
+        rows = rows.copy()
+        rows[idx] = sub
+    return (rows / rows.sum(-1, keepdims=True)).reshape(p.shape)
 
 
 def _std_of_shares(share_SLE: np.ndarray) -> float:

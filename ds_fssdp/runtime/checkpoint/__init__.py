@@ -10,22 +10,9 @@ safe reader), ``collective`` (agreement between ranks) and ``rng``.
 
 Legend: L MoE layers, E experts, D ranks, S rows a rank owns, P elements per expert.
 
-Layout of ``<save_dir>/<tag>/`` (format ``ds_fssdp.checkpoint`` version 1):
-
-    mp_rank_00_model_states.pt         DeepSpeed: dense module, dense optimizer (ZeRO 0), LR
-                                       scheduler, global/skipped steps, the client state
-    [bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt   DeepSpeed: ZeRO 1/2 dense optimizer partitions
-    fssdp/meta.json                    world size, ranks per node, the expert optimizer's type, per
-                                       layer: module name, expert shape, num_experts, owner_E (JSON)
-    fssdp/common.pt                    rank 0: stage step, predictor windows, the expert optimizer's
-                                       hyperparameters and per-layer scalar state (Adam's step)
-    fssdp/rankRRRRR.pt                 rank R: per layer the expert ids it owned (ascending), their
-                                       fp32 master rows [S, P] and optimizer rows [S, P] (Adam's
-                                       exp_avg / exp_avg_sq, SGD's momentum_buffer); its RNG states
-    manifest.json                      bytes and sha256 of every file above (written last)
-
-In bf16/fp16 the compute rows are the master rows cast (the engine keeps them so after every
-step), so only the fp32 masters are stored; in fp32 the rows are the masters.
+The files of ``<save_dir>/<tag>/`` (format ``ds_fssdp.checkpoint`` version 1): docs/robustness.md,
+"What is saved". In bf16/fp16 the compute rows are the master rows cast (the engine keeps them so
+after every step), so only the fp32 masters are stored; in fp32 the rows are the masters.
 
 Atomic save: everything is written into ``<save_dir>/.tmp-<tag>``; once every rank has written
 and the manifest is complete, rank 0 renames the directory to ``<tag>`` (a previous ``<tag>`` is

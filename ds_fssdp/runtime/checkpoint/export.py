@@ -17,26 +17,36 @@ def consolidated_state_dict(load_dir: str, tag=None, *, verify: bool = True) -> 
     DeepSpeed's dense module weights plus every expert tensor ([E, ...], fp32) under its module
     name (``blocks.0.moe.w_a``): ``model.load_state_dict`` of the same model before
     ``ds_fssdp.initialize``, for inference or export."""
-    if tag is None:
-        tag = read_text(os.path.join(load_dir, LATEST)).strip()
-    root = os.path.join(load_dir, resolve_tag(load_dir, str(tag)))
-    manifest, meta = read_manifest(root), read_meta(root)
+    root, meta = open_checkpoint(load_dir, tag, verify=verify)
     if int(meta.get("pipeline_stages", 1)) > 1:
         raise CheckpointError(f"{root} was saved with {meta['pipeline_stages']} pipeline stages: the consolidated "
                               "export reads a checkpoint without pipelining (DeepSpeed keeps a pipeline's dense "
                               "weights per layer file, under the stage's module names)")
-    verify_files(root, manifest, digests=verify)
     out = dense_state_dict(load_dir, os.path.basename(root), meta)
     files = RankFiles(root)
     for l, saved in enumerate(meta["layers"]):
         spec = ExpertSpec.from_description(saved.get("spec") or saved)  # older checkpoints: no "spec"
-        owner_E = torch.tensor(saved["owner_E"], dtype=torch.long)
-        full_EP, _ = gather_rows(files, l, saved_owner_E=owner_E, need_E=torch.arange(owner_E.numel()),
-                                  numel=saved["numel"], keys=[])
         prefix = f"{saved['name']}." if saved["name"] else ""
-        for name, tensor in spec.views(full_EP).items():
+        for name, tensor in spec.views(all_rows(files, l, saved)).items():
             out[prefix + name] = tensor.contiguous()
     return out
+
+
+def open_checkpoint(load_dir: str, tag=None, *, verify: bool = True) -> tuple:
+    """``(root, meta)`` of checkpoint ``tag`` (default: ``latest``) of ``load_dir``, its files checked
+    against the manifest."""
+    if tag is None:
+        tag = read_text(os.path.join(load_dir, LATEST)).strip()
+    root = os.path.join(load_dir, resolve_tag(load_dir, str(tag)))
+    verify_files(root, read_manifest(root), digests=verify)
+    return root, read_meta(root)
+
+
+def all_rows(files: RankFiles, l: int, saved: dict) -> torch.Tensor:
+    """Every expert's fp32 master row [E, P] of saved layer ``l`` (``saved``: its metadata)."""
+    owner_E = torch.tensor(saved["owner_E"], dtype=torch.long)
+    return gather_rows(files, l, saved_owner_E=owner_E, need_E=torch.arange(owner_E.numel()),
+                       numel=saved["numel"], keys=[])[0]
 
 
 def dense_state_dict(load_dir: str, dir_tag: str, meta: dict) -> dict:

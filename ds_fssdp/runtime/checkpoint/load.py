@@ -132,18 +132,12 @@ def load_expert_state(engine, root: str, meta: dict, *, optimizer: bool, full_st
         stage.expert_state.set_state(l, owner_E=owner_E, master_SP=master_SP,
                                      rows=rows if scalars is not None else None, scalars=scalars)
     if full_state:
-        stage.steps = int(common["steps"])
         same = same_groups(meta, world=world, group_size=stage.group_size)
         planning = files[rank] if same and "predictor" in files[rank] else common  # this group's own
         if stage.layout is not None and not same:  # the stage's: from its first rank's file
             planning = files[saved_place(meta, stage.global_layers[0])[0]] if stage.layers else None
-        if planning is not None:
-            stage.predictor.load_state_dict(predictor_for(planning["predictor"], same))
-            stage.window_s = list(planning["window_s"])
-            # the windows' attention parts (the replica reduce's window); a checkpoint from before
-            # they were saved has none: the search prices the reduce against twice the window until
-            # the step agrees on measured ones
-            stage.attention_s = list(planning.get("attention_s", [None] * len(stage.window_s)))
+        stage.restore(int(common["steps"]), planning=None if planning is None else dict(
+            planning, predictor=predictor_for(planning["predictor"], same)))
         if same_world:
             set_rng_state(files[rank]["rng"], engine.device)
         elif rank == 0:
