@@ -60,10 +60,9 @@ from ds_fssdp.planner.scheduled import ScheduledCostModel
 from ds_fssdp.sim.links import Links, sparse_collective_links, traffic_BNN, traffic_links
 from ds_fssdp.sim.pipeline import (INTER, INTRA, LayerSchedule, ScheduleOptions, binding_class, policy_options,
                                    scheduled_cost_model)
-from ds_fssdp.sim.memory import budget_for_cap, ep_memory_bytes, optimizer_params
+from ds_fssdp.sim.memory import budget_for_cap, ep_memory_bytes, optimizer_params, peak_state
 from ds_fssdp.planner.materialize import materialize as algorithm1  # the default materializer
-from ds_fssdp.sim.setup import (GRAD_BYTES, MIGRATE_BYTES, OPT_BYTES, OPT_TRAFFIC_BYTES, PARAM_BYTES, Setup,
-                                derive_overlap_degree, sim_settings)
+from ds_fssdp.sim.setup import GRAD_BYTES, MIGRATE_BYTES, OPT_TRAFFIC_BYTES, Setup, derive_overlap_degree, sim_settings
 from ds_fssdp.sim.sync import MASTER_GRAD_BYTES, dense_sync, expert_inputs, exposed_sync, sync_times
 from ds_fssdp.planner.schedule import overlap_window, split_sync_pays
 from ds_fssdp.planner.cost import CostModel
@@ -501,20 +500,9 @@ class PolicyRun:
         return self._sync_cache[split]
 
     def _memory(self, owned_N: np.ndarray, ephemeral_BLN: np.ndarray) -> None:
-        P, L = self.setup.shape.params, self.setup.num_layers
-        if self.rm and L > 1:
-            replica_BN = (ephemeral_BLN[:, :-1] + ephemeral_BLN[:, 1:]).max(1) * P
-        else:
-            replica_BN = ephemeral_BLN.sum(1) * P if not self.rm else ephemeral_BLN[:, 0] * P
-        stateful_N = self.setup.dense_params + owned_N
-        opt_N = OPT_BYTES * optimizer_params(self.setup, owned_N, self.N)
-        total_BN = (PARAM_BYTES + GRAD_BYTES) * (stateful_N + replica_BN) + opt_N
-        b, d = np.unravel_index(int(np.argmax(total_BN)), total_BN.shape)
-        if float(total_BN[b, d]) > self.peak_total:
-            self.peak_total = float(total_BN[b, d])
-            self.peak_memory = {"param": PARAM_BYTES * float(stateful_N[d] + replica_BN[b, d]),
-                                "grad": GRAD_BYTES * float(stateful_N[d] + replica_BN[b, d]),
-                                "opt": float(opt_N[d])}
+        total, parts = peak_state(self.setup, owned_N, ephemeral_BLN, rm=self.rm, group_size=self.N)
+        if total > self.peak_total:
+            self.peak_total, self.peak_memory = total, parts
 
     def _add_links(self, category: str, links: Links, times: float) -> None:
         """Add ``times`` x ``links`` to the category's link totals: per simulated group (rows b of
