@@ -21,9 +21,9 @@ reduce is issued after its backward and drains in the gaps below, its all-gather
 forward before the layer's first use (:func:`~ds_fssdp.planner.schedule.split_sync_exposed`);
 without (``--no-grad-gaps``) all of it at the step. What the experts leave after the backward shares
 the links with DeepSpeed's dense collectives, which run then: the two add. EP and Uniform are
-DeepSpeed's MoE: its engine reduces their experts' gradients as it does the dense ones, after the
-backward, bucketed over all layers, in its communication dtype (:func:`sync_times`, GRAD_BYTES). :func:`sync_times`: the
-same parts for a whole step at given owners, and every link's bytes (the lower bound, the links).
+DeepSpeed's MoE: its engine reduces their experts' gradients as the dense ones, after the backward,
+bucketed over all layers, in bf16. :func:`sync_times`: a whole step's parts at given owners, one
+collective per ring, and every link's bytes (the lower bound, the links, DeepSpeed's MoE).
 """
 from __future__ import annotations
 
