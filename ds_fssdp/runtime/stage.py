@@ -476,6 +476,7 @@ class FSSDPStage:
     def _context(self, l: int) -> StepContext:
         return StepContext(planner=self.planners[l], clock=self.clock(l), timers=self.timers,
                            pipeline_degree=self.pipeline_degree, schedule_costs=self.schedule_costs,
+                           two_hops=self.inputs.two_hops,
                            gaps=(lambda: self._start_gap_reduce(l)) if self._gaps else None)
 
     def _agree_on_windows(self, device) -> None:
