@@ -56,9 +56,6 @@ def save_pretrained(model, out_dir, *, max_shard_size="50GB", save_original_form
     Collective: every rank calls it. Returns ``out_dir``. ``overwrite``: a model's files already in
     ``out_dir`` are replaced (removed just before the new ones move in, the index last) instead of
     refused, as transformers' own save and the Trainer's ``save_model`` do."""
-    from ds_fssdp.integrations.hf import converted_experts
-    from ds_fssdp.integrations.hf_keys import SavedExperts
-    from ds_fssdp.integrations.safetensors_io import plan_shards
     for key, value in kw.items():
         if key == "safe_serialization" and value is not False:
             continue
