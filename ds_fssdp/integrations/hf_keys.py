@@ -30,13 +30,14 @@ by their position among the rank's experts, and the expert's index is put back w
 from __future__ import annotations
 
 import copy
+import os
 import re
 from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 
-from ds_fssdp.integrations.safetensors_io import _runs
+from ds_fssdp.integrations.safetensors_io import Planned, _runs
 from ds_fssdp.runtime.checkpoint.files import CheckpointError
 
 # Ops that act on each expert alone: the stacking of per-expert tensors on dim 0, and ops on dims >= 1.
@@ -231,10 +232,7 @@ def _with_index(key: str, pattern: str, e: int) -> str:
 
 
 def _sample(keys: dict) -> list:
-    out = []
-    for v in keys.values():
-        out.append(next(iter(v.values())) if isinstance(v, dict) else v[0])
-    return out
+    return [next(iter(v.values())) if isinstance(v, dict) else v[0] for v in keys.values()]
 
 
 def _shapes(source, files) -> str:
@@ -242,7 +240,6 @@ def _shapes(source, files) -> str:
 
 
 def _dir(files) -> str:
-    import os
     return os.path.dirname(files.paths[0]) if files.paths else "no files"
 
 
@@ -272,7 +269,6 @@ class SavedExperts:
 
     @property
     def planned(self) -> list:
-        from ds_fssdp.integrations.safetensors_io import Planned
         return [Planned(k, self.dtype, s) for k, s in self.shapes.items()]
 
     def _revert(self, tensors: dict) -> dict:

@@ -36,6 +36,7 @@ import re
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -53,9 +54,8 @@ CHUNK_BYTES = 64 * 2**20
 # HF kwargs the loader cannot honour: each is refused by name.
 REFUSED_KWARGS = {
     "device_map": "DeepSpeed places the model, each rank keeps its own experts",
-    "tp_plan": "transformers' tensor parallelism would split the experts itself (use DeepSpeed AutoTP with FSSDP)",
-    "tp_size": "transformers' tensor parallelism would split the experts itself (use DeepSpeed AutoTP with FSSDP)",
-    "device_mesh": "transformers' tensor parallelism would split the experts itself (use DeepSpeed AutoTP with FSSDP)",
+    **dict.fromkeys(("tp_plan", "tp_size", "device_mesh"), "transformers' tensor parallelism would split the experts "
+                    "itself (use DeepSpeed AutoTP with FSSDP)"),
     "gguf_file": "each rank reads its own experts from safetensors files only",
     "state_dict": "each rank reads its own experts from the checkpoint's safetensors files",
 }
@@ -164,8 +164,10 @@ def from_config(config, *, ds_config, seed: int = 0, **hf_kwargs):
     import transformers
 
     from ds_fssdp.integrations.hf import convert, converted_experts, expert_keys
+    from ds_fssdp.runtime.zero3 import zero_stage
     cfg = read_config(ds_config)
-    layout = layout_of(cfg, start_comm=_zero3(cfg))
+    zero3 = zero_stage(cfg) == 3
+    layout = layout_of(cfg, start_comm=zero3)
     with _hf_zero3_off(), torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, **hf_kwargs)
     convert(model, route_initialize=False)
@@ -173,7 +175,7 @@ def from_config(config, *, ds_config, seed: int = 0, **hf_kwargs):
         object.__setattr__(module, "_fresh_init", (layer_seed(seed, name), model._init_weights))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        if _zero3(cfg):
+        if zero3:
             from ds_fssdp.integrations.hf_zero3 import init_dense_partitioned
             init_dense_partitioned(model, cfg)
         else:
@@ -201,11 +203,6 @@ def layer_seed(seed: int, name: str) -> int:
     return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**62)
 
 
-def _zero3(cfg: dict) -> bool:
-    from ds_fssdp.runtime.zero3 import zero_stage
-    return zero_stage(cfg) == 3
-
-
 def _route() -> None:
     from ds_fssdp.integrations.hf import route_deepspeed_initialize
     from ds_fssdp.integrations.hf_save import route_trainer_save
@@ -227,7 +224,7 @@ def _load(layout: Layout, cfg: dict, original, model, state_dict, checkpoint_fil
                                     "quantized (quantization_config); ds_fssdp trains unquantized experts only")
     if load_config.device_map is not None:
         raise ValueError(f"ds_fssdp.integrations.hf.from_pretrained: device_map ({load_config.device_map!r}) is not "
-                         "supported: DeepSpeed places the model, each rank keeps its own experts")
+                         f"supported: {REFUSED_KWARGS['device_map']}")
     convert(model, route_initialize=False)  # on the meta skeleton: refuses an unsupported family by name
     modules = converted_experts(model)
     files = CheckpointFiles(checkpoint_files)
@@ -273,7 +270,7 @@ def _read_module(module, sources: dict, files, layout: Layout, *, config, device
         part_E = owned_E[i:i + step]
         hf = {attr: read_owned(src, files, part_E, config=config, dtype=dtype) for attr, src in sources.items()}
         nbytes += sum(t.numel() * t.element_size() for t in hf.values())
-        for name, tensor in to_fssdp(_Tensors(hf), module.layout, copy=False).items():
+        for name, tensor in to_fssdp(SimpleNamespace(**hf), module.layout, copy=False).items():
             dest[name][i:i + part_E.numel()].copy_(tensor)
         del hf
     if whole:  # installed after transformers' loader, which would take parameters here for missing weights
@@ -284,13 +281,6 @@ def _read_module(module, sources: dict, files, layout: Layout, *, config, device
         module.adopt_owned_rows(OwnedRows(owner_E=owner_E, owned_E=owned_E, rows_SP=rows_SP,
                                           requires_grad=requires_grad, group_rank=layout.group_rank))
     return nbytes
-
-
-class _Tensors:
-    """Attribute access to HF tensors by name (what ``to_fssdp`` reads off an experts module)."""
-
-    def __init__(self, tensors: dict):
-        self.__dict__.update(tensors)
 
 
 def _engine_device():

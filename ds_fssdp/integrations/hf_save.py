@@ -80,19 +80,21 @@ def write_hf_dir(model, out_dir, *, dense, rows, dtype: torch.dtype, comm, max_s
     ``(owned_E, rows_SP)`` of one experts module, or None, asked one module at a time and dropped
     before the next."""
     from ds_fssdp.integrations.hf import converted_experts
+    from transformers.utils.hub import convert_file_size_to_int
+
     from ds_fssdp.integrations.hf_keys import SavedExperts
-    from ds_fssdp.integrations.safetensors_io import plan_shards
+    from ds_fssdp.integrations.safetensors_io import ShardFile, plan_shards
     out_dir = os.path.abspath(os.fspath(out_dir))
     modules = converted_experts(model)
     saved = [SavedExperts(model, name, module, dtype, original_format=save_original_format)
              for name, module in modules]
-    shards = plan_shards([p for s in saved for p in s.planned], max_bytes=_size(max_shard_size))
+    shards = plan_shards([p for s in saved for p in s.planned], max_bytes=convert_file_size_to_int(max_shard_size))
     tmp = os.path.join(os.path.dirname(out_dir), f".tmp-{os.path.basename(out_dir)}")
     comm.agree(f"preparing {out_dir}", lambda: _prepare(out_dir, tmp, overwrite), root_only=True)
     try:
         held = {}  # a failure on one rank (rank 0 holds the dense part) fails every rank alike
         comm.agree(f"gathering the dense part of {out_dir}", lambda: held.update(state=dense()))  # ZeRO-3: collective
-        files = [_expert_file(tmp, i, shard) for i, shard in enumerate(shards)]
+        files = [ShardFile(os.path.join(tmp, f"experts-{i:05d}.safetensors"), shard) for i, shard in enumerate(shards)]
         comm.agree(f"writing the dense part into {tmp}",
                    lambda: _write_dense(model, tmp, held["state"], files, max_shard_size, save_original_format),
                    root_only=True)
@@ -156,11 +158,6 @@ def _prepare(out_dir: str, tmp: str, overwrite: bool) -> None:
     os.makedirs(tmp)
 
 
-def _size(value) -> int:
-    from transformers.utils.hub import convert_file_size_to_int
-    return convert_file_size_to_int(value)
-
-
 def _saved_dtype(model) -> torch.dtype:
     """The dtype transformers saves the model in: its dense parameters' (the experts follow them,
     as ``hf_state_dict`` returns them)."""
@@ -199,15 +196,10 @@ def dense_state_dict(model) -> dict:
             for n, b in module.named_buffers(recurse=False):
                 if n not in module._non_persistent_buffers_set:
                     out[f"{prefix}.{n}" if prefix else n] = b.detach().cpu().clone()
-    if rank == 0:  # in state_dict order, without what state_dict leaves out (tied duplicates stay: transformers drops them)
+    if rank == 0:  # in state_dict order, without what it leaves out (tied duplicates stay: transformers drops them)
         keys = model.state_dict(keep_vars=True).keys()
         out = {k: out[k] for k in keys if k in out and k not in experts}
     return out
-
-
-def _expert_file(tmp: str, i: int, planned: list):
-    from ds_fssdp.integrations.safetensors_io import ShardFile
-    return ShardFile(os.path.join(tmp, f"experts-{i:05d}.safetensors"), planned)
 
 
 def _write_dense(model, tmp: str, dense: dict, files: list, max_shard_size, original_format: bool) -> None:
