@@ -21,22 +21,14 @@ the factors of the experts a rank computes (``local_E``: owned, then replicas) t
 expert MLP (``ops.lora``). A gate/up fused target is split like the weights (``w_gate``/``w_up``
 take the gate/up columns of ``B``, both share ``A``).
 
-The factors stay ordinary dense parameters under DeepSpeed: every rank holds all of them and
-DeepSpeed averages their gradients with the rest of the dense model. They are r * (I + O) per
-expert and projection (r = 8 on Qwen3-30B-A3B: 1.6% of an expert), so keeping them with the
-experts' rows would buy little memory and cost a second sparse gather and reduce per layer.
+The factors stay ordinary dense parameters under DeepSpeed: r * (I + O) per expert and projection
+(r = 8 on Qwen3-30B-A3B: 1.6% of an expert), so keeping them with the experts' rows would buy
+little memory and cost a second sparse gather and reduce per layer.
 
-Both orders work: ``convert`` given a PEFT model (it converts the HF experts module inside the
-wrappers and adopts them), and PEFT applied to a converted model (the converted module shows the
-HF tensor names as empty stand-ins with ``ds_shape``, as ZeRO-3's partitioned parameters do, so
-PEFT's ``target_parameters`` match; the wrappers are adopted at the MoE block's next forward).
-``unconvert`` gives the wrappers their class back, so ``merge_and_unload`` works afterwards.
-
-What PEFT refuses for ``target_parameters`` (``lora_dropout``, ``use_dora``, ``lora_bias``,
-``fan_in_fan_out``, ...) PEFT refuses by name when the wrapper is created; ds_fssdp refuses, by
-name, LoRA on expert biases, and at ``ds_fssdp.initialize`` (before any collective) ZeRO stage 3
-(the factors would be partitioned) and re-materialization (``fssdp.rematerialize``: its backward
-recomputes the expert MLP outside autograd); merging is refused while converted.
+PEFT applied to a converted model finds the HF tensor names as empty stand-ins with ``ds_shape``
+(as ZeRO-3's partitioned parameters), so its ``target_parameters`` match; the wrappers are adopted
+at the MoE block's next forward. ``unconvert`` gives the wrappers their class back, so
+``merge_and_unload`` works afterwards. What is refused, and where: README, "LoRA on experts".
 """
 from __future__ import annotations
 
