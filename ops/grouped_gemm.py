@@ -3,8 +3,8 @@
 Legend: R rows, G groups, H in features, F out features.
 
 One autograd Function serves both implementations (``dispatch.backend_for``): the torch
-reference (``grouped_gemm_torch`` over host sizes: ``TorchGemm``) and the Triton kernels
-(``triton/grouped_gemm_kernels``, over the sizes and offsets on the device), both called with a ``GroupSizes``.
+reference (``grouped_gemm_torch``, over host sizes) and the Triton kernels
+(``triton/grouped_gemm_kernels``, over sizes and offsets on the device), both given a ``GroupSizes``.
   forward  y_RF = x_g @ w[g] (+ bias[g])
   dx_RH    = dy_g @ w[g].T      (the same grouped product with the weight transposed)
   dw[g]    = x_g.T @ dy_g       (a reduction over each group's rows; zeros for an empty group)
@@ -81,30 +81,14 @@ class _GroupedGemm(torch.autograd.Function):
         return dx_RH, dw, dbias, None, None, None
 
 
-class TorchGemm:
-    """The torch reference, over host group sizes."""
-
-    @staticmethod
-    def gemm(x_RH, w_GHF, sizes: GroupSizes, *, trans_w: bool, bias_GF=None):
-        return grouped_gemm_torch.gemm(x_RH, w_GHF, sizes.host(), trans_w=trans_w, bias_GF=bias_GF)
-
-    @staticmethod
-    def wgrad(x_RH, dy_RF, sizes: GroupSizes, *, trans_w: bool):
-        return grouped_gemm_torch.wgrad(x_RH, dy_RF, sizes.host(), trans_w=trans_w)
-
-    @staticmethod
-    def group_sum(dy_RF, sizes: GroupSizes):
-        return grouped_gemm_torch.group_sum(dy_RF, sizes.host())
-
-
 def implementation(x: torch.Tensor):
-    """TorchGemm or the Triton kernels (``triton/grouped_gemm_kernels``) for x's device and dtype (dtypes
-    without a kernel: torch, logged)."""
+    """The torch reference or the Triton kernels (``triton/grouped_gemm_kernels``) for x's device and
+    dtype (dtypes without a kernel: torch, logged)."""
     if backend_for(x.device) != "triton":
-        return TorchGemm
+        return grouped_gemm_torch
     if x.dtype in TRITON_DTYPES:
         return importlib.import_module("ds_fssdp.ops.triton.grouped_gemm_kernels")
     if x.dtype not in _logged_dtypes:
         _logged_dtypes.add(x.dtype)
         logger.info("ds_fssdp.ops.grouped_gemm: no Triton kernel for %s; the torch reference runs it", x.dtype)
-    return TorchGemm
+    return grouped_gemm_torch

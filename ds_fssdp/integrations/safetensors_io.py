@@ -17,6 +17,7 @@ safetensors, data beyond the end of the file (truncated), a key in two files, a 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -77,9 +78,7 @@ def read_header(path: str) -> tuple:
         except (KeyError, TypeError, ValueError) as err:
             raise CheckpointError(f"checkpoint file {path}: tensor {key!r} has an unreadable entry {info!r} "
                                   f"({type(err).__name__}: {err})") from None
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = math.prod(shape)
         if end - begin != numel * dtype.itemsize:
             raise CheckpointError(f"checkpoint file {path}: tensor {key!r} {info['dtype']} {list(shape)} spans "
                                   f"{end - begin} bytes, not {numel * dtype.itemsize}")
@@ -175,10 +174,7 @@ class Planned:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 class ShardFile:
