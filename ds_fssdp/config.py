@@ -117,19 +117,13 @@ class FSSDPConfig(DeepSpeedConfigModel):
     next one's, gathered during its expert compute) instead of all layers'."""
 
     grads_in_gaps: StrictBool = True
-    """On the gradient accumulation boundary micro-step, start each layer's owned-expert gradient
-    reduce over the EDP group (all-reduce, or reduce-scatter under ZeRO >= 1) asynchronously during
-    the backward of the layers below it, as soon as its replica reduce has landed and been folded
-    in, in slices sized to the gaps the schedule predicts (``planner/schedule.gap_slice_bytes``);
-    the step waits only for what is still in flight. Under ZeRO >= 1 with several FSSDP groups the
-    step's all-gather of the updated expert slices is left in flight too, each layer's rows landing
-    at their first use in the next forward (``runtime/expert_dp.py``). Under ZeRO 0 with several
-    FSSDP groups and a cost model, a step whose modelled sync is faster split around it
-    (``planner/schedule.split_sync_pays``, agreed over the EDP group) reduce-scatters in the gaps
-    instead and leaves each layer's all-gather of its summed gradient, and its optimizer update, to
-    that first use (torch's Adam, AdamW and SGD; not DeepSpeed's FusedAdam). ``false``: every
-    layer's reduce and all-gather run at the step, synchronously. The same sums and weights either
-    way, up to fp32 summation order (bitwise with EDP groups of 2)."""
+    """Start each layer's expert gradient reduce over the EDP group during the backward of the layers
+    below it, in slices sized to the gaps the schedule predicts; with several FSSDP groups, leave the
+    step's all-gather of the updated slices (ZeRO >= 1), or a split sync and its update where the cost
+    model says it pays (ZeRO 0), in flight until each layer's first use in the next forward
+    (docs/design.md section 2, "Gradients / Parameters / Updates in the gaps"). ``false``: every
+    layer's reduce and all-gather at the step, synchronously. The same sums and weights either way,
+    up to fp32 summation order (bitwise with EDP groups of 2)."""
 
     topology_aware: StrictBool = True
     """Sparse collectives cross the inter-node link once per (expert, node) and are forwarded inside
