@@ -25,7 +25,14 @@ class FSSDPConfigError(ValueError):
     """A bad value in the ``"fssdp"`` section (or a combination FSSDP refuses)."""
 
 
-class HardwareConfig(DeepSpeedConfigModel):
+class _Strict(DeepSpeedConfigModel):
+
+    def __init__(self, **data):
+        # strict=True keeps DeepSpeedConfigModel from silently dropping "auto" values.
+        super().__init__(strict=True, **data)
+
+
+class HardwareConfig(_Strict):
     """Per-rank speeds for the cost model (``fssdp.hardware``)."""
 
     flops: Annotated[Union[StrictFloat, StrictInt], Field(gt=0)]
@@ -40,21 +47,15 @@ class HardwareConfig(DeepSpeedConfigModel):
     latency: Annotated[Union[StrictFloat, StrictInt], Field(ge=0)] = 1e-5
     """Seconds per collective phase."""
 
-    def __init__(self, **data):
-        super().__init__(strict=True, **data)
 
-
-class PipelineDegreeConfig(DeepSpeedConfigModel):
+class PipelineDegreeConfig(_Strict):
     """``fssdp.pipeline_degree`` given per direction."""
 
     forward: Annotated[StrictInt, Field(ge=1)]
     backward: Annotated[StrictInt, Field(ge=1)]
 
-    def __init__(self, **data):
-        super().__init__(strict=True, **data)
 
-
-class FSSDPConfig(DeepSpeedConfigModel):
+class FSSDPConfig(_Strict):
     """Typed model of the ``"fssdp"`` section."""
 
     enabled: StrictBool = True
@@ -210,10 +211,6 @@ class FSSDPConfig(DeepSpeedConfigModel):
     """Bitwise-reproducible runs on GPU too: torch's deterministic algorithms, cuDNN without
     autotuning, and no decision taken from measured timings (docs/determinism.md)."""
 
-    def __init__(self, **data):
-        # strict=True keeps DeepSpeedConfigModel from silently dropping "auto" values.
-        super().__init__(strict=True, **data)
-
     @classmethod
     def from_ds_config(cls, ds_config: Mapping[str, Any] | None) -> "FSSDPConfig":
         """Parse the section out of a DeepSpeed config dict; a missing section means disabled."""
@@ -336,11 +333,7 @@ def _format_errors(err: ValidationError, section: Mapping[str, Any]) -> str:
             lines.append(f"{SECTION}.{key} ({value!r}) must be one of {ctx['expected']}")
         else:
             lines.append(f"{SECTION}.{key} ({value!r}): {e['msg']}")
-    # A Union field reports one line per branch; keep the first per key.
-    seen, unique = set(), []
+    unique = {}  # a Union field reports one line per branch; keep the first per key
     for line in lines:
-        head = line.split(" ", 1)[0]
-        if head not in seen:
-            seen.add(head)
-            unique.append(line)
-    return "; ".join(unique)
+        unique.setdefault(line.split(" ", 1)[0], line)
+    return "; ".join(unique.values())
