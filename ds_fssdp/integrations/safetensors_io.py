@@ -108,9 +108,6 @@ class CheckpointFiles:
     def keys(self):
         return self.entries.keys()
 
-    def __contains__(self, key) -> bool:
-        return key in self.entries
-
     def entry(self, key: str) -> Entry:
         if key not in self.entries:
             where = os.path.dirname(self.paths[0]) if self.paths else "?"
