@@ -3,21 +3,16 @@
 Legend: E experts, S experts a rank owns, P elements per expert row.
 
 :func:`from_pretrained` returns what ``convert(AutoModelForCausalLM.from_pretrained(...))`` returns,
-without any rank holding the whole model: it starts DeepSpeed's comm (restart-safe,
-``runtime/elastic.init_distributed``) to learn its rank and the FSSDP layout from the config's
-``fssdp`` section (``group_size``, ``ranks_per_node``), then runs transformers' own
-``from_pretrained`` (config, kwargs, revision, remote code, dtype, file resolution, the skeleton on
-the meta device, the dense weights through transformers' loader with its key renames), with one
-step added where transformers would start reading weights (``PreTrainedModel._load_pretrained_model``,
-wrapped for the call): the meta skeleton's experts modules are converted (an unsupported family is
-refused by name here, before anything is read), the experts' checkpoint keys are planned from the
-file headers and checked on every rank alike (``hf_keys.plan_experts``: missing file or key,
-misshapen key, expert count against the config, a conversion that does not act per expert: all
-raised before any collective), then each experts module reads exactly its own experts
-(``planner.initial_ownership``, the stage's own decision; with EDP groups the experts of the
-rank's position in its group) into rows on the engine's device (``adopt_owned_rows``). The dense
-weights then load as transformers loads them; the experts' keys are not in the converted model, so
-transformers never reads them. ``ds_fssdp.initialize`` takes the rows as they are (no scatter).
+without any rank holding the whole model (README, "Loading"): it starts DeepSpeed's comm
+(``runtime/elastic.init_distributed``) to learn its rank and the FSSDP layout from the config's
+``fssdp`` section, then runs transformers' own ``from_pretrained`` with one step added where
+transformers would start reading weights (``PreTrainedModel._load_pretrained_model``, wrapped for
+the call): the meta skeleton's experts modules are converted (an unsupported family is refused by
+name here), the experts' checkpoint keys are planned from the file headers and checked on every
+rank alike (``hf_keys.plan_experts``: all raised before any collective), then each experts module
+reads exactly its own experts (``planner.initial_ownership``, the stage's own decision) into rows
+on the engine's device (``adopt_owned_rows``). The experts' keys are not in the converted model, so
+transformers' loader never reads them. ``ds_fssdp.initialize`` takes the rows as they are.
 
 :func:`from_config` builds a fresh model the same way: the dense part initialized by the family's
 own ``_init_weights`` under ``seed``, the experts lazy; ``initialize`` draws each rank's own experts

@@ -14,20 +14,12 @@ shape and dtype, known on every rank), and each rank of the first FSSDP group wr
 experts' byte ranges into them, one layer at a time (``safetensors_io.ShardFile``): no expert
 crosses a link, and no rank holds more than one layer's experts beyond its own.
 
-Atomic: everything goes into ``.tmp-<name>`` beside ``out_dir`` (same filesystem); rank 0 writes the
-index last and renames the directory into place. An ``out_dir`` that already holds a model's files
-(weights, an index, ``config.json``: :data:`MODEL_FILES`) is refused before anything is written; one
-holding only other things (the Trainer's ``output_dir`` with its ``checkpoint-N`` folders and logs)
-gets the files moved in one by one, the index last, so the model becomes loadable only once whole.
-A failure on any rank (a full disk: ``OSError(ENOSPC)``) fails every rank alike, the temporary
-directory and anything moved are removed, and ``out_dir`` is left as it was.
-
-``trainer.save_model(out_dir)`` on a converted model goes through it (:func:`route_trainer_save`,
-installed by ``convert`` and the loaders): the Trainer calls ``save_model`` on every rank, and under
-DeepSpeed it would gather a state dict without the sharded experts. ``model.save_pretrained(out_dir)``
-on a converted model goes through it too (:func:`route_model_save`; transformers' own would write
-FSSDP's tensor names), unless given the whole ``state_dict``. A DeepSpeed engine is unwrapped to its
-module. A PEFT model keeps the Trainer's and PEFT's own saving (the adapters are dense parameters).
+Atomic (README, "Saving"): everything goes into ``.tmp-<name>`` beside ``out_dir`` (same
+filesystem); rank 0 writes the index last and renames the directory into place, or moves the files
+in one by one, the index last, when ``out_dir`` holds other things (:data:`MODEL_FILES` there are
+refused without ``overwrite``). A failure on any rank fails every rank alike and leaves ``out_dir``
+as it was. ``trainer.save_model`` and ``model.save_pretrained`` on a converted model are routed here
+(:func:`route_trainer_save`, :func:`route_model_save`); a PEFT model keeps PEFT's own saving.
 """
 from __future__ import annotations
 
