@@ -2,15 +2,8 @@
 
 Legend: T tokens, H hidden, F expert FFN hidden, E experts, K top-k.
 
-Code written for DeepSpeed MoE (Megatron-DeepSpeed style) moves by changing one import::
-
-    from deepspeed.moe.layer import MoE     ->     from ds_fssdp import MoE
-
-    expert = nn.Sequential(nn.Linear(H, F), nn.GELU(), nn.Linear(F, H))
-    self.moe = MoE(hidden_size=H, expert=expert, num_experts=8, ep_size=4, k=2)
-    out, l_aux, exp_counts = self.moe(x)
-
-and ``ds_fssdp.initialize`` in place of ``deepspeed.initialize`` (with an ``"fssdp"`` section).
+Code written for DeepSpeed MoE moves by changing one import (README, "Coming from DeepSpeed MoE")
+and calling ``ds_fssdp.initialize`` in place of ``deepspeed.initialize``.
 
 Same constructor, same RNG draws at construction (same seed: the same initial weights as
 DeepSpeed's layer: every expert a copy of the template, the gate an ``nn.Linear(H, E,
@@ -32,15 +25,10 @@ The gate reproduces ``deepspeed.moe.sharded_moe.TopKGate`` exactly, dropless:
 So with the same weights and the same RNG state the outputs, ``l_aux``, ``exp_counts`` and all
 gradients equal DeepSpeed's layer with ``drop_tokens=False`` (fp32 summation order).
 
-``ep_size=N`` is the FSSDP group size (``fssdp.group_size``): groups of N consecutive ranks each
-hold every expert once, and the ranks at the same position in every group average their experts'
-gradients (DeepSpeed's expert-data-parallel groups). Left out (None), ``fssdp.group_size``
-decides (default: the whole world). Every layer must ask for the same size, and a
-``fssdp.group_size`` that differs is refused, both naming the values.
-
-Moot under FSSDP, accepted and logged once: ``capacity_factor``, ``eval_capacity_factor``, ``min_capacity``, ``drop_tokens``, ``use_rts``
-(FSSDP is dropless; with ``drop_tokens=True`` DeepSpeed would drop tokens beyond capacity, FSSDP
-keeps them), ``use_tutel``, ``enable_expert_tensor_parallelism`` (experts are never split).
+``ep_size=N`` is the FSSDP group size (``fssdp.group_size``; the ranks at the same position in
+every group are DeepSpeed's expert-data-parallel groups). Moot under FSSDP, accepted and logged
+once: ``capacity_factor``, ``eval_capacity_factor``, ``min_capacity``, ``drop_tokens`` (FSSDP is
+dropless), ``use_rts``, ``use_tutel``, ``enable_expert_tensor_parallelism`` (experts are never split).
 
 Expert templates: ``nn.Sequential(nn.Linear(H, F), nn.GELU(), nn.Linear(F, H))`` with exact-erf
 GELU; anything else raises ``ValueError``. Biases are supported without a per-expert bias in
