@@ -184,13 +184,10 @@ def _check_ops(source: TensorSource, *, model_type: str) -> None:
                 "does not act on each expert alone; ds_fssdp cannot read only a rank's own experts of this family")
 
 
-def read_owned(source: TensorSource, files, owned_E: torch.Tensor, *, config, dtype=None) -> torch.Tensor:
-    """The experts ``owned_E`` (ascending) of one HF tensor, [S, ...]: only their bytes are read."""
-    owned = [int(e) for e in owned_E]
-    if not owned:
-        return torch.empty((0, *source.shape[1:]), dtype=dtype or torch.float32)
-    out = _convert(source, files.read, owned, config=config)
-    return out if dtype is None else out.to(dtype)
+def read_owned(source: TensorSource, files, owned_E: torch.Tensor, *, config, dtype) -> torch.Tensor:
+    """The experts ``owned_E`` (ascending, at least one) of one HF tensor, [S, ...] in ``dtype``: only
+    their bytes are read."""
+    return _convert(source, files.read, [int(e) for e in owned_E], config=config).to(dtype)
 
 
 def _convert(source: TensorSource, read, owned: list, *, config) -> torch.Tensor:
@@ -297,10 +294,8 @@ class SavedExperts:
 
     def values(self, hf_tensors: dict, owned_E: torch.Tensor) -> list:
         """``[(key, tensor, first_row)]`` of a rank's experts ``owned_E`` (ascending) from their HF
-        tensors (attr -> [S, ...], in this object's dtype)."""
+        tensors (attr -> [S, ...], in this object's dtype; at least one expert)."""
         owned = [int(e) for e in owned_E]
-        if not owned:
-            return []
         out = []
         for key, t in self._revert(hf_tensors).items():
             if key in self.fused:
