@@ -69,7 +69,7 @@ def convert(model: nn.Module, *, route_initialize: bool = True) -> nn.Module:
         # A PEFT model's experts sit inside LoRA wrappers (``experts.base_layer.base_layer``).
         site = peft_lora.strip_wrappers(name)
         _bind_router_bias(model, site, module)
-        _set_submodule(model, name, module)
+        model.set_submodule(name, module)
         peft_lora.adopt(model.get_submodule(site), module, where=where)
         block_name, _, child = site.rpartition(".")
         block = model.get_submodule(block_name) if block_name else model
@@ -101,7 +101,7 @@ def unconvert(model: nn.Module) -> nn.Module:
     engine must not train the model afterwards (its expert shards are no longer part of it)."""
     like = _dense_like(model)
     for name, module in converted_experts(model):
-        _set_submodule(model, name, module.to_hf_module(like))
+        model.set_submodule(name, module.to_hf_module(like))
         if module._adopt_handle is not None:
             module._adopt_handle.remove()
         if module.side is not None:
@@ -172,12 +172,6 @@ def _dense_like(model: nn.Module):
         if p.device.type != "meta":
             return p
     return None
-
-
-def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, module)
 
 
 __all__ = ["UnsupportedModelError", "convert", "converted_experts", "unconvert", "hf_state_dict", "initialize",
