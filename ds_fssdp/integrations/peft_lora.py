@@ -32,6 +32,8 @@ at the MoE block's next forward. ``unconvert`` gives the wrappers their class ba
 """
 from __future__ import annotations
 
+import functools
+
 import torch.nn as nn
 
 # The experts' side of LoRA (their factors in the compute, targets, checks) and PEFT detection live with
@@ -59,39 +61,34 @@ def wrapper_chain(site: nn.Module) -> list:
 
 
 # -- adoption ----------------------------------------------------------------------------------
-_WRAPPER_CLASS = None
-
-
+@functools.cache
 def fssdp_wrapper_class():
     """:class:`FSSDPParamWrapper`, defined on first use (PEFT is an optional dependency)."""
-    global _WRAPPER_CLASS
-    if _WRAPPER_CLASS is None:
-        from peft.tuners.lora.layer import ParamWrapper
+    from peft.tuners.lora.layer import ParamWrapper
 
-        class FSSDPParamWrapper(ParamWrapper):
-            """A ``ParamWrapper`` whose base experts are FSSDP's: the LoRA factors go into the
-            expert compute instead of a parametrization of the (sharded) expert tensor."""
+    class FSSDPParamWrapper(ParamWrapper):
+        """A ``ParamWrapper`` whose base experts are FSSDP's: the LoRA factors go into the
+        expert compute instead of a parametrization of the (sharded) expert tensor."""
 
-            def forward(self, x, *args, **kwargs):
-                experts = self.get_base_layer()
-                if not isinstance(experts, FSSDPHFExperts):  # unconverted again
-                    return super().forward(x, *args, **kwargs)
-                self._check_forward_args(x, *args, **kwargs)
-                kwargs.pop("adapter_names", None)
-                adapters = [] if self.disable_adapters else [a for a in self.active_adapters if a in self.lora_A]
-                factors = [(self.lora_A[a].weight, self.lora_B[a].weight, self.scaling[a]) for a in adapters]
-                with experts.lora(self.parameter_name, factors):
-                    return self.base_layer(x, *args, **kwargs)
+        def forward(self, x, *args, **kwargs):
+            experts = self.get_base_layer()
+            if not isinstance(experts, FSSDPHFExperts):  # unconverted again
+                return super().forward(x, *args, **kwargs)
+            self._check_forward_args(x, *args, **kwargs)
+            kwargs.pop("adapter_names", None)
+            adapters = [] if self.disable_adapters else [a for a in self.active_adapters if a in self.lora_A]
+            factors = [(self.lora_A[a].weight, self.lora_B[a].weight, self.scaling[a]) for a in adapters]
+            with experts.lora(self.parameter_name, factors):
+                return self.base_layer(x, *args, **kwargs)
 
-            def merge(self, *args, **kwargs):
-                if isinstance(self.get_base_layer(), FSSDPHFExperts):
-                    raise ValueError(f"PEFT merge on FSSDP experts ({self.parameter_name}): the base experts are "
-                                     "sharded; call ds_fssdp.integrations.hf.unconvert(model) first, then "
-                                     "merge_and_unload()")
-                return super().merge(*args, **kwargs)
+        def merge(self, *args, **kwargs):
+            if isinstance(self.get_base_layer(), FSSDPHFExperts):
+                raise ValueError(f"PEFT merge on FSSDP experts ({self.parameter_name}): the base experts are "
+                                 "sharded; call ds_fssdp.integrations.hf.unconvert(model) first, then "
+                                 "merge_and_unload()")
+            return super().merge(*args, **kwargs)
 
-        _WRAPPER_CLASS = FSSDPParamWrapper
-    return _WRAPPER_CLASS
+    return FSSDPParamWrapper
 
 
 def adopt(site: nn.Module, experts: FSSDPHFExperts, *, where: str) -> None:
@@ -129,7 +126,7 @@ def adopt_hook(child: str, where: str):
 
     def hook(block, args):
         site = block._modules.get(child)
-        if site is None or isinstance(site, FSSDPHFExperts) or type(site) is _WRAPPER_CLASS:
+        if site is None or isinstance(site, FSSDPHFExperts) or (has_peft() and type(site) is fssdp_wrapper_class()):
             return
         chain = wrapper_chain(site)
         if chain:
