@@ -78,11 +78,9 @@ def plan_experts(model, modules: list, files, weight_mapping, *, model_type: str
     from transformers.core_model_loading import dot_natural_key, rename_source_key
     renamings, converters = split_mapping(weight_mapping)
     by_pattern = {p: c for c in converters for p in c.source_patterns}
-    sources = {}
-    for name, module in modules:
-        for attr, shape in hf_shapes(module).items():
-            target = f"{name}.{attr}" if name else attr
-            sources[target] = TensorSource(target=target, attr=attr, shape=shape)
+    plan = {name: {attr: TensorSource(target=f"{name}.{attr}" if name else attr, attr=attr, shape=shape)
+                   for attr, shape in hf_shapes(module).items()} for name, module in modules}
+    sources = {s.target: s for tensors in plan.values() for s in tensors.values()}
     # What transformers matches names against (its meta state dict): the dense keys and the HF
     # tensors of the converted modules.
     known = dict.fromkeys(model.state_dict().keys(), True)
@@ -104,13 +102,9 @@ def plan_experts(model, modules: list, files, weight_mapping, *, model_type: str
             source.keys.setdefault(pattern, {})[_expert_index(pattern, key)] = key
         else:
             source.keys.setdefault(pattern, []).append(key)
-    plan = {}
     for name, module in modules:
-        plan[name] = {}
-        for attr in hf_shapes(module):
-            source = sources[f"{name}.{attr}" if name else attr]
+        for source in plan[name].values():
             _check(source, files, model_type=model_type, num_experts=module.num_experts, config=model.config)
-            plan[name][attr] = source
     return plan
 
 

@@ -198,9 +198,9 @@ class ShardFile:
             f.write(self.header)
             f.truncate(self.size)
 
-    def write(self, key: str, tensor: torch.Tensor, *, first_row: int = 0) -> int:
+    def write(self, key: str, tensor: torch.Tensor, *, first_row: int = 0) -> None:
         """Write ``tensor`` as ``key``'s rows from ``first_row`` on (all of it: 0 and the full
-        shape). Returns the bytes written."""
+        shape)."""
         e = self.entries[key]
         if tensor.dtype != e.dtype or tuple(tensor.shape[1:]) != e.shape[1:] or \
                 first_row + (tensor.shape[0] if tensor.dim() else 1) > (e.shape[0] if e.shape else 1):
@@ -216,7 +216,6 @@ class ShardFile:
                 done += os.pwrite(fd, view[done:], offset + done)
         finally:
             os.close(fd)
-        return len(view)
 
 
 def plan_shards(tensors: list, *, max_bytes: int) -> list:
