@@ -68,11 +68,11 @@ def convert(model: nn.Module, *, route_initialize: bool = True) -> nn.Module:
             raise UnsupportedModelError(str(err)) from None
         # A PEFT model's experts sit inside LoRA wrappers (``experts.base_layer.base_layer``).
         site = peft_lora.strip_wrappers(name)
-        _bind_router_bias(model, site, module)
-        model.set_submodule(name, module)
-        peft_lora.adopt(model.get_submodule(site), module, where=where)
         block_name, _, child = site.rpartition(".")
         block = model.get_submodule(block_name) if block_name else model
+        _bind_router_bias(block, block_name, module)
+        model.set_submodule(name, module)
+        peft_lora.adopt(model.get_submodule(site), module, where=where)
         module._adopt_handle = block.register_forward_pre_hook(peft_lora.adopt_hook(child, where))
         shape = module.spec.cost_shape(1)
         module.side = bind_shared(block, child, hidden=shape.hidden, ffn=shape.ffn, matrices=shape.matrices)
@@ -153,10 +153,8 @@ def _top_k(model):
     return None
 
 
-def _bind_router_bias(model: nn.Module, experts_name: str, module: FSSDPHFExperts) -> None:
+def _bind_router_bias(block: nn.Module, block_name: str, module: FSSDPHFExperts) -> None:
     """The block's (or its router's) ``e_score_correction_bias`` of [E], if the family has one."""
-    block_name = experts_name.rpartition(".")[0]
-    block = model.get_submodule(block_name) if block_name else model
     candidates = [(block_name, block)] + [(f"{block_name}.{n}" if block_name else n, c)
                                           for n, c in block.named_children()]
     for owner_name, owner in candidates:
