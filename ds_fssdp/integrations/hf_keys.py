@@ -34,6 +34,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from functools import partial
+from types import SimpleNamespace
 
 import torch
 
@@ -195,21 +196,13 @@ def _convert(source: TensorSource, read, owned: list, *, config) -> torch.Tensor
                 conv.add_tensor(source.target, keys[e], pattern, partial(read, keys[e]))
         else:
             conv.add_tensor(source.target, keys[0], pattern, partial(read, keys[0], owned))
-    shape = (len(owned), *source.shape[1:])
-    out = conv.convert(source.target, model=_Shapes({source.target: shape}), config=config)
+    # What a converter's ops ask the model for (``get_parameter(name).shape``): the target's shape
+    # with this rank's number of experts.
+    shapes = {source.target: (len(owned), *source.shape[1:])}
+    model = SimpleNamespace(get_parameter=lambda name: torch.empty(shapes[name], device="meta"))
+    out = conv.convert(source.target, model=model, config=config)
     value = out[source.target]
     return value[0] if isinstance(value, list) else value
-
-
-class _Shapes:
-    """What a converter's ops ask the model for (``get_parameter(name).shape``): the target's shape
-    with this rank's number of experts."""
-
-    def __init__(self, shapes: dict):
-        self.shapes = shapes
-
-    def get_parameter(self, name):
-        return torch.empty(self.shapes[name], device="meta")
 
 
 def _meta(entry, rows=None):
