@@ -97,12 +97,13 @@ def layout_of(ds_config: dict, *, start_comm: bool = True) -> Layout:
     from deepspeed.accelerator import get_accelerator
 
     from ds_fssdp.runtime.elastic import init_distributed
+    from ds_fssdp.runtime.engine import engine_device
     from ds_fssdp.runtime.zero3 import zero_stage
     fcfg = FSSDPConfig.from_ds_config(ds_config)
     launched = all(k in os.environ for k in ("RANK", "WORLD_SIZE")) or "OMPI_COMM_WORLD_RANK" in os.environ
     if start_comm and (launched or dist.is_initialized()):  # a process without a launcher is one rank
         init_distributed(backend=get_accelerator().communication_backend_name())
-        device = _engine_device()
+        device = engine_device()
         if device.type != "cpu" and device.index is not None:
             get_accelerator().set_device(device.index)  # zero.Init and the rows go to this rank's device
     if not dist.is_initialized():
@@ -210,6 +211,7 @@ def _load(layout: Layout, cfg: dict, original, model, state_dict, checkpoint_fil
     from ds_fssdp.integrations.hf import UnsupportedModelError, convert, converted_experts
     from ds_fssdp.integrations.hf_keys import UnmappableExpertsError, plan_experts
     from ds_fssdp.integrations.safetensors_io import CheckpointFiles
+    from ds_fssdp.runtime.engine import engine_device
     model_type = getattr(model.config, "model_type", None)
     if state_dict is not None or not checkpoint_files:
         raise ValueError("ds_fssdp.integrations.hf.from_pretrained reads each rank's experts from the checkpoint's "
@@ -227,7 +229,7 @@ def _load(layout: Layout, cfg: dict, original, model, state_dict, checkpoint_fil
         plan = plan_experts(model, modules, files, load_config.weight_mapping, model_type=model_type)
     except UnmappableExpertsError as err:
         raise UnsupportedModelError(str(err)) from None
-    device = _engine_device()
+    device = engine_device()
     read = 0
     for name, module in modules:
         read += _read_module(module, plan[name], files, layout, config=model.config, device=device)
@@ -276,11 +278,6 @@ def _read_module(module, sources: dict, files, layout: Layout, *, config, device
         module.adopt_owned_rows(OwnedRows(owner_E=owner_E, owned_E=owned_E, rows_SP=rows_SP,
                                           requires_grad=requires_grad, group_rank=layout.group_rank))
     return nbytes
-
-
-def _engine_device():
-    from ds_fssdp.runtime.engine import engine_device
-    return engine_device()
 
 
 @contextmanager
