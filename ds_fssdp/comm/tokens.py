@@ -15,19 +15,15 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_RH, out_splits, in_splits, group):
         ctx.splits, ctx.group = (out_splits, in_splits), group
-        return _exchange(x_RH, out_splits, in_splits, group)
+        out = x_RH.new_empty((sum(out_splits), ) + tuple(x_RH.shape[1:]))
+        dist.all_to_all_single(out, x_RH.contiguous(), output_split_sizes=out_splits, input_split_sizes=in_splits,
+                               group=group)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
         out_splits, in_splits = ctx.splits
-        return _exchange(grad_out, in_splits, out_splits, ctx.group), None, None, None
-
-
-def _exchange(x_RH, out_splits, in_splits, group):
-    out = x_RH.new_empty((sum(out_splits), ) + tuple(x_RH.shape[1:]))
-    dist.all_to_all_single(out, x_RH.contiguous(), output_split_sizes=out_splits, input_split_sizes=in_splits,
-                           group=group)
-    return out
+        return _AllToAll.apply(grad_out, in_splits, out_splits, ctx.group), None, None, None
 
 
 def all_to_all(x_RH: torch.Tensor, out_splits: list, in_splits: list, *, group) -> torch.Tensor:

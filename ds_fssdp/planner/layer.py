@@ -7,12 +7,12 @@ through a :class:`LayerPlanner`, so they make the same decisions from the same i
 :class:`~ds_fssdp.planner.baselines.Clock` (t and calibration's latency budget) comes from their
 own clocks.
 
-1. :meth:`pre_gating` before the preceding attention: the placement from the predictor's
+1. :meth:`pre_gating_t` before the preceding attention: the placement from the predictor's
    prediction (its per-rank ``tokens_ED`` when it has them, else its per-expert loads), with the
    clock's ``calibration_credit_s`` set from calibration's realized savings on this layer (the
    mean over its last load-window observed iterations whose placement left calibration room);
 2. :meth:`post_gating` once the actual ``tokens_ED`` are known: calibration or shadowing, from
-   the t pre-gating planned with (:meth:`pre_gating_t`);
+   the t pre-gating planned with;
 3. :meth:`dispatch`: the compact dispatch plan (:meth:`dispatch_dense` for the dense one);
 4. :meth:`observe`: the predictor learns the loads (once per training forward).
 """
@@ -41,13 +41,10 @@ class LayerPlanner:
         self._credits = collections.deque(maxlen=max(1, predictor.window))
         self._credit = None
 
-    def pre_gating(self, owner_E: torch.Tensor, clock: Clock | None = None) -> torch.Tensor:
-        """placement_ED (bool [E, D]): the shard plus the replicas gathered under the attention."""
-        return self.pre_gating_t(owner_E, clock)[0]
-
     def pre_gating_t(self, owner_E: torch.Tensor, clock: Clock | None = None) -> tuple:
-        """``(placement_ED, t)``: with the overlap degree it was planned with (FSSDP's t, searched
-        by the modelled time when the policy does; -1: a policy without one)."""
+        """``(placement_ED, t)``: the shard plus the replicas gathered under the attention (bool
+        [E, D]), with the overlap degree it was planned with (FSSDP's t, searched by the modelled
+        time when the policy does; -1: a policy without one)."""
         predicted = self.predictor.predict_tokens(self.layer)
         if predicted is None:
             predicted = self.predictor.predict(self.layer)
