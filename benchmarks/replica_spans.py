@@ -46,6 +46,7 @@ def _install():
     import ds_fssdp
     from ds_fssdp.comm import sparse
     from ds_fssdp.moe import timing
+    from ds_fssdp.moe.replicas import ReplicaManager
     st = _STATE
 
     def poll(where):
@@ -56,11 +57,17 @@ def _install():
             if w["landed_by"] is None and (w["obj"]._work is None or w["obj"]._work.is_completed()):
                 w["landed_by"], w["seconds"] = where, now - w["t"]
 
+    for name in ("start_gather", "_reduce_start"):  # the layer whose replica manager starts the collective
+        def started_by(self, *args, orig=getattr(ReplicaManager, name), **kwargs):
+            st["layer"] = st["layer_of"].get(id(self))
+            return orig(self, *args, **kwargs)
+        setattr(ReplicaManager, name, started_by)
+
     for cls, kind in ((sparse.SparseAllGather, "gather"), (sparse.SparseReduceScatter, "reduce")):
         def start(self, orig=cls.start, kind=kind):
             out = orig(self)
             if self._work is not None:
-                st["works"].append({"kind": kind, "layer": st["layer_of"].get(id(self.traffic)), "bytes": self.sent,
+                st["works"].append({"kind": kind, "layer": st.get("layer"), "bytes": self.sent,
                                     "issued_after": st["events"][-1] if st["events"] else None, "obj": self,
                                     "t": time.perf_counter(), "landed_by": None, "seconds": None})
             return out
@@ -98,7 +105,7 @@ def _install():
     def initialize(*a, **k):
         out = orig_init(*a, **k)
         for i, shard in enumerate(out[0].fssdp.shards):
-            st["layer_of"][id(shard.timings)] = st["layer_of"][id(shard.replicas.traffic)] = i
+            st["layer_of"][id(shard.timings)] = st["layer_of"][id(shard.replicas)] = i
             st["timings"][i] = shard.timings
         return out
     ds_fssdp.initialize = initialize

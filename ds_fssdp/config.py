@@ -25,7 +25,14 @@ class FSSDPConfigError(ValueError):
     """A bad value in the ``"fssdp"`` section (or a combination FSSDP refuses)."""
 
 
-class HardwareConfig(DeepSpeedConfigModel):
+class _Strict(DeepSpeedConfigModel):
+
+    def __init__(self, **data):
+        # strict=True keeps DeepSpeedConfigModel from silently dropping "auto" values.
+        super().__init__(strict=True, **data)
+
+
+class HardwareConfig(_Strict):
     """Per-rank speeds for the cost model (``fssdp.hardware``)."""
 
     flops: Annotated[Union[StrictFloat, StrictInt], Field(gt=0)]
@@ -40,21 +47,15 @@ class HardwareConfig(DeepSpeedConfigModel):
     latency: Annotated[Union[StrictFloat, StrictInt], Field(ge=0)] = 1e-5
     """Seconds per collective phase."""
 
-    def __init__(self, **data):
-        super().__init__(strict=True, **data)
 
-
-class PipelineDegreeConfig(DeepSpeedConfigModel):
+class PipelineDegreeConfig(_Strict):
     """``fssdp.pipeline_degree`` given per direction."""
 
     forward: Annotated[StrictInt, Field(ge=1)]
     backward: Annotated[StrictInt, Field(ge=1)]
 
-    def __init__(self, **data):
-        super().__init__(strict=True, **data)
 
-
-class FSSDPConfig(DeepSpeedConfigModel):
+class FSSDPConfig(_Strict):
     """Typed model of the ``"fssdp"`` section."""
 
     enabled: StrictBool = True
@@ -117,19 +118,13 @@ class FSSDPConfig(DeepSpeedConfigModel):
     next one's, gathered during its expert compute) instead of all layers'."""
 
     grads_in_gaps: StrictBool = True
-    """On the gradient accumulation boundary micro-step, start each layer's owned-expert gradient
-    reduce over the EDP group (all-reduce, or reduce-scatter under ZeRO >= 1) asynchronously during
-    the backward of the layers below it, as soon as its replica reduce has landed and been folded
-    in, in slices sized to the gaps the schedule predicts (``planner/schedule.gap_slice_bytes``);
-    the step waits only for what is still in flight. Under ZeRO >= 1 with several FSSDP groups the
-    step's all-gather of the updated expert slices is left in flight too, each layer's rows landing
-    at their first use in the next forward (``runtime/expert_dp.py``). Under ZeRO 0 with several
-    FSSDP groups and a cost model, a step whose modelled sync is faster split around it
-    (``planner/schedule.split_sync_pays``, agreed over the EDP group) reduce-scatters in the gaps
-    instead and leaves each layer's all-gather of its summed gradient, and its optimizer update, to
-    that first use (torch's Adam, AdamW and SGD; not DeepSpeed's FusedAdam). ``false``: every
-    layer's reduce and all-gather run at the step, synchronously. The same sums and weights either
-    way, up to fp32 summation order (bitwise with EDP groups of 2)."""
+    """Start each layer's expert gradient reduce over the EDP group during the backward of the layers
+    below it, in slices sized to the gaps the schedule predicts; with several FSSDP groups, leave the
+    step's all-gather of the updated slices (ZeRO >= 1), or a split sync and its update where the cost
+    model says it pays (ZeRO 0), in flight until each layer's first use in the next forward
+    (docs/design.md section 2, "Gradients / Parameters / Updates in the gaps"). ``false``: every
+    layer's reduce and all-gather at the step, synchronously. The same sums and weights either way,
+    up to fp32 summation order (bitwise with EDP groups of 2)."""
 
     topology_aware: StrictBool = True
     """Sparse collectives cross the inter-node link once per (expert, node) and are forwarded inside
@@ -215,10 +210,6 @@ class FSSDPConfig(DeepSpeedConfigModel):
     deterministic: StrictBool = False
     """Bitwise-reproducible runs on GPU too: torch's deterministic algorithms, cuDNN without
     autotuning, and no decision taken from measured timings (docs/determinism.md)."""
-
-    def __init__(self, **data):
-        # strict=True keeps DeepSpeedConfigModel from silently dropping "auto" values.
-        super().__init__(strict=True, **data)
 
     @classmethod
     def from_ds_config(cls, ds_config: Mapping[str, Any] | None) -> "FSSDPConfig":
@@ -342,11 +333,7 @@ def _format_errors(err: ValidationError, section: Mapping[str, Any]) -> str:
             lines.append(f"{SECTION}.{key} ({value!r}) must be one of {ctx['expected']}")
         else:
             lines.append(f"{SECTION}.{key} ({value!r}): {e['msg']}")
-    # A Union field reports one line per branch; keep the first per key.
-    seen, unique = set(), []
+    unique = {}  # a Union field reports one line per branch; keep the first per key
     for line in lines:
-        head = line.split(" ", 1)[0]
-        if head not in seen:
-            seen.add(head)
-            unique.append(line)
-    return "; ".join(unique)
+        unique.setdefault(line.split(" ", 1)[0], line)
+    return "; ".join(unique.values())

@@ -3,7 +3,8 @@
 Legend: R rows, G groups, H in features, F out features.
 
 One autograd Function serves both implementations (``dispatch.backend_for``): the torch
-reference (``grouped_gemm_torch``) and the Triton kernels (``triton/grouped_gemm_kernels``).
+reference (``grouped_gemm_torch``, over host sizes) and the Triton kernels
+(``triton/grouped_gemm_kernels``, over sizes and offsets on the device), both given a ``GroupSizes``.
   forward  y_RF = x_g @ w[g] (+ bias[g])
   dx_RH    = dy_g @ w[g].T      (the same grouped product with the weight transposed)
   dw[g]    = x_g.T @ dy_g       (a reduction over each group's rows; zeros for an empty group)
@@ -80,49 +81,14 @@ class _GroupedGemm(torch.autograd.Function):
         return dx_RH, dw, dbias, None, None, None
 
 
-class TorchGemm:
-    """The torch reference, over host group sizes."""
-
-    @staticmethod
-    def gemm(x_RH, w_GHF, sizes: GroupSizes, *, trans_w: bool, bias_GF=None):
-        return grouped_gemm_torch.gemm(x_RH, w_GHF, sizes.host(), trans_w=trans_w, bias_GF=bias_GF)
-
-    @staticmethod
-    def wgrad(x_RH, dy_RF, sizes: GroupSizes, *, trans_w: bool):
-        return grouped_gemm_torch.wgrad(x_RH, dy_RF, sizes.host(), trans_w=trans_w)
-
-    @staticmethod
-    def group_sum(dy_RF, sizes: GroupSizes):
-        return grouped_gemm_torch.group_sum(dy_RF, sizes.host())
-
-
-class TritonGemm:
-    """The Triton kernels, over device group sizes and offsets."""
-
-    @staticmethod
-    def gemm(x_RH, w_GHF, sizes: GroupSizes, *, trans_w: bool, bias_GF=None):
-        kernels = importlib.import_module("ds_fssdp.ops.triton.grouped_gemm_kernels")
-        sizes_G, offsets_G1 = sizes.sizes_and_offsets(x_RH.device)
-        return kernels.gemm(x_RH, w_GHF, sizes_G=sizes_G, offsets_G1=offsets_G1, trans_w=trans_w, bias_GN=bias_GF)
-
-    @staticmethod
-    def wgrad(x_RH, dy_RF, sizes: GroupSizes, *, trans_w: bool):
-        kernels = importlib.import_module("ds_fssdp.ops.triton.grouped_gemm_kernels")
-        return kernels.wgrad(x_RH, dy_RF, sizes.sizes_and_offsets(x_RH.device)[1], trans_w=trans_w)
-
-    @staticmethod
-    def group_sum(dy_RF, sizes: GroupSizes):
-        kernels = importlib.import_module("ds_fssdp.ops.triton.grouped_gemm_kernels")
-        return kernels.group_sum(dy_RF, sizes.sizes_and_offsets(dy_RF.device)[1])
-
-
 def implementation(x: torch.Tensor):
-    """TorchGemm or TritonGemm for x's device and dtype (dtypes without a kernel: torch, logged)."""
+    """The torch reference or the Triton kernels (``triton/grouped_gemm_kernels``) for x's device and
+    dtype (dtypes without a kernel: torch, logged)."""
     if backend_for(x.device) != "triton":
-        return TorchGemm
+        return grouped_gemm_torch
     if x.dtype in TRITON_DTYPES:
-        return TritonGemm
+        return importlib.import_module("ds_fssdp.ops.triton.grouped_gemm_kernels")
     if x.dtype not in _logged_dtypes:
         _logged_dtypes.add(x.dtype)
         logger.info("ds_fssdp.ops.grouped_gemm: no Triton kernel for %s; the torch reference runs it", x.dtype)
-    return TorchGemm
+    return grouped_gemm_torch

@@ -14,11 +14,14 @@ from typing import Optional, Sequence
 
 import torch
 
+from ds_fssdp.ops.group_sizes import GroupSizes
+
 
 def gemm(x_RH: torch.Tensor, w_GHF: torch.Tensor, sizes: Sequence[int], *, trans_w: bool,
          bias_GF: Optional[torch.Tensor] = None) -> torch.Tensor:
     """y_RF[rows of g] = x_RH[rows of g] @ w[g] (``w_GFH[g].T`` if ``trans_w``) + bias_GF[g] if
     given (``baddbmm`` / ``addmm``: the bias is added by the GEMM itself)."""
+    sizes = _host(sizes)
     out_features = w_GHF.shape[1] if trans_w else w_GHF.shape[2]
     y_RF = x_RH.new_empty(x_RH.shape[0], out_features)
     if _equal(sizes):
@@ -45,6 +48,7 @@ def gemm(x_RH: torch.Tensor, w_GHF: torch.Tensor, sizes: Sequence[int], *, trans
 def wgrad(x_RH: torch.Tensor, dy_RF: torch.Tensor, sizes: Sequence[int], *, trans_w: bool) -> torch.Tensor:
     """dw[g] = x_g.T @ dy_g  ([G, H, F]); with ``trans_w`` dy_g.T @ x_g ([G, F, H]). Empty groups
     get zeros."""
+    sizes = _host(sizes)
     H, F = x_RH.shape[1], dy_RF.shape[1]
     dw = x_RH.new_empty((len(sizes), F, H) if trans_w else (len(sizes), H, F))
     if _equal(sizes):
@@ -68,6 +72,7 @@ def wgrad(x_RH: torch.Tensor, dy_RF: torch.Tensor, sizes: Sequence[int], *, tran
 
 def group_sum(dy_RF: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
     """db[g] = the sum of dy's rows of group g ([G, F]); empty groups get zeros."""
+    sizes = _host(sizes)
     G, F = len(sizes), dy_RF.shape[1]
     if _equal(sizes):
         return dy_RF.reshape(G, sizes[0], F).sum(1)
@@ -82,3 +87,8 @@ def group_sum(dy_RF: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
 
 def _equal(sizes: Sequence[int]) -> bool:
     return len(sizes) > 1 and sizes[0] > 0 and all(n == sizes[0] for n in sizes)
+
+
+def _host(sizes) -> Sequence[int]:
+    """Host ints of a ``GroupSizes`` (one device->host sync the first time), or the sizes given."""
+    return sizes.host() if isinstance(sizes, GroupSizes) else sizes

@@ -375,10 +375,10 @@ def _sim_setup(trace, **overrides):
                              smartmoe_interval=2, calibration=True, load_window=2), **overrides))
 
 
-def _replay_of_simulated(trace, captured, windows_SL, attention_s, monkeypatch, *, gas=1):
+def _replay_of_simulated(trace, captured, windows_SL, attention_s, monkeypatch):
     """The replay's decisions from the simulator's inputs: its settings, its windows (the clock's
-    inputs), its prices (the cost object it decided with), the trace's counts, ``gas`` rows per
-    optimizer step (the runtime's record of them)."""
+    inputs), its prices (the cost object it decided with), the trace's counts and the runtime's
+    record of its optimizer steps (rows per step: its GAS)."""
     from ds_fssdp.report.replay import ReplaySettings, replay
     from ds_fssdp.sim.traces import Trace
     settings, cost = captured["settings"], captured["cost"]
@@ -390,7 +390,7 @@ def _replay_of_simulated(trace, captured, windows_SL, attention_s, monkeypatch, 
                        smartmoe_interval=settings.smartmoe_interval, rematerialize=settings.rematerialize)
     monkeypatch.setattr(ReplaySettings, "cost_model", lambda self, topology, costs=None, two_hops=None: cost)
     S, L = trace.tokens_SLED.shape[:2]
-    inputs = {"optimizer_step": np.arange(S) // gas, "agreed_window_s": windows_SL,
+    inputs = {"optimizer_step": trace.arrays["optimizer_step"], "agreed_window_s": windows_SL,
               "agreed_attention_s": np.full((S, L), attention_s)}
     return replay(Trace(trace.tokens_SLED, trace.meta, inputs), s)
 
@@ -398,8 +398,8 @@ def _replay_of_simulated(trace, captured, windows_SL, attention_s, monkeypatch, 
 def _simulated_and_derived(trace, monkeypatch, *, engine, policy, zero, gas=1, perturb=None):
     """Run a simulator in its real mode at ``gas`` micro-steps per optimizer step on ``trace``'s counts
     (``perturb``: "t", its clock rule from half its window, "no-reshard", or "micro-steps": every row
-    its own optimizer step, in the simulator only) and the replay on the simulator's inputs at
-    ``gas``; returns the simulator's (owner, placed, held) arrays, the replay, the settings and the
+    its own optimizer step, in the simulator only) and the replay on the simulator's inputs and the
+    runtime's optimizer steps (``gas``: the run's); returns the simulator's (owner, placed, held) arrays, the replay, the settings and the
     windows."""
     import ds_fssdp.planner.layer as layer_mod
     from ds_fssdp.planner.inputs import ClockRule
@@ -442,7 +442,7 @@ def _simulated_and_derived(trace, monkeypatch, *, engine, policy, zero, gas=1, p
     assert len(calls) == S * L  # one group: one pre-gating per layer and step
     for i, (l, w) in enumerate(calls):
         windows[i // L, l] = np.nan if w is None else w
-    rep = _replay_of_simulated(trace, captured, windows, setup.attention_fwd_s, monkeypatch, gas=gas)
+    rep = _replay_of_simulated(trace, captured, windows, setup.attention_fwd_s, monkeypatch)
     got = {key: np.stack([[layer[i].numpy() for layer in step] for step in decisions])
            for key, i in (("decision_owner", 0), ("decision_placed", 1), ("decision_held", 2))}
     return got, rep, captured["settings"], windows

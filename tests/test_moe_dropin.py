@@ -39,18 +39,63 @@ def pair(seed=0, *, bias=True, **kwargs):
     return ref, layer
 
 
+def deepspeed_layout(layer, w_a_EXF, w_b_EFX, gate_EH, expert_bias_EH=None) -> dict:
+    """The layer's expert and gate tensors (weights or their gradients) under DeepSpeed MoE's keys;
+    X is H, or H + 1 with the bias column."""
+    state = {"deepspeed_moe.gate.wg.weight": gate_EH.detach().clone()}
+    for e in range(layer.num_experts):
+        prefix = f"deepspeed_moe.experts.deepspeed_experts.{e}"
+        state[f"{prefix}.0.weight"] = w_a_EXF[e, :H].t().contiguous()
+        if layer._bias_column:
+            state[f"{prefix}.0.bias"] = w_a_EXF[e, H].clone()
+        state[f"{prefix}.2.weight"] = w_b_EFX[e, :, :H].t().contiguous()
+        if expert_bias_EH is not None:
+            state[f"{prefix}.2.bias"] = expert_bias_EH[e].detach().clone()
+    return state
+
+
+@torch.no_grad()
+def deepspeed_state_dict(layer) -> dict:
+    """The layer's weights under ``deepspeed.moe.layer.MoE``'s state-dict keys (all experts)."""
+    tensors = layer.moe.export_experts()
+    state = deepspeed_layout(layer, tensors["w_a"], tensors["w_b"], layer.moe.gate.weight, layer.expert_bias)
+    if layer.use_residual:
+        state.update({f"mlp.{k}": v.detach().clone() for k, v in layer.mlp.state_dict().items()})
+        state.update({f"coefficient.{k}": v.detach().clone() for k, v in layer.coefficient.state_dict().items()})
+    return state
+
+
+@torch.no_grad()
+def load_deepspeed_state_dict(layer, state: dict) -> None:
+    """Weights of a ``deepspeed.moe.layer.MoE`` (keys as :func:`deepspeed_state_dict` writes them)."""
+    assert set(state) == set(deepspeed_state_dict(layer))
+    moe = layer.moe
+    moe.gate.weight.copy_(state["deepspeed_moe.gate.wg.weight"])
+    for e in range(layer.num_experts):
+        prefix = f"deepspeed_moe.experts.deepspeed_experts.{e}"
+        moe.w_a[e, :H] = state[f"{prefix}.0.weight"].t()
+        moe.w_b[e, :, :H] = state[f"{prefix}.2.weight"].t()
+        if layer._bias_column:
+            moe.w_a[e, H] = state[f"{prefix}.0.bias"]
+        if layer.expert_bias is not None:
+            layer.expert_bias[e].copy_(state[f"{prefix}.2.bias"])
+    if layer.use_residual:
+        layer.mlp.load_state_dict({k[4:]: v for k, v in state.items() if k.startswith("mlp.")})
+        layer.coefficient.load_state_dict({k[12:]: v for k, v in state.items() if k.startswith("coefficient.")})
+
+
 def distinct_weights(ref, layer, seed=1):
     """Random weights, different per expert, loaded into both layers."""
     gen = torch.Generator().manual_seed(seed)
     state = {k: torch.randn(v.shape, generator=gen) * 0.5 for k, v in ref.state_dict().items()}
     ref.load_state_dict(state)
-    layer.load_deepspeed_state_dict(state)
+    load_deepspeed_state_dict(layer, state)
 
 
 def layer_grads(layer):
     moe = layer.moe
-    grads = layer.deepspeed_layout(moe.w_a.grad, moe.w_b.grad, moe.gate.weight.grad,
-                                   None if layer.expert_bias is None else layer.expert_bias.grad)
+    grads = deepspeed_layout(layer, moe.w_a.grad, moe.w_b.grad, moe.gate.weight.grad,
+                             None if layer.expert_bias is None else layer.expert_bias.grad)
     if layer.use_residual:
         grads.update({f"mlp.{n}": p.grad for n, p in layer.mlp.named_parameters()})
         grads.update({f"coefficient.{n}": p.grad for n, p in layer.coefficient.named_parameters()})
@@ -61,7 +106,7 @@ def layer_grads(layer):
 @pytest.mark.parametrize("use_residual", [False, True])
 def test_same_seed_same_initial_weights(bias, use_residual):
     ref, layer = pair(bias=bias, use_residual=use_residual)
-    ref_state, state = ref.state_dict(), layer.deepspeed_state_dict()
+    ref_state, state = ref.state_dict(), deepspeed_state_dict(layer)
     assert set(state) == set(ref_state)
     for key, value in ref_state.items():
         assert torch.equal(state[key], value), key

@@ -3,6 +3,7 @@ every one planned and priced layer by layer; the sync and the optimizer step onc
 step; the re-shards after optimizer steps (the runtime's step count), never between micro-steps;
 bad values refused by name."""
 import io
+import json
 
 import numpy as np
 import pytest
@@ -100,6 +101,10 @@ def test_bad_gas_is_refused_by_name():
         simulate(setup_with(gas=4), tokens()[:5], ["fssdp"])
     base = ["--trace", "synthetic", "--cluster", "b", "--model", "qwen3-30b-a3b", "--gpus", "16", "--group-size", "8",
             "--steps", "6", "--json", "--no-png"]
+    out = io.StringIO()
+    assert main([a if a != "6" else "10" for a in base] + ["--gas", "2", "--policies", "ep,fssdp"], out=out) == 0
+    data = json.loads(out.getvalue())
+    assert data["setup"]["gas"] == 2 and data["lower_bound_ms"] is None and data["results"][0]["iteration_ms"] > 0
     with pytest.raises(SystemExit, match=r"--gas \(0\) must be >= 1"):
         main(base + ["--gas", "0"], out=io.StringIO())
     with pytest.raises(SystemExit, match=r"--gas \(2\) with --pipeline-stages \(2\)"):

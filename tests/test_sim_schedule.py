@@ -249,8 +249,10 @@ def test_serial_reproduces_the_numbers_before_and_the_schedule_is_faster():
     for res, ser, pip in ((full, serial, pipe), (full4, serial4, pipe4)):
         for name in ("ep", "uniform"):  # the published baselines stay serial
             assert res[name].iteration_s == pytest.approx(ser[name].iteration_s, rel=1e-12)
-        # The chosen degrees never lose to degree 1; with the all-reduce accounted alike, fsmoe <= ep.
-        assert pip["fsmoe"].iteration_s < pip["ep"].iteration_s * 0.99
+        # The chosen degrees never lose to degree 1: fsmoe's layers < ep's (their syncs differ: the
+        # runtime's fp32 experts at the step, DeepSpeed's MoE's bf16 ones)
+        assert (pip["fsmoe"].iteration_s - pip["fsmoe"].breakdown_s["ar"]
+                < (pip["ep"].iteration_s - pip["ep"].breakdown_s["ar"]) * 0.99)
         assert pip["fssdp"].iteration_s < ser["fssdp"].iteration_s
         # FSSDP's layers beat FSMoE's; in groups of 4 its whole step need not: Algorithm 2's owners
         # concentrate experts, and the busiest owner's fp32 EDP reduce is the step's (sim/sync.py)
@@ -337,7 +339,8 @@ def test_cli_schedule_flags(capsys):
     assert off["fssdp"]["dedup_saved_gb"] == 0
     assert main(base + ["--serial"]) == 0
     ser = {r["policy"]: r for r in json.loads(capsys.readouterr().out)["results"]}
-    assert ser["fsmoe"]["iteration_ms"] == pytest.approx(ser["ep"]["iteration_ms"])
+    layers = {n: r["iteration_ms"] - r["breakdown_ms"]["ar"] for n, r in ser.items()}  # the syncs differ: sim/sync.py
+    assert layers["fsmoe"] == pytest.approx(layers["ep"])
     assert set(ser["fssdp"]["degrees"]["forward"]) == {"1"}  # JSON keys
     assert ser["fssdp"]["iteration_ms"] > res["fssdp"]["iteration_ms"]
     with pytest.raises(SystemExit, match=r"--pipeline-degree \(9\)"):

@@ -6,8 +6,7 @@ Each phase of a ``planner.GatherLayout`` is one all-to-all with splits: only the
 moves, one row per transfer. ``start()`` issues the first phase asynchronously; ``finish()``
 (called where the result is needed) waits for it and runs the second, intra-node phase if the
 layout is hierarchical. Both are called from the main thread in program order, so every rank
-issues the collectives of a process group in the same order. Byte counters split the traffic into
-intra-node and inter-node.
+issues the collectives of a process group in the same order.
 """
 from __future__ import annotations
 
@@ -17,45 +16,40 @@ from deepspeed import comm as dist
 from ds_fssdp.planner.transfers import GatherLayout
 
 
-def _exchange(send, recv, phase_send, phase_recv, group, async_op):
-    return dist.all_to_all_single(recv, send, output_split_sizes=phase_recv, input_split_sizes=phase_send,
-                                  group=group, async_op=async_op)
+class _Phases:
+    """The phases' all-to-alls, one in flight at a time (``_work``, landing in ``_recv``)."""
 
-
-class Traffic:
-    """Bytes this rank sent, split by whether the peer shares its node."""
-
-    def __init__(self, node_D: torch.Tensor, rank: int):
-        self._same_D = (node_D == node_D[rank]).tolist()
-        self.intra = 0
-        self.inter = 0
-
-    def count(self, splits: list, row_bytes: int) -> None:
-        for peer, n in enumerate(splits):
-            if self._same_D[peer]:
-                self.intra += n * row_bytes
-            else:
-                self.inter += n * row_bytes
-
-    @property
-    def total(self) -> int:
-        return self.intra + self.inter
-
-
-class SparseAllGather:
-    """Materialize this rank's replica rows (ordered like ``layout.replica_E``)."""
-
-    def __init__(self, rows_SP: torch.Tensor, layout: GatherLayout, group, traffic: Traffic):
-        self.layout, self.group, self.traffic = layout, group, traffic
-        self.replica_RP = rows_SP.new_empty(layout.replica_E.numel(), rows_SP.shape[1])
-        self._rows_SP = rows_SP.detach()
+    def __init__(self, layout: GatherLayout, group):
+        self.layout, self.group = layout, group
         self._work = None
         self._recv = None
         self.sent = 0  # bytes this rank sent for this collective
 
+    def _issue(self, source, send_rows, send_splits, recv_splits, *, async_op) -> None:
+        send = source.index_select(0, send_rows.to(source.device))
+        self._recv = source.new_empty(sum(recv_splits), source.shape[1])
+        self.sent += send.numel() * send.element_size()
+        self._work = dist.all_to_all_single(self._recv, send, output_split_sizes=recv_splits,
+                                            input_split_sizes=send_splits, group=self.group, async_op=async_op)
+
+    def _wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+
+class SparseAllGather(_Phases):
+    """Materialize this rank's replica rows (ordered like ``layout.replica_E``)."""
+
+    def __init__(self, rows_SP: torch.Tensor, layout: GatherLayout, group):
+        super().__init__(layout, group)
+        self.replica_RP = rows_SP.new_empty(layout.replica_E.numel(), rows_SP.shape[1])
+        self._rows_SP = rows_SP.detach()
+
     def start(self) -> "SparseAllGather":
         if self.layout.phases:
-            self._work, self._recv = self._issue(self.layout.phases[0], self._rows_SP, async_op=True)
+            phase = self.layout.phases[0]
+            self._issue(self._rows_SP, phase.send_rows, phase.send_splits, phase.recv_splits, async_op=True)
         return self
 
     @property
@@ -64,45 +58,27 @@ class SparseAllGather:
         return self._work is not None and not self._work.is_completed()
 
     def finish(self) -> torch.Tensor:
-        phases = self.layout.phases
-        if phases:
-            self._land(phases[0])
-        for phase in phases[1:]:
-            self._work, self._recv = self._issue(phase, self.replica_RP, async_op=False)
-            self._land(phase)
+        for i, phase in enumerate(self.layout.phases):
+            if i:
+                self._issue(self.replica_RP, phase.send_rows, phase.send_splits, phase.recv_splits, async_op=False)
+            self._wait()
+            self.replica_RP.index_copy_(0, phase.recv_rows.to(self.replica_RP.device), self._recv)
         return self.replica_RP
 
-    def _issue(self, phase, source, *, async_op):
-        send = source.index_select(0, phase.send_rows.to(source.device))
-        recv = source.new_empty(sum(phase.recv_splits), source.shape[1])
-        self.traffic.count(phase.send_splits, source.shape[1] * source.element_size())
-        self.sent += send.numel() * send.element_size()
-        return _exchange(send, recv, phase.send_splits, phase.recv_splits, self.group, async_op), recv
 
-    def _land(self, phase) -> None:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-        self.replica_RP.index_copy_(0, phase.recv_rows.to(self.replica_RP.device), self._recv)
-
-
-class SparseReduceScatter:
+class SparseReduceScatter(_Phases):
     """Return every replica's gradient to the owner of its expert, summed per node on the way.
 
     ``finish()`` returns (owned row indices, gradients) to be summed into the owned rows'
     gradient with ``index_add_`` (in the caller's precision)."""
 
-    def __init__(self, replica_grad_RP: torch.Tensor, layout: GatherLayout, group, traffic: Traffic):
-        self.layout, self.group, self.traffic = layout, group, traffic
+    def __init__(self, replica_grad_RP: torch.Tensor, layout: GatherLayout, group):
+        super().__init__(layout, group)
         self.grad_RP = replica_grad_RP.detach().clone() if len(layout.phases) > 1 else replica_grad_RP.detach()
-        self._work = None
-        self._recv = None
-        self.sent = 0
 
     def start(self) -> "SparseReduceScatter":
-        phases = self.layout.phases
-        if phases:
-            self._work, self._recv = self._issue(phases[-1], async_op=True)
+        if self.layout.phases:
+            self._issue_reversed(self.layout.phases[-1], async_op=True)
         return self
 
     def finish(self) -> tuple:
@@ -112,23 +88,13 @@ class SparseReduceScatter:
         self._wait()
         if len(phases) > 1:
             # Relays add the node's partial sums into their own replica gradient, then send on.
-            last = phases[-1]
-            self.grad_RP.index_add_(0, last.send_rows.to(self.grad_RP.device), self._recv)
-            self._work, self._recv = self._issue(phases[0], async_op=False)
+            self.grad_RP.index_add_(0, phases[-1].send_rows.to(self.grad_RP.device), self._recv)
+            self._issue_reversed(phases[0], async_op=False)
         return phases[0].send_rows.to(self._recv.device), self._recv
 
-    def _issue(self, phase, *, async_op):
+    def _issue_reversed(self, phase, *, async_op) -> None:
         # Reversed: what was received is sent back, what was sent comes back.
-        send = self.grad_RP.index_select(0, phase.recv_rows.to(self.grad_RP.device))
-        recv = self.grad_RP.new_empty(sum(phase.send_splits), self.grad_RP.shape[1])
-        self.traffic.count(phase.recv_splits, self.grad_RP.shape[1] * self.grad_RP.element_size())
-        self.sent += send.numel() * send.element_size()
-        return _exchange(send, recv, phase.recv_splits, phase.send_splits, self.group, async_op), recv
-
-    def _wait(self) -> None:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
+        self._issue(self.grad_RP, phase.recv_rows, phase.recv_splits, phase.send_splits, async_op=async_op)
 
 
 @torch.no_grad()

@@ -2,15 +2,8 @@
 
 Legend: T tokens, H hidden, F expert FFN hidden, E experts, K top-k.
 
-Code written for DeepSpeed MoE (Megatron-DeepSpeed style) moves by changing one import::
-
-    from deepspeed.moe.layer import MoE     ->     from ds_fssdp import MoE
-
-    expert = nn.Sequential(nn.Linear(H, F), nn.GELU(), nn.Linear(F, H))
-    self.moe = MoE(hidden_size=H, expert=expert, num_experts=8, ep_size=4, k=2)
-    out, l_aux, exp_counts = self.moe(x)
-
-and ``ds_fssdp.initialize`` in place of ``deepspeed.initialize`` (with an ``"fssdp"`` section).
+Code written for DeepSpeed MoE moves by changing one import (README, "Coming from DeepSpeed MoE")
+and calling ``ds_fssdp.initialize`` in place of ``deepspeed.initialize``.
 
 Same constructor, same RNG draws at construction (same seed: the same initial weights as
 DeepSpeed's layer: every expert a copy of the template, the gate an ``nn.Linear(H, E,
@@ -32,15 +25,10 @@ The gate reproduces ``deepspeed.moe.sharded_moe.TopKGate`` exactly, dropless:
 So with the same weights and the same RNG state the outputs, ``l_aux``, ``exp_counts`` and all
 gradients equal DeepSpeed's layer with ``drop_tokens=False`` (fp32 summation order).
 
-``ep_size=N`` is the FSSDP group size (``fssdp.group_size``): groups of N consecutive ranks each
-hold every expert once, and the ranks at the same position in every group average their experts'
-gradients (DeepSpeed's expert-data-parallel groups). Left out (None), ``fssdp.group_size``
-decides (default: the whole world). Every layer must ask for the same size, and a
-``fssdp.group_size`` that differs is refused, both naming the values.
-
-Moot under FSSDP, accepted and logged once: ``capacity_factor``, ``eval_capacity_factor``, ``min_capacity``, ``drop_tokens``, ``use_rts``
-(FSSDP is dropless; with ``drop_tokens=True`` DeepSpeed would drop tokens beyond capacity, FSSDP
-keeps them), ``use_tutel``, ``enable_expert_tensor_parallelism`` (experts are never split).
+``ep_size=N`` is the FSSDP group size (``fssdp.group_size``; the ranks at the same position in
+every group are DeepSpeed's expert-data-parallel groups). Moot under FSSDP, accepted and logged
+once: ``capacity_factor``, ``eval_capacity_factor``, ``min_capacity``, ``drop_tokens`` (FSSDP is
+dropless), ``use_rts``, ``use_tutel``, ``enable_expert_tensor_parallelism`` (experts are never split).
 
 Expert templates: ``nn.Sequential(nn.Linear(H, F), nn.GELU(), nn.Linear(F, H))`` with exact-erf
 GELU; anything else raises ``ValueError``. Biases are supported without a per-expert bias in
@@ -221,57 +209,6 @@ class MoE(nn.Module):
             coef = F.softmax(self.coefficient(hidden_states), dim=-1)
             out = out * coef[..., 0:1] + out_mlp * coef[..., 1:]
         return out, l_aux, exp_counts
-
-    # -- weights in deepspeed.moe.layer.MoE's layout ----------------------------------------------
-    @torch.no_grad()
-    def deepspeed_state_dict(self) -> dict:
-        """This layer's weights under ``deepspeed.moe.layer.MoE``'s state-dict keys (all experts, as
-        with ep_size=1). Collective once ``ds_fssdp.initialize`` has sharded the experts."""
-        tensors = self.moe.export_experts()
-        state = self.deepspeed_layout(tensors["w_a"], tensors["w_b"], self.moe.gate.weight, self.expert_bias)
-        if self.use_residual:
-            state.update({f"mlp.{k}": v.detach().clone() for k, v in self.mlp.state_dict().items()})
-            state.update({f"coefficient.{k}": v.detach().clone() for k, v in self.coefficient.state_dict().items()})
-        return state
-
-    def deepspeed_layout(self, w_a_EXF, w_b_EFX, gate_EH, expert_bias_EH=None) -> dict:
-        """Expert and gate tensors of this layer (weights or their gradients) under DeepSpeed MoE's
-        keys; X is H, or H + 1 with the bias column."""
-        H = self.hidden_size
-        state = {"deepspeed_moe.gate.wg.weight": gate_EH.detach().clone()}
-        for e in range(self.num_experts):
-            prefix = f"deepspeed_moe.experts.deepspeed_experts.{e}"
-            state[f"{prefix}.0.weight"] = w_a_EXF[e, :H].t().contiguous()
-            if self._bias_column:
-                state[f"{prefix}.0.bias"] = w_a_EXF[e, H].clone()
-            state[f"{prefix}.2.weight"] = w_b_EFX[e, :, :H].t().contiguous()
-            if expert_bias_EH is not None:
-                state[f"{prefix}.2.bias"] = expert_bias_EH[e].detach().clone()
-        return state
-
-    @torch.no_grad()
-    def load_deepspeed_state_dict(self, state: dict) -> None:
-        """Load weights saved from a ``deepspeed.moe.layer.MoE`` with all experts (ep_size=1, or
-        gathered); keys as :meth:`deepspeed_state_dict` writes them."""
-        H = self.hidden_size
-        mine = self.deepspeed_state_dict()
-        if set(state) != set(mine):
-            raise KeyError(f"load_deepspeed_state_dict: keys differ: missing {sorted(set(mine) - set(state))}, "
-                           f"unexpected {sorted(set(state) - set(mine))}")
-        self.moe.gate.weight.copy_(state["deepspeed_moe.gate.wg.weight"])
-        tensors = self.moe.export_experts()
-        for e in range(self.num_experts):
-            prefix = f"deepspeed_moe.experts.deepspeed_experts.{e}"
-            tensors["w_a"][e, :H] = state[f"{prefix}.0.weight"].t()
-            tensors["w_b"][e, :, :H] = state[f"{prefix}.2.weight"].t()
-            if self._bias_column:
-                tensors["w_a"][e, H] = state[f"{prefix}.0.bias"]
-            if self.expert_bias is not None:
-                self.expert_bias[e].copy_(state[f"{prefix}.2.bias"])
-        self.moe.import_experts(tensors)
-        if self.use_residual:
-            self.mlp.load_state_dict({k[4:]: v for k, v in state.items() if k.startswith("mlp.")})
-            self.coefficient.load_state_dict({k[12:]: v for k, v in state.items() if k.startswith("coefficient.")})
 
 
 def _log_moot_once(**args) -> None:

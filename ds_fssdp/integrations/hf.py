@@ -1,61 +1,17 @@
-"""Train Hugging Face ``transformers`` MoE models with FSSDP: in-place conversion and the HF Trainer.
+"""Train Hugging Face ``transformers`` MoE models with FSSDP: in-place conversion and the HF Trainer
+(README: "Hugging Face models and the Trainer", "Big models in and out").
 
-Every family whose experts module follows transformers' experts contract
-(``@use_experts_implementation``: about 55 causal-LM families in transformers 5.x, among them
-Mixtral, Qwen2/3-MoE, Qwen3.5-MoE, Qwen3-Next, OLMoE, DeepSeek-V2/V3, GLM-4.5, GPT-OSS, MiniMax-M2,
-PhiMoE, GraniteMoE) converts: :func:`convert` replaces each **experts module** by an
-:class:`~ds_fssdp.integrations.hf_experts.FSSDPHFExperts` holding the same weights, and keeps the
-family's block, router, shared experts and scaling exactly as HF wrote them. The expert math is
-read off the module (layout flags, its own ``_apply_gate`` / ``act_fn``); a model without such a
-module, or whose experts compute something ds_fssdp's expert variants do not, is refused with
-:class:`UnsupportedModelError` naming its model type and what is missing.
-
-With the HF Trainer the one line a user adds is the conversion, before building the Trainer::
-
-    import ds_fssdp.integrations.hf as fssdp_hf
-
-    model = AutoModelForCausalLM.from_pretrained(...)          # or from_config
-    model = fssdp_hf.convert(model)                             # <- the one line
-    args = TrainingArguments(..., deepspeed="ds_configs/hf_fssdp.json")   # has an "fssdp" section
-    trainer = Trainer(model=model, args=args, ...)
-    trainer.train()                    # checkpoints (save_strategy) and resume_from_checkpoint work
-    trainer.save_model(out_dir)        # every rank writes its own experts (save_pretrained below)
-
-launched as usual (``deepspeed --num_gpus N train.py`` or ``torchrun --nproc_per_node N train.py``).
-``convert`` routes ``deepspeed.initialize`` (which accelerate looks up at call time) to
-``ds_fssdp.initialize``; models without FSSDP experts still get plain DeepSpeed from it.
-
-Exact (fp32): before training, the converted model's logits and loss (router aux loss included:
-HF still records the router logits) equal the original's. Gradient checkpointing
-(``gradient_checkpointing_enable()`` / ``TrainingArguments(gradient_checkpointing=True)``) is
-exact too: a recomputed experts forward replays its iteration's plan, route and replicas.
-Trainer checkpoints go through the engine's ``save_checkpoint`` (DeepSpeed's files plus every
-expert's weights, masters and optimizer moments keyed by (layer, expert)), so ``save_strategy``
-and ``resume_from_checkpoint`` work like with plain DeepSpeed.
-
-Routers with a selection bias (``e_score_correction_bias``: DeepSeek-V3 family, MiniMax-M2, ...):
-with ``fssdp.router_bias_update_rate`` > 0 the bias is trained with DeepSeek-V3's
-auxiliary-loss-free rule after every optimizer step (transformers never updates it).
-
-PEFT LoRA on the experts (``LoraConfig(target_parameters=["mlp.experts.gate_up_proj",
-"mlp.experts.down_proj"])``), applied before or after ``convert``: the frozen base experts stay
-sharded and each expert's factors are applied inside FSSDP's expert compute
-(:mod:`ds_fssdp.integrations.peft_lora`).
-
-Frozen experts (``requires_grad_(False)`` on an experts module's tensors before initialize) stay
-frozen: no gradient, no optimizer state, no reduce.
-
-ZeRO stage 3 works (tests/test_hf_trainer.py) for a model built outside ``deepspeed.zero.Init``:
-create it before ZeRO-3 ``TrainingArguments`` (HF builds models under ``zero.Init`` once those
-exist), or load it with :func:`from_pretrained` in any order (the dense part partitioned while it
-loads, the experts never); experts already partitioned by ``zero.Init`` are refused by name.
-
-Big models (``hf_load.py``, ``hf_save.py``): :func:`from_pretrained` / :func:`from_config` build the
-converted model without any rank reading or drawing an expert it does not own;
-:func:`save_pretrained` (collective; ``trainer.save_model`` and ``model.save_pretrained`` go through
-it, a DeepSpeed engine is unwrapped) writes the Hugging Face directory with each rank writing its own
-experts. An experts module that computes more than its gate-weighted expert MLPs is refused by name
-(``hf_forward.py``).
+:func:`convert` replaces each **experts module** on transformers' experts contract
+(``@use_experts_implementation``) by an :class:`~ds_fssdp.integrations.hf_experts.FSSDPHFExperts`
+holding the same weights, and keeps the family's block, router, shared experts and scaling exactly
+as HF wrote them. The expert math is read off the module (layout flags, its own ``_apply_gate`` /
+``act_fn``); a model without such a module, or whose experts compute something ds_fssdp's expert
+variants do not, is refused with :class:`UnsupportedModelError` naming its model type and what is
+missing. ``convert`` also routes ``deepspeed.initialize`` (which accelerate looks up at call time)
+to ``ds_fssdp.initialize`` (models without FSSDP experts still get plain DeepSpeed from it) and the
+Trainer's ``save_model`` to :func:`save_pretrained` (``hf_save.py``). Under ZeRO 3 build the model
+outside ``deepspeed.zero.Init`` or load it with :func:`from_pretrained` (``hf_load.py``): experts
+partitioned by ``zero.Init`` are refused by name. PEFT LoRA on the experts: ``peft_lora.py``.
 
 Saving: the state dict of a converted model holds the experts as ``<...>.experts.w_gate`` etc. (or
 not at all once sharded). :func:`unconvert` puts every original HF experts module back in place
@@ -112,11 +68,11 @@ def convert(model: nn.Module, *, route_initialize: bool = True) -> nn.Module:
             raise UnsupportedModelError(str(err)) from None
         # A PEFT model's experts sit inside LoRA wrappers (``experts.base_layer.base_layer``).
         site = peft_lora.strip_wrappers(name)
-        _bind_router_bias(model, site, module)
-        _set_submodule(model, name, module)
-        peft_lora.adopt(model.get_submodule(site), module, where=where)
         block_name, _, child = site.rpartition(".")
         block = model.get_submodule(block_name) if block_name else model
+        _bind_router_bias(block, block_name, module)
+        model.set_submodule(name, module)
+        peft_lora.adopt(model.get_submodule(site), module, where=where)
         module._adopt_handle = block.register_forward_pre_hook(peft_lora.adopt_hook(child, where))
         shape = module.spec.cost_shape(1)
         module.side = bind_shared(block, child, hidden=shape.hidden, ffn=shape.ffn, matrices=shape.matrices)
@@ -145,7 +101,7 @@ def unconvert(model: nn.Module) -> nn.Module:
     engine must not train the model afterwards (its expert shards are no longer part of it)."""
     like = _dense_like(model)
     for name, module in converted_experts(model):
-        _set_submodule(model, name, module.to_hf_module(like))
+        model.set_submodule(name, module.to_hf_module(like))
         if module._adopt_handle is not None:
             module._adopt_handle.remove()
         if module.side is not None:
@@ -197,10 +153,8 @@ def _top_k(model):
     return None
 
 
-def _bind_router_bias(model: nn.Module, experts_name: str, module: FSSDPHFExperts) -> None:
+def _bind_router_bias(block: nn.Module, block_name: str, module: FSSDPHFExperts) -> None:
     """The block's (or its router's) ``e_score_correction_bias`` of [E], if the family has one."""
-    block_name = experts_name.rpartition(".")[0]
-    block = model.get_submodule(block_name) if block_name else model
     candidates = [(block_name, block)] + [(f"{block_name}.{n}" if block_name else n, c)
                                           for n, c in block.named_children()]
     for owner_name, owner in candidates:
@@ -216,12 +170,6 @@ def _dense_like(model: nn.Module):
         if p.device.type != "meta":
             return p
     return None
-
-
-def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, module)
 
 
 __all__ = ["UnsupportedModelError", "convert", "converted_experts", "unconvert", "hf_state_dict", "initialize",

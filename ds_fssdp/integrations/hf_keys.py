@@ -30,13 +30,15 @@ by their position among the rank's experts, and the expert's index is put back w
 from __future__ import annotations
 
 import copy
+import os
 import re
 from dataclasses import dataclass, field
 from functools import partial
+from types import SimpleNamespace
 
 import torch
 
-from ds_fssdp.integrations.safetensors_io import _runs
+from ds_fssdp.integrations.safetensors_io import Planned, _runs
 from ds_fssdp.runtime.checkpoint.files import CheckpointError
 
 # Ops that act on each expert alone: the stacking of per-expert tensors on dim 0, and ops on dims >= 1.
@@ -77,11 +79,9 @@ def plan_experts(model, modules: list, files, weight_mapping, *, model_type: str
     from transformers.core_model_loading import dot_natural_key, rename_source_key
     renamings, converters = split_mapping(weight_mapping)
     by_pattern = {p: c for c in converters for p in c.source_patterns}
-    sources = {}
-    for name, module in modules:
-        for attr, shape in hf_shapes(module).items():
-            target = f"{name}.{attr}" if name else attr
-            sources[target] = TensorSource(target=target, attr=attr, shape=shape)
+    plan = {name: {attr: TensorSource(target=f"{name}.{attr}" if name else attr, attr=attr, shape=shape)
+                   for attr, shape in hf_shapes(module).items()} for name, module in modules}
+    sources = {s.target: s for tensors in plan.values() for s in tensors.values()}
     # What transformers matches names against (its meta state dict): the dense keys and the HF
     # tensors of the converted modules.
     known = dict.fromkeys(model.state_dict().keys(), True)
@@ -103,13 +103,9 @@ def plan_experts(model, modules: list, files, weight_mapping, *, model_type: str
             source.keys.setdefault(pattern, {})[_expert_index(pattern, key)] = key
         else:
             source.keys.setdefault(pattern, []).append(key)
-    plan = {}
     for name, module in modules:
-        plan[name] = {}
-        for attr in hf_shapes(module):
-            source = sources[f"{name}.{attr}" if name else attr]
+        for source in plan[name].values():
             _check(source, files, model_type=model_type, num_experts=module.num_experts, config=model.config)
-            plan[name][attr] = source
     return plan
 
 
@@ -183,13 +179,10 @@ def _check_ops(source: TensorSource, *, model_type: str) -> None:
                 "does not act on each expert alone; ds_fssdp cannot read only a rank's own experts of this family")
 
 
-def read_owned(source: TensorSource, files, owned_E: torch.Tensor, *, config, dtype=None) -> torch.Tensor:
-    """The experts ``owned_E`` (ascending) of one HF tensor, [S, ...]: only their bytes are read."""
-    owned = [int(e) for e in owned_E]
-    if not owned:
-        return torch.empty((0, *source.shape[1:]), dtype=dtype or torch.float32)
-    out = _convert(source, files.read, owned, config=config)
-    return out if dtype is None else out.to(dtype)
+def read_owned(source: TensorSource, files, owned_E: torch.Tensor, *, config, dtype) -> torch.Tensor:
+    """The experts ``owned_E`` (ascending, at least one) of one HF tensor, [S, ...] in ``dtype``: only
+    their bytes are read."""
+    return _convert(source, files.read, [int(e) for e in owned_E], config=config).to(dtype)
 
 
 def _convert(source: TensorSource, read, owned: list, *, config) -> torch.Tensor:
@@ -203,21 +196,13 @@ def _convert(source: TensorSource, read, owned: list, *, config) -> torch.Tensor
                 conv.add_tensor(source.target, keys[e], pattern, partial(read, keys[e]))
         else:
             conv.add_tensor(source.target, keys[0], pattern, partial(read, keys[0], owned))
-    shape = (len(owned), *source.shape[1:])
-    out = conv.convert(source.target, model=_Shapes({source.target: shape}), config=config)
+    # What a converter's ops ask the model for (``get_parameter(name).shape``): the target's shape
+    # with this rank's number of experts.
+    shapes = {source.target: (len(owned), *source.shape[1:])}
+    model = SimpleNamespace(get_parameter=lambda name: torch.empty(shapes[name], device="meta"))
+    out = conv.convert(source.target, model=model, config=config)
     value = out[source.target]
     return value[0] if isinstance(value, list) else value
-
-
-class _Shapes:
-    """What a converter's ops ask the model for (``get_parameter(name).shape``): the target's shape
-    with this rank's number of experts."""
-
-    def __init__(self, shapes: dict):
-        self.shapes = shapes
-
-    def get_parameter(self, name):
-        return torch.empty(self.shapes[name], device="meta")
 
 
 def _meta(entry, rows=None):
@@ -231,10 +216,7 @@ def _with_index(key: str, pattern: str, e: int) -> str:
 
 
 def _sample(keys: dict) -> list:
-    out = []
-    for v in keys.values():
-        out.append(next(iter(v.values())) if isinstance(v, dict) else v[0])
-    return out
+    return [next(iter(v.values())) if isinstance(v, dict) else v[0] for v in keys.values()]
 
 
 def _shapes(source, files) -> str:
@@ -242,7 +224,6 @@ def _shapes(source, files) -> str:
 
 
 def _dir(files) -> str:
-    import os
     return os.path.dirname(files.paths[0]) if files.paths else "no files"
 
 
@@ -272,7 +253,6 @@ class SavedExperts:
 
     @property
     def planned(self) -> list:
-        from ds_fssdp.integrations.safetensors_io import Planned
         return [Planned(k, self.dtype, s) for k, s in self.shapes.items()]
 
     def _revert(self, tensors: dict) -> dict:
@@ -301,10 +281,8 @@ class SavedExperts:
 
     def values(self, hf_tensors: dict, owned_E: torch.Tensor) -> list:
         """``[(key, tensor, first_row)]`` of a rank's experts ``owned_E`` (ascending) from their HF
-        tensors (attr -> [S, ...], in this object's dtype)."""
+        tensors (attr -> [S, ...], in this object's dtype; at least one expert)."""
         owned = [int(e) for e in owned_E]
-        if not owned:
-            return []
         out = []
         for key, t in self._revert(hf_tensors).items():
             if key in self.fused:

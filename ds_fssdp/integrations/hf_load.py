@@ -3,21 +3,16 @@
 Legend: E experts, S experts a rank owns, P elements per expert row.
 
 :func:`from_pretrained` returns what ``convert(AutoModelForCausalLM.from_pretrained(...))`` returns,
-without any rank holding the whole model: it starts DeepSpeed's comm (restart-safe,
-``runtime/elastic.init_distributed``) to learn its rank and the FSSDP layout from the config's
-``fssdp`` section (``group_size``, ``ranks_per_node``), then runs transformers' own
-``from_pretrained`` (config, kwargs, revision, remote code, dtype, file resolution, the skeleton on
-the meta device, the dense weights through transformers' loader with its key renames), with one
-step added where transformers would start reading weights (``PreTrainedModel._load_pretrained_model``,
-wrapped for the call): the meta skeleton's experts modules are converted (an unsupported family is
-refused by name here, before anything is read), the experts' checkpoint keys are planned from the
-file headers and checked on every rank alike (``hf_keys.plan_experts``: missing file or key,
-misshapen key, expert count against the config, a conversion that does not act per expert: all
-raised before any collective), then each experts module reads exactly its own experts
-(``planner.initial_ownership``, the stage's own decision; with EDP groups the experts of the
-rank's position in its group) into rows on the engine's device (``adopt_owned_rows``). The dense
-weights then load as transformers loads them; the experts' keys are not in the converted model, so
-transformers never reads them. ``ds_fssdp.initialize`` takes the rows as they are (no scatter).
+without any rank holding the whole model (README, "Loading"): it starts DeepSpeed's comm
+(``runtime/elastic.init_distributed``) to learn its rank and the FSSDP layout from the config's
+``fssdp`` section, then runs transformers' own ``from_pretrained`` with one step added where
+transformers would start reading weights (``PreTrainedModel._load_pretrained_model``, wrapped for
+the call): the meta skeleton's experts modules are converted (an unsupported family is refused by
+name here), the experts' checkpoint keys are planned from the file headers and checked on every
+rank alike (``hf_keys.plan_experts``: all raised before any collective), then each experts module
+reads exactly its own experts (``planner.initial_ownership``, the stage's own decision) into rows
+on the engine's device (``adopt_owned_rows``). The experts' keys are not in the converted model, so
+transformers' loader never reads them. ``ds_fssdp.initialize`` takes the rows as they are.
 
 :func:`from_config` builds a fresh model the same way: the dense part initialized by the family's
 own ``_init_weights`` under ``seed``, the experts lazy; ``initialize`` draws each rank's own experts
@@ -36,6 +31,7 @@ import re
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -53,9 +49,8 @@ CHUNK_BYTES = 64 * 2**20
 # HF kwargs the loader cannot honour: each is refused by name.
 REFUSED_KWARGS = {
     "device_map": "DeepSpeed places the model, each rank keeps its own experts",
-    "tp_plan": "transformers' tensor parallelism would split the experts itself (use DeepSpeed AutoTP with FSSDP)",
-    "tp_size": "transformers' tensor parallelism would split the experts itself (use DeepSpeed AutoTP with FSSDP)",
-    "device_mesh": "transformers' tensor parallelism would split the experts itself (use DeepSpeed AutoTP with FSSDP)",
+    **dict.fromkeys(("tp_plan", "tp_size", "device_mesh"), "transformers' tensor parallelism would split the experts "
+                    "itself (use DeepSpeed AutoTP with FSSDP)"),
     "gguf_file": "each rank reads its own experts from safetensors files only",
     "state_dict": "each rank reads its own experts from the checkpoint's safetensors files",
 }
@@ -102,12 +97,13 @@ def layout_of(ds_config: dict, *, start_comm: bool = True) -> Layout:
     from deepspeed.accelerator import get_accelerator
 
     from ds_fssdp.runtime.elastic import init_distributed
+    from ds_fssdp.runtime.engine import engine_device
     from ds_fssdp.runtime.zero3 import zero_stage
     fcfg = FSSDPConfig.from_ds_config(ds_config)
     launched = all(k in os.environ for k in ("RANK", "WORLD_SIZE")) or "OMPI_COMM_WORLD_RANK" in os.environ
     if start_comm and (launched or dist.is_initialized()):  # a process without a launcher is one rank
         init_distributed(backend=get_accelerator().communication_backend_name())
-        device = _engine_device()
+        device = engine_device()
         if device.type != "cpu" and device.index is not None:
             get_accelerator().set_device(device.index)  # zero.Init and the rows go to this rank's device
     if not dist.is_initialized():
@@ -164,8 +160,10 @@ def from_config(config, *, ds_config, seed: int = 0, **hf_kwargs):
     import transformers
 
     from ds_fssdp.integrations.hf import convert, converted_experts, expert_keys
+    from ds_fssdp.runtime.zero3 import zero_stage
     cfg = read_config(ds_config)
-    layout = layout_of(cfg, start_comm=_zero3(cfg))
+    zero3 = zero_stage(cfg) == 3
+    layout = layout_of(cfg, start_comm=zero3)
     with _hf_zero3_off(), torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, **hf_kwargs)
     convert(model, route_initialize=False)
@@ -173,7 +171,7 @@ def from_config(config, *, ds_config, seed: int = 0, **hf_kwargs):
         object.__setattr__(module, "_fresh_init", (layer_seed(seed, name), model._init_weights))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        if _zero3(cfg):
+        if zero3:
             from ds_fssdp.integrations.hf_zero3 import init_dense_partitioned
             init_dense_partitioned(model, cfg)
         else:
@@ -201,11 +199,6 @@ def layer_seed(seed: int, name: str) -> int:
     return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**62)
 
 
-def _zero3(cfg: dict) -> bool:
-    from ds_fssdp.runtime.zero3 import zero_stage
-    return zero_stage(cfg) == 3
-
-
 def _route() -> None:
     from ds_fssdp.integrations.hf import route_deepspeed_initialize
     from ds_fssdp.integrations.hf_save import route_trainer_save
@@ -218,6 +211,7 @@ def _load(layout: Layout, cfg: dict, original, model, state_dict, checkpoint_fil
     from ds_fssdp.integrations.hf import UnsupportedModelError, convert, converted_experts
     from ds_fssdp.integrations.hf_keys import UnmappableExpertsError, plan_experts
     from ds_fssdp.integrations.safetensors_io import CheckpointFiles
+    from ds_fssdp.runtime.engine import engine_device
     model_type = getattr(model.config, "model_type", None)
     if state_dict is not None or not checkpoint_files:
         raise ValueError("ds_fssdp.integrations.hf.from_pretrained reads each rank's experts from the checkpoint's "
@@ -227,7 +221,7 @@ def _load(layout: Layout, cfg: dict, original, model, state_dict, checkpoint_fil
                                     "quantized (quantization_config); ds_fssdp trains unquantized experts only")
     if load_config.device_map is not None:
         raise ValueError(f"ds_fssdp.integrations.hf.from_pretrained: device_map ({load_config.device_map!r}) is not "
-                         "supported: DeepSpeed places the model, each rank keeps its own experts")
+                         f"supported: {REFUSED_KWARGS['device_map']}")
     convert(model, route_initialize=False)  # on the meta skeleton: refuses an unsupported family by name
     modules = converted_experts(model)
     files = CheckpointFiles(checkpoint_files)
@@ -235,7 +229,7 @@ def _load(layout: Layout, cfg: dict, original, model, state_dict, checkpoint_fil
         plan = plan_experts(model, modules, files, load_config.weight_mapping, model_type=model_type)
     except UnmappableExpertsError as err:
         raise UnsupportedModelError(str(err)) from None
-    device = _engine_device()
+    device = engine_device()
     read = 0
     for name, module in modules:
         read += _read_module(module, plan[name], files, layout, config=model.config, device=device)
@@ -273,7 +267,7 @@ def _read_module(module, sources: dict, files, layout: Layout, *, config, device
         part_E = owned_E[i:i + step]
         hf = {attr: read_owned(src, files, part_E, config=config, dtype=dtype) for attr, src in sources.items()}
         nbytes += sum(t.numel() * t.element_size() for t in hf.values())
-        for name, tensor in to_fssdp(_Tensors(hf), module.layout, copy=False).items():
+        for name, tensor in to_fssdp(SimpleNamespace(**hf), module.layout, copy=False).items():
             dest[name][i:i + part_E.numel()].copy_(tensor)
         del hf
     if whole:  # installed after transformers' loader, which would take parameters here for missing weights
@@ -284,18 +278,6 @@ def _read_module(module, sources: dict, files, layout: Layout, *, config, device
         module.adopt_owned_rows(OwnedRows(owner_E=owner_E, owned_E=owned_E, rows_SP=rows_SP,
                                           requires_grad=requires_grad, group_rank=layout.group_rank))
     return nbytes
-
-
-class _Tensors:
-    """Attribute access to HF tensors by name (what ``to_fssdp`` reads off an experts module)."""
-
-    def __init__(self, tensors: dict):
-        self.__dict__.update(tensors)
-
-
-def _engine_device():
-    from ds_fssdp.runtime.engine import engine_device
-    return engine_device()
 
 
 @contextmanager

@@ -14,20 +14,12 @@ shape and dtype, known on every rank), and each rank of the first FSSDP group wr
 experts' byte ranges into them, one layer at a time (``safetensors_io.ShardFile``): no expert
 crosses a link, and no rank holds more than one layer's experts beyond its own.
 
-Atomic: everything goes into ``.tmp-<name>`` beside ``out_dir`` (same filesystem); rank 0 writes the
-index last and renames the directory into place. An ``out_dir`` that already holds a model's files
-(weights, an index, ``config.json``: :data:`MODEL_FILES`) is refused before anything is written; one
-holding only other things (the Trainer's ``output_dir`` with its ``checkpoint-N`` folders and logs)
-gets the files moved in one by one, the index last, so the model becomes loadable only once whole.
-A failure on any rank (a full disk: ``OSError(ENOSPC)``) fails every rank alike, the temporary
-directory and anything moved are removed, and ``out_dir`` is left as it was.
-
-``trainer.save_model(out_dir)`` on a converted model goes through it (:func:`route_trainer_save`,
-installed by ``convert`` and the loaders): the Trainer calls ``save_model`` on every rank, and under
-DeepSpeed it would gather a state dict without the sharded experts. ``model.save_pretrained(out_dir)``
-on a converted model goes through it too (:func:`route_model_save`; transformers' own would write
-FSSDP's tensor names), unless given the whole ``state_dict``. A DeepSpeed engine is unwrapped to its
-module. A PEFT model keeps the Trainer's and PEFT's own saving (the adapters are dense parameters).
+Atomic (README, "Saving"): everything goes into ``.tmp-<name>`` beside ``out_dir`` (same
+filesystem); rank 0 writes the index last and renames the directory into place, or moves the files
+in one by one, the index last, when ``out_dir`` holds other things (:data:`MODEL_FILES` there are
+refused without ``overwrite``). A failure on any rank fails every rank alike and leaves ``out_dir``
+as it was. ``trainer.save_model`` and ``model.save_pretrained`` on a converted model are routed here
+(:func:`route_trainer_save`, :func:`route_model_save`); a PEFT model keeps PEFT's own saving.
 """
 from __future__ import annotations
 
@@ -56,9 +48,6 @@ def save_pretrained(model, out_dir, *, max_shard_size="50GB", save_original_form
     Collective: every rank calls it. Returns ``out_dir``. ``overwrite``: a model's files already in
     ``out_dir`` are replaced (removed just before the new ones move in, the index last) instead of
     refused, as transformers' own save and the Trainer's ``save_model`` do."""
-    from ds_fssdp.integrations.hf import converted_experts
-    from ds_fssdp.integrations.hf_keys import SavedExperts
-    from ds_fssdp.integrations.safetensors_io import plan_shards
     for key, value in kw.items():
         if key == "safe_serialization" and value is not False:
             continue
@@ -83,19 +72,21 @@ def write_hf_dir(model, out_dir, *, dense, rows, dtype: torch.dtype, comm, max_s
     ``(owned_E, rows_SP)`` of one experts module, or None, asked one module at a time and dropped
     before the next."""
     from ds_fssdp.integrations.hf import converted_experts
+    from transformers.utils.hub import convert_file_size_to_int
+
     from ds_fssdp.integrations.hf_keys import SavedExperts
-    from ds_fssdp.integrations.safetensors_io import plan_shards
+    from ds_fssdp.integrations.safetensors_io import ShardFile, plan_shards
     out_dir = os.path.abspath(os.fspath(out_dir))
     modules = converted_experts(model)
     saved = [SavedExperts(model, name, module, dtype, original_format=save_original_format)
              for name, module in modules]
-    shards = plan_shards([p for s in saved for p in s.planned], max_bytes=_size(max_shard_size))
+    shards = plan_shards([p for s in saved for p in s.planned], max_bytes=convert_file_size_to_int(max_shard_size))
     tmp = os.path.join(os.path.dirname(out_dir), f".tmp-{os.path.basename(out_dir)}")
     comm.agree(f"preparing {out_dir}", lambda: _prepare(out_dir, tmp, overwrite), root_only=True)
     try:
         held = {}  # a failure on one rank (rank 0 holds the dense part) fails every rank alike
         comm.agree(f"gathering the dense part of {out_dir}", lambda: held.update(state=dense()))  # ZeRO-3: collective
-        files = [_expert_file(tmp, i, shard) for i, shard in enumerate(shards)]
+        files = [ShardFile(os.path.join(tmp, f"experts-{i:05d}.safetensors"), shard) for i, shard in enumerate(shards)]
         comm.agree(f"writing the dense part into {tmp}",
                    lambda: _write_dense(model, tmp, held["state"], files, max_shard_size, save_original_format),
                    root_only=True)
@@ -159,11 +150,6 @@ def _prepare(out_dir: str, tmp: str, overwrite: bool) -> None:
     os.makedirs(tmp)
 
 
-def _size(value) -> int:
-    from transformers.utils.hub import convert_file_size_to_int
-    return convert_file_size_to_int(value)
-
-
 def _saved_dtype(model) -> torch.dtype:
     """The dtype transformers saves the model in: its dense parameters' (the experts follow them,
     as ``hf_state_dict`` returns them)."""
@@ -202,15 +188,10 @@ def dense_state_dict(model) -> dict:
             for n, b in module.named_buffers(recurse=False):
                 if n not in module._non_persistent_buffers_set:
                     out[f"{prefix}.{n}" if prefix else n] = b.detach().cpu().clone()
-    if rank == 0:  # in state_dict order, without what state_dict leaves out (tied duplicates stay: transformers drops them)
+    if rank == 0:  # in state_dict order, without what it leaves out (tied duplicates stay: transformers drops them)
         keys = model.state_dict(keep_vars=True).keys()
         out = {k: out[k] for k in keys if k in out and k not in experts}
     return out
-
-
-def _expert_file(tmp: str, i: int, planned: list):
-    from ds_fssdp.integrations.safetensors_io import ShardFile
-    return ShardFile(os.path.join(tmp, f"experts-{i:05d}.safetensors"), planned)
 
 
 def _write_dense(model, tmp: str, dense: dict, files: list, max_shard_size, original_format: bool) -> None:

@@ -30,35 +30,29 @@ def load_dense_partitioned(model, files, load_config, ds_config: dict):
     from transformers.core_model_loading import convert_and_load_state_dict_in_model, dot_natural_key, rename_source_key
     from transformers.utils.loading_report import LoadStateDictInfo
 
-    from ds_fssdp.integrations.hf import converted_experts
     from ds_fssdp.integrations.hf_keys import split_mapping
     renamings, converters = split_mapping(load_config.weight_mapping)
     known = dict.fromkeys(model.state_dict(), True)
+
+    def renamed(key):
+        return rename_source_key(key, renamings, converters, model.base_model_prefix, known)[0]
+
     keys_of = defaultdict(list)  # module name -> checkpoint keys that land on its own tensors
     for key in sorted(files.keys(), key=dot_natural_key):
-        renamed, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, known)
-        if renamed in known:
-            keys_of[renamed.rpartition(".")[0]].append(key)
+        if renamed(key) in known:
+            keys_of[renamed(key).rpartition(".")[0]].append(key)
     rank = dist.get_rank()
-    tied = set(model.all_tied_weights_keys)
-    skip = {id(m) for _, m in converted_experts(model)}  # each rank holds its own experts already
     # Checkpoint keys landing nowhere, reported as transformers' loader reports them (the experts'
     # sources are expected: _keys_to_ignore_on_load_unexpected); the same on every rank.
     ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
-    unexpected = {k for k in files.keys() if not _lands(k, renamings, converters, model, known, ignore)}
+    unexpected = {k for k in files.keys() if renamed(k) not in known and not any(p.search(renamed(k)) for p in ignore)}
     missing = set()  # model tensors no key lands on: initialized below by the family's init, and named
-    for module_name, module, owner in in_init_order(model):
-        if id(module) in skip:
-            continue
-        params = [n for n, _ in module.named_parameters(recurse=False) if _full(module_name, n) not in tied]
-        buffers = [n for n, _ in module.named_buffers(recurse=False) if n not in module._non_persistent_buffers_set]
+
+    def fill(module_name, module, owner, params, buffers):
         keys = keys_of.get(module_name, [])
-        found = {rename_source_key(k, renamings, converters, model.base_model_prefix, known)[0] for k in keys}
-        missing |= {_full(module_name, n) for n in params + buffers} - found
+        missing.update({_full(module_name, n) for n in params + buffers} - {renamed(k) for k in keys})
         if rank != 0:  # the others read only the buffers (never partitioned)
-            wanted = {_full(module_name, n) for n in buffers}
-            keys = [k for k in keys if rename_source_key(k, renamings, converters, model.base_model_prefix,
-                                                         known)[0] in wanted]
+            keys = [k for k in keys if renamed(k) in {_full(module_name, n) for n in buffers}]
         loaded = set()
         if keys:
             info, _ = convert_and_load_state_dict_in_model(model, {k: files.read(k) for k in keys}, load_config)
@@ -68,44 +62,28 @@ def load_dense_partitioned(model, files, load_config, ds_config: dict):
         if lacking:
             with torch.no_grad():
                 owner._init_weights(module)  # what the checkpoint lacks (loaded tensors are flagged initialized)
-        if params:
-            partition(module, [getattr(module, n) for n in params], ds_config)
-        if params or buffers:
-            module._is_hf_initialized = True  # transformers' finalization leaves it alone
+
+    _partition_modules(model, ds_config, fill)
     model._weight_conversions = [c for c in load_config.weight_mapping or [] if c.was_used()]
     if missing and rank == 0:
         # Not in the returned info: transformers' finalization would replace them (already partitioned).
         logger.warning(f"fssdp: {len(missing)} tensors of the dense part are not in the checkpoint; initialized by "
                        f"the family's _init_weights and partitioned: {sorted(missing)[:8]}")
     # Tied weights are reported missing, as transformers' loader reports them: its finalization ties them.
-    return LoadStateDictInfo(missing_keys=set(tied), unexpected_keys=unexpected, mismatched_keys=set(), error_msgs=[],
-                             conversion_errors={}, skipped_pp_keys=set()), None
-
-
-def _lands(key: str, renamings, converters, model, known: dict, ignore: list) -> bool:
-    from transformers.core_model_loading import rename_source_key
-    renamed, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, known)
-    return renamed in known or any(p.search(renamed) for p in ignore)
+    return LoadStateDictInfo(missing_keys=set(model.all_tied_weights_keys), unexpected_keys=unexpected,
+                             mismatched_keys=set(), error_msgs=[], conversion_errors={}, skipped_pp_keys=set()), None
 
 
 def init_dense_partitioned(model, ds_config: dict) -> None:
     """A fresh model's dense part (meta; experts lazy): each module with parameters of its own
     materialized, initialized by the family's ``_init_weights`` on rank 0 and partitioned, in turn."""
-    from ds_fssdp.integrations.hf import converted_experts
-    skip = {id(m) for _, m in converted_experts(model)}
-    tied = set(model.all_tied_weights_keys)
-    for name, module, owner in in_init_order(model):
-        if id(module) in skip:
-            continue
-        params = [n for n, _ in module.named_parameters(recurse=False) if _full(name, n) not in tied]
-        buffers = [n for n, _ in module.named_buffers(recurse=False) if n not in module._non_persistent_buffers_set]
+
+    def fill(name, module, owner, params, buffers):
         _materialize(module, params + buffers)
         with torch.no_grad():
             owner._init_weights(module)  # every rank: buffers stay whole; the parameters come from rank 0
-        if params:
-            partition(module, [getattr(module, n) for n in params], ds_config)
-        if params or buffers:
-            module._is_hf_initialized = True
+
+    _partition_modules(model, ds_config, fill)
     for n, b in model.named_buffers():  # non-persistent ones (rotary tables): the family's init computes them
         if b.is_meta:
             owner, _, attr = n.rpartition(".")
@@ -114,6 +92,25 @@ def init_dense_partitioned(model, ds_config: dict) -> None:
             with torch.no_grad():
                 model._init_weights(m)
     model.tie_weights()
+
+
+def _partition_modules(model, ds_config: dict, fill) -> None:
+    """Every module but the experts (each rank holds its own already), in init order:
+    ``fill(name, module, owner, params, buffers)`` gives its own untied parameters and persistent
+    buffers their values, then the parameters are partitioned."""
+    from ds_fssdp.integrations.hf import converted_experts
+    skip = {id(m) for _, m in converted_experts(model)}
+    tied = set(model.all_tied_weights_keys)
+    for name, module, owner in in_init_order(model):
+        if id(module) in skip:
+            continue
+        params = [n for n, _ in module.named_parameters(recurse=False) if _full(name, n) not in tied]
+        buffers = [n for n, _ in module.named_buffers(recurse=False) if n not in module._non_persistent_buffers_set]
+        fill(name, module, owner, params, buffers)
+        if params:
+            partition(module, [getattr(module, n) for n in params], ds_config)
+        if params or buffers:
+            module._is_hf_initialized = True  # transformers' finalization leaves it alone
 
 
 def in_init_order(model):

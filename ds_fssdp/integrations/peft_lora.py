@@ -21,24 +21,18 @@ the factors of the experts a rank computes (``local_E``: owned, then replicas) t
 expert MLP (``ops.lora``). A gate/up fused target is split like the weights (``w_gate``/``w_up``
 take the gate/up columns of ``B``, both share ``A``).
 
-The factors stay ordinary dense parameters under DeepSpeed: every rank holds all of them and
-DeepSpeed averages their gradients with the rest of the dense model. They are r * (I + O) per
-expert and projection (r = 8 on Qwen3-30B-A3B: 1.6% of an expert), so keeping them with the
-experts' rows would buy little memory and cost a second sparse gather and reduce per layer.
+The factors stay ordinary dense parameters under DeepSpeed: r * (I + O) per expert and projection
+(r = 8 on Qwen3-30B-A3B: 1.6% of an expert), so keeping them with the experts' rows would buy
+little memory and cost a second sparse gather and reduce per layer.
 
-Both orders work: ``convert`` given a PEFT model (it converts the HF experts module inside the
-wrappers and adopts them), and PEFT applied to a converted model (the converted module shows the
-HF tensor names as empty stand-ins with ``ds_shape``, as ZeRO-3's partitioned parameters do, so
-PEFT's ``target_parameters`` match; the wrappers are adopted at the MoE block's next forward).
-``unconvert`` gives the wrappers their class back, so ``merge_and_unload`` works afterwards.
-
-What PEFT refuses for ``target_parameters`` (``lora_dropout``, ``use_dora``, ``lora_bias``,
-``fan_in_fan_out``, ...) PEFT refuses by name when the wrapper is created; ds_fssdp refuses, by
-name, LoRA on expert biases, and at ``ds_fssdp.initialize`` (before any collective) ZeRO stage 3
-(the factors would be partitioned) and re-materialization (``fssdp.rematerialize``: its backward
-recomputes the expert MLP outside autograd); merging is refused while converted.
+PEFT applied to a converted model finds the HF tensor names as empty stand-ins with ``ds_shape``
+(as ZeRO-3's partitioned parameters), so its ``target_parameters`` match; the wrappers are adopted
+at the MoE block's next forward. ``unconvert`` gives the wrappers their class back, so
+``merge_and_unload`` works afterwards. What is refused, and where: README, "LoRA on experts".
 """
 from __future__ import annotations
+
+import functools
 
 import torch.nn as nn
 
@@ -67,39 +61,34 @@ def wrapper_chain(site: nn.Module) -> list:
 
 
 # -- adoption ----------------------------------------------------------------------------------
-_WRAPPER_CLASS = None
-
-
+@functools.cache
 def fssdp_wrapper_class():
     """:class:`FSSDPParamWrapper`, defined on first use (PEFT is an optional dependency)."""
-    global _WRAPPER_CLASS
-    if _WRAPPER_CLASS is None:
-        from peft.tuners.lora.layer import ParamWrapper
+    from peft.tuners.lora.layer import ParamWrapper
 
-        class FSSDPParamWrapper(ParamWrapper):
-            """A ``ParamWrapper`` whose base experts are FSSDP's: the LoRA factors go into the
-            expert compute instead of a parametrization of the (sharded) expert tensor."""
+    class FSSDPParamWrapper(ParamWrapper):
+        """A ``ParamWrapper`` whose base experts are FSSDP's: the LoRA factors go into the
+        expert compute instead of a parametrization of the (sharded) expert tensor."""
 
-            def forward(self, x, *args, **kwargs):
-                experts = self.get_base_layer()
-                if not isinstance(experts, FSSDPHFExperts):  # unconverted again
-                    return super().forward(x, *args, **kwargs)
-                self._check_forward_args(x, *args, **kwargs)
-                kwargs.pop("adapter_names", None)
-                adapters = [] if self.disable_adapters else [a for a in self.active_adapters if a in self.lora_A]
-                factors = [(self.lora_A[a].weight, self.lora_B[a].weight, self.scaling[a]) for a in adapters]
-                with experts.lora(self.parameter_name, factors):
-                    return self.base_layer(x, *args, **kwargs)
+        def forward(self, x, *args, **kwargs):
+            experts = self.get_base_layer()
+            if not isinstance(experts, FSSDPHFExperts):  # unconverted again
+                return super().forward(x, *args, **kwargs)
+            self._check_forward_args(x, *args, **kwargs)
+            kwargs.pop("adapter_names", None)
+            adapters = [] if self.disable_adapters else [a for a in self.active_adapters if a in self.lora_A]
+            factors = [(self.lora_A[a].weight, self.lora_B[a].weight, self.scaling[a]) for a in adapters]
+            with experts.lora(self.parameter_name, factors):
+                return self.base_layer(x, *args, **kwargs)
 
-            def merge(self, *args, **kwargs):
-                if isinstance(self.get_base_layer(), FSSDPHFExperts):
-                    raise ValueError(f"PEFT merge on FSSDP experts ({self.parameter_name}): the base experts are "
-                                     "sharded; call ds_fssdp.integrations.hf.unconvert(model) first, then "
-                                     "merge_and_unload()")
-                return super().merge(*args, **kwargs)
+        def merge(self, *args, **kwargs):
+            if isinstance(self.get_base_layer(), FSSDPHFExperts):
+                raise ValueError(f"PEFT merge on FSSDP experts ({self.parameter_name}): the base experts are "
+                                 "sharded; call ds_fssdp.integrations.hf.unconvert(model) first, then "
+                                 "merge_and_unload()")
+            return super().merge(*args, **kwargs)
 
-        _WRAPPER_CLASS = FSSDPParamWrapper
-    return _WRAPPER_CLASS
+    return FSSDPParamWrapper
 
 
 def adopt(site: nn.Module, experts: FSSDPHFExperts, *, where: str) -> None:
@@ -137,7 +126,7 @@ def adopt_hook(child: str, where: str):
 
     def hook(block, args):
         site = block._modules.get(child)
-        if site is None or isinstance(site, FSSDPHFExperts) or type(site) is _WRAPPER_CLASS:
+        if site is None or isinstance(site, FSSDPHFExperts) or (has_peft() and type(site) is fssdp_wrapper_class()):
             return
         chain = wrapper_chain(site)
         if chain:

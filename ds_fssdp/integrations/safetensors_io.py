@@ -17,6 +17,7 @@ safetensors, data beyond the end of the file (truncated), a key in two files, a 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -77,9 +78,7 @@ def read_header(path: str) -> tuple:
         except (KeyError, TypeError, ValueError) as err:
             raise CheckpointError(f"checkpoint file {path}: tensor {key!r} has an unreadable entry {info!r} "
                                   f"({type(err).__name__}: {err})") from None
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = math.prod(shape)
         if end - begin != numel * dtype.itemsize:
             raise CheckpointError(f"checkpoint file {path}: tensor {key!r} {info['dtype']} {list(shape)} spans "
                                   f"{end - begin} bytes, not {numel * dtype.itemsize}")
@@ -108,9 +107,6 @@ class CheckpointFiles:
 
     def keys(self):
         return self.entries.keys()
-
-    def __contains__(self, key) -> bool:
-        return key in self.entries
 
     def entry(self, key: str) -> Entry:
         if key not in self.entries:
@@ -175,10 +171,7 @@ class Planned:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 class ShardFile:
@@ -205,9 +198,9 @@ class ShardFile:
             f.write(self.header)
             f.truncate(self.size)
 
-    def write(self, key: str, tensor: torch.Tensor, *, first_row: int = 0) -> int:
+    def write(self, key: str, tensor: torch.Tensor, *, first_row: int = 0) -> None:
         """Write ``tensor`` as ``key``'s rows from ``first_row`` on (all of it: 0 and the full
-        shape). Returns the bytes written."""
+        shape)."""
         e = self.entries[key]
         if tensor.dtype != e.dtype or tuple(tensor.shape[1:]) != e.shape[1:] or \
                 first_row + (tensor.shape[0] if tensor.dim() else 1) > (e.shape[0] if e.shape else 1):
@@ -223,7 +216,6 @@ class ShardFile:
                 done += os.pwrite(fd, view[done:], offset + done)
         finally:
             os.close(fd)
-        return len(view)
 
 
 def plan_shards(tensors: list, *, max_bytes: int) -> list:

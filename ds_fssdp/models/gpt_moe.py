@@ -117,5 +117,9 @@ class GPTMoE(nn.Module):
         logits_BSV = self.head(self.ln_f(x))
         if targets_BS is None:
             return logits_BSV
-        ce = F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]), targets_BS.reshape(-1))
-        return ce + self.cfg.aux_loss_coef * aux
+        return lm_loss(logits_BSV, targets_BS) + self.cfg.aux_loss_coef * aux
+
+
+def lm_loss(logits_BSV, targets_BS):
+    """The cross-entropy (in fp32)."""
+    return F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]), targets_BS.reshape(-1))

@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from deepspeed.pipe import PipelineModule
 
-from ds_fssdp.models.gpt_moe import CHECKPOINTING, GPTMoE
+from ds_fssdp.models.gpt_moe import CHECKPOINTING, GPTMoE, lm_loss
 from ds_fssdp.moe.aux_loss import AuxLossToBackward
 
 
@@ -60,11 +59,6 @@ class HeadPipe(nn.Module):
 
     def forward(self, x_BSH):
         return self.head(self.ln_f(x_BSH))
-
-
-def lm_loss(logits_BSV, targets_BS):
-    """GPTMoE's cross-entropy (in fp32)."""
-    return F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]), targets_BS.reshape(-1))
 
 
 class GPTMoEPipe(PipelineModule):

@@ -41,7 +41,7 @@ import time
 import torch
 from deepspeed import comm as dist
 
-from ds_fssdp.comm.sparse import SparseAllGather, SparseReduceScatter, Traffic
+from ds_fssdp.comm.sparse import SparseAllGather, SparseReduceScatter
 from ds_fssdp.moe.experts import ExpertSpec
 from ds_fssdp.moe.records import MicrobatchRecords, MicroRecord
 from ds_fssdp.planner import gather_layout, shard_placement
@@ -106,7 +106,6 @@ class ReplicaManager:
         self.gaps = gaps
         self.records = records if records is not None else MicrobatchRecords()
         self._folded = None  # the fold's statistics once done during the backward
-        self.traffic = Traffic(topology.node_D(), rank)
         self.pending = []  # SparseReduceScatters started by the backward in progress, not finished
         # id -> (bytes, record) of replica buffers counted in ``memory``; the record is the
         # micro-batch keeping it alive (None: the forward in progress, until it records)
@@ -164,7 +163,7 @@ class ReplicaManager:
     def start_gather(self, layout, record: MicroRecord | None = None) -> SparseAllGather:
         """``record``: the micro-batch whose backward keeps the buffer (None: the forward's)."""
         self.land()
-        g = SparseAllGather(self.rows, layout, self.param_group, self.traffic).start()
+        g = SparseAllGather(self.rows, layout, self.param_group).start()
         self.count(g.replica_RP, record)
         return g
 
@@ -210,7 +209,7 @@ class ReplicaManager:
             if self._folded is not None:  # the gradient was declared final: its EDP reduce is running
                 raise RuntimeError("fssdp: a replica reduce started after this layer's gradient was folded during the "
                                    "backward (gradients in the gaps); set fssdp.grads_in_gaps to false for this model")
-            self.pending.append(SparseReduceScatter(grad_RP, layout, self.param_group, self.traffic).start())
+            self.pending.append(SparseReduceScatter(grad_RP, layout, self.param_group).start())
         if self.rematerialize and self.prev is not None:
             self.prev.start_rematerialize()
         if self.above is not None:

@@ -87,6 +87,7 @@ class StepContext:
     timers: object | None = None  # DeepSpeed's SynchronizedWallClockTimer for the exposed waits
     pipeline_degree: object = (1, 1)  # (forward, backward) chunks of the token exchange, or "auto"
     schedule_costs: ScheduleCosts | None = None  # what "auto" decides from (agreed by every rank)
+    two_hops: bool = True  # the exchange priced as two hops across nodes (planner.inputs.PlannerInputs.two_hops)
     # Gradients in the gaps: called when this micro-step's owned gradient is final (the stage starts
     # the layer's EDP reduce, runtime/edp_sync.py); None: not this micro-step
     gaps: Callable[[], None] | None = None
@@ -375,7 +376,7 @@ class ShardedExperts:
         return exchange_decision(ctx.schedule_costs, traffic_DD, pipeline_degree=ctx.pipeline_degree,
                                  one_copy=self.options.one_copy_per_destination,
                                  ranks_per_node=self.topology.ranks_per_node, token_bytes=token_bytes, top_k=top_k,
-                                 weight_bytes=weight_bytes, two_hops=self.options.hierarchical, side_ratio=side_ratio)
+                                 weight_bytes=weight_bytes, two_hops=ctx.two_hops, side_ratio=side_ratio)
 
     def _run(self, x_TH, weights_TK, r, replica_RP, *, remat: bool, local_E, degrees: tuple,
              other=None, side=None, lora=None) -> torch.Tensor:

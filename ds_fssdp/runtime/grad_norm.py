@@ -19,7 +19,7 @@ Any other wrapper with ``gradient_clipping > 0`` is refused at initialize.
 Under pipeline parallelism every stage holds its own dense parameters. DeepSpeed's ZeRO 1/2 norm
 already sums their squares over the pipeline; its ZeRO 0 clip does not (its grid reports the stage
 as the model-parallel rank, so only stage 0's parameters count), so :meth:`ExpertNorm.clip_dense_fp32`
-sums this stage's squares over ``dense_group`` (the pipeline; set by ``runtime/pipeline.py``),
+sums this stage's squares over ``dense_group`` (the pipeline; the stage's ``pipe_group``),
 counting a tied parameter on the first stage that holds it only (``dense_skip``).
 """
 from __future__ import annotations
@@ -41,13 +41,13 @@ from ds_fssdp.config import FSSDPConfigError
 class ExpertNorm:
     """Carries the experts' squared norm into DeepSpeed's step and the resulting factor out."""
 
-    def __init__(self, clip: float):
+    def __init__(self, clip: float, *, dense_group=None, dense_skip=frozenset()):
         self.clip = float(clip)
         self.expert_sq = None  # float tensor: sum over the group of squared expert gradients
         self.factor = 1.0  # multiply the expert gradients by this before their step
         self.global_norm = None  # dense + expert, unscaled
-        self.dense_group = None  # pipeline parallelism: the dense squares are summed over it (ZeRO 0)
-        self.dense_skip = frozenset()  # ids of parameters another stage counts (tied copies)
+        self.dense_group = dense_group  # pipeline parallelism: the dense squares are summed over it (ZeRO 0)
+        self.dense_skip = dense_skip  # ids of parameters another stage counts (tied copies)
 
     def arm(self, expert_sq: torch.Tensor, loss_scale: float) -> None:
         self.expert_sq = expert_sq
@@ -88,10 +88,12 @@ class ExpertNorm:
         engine._global_grad_norm = combined
 
 
-def install_expert_norm(engine) -> ExpertNorm:
+def install_expert_norm(engine, *, dense_group=None) -> ExpertNorm:
     opt = engine.optimizer
     clip = engine.gradient_clipping()
-    hook = ExpertNorm(clip)
+    # DeepSpeed marks a tied module's parameters on every pipeline stage but the first that holds it.
+    tied = frozenset(id(p) for p in engine.module.parameters() if getattr(p, "ds_pipe_replicated", False))
+    hook = ExpertNorm(clip, dense_group=dense_group, dense_skip=tied)
     if opt is None:  # an inference engine: nothing to clip
         return hook
     if isinstance(opt, DeepSpeedZeroOptimizer):

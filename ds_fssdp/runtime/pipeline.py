@@ -275,12 +275,7 @@ def trace_file(trace_path: str | None, layout: PipelineLayout | None, *, rank: i
 
 
 def attach(engine, layout: PipelineLayout) -> None:
-    """After ``FSSDPStage.attach``: what the pipeline adds to the engine and its stage."""
-    stage = engine.fssdp
-    stage.norm.dense_group = layout.pipe_group
-    # DeepSpeed marks a tied module's parameters on every stage but the first that holds it.
-    stage.norm.dense_skip = frozenset(id(p) for p in engine.module.parameters()
-                                      if getattr(p, "ds_pipe_replicated", False))
+    """After ``FSSDPStage.attach``: what the pipeline adds to the engine."""
     engine.fssdp_layout = layout
     engine.fssdp_pipe = PipelineRun([m for m in engine.module.modules() if isinstance(m, AuxLossToBackward)])
 

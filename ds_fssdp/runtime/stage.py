@@ -203,7 +203,7 @@ class FSSDPStage:
         self.optimizer = build_expert_optimizer(engine.basic_optimizer,
                                                 [p for p, s in zip(self.masters(), self.shards) if s.trainable])
         self.expert_state.optimizer = self.optimizer
-        self.norm = install_expert_norm(engine)
+        self.norm = install_expert_norm(engine, dense_group=self.pipe_group)
         if self.layout is not None:  # 1F1B keeps S - s micro-batches' forwards awaiting their backward on stage s
             self.in_flight = min(engine.gradient_accumulation_steps(), self.layout.num_stages - self.layout.stage_id)
         if self.layers:  # a pipeline stage without MoE layers decides nothing
@@ -476,6 +476,7 @@ class FSSDPStage:
     def _context(self, l: int) -> StepContext:
         return StepContext(planner=self.planners[l], clock=self.clock(l), timers=self.timers,
                            pipeline_degree=self.pipeline_degree, schedule_costs=self.schedule_costs,
+                           two_hops=self.inputs.two_hops,
                            gaps=(lambda: self._start_gap_reduce(l)) if self._gaps else None)
 
     def _agree_on_windows(self, device) -> None:

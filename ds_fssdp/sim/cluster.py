@@ -60,11 +60,10 @@ from ds_fssdp.planner.scheduled import ScheduledCostModel
 from ds_fssdp.sim.links import Links, sparse_collective_links, traffic_BNN, traffic_links
 from ds_fssdp.sim.pipeline import (INTER, INTRA, LayerSchedule, ScheduleOptions, binding_class, policy_options,
                                    scheduled_cost_model)
-from ds_fssdp.sim.memory import budget_for_cap, ep_memory_bytes, optimizer_params
+from ds_fssdp.sim.memory import budget_for_cap, ep_memory_bytes, optimizer_params, peak_state
 from ds_fssdp.planner.materialize import materialize as algorithm1  # the default materializer
-from ds_fssdp.sim.setup import (GRAD_BYTES, MIGRATE_BYTES, OPT_BYTES, OPT_TRAFFIC_BYTES, PARAM_BYTES, Setup,
-                                derive_overlap_degree, sim_settings)
-from ds_fssdp.sim.sync import dense_sync, expert_inputs, exposed_sync, sync_times
+from ds_fssdp.sim.setup import GRAD_BYTES, MIGRATE_BYTES, OPT_TRAFFIC_BYTES, Setup, derive_overlap_degree, sim_settings
+from ds_fssdp.sim.sync import MASTER_GRAD_BYTES, dense_sync, expert_inputs, exposed_sync, sync_times
 from ds_fssdp.planner.schedule import overlap_window, split_sync_pays
 from ds_fssdp.planner.cost import CostModel
 from ds_fssdp.sim.simulate import CATEGORIES, PolicyResult
@@ -219,6 +218,7 @@ class PolicyRun:
         self.degree_counts = ({}, {})
         self.dedup_saved = 0.0
         self.planned = name.startswith("fssdp")
+        self.deepspeed_moe = name in ("ep", "uniform")  # DeepSpeed's MoE: its engine syncs the experts (sim/sync.py)
         L, E, B = setup.num_layers, setup.num_experts, self.B
         self.owner_LE = self.policy.initial_owner()
         # Each group plans like the runtime's stage of that group: its own predictor of its own
@@ -364,11 +364,16 @@ class PolicyRun:
         # issued after its backward on the boundary micro-step, sent in the gaps below; its all-gather
         # (split, or ZeRO 1) before its first use in the next forward (its replica gather, a layer ahead,
         # under FSSDP), in the forward's gaps. DeepSpeed's dense collectives after the backward.
-        experts = expert_inputs(st, N, self.owner_LE.numpy(), acc.gaps_BL[slowest], acc.fgaps_BL[slowest],
-                                memo=self._ring_memo)
         split = self._split or st.zero_stage >= 1
-        glob["ar"] += exposed_sync(self._dense_s, experts, gaps=self.options.grad_gaps, split=split,
-                                   lead=1 if self.planned else 0)
+        if self.deepspeed_moe:  # DeepSpeed's: the experts after the dense gradients, after the backward
+            sync, experts = self._sync(split), None
+            glob["ar"] += exposed_sync(sync.step_gather_s + sync.reduce_s + sync.forward_gather_s, None,
+                                       gaps=False, split=split, lead=0)
+        else:
+            experts = expert_inputs(st, N, self.owner_LE.numpy(), acc.gaps_BL[slowest], acc.fgaps_BL[slowest],
+                                    memo=self._ring_memo)
+            glob["ar"] += exposed_sync(self._dense_s, experts, gaps=self.options.grad_gaps, split=split,
+                                       lead=1 if self.planned else 0)
         # the experts' all-gather ran in the next forward (EP and Uniform gather at the step)
         self.split_steps += int(timed and experts is not None and split and self.options.grad_gaps)
         if self.planned and self.options.grad_gaps and st.zero_stage == 0 and experts is not None:
@@ -490,24 +495,14 @@ class PolicyRun:
         the link class it binds on; ``split`` (ZeRO 0): the experts' all-reduce split around the step."""
         if split not in self._sync_cache:
             owned_N = np.bincount(self.owner_LE.numpy().ravel(), minlength=self.N).astype(np.float64)
-            self._sync_cache[split] = sync_times(self.setup, self.N, owned_N, split_experts=split)
+            self._sync_cache[split] = sync_times(self.setup, self.N, owned_N, split_experts=split,
+                                                 grad_bytes=GRAD_BYTES if self.deepspeed_moe else MASTER_GRAD_BYTES)
         return self._sync_cache[split]
 
     def _memory(self, owned_N: np.ndarray, ephemeral_BLN: np.ndarray) -> None:
-        P, L = self.setup.shape.params, self.setup.num_layers
-        if self.rm and L > 1:
-            replica_BN = (ephemeral_BLN[:, :-1] + ephemeral_BLN[:, 1:]).max(1) * P
-        else:
-            replica_BN = ephemeral_BLN.sum(1) * P if not self.rm else ephemeral_BLN[:, 0] * P
-        stateful_N = self.setup.dense_params + owned_N
-        opt_N = OPT_BYTES * optimizer_params(self.setup, owned_N, self.N)
-        total_BN = (PARAM_BYTES + GRAD_BYTES) * (stateful_N + replica_BN) + opt_N
-        b, d = np.unravel_index(int(np.argmax(total_BN)), total_BN.shape)
-        if float(total_BN[b, d]) > self.peak_total:
-            self.peak_total = float(total_BN[b, d])
-            self.peak_memory = {"param": PARAM_BYTES * float(stateful_N[d] + replica_BN[b, d]),
-                                "grad": GRAD_BYTES * float(stateful_N[d] + replica_BN[b, d]),
-                                "opt": float(opt_N[d])}
+        total, parts = peak_state(self.setup, owned_N, ephemeral_BLN, rm=self.rm, group_size=self.N)
+        if total > self.peak_total:
+            self.peak_total, self.peak_memory = total, parts
 
     def _add_links(self, category: str, links: Links, times: float) -> None:
         """Add ``times`` x ``links`` to the category's link totals: per simulated group (rows b of

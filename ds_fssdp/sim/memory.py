@@ -14,6 +14,8 @@ expert part over the expert-data-parallel group; the runtime's ``PartitionedExpe
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ds_fssdp.planner.knobs import resident_layers
 from ds_fssdp.planner.prices import replica_bytes
 from ds_fssdp.planner.shard import homogeneous_owner
@@ -37,6 +39,25 @@ def optimizer_params(setup: Setup, owned, group_size: int):
         return setup.dense_params + owned
     D = setup.topology.num_ranks
     return setup.dense_params / D + owned / max(1, D // group_size)
+
+
+def peak_state(setup: Setup, owned, ephemeral_LN, *, rm: bool, group_size: int, reserved: float = 0.0) -> tuple:
+    """``(bytes, {"param", "grad", "opt"})`` of the fullest rank: each rank owning ``owned`` expert
+    parameters (``[N]``), holding ``ephemeral_LN`` replicas per layer (leading axes: groups) alive
+    all layers, or the largest two consecutive layers' under re-materialization (``rm``), and
+    ``reserved`` parameters of slots with full state (FlexMoE's)."""
+    P, e = setup.shape.params, np.asarray(ephemeral_LN, dtype=np.float64)
+    if rm:
+        replica = (e[..., :-1, :] + e[..., 1:, :]).max(-2) * P if e.shape[-2] > 1 else e[..., 0, :] * P
+    else:
+        replica = e.sum(-2) * P
+    stateful = setup.dense_params + np.asarray(owned, dtype=np.float64) + reserved
+    param, grad = PARAM_BYTES * (stateful + replica), GRAD_BYTES * (stateful + replica)
+    opt = np.broadcast_to(OPT_BYTES * (optimizer_params(setup, np.asarray(owned, dtype=np.float64), group_size)
+                                       + reserved), param.shape)
+    total = param + grad + opt
+    i = np.unravel_index(int(np.argmax(total)), total.shape)
+    return float(total[i]), {"param": float(param[i]), "grad": float(grad[i]), "opt": float(opt[i])}
 
 
 def ep_memory_bytes(setup: Setup, group_size: int) -> float:

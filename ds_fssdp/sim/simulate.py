@@ -76,7 +76,8 @@ from ds_fssdp.planner.schedule import overlap_window
 from ds_fssdp.planner.cost import CostModel
 from ds_fssdp.planner.layer import LayerPlanner, migrations
 from ds_fssdp.planner.shard import shard_placement
-from ds_fssdp.sim.setup import GRAD_BYTES, MIGRATE_BYTES, OPT_BYTES, OPT_TRAFFIC_BYTES, PARAM_BYTES, Setup, sim_settings
+from ds_fssdp.sim.memory import peak_state
+from ds_fssdp.sim.setup import MIGRATE_BYTES, OPT_TRAFFIC_BYTES, Setup, sim_settings
 from ds_fssdp.planner.dispatch import dispatch as planner_dispatch
 from ds_fssdp.planner.materialize import materialize as algorithm1  # the default materializer
 from ds_fssdp.sim.bound import LowerBound
@@ -376,21 +377,11 @@ class PaperRun:
 
     def _memory(self, ephemeral_LD) -> None:
         """The peak of model-state memory."""
-        setup, P, L, D = self.setup, self.setup.shape.params, self.setup.num_layers, self.D
-        owned_D = torch.bincount(self.owner_LE.flatten(), minlength=D).double() * P
-        if self.rm and L > 1:
-            replica_D = (ephemeral_LD[:-1] + ephemeral_LD[1:]).max(0).values * P
-        else:
-            replica_D = ephemeral_LD.sum(0) * P if not self.rm else ephemeral_LD[0] * P
-        stateful_D = setup.dense_params + owned_D + self.reserved
-        param_D = PARAM_BYTES * (stateful_D + replica_D)
-        grad_D = GRAD_BYTES * (stateful_D + replica_D)
-        opt_D = OPT_BYTES * stateful_D
-        total_D = param_D + grad_D + opt_D
-        d = int(torch.argmax(total_D))
-        if float(total_D[d]) > self.peak_total:
-            self.peak_total = float(total_D[d])
-            self.peak_memory = {"param": float(param_D[d]), "grad": float(grad_D[d]), "opt": float(opt_D[d])}
+        owned_D = torch.bincount(self.owner_LE.flatten(), minlength=self.D).double().numpy() * self.setup.shape.params
+        total, parts = peak_state(self.setup, owned_D, ephemeral_LD.numpy(), rm=self.rm, group_size=self.D,
+                                  reserved=self.reserved)
+        if total > self.peak_total:
+            self.peak_total, self.peak_memory = total, parts
 
     def result(self) -> PolicyResult:
         counted = self.counted

@@ -19,9 +19,11 @@ Legend: L MoE layers, D ranks of the world, N ranks of a group.
 :func:`exposed_sync` charges a step: with the gaps (``grads_in_gaps``: FSSDP, fsmoe) each layer's
 reduce is issued after its backward and drains in the gaps below, its all-gather in the next
 forward before the layer's first use (:func:`~ds_fssdp.planner.schedule.split_sync_exposed`);
-without (EP, Uniform) all of it at the step. What the experts leave after the backward shares the
-links with DeepSpeed's dense collectives, which run then: the two add. :func:`sync_times`: the
-same parts for a whole step at given owners, and every link's bytes (the lower bound, the links).
+without (``--no-grad-gaps``) all of it at the step. What the experts leave after the backward shares
+the links with DeepSpeed's dense collectives, which run then: the two add. EP and Uniform are
+DeepSpeed's MoE: its engine reduces their experts' gradients as the dense ones, after the backward,
+bucketed over all layers, in bf16. :func:`sync_times`: a whole step's parts at given owners, one
+collective per ring, and every link's bytes (the lower bound, the links, DeepSpeed's MoE).
 """
 from __future__ import annotations
 
@@ -120,10 +122,11 @@ def exposed_sync(dense_s: float, experts: tuple | None, *, gaps: bool, split: bo
 
 
 def sync_times(setup: Setup, group_size: int, owned_N: np.ndarray | None = None, *,
-               split_experts: bool = False) -> SyncTimes:
+               split_experts: bool = False, grad_bytes: int = MASTER_GRAD_BYTES) -> SyncTimes:
     """A step's sync with groups of ``group_size`` ranks, rank i of a group owning ``owned_N[i]``
     experts over all layers (None: E L / N each, the even owners the bound assumes), the experts'
-    part as one collective of all layers' bytes per ring (its least: one latency). ``split_experts``
+    part as one collective of all layers' bytes per ring (its least: one latency; DeepSpeed's EP
+    buckets them so, in its communication dtype: ``grad_bytes`` GRAD_BYTES). ``split_experts``
     (ZeRO 0): the experts' all-reduce runs as a reduce-scatter and an all-gather (ZeRO 1's always do)."""
     D, N = setup.topology.num_ranks, group_size
     parts = _dense_links(setup)
@@ -133,11 +136,11 @@ def sync_times(setup: Setup, group_size: int, owned_N: np.ndarray | None = None,
             owned_N = np.full(N, setup.num_experts * setup.num_layers / N)
         members, elems_N = _members(setup, N), np.asarray(owned_N, dtype=np.float64) * setup.shape.params
         split = split_experts or setup.zero_stage >= 1
-        reduce = _ring(setup, members, elems_N * MASTER_GRAD_BYTES, reduce_scatter_share if split else allreduce_share)
+        reduce = _ring(setup, members, elems_N * grad_bytes, reduce_scatter_share if split else allreduce_share)
         reduce_s = _seconds(setup, reduce)
         parts.append(reduce)
         if split:
-            gather = _ring(setup, members, elems_N * (PARAM_BYTES if setup.zero_stage else MASTER_GRAD_BYTES),
+            gather = _ring(setup, members, elems_N * (PARAM_BYTES if setup.zero_stage else grad_bytes),
                            reduce_scatter_share)
             gather_s = _seconds(setup, gather)
             parts.append(gather)

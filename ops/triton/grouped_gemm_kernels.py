@@ -210,10 +210,11 @@ def _flags(dtype: torch.dtype) -> dict:
     return dict(UPCAST=INTERPRET and dtype == torch.bfloat16, PRECISION=precision)
 
 
-def gemm(x_RK: torch.Tensor, w_GKN: torch.Tensor, *, sizes_G: torch.Tensor, offsets_G1: torch.Tensor,
-         trans_w: bool, bias_GN: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """y_RN = grouped x_RK @ w[g] (+ bias_GN[g]) (w given as [G, N, K] and read transposed if
-    ``trans_w``)."""
+def gemm(x_RK: torch.Tensor, w_GKN: torch.Tensor, sizes, *, trans_w: bool,
+         bias_GF: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y_RN = grouped x_RK @ w[g] (+ bias_GF[g]) (w given as [G, N, K] and read transposed if
+    ``trans_w``); ``sizes``: a ``GroupSizes``."""
+    sizes_G, offsets_G1 = sizes.sizes_and_offsets(x_RK.device)
     R, K = x_RK.shape
     G = w_GKN.shape[0]
     N = w_GKN.shape[1] if trans_w else w_GKN.shape[2]
@@ -221,7 +222,7 @@ def gemm(x_RK: torch.Tensor, w_GKN: torch.Tensor, *, sizes_G: torch.Tensor, offs
     y_RN = x_RK.new_empty(R, N)
     if R == 0 or N == 0 or G == 0:
         return y_RN
-    if K == 0 and bias_GN is None:
+    if K == 0 and bias_GF is None:
         return y_RN.zero_()
     kernel, meta = _launcher("mm", x_RK.dtype, R * N * K)
 
@@ -229,16 +230,17 @@ def gemm(x_RK: torch.Tensor, w_GKN: torch.Tensor, *, sizes_G: torch.Tensor, offs
         return ((triton.cdiv(R, META["BLOCK_M"]) + G) * triton.cdiv(N, META["BLOCK_N"]),)
 
     # Without a bias, y stands in for its pointer (never read: HAS_BIAS prunes the load).
-    bias, stride_bg, stride_bn = (y_RN, 0, 0) if bias_GN is None else (bias_GN, *bias_GN.stride())
+    bias, stride_bg, stride_bn = (y_RN, 0, 0) if bias_GF is None else (bias_GF, *bias_GF.stride())
     kernel[grid](x_RK, w_GKN, y_RN, bias, sizes_G, offsets_G1, R, N, K, G,
                  x_RK.stride(0), x_RK.stride(1), w_GKN.stride(0), stride_wk, stride_wn, y_RN.stride(0),
                  y_RN.stride(1), stride_bg, stride_bn, min(triton.next_power_of_2(max(R // G, 1)), 4096),
-                 G_POW2=triton.next_power_of_2(G), HAS_BIAS=bias_GN is not None, **_flags(x_RK.dtype), **meta)
+                 G_POW2=triton.next_power_of_2(G), HAS_BIAS=bias_GF is not None, **_flags(x_RK.dtype), **meta)
     return y_RN
 
 
-def wgrad(x_RH: torch.Tensor, dy_RF: torch.Tensor, offsets_G1: torch.Tensor, *, trans_w: bool) -> torch.Tensor:
+def wgrad(x_RH: torch.Tensor, dy_RF: torch.Tensor, sizes, *, trans_w: bool) -> torch.Tensor:
     """dw[g] = x_g.T @ dy_g ([G, H, F]); with ``trans_w`` dy_g.T @ x_g ([G, F, H])."""
+    offsets_G1 = sizes.sizes_and_offsets(x_RH.device)[1]
     a_RM, b_RN = (dy_RF, x_RH) if trans_w else (x_RH, dy_RF)
     G = offsets_G1.numel() - 1
     R, M, N = a_RM.shape[0], a_RM.shape[1], b_RN.shape[1]
@@ -256,8 +258,9 @@ def wgrad(x_RH: torch.Tensor, dy_RF: torch.Tensor, offsets_G1: torch.Tensor, *, 
     return out_GMN
 
 
-def group_sum(dy_RN: torch.Tensor, offsets_G1: torch.Tensor) -> torch.Tensor:
+def group_sum(dy_RN: torch.Tensor, sizes) -> torch.Tensor:
     """out_GN[g] = sum of dy_RN's rows of group g (zeros for an empty group)."""
+    offsets_G1 = sizes.sizes_and_offsets(dy_RN.device)[1]
     G, (R, N) = offsets_G1.numel() - 1, dy_RN.shape
     out_GN = dy_RN.new_empty(G, N)
     if G == 0 or N == 0:
