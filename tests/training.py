@@ -131,6 +131,7 @@ def train_worker(rank, world, runs: dict, steps: int):
                          # the costs the by-time decisions price plans with (None: no cost model)
                          price_costs=None if getattr(engine.fssdp.cost, "costs", None) is None else
                          dataclasses.asdict(engine.fssdp.cost.costs),
+                         hardware=None if engine.fssdp.cost is None else dataclasses.asdict(engine.fssdp.cost.hw),
                          budget=engine.fssdp.budget, state_bytes=engine.fssdp.state_bytes(),
                          owners=[l.sharded.owner_E.clone() for l in model.moe_layers()])
     return out

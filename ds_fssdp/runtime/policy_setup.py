@@ -4,8 +4,9 @@ and agreed by every rank) and the schedule's costs under ``fssdp.hardware``; the
 with each layer's planner is ``planner.inputs.build_policies`` (the report's replay builds it too).
 
 Every rank builds the same ones: the decisions decide the collectives. Only the measured cost
-model talks to other ranks (``runtime/profile.py``'s link measurement and one all-reduce over the
-FSSDP group); the rest is local. The schedule's costs fitted on this machine are
+model talks to other ranks (``runtime/profile.py``'s link measurement inside the FSSDP group, and
+its agreement over the data-parallel ranks: every FSSDP group re-shards with t from this model, so
+all hold the same one); the rest is local. The schedule's costs fitted on this machine are
 ``runtime/costfit.py``'s.
 """
 from __future__ import annotations
@@ -53,22 +54,24 @@ def configured_hardware(hardware) -> Hardware:
 
 
 def cost_model(config: FSSDPConfig, *, spec, shape, topology, group, expert_bytes: int, exchange,
-               dtype, device, costs=None) -> tuple:
+               agree_group, dtype, device, costs=None) -> tuple:
     """The hardware from ``fssdp.hardware``, else measured (link bandwidth over ``group``, expert
-    GEMM speed of ``spec``), agreed on by every rank of ``group``: the decisions decide the
-    collectives. ``shape``: the expert's cost shape, ``exchange``: how the layers exchange their
-    tokens (``FSSDPStage.exchange_options``), ``costs``: the schedule's costs it prices layers with
+    GEMM speed of ``spec``), agreed on by every rank of ``agree_group`` (None: the world): the
+    decisions decide the collectives, and with several FSSDP groups the re-shards' t comes from
+    this model, so every group must hold the same one or they plan different owners. ``shape``:
+    the expert's cost shape, ``exchange``: how the layers exchange their tokens
+    (``FSSDPStage.exchange_options``), ``costs``: the schedule's costs it prices layers with
     (``ScheduledCostModel``'s). Returns the ``ScheduledCostModel`` and the profile
     entries (``link_bandwidth`` when measured, ``hardware``, ``expert_shape``)."""
     profile = {}
     if config.hardware is not None:
         hw = configured_hardware(config.hardware)
     else:
-        bw = measure_link_bandwidth(group=group, chunk_bytes=expert_bytes, device=device)
+        bw = measure_link_bandwidth(group=group, chunk_bytes=expert_bytes, device=device, agree_group=agree_group)
         profile["link_bandwidth"] = bw
         flops_t = torch.tensor([measure_expert_flops(spec, dtype=dtype, device=device)],
                                dtype=torch.float64, device=device)
-        dist.all_reduce(flops_t, op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(flops_t, op=dist.ReduceOp.MIN, group=agree_group)
         bw = bw if bw != float("inf") else 1e15
         hw = Hardware(flops=float(flops_t), intra_bw=bw, inter_bw=bw)
         logger.info(f"fssdp: measured link bandwidth {bw / 1e9:.2f} GB/s per rank; overlap_degree "

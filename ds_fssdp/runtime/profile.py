@@ -18,9 +18,10 @@ from ds_fssdp import ops
 from ds_fssdp.moe.experts import ExpertSpec
 
 
-def measure_link_bandwidth(*, group, chunk_bytes: int, device, repeats: int = 3) -> float:
-    """Bytes per second one rank moves in an all-to-all of ``chunk_bytes`` to every peer
-    (median of ``repeats`` after one warm-up). One rank: infinite."""
+def measure_link_bandwidth(*, group, agree_group, chunk_bytes: int, device, repeats: int = 3) -> float:
+    """Bytes per second one rank moves in an all-to-all of ``chunk_bytes`` to every peer of
+    ``group`` (median of ``repeats`` after one warm-up), the slowest over ``agree_group`` (None:
+    the world; every rank of it calls this). One rank: infinite."""
     world = dist.get_world_size(group=group)
     if world == 1:
         return float("inf")
@@ -30,7 +31,7 @@ def measure_link_bandwidth(*, group, chunk_bytes: int, device, repeats: int = 3)
     seconds = median_seconds(lambda: dist.all_to_all_single(recv, send, group=group), repeats=repeats,
                              cuda=send.is_cuda, before=lambda: dist.barrier(group=group))
     t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # every rank uses the same number
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=agree_group)  # one number
     return (world - 1) * n * 4 / float(t)
 
 

@@ -427,7 +427,8 @@ class FSSDPStage:
             self.cost, measured = policy_setup.cost_model(
                 cfg, spec=layer.spec, shape=shape, topology=self.topology, group=self.param_group,
                 expert_bytes=self.shards[0].expert_bytes, exchange=lambda: self.exchange_options(shape), dtype=dtype,
-                device=device, costs=lambda: self.schedule_costs)  # the costs the degrees are chosen from
+                device=device, costs=lambda: self.schedule_costs,  # the costs the degrees are chosen from
+                agree_group=self.param_group if self.edp_size == 1 else self.dp_group)  # every FSSDP group: one
             self.profile.update(measured)
         if self._schedule_decided() and cfg.hardware is not None:
             self.schedule_costs = policy_setup.configured_schedule_costs(cfg.hardware, shape)
@@ -510,12 +511,28 @@ class FSSDPStage:
         load_LE = self.world_loads() if world_loads is None else world_loads
         sent = 0
         clock = self.inputs.clock_rule.reshard_clock(self.window_s, self.attention_s)
-        for r in migrations(self.migrators, self.steps, load_LE, owner_LE, clock=clock):
+        moves = migrations(self.migrators, self.steps, load_LE, owner_LE, clock=clock)
+        self._check_groups_agree(moves[-1].owner_LE if moves else owner_LE)
+        for r in moves:
             self.wait_in_flight()  # only when something moves: the step's all-gathers stay in flight otherwise
             sent += sum(self.expert_state.migrate(i, r.owner_LE[i], self.param_group) for i in range(len(self.shards)))
             logger.info(f"fssdp: re-sharded at step {self.steps}: {r.copies_M4.shape[0]} experts moved ({sent} bytes "
                         "sent by this rank)")
         return sent
+
+    def _check_groups_agree(self, owner_LE: torch.Tensor) -> None:
+        """With several FSSDP groups the EDP sync sums each position's experts over the groups, so
+        the groups must plan the same owners: different ones would sum different experts'
+        gradients. One all-reduce (the minimum of the owners and of their negation) over the EDP
+        group before anything moves; a difference is an error that names the layers."""
+        if self.edp_size == 1:
+            return
+        both = torch.stack([owner_LE, -owner_LE]).to(self.shards[0].rows.device, copy=True)
+        dist.all_reduce(both, op=dist.ReduceOp.MIN, group=self.edp_group)
+        layers = (both[0] != -both[1]).any(1).nonzero().flatten().tolist()
+        if layers:
+            raise RuntimeError(f"fssdp: the FSSDP groups planned different owners at optimizer step {self.steps} "
+                               f"(layers {layers}): a re-shard's inputs differ between groups")
 
     def world_loads(self):
         """Predicted loads of all layers (float64 [L, E]) summed over the FSSDP groups, so that
