@@ -38,11 +38,17 @@ def make_config(E, D, G, L, **kw):
     return PolicyConfig(**base)
 
 
+def initial_owner(config) -> torch.Tensor:
+    """long [L, E]: the expert-parallel layout (homogeneous sharding) for every layer."""
+    E, L = config.num_experts, config.num_layers
+    return homogeneous_owner(E, config.topology.num_ranks).expand(L, E).clone()
+
+
 def run_policy(name, config, tokens_SLED, *, window=3):
     """Drive a policy through the phases like the runtime does; yield per-layer records."""
     from ds_fssdp.planner import LoadPredictor
     policy = make_policy(name, config)
-    owner_LE = policy.initial_owner()
+    owner_LE = initial_owner(config)
     predictor = LoadPredictor([config.num_experts] * config.num_layers, window=window)
     for s in range(tokens_SLED.shape[0]):
         before_LE = owner_LE.clone()
@@ -133,7 +139,7 @@ def test_fssdp_reshard_interval_and_uniform_slots():
     gen = torch.Generator().manual_seed(5)
     config = make_config(16, 8, 4, 3, reshard_interval=5)
     policy = make_policy("fssdp", config)
-    owner = policy.initial_owner()
+    owner = initial_owner(config)
     loads = torch.rand(3, 16, generator=gen) ** 3
     for step in range(12):
         r = policy.reshard(step, loads, owner_LE=owner)
@@ -163,7 +169,7 @@ def test_smartmoe_balances_by_lpt_and_migrates_only_on_its_interval():
     assert torch.equal(torch.bincount(owner, minlength=4), torch.tensor([2, 2, 2, 2]))
     config = make_config(8, 4, 2, 1, smartmoe_interval=3)
     policy = make_policy("smartmoe", config)
-    cur = policy.initial_owner()
+    cur = initial_owner(config)
     assert policy.reshard(1, load[None], owner_LE=cur) is None
     r = policy.reshard(3, load[None], owner_LE=cur)
     assert r is not None and r.copies_M4.shape[0] > 0
@@ -174,7 +180,7 @@ def test_smartmoe_balances_by_lpt_and_migrates_only_on_its_interval():
 def test_flexmoe_expands_the_hot_expert_until_threshold():
     config = make_config(8, 4, 2, 1, flexmoe_slots=2, flexmoe_threshold=1.2)
     policy = make_policy("flexmoe", config)
-    owner = policy.initial_owner()
+    owner = initial_owner(config)
     load = torch.tensor([[400., 10, 10, 10, 10, 10, 10, 10]])
     before = balance_ratio(shard_placement(owner[0], 4), load[0])
     r = policy.reshard(1, load, owner_LE=owner)

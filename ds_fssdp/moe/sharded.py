@@ -483,9 +483,6 @@ class ShardedExperts:
     def land(self) -> None:
         self.replicas.land()
 
-    def load_rows(self, full_EP: torch.Tensor) -> None:
-        self.replicas.load_rows(full_EP)
-
     def export_rows(self) -> torch.Tensor:
         """All experts' rows on every rank (collective): [E, P]."""
         return self.replicas.export_rows(self.group)
