@@ -121,11 +121,11 @@ class Comm:
         self.rank = dist.get_rank() if self.distributed else 0
 
     def agree(self, what: str, fn, *, root_only: bool = False) -> None:
-        from ds_fssdp.runtime.checkpoint.collective import agree, attempt
-        err = attempt(fn) if (self.rank == 0 or not root_only) else None
+        from ds_fssdp.runtime.checkpoint.collective import agreed, attempt
         if self.distributed:
-            agree(what, err)
-        elif err is not None:
+            return agreed(what, fn, root_only=root_only)
+        err = attempt(fn)
+        if err is not None:
             raise CheckpointError(f"{what} failed: {type(err).__name__}: {err}") from err
 
 
