@@ -1,14 +1,13 @@
 """Placement policies behind one interface: every policy's placements are valid over many
 iterations, each baseline does what the paper says it does, and FSSDP matches the planner's own
 functions (place, calibrate)."""
-import dataclasses
 import math
 
 import pytest
 import torch
 
 from ds_fssdp import Topology
-from ds_fssdp.planner import (CostModel, ExpertShape, Hardware, PlacementOptions, calibrate, dispatch,
+from ds_fssdp.planner import (CostModel, ExpertShape, Hardware, calibrate, dispatch,
                               homogeneous_owner, place, shard_placement)
 from ds_fssdp.planner.baselines import (POLICY_NAMES, PolicyConfig, balance_ratio, lpt_with_slots, make_policy,
                                         relabel_owner, uniform_tokens)
@@ -230,10 +229,8 @@ def test_fssdp_matches_place_and_calibrate():
                              calibration_latency_budget=float(torch.rand(1, generator=gen)) * 1e-3)
         fssdp, ep = make_policy("fssdp", config), make_policy("ep", config)
         pre = fssdp.pre_gating(0, owner, load)
-        options = PlacementOptions(placement="paper", overlap_degree=t, materialization_budget=m)
-        assert torch.equal(pre, place(owner, load, topo, config=options))
-        assert torch.equal(ep.pre_gating(0, owner, load),
-                           place(owner, load, topo, config=dataclasses.replace(options, policy="ep")))
+        assert torch.equal(pre, place(owner, load, topo, placement="paper", overlap_degree=t, budget=m))
+        assert torch.equal(ep.pre_gating(0, owner, load), shard_placement(owner, 8))
         tokens = torch.distributions.Multinomial(300, torch.rand(12, generator=gen) ** 4 + 0.01).sample((8, )).T.long()
         want = calibrate(owner, pre, tokens, topo, config.cost, overlap_degree=fssdp.calibration_overlap_degree(),
                          budget=m, latency_budget=config.calibration_latency_budget, dispatcher=dispatch)
