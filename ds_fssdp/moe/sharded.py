@@ -459,9 +459,6 @@ class ShardedExperts:
             raise RuntimeError("owners can change only between iterations (a collective is still pending)")
         self.replicas.set_owners(owner_E, rows=rows, master=master)
 
-    def use_precision(self, dtype: torch.dtype, device) -> None:
-        self.replicas.use_precision(dtype, device)
-
     def copy_master_to_rows(self) -> None:
         self.replicas.copy_master_to_rows()
 
