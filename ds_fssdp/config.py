@@ -19,6 +19,7 @@ SECTION = "fssdp"
 PLACEMENTS = ("joint", "paper")
 _AUTO_KEYS = ("materialization_budget", "overlap_degree")
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
+PosInt = Annotated[StrictInt, Field(ge=1)]
 
 
 class FSSDPConfigError(ValueError):
@@ -170,12 +171,12 @@ class FSSDPConfig(_Strict):
     calibration: StrictBool = False
     """After gating, add replicas for the actual loads when the modelled gain exceeds the cost."""
 
-    ranks_per_node: Union[Literal["auto"], StrictInt, None] = "auto"
+    ranks_per_node: Union[Literal["auto"], PosInt, None] = "auto"
     """Ranks per node: "auto" or null (the launcher's local world size) or an int dividing the world
     size; an int smaller than the real node makes logical nodes on one machine. (The HF Trainer
     treats any "auto" string in a DeepSpeed config as its own placeholder: use null there.)"""
 
-    group_size: Optional[StrictInt] = None
+    group_size: Optional[PosInt] = None
     """Ranks per FSSDP group; null: the whole world (one group). Consecutive ranks form a group that
     holds one complete set of experts (one owner each) and plans, replicates, exchanges tokens and
     balances inside itself; the ranks at the same position in every group are the
@@ -226,10 +227,6 @@ class FSSDPConfig(_Strict):
         if cfg.placement not in PLACEMENTS:
             removed = " ('cost' was removed: it won on no cluster and no CPU run)" if cfg.placement == "cost" else ""
             raise FSSDPConfigError(f"{SECTION}.placement ({cfg.placement!r}) must be one of {PLACEMENTS}{removed}")
-        if isinstance(cfg.ranks_per_node, int) and cfg.ranks_per_node < 1:
-            raise FSSDPConfigError(f"{SECTION}.ranks_per_node ({cfg.ranks_per_node}) must be >= 1 or \"auto\"")
-        if cfg.group_size is not None and cfg.group_size < 1:
-            raise FSSDPConfigError(f"{SECTION}.group_size ({cfg.group_size}) must be >= 1 or null (the whole world)")
         if cfg.materialization_budget == "auto" and cfg.replica_memory_bytes is None:
             raise FSSDPConfigError(f"{SECTION}.materialization_budget (\"auto\") needs {SECTION}.replica_memory_bytes "
                                    "(per-rank bytes for replicas)")
@@ -310,7 +307,7 @@ def _format_errors(err: ValidationError, section: Mapping[str, Any]) -> str:
     known = ", ".join(FSSDPConfig.model_fields)
     lines = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"] if not str(p).startswith(("literal[", "int", "float", "bool")))
+        key = ".".join(str(p) for p in e["loc"] if not str(p).startswith(("literal[", "int", "float", "bool", "constrained-")))
         key = key or "?"
         value = section.get(key, e.get("input"))
         kind, ctx = e["type"], e.get("ctx", {})

@@ -39,11 +39,6 @@ def backend_for(device: torch.device) -> str:
     return _chosen[kind]
 
 
-def reset_choices() -> None:
-    """Forget the choices (tests change the environment variable and choose again)."""
-    _chosen.clear()
-
-
 def _choose(kind: str) -> tuple:
     requested = os.environ.get(ENV, "auto")
     if requested not in CHOICES:

@@ -35,7 +35,10 @@ def build(cfg: dict, *, stages: int = STAGES):
     from ds_fssdp.models import GPTMoEPipe
     torch.manual_seed(0)
     model = model_for(cfg)
+    names = {id(p): n for n, p in model.named_parameters()}
     pipe = GPTMoEPipe(model, num_stages=stages, parts=cfg.get("_parts"))
+    # This stage's parameter names -> GPTMoE's (the reference's keys).
+    pipe.model_names = {n: names[id(p)] for n, p in pipe.named_parameters()}
     return model, pipe
 
 

@@ -1,14 +1,13 @@
 """Placement policies behind one interface: every policy's placements are valid over many
 iterations, each baseline does what the paper says it does, and FSSDP matches the planner's own
 functions (place, calibrate)."""
-import dataclasses
 import math
 
 import pytest
 import torch
 
 from ds_fssdp import Topology
-from ds_fssdp.planner import (CostModel, ExpertShape, Hardware, PlacementOptions, calibrate, dispatch,
+from ds_fssdp.planner import (CostModel, ExpertShape, Hardware, calibrate, dispatch,
                               homogeneous_owner, place, shard_placement)
 from ds_fssdp.planner.baselines import (POLICY_NAMES, PolicyConfig, balance_ratio, lpt_with_slots, make_policy,
                                         relabel_owner, uniform_tokens)
@@ -38,11 +37,17 @@ def make_config(E, D, G, L, **kw):
     return PolicyConfig(**base)
 
 
+def initial_owner(config) -> torch.Tensor:
+    """long [L, E]: the expert-parallel layout (homogeneous sharding) for every layer."""
+    E, L = config.num_experts, config.num_layers
+    return homogeneous_owner(E, config.topology.num_ranks).expand(L, E).clone()
+
+
 def run_policy(name, config, tokens_SLED, *, window=3):
     """Drive a policy through the phases like the runtime does; yield per-layer records."""
     from ds_fssdp.planner import LoadPredictor
     policy = make_policy(name, config)
-    owner_LE = policy.initial_owner()
+    owner_LE = initial_owner(config)
     predictor = LoadPredictor([config.num_experts] * config.num_layers, window=window)
     for s in range(tokens_SLED.shape[0]):
         before_LE = owner_LE.clone()
@@ -133,7 +138,7 @@ def test_fssdp_reshard_interval_and_uniform_slots():
     gen = torch.Generator().manual_seed(5)
     config = make_config(16, 8, 4, 3, reshard_interval=5)
     policy = make_policy("fssdp", config)
-    owner = policy.initial_owner()
+    owner = initial_owner(config)
     loads = torch.rand(3, 16, generator=gen) ** 3
     for step in range(12):
         r = policy.reshard(step, loads, owner_LE=owner)
@@ -163,7 +168,7 @@ def test_smartmoe_balances_by_lpt_and_migrates_only_on_its_interval():
     assert torch.equal(torch.bincount(owner, minlength=4), torch.tensor([2, 2, 2, 2]))
     config = make_config(8, 4, 2, 1, smartmoe_interval=3)
     policy = make_policy("smartmoe", config)
-    cur = policy.initial_owner()
+    cur = initial_owner(config)
     assert policy.reshard(1, load[None], owner_LE=cur) is None
     r = policy.reshard(3, load[None], owner_LE=cur)
     assert r is not None and r.copies_M4.shape[0] > 0
@@ -174,7 +179,7 @@ def test_smartmoe_balances_by_lpt_and_migrates_only_on_its_interval():
 def test_flexmoe_expands_the_hot_expert_until_threshold():
     config = make_config(8, 4, 2, 1, flexmoe_slots=2, flexmoe_threshold=1.2)
     policy = make_policy("flexmoe", config)
-    owner = policy.initial_owner()
+    owner = initial_owner(config)
     load = torch.tensor([[400., 10, 10, 10, 10, 10, 10, 10]])
     before = balance_ratio(shard_placement(owner[0], 4), load[0])
     r = policy.reshard(1, load, owner_LE=owner)
@@ -224,10 +229,8 @@ def test_fssdp_matches_place_and_calibrate():
                              calibration_latency_budget=float(torch.rand(1, generator=gen)) * 1e-3)
         fssdp, ep = make_policy("fssdp", config), make_policy("ep", config)
         pre = fssdp.pre_gating(0, owner, load)
-        options = PlacementOptions(placement="paper", overlap_degree=t, materialization_budget=m)
-        assert torch.equal(pre, place(owner, load, topo, config=options))
-        assert torch.equal(ep.pre_gating(0, owner, load),
-                           place(owner, load, topo, config=dataclasses.replace(options, policy="ep")))
+        assert torch.equal(pre, place(owner, load, topo, placement="paper", overlap_degree=t, budget=m))
+        assert torch.equal(ep.pre_gating(0, owner, load), shard_placement(owner, 8))
         tokens = torch.distributions.Multinomial(300, torch.rand(12, generator=gen) ** 4 + 0.01).sample((8, )).T.long()
         want = calibrate(owner, pre, tokens, topo, config.cost, overlap_degree=fssdp.calibration_overlap_degree(),
                          budget=m, latency_budget=config.calibration_latency_budget, dispatcher=dispatch)

@@ -120,7 +120,7 @@ BAD_GROUPS = [
     ({"group_size": 3}, 4, 4, r"fssdp.group_size \(3\) must divide the world size \(4\)"),
     ({"group_size": 4, "ranks_per_node": 3}, 12, 3, r"fssdp.group_size \(4\) must be a multiple or a divisor of "
      r"fssdp.ranks_per_node \(3\)"),
-    ({"group_size": 0}, 4, 4, r"fssdp.group_size \(0\) must be >= 1"),
+    ({"group_size": 0}, 4, 4, r"fssdp.group_size \(0\) must be null or an int >= 1"),
     ({"group_size": "two"}, 4, 4, r"fssdp.group_size \('two'\) must be null or an int >= 1"),
 ]
 

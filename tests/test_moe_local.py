@@ -108,19 +108,13 @@ def test_gate_bias_is_bound_like_an_hf_router_bias():
     layer.load_state_dict(state)
 
 
-def test_empty_input_and_export_import():
+def test_empty_input_and_export():
     layer = FSSDPMoE(hidden_size=4, ffn_hidden_size=6, num_experts=3, k=2, activation="swiglu")
     out, l_aux, counts = layer(torch.zeros(0, 4))
     assert out.shape == (0, 4) and l_aux.item() == 0.0 and counts.sum() == 0
     full = layer.export_experts()
     assert set(full) == {"w_gate", "w_up", "w_down"} and full["w_down"].shape == (3, 6, 4)
-    new = {k: torch.randn_like(v) for k, v in full.items()}
-    layer.import_experts(new)
-    assert all(torch.equal(getattr(layer, k), v) for k, v in new.items())
-    with pytest.raises(ValueError, match="w_up has shape"):
-        layer.import_experts(dict(new, w_up=torch.zeros(3, 4, 5)))
-    with pytest.raises(KeyError, match="w_down"):
-        layer.import_experts({"w_gate": new["w_gate"], "w_up": new["w_up"]})
+    assert all(torch.equal(getattr(layer, k), v) for k, v in full.items())
 
 
 def test_constructor_errors():

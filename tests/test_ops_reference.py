@@ -21,9 +21,9 @@ from test_ops_triton_interpret import ALPHA, GEMM_CASES, LIMIT, MLP_CASES, PERMU
 def torch_backend(monkeypatch):
     """These tests run the torch reference whatever the environment says."""
     monkeypatch.setenv(dispatch.ENV, "torch")
-    dispatch.reset_choices()
+    dispatch._chosen.clear()
     yield
-    dispatch.reset_choices()
+    dispatch._chosen.clear()
 
 
 # ---------------------------------------------------------------- grouped GEMM and expert MLP
@@ -238,7 +238,7 @@ def test_route_orders_meet_the_permutation_contract(seed):
 
 def test_choice_is_made_once_and_logged(monkeypatch, caplog):
     monkeypatch.setenv(dispatch.ENV, "auto")
-    dispatch.reset_choices()
+    dispatch._chosen.clear()
     with caplog.at_level(logging.INFO, logger="ds_fssdp.ops.dispatch"):
         ops.grouped_gemm(torch.randn(2, 3), torch.randn(1, 3, 2), [2])
         ops.grouped_gemm(torch.randn(2, 3), torch.randn(1, 3, 2), [2])
@@ -249,12 +249,12 @@ def test_choice_is_made_once_and_logged(monkeypatch, caplog):
 
 def test_choice_errors(monkeypatch):
     monkeypatch.setenv(dispatch.ENV, "fast")
-    dispatch.reset_choices()
+    dispatch._chosen.clear()
     with pytest.raises(ValueError, match="DS_FSSDP_OPS_BACKEND \\('fast'\\) must be one of"):
         dispatch.backend_for(torch.device("cpu"))
     monkeypatch.setenv(dispatch.ENV, "triton")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    dispatch.reset_choices()
+    dispatch._chosen.clear()
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1|triton is not installed"):
         dispatch.backend_for(torch.device("cpu"))
 
@@ -262,5 +262,5 @@ def test_choice_errors(monkeypatch):
 def test_auto_on_cuda_without_triton_picks_torch_and_says_why(monkeypatch):
     monkeypatch.setenv(dispatch.ENV, "auto")
     monkeypatch.setattr(dispatch, "_triton_problem", lambda: "triton is not installed")
-    dispatch.reset_choices()
+    dispatch._chosen.clear()
     assert dispatch.backend_for(torch.device("cuda")) == "torch"

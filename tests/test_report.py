@@ -113,7 +113,7 @@ def test_cli_refuses_a_directory_without_one_trace(tmp_path):
 def test_replay_of_a_removed_cost_placement_plans_joint_and_says_so():
     """placement "cost" left the runtime: a trace recorded with it replays as "joint" (the same
     LayerPlanner call as the runtime's), with a note."""
-    from ds_fssdp.planner import LoadPredictor, PlacementOptions, place
+    from ds_fssdp.planner import LoadPredictor, place
     from ds_fssdp.planner.shard import homogeneous_owner
     from ds_fssdp.report.replay import replay
     trace = hot_expert_trace()
@@ -123,11 +123,10 @@ def test_replay_of_a_removed_cost_placement_plans_joint_and_says_so():
     topo = Topology(num_ranks=D, ranks_per_node=2)
     predictor = LoadPredictor([E] * 2, window=5)
     owner = homogeneous_owner(E, D)
-    opts = PlacementOptions(placement="joint", overlap_degree=4, materialization_budget=2)
     tokens = torch.from_numpy(trace.tokens_SLED.astype(np.int64))
     for s in range(S):
         predicted = predictor.predict_tokens(0)
-        want = place(owner, predicted, topo, config=opts)
+        want = place(owner, predicted, topo, placement="joint", overlap_degree=4, budget=2)
         assert np.array_equal(r.held_SLED[s, 0], want.numpy())
         predictor.observe(0, tokens[s, 0])
     assert r.replicas_SL()[5:, 0].max() >= 1  # the hot expert gets a replica

@@ -5,7 +5,7 @@ and every expert's gradients, the replicas' reduced), and the permutation kernel
 The ranks start with TRITON_INTERPRET=1 (set around the spawn only): it must be set before
 ``import triton``, which DeepSpeed's import already does (triton's own library functions, such as
 ``tl.sum``, are jitted then). Each rank runs the same step under DS_FSSDP_OPS_BACKEND=torch and
-=triton (the ops read the variable when they choose, and forget the choice on ``reset_choices``). The grouped GEMM switches with it, so the whole expert path is compared.
+=triton (the ops read the variable when they choose, and forget the choice when ``dispatch._chosen`` is cleared). The grouped GEMM switches with it, so the whole expert path is compared.
 Tolerance: fp32, the two differ in summation order only (the GEMM's tiles, the kernels' row dot
 products); 1e-6 absolute as in test_layer_distributed.py.
 """
@@ -30,7 +30,7 @@ def _both_backends(rank, world):
     out = {}
     for backend in ("torch", "triton"):
         os.environ[dispatch.ENV] = backend
-        dispatch.reset_choices()
+        dispatch._chosen.clear()
         calls = _count_kernel_calls() if backend == "triton" else {}
         out[backend] = _worker(rank, world, RUN_CASES)
         out[backend + "_calls"] = dict(calls)

@@ -31,17 +31,8 @@ class TPFold:
         return min(num_tokens, self.rank * chunk), min(num_tokens, (self.rank + 1) * chunk), chunk
 
 
-def _all_gather_slices(x_CH: torch.Tensor, fold: TPFold, num_tokens: int) -> torch.Tensor:
-    """Every TP rank's slice (each padded to C rows) -> [T, ...]."""
-    start, end, chunk = fold.bounds(num_tokens)
-    padded = x_CH.new_zeros((chunk, ) + tuple(x_CH.shape[1:]))
-    padded[:end - start] = x_CH
-    out = x_CH.new_empty((chunk * fold.size, ) + tuple(x_CH.shape[1:]))
-    dist.all_gather_into_tensor(out, padded.contiguous(), group=fold.group)
-    return out[:num_tokens]
-
-
 class _Split(torch.autograd.Function):
+    """This TP rank's slice; the backward all-gathers the slices' gradients (:class:`_Gather`)."""
 
     @staticmethod
     def forward(ctx, x_TH, fold):
@@ -51,27 +42,29 @@ class _Split(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_CH):
-        return _all_gather_slices(grad_CH.contiguous(), ctx.fold, ctx.num_tokens), None
+        return _Gather.apply(grad_CH.contiguous(), ctx.fold, ctx.num_tokens), None
 
 
 class _Gather(torch.autograd.Function):
+    """Every TP rank's slice (each padded to C rows) -> [T, ...]; the backward takes this rank's slice."""
 
     @staticmethod
     def forward(ctx, x_CH, fold, num_tokens):
-        ctx.fold, ctx.num_tokens = fold, num_tokens
-        return _all_gather_slices(x_CH, fold, num_tokens)
+        ctx.fold = fold
+        start, end, chunk = fold.bounds(num_tokens)
+        padded = x_CH.new_zeros((chunk, ) + tuple(x_CH.shape[1:]))
+        padded[:end - start] = x_CH
+        out = x_CH.new_empty((chunk * fold.size, ) + tuple(x_CH.shape[1:]))
+        dist.all_gather_into_tensor(out, padded.contiguous(), group=fold.group)
+        return out[:num_tokens]
 
     @staticmethod
     def backward(ctx, grad_TH):
-        start, end, _ = ctx.fold.bounds(ctx.num_tokens)
-        return grad_TH[start:end].contiguous(), None, None
+        return _Split.apply(grad_TH, ctx.fold).contiguous(), None, None
 
 
 def split(x_TH: torch.Tensor, fold: TPFold) -> torch.Tensor:
-    """This TP rank's slice of ``x_TH`` (integer tensors: a plain slice, no gradient)."""
-    if not x_TH.is_floating_point():
-        start, end, _ = fold.bounds(x_TH.shape[0])
-        return x_TH[start:end]
+    """This TP rank's slice of ``x_TH`` (integer tensors: no gradient)."""
     return _Split.apply(x_TH, fold)
 
 

@@ -125,9 +125,7 @@ def hf_state_dict(model: nn.Module) -> dict:
     return state
 
 
-def initialize(*args, **kwargs):
-    """What ``deepspeed.initialize`` is routed to: ``ds_fssdp.initialize``."""
-    return _engine.initialize(*args, **kwargs)
+initialize = _engine.initialize  # what deepspeed.initialize is routed to
 
 
 def route_deepspeed_initialize() -> None:

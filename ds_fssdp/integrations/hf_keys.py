@@ -1,30 +1,17 @@
 """Where a converted experts module's tensors are in a Hugging Face checkpoint, both ways, read off
-transformers' own conversion mapping.
+transformers' own conversion mapping (docs/design.md section 5, "Big models in and out").
 
 Legend: E experts, S experts read or written here (a rank's own).
 
-transformers 5 holds each experts module's tensors fused ([E, ...] ``gate_up_proj``, ``down_proj``,
-biases). Older checkpoints, and by default what ``save_pretrained`` writes for a family with a
-conversion mapping (Mixtral, Qwen2/3-MoE, DeepSeek, GLM, OLMoE, ...), hold one tensor per expert
-(``experts.{e}.w1.weight``): the family's ``WeightConverter`` (``transformers/conversion_mapping.py``:
-``MergeModulelist``, ``Concatenate``, ...) fuses them at load, its reverse splits them at save
-(``revert_weight_conversion``, ``save_original_format``). Families without a mapping keep the fused
-keys (GPT-OSS) or only rename them (GraniteMoE). No table of families here.
-
-Load (:func:`plan_experts`, :func:`read_owned`): every checkpoint key is renamed by transformers'
-``rename_source_key``, which also says which converter pattern matched (the ``_was_used`` flags it
-sets are what ``save_pretrained`` later reverts); the keys that land on an experts module's tensor
-are its sources. A rank reads only its own experts: their per-expert keys, handed to a copy of the
-converter (its own ``convert``: ops and renaming), or their rows of a fused key. Before anything is
-read the plan is checked on every rank alike (from the file headers): each tensor has its sources,
-every expert 0..E-1 and no other, the converted shape is the model's (the converter run on meta
-tensors), and every op of the converter acts per expert (stacks experts on dim 0, or works on dims
->= 1): anything else is refused, naming the model type, the tensor and the op.
-
-Save (:class:`SavedExperts`): ``revert_weight_conversion`` itself, on meta tensors of the full
-shapes (every key, shape and dtype the files will hold, known on every rank before any byte is
-written), and on a rank's own experts' tensors for their values; the reversed converter names those
-by their position among the rank's experts, and the expert's index is put back where the pattern's
+A checkpoint holds an experts module's tensors fused ([E, ...], as transformers 5 holds them) or one
+per expert (``experts.{e}.w1.weight``), which the family's ``WeightConverter`` fuses at load and its
+reverse splits at save (``save_original_format``). No table of families here. Load
+(:func:`plan_experts`, :func:`read_owned`): transformers' ``rename_source_key`` says which keys land
+on each tensor, through which converter pattern; the plan is checked on every rank alike before
+anything is read (each tensor's sources, experts 0..E-1 and no other, the converted shape, every op
+acting per expert), then a rank reads only its own experts. Save (:class:`SavedExperts`):
+``revert_weight_conversion`` on meta tensors of the full shapes (every key known on every rank before
+any byte is written), then on a rank's own experts, each expert's index put back where the pattern's
 ``*`` is.
 """
 from __future__ import annotations

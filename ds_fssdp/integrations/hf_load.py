@@ -1,28 +1,17 @@
-"""Big HF MoE models in: each rank reads (or draws) only the experts it will own.
+"""Big HF MoE models in: each rank reads (or draws) only the experts it will own (docs/design.md
+section 5, "Big models in and out"; README, "Loading").
 
 Legend: E experts, S experts a rank owns, P elements per expert row.
 
-:func:`from_pretrained` returns what ``convert(AutoModelForCausalLM.from_pretrained(...))`` returns,
-without any rank holding the whole model (README, "Loading"): it starts DeepSpeed's comm
-(``runtime/elastic.init_distributed``) to learn its rank and the FSSDP layout from the config's
-``fssdp`` section, then runs transformers' own ``from_pretrained`` with one step added where
-transformers would start reading weights (``PreTrainedModel._load_pretrained_model``, wrapped for
-the call): the meta skeleton's experts modules are converted (an unsupported family is refused by
-name here), the experts' checkpoint keys are planned from the file headers and checked on every
-rank alike (``hf_keys.plan_experts``: all raised before any collective), then each experts module
-reads exactly its own experts (``planner.initial_ownership``, the stage's own decision) into rows
-on the engine's device (``adopt_owned_rows``). The experts' keys are not in the converted model, so
-transformers' loader never reads them. ``ds_fssdp.initialize`` takes the rows as they are.
-
-:func:`from_config` builds a fresh model the same way: the dense part initialized by the family's
-own ``_init_weights`` under ``seed``, the experts lazy; ``initialize`` draws each rank's own experts
-(``FSSDPHFExperts.fresh_rows``: the family's init on a one-expert copy, seeded by the layer and the
-expert), so every world and group size trains the same weights; :func:`materialize_experts` in one
-process is the reference.
-
-Under ZeRO stage 3 the dense part is partitioned while it loads (``hf_zero3.py``): one module whole
-at a time, rank 0 reads, as transformers' own ZeRO-3 load partitions; the experts are never
-partitioned by ``zero.Init``.
+:func:`from_pretrained` runs transformers' own ``from_pretrained`` with one step added where it
+would start reading weights (``PreTrainedModel._load_pretrained_model``, wrapped for the call:
+:func:`_load`): the meta skeleton's experts modules are converted, their checkpoint keys planned and
+checked on every rank alike before any collective (``hf_keys.plan_experts``), and each module reads
+exactly its own experts (``planner.initial_ownership``, the stage's own decision) into rows on the
+engine's device; transformers' loader never reads the experts' keys. :func:`from_config` builds a
+fresh model with lazy experts, drawn per rank at ``initialize`` (``FSSDPHFExperts.fresh_rows``);
+:func:`materialize_experts` in one process is the reference. Under ZeRO stage 3 the dense part is
+partitioned while it loads (``hf_zero3.py``).
 """
 from __future__ import annotations
 

@@ -1,25 +1,17 @@
-"""Big HF MoE models out: a Hugging Face directory written by every rank, each its own experts.
+"""Big HF MoE models out: a Hugging Face directory written by every rank, each its own experts
+(docs/design.md section 5, "Big models in and out"; README, "Saving").
 
 Legend: E experts, S experts a rank owns, P elements per expert row.
 
 :func:`save_pretrained` (collective) writes what ``save_pretrained`` would write for the unconverted
-model, loadable by ``AutoModelForCausalLM.from_pretrained``: ``config.json`` and the generation
-config, safetensors shards under the family's own key names (transformers' reverse conversion:
-per-expert keys for families with a conversion mapping, unless ``save_original_format=False``)
-and ``model.safetensors.index.json``. Rank 0 writes the dense part through transformers' own
-``save_pretrained`` (its key renames, tied weights, config and dtype; under ZeRO-3 the dense
-parameters are gathered one module at a time first, as DeepSpeed's 16-bit consolidation does).
-The experts go to shards laid out before any byte is written (``hf_keys.SavedExperts``: every key,
-shape and dtype, known on every rank), and each rank of the first FSSDP group writes its own
-experts' byte ranges into them, one layer at a time (``safetensors_io.ShardFile``): no expert
-crosses a link, and no rank holds more than one layer's experts beyond its own.
-
-Atomic (README, "Saving"): everything goes into ``.tmp-<name>`` beside ``out_dir`` (same
-filesystem); rank 0 writes the index last and renames the directory into place, or moves the files
-in one by one, the index last, when ``out_dir`` holds other things (:data:`MODEL_FILES` there are
-refused without ``overwrite``). A failure on any rank fails every rank alike and leaves ``out_dir``
-as it was. ``trainer.save_model`` and ``model.save_pretrained`` on a converted model are routed here
-(:func:`route_trainer_save`, :func:`route_model_save`); a PEFT model keeps PEFT's own saving.
+model: rank 0 the dense part through transformers' own ``save_pretrained`` (under ZeRO-3 gathered one
+module at a time), and each rank of the first FSSDP group its own experts' byte ranges, one layer at
+a time, into shards laid out before any byte is written (``hf_keys.SavedExperts``,
+``safetensors_io.ShardFile``): no expert crosses a link. Everything goes into ``.tmp-<name>`` beside
+``out_dir`` and is renamed into place, or moved in file by file, the index last, when ``out_dir``
+holds other things; a failure on any rank fails every rank alike. ``trainer.save_model`` and
+``model.save_pretrained`` on a converted model are routed here (:func:`route_trainer_save`,
+:func:`route_model_save`); a PEFT model keeps PEFT's own saving.
 """
 from __future__ import annotations
 
@@ -121,11 +113,11 @@ class Comm:
         self.rank = dist.get_rank() if self.distributed else 0
 
     def agree(self, what: str, fn, *, root_only: bool = False) -> None:
-        from ds_fssdp.runtime.checkpoint.collective import agree, attempt
-        err = attempt(fn) if (self.rank == 0 or not root_only) else None
+        from ds_fssdp.runtime.checkpoint.collective import agreed, attempt
         if self.distributed:
-            agree(what, err)
-        elif err is not None:
+            return agreed(what, fn, root_only=root_only)
+        err = attempt(fn)
+        if err is not None:
             raise CheckpointError(f"{what} failed: {type(err).__name__}: {err}") from err
 
 

@@ -1,17 +1,8 @@
 """ZeRO stage 3 for the dense part of a model the loaders build (``hf_load.py``): partitioned while
-it loads, one module whole at a time, as transformers' own ZeRO-3 load does; the experts are never
-partitioned by ``zero.Init`` (each rank already holds its own).
-
-transformers' ZeRO-3 load builds the model under ``deepspeed.zero.Init`` (each module's parameters
-partitioned as soon as the module is built) and then, module by module, gathers, copies rank 0's
-checkpoint values in and re-partitions. Built that way the experts modules would be partitioned
-like dense weights, so here the skeleton stays on the meta device and each module with parameters
-of its own is, in model order: materialized (rank 0 reads its checkpoint tensors with
-transformers' loader, ``convert_and_load_state_dict_in_model``, its key renames included; the other
-ranks allocate), completed with the family's own init where the checkpoint lacks a parameter, and
-partitioned with ``deepspeed.zero.Init(module=...)``, which broadcasts rank 0's values and keeps each
-rank's slice. Persistent buffers (never partitioned) are read by every rank. Non-persistent buffers
-and tied weights are left to transformers' finalization, as after its own load.
+it loads, one module whole at a time, as transformers' own ZeRO-3 load does, but from a skeleton on
+the meta device, so the experts are never partitioned by ``zero.Init`` (each rank already holds its
+own). Each module's steps and what is left to transformers' finalization: docs/design.md section 5,
+"Big models in and out".
 """
 from __future__ import annotations
 

@@ -75,13 +75,10 @@ class GPTMoEPipe(PipelineModule):
             raise ValueError(f"parts ({parts}) must be {num_stages + 1} non-decreasing stage boundaries from 0 to "
                              f"{len(layers)} (the embedding, {len(model.blocks)} blocks and the head)")
         object.__setattr__(self, "_fixed_parts", None if parts is None else list(parts))
-        names = {id(p): n for n, p in model.named_parameters()}
         super().__init__(layers=layers, num_stages=num_stages, loss_fn=lm_loss, partition_method="type:BlockPipe",
                          activation_checkpoint_interval=activation_checkpoint_interval,
                          checkpointable_layers=["BlockPipe"], **kwargs)
         self.cfg = cfg
-        # This stage's parameter names -> GPTMoE's (checkpoint exports, tests' references).
-        self.model_names = {n: names[id(p)] for n, p in self.named_parameters()}
 
     def _partition_layers(self, method="uniform"):
         if self._fixed_parts is None:

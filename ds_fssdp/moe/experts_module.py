@@ -35,7 +35,6 @@ one given at binding (FSSDPMoE's ``bias_update_rate``; 0 for HF routers: the key
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 import torch.nn as nn
@@ -290,22 +289,6 @@ class FSSDPExperts(nn.Module):
         """The full expert tensors as rows [E, P] (one copy; the module must hold them all)."""
         self._check_whole("expert_rows")
         return self.spec.flatten({name: getattr(self, name).detach() for name in self.spec.names})
-
-    @torch.no_grad()
-    def import_experts(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Load full expert tensors by name; once sharded, each rank keeps the experts it owns."""
-        for name, shape in self.spec.shapes.items():
-            if name not in tensors:
-                raise KeyError(f"import_experts: missing {name!r} (expected {list(self.spec.names)})")
-            if tuple(tensors[name].shape) != (self.num_experts, *shape):
-                raise ValueError(f"import_experts: {name} has shape {tuple(tensors[name].shape)}, expected "
-                                 f"{(self.num_experts, *shape)}")
-        if self.sharded is None:
-            self._check_whole("import_experts")
-            for name in self.spec.names:
-                getattr(self, name).copy_(tensors[name])
-        else:
-            self.sharded.load_rows(self.spec.flatten(tensors))
 
     # -- routing bias ----------------------------------------------------------------------------
     def bind_router_bias(self, owner: nn.Module, name: str, *, where: str, update_rate: float = 0.0) -> None:

@@ -53,12 +53,10 @@ class FSSDPMoE(FSSDPExperts):
                              aux_free_bias=aux_free_bias, device=device, dtype=dtype)
         if self.gate.expert_bias is not None:
             self.bind_router_bias(self.gate, "expert_bias", where="gate.expert_bias", update_rate=bias_update_rate)
-        self.reset_parameters(init_std)
+        self.reset_parameters()
 
     @torch.no_grad()
-    def reset_parameters(self, std: float | None = None) -> None:
-        if std is not None:
-            self.init_std = float(std)
+    def reset_parameters(self) -> None:
         nn.init.normal_(self.gate.weight, std=self.init_std)
         if self.sharded is None and self.owned is None and not self.lazy:
             for name in self.spec.names:

@@ -1,6 +1,7 @@
 """One layer's token exchange split into ragged chunks that pipeline with the expert compute
 (FSMoE, seed 002; the modelled schedule is ``planner/schedule.py``'s docstring), forward degree f
-and backward degree b independent.
+and backward degree b independent. The schedule, the links, one copy per destination and the work
+beside the exchange as run here: docs/design.md section 4, "Chunked exchange".
 
 Legend: T tokens, K top-k, H hidden, R rows received, S local compute slots, D ranks, P elements
 per expert, f / b the forward / backward degrees.
@@ -13,30 +14,11 @@ per expert, f / b the forward / backward degrees.
 * **Local first.** The rows of this rank's own tokens on experts it holds (source == self) never
   enter a collective: they are computed first, while chunk 1 is in flight.
 * **Order.** Dispatch i+1 is launched before chunk i is computed, combine i as soon as chunk i is
-  computed: the links run D1 D2 C1 D3 C2 ... Cn, as modelled. The backward runs the same schedule
-  over the output gradients at degree b.
-* **Links.** Same-node pairs go over the node's group, cross-node pairs over a second group of
-  the token group's ranks (same-node splits 0): two communicators, so two queues (NCCL: two
-  streams). One node: the node group only (:class:`ExchangeGroups`).
+  computed (D1 D2 C1 D3 C2 ... Cn); the backward runs the same schedule at degree b.
 * **Autograd.** One Function (:class:`PipelinedExperts`) over the exchange + expert compute +
-  exchange back: its forward computes each atom's expert MLP under ``enable_grad`` on detached
-  leaves (the atom's input rows; the weights: owned rows, replica rows, LoRA factors), its
-  backward runs its own chunked schedule and takes ``torch.autograd.grad`` per backward chunk.
-  Under re-materialization the forward keeps no graph: the backward fetches the replicas once
-  (``source.rematerialized()``), recomputes each atom and hands the summed replica gradient to
-  ``source.replica_grad_ready`` once.
-
-* **One copy per destination** (:func:`pipelined_dispatch_compute_combine_dedup`): the chunks
-  carry the unique rows (one per (token, destination)); the gate weights cross once, unchunked,
-  with autograd; each unit expands its received rows, computes and combines them with their
-  weights (``compute.expand_received`` / ``combine_received``) before its combine exchange. Two
-  hops across nodes run both hops chunked through the same Function with a
-  :class:`~ds_fssdp.moe.relay.RelayPlan` (``moe/relay.py``): any plan with ``degrees``, ``units``,
-  ``recv_splits`` and ``run``.
-* **Work beside the exchange** (``moe/side.py``): a block's shared experts, given as a
-  ``SideWork``, are computed after the last chunk's GEMM, while the last combine is in flight (and
-  in the backward, their gradient through their own graph at the same point); the Function's
-  second output is their result, which the block's own call of the module then returns.
+  exchange back, each atom's expert MLP under ``enable_grad`` on detached leaves, the backward's
+  ``torch.autograd.grad`` per backward chunk; two hops across nodes run through the same Function
+  with a :class:`~ds_fssdp.moe.relay.RelayPlan` (``moe/relay.py``).
 
 Degree (1, 1) is not this module: the layer runs ``compute.dispatch_compute_combine`` (or its
 ``_dedup`` form) unchanged.

@@ -1,22 +1,16 @@
-"""What each forward in flight recorded for its own backward, per layer, first in first out.
+"""What each forward in flight recorded for its own backward, per layer, first in first out
+(docs/design.md section 9, "Per micro-batch").
 
 Legend: R replica rows, P elements per expert.
 
-A layer's forward is one FSSDP iteration: it plans, gathers replicas, routes, and leaves behind
-what its backward needs (the route and replicas an activation-checkpoint recompute replays, the
-layout RM gathers again, the replica reduces to expect, the replica buffers it keeps alive). One
-:class:`MicroRecord` holds that for one micro-batch.
-
-Without pipeline parallelism a micro-step is one forward followed by its backward: every forward
-between two backwards shares one record (created on first use), and the backward consumes it.
-Under DeepSpeed's pipeline engine several forwards are in flight on the early stages (1F1B on
-stage 0 of 2: F0 F1 B0 F2 B1 F3 B2 B3), so the engine declares each training forward
-(:meth:`MicrobatchRecords.begin_forward`): its record is new, the backward in progress always
-works on the oldest one (:meth:`backward_record`), and :meth:`end_backward` drops it. Inside one
-record the recomputes replay its iterations last first (a layer applied twice in one forward is
-recomputed in reverse order), as before.
-
-No decisions and no communication here: the records only keep what the forward made.
+One :class:`MicroRecord` holds what one micro-batch's forwards leave for their backward (the route
+and replicas an activation-checkpoint recompute replays, the layout RM gathers again, the replica
+reduces to expect, the replica buffers kept alive). Without pipeline parallelism every forward
+between two backwards shares one record (created on first use). Under DeepSpeed's pipeline engine
+each training forward is declared (:meth:`MicrobatchRecords.begin_forward`) and gets its own; the
+backward in progress works on the oldest (:meth:`backward_record`) and :meth:`end_backward` drops
+it. Inside one record the recomputes replay its iterations last first. No decisions and no
+communication here.
 """
 from __future__ import annotations
 

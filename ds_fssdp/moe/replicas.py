@@ -368,14 +368,6 @@ class ReplicaManager:
             self.rows.copy_(self.master)
 
     @torch.no_grad()
-    def load_rows(self, full_EP: torch.Tensor) -> None:
-        """Keep the owned experts' rows of a full [E, P] tensor (in master and rows)."""
-        self.land()
-        own = full_EP.to(self.master.device).index_select(0, self.owned_E.to(self.master.device))
-        self.master.copy_(own)
-        self.copy_master_to_rows()
-
-    @torch.no_grad()
     def export_rows(self, group) -> torch.Tensor:
         """All experts' rows on every rank (collective over ``group``): [E, P]."""
         self.land()

@@ -17,21 +17,10 @@ DeepSpeed's timers, the gaps' callback) comes from ``context()``, a callable the
 how the layer runs from its ``ShardOptions``; this forward's LoRA factors from the experts
 module's call. Nothing is set on a shard from outside (``tests/test_module_shape.py``).
 
-Per iteration:
-
-* ``prefetch()`` (called before the attention that precedes this layer: by the model's forward
-  pre-hook for the first layer, at the end of the previous MoE layer's forward for the others):
-  plan the placement from the predicted loads (every rank plans the same one) and start the
-  SparseAllGather of the added replicas (after landing the rows' EDP all-gather left in flight by
-  the last step, ``moe/replicas.py``: the first use of the updated rows);
-* ``forward()``: all-gather the gate's counts (``tokens_ED``), wait for the replicas (the exposed
-  part of the gather is timed), post-gating (what it adds is gathered now, on the critical path),
-  plan the dispatch, start the next layer's gather (replicas on the idle link: it overlaps this
-  layer's token exchange and expert compute, and the next attention), exchange tokens, compute
-  owned + replica experts, exchange back;
-* backward: when the replicas' gradient exists, the SparseReduceScatter starts asynchronously;
-  ``accumulate_grads()`` (after the engine's backward) finishes it and folds everything into the
-  owner's fp32 gradient.
+Per iteration, ``prefetch()`` (before the attention that precedes the layer: plan the placement,
+start the SparseAllGather of the added replicas), ``forward()`` (counts, post-gating, dispatch plan,
+the next layer's gather, exchange, compute, exchange back) and the backward's SparseReduceScatter,
+folded by ``accumulate_grads()``: docs/design.md section 4.
 """
 from __future__ import annotations
 
@@ -470,9 +459,6 @@ class ShardedExperts:
             raise RuntimeError("owners can change only between iterations (a collective is still pending)")
         self.replicas.set_owners(owner_E, rows=rows, master=master)
 
-    def use_precision(self, dtype: torch.dtype, device) -> None:
-        self.replicas.use_precision(dtype, device)
-
     def copy_master_to_rows(self) -> None:
         self.replicas.copy_master_to_rows()
 
@@ -482,9 +468,6 @@ class ShardedExperts:
 
     def land(self) -> None:
         self.replicas.land()
-
-    def load_rows(self, full_EP: torch.Tensor) -> None:
-        self.replicas.load_rows(full_EP)
 
     def export_rows(self) -> torch.Tensor:
         """All experts' rows on every rank (collective): [E, P]."""

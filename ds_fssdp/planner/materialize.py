@@ -51,10 +51,7 @@ def materialize_reference(owner_E: torch.Tensor, load_E: torch.Tensor, topology:
     owner_E = owner_E.to("cpu", torch.long)
     num_experts, num_ranks = owner_E.numel(), topology.num_ranks
     load_E = load_E.to("cpu", torch.float64).reshape(-1)
-    if load_E.numel() != num_experts:
-        raise ValueError(f"load_E has {load_E.numel()} entries, expected {num_experts}")
-    if overlap_degree < 0 or budget < 0:
-        raise ValueError(f"overlap_degree ({overlap_degree}) and budget ({budget}) must be >= 0")
+    _check(owner_E, load_E, overlap_degree, budget)
     shard_ED = shard_placement(owner_E, num_ranks)
     placement_ED = shard_ED.clone() if base_ED is None else base_ED.to("cpu", torch.bool) | shard_ED
 

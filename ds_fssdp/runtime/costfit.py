@@ -159,15 +159,13 @@ def agree_max(samples: dict, *, group=None, device="cpu") -> dict:
     return {k: [(u, next(vals)) for u, _ in samples[k]] for k in keys}
 
 
-def measure(*, group, topology: Topology, spec: ExpertSpec, dtype, device, experts: int = 1,
-            exchange_rows_per_peer=None, gemm_rows_list=None, repeats: int = 3, agree_group=None) -> CostFit:
+def measure(*, group, topology: Topology, spec: ExpertSpec, dtype, device, experts: int = 1, repeats: int = 3,
+            agree_group=None) -> CostFit:
     """The initial fit (collective over ``group`` and ``agree_group``, None: the world);
     ``experts``: the experts a rank holds (its GEMM's groups)."""
     token_bytes = spec.shapes[spec.names[0]][0] * torch.tensor([], dtype=dtype).element_size()
-    samples = measure_exchange(group=group, topology=topology, token_bytes=token_bytes, device=device,
-                               rows=exchange_rows_per_peer, repeats=repeats)
-    samples.update(measure_gemm(spec, dtype=dtype, device=device, rows=gemm_rows_list, experts=experts,
-                                repeats=repeats))
+    samples = measure_exchange(group=group, topology=topology, token_bytes=token_bytes, device=device, repeats=repeats)
+    samples.update(measure_gemm(spec, dtype=dtype, device=device, experts=experts, repeats=repeats))
     samples = agree_max(samples, group=agree_group, device=device)
     if not samples["intra"]:  # one rank (or one rank per node): exchanges cost nothing measurable
         samples["intra"] = [(1.0, 1e-9), (2.0, 1e-9)]

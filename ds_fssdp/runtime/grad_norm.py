@@ -1,26 +1,14 @@
-"""One global gradient norm over dense and expert gradients, inside DeepSpeed's own clipping.
+"""One global gradient norm over dense and expert gradients, inside DeepSpeed's own clipping
+(docs/design.md section 5, the clipping paragraph, and section 9, "Norms and skips").
 
-DeepSpeed computes the norm of the dense gradients and scales them by one factor (loss-scale
-unscale and clip). The expert gradients live outside its optimizer, on their owners, so their
-squared norm (summed over the group, each expert counted once) is folded into the norm that
-DeepSpeed computes, and the expert gradients are then scaled by the same factor. Where DeepSpeed
-computes that norm depends on its optimizer wrapper; this module hooks each supported one:
-
-* plain torch optimizer (ZeRO 0, fp32): the engine's ``clip_fp32_gradients`` (overridden by the
-  FSSDP engine to call :meth:`ExpertNorm.clip_dense_fp32`);
-* ``DeepSpeedZeroOptimizer`` (ZeRO 1 and 2, any precision): ``scaled_global_norm``;
-* ``DeepSpeedZeroOptimizer_Stage3`` (ZeRO 3): ``_get_norm_groups``, the per-group norms its
-  ``step`` combines into the norm it clips with (and treats as an overflow when not finite);
-* ``FP16_Optimizer`` / ``FP16_UnfusedOptimizer`` (ZeRO 0, bf16 or fp16): ``unscale_and_clip_grads``
-  and the overflow check.
-
-Any other wrapper with ``gradient_clipping > 0`` is refused at initialize.
-
-Under pipeline parallelism every stage holds its own dense parameters. DeepSpeed's ZeRO 1/2 norm
-already sums their squares over the pipeline; its ZeRO 0 clip does not (its grid reports the stage
-as the model-parallel rank, so only stage 0's parameters count), so :meth:`ExpertNorm.clip_dense_fp32`
-sums this stage's squares over ``dense_group`` (the pipeline; the stage's ``pipe_group``),
-counting a tied parameter on the first stage that holds it only (``dense_skip``).
+DeepSpeed computes the dense gradients' norm and scales them by one factor (loss-scale unscale and
+clip). The experts' squared norm (summed over the group, each expert counted once) is folded into
+that norm where DeepSpeed computes it, which depends on its optimizer wrapper: the engine's
+``clip_fp32_gradients`` (ZeRO 0 fp32, the FSSDP engine calls :meth:`ExpertNorm.clip_dense_fp32`),
+``DeepSpeedZeroOptimizer.scaled_global_norm`` (ZeRO 1/2), ZeRO 3's ``_get_norm_groups`` and
+``FP16_(Unfused)Optimizer.unscale_and_clip_grads`` with the overflow check (ZeRO 0 bf16/fp16); any other wrapper with ``gradient_clipping > 0`` is refused. The expert
+gradients are then scaled by the same factor. Under pipeline parallelism the ZeRO 0 clip sums the
+dense squares over ``dense_group`` (the pipeline), a tied parameter counted on the first stage only.
 """
 from __future__ import annotations
 

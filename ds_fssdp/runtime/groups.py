@@ -48,17 +48,9 @@ class FSSDPGroups:
         return [self.tokens, self.params] + ([self.edp] if self.edp is not None else []) + ex
 
 
-def fssdp_ranks(world: int, group_size: int) -> list:
-    return [list(range(k * group_size, (k + 1) * group_size)) for k in range(world // group_size)]
-
-
-def edp_ranks(world: int, group_size: int) -> list:
-    return [list(range(j, world, group_size)) for j in range(group_size)]
-
-
 def group_rank(rank: int, group_size: int) -> int:
-    """A global rank's position in its FSSDP group (groups are consecutive ranks, ``fssdp_ranks``):
-    what the loaders ask ``planner.initial_ownership`` with before the groups exist."""
+    """A global rank's position in its FSSDP group (groups are consecutive ranks): what the loaders
+    ask ``planner.initial_ownership`` with before the groups exist."""
     return rank % group_size
 
 
@@ -71,38 +63,18 @@ def build_groups(*, world: int, rank: int, group_size: int, ranks_per_node: int,
                  stages: list | None = None) -> FSSDPGroups:
     """Create the process groups (collective: every rank calls it with the same sizes, already
     validated by ``FSSDPConfig.resolve_group_size``). ``stages``: each pipeline stage's ranks
-    (global, consecutive; their number a multiple of ``group_size``), or None: one stage of all."""
-    if stages is not None:
-        return _build_stage_groups(stages, rank=rank, group_size=group_size, ranks_per_node=ranks_per_node)
-    topology = group_topology(group_size, ranks_per_node)
-    index = rank // group_size
-    if group_size == world:
+    (global, consecutive; their number a multiple of ``group_size``), or None: one stage of all. With
+    one group of the whole world the token exchange keeps the default group; otherwise the groups are
+    built inside every stage, stage after stage (torch requires every rank to create every group, in
+    the same order), and this rank's stage's are returned."""
+    if stages is None and group_size == world:
         params = dist.new_group(ranks=list(range(world)))
         return FSSDPGroups(group_size=world, num_groups=1, group_index=0, tokens=None, params=params, edp=None,
-                           edp_ranks=(rank, ), topology=topology,
+                           edp_ranks=(rank, ), topology=group_topology(group_size, ranks_per_node),
                            exchange=build_exchange_groups(world=world, rank=rank, group_size=world,
                                                           ranks_per_node=ranks_per_node))
-    # torch requires every rank to create every group, in the same order.
-    tokens = params = edp = None
-    for k, ranks in enumerate(fssdp_ranks(world, group_size)):
-        t, p = dist.new_group(ranks=ranks), dist.new_group(ranks=ranks)
-        if k == index:
-            tokens, params = t, p
-    mine = ()
-    for ranks in edp_ranks(world, group_size):
-        g = dist.new_group(ranks=ranks)
-        if rank in ranks:
-            edp, mine = g, tuple(ranks)
-    exchange = build_exchange_groups(world=world, rank=rank, group_size=group_size, ranks_per_node=ranks_per_node)
-    return FSSDPGroups(group_size=group_size, num_groups=world // group_size, group_index=index, tokens=tokens,
-                       params=params, edp=edp, edp_ranks=mine, topology=topology, exchange=exchange)
-
-
-def _build_stage_groups(stages: list, *, rank: int, group_size: int, ranks_per_node: int) -> FSSDPGroups:
-    """:func:`build_groups` inside every pipeline stage's ranks, stage after stage; this rank's
-    stage's groups are returned. The token group is never the default group (it spans one stage)."""
     mine = None
-    for ranks in stages:
+    for ranks in (stages if stages is not None else [range(world)]):
         ranks = list(ranks)
         blocks = [ranks[k:k + group_size] for k in range(0, len(ranks), group_size)]
         tokens = params = edp = None

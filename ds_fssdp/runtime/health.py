@@ -100,9 +100,7 @@ class NonFiniteGuard:
     skipped (``mode`` "skip") or raises ("raise")."""
 
     def __init__(self, mode: str = "skip"):
-        if mode not in ("skip", "raise"):
-            raise FSSDPConfigError(f"fssdp.nonfinite ({mode!r}) must be one of ('skip', 'raise')")
-        self.mode = mode
+        self.mode = mode  # fssdp.nonfinite, checked by the config
         self._bad = None  # device tensor: this rank's non-finite losses since the last step
         self.skip = False  # the step in progress is skipped (every rank agrees)
         self.skipped_steps = 0

@@ -1,20 +1,13 @@
 """Per-step FSSDP metrics: a CSV file by default, and DeepSpeed's monitor (TensorBoard, W&B, CSV,
-Comet) whenever the DeepSpeed config enables one.
+Comet) whenever the DeepSpeed config enables one. What each metric means, the CSV's columns and the
+monitor's event names: docs/observability.md, "Per-step metrics".
 
 Legend: L MoE layers.
 
-After every optimizer step (the engine's ``step`` at the accumulation boundary) rank 0 writes, per
-MoE layer, the values of that layer's last training iteration (with gradient accumulation: the
-last micro-step), plus a few per-step values of the stage. Byte counts are totals over the group;
-exposed seconds are rank 0's own waits. Under pipeline parallelism each stage's first rank sends its
-layers' values to rank 0 at the step (its layers' own exposed waits), and a layer's ``l`` is its
-index among all stages' MoE layers. Names (docs/observability.md):
-
-* CSV (``fssdp.metrics_csv``, default ``fssdp_metrics.csv``): one row per step, columns ``step``,
-  ``samples``, ``layer{l}/{metric}`` for every layer and :data:`LAYER_METRICS`, then
-  :data:`STEP_METRICS`. Each row is flushed, so the file can be read while training runs.
-* DeepSpeed's monitor: events ``FSSDP/layer{l}/{metric}`` and ``FSSDP/{metric}`` at
-  ``engine.global_samples``, the x axis of DeepSpeed's own ``Train/Samples/*`` events.
+After every optimizer step rank 0 writes every MoE layer's values of its last training iteration
+(:data:`LAYER_METRICS`) and the step's (:data:`STEP_METRICS`). Under pipeline parallelism each
+stage's first rank sends its layers' values to rank 0 at the step, and a layer's ``l`` is its index
+among all stages' MoE layers.
 """
 from __future__ import annotations
 

@@ -1,45 +1,19 @@
-"""FSSDP inside every stage of DeepSpeed's pipeline engine (a ``PipelineModule``).
+"""FSSDP inside every stage of DeepSpeed's pipeline engine (a ``PipelineModule``). What DeepSpeed
+0.19.8's ``PipelineEngine`` does (read in its code, checked on 4 gloo ranks), the groups, the
+per-micro-batch records, the step, the norms and the refusals: docs/design.md section 9.
 
 Legend: S pipeline stages, dp data-parallel ranks per stage, G micro-batches per step (gradient
 accumulation steps), W = S * dp ranks.
 
-Each stage's MoE layers train under FSSDP over that stage's data-parallel ranks: its FSSDP, EDP
-and exchange groups are built inside them (``runtime/groups.py``, every stage's on every rank),
-its expert gradients are averaged over them (scale 1 / dp), and the expert squares of the global
-norm are summed over them and then over the pipeline. What DeepSpeed 0.19.8's ``PipelineEngine``
-does, read in its code and checked on 4 gloo ranks (docs/design.md, section 9):
-
-* only ``train_batch`` runs a step (a ``TrainSchedule``: 1F1B); ``forward``, ``backward`` and
-  ``step`` raise, and its last stage calls ``DeepSpeedEngine.backward`` directly;
-* ``_exec_schedule`` binds the class-level ``_INSTRUCTION_MAP``'s functions per call, so a
-  subclass's ``_exec_backward_pass`` is never called: :func:`instruction_map` replaces the map's
-  ForwardPass, BackwardPass and OptimizerStep entries on the FSSDP engine class instead;
-* ``is_gradient_accumulation_boundary()`` is false during every BackwardPass: the boundary is the
-  G-th BackwardPass of the batch, counted here;
-* its ZeRO 0 clip counts stage 0's parameters only (the grid's model-parallel rank is the
-  stage): the FSSDP engine's ``clip_fp32_gradients`` sums the dense squares over the pipeline
-  (``grad_norm.py``). ZeRO 1's norm already does.
-
-Per micro-batch: each training ForwardPass is one FSSDP iteration of every layer of the stage (it
-plans, gathers, dispatches); with several in flight on the early stages (1F1B on stage 0 of 2:
-F0 F1 B0 F2 B1 F3 B2 B3) the engine declares each one (``FSSDPStage.begin_forward``) so that its
-backward consumes exactly its own record, first in first out (``moe/records.py``). Per step:
-the EDP sync, the routing-bias rule, re-shards, cost refits and the predictor run at the
-OptimizerStep, over the stage's own groups.
-
-The auxiliary loss reaches the loss in the backward where its layer is
-(``moe/aux_loss.AuxLossToBackward``: its scale, 1 / G times the loss scale, is set before each
-BackwardPass); ``train_batch`` (and ``eval_batch``) return DeepSpeed's loss plus the auxiliary
-terms averaged like it (one all-reduce over the world per batch), the loss the model returns
-without pipelining.
-
-Refused by name before any collective: ZeRO 2/3 (DeepSpeed asserts it later), fp16 and bf16 at
-ZeRO 0 and bf16 with fp32 gradient accumulation and clipping (DeepSpeed's FP16_Optimizer and
-BF16_Optimizer: their norms are its stage-0 ones), FSSDP layers inside a ``TiedLayerSpec``, a schedule other than ``TrainSchedule`` (DualPipeV's
-module; a custom ``_train_schedule`` at its first batch), tensor slicing, Ulysses SP and AutoTP,
-stages whose data-parallel ranks are not consecutive, and a stage without any layer. What depends
-on the MoE layers is checked on every stage's layers on every rank (:func:`every_stage_modules`),
-so a layer only one stage holds is refused on all of them alike.
+Here: the refusals, by name before any collective (:func:`check_pipeline`; what depends on the MoE
+layers is decided on every stage's layers on every rank, :func:`every_stage_modules`, so every rank
+refuses alike); the FSSDP engine class's instruction map (:func:`instruction_map`: DeepSpeed binds
+the class-level ``_INSTRUCTION_MAP``'s functions per call, so a subclass's ``_exec_backward_pass``
+is never called), whose ForwardPass declares each training forward (``FSSDPStage.begin_forward``,
+``moe/records.py``), whose BackwardPass counts the G-th as the accumulation boundary (DeepSpeed's
+``is_gradient_accumulation_boundary()`` is false in all of them) and whose OptimizerStep runs the
+stage's step; ``train_batch`` and ``eval_batch`` returning DeepSpeed's loss plus the auxiliary terms
+averaged like it (:class:`PipelineRun`; ``moe/aux_loss.AuxLossToBackward``).
 """
 from __future__ import annotations
 

@@ -196,7 +196,7 @@ class FSSDPStage:
             raise RuntimeError(f"fssdp: DeepSpeed runs ZeRO stage {zero_stage}, the stage was built for "
                                f"{self.zero_stage}")
         for shard in self.shards:
-            shard.use_precision(dtype, engine.device)
+            shard.replicas.use_precision(dtype, engine.device)
         self.expert_state = make_expert_state(self.shards, zero_stage=zero_stage,
                                               edp_group=self.edp_group, edp_size=self.edp_size,
                                               edp_rank=self.group_index)

@@ -1,20 +1,13 @@
-"""DeepSpeed AutoTP (``tensor_parallel.autotp_size``) with FSSDP experts: the folding.
+"""DeepSpeed AutoTP (``tensor_parallel.autotp_size``) with FSSDP experts: the folding
+(docs/design.md section 5, "AutoTP").
 
 Legend: W ranks in the world, p ranks per tensor-parallel (TP) group, W / p data-parallel ranks.
 
-AutoTP shards the dense part (what ``tensor_parallel.partition_config`` names) and skips the
-experts' 3-D tensors, which FSSDP takes out of the module before DeepSpeed sees it anyway. Every
-TP rank holds the same tokens, so an unfolded MoE layer would compute every token p times. The
-FSSDP layers fold instead (AutoEP's "route full, partition the dispatch", ``comm/fold.py``): each
-TP rank routes all tokens, dispatches only its slice and all-gathers the outputs over the TP
-group. The FSSDP groups span the TP lanes (all W ranks by default), so experts are never
-replicated per TP rank, and every token reaches its experts once.
-
-Gradients. The router, the dense replicated parameters and the layer's input get the full,
-identical gradient on every TP rank (the fold's split backward all-gathers the slices'
-gradients), which DeepSpeed averages over the W / p data-parallel ranks. The expert gradients,
-summed over all W ranks, hold each data-parallel batch once: they are divided by W / p
-(``tp_grad_scale``), the same average, and the result equals single-process training.
+Every TP rank holds the same tokens, so each FSSDP layer folds (``comm/fold.py``): it routes all
+tokens, dispatches only this TP rank's slice and all-gathers the outputs over the TP group. The
+FSSDP groups span the TP lanes, so every token reaches its experts once, and the expert gradients,
+summed over all W ranks, hold each data-parallel batch once: divided by W / p (``tp_grad_scale``),
+DeepSpeed's average over its data-parallel ranks, they equal single-process training.
 """
 from __future__ import annotations
 

@@ -1,19 +1,10 @@
-"""ZeRO stage 3 for the dense parameters while the experts stay under FSSDP.
-
-The expert parameters leave the module before ``deepspeed.initialize`` (engine.py), so ZeRO-3
-partitions only the dense rest. Two things it needs to know about FSSDP layers:
-
-* each ``FSSDPMoE`` is a ZeRO-3 leaf module (``deepspeed.utils.set_z3_leaf_module``): its
-  gate's weight is gathered with the layer and kept until the layer's backward. The gate returns a
-  ``GateOutput`` dataclass, whose tensors ZeRO-3's per-module backward hooks do not see (they
-  walk tuples, lists and dicts only); the layer's own outputs are a tuple of tensors, so the hooks
-  on the leaf re-gather the gate's weight for its backward;
-* the expert parameters must still be whole tensors: a model built under ``deepspeed.zero.Init``
-  has its experts partitioned already, which FSSDP cannot shard by owner (refused by name). The
-  HF loaders (``integrations/hf_zero3.py``) partition only the dense part while they load, so
-  their dense parameters arrive as ZeRO-3 parameters and their experts as each rank's own rows.
-
-Clipping over dense and expert gradients hooks ZeRO-3's per-group norms (grad_norm.py).
+"""ZeRO stage 3 for the dense parameters while the experts stay under FSSDP (docs/design.md
+section 5, step 1): the expert parameters leave the module before ``deepspeed.initialize``, so
+ZeRO-3 partitions only the dense rest. Each ``FSSDPMoE`` is a ZeRO-3 leaf module (its gate returns a
+dataclass, whose tensors ZeRO-3's per-module backward hooks do not walk: the leaf's hooks re-gather
+the gate's weight for its backward), and experts partitioned by ``deepspeed.zero.Init`` are refused
+by name (the HF loaders, ``integrations/hf_zero3.py``, partition only the dense part). Clipping over
+dense and expert gradients: ``grad_norm.py``.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from ds_fssdp.planner.calibrate import Calibration, calibrate, leaves_room
 from ds_fssdp.planner.materialize import materialize as algorithm1_materialize
 from ds_fssdp.planner.joint import joint_materialize
 from ds_fssdp.planner.overlap import OverlapChoice, choose_placement, layer_seconds
-from ds_fssdp.planner.place import PlacementOptions, place
+from ds_fssdp.planner.place import place
 from ds_fssdp.planner.shard import heterogeneous_sharding, shard_placement
 
 
@@ -67,9 +67,8 @@ class FSSDPPolicy(Policy):
         if self.materializer is not algorithm1_materialize and self.config.placement == "paper":
             load_E = predicted_load_E if predicted_load_E.dim() == 1 else predicted_load_E.sum(1)
             return self.materializer(owner_E, load_E, self.topology, overlap_degree=t, budget=self.config.budget)
-        options = PlacementOptions(placement=self.config.placement, overlap_degree=t,
-                                   materialization_budget=self.config.budget)
-        return place(owner_E, predicted_load_E, self.topology, config=options)
+        return place(owner_E, predicted_load_E, self.topology, placement=self.config.placement, overlap_degree=t,
+                     budget=self.config.budget)
 
     def by_time(self, clock: Clock | None) -> bool:
         """Whether t is searched by the modelled time (:mod:`ds_fssdp.planner.overlap`): configured,

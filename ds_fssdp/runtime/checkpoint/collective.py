@@ -16,6 +16,11 @@ def attempt(fn):
     return None
 
 
+def agreed(what: str, fn, *, root_only: bool = False) -> None:
+    """Run ``fn`` (on rank 0 alone with ``root_only``) and :func:`agree` on its outcome."""
+    agree(what, attempt(fn) if not root_only or dist.get_rank() == 0 else None)
+
+
 def agree(what: str, err) -> None:
     """Every rank learns whether any failed and then raises alike (no rank is left waiting in a
     later collective)."""

@@ -11,7 +11,7 @@ from deepspeed import comm as dist
 from deepspeed.utils import logger
 
 from ds_fssdp.moe.experts import ExpertSpec
-from ds_fssdp.runtime.checkpoint.collective import agree, attempt
+from ds_fssdp.runtime.checkpoint.collective import agreed
 from ds_fssdp.runtime.checkpoint.files import CheckpointError, load_file, read_text, safe_deepspeed_loading
 from ds_fssdp.runtime.checkpoint.layout import COMMON, LATEST, META, read_manifest, read_meta, resolve_tag, verify_files
 from ds_fssdp.runtime.checkpoint.pipeline import check_stages, saved_place
@@ -43,7 +43,7 @@ def load(engine, load_dir: str, tag=None, *, ds_load, load_module_strict=True, l
     if engine.fssdp.layout is None:
         check_compatible(engine, meta, root, expert_optimizer=expert_opt)
     else:  # each stage checks its own layers: every rank refuses alike
-        agree(f"checking {root}", attempt(lambda: check_compatible(engine, meta, root, expert_optimizer=expert_opt)))
+        agreed(f"checking {root}", lambda: check_compatible(engine, meta, root, expert_optimizer=expert_opt))
     ds_dir, ds_tag, universal = load_dir, dir_tag, nullcontext()
     if needs_universal(engine, meta, dense_optimizer=dense_opt):
         check_convertible(meta, root, dist.get_world_size())
@@ -55,9 +55,8 @@ def load(engine, load_dir: str, tag=None, *, ds_load, load_module_strict=True, l
                                           load_module_only=load_module_only, custom_load_fn=custom_load_fn)
     if load_path is None:
         raise CheckpointError(f"DeepSpeed loaded nothing from {root}")
-    err = attempt(lambda: load_expert_state(engine, root, meta, optimizer=expert_opt,
-                                             full_state=not load_module_only))
-    agree(f"loading the expert state of {root}", err)
+    agreed(f"loading the expert state of {root}",
+           lambda: load_expert_state(engine, root, meta, optimizer=expert_opt, full_state=not load_module_only))
     if dist.get_rank() == 0:
         logger.info(f"fssdp: loaded checkpoint {root} (saved on {meta['world_size']} ranks, loaded on "
                     f"{dist.get_world_size()})")

@@ -1,18 +1,8 @@
-"""Checkpoints of a pipeline-parallel engine: experts keyed by their global MoE layer index.
-
-Each stage's ranks write their own layers' rows (``fssdp/rankR.pt``, as without pipelining) and,
-since every stage plans and steps its own layers, its predictor windows and the expert
-optimizer's per-layer scalars. ``fssdp/meta.json`` lists every stage's layers in global order,
-each with the stage that wrote it (``stage``), the global rank of that stage's first
-data-parallel rank (``first_rank``: its first FSSDP group's files hold every expert of the layer)
-and its position there (``local``), and records ``pipeline_stages`` and the stages'
-data-parallel size ``dp_size``.
-
-Loading reads each local layer's rows by its global index from whichever files hold them, under
-this engine's owners, so a checkpoint resumes on another data-parallel size (the dense part
-through DeepSpeed: its per-stage files at ZeRO 0, its universal checkpoint at ZeRO 1). Another
-number of stages is refused by name: DeepSpeed keeps a pipeline's dense optimizer state per stage
-(``mp_rank_<stage>`` and ZeRO's per-stage partitions), which it cannot re-cut.
+"""Checkpoints of a pipeline-parallel engine: experts keyed by their global MoE layer index
+(docs/design.md section 9, "Checkpoints"). Each stage's ranks write their own layers' rows, predictor
+windows and expert optimizer scalars; ``fssdp/meta.json`` lists every stage's layers in global order,
+each with ``stage``, ``first_rank`` (its first FSSDP group's files hold every expert of the layer)
+and ``local`` (its position there). Another number of stages is refused by name.
 """
 from __future__ import annotations
 

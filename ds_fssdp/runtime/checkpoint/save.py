@@ -13,7 +13,7 @@ from deepspeed import comm as dist
 from deepspeed.utils import logger
 
 from ds_fssdp.runtime.checkpoint import background
-from ds_fssdp.runtime.checkpoint.collective import agree, all_gather, attempt, broadcast
+from ds_fssdp.runtime.checkpoint.collective import agree, agreed, all_gather, broadcast
 from ds_fssdp.runtime.checkpoint.files import (CheckpointError, atomic_write_text, deferred_write_errors, digest, fsync_dir,
                                               save_tensors, walk, write_json)
 from ds_fssdp.runtime.checkpoint.layout import (COMMON, FORMAT, LATEST, MANIFEST, META, OLD_PREFIX, TMP_PREFIX, VERSION,
@@ -46,10 +46,7 @@ def save(engine, save_dir: str, tag=None, *, client_state=None, save_latest: boo
                        "gradients are not saved (DeepSpeed does not save its own either); save after engine.step()")
     rank, world = dist.get_rank(), dist.get_world_size()
     tmp_dir = os.path.join(save_dir, TMP_PREFIX + tag)
-    err = None
-    if rank == 0:
-        err = attempt(lambda: _prepare(save_dir, tmp_dir))
-    agree(f"preparing {tmp_dir}", err)
+    agreed(f"preparing {tmp_dir}", lambda: _prepare(save_dir, tmp_dir), root_only=True)
     client_state = client_state if client_state is not None else {}
     if async_save:
         _start_async(engine, save_dir, tag, tmp_dir, client_state=client_state, save_latest=save_latest,
@@ -61,19 +58,14 @@ def save(engine, save_dir: str, tag=None, *, client_state=None, save_latest: boo
     agree(f"writing DeepSpeed's files into {tmp_dir}", failed[0] if failed else None)
     # Looked up on the package at call time, so that it can be wrapped (the fault-injection tests do).
     write = package.write_expert_files
-    agree(f"writing the expert state into {tmp_dir}", attempt(lambda: write(engine, tmp_dir, tag)))
+    agreed(f"writing the expert state into {tmp_dir}", lambda: write(engine, tmp_dir, tag))
     files = broadcast(sorted(walk(tmp_dir)) if rank == 0 else None)
     mine = {}
-    err = attempt(lambda: mine.update({f: digest(os.path.join(tmp_dir, f))
-                                        for i, f in enumerate(files) if i % world == rank}))
-    agree(f"hashing the files of {tmp_dir}", err)
-    digests = {}
-    for part in all_gather(mine):
-        digests.update(part)
-    err = None
-    if rank == 0:
-        err = attempt(lambda: commit_files(save_dir, tag, tmp_dir, digests, save_latest=save_latest))
-    agree(f"committing checkpoint {tag!r} in {save_dir}", err)
+    agreed(f"hashing the files of {tmp_dir}",
+           lambda: mine.update({f: digest(os.path.join(tmp_dir, f)) for i, f in enumerate(files) if i % world == rank}))
+    digests = {f: d for part in all_gather(mine) for f, d in part.items()}
+    agreed(f"committing checkpoint {tag!r} in {save_dir}",
+           lambda: commit_files(save_dir, tag, tmp_dir, digests, save_latest=save_latest), root_only=True)
     if rank == 0:
         logger.info(f"fssdp: saved checkpoint {os.path.join(save_dir, tag)} ({len(files)} files)")
     return True
@@ -101,7 +93,7 @@ def _start_async(engine, save_dir: str, tag: str, tmp_dir: str, *, client_state,
         for name, state in expert_state(engine, tag).items():
             files[name] = partial(write_json if name.endswith(".json") else save_tensors, to_host(state))
 
-    agree(f"staging checkpoint {tag!r}", attempt(stage))
+    agreed(f"staging checkpoint {tag!r}", stage)
     timeout = engine.fssdp.config.collective_timeout_s or _default_timeout_s()
     job = background.Job(tag=tag, tmp_dir=tmp_dir, rank=dist.get_rank(), world=dist.get_world_size(),
                          timeout_s=float(timeout), files=files,

@@ -30,7 +30,7 @@ import shutil
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from ds_fssdp.runtime.checkpoint.collective import agree, attempt
+from ds_fssdp.runtime.checkpoint.collective import agreed
 from ds_fssdp.runtime.checkpoint.files import CheckpointError, fsync_dir, read_json, write_json
 
 PREFIX = ".universal-"
@@ -65,11 +65,9 @@ def convert(load_dir: str, dir_tag: str, manifest: dict) -> tuple:
     """Convert ``<load_dir>/<dir_tag>`` (collective; rank 0 converts unless a conversion of the
     same manifest exists); return DeepSpeed's ``(load_dir, tag)`` of the universal checkpoint."""
     final, tmp = os.path.join(load_dir, PREFIX + dir_tag), os.path.join(load_dir, TMP_PREFIX + dir_tag)
-    err = None
-    if dist.get_rank() == 0:
-        err = attempt(lambda: _convert(os.path.join(load_dir, dir_tag), final, tmp, manifest))
-    agree(f"converting {os.path.join(load_dir, dir_tag)} to a universal checkpoint with DeepSpeed's ds_to_universal "
-          f"(or run it by hand, see ds_fssdp/runtime/checkpoint/universal.py)", err)
+    agreed(f"converting {os.path.join(load_dir, dir_tag)} to a universal checkpoint with DeepSpeed's ds_to_universal "
+           f"(or run it by hand, see ds_fssdp/runtime/checkpoint/universal.py)",
+           lambda: _convert(os.path.join(load_dir, dir_tag), final, tmp, manifest), root_only=True)
     return final, TAG
 
 
