@@ -195,9 +195,8 @@ class PolicyRun:
             overlap_degree = derive_overlap_degree(setup.hw, self.topo, setup.shape, attention_s=setup.attention_fwd_s)
         self.overlap_degree = overlap_degree
         self.options = policy_options(name, schedule)
-        if dispatch is None:
-            dispatcher = dispatcher or functools.partial(dispatch_plan, mode="paper")
-        self._build_planner(dispatcher if dispatch is None else None, materializer, predictor,
+        dispatcher = (dispatcher or functools.partial(dispatch_plan, mode="paper")) if dispatch is None else None
+        self._build_planner(dispatcher, materializer, predictor,
                             placement=placement, dispatch=dispatch or "paper", dispatch_slack=dispatch_slack)
         self.decisions, self.degree_log, self.charges = decisions, degrees, charges
         self._init_accounts()
