@@ -162,15 +162,21 @@ def test_simulator_decisions_equal_the_runtime(runs, name, sim_name):
                   overlap_degree=m["overlap_degree"], budget=m["materialization_budget"],
                   budget_rm=m["materialization_budget"], flexmoe_slots=0, reshard_interval=m["reshard_interval"],
                   calibration=False, load_window=m["load_window"])
-    decisions = []
+    simulated = {"paper": []}
     fixed_t = ScheduleOptions(idle_link=False)  # t is the config's, not the modelled idle-link window's
-    run_cluster([PolicyRun(sim_name, setup, overlap_degree=setup.overlap_degree, placement=m["placement"],
-                           dispatch=m["dispatch"], dispatch_slack=m["dispatch_slack"], decisions=decisions,
-                           schedule=fixed_t)], trace.tokens_SLED, bound=False)
-    assert len(decisions) == S
-    for key, i in (("decision_owner", 0), ("decision_placed", 1), ("decision_held", 2)):
-        got = np.stack([[layer[i].numpy() for layer in step] for step in decisions])
-        np.testing.assert_array_equal(got, trace.arrays[key], err_msg=key)
+    runs = [PolicyRun(sim_name, setup, overlap_degree=setup.overlap_degree, placement=m["placement"],
+                      dispatch=m["dispatch"], dispatch_slack=m["dispatch_slack"], decisions=simulated["paper"],
+                      schedule=fixed_t)]
+    if sim_name.startswith("fssdp"):  # the cluster defaults: the idle-link schedule with the t given
+        assert m["dispatch"] == "paper" and m["placement"] == "paper"
+        simulated["cluster"] = []
+        runs.append(PolicyRun(sim_name, setup, overlap_degree=m["overlap_degree"], decisions=simulated["cluster"]))
+    run_cluster(runs, trace.tokens_SLED, bound=False)
+    for mode, decisions in simulated.items():
+        assert len(decisions) == S
+        for key, i in (("decision_owner", 0), ("decision_placed", 1), ("decision_held", 2)):
+            got = np.stack([[layer[i].numpy() for layer in step] for step in decisions])
+            np.testing.assert_array_equal(got, trace.arrays[key], err_msg=f"{mode}: {key}")
 
 
 def test_the_replay_prices_with_the_recorded_costs(runs):
