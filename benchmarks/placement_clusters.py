@@ -26,7 +26,7 @@ import torch
 from ds_fssdp.config import FSSDPConfig
 from ds_fssdp.sim.presets import cluster_preset, model_preset
 from ds_fssdp.sim.setup import build_setup
-from ds_fssdp.sim.simulate import simulate
+from ds_fssdp.sim.cluster import simulate
 from ds_fssdp.sim.workload import trace_for_setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -31,7 +31,7 @@ def run_one(job: dict) -> dict:
     from ds_fssdp.sim.presets import cluster_preset, model_preset
     from ds_fssdp.sim.report import format_table, to_json
     from ds_fssdp.sim.setup import build_setup
-    from ds_fssdp.sim.simulate import simulate
+    from ds_fssdp.sim.cluster import simulate
     from ds_fssdp.sim.workload import trace_for_setup
 
     torch.set_num_threads(1)

@@ -6,10 +6,10 @@ calibration's t and acceptance, the clock (t, latency budget), the dispatch plan
 per rank, rank-to-rank traffic), the exchange (pipeline degrees and one copy per destination,
 retaken from the recorded schedule costs and row sizes). Every runtime policy, the RM variant, the
 placements and dispatch modes, on 4 ranks in 2 logical nodes, in one spawn, and gradient
-accumulation 2 under ZeRO 1 with re-shards, calibration and "auto" t. Both simulators in their real
-mode (t from their modelled windows, calibration, SmartMoE's or Algorithm 2's re-shards, the
-cluster engine at ZeRO 1, gradient accumulation 2 on the GAS 2 run's counts) make the decisions
-derived from their own inputs. Negative controls
+accumulation 2 under ZeRO 1 with re-shards, calibration and "auto" t. The simulator in its real
+mode (t from its modelled windows, calibration, SmartMoE's or Algorithm 2's re-shards; the paper's
+report, and groups at ZeRO 1; gradient accumulation 2 on the GAS 2 run's counts) makes the
+decisions derived from its own inputs. Negative controls
 perturb one function on one side (the replay's window-to-t rule, relabelling, a price; the
 simulator's clock rule or re-shards) or one recorded decision, and the check must name a
 difference. This is the guard against the copies of the per-step chain drifting apart again."""
@@ -141,15 +141,15 @@ def test_migration_bytes_count_both_reshards_of_a_step(runs):
 
 @pytest.mark.parametrize("name,sim_name", [("fssdp-rm-paper", "fssdp-rm"), ("ep", "ep"), ("uniform", "uniform")])
 def test_simulator_decisions_equal_the_runtime(runs, name, sim_name):
-    """Both simulators (sim/simulate.py; sim/cluster.py for the planned policy) on the runtime's
-    recorded trace make the runtime's decisions step by step (owners after re-shards, pre-gating
+    """The simulator (sim/cluster.py; the paper's report: one group, the setup's t) on the runtime's
+    recorded trace makes the runtime's decisions step by step (owners after re-shards, pre-gating
     placements, final placements) wherever their clock is the runtime's: a fixed t and no
     calibration (the modelled windows of the other runs are the simulators' own clock; the replay
     checks those against the recorded clock)."""
     from ds_fssdp.planner.cost import ExpertShape, Hardware
     from ds_fssdp.sim.pipeline import ScheduleOptions
     from ds_fssdp.sim.setup import Setup
-    from ds_fssdp.sim.simulate import simulate_policy
+    from ds_fssdp.sim.cluster import PolicyRun, run_cluster
     from ds_fssdp.topology import Topology
 
     trace = runs[name]["trace"]
@@ -162,21 +162,21 @@ def test_simulator_decisions_equal_the_runtime(runs, name, sim_name):
                   overlap_degree=m["overlap_degree"], budget=m["materialization_budget"],
                   budget_rm=m["materialization_budget"], flexmoe_slots=0, reshard_interval=m["reshard_interval"],
                   calibration=False, load_window=m["load_window"])
-    simulated = {"simulate": []}
+    simulated = {"paper": []}
     fixed_t = ScheduleOptions(idle_link=False)  # t is the config's, not the modelled idle-link window's
-    simulate_policy(sim_name, setup, trace.tokens_SLED, placement=m["placement"], dispatch=m["dispatch"],
-                    dispatch_slack=m["dispatch_slack"], decisions=simulated["simulate"], schedule=fixed_t)
-    if sim_name.startswith("fssdp"):  # the cluster simulator records the planned policies' decisions
-        from ds_fssdp.sim.cluster import PolicyRun
-        assert m["dispatch"] == "paper" and m["placement"] == "paper"  # the cluster simulator's defaults
+    runs = [PolicyRun(sim_name, setup, overlap_degree=setup.overlap_degree, placement=m["placement"],
+                      dispatch=m["dispatch"], dispatch_slack=m["dispatch_slack"], decisions=simulated["paper"],
+                      schedule=fixed_t)]
+    if sim_name.startswith("fssdp"):  # the cluster defaults: the idle-link schedule with the t given
+        assert m["dispatch"] == "paper" and m["placement"] == "paper"
         simulated["cluster"] = []
-        run = PolicyRun(sim_name, setup, overlap_degree=m["overlap_degree"], decisions=simulated["cluster"])
-        for step in range(S):
-            run.step(step, trace.tokens_SLED[step])
-    for simulator, decisions in simulated.items():
+        runs.append(PolicyRun(sim_name, setup, overlap_degree=m["overlap_degree"], decisions=simulated["cluster"]))
+    run_cluster(runs, trace.tokens_SLED, bound=False)
+    for mode, decisions in simulated.items():
+        assert len(decisions) == S
         for key, i in (("decision_owner", 0), ("decision_placed", 1), ("decision_held", 2)):
             got = np.stack([[layer[i].numpy() for layer in step] for step in decisions])
-            np.testing.assert_array_equal(got, trace.arrays[key], err_msg=f"{simulator}: {key}")
+            np.testing.assert_array_equal(got, trace.arrays[key], err_msg=f"{mode}: {key}")
 
 
 def test_the_replay_prices_with_the_recorded_costs(runs):
@@ -403,7 +403,7 @@ def _simulated_and_derived(trace, monkeypatch, *, engine, policy, zero, gas=1, p
     windows."""
     import ds_fssdp.planner.layer as layer_mod
     from ds_fssdp.planner.inputs import ClockRule
-    sim_mod = __import__(f"ds_fssdp.sim.{'simulate' if engine == 'paper' else 'cluster'}", fromlist=["x"])
+    import ds_fssdp.sim.cluster as sim_mod
     S, L = trace.tokens_SLED.shape[:2]
     setup = _sim_setup(trace, zero_stage=zero, gas=1 if perturb == "micro-steps" else gas)
     captured, windows, calls = {}, np.full((S, L), np.nan), []
@@ -430,14 +430,11 @@ def _simulated_and_derived(trace, monkeypatch, *, engine, policy, zero, gas=1, p
     monkeypatch.setattr(sim_mod, "planner_inputs", spy_inputs)
     monkeypatch.setattr(layer_mod.LayerPlanner, "pre_gating_t", spy_pre)
     decisions = []
-    if engine == "paper":
-        from ds_fssdp.sim.simulate import simulate_policy
-        simulate_policy(policy, setup, trace.tokens_SLED, decisions=decisions)
-    else:
-        from ds_fssdp.sim.cluster import PolicyRun
-        run = PolicyRun(policy, setup, decisions=decisions)
-        for step in range(S):
-            run.step(step, trace.tokens_SLED[step])
+    # "paper": the paper's report (the setup's t where not from the window); "cluster": t derived for the group
+    paper = dict(overlap_degree=setup.overlap_degree, fixed_t=False) if engine == "paper" else {}
+    run = sim_mod.PolicyRun(policy, setup, decisions=decisions, **paper)
+    for step in range(S):
+        run.step(step, trace.tokens_SLED[step])
     monkeypatch.setattr(layer_mod.LayerPlanner, "pre_gating_t", pre)
     assert len(calls) == S * L  # one group: one pre-gating per layer and step
     for i, (l, w) in enumerate(calls):
@@ -455,9 +452,9 @@ GAS_TRACE = {1: "smartmoe-reshard", 2: "fssdp-gas2-zero1"}  # the runtime's coun
 
 @pytest.mark.parametrize("engine,policy,zero,gas", REAL_MODE)
 def test_simulators_in_their_real_mode_decide_as_derived(runs, monkeypatch, engine, policy, zero, gas):
-    """Both simulators in their real mode (FSSDP's t from each layer's modelled window, searched by
+    """The simulator in its real mode (FSSDP's t from each layer's modelled window, searched by
     time; calibration on; SmartMoE's permutation (its fixed t, as published) or Algorithm 2
-    re-sharding every 2 optimizer steps; the cluster engine at ZeRO 1; gradient accumulation 2 on
+    re-sharding every 2 optimizer steps; the paper's report, or at ZeRO 1 with t derived; gradient accumulation 2 on
     the counts of the runtime's GAS 2 run) on the runtime's recorded counts make the decisions the
     replay derives from the simulator's own inputs (its settings, windows and prices, the optimizer
     steps at the simulator's GAS) through the runtime's functions: owners, pre-gating and final

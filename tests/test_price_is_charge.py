@@ -14,7 +14,7 @@ import torch
 
 import ds_fssdp.planner.baselines.fssdp as fssdp_policy
 from ds_fssdp.sim.foresight import ForesightPredictor, make_predictor
-from ds_fssdp.sim.simulate import simulate_policy
+from ds_fssdp.sim.cluster import PolicyRun, run_cluster
 from test_sim_schedule import HW, small_setup, trace
 
 
@@ -40,7 +40,8 @@ def test_the_search_prices_exactly_what_the_simulator_charges(choices, name, cal
     tokens_SLED = trace(steps=10, std=0.2)
     S, L = tokens_SLED.shape[:2]
     decisions, charges = [], []
-    simulate_policy(name, setup, tokens_SLED, predictor="oracle", decisions=decisions, charges=charges)
+    run_cluster([PolicyRun(name, setup, predictor="oracle", decisions=decisions, charges=charges)], tokens_SLED,
+                bound=False)
     assert len(choices) == S * L  # every layer searched (the oracle predicts from step 0)
     checked = beyond_window = exposed = 0
     for s in range(S):
@@ -53,7 +54,7 @@ def test_the_search_prices_exactly_what_the_simulator_charges(choices, name, cal
             assert choice.modelled_s == pytest.approx(charge.total_s, rel=1e-9, abs=1e-12), (s, l)
             checked += 1
             exposed += charge.gather_s + charge.reduce_s > 0
-            # simulate_policy's default placement ("paper") is the configured family
+            # PolicyRun's default placement ("paper") is the configured family
             beyond_window += choice.overlap_degree > choice.window_t or choice.family != "paper"
     assert checked >= S * L // 2
     if not calibration:
@@ -89,6 +90,6 @@ def test_foresight_refuses_bad_shapes_and_kinds():
 
 def test_the_cli_refuses_the_oracle_at_cluster_scale():
     from ds_fssdp.sim.__main__ import main
-    with pytest.raises(SystemExit, match="--predictor oracle: the paper engine only"):
+    with pytest.raises(SystemExit, match="--predictor oracle: the paper's report only"):
         main(["--trace", "synthetic", "--cluster", "b", "--model", "gpt-s-moe", "--gpus", "16", "--group-size", "8",
               "--predictor", "oracle", "--steps", "8", "--no-png", "--json"])

@@ -1,7 +1,7 @@
 """The cluster simulator: its fast Algorithm 1 and 3 equal the planner's, the cost-model additions
 mean what they say, and whole simulations behave (uniform loads: nothing to gain; one hot
 expert: EP slowest; more bandwidth never slower); the CLI prints a table, JSON and a PNG. At
-cluster scale: one group spanning the world equals the paper engine, groups plan alone and meet
+cluster scale: a dense dispatcher gives the compact one's numbers, groups plan alone and meet
 at the all-reduce, the memory cap holds, load-CV traces have their CV, 1,024 GPUs run."""
 import functools
 import json
@@ -17,14 +17,13 @@ from ds_fssdp.planner import (CostModel, ExpertShape, Hardware, dispatch, homoge
 from ds_fssdp.planner.baselines import POLICY_NAMES
 from ds_fssdp.planner.dispatch import dispatch_plan
 from ds_fssdp.sim.__main__ import main
-from ds_fssdp.sim.cluster import CLUSTER_POLICIES, PolicyRun, plan_links, simulate_cluster
+from ds_fssdp.sim.cluster import CLUSTER_POLICIES, PolicyRun, plan_links, simulate, simulate_cluster
 from ds_fssdp.sim.links import allreduce_links, sparse_collective_links
 from ds_fssdp.sim.loadcv import LoadCVSource, load_cv
 from ds_fssdp.sim.memory import budget_for_cap
 from ds_fssdp.sim.pipeline import SERIAL
 from ds_fssdp.sim.presets import cluster_preset, model_preset
 from ds_fssdp.sim.setup import Setup, build_setup, derive_overlap_degree
-from ds_fssdp.sim.simulate import simulate
 from ds_fssdp.sim.synth import synthetic_trace
 
 SHAPES = [(8, 8, 4), (8, 4, 2), (16, 8, 4), (4, 8, 2), (6, 4, 4), (32, 16, 4), (5, 3, 1), (3, 6, 3)]  # E, D, G
@@ -214,9 +213,9 @@ def test_cli_balancing_dispatch(capsys):
 # -- cluster scale (ds_fssdp.sim.cluster) ------------------------------------------------------------
 
 
-def test_cluster_engine_at_world_size_equals_paper_engine():
-    """One group spanning the world: the cluster engine (compact plans, numpy links) gives the
-    paper engine's numbers, a re-shard (step 8) and both dispatchers included."""
+def test_a_dense_dispatcher_gives_the_compact_ones_numbers():
+    """One group spanning the world: an injected dispatcher returning dense plans (converted by
+    the policy) gives the compact dispatcher's numbers, a re-shard (step 8) and both modes included."""
     setup = small_setup()
     tokens = skewed_tokens(12, setup, std=0.12, seed=3)
     for paper_dispatch, compact_dispatch in ((dispatch, dispatch_plan),
@@ -303,7 +302,7 @@ def test_memory_cap_and_group_size_checks():
         with pytest.raises(ValueError, match=rf"group_size \({bad}\)"):
             simulate_cluster(setup, tokens, ["ep"], group_size=bad)
     with pytest.raises(ValueError, match="at cluster scale"):
-        simulate_cluster(setup, tokens, ["fastermoe"])
+        simulate_cluster(setup, tokens, ["fastermoe"], group_size=4)
     with pytest.raises(ValueError, match=r"ep: group_size \(8\) must be <= the 4 experts"):
         PolicyRun("ep", small_setup(num_experts=4), group_size=8)
 

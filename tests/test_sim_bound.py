@@ -17,7 +17,7 @@ from ds_fssdp.sim.bound import Choices, LowerBound, chain_bound, leaving_bytes
 from ds_fssdp.sim.cluster import simulate_cluster
 from ds_fssdp.sim.links import distinct_fraction
 from ds_fssdp.sim.setup import Setup, derive_overlap_degree
-from ds_fssdp.sim.simulate import simulate
+from ds_fssdp.sim.cluster import simulate
 from ds_fssdp.sim.synth import synthetic_trace
 
 SHAPE = ExpertShape(hidden=512, ffn=2048)
@@ -144,7 +144,7 @@ def test_replicas_and_slots_lower_the_bound_and_holding_more_never_raises_it():
 def test_slots_sync_after_the_backward():
     """Two nodes of one rank, two experts, every rank's tokens split evenly over them: with a slot
     each rank keeps all its rows, and the slot's expert is all-reduced over the node link after the
-    backward (FlexMoE's ring in the paper engine), never hidden in the long backward. The bound
+    backward (FlexMoE's ring in the simulator), never hidden in the long backward. The bound
     with slots then grows by exactly one expert over the node link per layer as the link slows."""
     topo = Topology(num_ranks=2, ranks_per_node=1)
     fast = Hardware(flops=100e12, intra_bw=100e9, inter_bw=2e9, latency=10e-6, hbm_bw=2e12)

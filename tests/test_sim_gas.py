@@ -11,9 +11,8 @@ import pytest
 from ds_fssdp import Topology
 from ds_fssdp.planner import ExpertShape, Hardware
 from ds_fssdp.sim.__main__ import main
-from ds_fssdp.sim.cluster import PolicyRun, simulate_cluster
+from ds_fssdp.sim.cluster import PolicyRun, simulate, simulate_cluster
 from ds_fssdp.sim.setup import Setup, derive_overlap_degree
-from ds_fssdp.sim.simulate import simulate, simulate_policy
 from ds_fssdp.sim.synth import synthetic_trace
 
 SHAPE = ExpertShape(hidden=512, ffn=2048)
@@ -37,18 +36,15 @@ def tokens():
                            target_std=0.15, top_k=2, seed=3).tokens_SLED
 
 
-@pytest.mark.parametrize("engine", ["paper", "cluster"])
-def test_one_sync_and_one_optimizer_step_per_optimizer_step(engine):
+@pytest.mark.parametrize("report", [simulate, simulate_cluster])
+def test_one_sync_and_one_optimizer_step_per_optimizer_step(report):
     """Without re-shards the micro-steps' layers are those of GAS 1 row for row, so an optimizer
     step of GAS 2 costs the two rows' layers, and one sync and one optimizer step, not two (one
     group: with several, the slowest group is the slowest over the step's micro-steps)."""
     t = tokens()
 
     def run(gas):
-        setup = setup_with(gas=gas)
-        if engine == "paper":
-            return simulate(setup, t, ["fssdp"])[0]
-        return simulate_cluster(setup, t, ["fssdp"])[0]
+        return report(setup_with(gas=gas), t, ["fssdp"])[0]
     one, two = run(1), run(2)
     assert len(two.step_s) == len(one.step_s) // 2 == (STEPS - 2) // 2
     for c in ("comp", "a2a", "spag"):  # the GAS 1 rows' own parts, paired
@@ -72,20 +68,16 @@ def test_cluster_sync_once_per_optimizer_step(monkeypatch):
         assert len(calls) == (s + 1) // 2, s
 
 
-@pytest.mark.parametrize("engine", ["paper", "cluster"])
-def test_reshards_follow_optimizer_steps(engine):
+def test_reshards_follow_optimizer_steps():
     """Algorithm 2 every 2 optimizer steps: at GAS 2 the owners change before rows 4 and 8 (after
     optimizer steps 2 and 4), never between an optimizer step's micro-steps; at GAS 1 before row 2."""
     t = tokens()
 
     def owners(gas):
         setup, decisions = setup_with(gas=gas, reshard_interval=2), []
-        if engine == "paper":
-            simulate_policy("fssdp", setup, t, decisions=decisions)
-        else:
-            run = PolicyRun("fssdp", setup, group_size=8, decisions=decisions)
-            for s, row in enumerate(t):
-                run.step(s, row)
+        run = PolicyRun("fssdp", setup, group_size=8, decisions=decisions)
+        for s, row in enumerate(t):
+            run.step(s, row)
         return np.stack([[layer[0].numpy() for layer in step] for step in decisions])
     two, one = owners(2), owners(1)
     changed = [r for r in range(1, STEPS) if (two[r] != two[r - 1]).any()]

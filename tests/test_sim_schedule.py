@@ -20,7 +20,7 @@ from ds_fssdp.sim.cluster import PolicyRun, run_cluster, simulate_cluster
 from ds_fssdp.sim.links import Links, distinct_fraction, traffic_BNN, traffic_links
 from ds_fssdp.sim.pipeline import SERIAL, LayerSchedule, ScheduleOptions
 from ds_fssdp.sim.setup import Setup, derive_overlap_degree
-from ds_fssdp.sim.simulate import simulate
+from ds_fssdp.sim.cluster import simulate
 from ds_fssdp.sim.sync import dense_sync
 from ds_fssdp.sim.synth import synthetic_trace
 
@@ -288,9 +288,9 @@ def test_serial_reproduces_the_numbers_before_and_the_schedule_is_faster():
 
 
 def test_recorded_degrees_are_choose_degrees_of_the_layer():
-    """The degrees the cluster engine records for fsmoe are a direct choose_degrees call on the
-    layer's loads (EP's holders: the owners), every layer and group; the paper engine records
-    the same at world size; a fixed degree is used as given."""
+    """The degrees the engine records for fsmoe are a direct choose_degrees call on the layer's
+    loads (EP's holders: the owners), every layer and group, at world size too; a fixed degree is
+    used as given."""
     setup, tokens = small_setup(), trace(steps=7)
     log = []
     run = PolicyRun("fsmoe", setup, group_size=4, degrees=log)
@@ -308,10 +308,9 @@ def test_recorded_degrees_are_choose_degrees_of_the_layer():
                 seen.add(want)
     assert len(log) == 7 and seen != {(1, 1)}
     plog = []
-    from ds_fssdp.sim.simulate import simulate_policy
-    simulate_policy("fsmoe", small_setup(topology=Topology(num_ranks=4, ranks_per_node=4), num_experts=16),
-                    tokens[..., :4], degrees=plog)
-    assert all(len(layer) == 2 for layer in plog)
+    run_cluster([PolicyRun("fsmoe", small_setup(topology=Topology(num_ranks=4, ranks_per_node=4), num_experts=16),
+                           degrees=plog)], tokens[..., :4], bound=False)
+    assert len(plog) == 7 and all(len(step) == 2 and all(len(layer) == 1 for layer in step) for step in plog)
     fixed = []
     run_cluster([PolicyRun("fssdp", setup, schedule=ScheduleOptions(pipeline_degree=3), degrees=fixed)], tokens,
                 bound=False)
@@ -351,16 +350,13 @@ def test_cli_schedule_flags(capsys):
 
 def test_placement_by_time_prices_the_schedule():
     """Calibration's and balanced-time's cost model prices a plan by the schedule's layer time,
-    the same number for the dense plan (paper engine) and the compact plan (cluster engine), and
-    below the serial price wherever the pipeline hides something."""
-    from ds_fssdp.sim.cluster import ClusterCostModel
+    the same number for the dense plan and the compact plan, and below the serial price wherever
+    the pipeline hides something."""
     from ds_fssdp.sim.pipeline import scheduled_cost_model
     from ds_fssdp.planner import CostModel
     topo = Topology(num_ranks=8, ranks_per_node=4)
     sched = LayerSchedule(HW, SHAPE, ranks_per_node=4, top_k=2, options=ScheduleOptions())
     dense_cost = scheduled_cost_model(HW, SHAPE, topo, sched)
-    compact_cost = ClusterCostModel(HW, SHAPE, topo, relay=True)
-    compact_cost.scheduled = scheduled_cost_model(HW, SHAPE, topo, sched)
     serial = CostModel(HW, SHAPE, topo, relay=True)
     gen = torch.Generator().manual_seed(9)
     owner = homogeneous_owner(16, 8)
@@ -373,7 +369,7 @@ def test_placement_by_time_prices_the_schedule():
         want = sched.layer(plan.dense().sum(0).double().numpy()[None])
         got = dense_cost.layer_time(plan.dense())
         assert got == pytest.approx(float(want.forward_B[0] + want.backward_B[0]), rel=1e-12)
-        assert compact_cost.layer_time(plan) == pytest.approx(got, rel=1e-12)
+        assert dense_cost.layer_time(plan) == pytest.approx(got, rel=1e-12)
         cheaper += got < serial.layer_time(plan.dense())
     assert cheaper == 6
 

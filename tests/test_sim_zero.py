@@ -15,13 +15,12 @@ from ds_fssdp import Topology
 from ds_fssdp.planner import ExpertShape, Hardware
 from ds_fssdp.planner.schedule import drain_before_deadlines, drain_in_gaps, split_sync_pays
 from ds_fssdp.sim.__main__ import main
-from ds_fssdp.sim.cluster import simulate_cluster
+from ds_fssdp.sim.cluster import PolicyRun, simulate_cluster
 from ds_fssdp.sim.links import allreduce_links
 from ds_fssdp.sim.memory import budget_for_cap, ep_memory_bytes, optimizer_params
 from ds_fssdp.sim.pipeline import ScheduleOptions
 from ds_fssdp.planner.prices import allreduce_share, reduce_scatter_share
 from ds_fssdp.sim.setup import GRAD_BYTES, OPT_BYTES, PARAM_BYTES, Setup, derive_overlap_degree
-from ds_fssdp.sim.simulate import simulate_policy
 from ds_fssdp.sim.sync import MASTER_GRAD_BYTES, dense_sync, expert_inputs, exposed_sync, sync_times
 from ds_fssdp.sim.synth import synthetic_trace
 
@@ -252,8 +251,8 @@ def test_bad_stages_are_refused_by_name():
     with pytest.raises(ValueError, match=r"zero_stage \(2\) must be 0 or 1"):
         setup_with(2)
     tokens = np.ones((7, 4, 16, 8), dtype=np.int64)
-    with pytest.raises(ValueError, match=r"zero_stage \(1\): the paper engine models ZeRO 0 only"):
-        simulate_policy("fssdp", setup_with(1), tokens)
+    with pytest.raises(ValueError, match=r"flexmoe at group_size \(8\) and zero_stage \(1\): the paper's baselines"):
+        PolicyRun("flexmoe", setup_with(1))
     with pytest.raises(SystemExit, match=r"--zero-stage \(3\) must be one of"):
         main(["--trace", "synthetic", "--cluster", "b", "--model", "qwen3-30b-a3b", "--gpus", "16", "--group-size",
               "8", "--steps", "6", "--zero-stage", "3", "--json", "--no-png"], out=io.StringIO())

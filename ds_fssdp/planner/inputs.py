@@ -1,4 +1,4 @@
-"""A layer's planner inputs, built in one place for the runtime, both simulators and the replay.
+"""A layer's planner inputs, built in one place for the runtime, the simulator and the replay.
 
 Legend: E experts, L MoE layers.
 

@@ -2,7 +2,7 @@
 
 Legend: E experts, D ranks.
 
-The runtime (``moe/sharded.py``), both simulators and the report's replay drive every layer
+The runtime (``moe/sharded.py``), the simulator and the report's replay drive every layer
 through a :class:`LayerPlanner`, so they make the same decisions from the same inputs; only the
 :class:`~ds_fssdp.planner.baselines.Clock` (t and calibration's latency budget) comes from their
 own clocks.
@@ -13,7 +13,7 @@ own clocks.
    mean over its last load-window observed iterations whose placement left calibration room);
 2. :meth:`post_gating` once the actual ``tokens_ED`` are known: calibration or shadowing, from
    the t pre-gating planned with;
-3. :meth:`dispatch`: the compact dispatch plan (:meth:`dispatch_dense` for the dense one);
+3. :meth:`dispatch`: the compact dispatch plan;
 4. :meth:`observe`: the predictor learns the loads (once per training forward).
 """
 from __future__ import annotations
@@ -67,9 +67,6 @@ class LayerPlanner:
 
     def dispatch(self, layer_plan: LayerPlan, tokens_ED: torch.Tensor) -> DispatchPlan:
         return self.policy.dispatch_plan(layer_plan, tokens_ED)
-
-    def dispatch_dense(self, layer_plan: LayerPlan, tokens_ED: torch.Tensor) -> torch.Tensor:
-        return self.policy.dispatch(layer_plan, tokens_ED)
 
     def observe(self, tokens_ED: torch.Tensor) -> float:
         """Feed the actual loads to the predictor (and calibration's realized saving on this

@@ -24,7 +24,7 @@ from, so a hot expert's tokens stay in the nodes that produce them), and the lea
 wins; ties keep the earlier family. So the configured placement is always a candidate and a layer
 never prices worse than with it alone.
 
-Pure: the runtime, both simulators and the report's replay reach it through
+Pure: the runtime, the simulator and the report's replay reach it through
 ``FSSDPPolicy.pre_gating`` with the same inputs (the owners, the predicted ``tokens_ED`` and the
 clock's window), so they take the same t.
 """

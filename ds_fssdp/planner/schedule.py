@@ -4,7 +4,7 @@ pipeline with the expert compute, forward and backward each with its own degree.
 Legend: n the pipeline degree (chunks per exchange).
 
 Pure: costs and one rank's loads in, decisions and modelled seconds out. The runtime (its fitted
-costs, its agreed loads), both simulators (their modelled hardware) and the report call these
+costs, its agreed loads), the simulator (its modelled hardware) and the report call these
 functions, so a decision is made in one place.
 
 The modelled schedule, per direction (forward, backward), on one rank:

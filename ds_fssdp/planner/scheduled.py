@@ -18,7 +18,7 @@ of :meth:`CostModel.layer_time`.
 The runtime builds it from its configuration, on the schedule's costs its degrees are chosen
 from (fitted at initialize and refitted, or ``fssdp.hardware``'s; without them, its agreed
 hardware's), the report's replay from the trace's record of both (the exchange options in the
-sidecar, the costs per decision), and both simulators from their options and modelled hardware
+sidecar, the costs per decision), and the simulator from its options and modelled hardware
 (``sim/pipeline.py``'s ``LayerSchedule`` prices every simulated layer through the same
 :meth:`ExchangeOptions.price`), so the same plans get the same price everywhere.
 """

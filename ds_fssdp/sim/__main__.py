@@ -17,7 +17,7 @@ At cluster scale (:mod:`ds_fssdp.sim.cluster`; chosen by ``--group-size``, ``--l
 
 ``--group-size N``: EP groups of N with expert-data-parallel replicas (``ep``; at most E, as
 DeepSpeed's ``ep_size`` divides the experts), FSSDP groups of N (``fssdp``, ``fssdp-rm``); without
-it one group spans the world (the same numbers as the paper engine). ``--load-cv``: synthetic skew
+it one group spans the world (the paper's report is that run). ``--load-cv``: synthetic skew
 as the coefficient of variation of expert load (valid for any expert count; default 0.5 for fixed
 presets). ``--memory-cap X``: m (and fssdp-rm's m) chosen
 so that FSSDP's model-state memory is at most X times EP's at the same group size. Calibration is
@@ -44,15 +44,13 @@ import torch  # noqa: E402  (after the redirect above)
 
 from ds_fssdp.config import FSSDPConfig
 from ds_fssdp.planner.schedule import MAX_DEGREE
-from ds_fssdp.planner.dispatch import dispatch as planner_dispatch
 from ds_fssdp.planner.dispatch import dispatch_plan
-from ds_fssdp.sim.cluster import CLUSTER_POLICIES, simulate_cluster
+from ds_fssdp.sim.cluster import CLUSTER_POLICIES, SIM_POLICY_NAMES, simulate, simulate_cluster
 from ds_fssdp.sim.foresight import PREDICTORS
 from ds_fssdp.sim.presets import CLUSTERS, MODELS, cluster_preset, model_preset
 from ds_fssdp.sim.report import format_table, to_json
 from ds_fssdp.sim.setup import ZERO_STAGES, build_setup
 from ds_fssdp.sim.pipeline import SERIAL, ScheduleOptions
-from ds_fssdp.sim.simulate import SIM_POLICY_NAMES, simulate
 from ds_fssdp.sim.traces import save_trace
 from ds_fssdp.sim.workload import DEFAULT_LOAD_CV, SYNTHETIC, cv_workload, trace_for_setup
 
@@ -99,7 +97,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dispatch", default="paper", choices=["paper", "balanced"],
                    help="token dispatch of every policy: the paper's Algorithm 3 or the balancing dispatcher")
     p.add_argument("--calibration", action=argparse.BooleanOptionalAction, default=None,
-                   help="FSSDP calibration (default: on in the paper engine, off at cluster scale)")
+                   help="FSSDP calibration (default: on in the paper's report, off at cluster scale)")
     p.add_argument("--calibration-budget", type=float, default=1.0, help="in attention forward times")
     p.add_argument("--pipeline-degree", default="auto", help="FSSDP's and fsmoe's chunks per token exchange: "
                    "'auto' (chosen per layer, forward and backward, by planner.onecopy.choose_exchange) or 1-8 "
@@ -117,7 +115,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "window's t alone")
     p.add_argument("--predictor", choices=PREDICTORS, default="window", help="the loads pre-gating plans on: the "
                    "runtime's sliding window, or 'oracle' (each layer's actual loads, sim/foresight.py; a what-if: "
-                   "what the decisions cost when the prediction is right); the paper engine only")
+                   "what the decisions cost when the prediction is right); the paper's report only")
     p.add_argument("--no-price-by-schedule", action="store_true", help="FSSDP: calibration and the balanced-time "
                    "dispatch price plans by the serial layer time (default: the schedule's)")
     p.add_argument("--gas", type=int, default=1, help="gradient accumulation: trace rows (micro-steps) per "
@@ -201,7 +199,7 @@ def _run(args, out) -> int:
                          "gradients) and 3 (partitioned parameters) are not modelled")
     if args.zero_stage and not at_scale:
         raise SystemExit(f"--zero-stage ({args.zero_stage}): modelled at cluster scale only (give --group-size); "
-                         "the paper engine models ZeRO 0")
+                         "the paper's report models ZeRO 0")
     if args.memory_cap is not None and (args.budget is not None or args.budget_rm is not None):
         raise SystemExit(f"--memory-cap ({args.memory_cap}) chooses m: do not also give --budget / --budget-rm")
     memory = None if args.replica_memory_gb is None else args.replica_memory_gb * 1e9
@@ -230,19 +228,17 @@ def _run(args, out) -> int:
         if trace is None:
             raise SystemExit("--save-trace: a load-CV trace is generated as it is read; it is not kept")
         save_trace(args.save_trace, trace)
-    slack = FSSDPConfig().dispatch_slack
+    dispatcher = functools.partial(dispatch_plan, mode=args.dispatch, slack=FSSDPConfig().dispatch_slack)
     if at_scale and args.predictor != "window":
-        raise SystemExit(f"--predictor {args.predictor}: the paper engine only (at cluster scale each group plans "
+        raise SystemExit(f"--predictor {args.predictor}: the paper's report only (at cluster scale each group plans "
                          f"on its own window)")
     if at_scale:
         results = simulate_cluster(setup, source, policies, group_size=args.group_size, memory_cap=args.memory_cap,
                                    overlap_degree=args.overlap_degree, max_groups=args.max_groups,
-                                   dispatcher=functools.partial(dispatch_plan, mode=args.dispatch, slack=slack),
-                                   schedule=schedule)
+                                   dispatcher=dispatcher, schedule=schedule)
         if trace is None:
             trace_summary = source.summary(setup.load_window)
     else:
-        dispatcher = functools.partial(planner_dispatch, mode=args.dispatch, slack=slack)
         results = simulate(setup, source, policies, dispatcher=dispatcher, schedule=schedule,
                            fixed_t=args.overlap_degree is not None, predictor=args.predictor)
     summary = setup.summary()

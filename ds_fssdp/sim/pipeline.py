@@ -38,7 +38,7 @@ with it), so m and the memory cap hold unchanged. The replica reduce gets the at
 backward plus the time the backward leaves that link free.
 
 At degree 1 without dedup this is the serial accounting the simulators had (4 exchanges + the
-slowest rank's compute; tested). ``ep``, ``uniform`` and the paper engine's published baselines
+slowest rank's compute; tested). ``ep``, ``uniform`` and the paper's other published baselines
 keep it (:func:`policy_options`); ``fsmoe`` is EP with FSMoE's schedule (degrees chosen, gradients
 in the gaps, no replicas, no dedup).
 """
@@ -187,7 +187,7 @@ def binding_class(links: Links, hw: Hardware) -> int:
 
 
 def scheduled_cost_model(hw: Hardware, shape, topology, schedule: LayerSchedule) -> ScheduledCostModel:
-    """The paper engine's cost model with the layer priced by the schedule (placement by time):
+    """The simulator's cost model with the layer priced by the schedule (placement by time):
     calibration and the ``balanced-time`` dispatch weigh a candidate plan by its forward +
     backward as ``schedule`` runs it (the planner's :class:`~ds_fssdp.planner.scheduled.ScheduledCostModel`,
     which the runtime builds from its configuration), so keeping tokens local and balancing rows

@@ -7,8 +7,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display on training or CI machines
 import matplotlib.pyplot as plt  # noqa: E402
 
-from ds_fssdp.sim.report import ratios  # noqa: E402
-from ds_fssdp.sim.simulate import CATEGORIES  # noqa: E402
+from ds_fssdp.sim.report import CATEGORIES, ratios  # noqa: E402
 
 _LABELS = {"comp": "Comp", "a2a": "A2A", "spag": "SpAG/SpRS", "rearr": "Rearr", "ar": "AR", "opt": "Opt"}
 

@@ -1,7 +1,73 @@
-"""The simulator's table (Figure 9's speedups, Figure 11's breakdown, Figure 12's memory) and JSON."""
+"""The simulator's results (:class:`PolicyResult`; :class:`ClusterResult` with the cluster
+engine's extras), its table (Figure 9's speedups, Figure 11's breakdown, Figure 12's memory) and JSON."""
 from __future__ import annotations
 
-from ds_fssdp.sim.simulate import CATEGORIES, PolicyResult
+from dataclasses import dataclass, field, fields
+
+CATEGORIES = ("comp", "a2a", "spag", "rearr", "ar", "opt")
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    iteration_s: float
+    breakdown_s: dict  # CATEGORIES -> mean seconds per iteration
+    memory_bytes: dict  # param, grad, opt at the peak rank and iteration
+    straggler: float  # mean over layers and steps of max / mean rows per rank
+    inter_node_gb: float  # token bytes crossing nodes per iteration (4 exchanges, all layers)
+    replicas_per_layer: float  # mean pairs beyond the shard (ephemeral + persistent)
+    migrated_experts: int  # expert states copied by reshards over the whole run
+    budget: int
+    step_s: list = field(default_factory=list)
+    lower_bound_s: float | None = None  # the workload's (ds_fssdp.sim.bound), alike for every policy
+    degrees: dict = field(default_factory=dict)  # "forward"/"backward" -> {degree: timed layers (x groups)}
+    dedup_saved_gb: float = 0.0  # link bytes one copy per destination saved per iteration (< 0: relays moved more)
+
+    def to_dict(self) -> dict:
+        return {
+            "policy": self.policy, "iteration_ms": 1e3 * self.iteration_s,
+            "breakdown_ms": {k: 1e3 * v for k, v in self.breakdown_s.items()},
+            "memory_gb": {k: v / 1e9 for k, v in self.memory_bytes.items()}, "straggler": self.straggler,
+            "inter_node_gb": self.inter_node_gb, "replicas_per_layer": self.replicas_per_layer,
+            "migrated_experts": self.migrated_experts, "budget": self.budget,
+            "lower_bound_ms": None if self.lower_bound_s is None else 1e3 * self.lower_bound_s,
+            "vs_lower_bound": None if self.lower_bound_s is None else self.iteration_s / self.lower_bound_s,
+            "degrees": self.degrees, "dedup_saved_gb": self.dedup_saved_gb,
+        }
+
+    def paper(self) -> "PolicyResult":
+        """These numbers without a subclass's extras (the paper's report)."""
+        return PolicyResult(**{f.name: getattr(self, f.name) for f in fields(PolicyResult)})
+
+
+@dataclass
+class ClusterResult(PolicyResult):
+    group_size: int = 0
+    count_allgather_s: float = 0.0
+    planning_s: dict = field(default_factory=dict)  # pre_gating, post_gating: seconds per iteration, one rank
+    link_bytes: dict = field(default_factory=dict)  # category -> {gpu_mean, gpu_max, node_mean, node_max}
+    ep_memory_bytes: float = 0.0  # EP's fullest rank at this group size
+    memory_cap: float | None = None
+    overlap_degree: int = 0
+    groups: int = 1
+    groups_simulated: int = 1
+    split_steps: float = 0.0  # share of the timed steps whose experts' all-gather ran in the next forward (sim/sync.py)
+
+    @property
+    def total_s(self) -> float:
+        """Iteration with the count all-gather and the planning after gating (critical path)."""
+        return self.iteration_s + self.count_allgather_s + self.planning_s.get("post_gating", 0.0)
+
+    def to_dict(self) -> dict:
+        out = super().to_dict()
+        memory = sum(self.memory_bytes.values())
+        out.update(iteration_s=self.iteration_s, memory_bytes=self.memory_bytes, group_size=self.group_size,
+                   count_allgather_ms=1e3 * self.count_allgather_s,
+                   planning_ms={k: 1e3 * v for k, v in self.planning_s.items()}, total_ms=1e3 * self.total_s,
+                   link_bytes=self.link_bytes, memory_vs_ep=memory / self.ep_memory_bytes,
+                   memory_cap=self.memory_cap, overlap_degree=self.overlap_degree, groups=self.groups,
+                   groups_simulated=self.groups_simulated, split_steps=self.split_steps)
+        return out
 
 
 def ratios(results: list) -> dict:
@@ -81,7 +147,7 @@ def format_table(setup_summary: dict, trace_summary: dict, results: list) -> str
 
 
 def cluster_table(results: list) -> str:
-    """The cluster engine's extra columns: group size, m, memory over EP's, count all-gather and
+    """The cluster-scale columns: group size, m, memory over EP's, count all-gather and
     measured planning per iteration, and the busiest links' bytes per iteration."""
     header = (f"{'policy':<10} {'group':>6} {'t':>3} {'m':>4} {'mem/EP':>7} | {'count ms':>8} {'plan ms':>8} "
               f"{'(pre/post)':>14} {'total ms':>9} | {'GPU link GB':>11} {'node link GB':>12}")

@@ -65,7 +65,7 @@ class Setup:
     # dense part over the world, the experts over their EDP group)
     zero_stage: int = 0
     # gradient accumulation: trace rows (micro-steps) per optimizer step; the sync, the optimizer step and
-    # the re-shards once per optimizer step, as the runtime's (sim/simulate.py, sim/cluster.py)
+    # the re-shards once per optimizer step, as the runtime's (sim/cluster.py)
     gas: int = 1
     label: str = ""
 

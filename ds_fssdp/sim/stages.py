@@ -173,7 +173,7 @@ def simulate_stages(setups: list, policies, *, micro_batches: int, steps: int, l
                           max_groups=max_groups, dispatcher=dispatcher, schedule=schedule) for name in policies]
         free = replace(st, dense_params=0)  # its bound without the sync: it may hide
         bound = LowerBound(free, group_size=N, budget=max(r.budget for r in runs),
-                           plain=max([r.budget for r in runs if r.planned and not r.rm], default=0),
+                           plain=max([r.budget for r in runs if r.fssdp and not r.rm], default=0),
                            groups=max_groups)
         owned = math.ceil(st.num_experts * st.num_layers / N) * st.shape.params
         opt_free = float(optimizer_params(free, owned, N)) * OPT_TRAFFIC_BYTES / st.hw.hbm_bw

@@ -24,7 +24,7 @@ gets the same answers, so the runtime exchanges only ``tokens_ED``. A policy obj
 across iterations only where the baseline it models does (FlexMoE's persistent replicas).
 
 This is THE interface: the runtime (``moe/sharded.py`` through :class:`ds_fssdp.planner.layer.LayerPlanner`,
-``runtime/stage.py`` for ``reshard``), both simulators and the report's replay call the same
+``runtime/stage.py`` for ``reshard``), the simulator and the report's replay call the same
 methods with the same inputs. Only the :class:`Clock` differs: what the time-dependent knobs are
 this iteration (the overlap degree t and calibration's latency budget), measured in the runtime,
 modelled in the simulators, read back from the trace in the replay.
@@ -229,7 +229,13 @@ class Policy:
         return self._plan(owner_E, placement_ED)
 
     def dispatch(self, layer_plan: LayerPlan, tokens_ED: torch.Tensor) -> torch.Tensor:
-        return self.dispatcher(layer_plan.placement_ED, tokens_ED, self.topology)
+        return self.dense_plan(layer_plan.placement_ED, tokens_ED)
+
+    def dense_plan(self, placement_ED: torch.Tensor, tokens_ED: torch.Tensor) -> torch.Tensor:
+        """The dispatcher's plan of ``tokens_ED`` over ``placement_ED`` as plan_EDD (an injected
+        dispatcher may return either form)."""
+        plan = self.dispatcher(placement_ED, tokens_ED, self.topology)
+        return plan.dense() if isinstance(plan, DispatchPlan) else plan
 
     def dispatch_plan(self, layer_plan: LayerPlan, tokens_ED: torch.Tensor) -> DispatchPlan:
         """:meth:`dispatch` as the compact plan the runtime uses (the same plan, no dense

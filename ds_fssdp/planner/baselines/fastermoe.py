@@ -37,7 +37,7 @@ class FasterMoEPolicy(Policy):
         shadow_ED = torch.zeros_like(current_ED)
         cap = self.config.fastermoe_max_shadow
         cap = owner_E.numel() if cap is None else cap
-        plan_EDD = self.dispatcher(current_ED, tokens_ED, self.topology).double()
+        plan_EDD = self.dense_plan(current_ED, tokens_ED).double()
         local_EDD = torch.diag_embed(tokens_ED.double())  # each expert's plan once it is everywhere
         flow_DD = plan_EDD.sum(0)
         layer_s = float(cost.flow_layer_times(flow_DD[None])[0])
