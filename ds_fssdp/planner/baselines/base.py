@@ -44,7 +44,7 @@ from ds_fssdp.planner.dispatch import dispatch as planner_dispatch
 from ds_fssdp.planner.dispatch import dispatch_plan
 from ds_fssdp.planner.plan import DispatchPlan
 from ds_fssdp.planner.materialize import materialize as algorithm1_materialize
-from ds_fssdp.planner.shard import shard_placement
+from ds_fssdp.planner.shard import homogeneous_owner, shard_placement
 from ds_fssdp.topology import Topology
 
 Dispatcher = Callable[[torch.Tensor, torch.Tensor, Topology], torch.Tensor]
@@ -177,6 +177,11 @@ class LayerPlan:
         """Replicas the hidden gather moved: the ones kept and the ones calibration evicted."""
         return self.hidden_ED if self.evicted_ED is None else self.hidden_ED | self.evicted_ED
 
+    @property
+    def ephemeral_ED(self) -> torch.Tensor:
+        """Replicas without optimizer state that live only this iteration."""
+        return self.hidden_ED | self.calibrated_ED | self.shadow_ED
+
 
 class Policy:
     """Base class: static expert parallelism (the shard placement, nothing moves)."""
@@ -198,6 +203,17 @@ class Policy:
                                            slack=config.dispatch_slack)
         self.dispatcher = dispatcher
         self.materializer = materializer
+
+    # -- memory the policy reserves beyond the shard ------------------------------------------------
+    @property
+    def reserved_slots(self) -> int:
+        """Persistent replica slots (with optimizer state) reserved per rank per layer."""
+        return 0
+
+    def initial_owner(self) -> torch.Tensor:
+        """long [L, E]: homogeneous sharding (the expert-parallel layout) for every layer."""
+        E, L, D = self.config.num_experts, self.config.num_layers, self.topology.num_ranks
+        return homogeneous_owner(E, D).expand(L, E).clone()
 
     # -- the phases --------------------------------------------------------------------------------
     def reshard(self, step: int, history_load_LE: torch.Tensor | None, *, owner_LE: torch.Tensor,

@@ -38,6 +38,10 @@ class FlexMoEPolicy(Policy):
         self._replicas_LED = torch.zeros(config.num_layers, config.num_experts, self.topology.num_ranks,
                                          dtype=torch.bool)
 
+    @property
+    def reserved_slots(self) -> int:
+        return self.config.flexmoe_slots
+
     def persistent_ED(self, layer: int, owner_E: torch.Tensor) -> torch.Tensor:
         shard_ED = shard_placement(owner_E.to("cpu", torch.long), self.topology.num_ranks)
         return self._replicas_LED[layer] & ~shard_ED
