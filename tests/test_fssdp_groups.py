@@ -220,3 +220,175 @@ def test_checkpoint_round_trip_at_group_size_2(tmp_path):
     from ds_fssdp.runtime.checkpoint import load_file, rank_file
     files = [load_file(os.path.join(tmp_path, "g2", rank_file(r))) for r in range(WORLD)]
     assert [len(f["layers"]) for f in files] == [MODEL.n_layers] * 2 + [0] * 2, "only the first group holds experts"
+
+
+# -- the experts' gradient sync in DeepSpeed's communication dtype -----------------------------------
+# 2 gloo ranks as 2 FSSDP groups of 1 (an EDP group of 2) in bf16: the sync sends bf16 by default and
+# fp32 with "communication_data_type": "fp32" (planner/sync_dtype.py, runtime/expert_dp.py).
+COMM_WORLD, COMM_STEPS, COMM_SLICE = 2, 2, 200  # forced gap slices of 200 bytes: many per layer
+
+
+def _comm_cfg(zero, comm=None, gaps=False):
+    cfg = ds_config(world=COMM_WORLD, zero=zero, bf16=True,
+                    fssdp={"group_size": 1, "metrics_csv": None, "grads_in_gaps": gaps})
+    return cfg if comm is None else dict(cfg, communication_data_type=comm)
+
+
+COMM_RUNS = {  # name: (config, forced split from the second step)
+    "z0": (_comm_cfg(0), False),
+    "z0-fp32comm": (_comm_cfg(0, "fp32"), False),
+    "z0-gaps-split": (_comm_cfg(0, gaps=True), True),
+    "z1": (_comm_cfg(1), False),
+    "z1-fp32comm": (_comm_cfg(1, "fp32"), False),
+    "z1-gaps": (_comm_cfg(1, gaps=True), False),
+}
+
+
+class _RecordingComm:
+    """deepspeed.comm as runtime/expert_dp.py calls it, recording each collective's name and the
+    dtype it sends."""
+
+    def __init__(self, inner, ops: list):
+        self.inner, self.ops = inner, ops
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def all_reduce(self, tensor, *args, **kwargs):
+        self.ops.append(("all_reduce", tensor.dtype))
+        return self.inner.all_reduce(tensor, *args, **kwargs)
+
+    def reduce_scatter_tensor(self, out, tensor, *args, **kwargs):
+        self.ops.append(("reduce_scatter", tensor.dtype))
+        return self.inner.reduce_scatter_tensor(out, tensor, *args, **kwargs)
+
+    def all_gather_into_tensor(self, out, tensor, *args, **kwargs):
+        self.ops.append(("all_gather", tensor.dtype))
+        return self.inner.all_gather_into_tensor(out, tensor, *args, **kwargs)
+
+
+def _comm_worker(rank, world, runs, steps):
+    """Each run's training (train_worker) with the expert sync's collectives recorded, and at every
+    step the gradient each layer reduces (before the reduce: the fp32 master gradient, or the rows'
+    gradient in fp32; runs without gradients in the gaps only) and this rank's fp32 slice of the
+    reduced one."""
+    import ds_fssdp.runtime.expert_dp as expert_dp
+    from ds_fssdp.runtime.edp_sync import EDPSyncPlan
+    from ds_fssdp.runtime.stage import FSSDPStage
+    originals = {"before_step": FSSDPStage.before_step, "attach": FSSDPStage.attach,
+                 "decide_split": EDPSyncPlan.decide_split, "dist": expert_dp.dist}
+    out = {}
+    for name, (cfg, split) in runs.items():
+        ops, sent, reduced, sq, seen = [], [], [], [], {}
+
+        def before_step(self, engine, _orig=originals["before_step"]):
+            state = self.expert_state
+            if state.partitioned:
+                sent.append([None if s.rows.grad is None else s.rows.grad.float().clone() for s in self.shards])
+            else:
+                sent.append([None if s.master.grad is None else s.master.grad.clone() for s in self.shards])
+            _orig(self, engine)
+            reduced.append([p.grad.clone() if state.partitioned else state.reduced_slice(i).clone()
+                            for i, p in enumerate(self.masters())])
+            sq.append(self.norm.expert_sq.clone())
+
+        def attach(self, engine, _orig=originals["attach"], _gaps=cfg["fssdp"].get("grads_in_gaps")):
+            _orig(self, engine)
+            seen.update(comm_dtype=self.expert_state.comm_dtype, grad_bytes=self.edp_sync.grad_bytes,
+                        engine_dtype=engine.communication_data_type, grad_scale=self.grad_scale)
+            if _gaps:
+                self.edp_sync.slice_bytes = [COMM_SLICE] * len(self.shards)
+
+        def decide_split(self, device, *, attention_s, schedule_costs, _split=split):
+            return _split
+
+        FSSDPStage.before_step, FSSDPStage.attach, EDPSyncPlan.decide_split = before_step, attach, decide_split
+        expert_dp.dist = _RecordingComm(originals["dist"], ops)
+        try:
+            res = train_worker(rank, world, {name: cfg}, steps)[name]
+        finally:
+            FSSDPStage.before_step, FSSDPStage.attach = originals["before_step"], originals["attach"]
+            EDPSyncPlan.decide_split, expert_dp.dist = originals["decide_split"], originals["dist"]
+        out[name] = dict(res, ops=ops, sent=sent, reduced=reduced, sq=sq, **seen)
+    return out
+
+
+@pytest.fixture(scope="module")
+def comm_trained():
+    return spawn(COMM_WORLD, _comm_worker, COMM_RUNS, COMM_STEPS)
+
+
+@pytest.mark.parametrize("name", list(COMM_RUNS))
+def test_the_expert_sync_sends_deepspeeds_communication_dtype(comm_trained, name):
+    """bf16 by default, fp32 where the config says so: every reduce (all-reduce at ZeRO 0, the
+    reduce-scatters at ZeRO 1 and of a split step, the slices in the gaps) and a split step's
+    all-gather of the summed gradient; the engine's own dtype the same."""
+    want = torch.float32 if "fp32comm" in name else torch.bfloat16
+    for rank in range(COMM_WORLD):
+        got = comm_trained[rank][name]
+        assert got["comm_dtype"] == got["engine_dtype"] == want
+        assert got["grad_bytes"] == want.itemsize
+        reduces = [d for op, d in got["ops"] if op in ("all_reduce", "reduce_scatter")]
+        gathers = [d for op, d in got["ops"] if op == "all_gather"]
+        assert reduces and set(reduces) == {want}, f"{name} rank {rank}: {got['ops']}"
+        if "gaps" in name:  # forced small slices: many collectives per layer and step
+            assert len(reduces) > 4 * MODEL.n_layers * COMM_STEPS
+        if name.startswith("z1") or "split" in name:  # the stepped rows (bf16) or the summed gradient
+            assert gathers and set(gathers) == {torch.bfloat16}, f"{name} rank {rank}: {got['ops']}"
+        else:
+            assert not gathers
+
+
+@pytest.mark.parametrize("name", ["z0", "z0-fp32comm", "z1", "z1-fp32comm"])
+def test_the_expert_sync_equals_a_reference_with_the_same_casts(comm_trained, name):
+    """Each layer's reduced gradient, every step, on both ranks: each rank's gradient times the
+    scale in fp32, cast to the communication dtype, summed in it (two ranks: one rounding), back in
+    fp32; bitwise (with fp32 communication: the fp32 sum, as before the option). The norm's expert
+    part is the fp32 squares of it (summation order only)."""
+    comm = torch.float32 if "fp32comm" in name else torch.bfloat16
+    ranks = [comm_trained[r][name] for r in range(COMM_WORLD)]
+    scale = ranks[0]["grad_scale"]
+    for step in range(COMM_STEPS):
+        squares = 0.0
+        for layer in range(MODEL.n_layers):
+            summed = sum((r["sent"][step][layer].reshape(-1) * scale).to(comm) for r in ranks).float()
+            squares += float(summed.double().pow(2).sum())
+            for j, r in enumerate(ranks):
+                want = summed.split([summed.numel() // COMM_WORLD] * COMM_WORLD)[j]
+                torch.testing.assert_close(r["reduced"][step][layer], want, rtol=0, atol=0,
+                                           msg=lambda m: f"{name} step {step} layer {layer} rank {j}: {m}")
+        for r in ranks:
+            assert float(r["sq"][step]) == pytest.approx(squares, rel=1e-5)
+
+
+@pytest.mark.parametrize("gaps,sync", [("z0-gaps-split", "z0"), ("z1-gaps", "z1")])
+def test_bf16_sync_in_the_gaps_and_split_equals_the_sync_at_the_step_bitwise(comm_trained, gaps, sync):
+    """The same sums in bf16 whether reduced at the step, in sliced collectives during the
+    backward, or split around the step (a reduce-scatter, the summed slices all-gathered in bf16):
+    the same reduced gradients, losses and weights."""
+    for rank in range(COMM_WORLD):
+        a, b = comm_trained[rank][gaps], comm_trained[rank][sync]
+        assert a["losses"] == b["losses"], f"{gaps} rank {rank}: losses differ"
+        for step, (x, y) in enumerate(zip(a["reduced"], b["reduced"])):
+            for layer, (u, v) in enumerate(zip(x, y)):
+                assert torch.equal(u, v), f"{gaps} rank {rank} step {step} layer {layer}"
+        for layer, (u, v) in enumerate(zip(a["experts"], b["experts"])):
+            assert all(torch.equal(u[k], v[k]) for k in v), f"{gaps} rank {rank} layer {layer}: weights differ"
+
+
+def test_a_bad_communication_data_type_is_refused_by_name_before_any_collective(monkeypatch):
+    """DeepSpeed refuses it only in its initialize, after FSSDP's groups are built; FSSDP's
+    initialize refuses it first, naming the key and the value."""
+    import copy
+    import ds_fssdp
+    import ds_fssdp.runtime.engine as runtime_engine
+    from ds_fssdp.models import GPTMoE
+
+    def no_collective(*args, **kwargs):
+        raise AssertionError("init_distributed reached")
+
+    monkeypatch.setattr(runtime_engine, "init_distributed", no_collective)
+    for key in ("communication_data_type", "seq_parallel_communication_data_type"):
+        cfg = dict(copy.deepcopy(_comm_cfg(0)), **{key: "int8"})
+        with pytest.raises(ValueError, match=rf"^{key} \('int8'\) must be one of 'fp32', 'bf16', 'fp16'"):
+            ds_fssdp.initialize(model=GPTMoE(MODEL), config=cfg)

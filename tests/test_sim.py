@@ -275,10 +275,11 @@ def test_groups_plan_alone_and_meet_at_the_allreduce():
         ar = grouped[name].link_bytes["ar"]
         P = SHAPE.params
         owned = 2 * 2 * P  # 16 experts on 8 ranks, 2 layers
-        # DeepSpeed's bf16 dense gradients over the world; over EDP rings of 2 the runtime's fp32 expert
-        # masters, or DeepSpeed's MoE's bf16 expert gradients (EP, Uniform)
-        expert_bytes = 2 if name in ("ep", "uniform") else 4
-        per_rank = 2 * 15 / 16 * 2 * world.dense_params + 2 * 1 / 2 * expert_bytes * owned
+        # DeepSpeed's dense gradients over the world; over EDP rings of 2 the runtime's expert gradients,
+        # or DeepSpeed's MoE's (EP, Uniform): all in DeepSpeed's communication dtype (bf16 by default)
+        grad_bytes = world.grad_sync_bytes
+        assert grad_bytes == 2
+        per_rank = 2 * 15 / 16 * grad_bytes * world.dense_params + 2 * 1 / 2 * grad_bytes * owned
         assert ar["gpu_mean"] == pytest.approx(per_rank) and ar["gpu_max"] == pytest.approx(per_rank)
         assert grouped[name].memory_bytes["opt"] == pytest.approx(12 * (world.dense_params + owned))
     assert grouped["fssdp"].iteration_s < grouped["ep"].iteration_s

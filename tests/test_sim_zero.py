@@ -20,8 +20,9 @@ from ds_fssdp.sim.links import allreduce_links
 from ds_fssdp.sim.memory import budget_for_cap, ep_memory_bytes, optimizer_params
 from ds_fssdp.sim.pipeline import ScheduleOptions
 from ds_fssdp.planner.prices import allreduce_share, reduce_scatter_share
+from ds_fssdp.planner.sync_dtype import expert_sync_bytes
 from ds_fssdp.sim.setup import GRAD_BYTES, OPT_BYTES, PARAM_BYTES, Setup, derive_overlap_degree
-from ds_fssdp.sim.sync import MASTER_GRAD_BYTES, dense_sync, expert_inputs, exposed_sync, sync_times
+from ds_fssdp.sim.sync import dense_sync, expert_inputs, exposed_sync, sync_times
 from ds_fssdp.sim.synth import synthetic_trace
 
 SHAPE = ExpertShape(hidden=512, ffn=2048)
@@ -83,36 +84,41 @@ def ring_s(setup, members, sizes, share=allreduce_share):
                                  ranks_per_node=setup.topology.ranks_per_node, share=share).time_B(setup.hw)[0])
 
 
-def test_sync_is_deepspeeds_dense_part_and_the_runtimes_experts_part():
-    """DeepSpeed's dense collectives (bf16: an all-reduce at ZeRO 0; a reduce-scatter and the
-    parameters' all-gather at ZeRO 1) apart from the experts' (fp32 master gradients over the EDP
-    rings: all-reduced at ZeRO 0, reduce-scattered at ZeRO 1 and the stepped rows all-gathered in
-    their dtype), every collective priced with the price list's ring shares."""
-    z0, z1 = setup_with(0), setup_with(1)
+@pytest.mark.parametrize("comm,grad_bytes", [(None, 2), ("fp32", 4)])
+def test_sync_is_deepspeeds_dense_part_and_the_runtimes_experts_part(comm, grad_bytes):
+    """DeepSpeed's dense collectives (an all-reduce at ZeRO 0; a reduce-scatter and the parameters'
+    all-gather at ZeRO 1) apart from the experts' (the gradients over the EDP rings: all-reduced at
+    ZeRO 0, reduce-scattered at ZeRO 1 and the stepped rows all-gathered in their dtype), the
+    gradients in DeepSpeed's communication dtype (bf16 by default, fp32 when configured), every
+    collective priced with the price list's ring shares."""
+    z0, z1 = (dataclasses.replace(setup_with(z), communication_data_type=comm) for z in (0, 1))
     N, D = 4, 8
+    assert z0.grad_sync_bytes == grad_bytes
     owned_N = np.array([10.0, 6.0, 8.0, 8.0])
     dense_M, edp_M = np.ones((1, D), dtype=bool), np.tile(np.eye(N, dtype=bool), (1, D // N))
-    dense_K, fp32_K = [z0.dense_params * GRAD_BYTES], owned_N * z0.shape.params * MASTER_GRAD_BYTES
+    dense_K, grads_K = [z0.dense_params * grad_bytes], owned_N * z0.shape.params * grad_bytes
     s0 = sync_times(z0, N, owned_N)
     assert dense_sync(z0) == s0.step_gather_s == pytest.approx(ring_s(z0, dense_M, dense_K))
-    assert (s0.reduce_s, s0.forward_gather_s) == (pytest.approx(ring_s(z0, edp_M, fp32_K)), 0.0)
+    assert (s0.reduce_s, s0.forward_gather_s) == (pytest.approx(ring_s(z0, edp_M, grads_K)), 0.0)
     s1 = sync_times(z1, N, owned_N)
     assert s1.step_gather_s == pytest.approx(ring_s(z1, dense_M, dense_K, reduce_scatter_share)
                                              + ring_s(z1, dense_M, [z1.dense_params * PARAM_BYTES],
                                                       reduce_scatter_share))
-    assert s1.reduce_s == pytest.approx(ring_s(z1, edp_M, fp32_K, reduce_scatter_share))
+    assert s1.reduce_s == pytest.approx(ring_s(z1, edp_M, grads_K, reduce_scatter_share))
     assert s1.forward_gather_s == pytest.approx(ring_s(z1, edp_M, owned_N * z1.shape.params * PARAM_BYTES,
                                                        reduce_scatter_share))
     lat = z1.hw.latency
     assert s1.reduce_s - lat == pytest.approx((s0.reduce_s - lat) / 2)  # a reduce-scatter: half the ring's bytes
-    # the same bytes over every link at ZeRO 1 as at ZeRO 0 but the experts' gather (bf16 rows, not fp32)
-    gathered = allreduce_links(edp_M, owned_N * z1.shape.params * MASTER_GRAD_BYTES / 2, ranks_per_node=2,
-                               share=reduce_scatter_share)
-    np.testing.assert_allclose(s1.links.node_Bn + gathered.node_Bn, s0.links.node_Bn)
+    # the same bytes over every link at ZeRO 1 as at ZeRO 0 but what the gathers' bf16 (rows, dense
+    # parameters) saves against fp32 gradients: nothing in bf16
+    saved = grad_bytes - PARAM_BYTES
+    gathered = allreduce_links(edp_M, owned_N * z1.shape.params * saved, ranks_per_node=2, share=reduce_scatter_share)
+    dense = allreduce_links(dense_M, [z1.dense_params * saved], ranks_per_node=2, share=reduce_scatter_share)
+    np.testing.assert_allclose(s1.links.node_Bn + gathered.node_Bn + dense.node_Bn, s0.links.node_Bn)
     one = sync_times(z1, D)  # one group: nothing to sync over an EDP group, only the dense part
     assert (one.reduce_s, one.forward_gather_s) == (0.0, 0.0) and one.step_gather_s == pytest.approx(dense_sync(z1))
     even = sync_times(z1, N)  # even owners: E L / N each
-    assert even.reduce_s == pytest.approx(ring_s(z1, edp_M, np.full(N, 16 * 4 / N) * z1.shape.params * 4,
+    assert even.reduce_s == pytest.approx(ring_s(z1, edp_M, np.full(N, 16 * 4 / N) * z1.shape.params * grad_bytes,
                                                  reduce_scatter_share))
 
 
@@ -120,10 +126,10 @@ def test_zero_0_split_is_the_experts_reduce_scatter_and_all_gather():
     z0 = setup_with(0)
     N, D = 4, 8
     edp_M = np.tile(np.eye(N, dtype=bool), (1, D // N))
-    fp32_K = np.full(N, 16 * 4 / N) * z0.shape.params * MASTER_GRAD_BYTES
+    grads_K = np.full(N, 16 * 4 / N) * z0.shape.params * z0.grad_sync_bytes
     s = sync_times(z0, N, split_experts=True)
-    half = ring_s(z0, edp_M, fp32_K, reduce_scatter_share)
-    assert (s.reduce_s, s.forward_gather_s) == (pytest.approx(half), pytest.approx(half))  # the summed fp32 gradient
+    half = ring_s(z0, edp_M, grads_K, reduce_scatter_share)
+    assert (s.reduce_s, s.forward_gather_s) == (pytest.approx(half), pytest.approx(half))  # the summed gradient
     assert s.step_gather_s == pytest.approx(dense_sync(z0)) and s.reduce_s < sync_times(z0, N).reduce_s
     one = sync_times(z0, D, split_experts=True)  # one group: no experts' sync to split
     assert (one.forward_gather_s, one.reduce_s) == (0.0, 0.0)
@@ -308,10 +314,11 @@ def test_runtime_and_simulator_build_the_split_inputs_in_one_place(monkeypatch):
     """The split decision's inputs come from ``planner.schedule.split_sync_inputs`` for the runtime
     (``EDPSyncPlan.split_inputs``) and the cluster simulator (``sim.sync.expert_inputs``: its decision and its
     charge) alike, and
-    for the same situation (uneven owners: layer i's reduce is its busiest owner's fp32 master
-    gradient; the same gaps, each layer's at the degrees it ran at; the same EDP ring) they are
-    equal: the experts' gradient in fp32, the dense gradients not in it. A caller building its own
-    inputs is not recorded and fails."""
+    for the same situation (uneven owners: layer i's reduce is its busiest owner's gradient; the same
+    gaps, each layer's at the degrees it ran at; the same EDP ring) they are equal: the experts'
+    gradient in the runtime's communication dtype under bf16 training with DeepSpeed's default
+    (``engine_comm_dtype``: bf16), the dense gradients not in it. A caller building its own inputs
+    is not recorded and fails."""
     from types import SimpleNamespace
 
     import torch
@@ -319,6 +326,7 @@ def test_runtime_and_simulator_build_the_split_inputs_in_one_place(monkeypatch):
     import ds_fssdp.runtime.edp_sync as edp_sync
     import ds_fssdp.sim.sync as sim_sync
     from ds_fssdp.planner.schedule import split_sync_inputs
+    from ds_fssdp.runtime.expert_dp import engine_comm_dtype
     calls = []
 
     def recorded(*args, **kw):
@@ -347,15 +355,16 @@ def test_runtime_and_simulator_build_the_split_inputs_in_one_place(monkeypatch):
                            if partitioned else ring)
     monkeypatch.setattr(edp_sync, "idle_link_s", lambda costs, load, degree, backward: idle[backward, degree])
     shards = [SimpleNamespace(rows=torch.zeros(k * setup.shape.params, dtype=torch.bfloat16)) for k in owned_L]
+    comm = engine_comm_dtype(deepspeed_engine_like({}, torch.bfloat16), torch.bfloat16)
     plan = edp_sync.EDPSyncPlan(shards, edp_group=None, edp_size=n, grads_in_gaps=True, cost=cost,
-                                partitioned=False, optimizer=None, ranks_per_node=2)
+                                partitioned=False, optimizer=None, ranks_per_node=2, grad_bytes=comm.itemsize)
     plan.loads, plan.degrees = [object()] * L, [(2, 3)] * L
     runtime = plan.split_inputs(attention_s=attention, schedule_costs=object())
     assert len(calls) == 2 and calls == [simulated, runtime]
     assert runtime == simulated
     allreduce_L, scatter_L, gather_L, back, fwd = runtime
-    assert allreduce_L == [ring(4.0 * k * setup.shape.params) for k in owned_L]  # fp32, no dense gradients
-    assert scatter_L == gather_L == [ring(2.0 * k * setup.shape.params) for k in owned_L]
+    assert allreduce_L == [ring(2.0 * k * setup.shape.params) for k in owned_L]  # bf16, no dense gradients
+    assert scatter_L == gather_L == [ring(1.0 * k * setup.shape.params) for k in owned_L]
     assert back == backward_L and fwd == forward_L
 
 
@@ -363,9 +372,10 @@ def test_runtime_and_simulator_build_the_split_inputs_in_one_place(monkeypatch):
 def test_the_sync_charge_is_built_from_the_runtimes_split_inputs(zero, monkeypatch):
     """Every step's sync charge (cluster engine, FSSDP with the gaps) is DeepSpeed's dense part plus
     the experts' part from ``planner.schedule.split_sync_inputs`` on the runtime's inputs: each
-    layer's busiest owner's fp32 master gradient over the EDP rings (at ZeRO 1 the stepped rows
-    gathered in their dtype), that step's gaps, priced with the price list's ring shares, built here
-    again: equal. Negative control: the simulator's gradient bytes drifted to bf16, and they differ."""
+    layer's busiest owner's gradient over the EDP rings in the communication dtype (bf16: DeepSpeed's
+    default under bf16 training; at ZeRO 1 the stepped rows gathered in their dtype), that step's
+    gaps, priced with the price list's ring shares, built here again: equal. Negative control: the
+    simulator's gradient bytes drifted to fp32, and they differ."""
     import ds_fssdp.sim.cluster as cluster
     import ds_fssdp.sim.sync as sim_sync
     from ds_fssdp.planner.schedule import split_sync_exposed, split_sync_inputs
@@ -377,7 +387,7 @@ def test_the_sync_charge_is_built_from_the_runtimes_split_inputs(zero, monkeypat
     elems_L = [16 // 4 * setup.shape.params] * setup.num_layers  # homogeneous owners (no re-shard)
 
     def here(experts):
-        return split_sync_inputs(elems_L, 4, experts[3], experts[4],
+        return split_sync_inputs(elems_L, expert_sync_bytes(None, training="bf16"), experts[3], experts[4],
                                  allreduce=lambda b: ring_s(setup, edp_M, np.full(4, b)),
                                  reduce_scatter=lambda b: ring_s(setup, edp_M, np.full(4, b), reduce_scatter_share),
                                  gather_bytes=2 if zero else None)
@@ -397,5 +407,80 @@ def test_the_sync_charge_is_built_from_the_runtimes_split_inputs(zero, monkeypat
         return agree
 
     assert charged_from_the_runtimes_inputs()
-    monkeypatch.setattr(sim_sync, "MASTER_GRAD_BYTES", 2)
+    monkeypatch.setattr(Setup, "grad_sync_bytes", property(lambda self: 4))
     assert not charged_from_the_runtimes_inputs()
+
+
+def deepspeed_engine_like(ds_config: dict, training, *, sequence_parallel: int = 1):
+    """What ``runtime.expert_dp.engine_comm_dtype`` reads of a DeepSpeed engine training in
+    ``training`` with ``ds_config``: its parsed config and its ``communication_data_type``, from
+    DeepSpeed's own parser and property (``deepspeed/runtime/config.py``, ``engine.py``)."""
+    from types import SimpleNamespace
+
+    import torch
+    from deepspeed.runtime.config import get_communication_data_type
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    engine = SimpleNamespace(_config=SimpleNamespace(_param_dict=ds_config,
+                                                     communication_data_type=get_communication_data_type(ds_config)),
+                             fp16_enabled=lambda: training == torch.float16,
+                             bfloat16_enabled=lambda: training == torch.bfloat16,
+                             sequence_parallel_size=sequence_parallel)
+    engine.communication_data_type = DeepSpeedEngine.communication_data_type.fget(engine)
+    return engine
+
+
+COMM_CASES = [  # (DeepSpeed config, training dtype, the sync's dtype)
+    ({}, "bf16", "bf16"), ({"communication_data_type": "fp32"}, "bf16", "fp32"),
+    ({"communication_data_type": "FP16"}, "bf16", "fp16"), ({"communication_data_type": None}, "bf16", "bf16"),
+    ({}, "fp32", "fp32"), ({}, "fp16", "fp16"), ({"communication_data_type": "bf16"}, "fp32", "bf16"),
+]
+
+
+@pytest.mark.parametrize("ds_config,training,want", COMM_CASES)
+def test_the_runtimes_sync_dtype_and_the_simulators_bytes_are_one_function(ds_config, training, want):
+    """``planner.sync_dtype.expert_sync_dtype`` gives the runtime's dtype (``engine_comm_dtype``,
+    what ``runtime/expert_dp.py`` sends and ``EDPSyncPlan`` counts bytes in), equal to DeepSpeed's own
+    ``engine.communication_data_type`` for the config, and the bytes the simulators charge
+    (``Setup.grad_sync_bytes`` under the bf16 training they model, ``expert_inputs``' rings)."""
+    from ds_fssdp.runtime.expert_dp import DTYPES, engine_comm_dtype
+    engine = deepspeed_engine_like(ds_config, DTYPES[training])
+    comm = engine_comm_dtype(engine, DTYPES[training])
+    assert comm == DTYPES[want] == engine.communication_data_type
+    assert comm.itemsize == expert_sync_bytes(ds_config, training=training)
+    if training == "bf16":
+        setup = dataclasses.replace(setup_with(0), communication_data_type=ds_config.get("communication_data_type"))
+        assert setup.grad_sync_bytes == comm.itemsize
+        owner_LE = np.tile(np.arange(16) % 4, (setup.num_layers, 1))
+        allreduce_L = expert_inputs(setup, 4, owner_LE, [0.0] * setup.num_layers, [0.0] * setup.num_layers)[0]
+        edp_M = np.tile(np.eye(4, dtype=bool), (1, 2))
+        assert allreduce_L == [pytest.approx(ring_s(setup, edp_M, np.full(4, 4.0 * setup.shape.params * comm.itemsize)))
+                               ] * setup.num_layers
+
+
+def test_ulysses_sp_and_a_drifted_deepspeed():
+    """Under Ulysses SP DeepSpeed's engine sends ``seq_parallel_communication_data_type`` (fp32 by
+    default), and so do the experts; an engine whose dtype differs from the function's is refused
+    by name (negative control)."""
+    import torch
+
+    from ds_fssdp.runtime.expert_dp import engine_comm_dtype
+    engine = deepspeed_engine_like({}, torch.bfloat16, sequence_parallel=2)
+    engine.communication_data_type = torch.float32  # what DeepSpeed sets under SP (engine.py)
+    assert engine_comm_dtype(engine, torch.bfloat16) == torch.float32
+    assert expert_sync_bytes({}, training="bf16", sequence_parallel=True) == 4
+    drifted = deepspeed_engine_like({}, torch.bfloat16)
+    drifted.communication_data_type = torch.float16
+    with pytest.raises(RuntimeError, match=r"would send bf16 \(communication_data_type\), DeepSpeed's engine sends"):
+        engine_comm_dtype(drifted, torch.bfloat16)
+
+
+def test_bad_communication_dtypes_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"^communication_data_type \('int8'\) must be one of 'fp32', 'bf16', 'fp16'"):
+        expert_sync_bytes({"communication_data_type": "int8"}, training="bf16")
+    with pytest.raises(ValueError, match=r"^communication_data_type \('fp8'\) must be one of"):
+        dataclasses.replace(setup_with(0), communication_data_type="fp8")
+    with pytest.raises(ValueError, match=r"^training \('int8'\) must be one of"):
+        expert_sync_bytes({}, training="int8")
+    with pytest.raises(SystemExit):
+        main(["--trace", "synthetic", "--cluster", "b", "--model", "qwen3-30b-a3b", "--gpus", "16", "--group-size",
+              "8", "--communication-data-type", "fp8", "--json", "--no-png"], out=io.StringIO())

@@ -603,7 +603,8 @@ def split_sync_inputs(expert_elems_L, grad_bytes: int, backward_gaps_L, forward_
     """:func:`split_sync_pays`'s inputs for a ZeRO 0 step, per layer: the all-reduce, the
     reduce-scatter and the all-gather (the same bytes) of the experts' gradient reduced over the
     EDP group, ``expert_elems_L[i]`` elements of layer i per rank in ``grad_bytes`` each (the
-    runtime reduces its experts' fp32 master gradients: 4), and the gaps its layers' schedule
+    runtime sends its experts' gradients in DeepSpeed's communication dtype:
+    ``planner/sync_dtype.expert_sync_bytes``, 2 under bf16 by default), and the gaps its layers' schedule
     leaves (``backward_gaps_L`` / ``forward_gaps_L``, at the degrees each layer runs at).
     ``allreduce`` / ``reduce_scatter``: seconds of that collective for a gradient of so many
     bytes per rank (an all-gather moves a reduce-scatter's). ``gather_bytes``: the all-gather's

@@ -34,11 +34,13 @@ class EDPSyncPlan:
     rank's position in every FSSDP group, ``grads_in_gaps``: the config flag, ``cost``: the
     stage's cost model (None: none configured or measured), ``partitioned``: the expert state is
     partitioned over the EDP group (ZeRO >= 1), ``optimizer``: the expert optimizer (None: every
-    expert frozen), ``ranks_per_node``: the FSSDP group's topology."""
+    expert frozen), ``ranks_per_node``: the FSSDP group's topology, ``grad_bytes``: bytes per
+    element the sync sends (its communication dtype's, ``planner/sync_dtype.py``; 2 in bf16)."""
 
     def __init__(self, shards: list, *, edp_group, edp_size: int, grads_in_gaps: bool, cost, partitioned: bool,
-                 optimizer, ranks_per_node: int):
+                 optimizer, ranks_per_node: int, grad_bytes: int):
         self.shards = list(shards)
+        self.grad_bytes = int(grad_bytes)
         self.edp_group, self.edp_size = edp_group, edp_size
         self.cost = cost
         self.partitioned = partitioned
@@ -58,7 +60,7 @@ class EDPSyncPlan:
         default (first step, or no costs)."""
         nbytes = self.slice_bytes[i]
         if nbytes is None:
-            nbytes = gap_slice_bytes(None, None, self.shards[i].rows.numel() * 4)
+            nbytes = gap_slice_bytes(None, None, self.shards[i].rows.numel() * self.grad_bytes)
         return nbytes
 
     def record_loads(self) -> None:
@@ -94,15 +96,15 @@ class EDPSyncPlan:
             return
         reduce = self.cost.edp_reduce_linear(self.edp_size, partitioned=self.partitioned or split)
         idle = self._idle_s(schedule_costs, backward=True)
-        sizes = [gap_slice_bytes(reduce, idle[i - 1] if i > 0 else None, s.rows.numel() * 4)
+        sizes = [gap_slice_bytes(reduce, idle[i - 1] if i > 0 else None, s.rows.numel() * self.grad_bytes)
                  for i, s in enumerate(self.shards)]
         agreed = torch.tensor(sizes, dtype=torch.float64, device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.edp_group)
         self.slice_bytes = [int(v) for v in agreed.tolist()]
 
     def split_inputs(self, *, attention_s: list, schedule_costs):
-        """:func:`split_sync_inputs` for the next step: each layer's fp32 master gradient reduced
-        over the EDP group at the modelled costs, its backward gap (twice its attention window
+        """:func:`split_sync_inputs` for the next step: each layer's gradient reduced over the EDP
+        group (``grad_bytes`` per element) at the modelled costs, its backward gap (twice its attention window
         ``attention_s`` and the link gap of its last load's backward) and forward gap (its window
         and its forward's link gap). None where one is missing (no attention window or no load yet)."""
         if any(a is None for a in attention_s) or any(ld is None for ld in self.loads):
@@ -111,7 +113,7 @@ class EDPSyncPlan:
         part = self.cost.edp_reduce_linear(n, partitioned=True)
         backward = [2.0 * a + g for a, g in zip(attention_s, self._idle_s(schedule_costs, backward=True))]
         forward = [a + g for a, g in zip(attention_s, self._idle_s(schedule_costs, backward=False))]
-        return split_sync_inputs([s.rows.numel() for s in self.shards], 4, backward, forward,
+        return split_sync_inputs([s.rows.numel() for s in self.shards], self.grad_bytes, backward, forward,
                                  allreduce=self.cost.edp_reduce_linear(n, partitioned=False),
                                  reduce_scatter=lambda b: part(b / n))
 

@@ -31,6 +31,7 @@ from ds_fssdp.runtime.groups import build_groups
 from ds_fssdp.runtime.monitor import StageMonitor
 from ds_fssdp.runtime.health import apply_run_settings, check_combinations, skipped_optimizer_step
 from ds_fssdp.runtime import pipeline
+from ds_fssdp.planner import sync_dtype
 from ds_fssdp.runtime.sequence_parallel import sequence_parallel_size, sp_grad_scale
 from ds_fssdp.runtime.tensor_parallel import attach_fold, tensor_parallel_size, tp_grad_scale
 from ds_fssdp.runtime.stage import FSSDPStage
@@ -57,6 +58,8 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
         if fcfg.enabled:
             logger.warning("fssdp: the model has no FSSDP experts (FSSDPMoE layers or converted HF experts); initializing plain DeepSpeed")
         return _deepspeed_initialize(**ds_kwargs)
+    for key in (sync_dtype.KEY, sync_dtype.SP_KEY):  # DeepSpeed refuses a bad one after the collectives below
+        sync_dtype.configured_dtype(ds_config, key)
     layout, whole = None, model
     if pipe:
         layout = pipeline.check_pipeline(ds_config, model, mpu=mpu, mesh_param=mesh_param)

@@ -58,6 +58,24 @@ per-parameter update as the all-reduce at the step: bitwise the same master and 
 groups of 2). It lands where the partitioned all-gather does, and ``full_state``, ``set_state``,
 ``migrate`` and ``reduce`` land first. A step not applied drops the slices (``clear_grads``).
 
+Communication dtype: ``comm_dtype``, given at construction, is DeepSpeed's
+``engine.communication_data_type`` (the stage takes it from ``planner/sync_dtype.py`` and checks it
+against the engine's: by default the training dtype, so bf16 under bf16). Every collective of the
+gradient sync sends the gradient in it: the all-reduce (ZeRO 0), the reduce-scatter (ZeRO >= 1, and
+a split step's), the slices in the gaps, a split step's all-gather of the summed slices. The
+gradient is scaled first, in fp32 (the accumulated gradient times ``scale``, DeepSpeed's 1 /
+world), then cast once, reduced, and the sum lands in the fp32 master or slice gradient (cast
+back: ``master.grad`` / ``slice.grad`` stay fp32, the norm's squares are taken from them in fp32).
+That is DeepSpeed's own path for its dense gradients and its MoE's experts (0.19.8:
+``engine.allreduce_bucket`` casts the fp32 gradient buffer, which BF16_Optimizer accumulates
+into, to ``communication_data_type``, all-reduces it and copies the sum back into the buffer;
+``stage_1_and_2.average_tensor``'s reduce-scatter divides by the world before it reduces, in the
+bucket's communication dtype), with the division before the sum: DeepSpeed's reduce-scatter's
+order and its ``prescale_gradients`` option (its all-reduce default divides after; for a power-of-two
+world both give the same values, and dividing first keeps an fp16 sum away from overflow). In
+fp32 (every exactness test) every cast is the identity, no copy: the same collectives on the same
+tensors as without the option.
+
 Both give the stage, re-sharding and checkpoints one interface: ``params()`` (what the expert
 optimizer steps), ``full_state(i)`` / ``set_state(i, ...)`` (layer i's full fp32 master and row
 states of the owned rows, gathered from the slices or re-sliced; collective over the EDP group
@@ -70,15 +88,41 @@ import functools
 import torch
 from deepspeed import comm as dist
 
+from ds_fssdp.planner.sync_dtype import expert_sync_dtype
 from ds_fssdp.runtime.reshard import migrate_rows, migrate_shard
 
 
-def make_expert_state(shards: list, *, zero_stage: int, edp_group, edp_size: int, edp_rank: int):
-    """The layout for this run: partitioned with ZeRO >= 1 over an EDP group of more than one rank."""
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # planner/sync_dtype.py's names
+
+
+def engine_comm_dtype(engine, training: torch.dtype) -> torch.dtype:
+    """The experts' gradient sync dtype for ``engine`` training in ``training``:
+    :func:`~ds_fssdp.planner.sync_dtype.expert_sync_dtype` on its DeepSpeed config (the function
+    the simulators price the sync with), which must be DeepSpeed's own choice for its gradients
+    (``engine.communication_data_type``): a DeepSpeed whose rule changed is refused by name."""
+    name = expert_sync_dtype(engine._config._param_dict, training=dtype_name(training),
+                             sequence_parallel=getattr(engine, "sequence_parallel_size", 1) > 1)
+    if DTYPES[name] != engine.communication_data_type:
+        raise RuntimeError(f"fssdp: the experts' gradient sync would send {name} (communication_data_type), DeepSpeed's "
+                           f"engine sends its gradients in {engine.communication_data_type}: "
+                           "planner/sync_dtype.py no longer follows this DeepSpeed")
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name of ``dtype`` in :data:`DTYPES` ("fp32", "bf16" or "fp16")."""
+    return next(k for k, v in DTYPES.items() if v == dtype)
+
+
+def make_expert_state(shards: list, *, zero_stage: int, edp_group, edp_size: int, edp_rank: int,
+                      comm_dtype: torch.dtype):
+    """The layout for this run: partitioned with ZeRO >= 1 over an EDP group of more than one rank;
+    ``comm_dtype``: the gradient sync's (module docstring)."""
     if zero_stage >= 1 and edp_size > 1:
-        return PartitionedExperts(shards, edp_group=edp_group, edp_size=edp_size, edp_rank=edp_rank)
+        return PartitionedExperts(shards, edp_group=edp_group, edp_size=edp_size, edp_rank=edp_rank,
+                                  comm_dtype=comm_dtype)
     return ReplicatedExperts(shards, edp_group=edp_group if edp_size > 1 else None, edp_size=edp_size,
-                             edp_rank=edp_rank)
+                             edp_rank=edp_rank, comm_dtype=comm_dtype)
 
 
 def _is_row_state(value, param) -> bool:
@@ -116,9 +160,10 @@ class _ExpertState:
     partitioned = False
     split = False  # a split step (replicated only)
 
-    def __init__(self, shards: list, *, edp_group, edp_size: int, edp_rank: int):
+    def __init__(self, shards: list, *, edp_group, edp_size: int, edp_rank: int, comm_dtype: torch.dtype):
         self.shards = shards
         self.edp_group, self.n, self.j = edp_group, edp_size, edp_rank
+        self.comm_dtype = comm_dtype  # the gradient sync's (module docstring)
         self.optimizer = None  # the expert optimizer over params(), set by the stage
         self._inflight = {}  # layer -> (works, completion) of a reduce started in the gaps
         self._reduced = set()  # layers whose reduce this step has landed (their gradient is final)
@@ -275,23 +320,29 @@ class _ExpertState:
 class ReplicatedExperts(_ExpertState):
     """Full fp32 master and moments on every owner (see the module docstring)."""
 
-    def __init__(self, shards: list, *, edp_group, edp_size: int, edp_rank: int):
-        super().__init__(shards, edp_group=edp_group, edp_size=edp_size, edp_rank=edp_rank)
+    def __init__(self, shards: list, *, edp_group, edp_size: int, edp_rank: int, comm_dtype: torch.dtype):
+        super().__init__(shards, edp_group=edp_group, edp_size=edp_size, edp_rank=edp_rank, comm_dtype=comm_dtype)
         self._summed = {}  # layer -> this rank's slice of its summed gradient (split steps), until publish
 
     def params(self) -> list:
         return [s.master for s in self.shards]
 
     def reduced_slice(self, i: int) -> torch.Tensor:
-        """This rank's slice of layer i's reduced gradient (after :meth:`reduce`): what a split
-        step holds, or the same elements of the all-reduced gradient."""
-        return self._summed[i] if self.split else self._slice(self.shards[i].master.grad)
+        """This rank's slice of layer i's reduced gradient (after :meth:`reduce`), in fp32: what a
+        split step holds, or the same elements of the all-reduced gradient."""
+        return self._summed[i].float() if self.split else self._slice(self.shards[i].master.grad)
 
     @staticmethod
     def _scaled_grad(s, scale: float) -> torch.Tensor:
         if s.master.grad is None:
             s.master.grad = torch.zeros_like(s.master)
         return s.master.grad.mul_(scale).view(-1)
+
+    @staticmethod
+    def _land(flat: torch.Tensor, sent: torch.Tensor) -> None:
+        """The all-reduced ``sent`` into the fp32 gradient ``flat`` (nothing where it was reduced in place)."""
+        if sent is not flat:
+            flat.copy_(sent)
 
     @torch.no_grad()
     def reduce(self, scale: float) -> torch.Tensor:
@@ -307,11 +358,13 @@ class ReplicatedExperts(_ExpertState):
             if i not in self._reduced:
                 flat = self._scaled_grad(s, scale)
                 if self.split:
-                    self._summed[i] = self._reduce_scatter(flat)
+                    self._summed[i] = self._reduce_scatter(flat.to(self.comm_dtype))
                     s.master.grad = None
                 elif self.edp_group is not None:
-                    dist.all_reduce(flat, group=self.edp_group)
-            sq += self.reduced_slice(i).float().pow(2).sum()
+                    sent = flat.to(self.comm_dtype)  # flat itself in fp32
+                    dist.all_reduce(sent, group=self.edp_group)
+                    self._land(flat, sent)
+            sq += self.reduced_slice(i).pow(2).sum()
         self._reduced = set()
         return sq
 
@@ -320,14 +373,15 @@ class ReplicatedExperts(_ExpertState):
         s = self.shards[i]
         flat = self._scaled_grad(s, scale)
         if self.split:
-            works, part = self._start_reduce_scatter(flat, slice_elems)
+            works, part = self._start_reduce_scatter(flat.to(self.comm_dtype), slice_elems)
             s.master.grad = None
             return works, lambda: self._summed.__setitem__(i, part)
-        works = []
-        if self.edp_group is not None:
-            works = [dist.all_reduce(flat[a:b], group=self.edp_group, async_op=True)
-                     for a, b in self._pieces(flat.numel(), slice_elems)]
-        return works, lambda: None
+        if self.edp_group is None:
+            return [], lambda: None
+        sent = flat.to(self.comm_dtype)
+        works = [dist.all_reduce(sent[a:b], group=self.edp_group, async_op=True)
+                 for a, b in self._pieces(sent.numel(), slice_elems)]
+        return works, lambda: self._land(flat, sent)
 
     def publish(self, *, deferred: bool = False, factor: float = 1.0) -> list:
         """Copy each master into its compute rows (a local copy: never deferred; returns []). On a
@@ -351,7 +405,7 @@ class ReplicatedExperts(_ExpertState):
         gradient the master holds meanwhile (a landing at the next step's reduce) is kept."""
         s = self.shards[i]
         master, held = s.master, s.master.grad
-        grad = whole().view_as(master)
+        grad = whole().view_as(master).to(master.dtype)  # gathered in the communication dtype
         if factor != 1.0:
             grad.mul_(factor)
         master.grad = grad
@@ -400,8 +454,8 @@ class PartitionedExperts(_ExpertState):
 
     partitioned = True
 
-    def __init__(self, shards: list, *, edp_group, edp_size: int, edp_rank: int):
-        super().__init__(shards, edp_group=edp_group, edp_size=edp_size, edp_rank=edp_rank)
+    def __init__(self, shards: list, *, edp_group, edp_size: int, edp_rank: int, comm_dtype: torch.dtype):
+        super().__init__(shards, edp_group=edp_group, edp_size=edp_size, edp_rank=edp_rank, comm_dtype=comm_dtype)
         self.slices = []
         for s in shards:
             full = s.master.detach().float()
@@ -412,9 +466,11 @@ class PartitionedExperts(_ExpertState):
         return list(self.slices)
 
     def _scaled_flat(self, s, scale: float) -> torch.Tensor:
+        """The rows' gradient scaled in fp32, flat, in the communication dtype (what is sent)."""
         g = s.rows.grad
-        return g.float().reshape(-1) * scale if g is not None else s.rows.new_zeros(s.rows.numel(),
-                                                                                    dtype=torch.float32)
+        if g is None:
+            return s.rows.new_zeros(s.rows.numel(), dtype=self.comm_dtype)
+        return (g.float().reshape(-1) * scale).to(self.comm_dtype)
 
     @torch.no_grad()
     def reduce(self, scale: float) -> torch.Tensor:
@@ -425,7 +481,7 @@ class PartitionedExperts(_ExpertState):
         sq = torch.zeros((), dtype=torch.float32, device=self._device())
         for i, (s, p) in enumerate(zip(self.shards, self.slices)):
             if i not in self._reduced:
-                p.grad = self._reduce_scatter(self._scaled_flat(s, scale))
+                p.grad = self._reduce_scatter(self._scaled_flat(s, scale)).float()
                 s.rows.grad = None
             sq += p.grad.pow(2).sum()
         self._reduced = set()
@@ -437,7 +493,7 @@ class PartitionedExperts(_ExpertState):
         flat = self._scaled_flat(s, scale)
         s.rows.grad = None
         works, part = self._start_reduce_scatter(flat, slice_elems)
-        return works, lambda: setattr(self.slices[i], "grad", part)
+        return works, lambda: setattr(self.slices[i], "grad", part.float())
 
     @torch.no_grad()
     def publish(self, *, deferred: bool = False, factor: float = 1.0) -> list:

@@ -46,7 +46,7 @@ from ds_fssdp.planner.layer import migrations
 from ds_fssdp.planner.scheduled import ExchangeOptions
 from ds_fssdp.runtime import costfit, pipeline, policy_setup
 from ds_fssdp.runtime.edp_sync import EDPSyncPlan
-from ds_fssdp.runtime.expert_dp import make_expert_state
+from ds_fssdp.runtime.expert_dp import engine_comm_dtype, make_expert_state
 from ds_fssdp.runtime.expert_optimizer import build_expert_optimizer
 from ds_fssdp.runtime.grad_norm import install_expert_norm, loss_scale_of
 from ds_fssdp.runtime.groups import FSSDPGroups
@@ -197,9 +197,10 @@ class FSSDPStage:
                                f"{self.zero_stage}")
         for shard in self.shards:
             shard.replicas.use_precision(dtype, engine.device)
+        comm_dtype = engine_comm_dtype(engine, dtype)  # DeepSpeed's for its gradients (expert_dp.py)
         self.expert_state = make_expert_state(self.shards, zero_stage=zero_stage,
                                               edp_group=self.edp_group, edp_size=self.edp_size,
-                                              edp_rank=self.group_index)
+                                              edp_rank=self.group_index, comm_dtype=comm_dtype)
         self.optimizer = build_expert_optimizer(engine.basic_optimizer,
                                                 [p for p, s in zip(self.masters(), self.shards) if s.trainable])
         self.expert_state.optimizer = self.optimizer
@@ -211,7 +212,8 @@ class FSSDPStage:
         self.edp_sync = EDPSyncPlan(self.shards, edp_group=self.edp_group, edp_size=self.edp_size,
                                     grads_in_gaps=self.config.grads_in_gaps, cost=self.cost,
                                     partitioned=self.expert_state.partitioned, optimizer=self.optimizer,
-                                    ranks_per_node=self.topology.ranks_per_node)
+                                    ranks_per_node=self.topology.ranks_per_node,
+                                    grad_bytes=comm_dtype.itemsize)
         if self._measures_costs():
             # The schedule's costs measured here, agreed and fitted (runtime/costfit.py); with
             # fssdp.hardware they come from it instead (policy_setup.py), and nothing is measured.
@@ -257,7 +259,7 @@ class FSSDPStage:
                     f"{self.world // self.group_size} FSSDP groups of {self.topology.num_ranks} ranks in "
                     f"{self.topology.num_nodes} nodes, expert optimizer {type(self.optimizer).__name__} "
                     f"({'partitioned' if self.expert_state.partitioned else 'replicated'} over {self.edp_size} "
-                    f"EDP ranks), expert dtype {dtype}")
+                    f"EDP ranks), expert dtype {dtype}, gradient sync in {comm_dtype}")
 
     # -- per micro-step -------------------------------------------------------------------------
     def begin_forward(self) -> None:
@@ -274,7 +276,7 @@ class FSSDPStage:
 
     def _start_gap_reduce(self, i: int) -> None:
         nbytes = self.edp_sync.layer_slice_bytes(i)
-        self.expert_state.start_reduce(i, self.grad_scale, max(1, nbytes // 4))  # fp32 gradients
+        self.expert_state.start_reduce(i, self.grad_scale, max(1, nbytes // self.edp_sync.grad_bytes))
         self._gaps_started.append(i)
 
     def wait_in_flight(self) -> None:

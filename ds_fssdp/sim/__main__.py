@@ -125,6 +125,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(sim/sync.py): 0 replicated, gradients all-reduced before the step; 1 partitioned (dense over the "
                    "world, experts over their EDP group), gradients reduce-scattered and parameters all-gathered "
                    "(FSSDP and fsmoe: the experts' during the next forward). Cluster scale only")
+    p.add_argument("--communication-data-type", choices=("bf16", "fp32", "fp16"), default=None,
+                   help="DeepSpeed's communication_data_type: the gradient sync's dtype, dense and experts, every "
+                   "policy alike (planner/sync_dtype.py; default: DeepSpeed's for the modelled bf16 training, bf16)")
     p.add_argument("--serial", action="store_true", help="today's serial accounting for every policy: degree 1, "
                    "no dedup, no gradient gaps, no idle-link gathers")
     p.add_argument("--png", default=None, help="chart path (default sim_<cluster>_<model>_<gpus>.png)")
@@ -210,7 +213,8 @@ def _run(args, out) -> int:
                         flexmoe_slots=args.flexmoe_slots, reshard_interval=args.reshard_interval,
                         smartmoe_interval=args.smartmoe_interval, flexmoe_threshold=args.flexmoe_threshold,
                         flexmoe_interval=args.flexmoe_interval, calibration=calibration,
-                        calibration_budget=args.calibration_budget, zero_stage=args.zero_stage, gas=args.gas)
+                        calibration_budget=args.calibration_budget, zero_stage=args.zero_stage, gas=args.gas,
+                        communication_data_type=args.communication_data_type)
     synth = {k: v for k, v in (("drift", args.drift), ("jitter", args.jitter)) if v is not None}
     if at_scale and args.trace == SYNTHETIC and args.target_std is None:
         cv = DEFAULT_LOAD_CV if args.load_cv is None else args.load_cv

@@ -73,8 +73,8 @@ from ds_fssdp.sim.memory import budget_for_cap, ep_memory_bytes, optimizer_param
 from ds_fssdp.sim.pipeline import (INTER, INTRA, LayerSchedule, ScheduleOptions, binding_class, policy_options,
                                    scheduled_cost_model)
 from ds_fssdp.sim.report import CATEGORIES, ClusterResult
-from ds_fssdp.sim.setup import GRAD_BYTES, MIGRATE_BYTES, OPT_TRAFFIC_BYTES, Setup, derive_overlap_degree, sim_settings
-from ds_fssdp.sim.sync import MASTER_GRAD_BYTES, dense_sync, expert_inputs, exposed_sync, sync_times
+from ds_fssdp.sim.setup import MIGRATE_BYTES, OPT_TRAFFIC_BYTES, Setup, derive_overlap_degree, sim_settings
+from ds_fssdp.sim.sync import dense_sync, expert_inputs, exposed_sync, sync_times
 from ds_fssdp.topology import Topology
 
 CLUSTER_POLICIES = ("ep", "uniform", "fsmoe", "fssdp", "fssdp-rm")
@@ -545,8 +545,7 @@ class PolicyRun:
         the link class it binds on; ``split`` (ZeRO 0): the experts' all-reduce split around the step."""
         if split not in self._sync_cache:
             owned_N = np.bincount(self.owner_LE.numpy().ravel(), minlength=self.N).astype(np.float64)
-            self._sync_cache[split] = sync_times(self.setup, self.N, owned_N, split_experts=split,
-                                                 grad_bytes=GRAD_BYTES if self.deepspeed_moe else MASTER_GRAD_BYTES)
+            self._sync_cache[split] = sync_times(self.setup, self.N, owned_N, split_experts=split)
         return self._sync_cache[split]
 
     def _memory(self, owned_N: np.ndarray, ephemeral_BLN: np.ndarray) -> None:

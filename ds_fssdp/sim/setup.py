@@ -22,12 +22,14 @@ from dataclasses import dataclass, replace
 from ds_fssdp.planner.cost import CostModel, ExpertShape, Hardware
 from ds_fssdp.planner.inputs import PlannerSettings
 from ds_fssdp.planner.knobs import auto_materialization_budget
+from ds_fssdp.planner.sync_dtype import configured_dtype, expert_sync_bytes
 from ds_fssdp.sim.presets import ClusterPreset, ModelPreset
 from ds_fssdp.topology import Topology
 
 # Mixed-precision Adam, bytes per parameter.
 PARAM_BYTES = 2  # bf16 parameters
 GRAD_BYTES = 2  # bf16 gradients
+TRAINING_DTYPE = "bf16"  # what the simulators model: bf16 parameters and gradients, fp32 optimizer state
 OPT_BYTES = 12  # fp32 master, Adam m and v
 MIGRATE_BYTES = PARAM_BYTES + OPT_BYTES  # a moved expert carries parameters and optimizer state
 OPT_TRAFFIC_BYTES = 28  # optimizer step: read grad 2, read+write master 8, m 8, v 8, write param 2
@@ -67,6 +69,9 @@ class Setup:
     # gradient accumulation: trace rows (micro-steps) per optimizer step; the sync, the optimizer step and
     # the re-shards once per optimizer step, as the runtime's (sim/cluster.py)
     gas: int = 1
+    # DeepSpeed's "communication_data_type" (planner/sync_dtype.py): the dtype of the gradient sync,
+    # dense and experts alike (None: DeepSpeed's default for bf16 training, bf16)
+    communication_data_type: str | None = None
     label: str = ""
 
     def __post_init__(self):
@@ -76,6 +81,13 @@ class Setup:
                              "(partitioned parameters) are not modelled")
         if isinstance(self.gas, bool) or not isinstance(self.gas, int) or self.gas < 1:
             raise ValueError(f"gas ({self.gas!r}) must be an int >= 1 (micro-steps per optimizer step)")
+        configured_dtype({"communication_data_type": self.communication_data_type})  # refused by name
+
+    @property
+    def grad_sync_bytes(self) -> int:
+        """Bytes per element of the gradient sync: DeepSpeed's communication dtype under bf16
+        training, as the runtime's experts and DeepSpeed's own gradients send it (sim/sync.py)."""
+        return expert_sync_bytes({"communication_data_type": self.communication_data_type}, training=TRAINING_DTYPE)
 
     def timed(self, row: int) -> bool:  # row's optimizer step begins after the predictor's first window
         return row - row % self.gas >= self.load_window

@@ -282,7 +282,8 @@ def run_cli(args, out, *, schedule, dispatcher) -> int:
                           tokens_per_gpu=args.tokens_per_gpu, replica_memory_bytes=memory,
                           overlap_degree=args.overlap_degree, reshard_interval=args.reshard_interval,
                           smartmoe_interval=args.smartmoe_interval, calibration=bool(args.calibration),
-                          calibration_budget=args.calibration_budget, zero_stage=args.zero_stage)
+                          calibration_budget=args.calibration_budget, zero_stage=args.zero_stage,
+                          communication_data_type=args.communication_data_type)
     cv = DEFAULT_LOAD_CV if args.load_cv is None else args.load_cv
     steps = args.steps if args.steps is not None else math.ceil(setups[0].load_window / G) + 2
     results, low, summaries = simulate_stages(setups, policies, micro_batches=G, steps=steps, load_cv=cv,

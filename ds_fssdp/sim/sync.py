@@ -6,13 +6,15 @@ Legend: L MoE layers, D ranks of the world, N ranks of a group.
 * Dense (:func:`dense_sync`): DeepSpeed's own (``runtime/engine.py`` calls its backward and step
   unchanged). At ZeRO 0 its engine all-reduces the dense gradients after the accumulation
   boundary's backward (``allreduce_gradients`` -> ``buffered_allreduce_fallback``, in its
-  communication dtype: bf16, GRAD_BYTES); at ZeRO 1 (``overlap_comm`` off, its default below ZeRO
+  communication dtype: ``Setup.grad_sync_bytes``, bf16 by default); at ZeRO 1 (``overlap_comm`` off, its default below ZeRO
   3) it reduces them into the partitions after that backward and all-gathers the stepped
   parameters at the step. None of it overlaps the backward (ZeRO 2's hooks would: not modelled).
 * Experts (:func:`expert_inputs`): the runtime's (``runtime/expert_dp.py``), per layer, from
   :func:`~ds_fssdp.planner.schedule.split_sync_inputs`, the inputs the runtime decides its split
-  with: each layer's fp32 master gradient of its busiest owner over the EDP rings (the ranks at one
-  position in every group), the gaps its layers' schedule left at the degrees they ran at. A step
+  with: each layer's gradient of its busiest owner over the EDP rings (the ranks at one position in
+  every group) in DeepSpeed's communication dtype (``Setup.grad_sync_bytes``, from
+  ``planner/sync_dtype.py`` as the runtime's dtype: bf16 by default, as EP's), the gaps its layers'
+  schedule left at the degrees they ran at. A step
   all-reduces it (ZeRO 0), or reduce-scatters it and all-gathers (a split ZeRO 0 step: the summed
   gradient; ZeRO 1: the stepped rows in their dtype, PARAM_BYTES).
 
@@ -22,7 +24,7 @@ forward before the layer's first use (:func:`~ds_fssdp.planner.schedule.split_sy
 without (``--no-grad-gaps``) all of it at the step. What the experts leave after the backward shares
 the links with DeepSpeed's dense collectives, which run then: the two add. EP and Uniform are
 DeepSpeed's MoE: its engine reduces their experts' gradients as the dense ones, after the backward,
-bucketed over all layers, in bf16. :func:`sync_times`: a whole step's parts at given owners, one
+bucketed over all layers, in the same communication dtype. :func:`sync_times`: a whole step's parts at given owners, one
 collective per ring, and every link's bytes (the lower bound, the links, DeepSpeed's MoE).
 """
 from __future__ import annotations
@@ -34,9 +36,7 @@ import numpy as np
 from ds_fssdp.planner.prices import allreduce_share, reduce_scatter_share
 from ds_fssdp.planner.schedule import split_sync_exposed, split_sync_inputs
 from ds_fssdp.sim.links import Links, allreduce_links
-from ds_fssdp.sim.setup import GRAD_BYTES, PARAM_BYTES, Setup
-
-MASTER_GRAD_BYTES = 4  # the runtime's experts reduce their fp32 master gradients (runtime/expert_dp.py)
+from ds_fssdp.sim.setup import PARAM_BYTES, Setup
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def _dense_links(setup: Setup) -> list:
     """DeepSpeed's dense collectives, in order: ZeRO 0 the all-reduce after the backward; ZeRO 1 the
     reduce-scatter after it and the parameters' all-gather at the step."""
     world = np.ones((1, setup.topology.num_ranks), dtype=bool)
-    grads = [float(setup.dense_params * GRAD_BYTES)]
+    grads = [float(setup.dense_params * setup.grad_sync_bytes)]
     if setup.zero_stage == 0:
         return [_ring(setup, world, grads, allreduce_share)]
     return [_ring(setup, world, grads, reduce_scatter_share),
@@ -81,8 +81,8 @@ def dense_sync(setup: Setup) -> float:
 def expert_inputs(setup: Setup, group_size: int, owner_LE: np.ndarray, backward_gaps_L, forward_gaps_L,
                   memo: dict | None = None) -> tuple | None:
     """:func:`~ds_fssdp.planner.schedule.split_sync_inputs` for groups of ``group_size`` ranks with
-    owners ``owner_LE``: layer i's gradient is what the rank owning most of its experts reduces (fp32,
-    as the runtime), over the EDP rings (:func:`~ds_fssdp.planner.prices.allreduce_share`, and
+    owners ``owner_LE``: layer i's gradient is what the rank owning most of its experts reduces (in
+    ``setup.grad_sync_bytes`` per element, as the runtime), over the EDP rings (:func:`~ds_fssdp.planner.prices.allreduce_share`, and
     :func:`~ds_fssdp.planner.prices.reduce_scatter_share` for a reduce-scatter or an all-gather);
     the gaps the step's layers left. None with one group (no EDP sync). ``memo``: seconds per
     (bytes, collective), reused."""
@@ -99,7 +99,7 @@ def expert_inputs(setup: Setup, group_size: int, owner_LE: np.ndarray, backward_
         return memo[key]
 
     elems_L = [int(np.bincount(np.asarray(o).ravel(), minlength=N).max()) * setup.shape.params for o in owner_LE]
-    return split_sync_inputs(elems_L, MASTER_GRAD_BYTES, backward_gaps_L, forward_gaps_L,
+    return split_sync_inputs(elems_L, setup.grad_sync_bytes, backward_gaps_L, forward_gaps_L,
                              allreduce=lambda b: ring(b, allreduce_share),
                              reduce_scatter=lambda b: ring(b, reduce_scatter_share),
                              gather_bytes=PARAM_BYTES if setup.zero_stage else None)
@@ -122,13 +122,15 @@ def exposed_sync(dense_s: float, experts: tuple | None, *, gaps: bool, split: bo
 
 
 def sync_times(setup: Setup, group_size: int, owned_N: np.ndarray | None = None, *,
-               split_experts: bool = False, grad_bytes: int = MASTER_GRAD_BYTES) -> SyncTimes:
+               split_experts: bool = False, grad_bytes: int | None = None) -> SyncTimes:
     """A step's sync with groups of ``group_size`` ranks, rank i of a group owning ``owned_N[i]``
     experts over all layers (None: E L / N each, the even owners the bound assumes), the experts'
     part as one collective of all layers' bytes per ring (its least: one latency; DeepSpeed's EP
-    buckets them so, in its communication dtype: ``grad_bytes`` GRAD_BYTES). ``split_experts``
+    buckets them so), ``grad_bytes`` per element (None: the communication dtype's,
+    ``setup.grad_sync_bytes``, the runtime's and DeepSpeed's MoE's alike). ``split_experts``
     (ZeRO 0): the experts' all-reduce runs as a reduce-scatter and an all-gather (ZeRO 1's always do)."""
     D, N = setup.topology.num_ranks, group_size
+    grad_bytes = setup.grad_sync_bytes if grad_bytes is None else grad_bytes
     parts = _dense_links(setup)
     reduce_s = gather_s = 0.0
     if D // N > 1:
