@@ -363,6 +363,7 @@ class FSSDPStage:
                                                 schedule_costs=self.schedule_costs)
         self.edp_sync.plan_slices(engine.device, split=next_split, schedule_costs=self.schedule_costs)
         world_loads = self.reshard_load_LE = self.world_loads() if applied and self.migrators else None
+        moves = self.plan_reshard(world_loads, step=self.steps + 1) if applied and self.migrators else []
         deferred = []  # layers whose EDP all-gather lands in the next forward (expert_dp.py)
         if applied:
             if self.optimizer is not None:  # None: every expert is frozen
@@ -381,7 +382,7 @@ class FSSDPStage:
         for i, shard in enumerate(self.shards):
             shard.replicas.stepped(deferred=i in deferred)
         self.expert_state.split = next_split
-        resharded = self.reshard(world_loads) if applied else 0
+        resharded = self.reshard(moves)
         self._steps_seen += 1
         interval = self.config.cost_refresh_interval
         if interval and self.cost_fit is not None and self._steps_seen % interval == 0:
@@ -502,19 +503,22 @@ class FSSDPStage:
             logger.info(f"fssdp: overlap_degree auto -> t = {t_L} per layer "
                         f"(windows {[round(v * 1e3, 3) for v in w.tolist()]} ms)")
 
-    def reshard(self, world_loads=None) -> int:
-        """The step's re-shards (:func:`ds_fssdp.planner.layer.migrations`: Algorithm 2 every
-        ``reshard_interval`` steps, SmartMoE's permutation every ``smartmoe_interval``) on the
-        predicted loads of all layers (``world_loads``, else :meth:`world_loads` now); every moved
-        expert's state migrates. Returns the bytes this rank sent for all of them."""
-        if not self.migrators:
-            return 0
+    def plan_reshard(self, load_LE, *, step: int) -> list:
+        """The re-shards after optimizer step ``step`` (:func:`ds_fssdp.planner.layer.migrations`:
+        Algorithm 2 every ``reshard_interval`` steps, SmartMoE's permutation every
+        ``smartmoe_interval``) on the predicted loads of all layers summed over the groups
+        (``load_LE``: :meth:`world_loads`), checked equal in every FSSDP group. Planned before the
+        step's deferred all-gathers are issued: the check runs on the EDP group, behind them otherwise."""
         owner_LE = torch.stack([s.owner_E for s in self.shards])
-        load_LE = self.world_loads() if world_loads is None else world_loads
-        sent = 0
         clock = self.inputs.clock_rule.reshard_clock(self.window_s, self.attention_s)
-        moves = migrations(self.migrators, self.steps, load_LE, owner_LE, clock=clock)
-        self._check_groups_agree(moves[-1].owner_LE if moves else owner_LE)
+        moves = migrations(self.migrators, step, load_LE, owner_LE, clock=clock)
+        self._check_groups_agree(moves[-1].owner_LE if moves else owner_LE, step=step)
+        return moves
+
+    def reshard(self, moves: list) -> int:
+        """Every expert the planned re-shards ``moves`` (:meth:`plan_reshard`) move migrates its
+        state. Returns the bytes this rank sent for all of them."""
+        sent = 0
         for r in moves:
             self.wait_in_flight()  # only when something moves: the step's all-gathers stay in flight otherwise
             sent += sum(self.expert_state.migrate(i, r.owner_LE[i], self.param_group) for i in range(len(self.shards)))
@@ -522,7 +526,7 @@ class FSSDPStage:
                         "sent by this rank)")
         return sent
 
-    def _check_groups_agree(self, owner_LE: torch.Tensor) -> None:
+    def _check_groups_agree(self, owner_LE: torch.Tensor, *, step: int) -> None:
         """With several FSSDP groups the EDP sync sums each position's experts over the groups, so
         the groups must plan the same owners: different ones would sum different experts'
         gradients. One all-reduce (the minimum of the owners and of their negation) over the EDP
@@ -533,7 +537,7 @@ class FSSDPStage:
         dist.all_reduce(both, op=dist.ReduceOp.MIN, group=self.edp_group)
         layers = (both[0] != -both[1]).any(1).nonzero().flatten().tolist()
         if layers:
-            raise RuntimeError(f"fssdp: the FSSDP groups planned different owners at optimizer step {self.steps} "
+            raise RuntimeError(f"fssdp: the FSSDP groups planned different owners at optimizer step {step} "
                                f"(layers {layers}): a re-shard's inputs differ between groups")
 
     def world_loads(self):
