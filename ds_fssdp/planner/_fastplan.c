@@ -1310,10 +1310,12 @@ static void times_distinct(const double *x, const double *p, const double *pw, i
 
 /* Row d of schedule._by_link's masked arrays: ri its rows to other ranks of its node, rc to other nodes. */
 static inline void by_link_row(const double *row, int64_t d, int64_t D, int64_t G, double *ri, double *rc) {
-    for (int64_t h = 0; h < D; h++) {
-        int same = d / G == h / G;
-        ri[h] = row[h] * (same && h != d ? 1.0 : 0.0);
-        rc[h] = row[h] * (same ? 0.0 : 1.0);
+    for (int64_t m = 0, h = 0; m < D / G; m++) {
+        double same = m == d / G ? 1.0 : 0.0;
+        for (int64_t j = 0; j < G; j++, h++) {
+            ri[h] = row[h] * (h != d ? same : 0.0);
+            rc[h] = row[h] * (1.0 - same);
+        }
     }
 }
 
