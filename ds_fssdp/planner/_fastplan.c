@@ -1520,6 +1520,62 @@ done:
     return ret;
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * The synthetic trace's sampling (ds_fssdp/sim/loadcv.py systematic_counts, then the step's
+ * transpose to tokens_LED): numpy's float64 operations in its order, in one pass.
+ */
+
+/* systematic_counts(p, u, out, L, D, E, n): for each of the L*D rows (l, d) of E float32 shares p,
+ * its offset u [L*D] and n assignments: edges = cumsum(p) * (n / sum) + u in float64, counts the
+ * differences of their int32 truncations, written to out int32 [L, E, D] (transposed). */
+static PyObject *systematic_counts(PyObject *self, PyObject *args) {
+    Py_buffer shares, offsets, out;
+    long long L, D, E, n;
+    if (!PyArg_ParseTuple(args, "y*y*w*LLLL", &shares, &offsets, &out, &L, &D, &E, &n)) return NULL;
+    PyObject *ret = NULL;
+    enum { BLOCK = 16 }; /* rows sampled before their counts are written down the E columns */
+    int32_t *block;
+    if (L < 1 || D < 1 || E < 1) {
+        PyErr_Format(PyExc_ValueError, "systematic_counts: L (%lld), D (%lld), E (%lld) must be >= 1", L, D, E);
+        goto done;
+    }
+    if (check_len(&shares, 4 * L * D * E, "shares") || check_len(&offsets, 8 * L * D, "offsets") ||
+        check_len(&out, 4 * L * E * D, "out"))
+        goto done;
+    if (!(block = scratch_get(SCRATCH_EXCHANGE, sizeof(int32_t) * (size_t)(BLOCK * E)))) goto done;
+    const float *P = shares.buf;
+    const double *U = offsets.buf;
+    int32_t *O = out.buf;
+    for (long long l = 0; l < L; l++)
+        for (long long d0 = 0; d0 < D; d0 += BLOCK) {
+            long long rows = D - d0 < BLOCK ? D - d0 : BLOCK;
+            for (long long r = 0; r < rows; r++) {
+                const float *p = P + ((l * D + d0 + r) * E);
+                double total = p[0], edge, u = U[l * D + d0 + r];
+                for (long long j = 1; j < E; j++) total += (double)p[j];
+                double scale = (double)n / total;
+                int32_t prev = 0, *c = block + r * E;
+                edge = p[0];
+                for (long long j = 0; j < E; j++) {
+                    if (j) edge += (double)p[j];
+                    int32_t cut = (int32_t)(edge * scale + u);
+                    c[j] = cut - prev;
+                    prev = cut;
+                }
+            }
+            for (long long j = 0; j < E; j++)
+                for (long long r = 0; r < rows; r++) O[(l * E + j) * D + d0 + r] = block[r * E + j];
+        }
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    scratch_trim();
+    PyBuffer_Release(&shares);
+    PyBuffer_Release(&offsets);
+    PyBuffer_Release(&out);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
     {"materialize_alg1", materialize_alg1, METH_VARARGS, "Algorithm 1 into a placement."},
     {"materialize_joint", materialize_joint, METH_VARARGS, "Joint materialization into a placement."},
@@ -1532,6 +1588,7 @@ static PyMethodDef methods[] = {
     {"choose_degrees", choose_degrees, METH_VARARGS, "The layer schedule's (forward, backward) degrees."},
     {"exchange_shares", exchange_shares, METH_VARARGS, "distinct_fraction's shares of the rows (and nodes)."},
     {"exchange_price", exchange_price, METH_VARARGS, "One candidate of price_exchange: degrees, seconds, rows."},
+    {"systematic_counts", systematic_counts, METH_VARARGS, "The synthetic trace's systematic sampling, transposed."},
     {NULL, NULL, 0, NULL},
 };
 
