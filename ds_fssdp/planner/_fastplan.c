@@ -1385,7 +1385,7 @@ static double relay_rows(const double *t, const double *sent, const double *to_n
 
 /* D, G of the exchange's entry points, checked: G divides D, two hops need n >= 2 nodes of G >= 2. */
 static int exchange_shape(long long D, long long G, int two_hops) {
-    if (D < 1 || D > MAX_D || G < 1 || D % G || (two_hops && (G < 2 || D / G < 2))) {
+    if (D < 1 || G < 1 || D % G || (two_hops && (G < 2 || D / G < 2))) {
         PyErr_Format(PyExc_ValueError, "the exchange's %lld ranks in nodes of %lld (two hops: %d) cannot be priced",
                      D, G, two_hops);
         return -1;
