@@ -29,7 +29,8 @@ static inline int64_t sel_i(int c, int64_t a, int64_t b) { return b ^ ((a ^ b) &
 /* Scratch memory kept between calls, one buffer per use (the GIL is held throughout, so there is
  * one caller at a time): planning runs for every layer every iteration, and fresh allocations of
  * these sizes page-fault on first touch. NULL with MemoryError set if it cannot grow. */
-enum { SCRATCH_ENTRY, SCRATCH_CORE, SCRATCH_TOUCHED, SCRATCH_FLOWS, SCRATCH_DENSE, SCRATCH_SCHEDULE, SCRATCH_SLOTS };
+enum { SCRATCH_ENTRY, SCRATCH_CORE, SCRATCH_TOUCHED, SCRATCH_FLOWS, SCRATCH_DENSE, SCRATCH_SCHEDULE, SCRATCH_EXCHANGE,
+       SCRATCH_SLOTS };
 static char *scratch_buf[SCRATCH_SLOTS];
 static size_t scratch_size[SCRATCH_SLOTS];
 static void *scratch_get(int slot, size_t bytes) {
@@ -1110,19 +1111,11 @@ done:
     return ret;
 }
 
-/* choose_degrees(loads, costs, R, max_degree) -> (forward, backward): per direction the degree
- * whose slowest load is fastest, a degree winning only below the best so far times (1 - 1e-9)
- * (schedule.choose_degrees); a degree stops at the first load that reaches that bar. */
-static PyObject *choose_degrees(PyObject *self, PyObject *args) {
-    Py_buffer loads, costs;
-    long long R, max_degree;
-    if (!PyArg_ParseTuple(args, "y*y*LL", &loads, &costs, &R, &max_degree)) return NULL;
-    PyObject *ret = NULL;
-    double *scratch;
-    if (schedule_args(&loads, R, &costs, max_degree)) goto done;
-    if (!(scratch = scratch_get(SCRATCH_SCHEDULE, sizeof(double) * (size_t)(5 * max_degree + 2)))) goto done;
-    long long pick[2];
-    const double *L = loads.buf;
+/* Per direction the degree whose slowest load is fastest, a degree winning only below the best so
+ * far times (1 - 1e-9) (schedule.choose_degrees); a degree stops at the first load that reaches
+ * that bar. scratch: 5 max_degree + 2 doubles. */
+static void pick_degrees(const double *c, const double *L, long long R, long long max_degree, double *scratch,
+                         long long pick[2]) {
     for (int backward = 0; backward < 2; backward++) {
         double pick_s = 0.0;
         long long at = 0;
@@ -1132,7 +1125,7 @@ static PyObject *choose_degrees(PyObject *self, PyObject *args) {
             long long first = at;
             for (long long k = 0; k < R; k++) {
                 long long i = (first + k) % R; /* the last degree's slowest load first */
-                double v = load_time(costs.buf, L + 6 * i, n, backward, scratch);
+                double v = load_time(c, L + 6 * i, n, backward, scratch);
                 if (!k || v > s) {
                     s = v;
                     at = i;
@@ -1145,6 +1138,19 @@ static PyObject *choose_degrees(PyObject *self, PyObject *args) {
             }
         }
     }
+}
+
+/* choose_degrees(loads, costs, R, max_degree) -> (forward, backward): pick_degrees. */
+static PyObject *choose_degrees(PyObject *self, PyObject *args) {
+    Py_buffer loads, costs;
+    long long R, max_degree;
+    if (!PyArg_ParseTuple(args, "y*y*LL", &loads, &costs, &R, &max_degree)) return NULL;
+    PyObject *ret = NULL;
+    double *scratch;
+    if (schedule_args(&loads, R, &costs, max_degree)) goto done;
+    if (!(scratch = scratch_get(SCRATCH_SCHEDULE, sizeof(double) * (size_t)(5 * max_degree + 2)))) goto done;
+    long long pick[2];
+    pick_degrees(costs.buf, loads.buf, R, max_degree, scratch, pick);
     ret = Py_BuildValue("LL", pick[0], pick[1]);
 done:
     scratch_trim();
@@ -1250,6 +1256,326 @@ done:
     return ret;
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * A layer's exchange priced (ds_fssdp/planner/onecopy.py price_exchange under concurrent costs),
+ * numpy's arithmetic in numpy's order, so the same doubles: a sum along a row is numpy's pairwise
+ * summation added to 0.0, a sum down rows or a bincount adds in index order, a masked array is the
+ * product with a 0/1 mask, a masked division as numpy's where= leaves it. The powers (1 - p)^k come
+ * from numpy (onecopy.py): its pow is SIMD where the CPU has it, not libm's.
+ */
+
+/* numpy's pairwise summation of n doubles `stride` apart (its float add reduction). */
+static double pairwise(const double *a, int64_t n, int64_t stride) {
+    if (n < 8) {
+        double r = -0.0;
+        for (int64_t i = 0; i < n; i++) r += a[i * stride];
+        return r;
+    }
+    if (n <= 128) {
+        double r[8], res;
+        int64_t i;
+        for (int j = 0; j < 8; j++) r[j] = a[j * stride];
+        for (i = 8; i < n - (n % 8); i += 8)
+            for (int j = 0; j < 8; j++) r[j] += a[(i + j) * stride];
+        res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+        for (; i < n; i++) res += a[i * stride];
+        return res;
+    }
+    int64_t n2 = n / 2;
+    n2 -= n2 % 8;
+    return pairwise(a, n2, stride) + pairwise(a + n2 * stride, n - n2, stride);
+}
+
+/* numpy's sum of n contiguous doubles (a row of a sum(-1), or a whole contiguous array). */
+static inline double row_sum(const double *a, int64_t n) { return 0.0 + pairwise(a, n, 1); }
+
+/* distinct_fraction's p of R rows of C: each value over its row's sum; where a row sums to 0, 0
+ * for rows that do not sum above 0 (its masked division). */
+static void shares_of(const double *t, int64_t R, int64_t C, double *p, double *total) {
+    int all = 1;
+    for (int64_t r = 0; r < R; r++) {
+        total[r] = row_sum(t + r * C, C);
+        all &= total[r] != 0;
+    }
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t c = 0; c < C; c++) p[r * C + c] = all || total[r] > 0 ? t[r * C + c] / total[r] : 0.0;
+}
+
+/* x times distinct_fraction of its p (m values) and numpy's pw = (1 - p)^k, into out. */
+static void times_distinct(const double *x, const double *p, const double *pw, int64_t m, double k, double *out) {
+    int all = 1;
+    for (int64_t i = 0; i < m; i++) all &= p[i] != 0;
+    for (int64_t i = 0; i < m; i++) out[i] = x[i] * (all || p[i] > 0 ? (1.0 - pw[i]) / (k * p[i]) : 1.0);
+}
+
+/* Row d of schedule._by_link's masked arrays: ri its rows to other ranks of its node, rc to other nodes. */
+static inline void by_link_row(const double *row, int64_t d, int64_t D, int64_t G, double *ri, double *rc) {
+    for (int64_t m = 0, h = 0; m < D / G; m++) {
+        double same = m == d / G ? 1.0 : 0.0;
+        for (int64_t j = 0; j < G; j++, h++) {
+            ri[h] = row[h] * (h != d ? same : 0.0);
+            rc[h] = row[h] * (1.0 - same);
+        }
+    }
+}
+
+/* The busiest rank link's and node link's rows of a one-hop exchange of s [D*D]
+ * (schedule.loads_from_traffic; _by_link's masks). scratch: 5D + 2n doubles. */
+static void hop_links(const double *s, int64_t D, int64_t G, double *scratch, double *intra, double *inter) {
+    int64_t n = D / G;
+    double *ri = scratch, *rc = ri + D, *in_i = rc + D, *in_c = in_i + D, *out_i = in_c + D, *nout = out_i + D,
+           *nin = nout + n;
+    for (int64_t h = 0; h < D; h++) in_i[h] = in_c[h] = 0.0;
+    for (int64_t m = 0; m < n; m++) nout[m] = nin[m] = 0.0;
+    for (int64_t d = 0; d < D; d++) {
+        by_link_row(s + d * D, d, D, G, ri, rc);
+        for (int64_t h = 0; h < D; h++) {
+            in_i[h] += ri[h];
+            in_c[h] += rc[h];
+        }
+        out_i[d] = row_sum(ri, D);
+        nout[d / G] += row_sum(rc, D);
+    }
+    for (int64_t h = 0; h < D; h++) nin[h / G] += in_c[h];
+    double bi = dmax(out_i[0], in_i[0]), bn = dmax(nout[0], nin[0]);
+    for (int64_t d = 1; d < D; d++) bi = dmax(bi, dmax(out_i[d], in_i[d]));
+    for (int64_t m = 1; m < n; m++) bn = dmax(bn, dmax(nout[m], nin[m]));
+    *intra = bi;
+    *inter = bn;
+}
+
+/* onecopy.relay_traffic of t with one copy's rows `sent`, from to_node [D*n] (t's rows to each node),
+ * its p and numpy's powers: fills rank_D, node_n, landed_D, returns the crossing rows.
+ * scratch: D n + 4D + n + 2 G D doubles. */
+static double relay_rows(const double *t, const double *sent, const double *to_node, const double *p_Dn,
+                         const double *pw_Dn, int64_t D, int64_t G, double k, double *scratch, double *rank_D,
+                         double *node_n, double *landed) {
+    int64_t n = D / G;
+    double *hop = scratch, *hrow = hop + D * n, *nout = hrow + D, *moved = nout + n, *rout = moved + G * D,
+           *rin = rout + D, *lgd = rin + D;
+    times_distinct(to_node, p_Dn, pw_Dn, D * n, k, hop);
+    for (int64_t d = 0; d < D; d++) hop[d * n + d / G] = 0.0; /* a node's own tokens take the hop inside it */
+    for (int64_t d = 0; d < D; d++) hrow[d] = row_sum(hop + d * n, n);
+    for (int64_t m = 0; m < n; m++) nout[m] = row_sum(hrow + m * G, G);
+    for (int64_t m = 0; m < n; m++) {
+        double col = 0.0;
+        for (int64_t d = 0; d < D; d++) col += hop[d * n + m];
+        node_n[m] = dmax(nout[m], col);
+    }
+    double crossing = row_sum(hop, D * n);
+    for (int64_t i = 0; i < G * D; i++) moved[i] = lgd[i] = 0.0;
+    for (int64_t m = 0; m < n; m++)
+        for (int64_t j = 0; j < G; j++)
+            for (int64_t h = 0; h < D; h++) {
+                moved[j * D + h] += sent[(m * G + j) * D + h]; /* relay (m, j) forwards to h */
+                lgd[j * D + h] += t[(m * G + j) * D + h];
+            }
+    for (int64_t j = 0; j < G; j++)
+        for (int64_t m = 0; m < n; m++) moved[j * D + m * G + j] = 0.0;
+    for (int64_t j = 0; j < G; j++)
+        for (int64_t m = 0; m < n; m++) rout[m * G + j] = row_sum(moved + j * D + m * G, G);
+    for (int64_t h = 0; h < D; h++) rin[h] = 0.0;
+    for (int64_t j = 0; j < G; j++)
+        for (int64_t h = 0; h < D; h++) rin[h] += moved[j * D + h];
+    for (int64_t d = 0; d < D; d++) rank_D[d] = dmax(rout[d], rin[d]);
+    for (int64_t m = 0; m < n; m++)
+        for (int64_t i = 0; i < G; i++) landed[m * G + i] = lgd[i * D + m * G + i];
+    return crossing;
+}
+
+/* D, G of the exchange's entry points, checked: G divides D, two hops need n >= 2 nodes of G >= 2. */
+static int exchange_shape(long long D, long long G, int two_hops) {
+    if (D < 1 || G < 1 || D % G || (two_hops && (G < 2 || D / G < 2))) {
+        PyErr_Format(PyExc_ValueError, "the exchange's %lld ranks in nodes of %lld (two hops: %d) cannot be priced",
+                     D, G, two_hops);
+        return -1;
+    }
+    return 0;
+}
+
+/* exchange_shares(traffic, out, D, G, two_hops): out = [p_DD (D*D), with two hops p_Dn (D*n) and
+ * to_node_Dn (D*n)]: distinct_fraction's p of the rows and of the rows to each node. */
+static PyObject *exchange_shares(PyObject *self, PyObject *args) {
+    Py_buffer traffic, out;
+    long long D, G;
+    int two_hops;
+    if (!PyArg_ParseTuple(args, "y*w*LLp", &traffic, &out, &D, &G, &two_hops)) return NULL;
+    PyObject *ret = NULL;
+    double *total;
+    if (exchange_shape(D, G, two_hops)) goto done;
+    long long n = D / G;
+    if (check_len(&traffic, 8 * D * D, "traffic") || check_len(&out, 8 * (D * D + (two_hops ? 2 * D * n : 0)), "out"))
+        goto done;
+    if (!(total = scratch_get(SCRATCH_EXCHANGE, sizeof(double) * (size_t)D))) goto done;
+    const double *t = traffic.buf;
+    double *p = out.buf;
+    shares_of(t, D, D, p, total);
+    if (two_hops) {
+        double *to_node = p + D * D + D * n;
+        for (long long d = 0; d < D; d++)
+            for (long long m = 0; m < n; m++) to_node[d * n + m] = row_sum(t + d * D + m * G, G);
+        shares_of(to_node, D, n, p + D * D, total);
+    }
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    scratch_trim();
+    PyBuffer_Release(&traffic);
+    PyBuffer_Release(&out);
+    return ret;
+}
+
+/* exchange_price(traffic, shares, powers, costs, out, D, G, token_bytes, top_k, weight_bytes, side_scale,
+ * one_copy, two_hops, forward, backward, max_degree) -> (forward, backward, layer_s, crossing): one
+ * candidate of onecopy.price_exchange. shares: exchange_shares' out, powers: numpy's (1 - p)^k of its
+ * p's (both read with one copy only); degrees 0: chosen (pick_degrees). out [D*D + 10D + n]:
+ * load_cols [D*6], forward_R [D], backward_R [D], sent_DD [D*D], rank_D [D], node_n [n], landed_D [D]
+ * (sent with one copy, the last three with two hops). */
+static PyObject *exchange_price(PyObject *self, PyObject *args) {
+    Py_buffer traffic, shares, powers, costs, out;
+    long long D, G, top_k, deg[2], max_degree;
+    double token_bytes, weight_bytes, side_scale;
+    int one_copy, two_hops;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*w*LLdLddppLLL", &traffic, &shares, &powers, &costs, &out, &D, &G,
+                          &token_bytes, &top_k, &weight_bytes, &side_scale, &one_copy, &two_hops, &deg[0], &deg[1],
+                          &max_degree))
+        return NULL;
+    PyObject *ret = NULL;
+    double *scratch, *sched;
+    if (exchange_shape(D, G, two_hops)) goto done;
+    long long n = D / G, pn = D * D + (two_hops ? D * n : 0), most = max_degree;
+    if (top_k < 1 || max_degree < 1 || deg[0] < 0 || deg[1] < 0 || (deg[0] > 0) != (deg[1] > 0)) {
+        PyErr_Format(PyExc_ValueError, "exchange_price: top_k (%lld), max_degree (%lld) and the degrees (%lld, %lld) "
+                     "must be >= 1 (degrees: both 0 to choose them)", top_k, max_degree, deg[0], deg[1]);
+        goto done;
+    }
+    if (check_len(&traffic, 8 * D * D, "traffic") || check_len(&costs, 8 * 7, "costs") ||
+        check_len(&out, 8 * (D * D + 10 * D + n), "out") ||
+        (one_copy && (check_len(&shares, 8 * (pn + (two_hops ? D * n : 0)), "shares") ||
+                      check_len(&powers, 8 * pn, "powers"))))
+        goto done;
+    most = deg[0] > most ? deg[0] : most;
+    most = deg[1] > most ? deg[1] : most;
+    if (!(scratch = scratch_get(SCRATCH_EXCHANGE, sizeof(double) * (size_t)(D * n + 2 * G * D + 8 * D + 2 * n))) ||
+        !(sched = scratch_get(SCRATCH_SCHEDULE, sizeof(double) * (size_t)(5 * most + 2))))
+        goto done;
+    const double *t = traffic.buf, *c = costs.buf, *s = t;
+    double *cols = out.buf, *fwd = cols + 6 * D, *bwd = fwd + D, *sent = bwd + D, *rank_D = sent + D * D,
+           *node_n = rank_D + D, *landed = node_n + n, *rows = scratch, *over = rows + D, *tmp = over + D;
+    double k = (double)top_k, intra, inter = 0.0, relay = 0.0, crossing = 0.0;
+    if (one_copy) {
+        times_distinct(t, shares.buf, powers.buf, D * D, k, sent);
+        s = sent;
+    }
+    if (one_copy && two_hops) {
+        const double *sh = shares.buf;
+        crossing = relay_rows(t, sent, sh + pn, sh + D * D, (const double *)powers.buf + D * D, D, G, k, tmp, rank_D,
+                              node_n, landed);
+        intra = rank_D[0];
+        relay = node_n[0];
+        for (long long d = 1; d < D; d++) intra = dmax(intra, rank_D[d]);
+        for (long long m = 1; m < n; m++) relay = dmax(relay, node_n[m]);
+        intra *= token_bytes;
+        relay *= token_bytes;
+    } else {
+        hop_links(s, D, G, tmp, &intra, &inter);
+        intra *= token_bytes;
+        inter *= token_bytes;
+    }
+    for (long long h = 0; h < D; h++) rows[h] = 0.0;
+    for (long long d = 0; d < D; d++)
+        for (long long h = 0; h < D; h++) rows[h] += t[d * D + h];
+    for (long long d = 0; d < D; d++) {
+        double *ld = cols + 6 * d, local = t[d * D + d];
+        ld[0] = intra, ld[1] = inter, ld[2] = local, ld[3] = rows[d] - local, ld[5] = relay;
+        ld[4] = side_scale != 0 ? row_sum(t + d * D, D) * side_scale : 0.0;
+    }
+    if (!deg[0]) pick_degrees(c, cols, D, max_degree, sched, deg);
+    for (long long d = 0; d < D; d++) fwd[d] = over[d] = 0.0;
+    if (one_copy) { /* onecopy.one_copy_overhead_s: the counts, the routing entries, the gate weights */
+        double count = lin(c, (double)(D * 8)), *ri = tmp, *rc = ri + D;
+        for (long long d = 0; d < D; d++) {
+            by_link_row(sent + d * D, d, D, G, ri, rc);
+            double ik = row_sum(ri, D) * k, ck = row_sum(rc, D) * k, wi = ik * weight_bytes, wc = ck * weight_bytes;
+            double w = deg[0] == 1 && deg[1] == 1 ? wi * c[1] + wc * c[3] : dmax(lin(c, wi), lin(c + 2, wc));
+            fwd[d] = count + dmax(lin(c, ik * 8.0), lin(c + 2, ck * 8.0)) + w;
+            over[d] = w;
+        }
+    }
+    double layer = 0.0;
+    for (long long d = 0; d < D; d++) {
+        fwd[d] = load_time(c, cols + 6 * d, deg[0], 0, sched) + fwd[d];
+        bwd[d] = load_time(c, cols + 6 * d, deg[1], 1, sched) + over[d];
+        double v = fwd[d] + bwd[d];
+        layer = !d || v > layer ? v : layer;
+    }
+    ret = Py_BuildValue("LLdd", deg[0], deg[1], layer, crossing);
+done:
+    scratch_trim();
+    PyBuffer_Release(&traffic);
+    PyBuffer_Release(&shares);
+    PyBuffer_Release(&powers);
+    PyBuffer_Release(&costs);
+    PyBuffer_Release(&out);
+    return ret;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * The synthetic trace's sampling (ds_fssdp/sim/loadcv.py systematic_counts, then the step's
+ * transpose to tokens_LED): numpy's float64 operations in its order, in one pass.
+ */
+
+/* systematic_counts(p, u, out, L, D, E, n): for each of the L*D rows (l, d) of E float32 shares p,
+ * its offset u [L*D] and n assignments: edges = cumsum(p) * (n / sum) + u in float64, counts the
+ * differences of their int32 truncations, written to out int32 [L, E, D] (transposed). */
+static PyObject *systematic_counts(PyObject *self, PyObject *args) {
+    Py_buffer shares, offsets, out;
+    long long L, D, E, n;
+    if (!PyArg_ParseTuple(args, "y*y*w*LLLL", &shares, &offsets, &out, &L, &D, &E, &n)) return NULL;
+    PyObject *ret = NULL;
+    enum { BLOCK = 16 }; /* rows sampled before their counts are written down the E columns */
+    int32_t *block;
+    if (L < 1 || D < 1 || E < 1) {
+        PyErr_Format(PyExc_ValueError, "systematic_counts: L (%lld), D (%lld), E (%lld) must be >= 1", L, D, E);
+        goto done;
+    }
+    if (check_len(&shares, 4 * L * D * E, "shares") || check_len(&offsets, 8 * L * D, "offsets") ||
+        check_len(&out, 4 * L * E * D, "out"))
+        goto done;
+    if (!(block = scratch_get(SCRATCH_EXCHANGE, sizeof(int32_t) * (size_t)(BLOCK * E)))) goto done;
+    const float *P = shares.buf;
+    const double *U = offsets.buf;
+    int32_t *O = out.buf;
+    for (long long l = 0; l < L; l++)
+        for (long long d0 = 0; d0 < D; d0 += BLOCK) {
+            long long rows = D - d0 < BLOCK ? D - d0 : BLOCK;
+            for (long long r = 0; r < rows; r++) {
+                const float *p = P + ((l * D + d0 + r) * E);
+                double total = p[0], edge, u = U[l * D + d0 + r];
+                for (long long j = 1; j < E; j++) total += (double)p[j];
+                double scale = (double)n / total;
+                int32_t prev = 0, *c = block + r * E;
+                edge = p[0];
+                for (long long j = 0; j < E; j++) {
+                    if (j) edge += (double)p[j];
+                    int32_t cut = (int32_t)(edge * scale + u);
+                    c[j] = cut - prev;
+                    prev = cut;
+                }
+            }
+            for (long long j = 0; j < E; j++)
+                for (long long r = 0; r < rows; r++) O[(l * E + j) * D + d0 + r] = block[r * E + j];
+        }
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    scratch_trim();
+    PyBuffer_Release(&shares);
+    PyBuffer_Release(&offsets);
+    PyBuffer_Release(&out);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
     {"materialize_alg1", materialize_alg1, METH_VARARGS, "Algorithm 1 into a placement."},
     {"materialize_joint", materialize_joint, METH_VARARGS, "Joint materialization into a placement."},
@@ -1260,6 +1586,9 @@ static PyMethodDef methods[] = {
     {"gather_links", gather_links, METH_VARARGS, "The links' bytes of B groups' sparse collectives."},
     {"plan_traffic", plan_traffic, METH_VARARGS, "Rows each rank sends each rank, per group."},
     {"choose_degrees", choose_degrees, METH_VARARGS, "The layer schedule's (forward, backward) degrees."},
+    {"exchange_shares", exchange_shares, METH_VARARGS, "distinct_fraction's shares of the rows (and nodes)."},
+    {"exchange_price", exchange_price, METH_VARARGS, "One candidate of price_exchange: degrees, seconds, rows."},
+    {"systematic_counts", systematic_counts, METH_VARARGS, "The synthetic trace's systematic sampling, transposed."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ds_fssdp.planner.prices import _fastplan  # the planner's C, None where not built
 from ds_fssdp.planner.schedule import (MAX_DEGREE, ScheduleCosts, _by_link, _exchange, _lin, choose_degrees,
                                       columns_of, loads_from_traffic, loads_of, pipeline_times)
 
@@ -130,11 +131,17 @@ def price_exchange(costs: ScheduleCosts, traffic_DD, *, ranks_per_node: int, tok
     tokens' (its row of ``traffic_DD`` over k) times it."""
     traffic = np.asarray(traffic_DD, dtype=np.float64)
     D, G = traffic.shape[0], int(ranks_per_node)
-    side_D = side_rows(traffic, top_k, side_ratio)
     if one_copy == "auto":
         candidates = [False, True] if top_k > 1 else [False]
     else:
         candidates = [bool(one_copy)]
+    scale = _side_scale(top_k, side_ratio)
+    if (_fastplan is not None and costs.concurrent and traffic.shape == (D, D) and G >= 1 and D % G == 0
+            and top_k >= 1 and max_degree >= 1 and (degrees is None or min(degrees) >= 1)):
+        return _price_in_c(costs, np.ascontiguousarray(traffic), candidates, ranks_per_node=G,
+                           token_bytes=token_bytes, top_k=top_k, weight_bytes=weight_bytes, relay=relay,
+                           degrees=degrees, max_degree=max_degree, side_scale=scale)
+    side_D = side_rows(traffic, top_k, side_ratio)
     best = None
     for c in candidates:
         over_f = over_b = 0.0
@@ -164,15 +171,52 @@ def price_exchange(costs: ScheduleCosts, traffic_DD, *, ranks_per_node: int, tok
     return best[1]
 
 
+def _price_in_c(costs: ScheduleCosts, traffic: np.ndarray, candidates: list, *, ranks_per_node: int,
+                token_bytes: float, top_k: int, weight_bytes: float, relay: bool, degrees, max_degree: int,
+                side_scale: float) -> ExchangePrice:
+    """:func:`price_exchange` under concurrent costs in C (``_fastplan.exchange_price``: the same
+    operations in numpy's order, so the same numbers; tests/test_onecopy_c.py), the powers of
+    :func:`distinct_fraction` by numpy (its pow, SIMD where the CPU has it, is not libm's)."""
+    D, G = traffic.shape[0], ranks_per_node
+    n = D // G
+    two_hops = relay and G >= 2 and n >= 2
+    shares = powers = b""
+    if True in candidates:
+        shares = np.empty(D * D + (2 * D * n if two_hops else 0))
+        _fastplan.exchange_shares(traffic, shares, D, G, two_hops)
+        powers = (1.0 - shares[:D * D + (D * n if two_hops else 0)]) ** float(top_k)
+    fixed = (0, 0) if degrees is None else (int(degrees[0]), int(degrees[1]))
+    best = None
+    for c in candidates:
+        out = np.empty(D * D + 10 * D + n)  # exchange_price's layout: cols, forward, backward, sent, routed
+        f, b, layer, crossing = _fastplan.exchange_price(
+            traffic, shares, powers, costs.c_row, out, D, G, float(token_bytes), int(top_k), float(weight_bytes),
+            side_scale, c, two_hops, fixed[0], fixed[1], int(max_degree))
+        if best is None or layer < best[0]:
+            best = (layer, c, (f, b), crossing, out)
+    _, c, deg, crossing, out = best
+    r = 8 * D + D * D  # where the routed rows start
+    routed = (out[r:r + D], out[r + D:r + D + n], crossing, out[r + D + n:r + 2 * D + n]) if c and two_hops else None
+    return ExchangePrice(deg, c, out[:6 * D].reshape(D, 6), out[6 * D:7 * D], out[7 * D:8 * D],
+                         out[8 * D:r].reshape(D, D) if c else None, routed)
+
+
+def _side_scale(top_k: int, side_ratio: float) -> float:
+    """What :func:`side_rows` multiplies a rank's rows by (0.0: no side work)."""
+    if not side_ratio:
+        return 0.0
+    if side_ratio < 0:
+        raise ValueError(f"side_ratio ({side_ratio}) must be >= 0")
+    return float(side_ratio) / max(1, int(top_k))
+
+
 def side_rows(traffic_DD, top_k: int, side_ratio: float):
     """Each rank's work beside the exchange in expert rows (float64 [D], None for none): its tokens
     (its row of the plan's ``traffic_DD``, rows per assignment, over ``top_k``) times
     ``side_ratio``."""
     if not side_ratio:
         return None
-    if side_ratio < 0:
-        raise ValueError(f"side_ratio ({side_ratio}) must be >= 0")
-    return np.asarray(traffic_DD, dtype=np.float64).sum(1) * (float(side_ratio) / max(1, int(top_k)))
+    return np.asarray(traffic_DD, dtype=np.float64).sum(1) * _side_scale(top_k, side_ratio)
 
 
 def relay_loads(traffic_DD, *, ranks_per_node: int, token_bytes: float, top_k: int, sent_DD=None,

@@ -66,19 +66,24 @@ class DispatchPlan:  # read-only by convention (slots, not frozen: built every l
     def traffic_DD(self) -> torch.Tensor:
         """traffic[d, h]: tokens rank d sends to rank h over all experts (long [D, D], diagonal
         included: the tokens that stay)."""
+        return torch.from_numpy(self.traffic_rows_DD().astype(np.int64))
+
+    def traffic_rows_DD(self) -> np.ndarray:
+        """:meth:`traffic_DD` as float64 (exact: integer sums below 2**53), what the exchange is
+        priced on."""
         E, D = self.tokens_ED.shape
         if _fastplan is not None:  # the same sums in C
             out = np.empty((D, D))
             _fastplan.plan_traffic(*(np.ascontiguousarray(a, dtype=np.int64) for a in
                                      (self.holder_E, self.tokens_ED, self.flows_4F)), out, 1, E, D,
                                    self.flows_4F.shape[1], False)
-            return torch.from_numpy(out.astype(np.int64))
+            return out
         single = np.flatnonzero(self.holder_E >= 0)
         _, h, d, k = self.flows_4F
         index = np.concatenate([(np.arange(D)[None, :] * D + self.holder_E[single][:, None]).ravel(), d * D + h])
         counts = np.concatenate([self.tokens_ED[single].ravel(), k]).astype(np.int64)
         traffic = np.bincount(index, weights=counts, minlength=D * D)  # float64: exact below 2**53 tokens
-        return torch.from_numpy(np.rint(traffic).astype(np.int64).reshape(D, D))
+        return np.rint(traffic).reshape(D, D)
 
     def moved(self, ranks_per_node: int) -> tuple[int, int]:
         """Tokens that change rank, over all experts: (within a node, between nodes); nodes are

@@ -23,6 +23,12 @@ except ImportError:  # a source tree used without `pip install` (planner/fast.py
 def link_seconds(rank_bytes, node_bytes, hw):
     """Seconds of a collective whose busiest rank link carries ``rank_bytes`` and busiest node
     link ``node_bytes`` (scalars or arrays): one latency plus the slower; 0 where nothing moves."""
+    if np.ndim(rank_bytes) == 0 and np.ndim(node_bytes) == 0:  # one collective: the same operations on floats
+        rank, node = float(rank_bytes), float(node_bytes)
+        if not (rank > 0 or node > 0):
+            return 0.0
+        a, b = rank / hw.intra_bw, node / hw.inter_bw
+        return hw.latency + (a if a >= b or a != a else b)  # np.maximum's pick (NaN first)
     rank = np.asarray(rank_bytes, dtype=np.float64)
     node = np.asarray(node_bytes, dtype=np.float64)
     out = np.where((rank > 0) | (node > 0), hw.latency + np.maximum(rank / hw.intra_bw, node / hw.inter_bw), 0.0)

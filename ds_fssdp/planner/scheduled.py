@@ -110,7 +110,7 @@ class ScheduledCostModel(CostModel):
 
     def price(self, plan) -> ExchangePrice:
         """The exchange of ``plan`` (a compact :class:`DispatchPlan` or a dense ``plan_EDD``)."""
-        traffic_DD = plan.traffic_DD() if isinstance(plan, DispatchPlan) else plan.sum(0)
+        traffic_DD = plan.traffic_rows_DD() if isinstance(plan, DispatchPlan) else plan.sum(0)
         traffic = traffic_DD.to(torch.float64).numpy() if isinstance(traffic_DD, torch.Tensor) else traffic_DD
         return self.exchange.price(self.costs, traffic, ranks_per_node=self.topology.ranks_per_node)
 

@@ -270,8 +270,15 @@ def phi_power(x: np.ndarray, k: int) -> np.ndarray:
 
 def top_rows(t_E__: np.ndarray) -> np.ndarray:
     """Rows on the k largest experts for k = 0..E, per column: float64 [E + 1, ...]."""
-    top = np.cumsum(-np.sort(-t_E__, axis=0), axis=0)
-    return np.concatenate([np.zeros((1, ) + t_E__.shape[1:]), top])
+    # (a cumulative sum as row additions in order: numpy's cumsum down axis 0 is slow; the same sums)
+    desc = np.sort(t_E__, axis=0)[::-1]  # largest first, value for value -sort(-t) (counts: no -0.0)
+    out = np.empty((t_E__.shape[0] + 1, ) + t_E__.shape[1:])
+    out[0] = 0.0
+    if len(desc):
+        out[1] = desc[0]
+    for i in range(1, len(desc)):
+        np.add(out[i:i + 1], desc[i:i + 1], out=out[i + 1:i + 2])
+    return out
 
 
 def chain_bound(m_LK: np.ndarray, b_LC: np.ndarray, g_C: np.ndarray, attention_s: float, v: float,

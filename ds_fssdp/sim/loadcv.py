@@ -25,6 +25,7 @@ import math
 
 import numpy as np
 
+from ds_fssdp.planner.prices import _fastplan  # the planner's C, None where not built
 from ds_fssdp.sim.synth import _cap, _softmax, bisect_sigma
 
 CALIBRATION_RANKS = 64
@@ -93,8 +94,20 @@ class LoadCVSource:
             noise_LDE *= self.rank_spread
             noise_LDE += (self.sigma * z_LE[:, None, :]).astype(np.float32)
             p_LDE = _cap(_softmax(noise_LDE, out=noise_LDE), self.cap, out=noise_LDE)
-            counts = systematic_counts(p_LDE, self.assignments_per_rank, rng, out=(edges_LDE, cut_LDE, counts_LDE))
-            yield counts.transpose(0, 2, 1).copy()
+            yield step_counts(p_LDE, self.assignments_per_rank, rng, out=(edges_LDE, cut_LDE, counts_LDE))
+
+
+def step_counts(p_LDE: np.ndarray, n: int, rng: np.random.Generator, out: tuple | None = None) -> np.ndarray:
+    """A step's ``tokens_LED`` (int32 [L, E, D]): :func:`systematic_counts` of each rank's float32
+    shares, transposed; in C where it is built (``_fastplan.systematic_counts``: the same float64
+    operations in one pass, the same rng draw). ``out``: systematic_counts' work arrays."""
+    if _fastplan is None or p_LDE.dtype != np.float32:
+        return systematic_counts(p_LDE, n, rng, out=out).transpose(0, 2, 1).copy()
+    L, D, E = p_LDE.shape
+    offsets = rng.random((L, D, 1))
+    tokens_LED = np.empty((L, E, D), dtype=np.int32)
+    _fastplan.systematic_counts(np.ascontiguousarray(p_LDE), offsets, tokens_LED, L, D, E, int(n))
+    return tokens_LED
 
 
 def systematic_counts(p_XE: np.ndarray, n: int, rng: np.random.Generator, out: tuple | None = None) -> np.ndarray:
