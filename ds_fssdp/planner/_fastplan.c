@@ -1161,7 +1161,9 @@ done:
 
 /* plan_traffic(holder_BE, tokens_BED, flows_4F, out, B, E, D, F, grouped): out float64 [B*D*D] = rows d sends h
  * in each of B groups (DispatchPlan.traffic_DD, sim/links.traffic_BNN): each single-holder expert's tokens to its
- * holder, and the flows (rows x or b, h, d, k: the group b when grouped, else 0); integer sums, exact in doubles. */
+ * holder, and the flows (rows x or b, h, d, k: the group b when grouped, else 0); integer sums, exact in doubles.
+ * Summed as int64 by holder (acc[b][h][d]: an expert's row adds to one contiguous row) and written out transposed:
+ * integer sums in any order are the same. */
 static PyObject *plan_traffic(PyObject *self, PyObject *args) {
     Py_buffer holder, tokens, flows, out;
     long long B, E, D, F;
@@ -1170,29 +1172,40 @@ static PyObject *plan_traffic(PyObject *self, PyObject *args) {
         return NULL;
     PyObject *ret = NULL;
     double *T = out.buf;
+    int64_t *acc = NULL;
     const int64_t *H = holder.buf, *K = tokens.buf, *fl = flows.buf;
     if (check_len(&holder, 8 * B * E, "holder") || check_len(&tokens, 8 * B * E * D, "tokens") ||
         check_len(&flows, 8 * 4 * F, "flows_4F") || check_len(&out, 8 * B * D * D, "out"))
         goto done;
-    memset(T, 0, sizeof(double) * (size_t)(B * D * D));
+    if (B * D * D > 0) {
+        if (!(acc = scratch_get(SCRATCH_EXCHANGE, sizeof(int64_t) * (size_t)(B * D * D)))) goto done;
+        memset(acc, 0, sizeof(int64_t) * (size_t)(B * D * D));
+    }
     for (int64_t b = 0; b < B; b++)
         for (int64_t e = 0; e < E; e++) {
             int64_t h = H[b * E + e];
             if (h >= D) goto bad;
-            if (h >= 0)
-                for (int64_t d = 0; d < D; d++) T[(b * D + d) * D + h] += (double)K[(b * E + e) * D + d];
+            if (h >= 0) {
+                int64_t *row = acc + (b * D + h) * D;
+                const int64_t *k = K + (b * E + e) * D;
+                for (int64_t d = 0; d < D; d++) row[d] += k[d];
+            }
         }
     for (int64_t i = 0; i < F; i++) {
         int64_t b = grouped ? fl[i] : 0, h = fl[F + i], d = fl[2 * F + i];
         if (b < 0 || b >= B || h < 0 || h >= D || d < 0 || d >= D) goto bad;
-        T[(b * D + d) * D + h] += (double)fl[3 * F + i];
+        acc[(b * D + h) * D + d] += fl[3 * F + i];
     }
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t d = 0; d < D; d++)
+            for (int64_t h = 0; h < D; h++) T[(b * D + d) * D + h] = (double)acc[(b * D + h) * D + d];
     ret = Py_None;
     Py_INCREF(ret);
     goto done;
 bad:
     PyErr_SetString(PyExc_ValueError, "plan_traffic: a holder, group or flow rank out of range");
 done:
+    scratch_trim();
     PyBuffer_Release(&holder);
     PyBuffer_Release(&tokens);
     PyBuffer_Release(&flows);
@@ -1231,11 +1244,13 @@ static PyObject *gather_links(PyObject *self, PyObject *args) {
         for (long long e = 0; e < E; e++) {
             const uint8_t *p = P + (b * E + e) * N;
             int64_t home = O[e] / G, leaves = 0;
-            for (long long d = 0; d < N; d++) count_N[d] += p[d] && d != O[e];
+            for (long long d = 0; d < N; d++) count_N[d] += p[d] != 0;
+            count_N[O[e]] -= p[O[e]] != 0; /* the owner's own copy is not added */
             for (long long m = 0; m < n; m++) {
                 if (m == home) continue;
-                int entered = 0;
-                for (long long j = 0; j < G; j++) entered |= p[m * G + j] != 0;
+                uint8_t any = 0; /* an OR of the node's bytes: nonzero where any rank holds a copy */
+                for (long long j = 0; j < G; j++) any |= p[m * G + j];
+                int entered = any != 0;
                 in_n[m] += entered;
                 leaves += entered;
             }
