@@ -2,7 +2,7 @@
 decision, and the two-hop exchange it runs as across nodes.
 
 Pure, like :mod:`ds_fssdp.planner.schedule`, whose layer model it prices with: the runtime
-(``moe/sharded.py``), both simulators and the tests call these functions.
+(``moe/sharded.py``), the simulator and the tests call these functions.
 
 A token that picks several experts of one rank crosses to it once; its routing entries (K longs
 per row sent: the receiver's positions) go ahead in one more all-to-all after one all-gather of

@@ -49,7 +49,7 @@ and reduce are charged whole, hold them: the reduce is charged twice there. So a
 backward b_l (attention backward, exchange and expert compute) is at least max(b_l, r_l + u_l),
 r_l that reduce (latency + the busier link, like g_l) and u_l the backward exchange on its link,
 the forward's bytes. A slot's gradient is all-reduced over its expert's holders after the backward
-(the paper engine, the only one with slots, issues FlexMoE's rings there,
+(the engine issues FlexMoE's rings there, its only policy with slots,
 :meth:`~ds_fssdp.planner.cost.CostModel.allreduce_time`): a ring of k >= 2 members puts 2 (k - 1) /
 k >= 1 expert's bytes on each member's link and on the node link of every node it spans, so the
 layer adds x_l = latency + P experts over the node link (one node: p over a rank's link) after the
