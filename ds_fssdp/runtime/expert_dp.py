@@ -93,6 +93,7 @@ from ds_fssdp.runtime.reshard import migrate_rows, migrate_shard
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # planner/sync_dtype.py's names
+NAMES = {v: k for k, v in DTYPES.items()}
 
 
 def engine_comm_dtype(engine, training: torch.dtype) -> torch.dtype:
@@ -100,7 +101,7 @@ def engine_comm_dtype(engine, training: torch.dtype) -> torch.dtype:
     :func:`~ds_fssdp.planner.sync_dtype.expert_sync_dtype` on its DeepSpeed config (the function
     the simulators price the sync with), which must be DeepSpeed's own choice for its gradients
     (``engine.communication_data_type``): a DeepSpeed whose rule changed is refused by name."""
-    name = expert_sync_dtype(engine._config._param_dict, training=dtype_name(training),
+    name = expert_sync_dtype(engine._config._param_dict, training=NAMES[training],
                              sequence_parallel=getattr(engine, "sequence_parallel_size", 1) > 1)
     if DTYPES[name] != engine.communication_data_type:
         raise RuntimeError(f"fssdp: the experts' gradient sync would send {name} (communication_data_type), DeepSpeed's "
@@ -109,9 +110,6 @@ def engine_comm_dtype(engine, training: torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """The name of ``dtype`` in :data:`DTYPES` ("fp32", "bf16" or "fp16")."""
-    return next(k for k, v in DTYPES.items() if v == dtype)
 
 
 def make_expert_state(shards: list, *, zero_stage: int, edp_group, edp_size: int, edp_rank: int,

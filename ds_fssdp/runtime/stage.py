@@ -431,7 +431,7 @@ class FSSDPStage:
                 cfg, spec=layer.spec, shape=shape, topology=self.topology, group=self.param_group,
                 expert_bytes=self.shards[0].expert_bytes, exchange=lambda: self.exchange_options(shape), dtype=dtype,
                 device=device, costs=lambda: self.schedule_costs,  # the costs the degrees are chosen from
-                agree_group=self.param_group if self.edp_size == 1 else self.dp_group)  # every FSSDP group: one
+                agree_group=self.agree_group)
             self.profile.update(measured)
         if self._schedule_decided() and cfg.hardware is not None:
             self.schedule_costs = policy_setup.configured_schedule_costs(cfg.hardware, shape)
@@ -483,6 +483,12 @@ class FSSDPStage:
                            two_hops=self.inputs.two_hops,
                            gaps=(lambda: self._start_gap_reduce(l)) if self._gaps else None)
 
+    @property
+    def agree_group(self):
+        """The ranks whose planning inputs (measured costs, windows) must be equal: the FSSDP group,
+        or with several groups every data-parallel rank, since the groups re-shard alike."""
+        return self.param_group if self.edp_size == 1 else self.dp_group
+
     def _agree_on_windows(self, device) -> None:
         """Decisions that use the measured attention windows ("auto" t, calibration's budget, the
         split of ZeRO 0's EDP sync) must be the same on every rank: once per step, all ranks adopt
@@ -494,7 +500,7 @@ class FSSDPStage:
         w = torch.tensor([s.measured_window_s or 0.0 for s in self.shards] +
                          [s.measured_attention_s or 0.0 for s in self.shards], dtype=torch.float64, device=device)
         # over every group: the re-shards' t comes from the window, and every group must plan the same owners
-        dist.all_reduce(w, op=dist.ReduceOp.MAX, group=self.param_group if self.edp_size == 1 else self.dp_group)
+        dist.all_reduce(w, op=dist.ReduceOp.MAX, group=self.agree_group)
         first = self.window_s[0] is None
         agreed = w.tolist()
         self.window_s, self.attention_s = agreed[:len(self.shards)], agreed[len(self.shards):]
