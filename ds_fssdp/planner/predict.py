@@ -26,6 +26,7 @@ class LoadPredictor:
         self.num_layers = len(self.num_experts_L)
         self.window = window
         self._history = [deque(maxlen=window) for _ in range(self.num_layers)]
+        self._loads = [deque(maxlen=window) for _ in range(self.num_layers)]  # each observation's sum(1)
         self._errors = [deque(maxlen=window) for _ in range(self.num_layers)]
 
     def observe(self, layer: int, tokens: torch.Tensor) -> float:
@@ -38,18 +39,17 @@ class LoadPredictor:
         if tokens.dim() != 2 or tokens.shape[0] != self.num_experts_L[layer]:
             raise ValueError(f"layer {layer}: observed load has {tokens.shape[0]} experts, expected "
                              f"{self.num_experts_L[layer]}")
-        error = relative_l1_error(self.predict(layer), tokens.sum(1))
+        load_E = tokens.sum(1)
+        error = relative_l1_error(self.predict(layer), load_E)
         if error == error:  # a prediction was made, and the iteration had assignments
             self._errors[layer].append(error)
         self._history[layer].append(tokens)
+        self._loads[layer].append(load_E)
         return error
 
     def predict(self, layer: int) -> torch.Tensor | None:
         """Predicted tokens per expert (float64 [E]), or None before the first observation."""
-        hist = self._history[layer]
-        if not hist:
-            return None
-        return torch.stack([h.sum(1) for h in hist]).mean(0)
+        return _mean(self._loads[layer])
 
     def error(self, layer: int) -> float | None:
         """Mean relative L1 error (:func:`relative_l1_error`) of this layer's last ``window``
@@ -63,7 +63,7 @@ class LoadPredictor:
         hist = self._history[layer]
         if not hist or hist[0].shape[1] == 1 or any(h.shape != hist[0].shape for h in hist):
             return None
-        return torch.stack(list(hist)).mean(0)
+        return _mean(hist)
 
     def predict_all(self) -> torch.Tensor | None:
         """Predicted loads of all layers (float64 [L, E]), or None if any layer lacks history."""
@@ -79,11 +79,25 @@ class LoadPredictor:
     def load_state_dict(self, state: dict) -> None:
         for layer, rows in enumerate(state["history"]):
             self._history[layer].clear()
+            self._loads[layer].clear()
             for row in rows:
                 self._history[layer].append(row.to(torch.float64))
+                self._loads[layer].append(self._history[layer][-1].sum(1))
         for layer, errors in enumerate(state.get("errors") or [[]] * self.num_layers):  # (older checkpoints: none)
             self._errors[layer].clear()
             self._errors[layer].extend(float(e) for e in errors)
+
+
+def _mean(rows) -> torch.Tensor | None:
+    """The mean of equal-shape float64 ``rows`` (a sum in order, then one division) without the
+    stacked copy. Observations are counts, whose partial sums are exact, so it equals
+    ``torch.stack(rows).mean(0)`` value for value (tests/test_predict.py). None for no rows."""
+    if not rows:
+        return None
+    total = rows[0].clone()
+    for row in list(rows)[1:]:
+        total += row
+    return total.div_(len(rows))
 
 
 def relative_l1_error(predicted_E: torch.Tensor | None, actual_E: torch.Tensor) -> float:
