@@ -72,20 +72,20 @@ def choose_overlap_degree(place_at: Callable[[int], torch.Tensor], seconds_of: C
     keep the smaller t (fewer bytes moved). ``window_t`` 0 tries 1 next."""
     if window_t < 0 or max_t < 0:
         raise ValueError(f"choose_overlap_degree: window_t ({window_t}) and max_t ({max_t}) must be >= 0")
-    t = min(window_t, max_t)
-    placement_ED = place_at(t)
-    choice, tried = OverlapChoice(t, placement_ED, seconds_of(placement_ED), t, 1), 1
+    t = first = min(window_t, max_t)
+    best_ED = place_at(t)
+    best_t, best_s, tried = t, seconds_of(best_ED), 1
     while t < max_t:
         t = min(max_t, max(1, 2 * t))
         placement_ED = place_at(t)
-        if torch.equal(placement_ED, choice.placement_ED):
+        if torch.equal(placement_ED, best_ED):
             break
         tried += 1
         s = seconds_of(placement_ED)
-        if not s < choice.modelled_s:
+        if not s < best_s:
             break
-        choice = OverlapChoice(t, placement_ED, s, choice.window_t, tried)
-    return dataclasses.replace(choice, tried=tried)
+        best_t, best_ED, best_s = t, placement_ED, s
+    return OverlapChoice(best_t, best_ED, best_s, first, tried)
 
 
 def choose_placement(families: dict, seconds_of: Callable[[torch.Tensor], float], *, window_t: int,

@@ -507,7 +507,8 @@ class PolicyRun:
             tokens_LEBN = tokens_LED.reshape(L, E, self.groups, self.N)
             for b, planners in enumerate(self.planners_BL):
                 for l, planner in enumerate(planners):
-                    planner.observe(torch.from_numpy(np.ascontiguousarray(tokens_LEBN[l, :, b], dtype=np.int64)))
+                    # float64 (the predictor's dtype; counts: exact): one copy, not two
+                    planner.observe(torch.from_numpy(np.ascontiguousarray(tokens_LEBN[l, :, b], dtype=np.float64)))
         for l in range(L):
             self.world_predictor.observe(l, torch.from_numpy(load_LE[l]))  # for re-shards (FSSDP's only)
         self.observed += 1
