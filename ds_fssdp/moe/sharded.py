@@ -212,8 +212,12 @@ class ShardedExperts:
         token_bytes = x_TH.shape[1] * x_TH.element_size()
         traffic_DD = functools.cache(lambda: plan.traffic_DD().numpy())  # what "auto" decides from, once
         side_ratio = 0.0 if side is None else side.ratio
-        degrees, one_copy = self._exchange(ctx, traffic_DD, token_bytes=token_bytes, top_k=idx_TK.shape[1],
-                                           weight_bytes=weights_TK.element_size(), side_ratio=side_ratio)
+        # what is "auto" is the schedule's choice on the agreed costs and this plan's traffic (one on every rank)
+        degrees, one_copy = exchange_decision(
+            ctx.schedule_costs, traffic_DD, pipeline_degree=ctx.pipeline_degree,
+            one_copy=self.options.one_copy_per_destination, ranks_per_node=self.topology.ranks_per_node,
+            token_bytes=token_bytes, top_k=idx_TK.shape[1], weight_bytes=weights_TK.element_size(),
+            two_hops=ctx.two_hops, side_ratio=side_ratio)
         r = self.dispatcher.route(idx_TK, plan, local_E=got.layout.local_E, grouped=grouped, dedup=one_copy,
                                   degrees=degrees)
         out_TH, early_next = self._compute(x_TH, weights_TK, r, got, gate_idx_TK=gate_idx_TK, observe=observe,
@@ -354,18 +358,6 @@ class ShardedExperts:
                 return (*self.timings.link_bytes(phases[0].send_splits, phases[0].recv_splits,
                                                  self.next.expert_bytes), 0.0, 0.0)
         return (0.0, 0.0, 0.0, 0.0)
-
-    def _exchange(self, ctx: StepContext, traffic_DD, *, token_bytes: int, top_k: int, weight_bytes: int,
-                  side_ratio: float = 0.0) -> tuple:
-        """((forward, backward) pipeline degrees, one copy per destination) this iteration: the
-        options' where fixed; what is "auto" the schedule's choice (``onecopy.choose_exchange``) on
-        the agreed costs and this plan's traffic (``traffic_DD()``), priced as the exchange that
-        runs (two hops where they run), the same on every rank. Without costs: degree 1 and one
-        copy on."""
-        return exchange_decision(ctx.schedule_costs, traffic_DD, pipeline_degree=ctx.pipeline_degree,
-                                 one_copy=self.options.one_copy_per_destination,
-                                 ranks_per_node=self.topology.ranks_per_node, token_bytes=token_bytes, top_k=top_k,
-                                 weight_bytes=weight_bytes, two_hops=ctx.two_hops, side_ratio=side_ratio)
 
     def _run(self, x_TH, weights_TK, r, replica_RP, *, remat: bool, local_E, degrees: tuple,
              other=None, side=None, lora=None) -> torch.Tensor:

@@ -21,8 +21,6 @@ agreed run samples together.
 """
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -110,11 +108,7 @@ def measure_gemm(spec: ExpertSpec, *, dtype, device, rows=None, experts: int = 1
     w = {n: (torch.randn(experts, *s, dtype=dtype, device=device) * 0.02).requires_grad_()
          for n, s in spec.shapes.items()}
     out = {"gemm_fwd": [], "gemm_bwd": []}
-
-    def sync():
-        if torch.device(device).type == "cuda":
-            torch.cuda.synchronize()
-
+    cuda = torch.device(device).type == "cuda"
     for r in rows:
         x = torch.randn(r, H, dtype=dtype, device=device, requires_grad=True)
         sizes = [r // experts + (e < r % experts) for e in range(experts)]
@@ -123,28 +117,21 @@ def measure_gemm(spec: ExpertSpec, *, dtype, device, rows=None, experts: int = 1
         unsend, ungroup = torch.argsort(send).view(-1, 1), torch.argsort(group)
         ones = torch.ones(r, 1, dtype=dtype, device=device)
 
-        def layer_compute(x_RH):
-            grouped = ops.permute_tokens(ops.permute_tokens(x_RH, send, unsend), group, ungroup.view(-1, 1))
+        def layer_compute():
+            grouped = ops.permute_tokens(ops.permute_tokens(x, send, unsend), group, ungroup.view(-1, 1))
             y = ops.expert_mlp(grouped, w, sizes, activation=spec.activation, act_params=spec.act_params)
             return ops.unpermute_combine(ops.permute_tokens(y, ungroup, group.view(-1, 1)), unsend, ones)
-        fwd, bwd = [], []
-        for i in range(repeats + 1):
-            sync()
-            t0 = time.perf_counter()
-            y = layer_compute(x)
-            sync()
-            t1 = time.perf_counter()
-            y.backward(torch.ones_like(y))
-            sync()
-            t2 = time.perf_counter()
-            x.grad = None
-            for p in w.values():
-                p.grad = None
-            if i:
-                fwd.append(t1 - t0)
-                bwd.append(t2 - t1)
-        out["gemm_fwd"].append((float(r), statistics.median(fwd)))
-        out["gemm_bwd"].append((float(r), statistics.median(bwd)))
+        graph = []
+
+        def forward():  # untimed, ahead of each timed backward: a fresh graph, no gradients
+            for t in (x, *w.values()):
+                t.grad = None
+            graph[:] = [layer_compute()]
+            if cuda:
+                torch.cuda.synchronize()
+        out["gemm_fwd"].append((float(r), median_seconds(layer_compute, repeats=repeats, cuda=cuda)))
+        out["gemm_bwd"].append((float(r), median_seconds(lambda: graph[0].backward(torch.ones_like(graph[0])),
+                                                         repeats=repeats, cuda=cuda, before=forward)))
     return out
 
 

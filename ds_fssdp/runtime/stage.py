@@ -4,24 +4,15 @@ Legend: E experts, D ranks, S owned rows, P elements per expert.
 
 DeepSpeed keeps the dense parameters (data parallel, ZeRO 0-3). The stage keeps every expert's
 parameters, fp32 master and optimizer moments on its owner only (one owner per FSSDP group; with
-several groups the owners' state is replicated or partitioned over the expert-data-parallel
-group, ``runtime/expert_dp.py``). Per micro-step it folds the owned gradient and the replicas'
-reduced gradients into the owner's gradient; at the optimizer step it averages them over all ranks
-like DeepSpeed's data-parallel gradients, folds their norm into DeepSpeed's global norm, applies
-the same unscale/clip factor, and steps them with the optimizer type and hyperparameters DeepSpeed
-built from the same config. The policy and its cost model are built at attach
-(``runtime/policy_setup.py``).
-
-With ``fssdp.grads_in_gaps`` each layer's EDP reduce starts during the backward (``before_backward``),
-in slices planned after each step (``runtime/edp_sync.py``), and, under ZeRO >= 1 with several
-FSSDP groups, each layer's EDP all-gather of the stepped slices starts at the step and lands at the
-layer's first use in the next forward (``expert_dp.py``): ``last_step["edp_gather_in_gaps"]`` lists
-the layers deferred, each layer's stats the seconds its landing took (``edp_gather_wait_s``). Under
-ZeRO 0 with several groups, after each step ``EDPSyncPlan.decide_split`` (``runtime/edp_sync.py``)
-decides, from the cost model and the modelled gaps, whether the next step's sync is split around
-it: a reduce-scatter in the gaps, no expert optimizer step at the step, and each layer's all-gather
-and update landing at its first use (``expert_dp.py``); ``last_step["edp_split"]`` says whether a
-step was. :meth:`wait_in_flight` (checkpoint save and load, re-shards) lands all of them.
+several groups replicated or partitioned over the expert-data-parallel group,
+``runtime/expert_dp.py``). Per micro-step it folds the owned and the replicas' reduced gradients
+into the owner's gradient; at the optimizer step it averages them over all ranks like DeepSpeed's
+data-parallel gradients, folds their norm into DeepSpeed's global norm, applies the same
+unscale/clip factor, and steps them with the optimizer DeepSpeed built from the same config. The
+policy and its cost model are built at attach (``runtime/policy_setup.py``). Gradients,
+parameters and updates in the gaps (``fssdp.grads_in_gaps``; ``runtime/edp_sync.py``,
+``expert_dp.py``): docs/design.md section 2; ``last_step`` records what each step did, and
+:meth:`wait_in_flight` (checkpoint save and load, re-shards) lands all of it.
 """
 from __future__ import annotations
 
@@ -186,11 +177,7 @@ class FSSDPStage:
 
     def attach(self, engine) -> None:
         """Adopt the engine's precision and device, its optimizer type and its clipping."""
-        dtype = torch.float32
-        if engine.bfloat16_enabled():
-            dtype = torch.bfloat16
-        elif engine.fp16_enabled():
-            dtype = torch.float16
+        dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else torch.float32
         zero_stage = int(engine.zero_optimization_stage())
         if zero_stage != self.zero_stage:  # the layers were built for the config's (side work, moe/side.py)
             raise RuntimeError(f"fssdp: DeepSpeed runs ZeRO stage {zero_stage}, the stage was built for "
