@@ -7,30 +7,14 @@ expert_{idx_TK[t, k]}(x_TH[t])``: the routing is given (by our gate, or by a Hug
 family's own router), the planner's loads come from ``idx_TK``. Before ``ds_fssdp.initialize``
 (and on one rank) the module is ordinary and holds every expert as a [E, ...] parameter named
 by its :class:`ExpertSpec`; ``initialize`` replaces them by a :class:`ShardedExperts` holding
-only the experts this rank owns.
+only the experts this rank owns. Frozen experts (every expert tensor ``requires_grad=False``)
+stay frozen once sharded.
 
-Frozen experts (every expert tensor ``requires_grad=False``) stay frozen once sharded: no
-gradient, no optimizer state, no reduce.
-
-Tensor-parallel folding (``fold``, set by ``ds_fssdp.initialize`` under AutoTP): every TP rank
-holds the same tokens; the layer dispatches only this TP rank's slice of them and all-gathers
-the outputs over the TP group (``comm/fold.py``), so each token is computed once per TP group.
-
-Owned before initialize: a loader that reads only this rank's experts
-(``integrations/hf_load.from_pretrained``) hands the module its owned rows with
-:meth:`adopt_owned_rows`; the module then holds no ``[E, ...]`` tensors and ``initialize`` takes
-the rows as they are (no scatter). Lazy: a module built with its expert tensors on the meta device
-(``FSSDPMoE(lazy_experts=True)``, ``integrations/hf_load.from_config``) has no values yet;
-``initialize`` asks :meth:`fresh_rows` for the owned experts only, each drawn from its own
-generator, so every world and group size gets the same weights. :meth:`initial_rows` is what the
-stage asks.
-
-Routing bias (DeepSeek-V3's auxiliary-loss-free balancing): a router bias handed to
-:meth:`bind_router_bias` (an HF router's ``e_score_correction_bias``, FSSDPMoE's gate bias) moves
-after every optimizer step by its rate times ``sign(mean load - expert load)``, the loads counted
-over every training forward since the last step (global counts once sharded, so every rank moves
-it identically). The rate is ``fssdp.router_bias_update_rate`` when the config sets it, else the
-one given at binding (FSSDPMoE's ``bias_update_rate``; 0 for HF routers: the key turns them on).
+In docs/design.md: the routing bias (section 4, :meth:`bind_router_bias`: DeepSeek-V3's
+auxiliary-loss-free balancing, at ``fssdp.router_bias_update_rate`` when set, else the rate given
+at binding), and in section 5 tensor-parallel folding (``fold``), owned rows read by a loader
+before initialize (:meth:`adopt_owned_rows`, :meth:`keep_flags`) and lazy modules
+(:meth:`fresh_rows`; :meth:`initial_rows` is what the stage asks).
 """
 from __future__ import annotations
 

@@ -193,7 +193,9 @@ class ShardedExperts:
         A forward run inside a backward pass (activation checkpointing recomputing its segment)
         is not a new iteration: it replays the last recorded forward of this layer (same route,
         same replicas, re-gathered under RM) and plans, observes and prefetches nothing."""
-        if torch._C._current_graph_task_id() != -1 and self._recorded():
+        # a recompute: the micro-batch whose backward runs has a recorded forward left to replay
+        record = self.records.backward_record() if torch._C._current_graph_task_id() != -1 else None
+        if record is not None and record.iterations:
             return self._replay(x_TH, idx_TK, weights_TK, side, lora), None
         ctx = self.context()
         self.replicas.land()  # the step's EDP all-gather, where no prefetch's gather landed it
@@ -314,11 +316,6 @@ class ShardedExperts:
             self.replicas.adopt(mine)  # the replicas its backward keeps alive are counted for it
         return out_TH, early_next
 
-    def _recorded(self) -> bool:
-        """The micro-batch whose backward runs has a recorded forward left to replay."""
-        record = self.records.backward_record()
-        return record is not None and bool(record.iterations)
-
     def _replay(self, x_TH, idx_TK, weights_TK, side=None, lora=None) -> torch.Tensor:
         """The recompute of the micro-batch in backward's last recorded forward (its oldest in
         flight; moe/records.py): same route and replicas, new autograd graph (and its work beside
@@ -339,18 +336,11 @@ class ShardedExperts:
     def _other_bytes(self, early_next: bool) -> tuple:
         """Bytes of the replicas' collectives in flight during this layer's timed forward and
         backward (``planner.schedule.LayerLoad.other_*_bytes``; units of ``LayerTimings.link_bytes``):
-        (fwd intra, fwd inter, bwd intra, bwd inter).
-
-        Called when the forward span starts. Forward: the next layer's gather when this forward
-        started it (``early_next``, right before the span) and its first, asynchronous phase has
-        not landed yet (it runs during the span; the rest waits for its ``finish`` in the next
-        forward; measured on 2 CPU ranks, it had landed before the span in about half the steps).
-        Backward: none. This layer's replica reduce starts when the replicas' gradient is
-        accumulated, which autograd does after the span: the replicas enter the expert compute
-        through the ``torch.cat`` with the owned rows made before the span, whose backward runs
-        after the span's input stamp (measured on 2 CPU ranks, ``benchmarks/replica_spans.py``:
-        every reduce was issued after its layer's backward span and had landed before the next
-        layer's backward span began). Not counted either: RM's re-gathers."""
+        (fwd intra, fwd inter, bwd intra, bwd inter), when the forward span starts. Forward: the
+        next layer's gather when this forward started it (``early_next``) and its first,
+        asynchronous phase has not landed yet. Backward: none (this layer's replica reduce starts
+        after its backward span: the replicas' ``torch.cat`` with the owned rows is made before the
+        span, ``benchmarks/replica_spans.py``); RM's re-gathers are not counted either."""
         if early_next and self.next._gather is not None:
             _, _, layout, gather = self.next._gather
             phases = layout.phases if gather.in_flight else None

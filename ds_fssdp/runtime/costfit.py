@@ -1,23 +1,16 @@
 """The schedule's cost model fitted on this machine (``planner.schedule.ScheduleCosts``): short
-measurements at initialize, refitted from the run's own timings.
+measurements at initialize, refitted from the run's own timings (docs/design.md section 5).
 
 Legend: D ranks, L MoE layers, R rows, H hidden.
 
 At initialize (``measure``): the token all-to-all over the token group at a few sizes (with
-several nodes once with bytes only to this node's peers, once only to other nodes', so each link
-class gets its own fit), and the layer's compute between the exchanges (permutations, grouped
-expert MLP over the experts a rank owns, combine) forward and backward over a few row counts;
-one warm-up, then the median of ``repeats``. Every rank's times are agreed (one all-reduce, MAX)
-before ``schedule.fit_schedule_costs``, so every rank fits the same costs.
-
-While training (``CostFit.refit``), each layer's ``moe.timing.LayerTimings`` holds its last
-exchange spans and its compute spans (the layer's span less its exchanges: the permutations, the
-grouped MLP, the combine; the same work the initial measurement times). They are agreed in one
-all-reduce (MAX): an exchange is one collective, seen by every rank in the same order, so its
-sample takes the largest bytes any rank moved and the shortest time any rank waited (the rank
-that arrived last waited for no one); compute samples are every rank's own (each rank writes its
-slot). The fit uses the initial measurements and the
-agreed run samples together.
+several nodes once per link class), and the layer's compute between the exchanges (permutations,
+grouped expert MLP over the experts a rank owns, combine) forward and backward over a few row
+counts; one warm-up, then the median of ``repeats``. While training (``CostFit.refit``): each
+layer's ``moe.timing.LayerTimings`` spans of the same work. Every rank's samples are agreed in one
+all-reduce (MAX: an exchange, seen by every rank, takes the largest bytes and the shortest wait;
+compute samples are every rank's own) before ``schedule.fit_schedule_costs``, so every rank fits
+the same costs.
 """
 from __future__ import annotations
 

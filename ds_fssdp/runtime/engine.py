@@ -197,28 +197,20 @@ def _read_config(args, config, config_params) -> dict:
 
 
 def _without(params, drop_ids: set):
+    """``model_parameters`` (tensors or param-group dicts) without the ``drop_ids`` tensors."""
     if params is None:
         return None
-    kept = []
-    for item in params:
-        if isinstance(item, dict):
-            group = dict(item)
-            group["params"] = [p for p in group["params"] if id(p) not in drop_ids]
-            kept.append(group)
-        elif id(item) not in drop_ids:
-            kept.append(item)
-    return kept
+    return [dict(item, params=[p for p in item["params"] if id(p) not in drop_ids]) if isinstance(item, dict) else item
+            for item in params if isinstance(item, dict) or id(item) not in drop_ids]
 
 
 def _strip_params(optimizer: torch.optim.Optimizer, drop_ids: set) -> None:
     removed = 0
-    for group in optimizer.param_groups:
-        before = len(group["params"])
-        group["params"] = [p for p in group["params"] if id(p) not in drop_ids]
-        removed += before - len(group["params"])
-    for p in list(optimizer.state):
-        if id(p) in drop_ids:
-            del optimizer.state[p]
+    for group in optimizer.param_groups:  # in place: the client's groups stay its own
+        kept = [p for p in group["params"] if id(p) not in drop_ids]
+        removed, group["params"] = removed + len(group["params"]) - len(kept), kept
+    for p in [p for p in optimizer.state if id(p) in drop_ids]:
+        del optimizer.state[p]
     if removed:
         logger.info(f"fssdp: moved {removed} expert parameters from the client optimizer to the FSSDP stage")
 

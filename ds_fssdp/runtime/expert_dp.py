@@ -224,11 +224,6 @@ class _ExpertState:
         self._inflight[i] = (works, complete)
         return len(works)
 
-    def _check_quiet(self, what: str) -> None:
-        if self._inflight:
-            raise RuntimeError(f"fssdp: {what} while expert gradient reduces of layers {sorted(self._inflight)} are in "
-                               "flight (wait_in_flight first)")
-
     def params(self) -> list:
         raise NotImplementedError
 
@@ -236,7 +231,9 @@ class _ExpertState:
         """Layer i's full state (gathered over the EDP group when partitioned) moved inside the FSSDP
         group to ``new_owner_E`` as a re-shard does (the master, its per-element optimizer state and
         separate low-precision rows), then set again (re-sliced). Returns the bytes this rank sent."""
-        self._check_quiet("re-sharding")
+        if self._inflight:
+            raise RuntimeError(f"fssdp: re-sharding while expert gradient reduces of layers {sorted(self._inflight)} "
+                               "are in flight (wait_in_flight first)")
         s = self.shards[i]
         new_owner_E = new_owner_E.to("cpu", torch.long)
         if torch.equal(new_owner_E, s.owner_E):
