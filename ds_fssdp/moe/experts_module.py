@@ -86,13 +86,17 @@ class FSSDPExperts(nn.Module):
         return flags.pop()
 
     def forward(self, x_TH: torch.Tensor, idx_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        out_TH, _ = self.route_and_compute(x_TH, idx_TK, weights_TK)
-        return out_TH
+        return self.route_and_compute(x_TH, idx_TK, weights_TK)
 
-    def route_and_compute(self, x_TH, idx_TK, weights_TK, counts_E=None) -> tuple:
-        """``(y_TH, load_E)``: the output and this forward's loads (global once sharded)."""
+    def route_and_compute(self, x_TH, idx_TK, weights_TK, counts_E=None) -> torch.Tensor:
+        """``y_TH`` (``counts_E``: the gate's, None: counted here). Folded over a TP group: routed
+        full, this TP rank's slice through the sharded layer, the outputs all-gathered over the TP
+        group (the loads count every token once: the FSSDP groups span the TP lanes)."""
         if self.fold is not None and self.sharded is not None:
-            return self._folded(x_TH, idx_TK, weights_TK)
+            f = self.fold
+            out_CH = self._route_and_compute(tp_fold.split(x_TH, f), tp_fold.split(idx_TK, f),
+                                             tp_fold.split(weights_TK, f))
+            return tp_fold.gather(out_CH, f, x_TH.shape[0])
         return self._route_and_compute(x_TH, idx_TK, weights_TK, counts_E)
 
     def lora_factors(self):
@@ -108,7 +112,7 @@ class FSSDPExperts(nn.Module):
             return 0.0
         return self.side.ratio
 
-    def _route_and_compute(self, x_TH, idx_TK, weights_TK, counts_E=None) -> tuple:
+    def _route_and_compute(self, x_TH, idx_TK, weights_TK, counts_E=None) -> torch.Tensor:
         if counts_E is None:
             counts_E = torch.bincount(idx_TK.reshape(-1), minlength=self.num_experts)
         lora = self.lora_factors()
@@ -122,16 +126,7 @@ class FSSDPExperts(nn.Module):
             load_E = None if tokens_ED is None else tokens_ED.sum(1)  # None: a recompute (counted once)
         if self.training and load_E is not None:
             self.observe_load(load_E)
-        return out_TH, load_E
-
-    def _folded(self, x_TH, idx_TK, weights_TK) -> tuple:
-        """Route full, partition the dispatch: this TP rank's slice through the sharded layer,
-        the outputs all-gathered over the TP group. The loads count every token once (the
-        FSSDP groups span the TP lanes)."""
-        f = self.fold
-        out_CH, load_E = self._route_and_compute(tp_fold.split(x_TH, f), tp_fold.split(idx_TK, f),
-                                                 tp_fold.split(weights_TK, f))
-        return tp_fold.gather(out_CH, f, x_TH.shape[0]), load_E
+        return out_TH
 
     def _local_forward(self, x_TH, idx_TK, weights_TK, counts_E, lora=None):
         counts_E = counts_E.cpu()
@@ -163,9 +158,8 @@ class FSSDPExperts(nn.Module):
     def expert_parameters(self) -> list:
         """The expert parameters the module shows until sharded (full tensors, lazy ones, or an owned
         module's meta stand-ins: ``keep_flags``): what ``initialize`` keeps out of DeepSpeed's optimizer."""
-        if self.sharded is not None:
-            return []
-        return [p for p in (self._parameters.get(n) for n in self.spec.names) if p is not None]
+        held = [] if self.sharded is not None else [self._parameters.get(n) for n in self.spec.names]
+        return [p for p in held if p is not None]
 
     @property
     def lazy(self) -> bool:
@@ -209,9 +203,7 @@ class FSSDPExperts(nn.Module):
                     f"{o.group_rank} of the FSSDP group, but initialize plans {owner_E.tolist()} at position "
                     f"{group_rank}: load the model with the same fssdp.group_size and world size as training")
             return o.rows_SP
-        if self.lazy:
-            return self.fresh_rows(owned_E)
-        return None
+        return self.fresh_rows(owned_E) if self.lazy else None
 
     def fresh_rows(self, owned_E: torch.Tensor) -> torch.Tensor:
         """Initial rows [S, P] of the experts ``owned_E`` of a lazy module, each expert from its own

@@ -1,27 +1,14 @@
 """One layer's token exchange split into ragged chunks that pipeline with the expert compute
 (FSMoE, seed 002; the modelled schedule is ``planner/schedule.py``'s docstring), forward degree f
-and backward degree b independent. The schedule, the links, one copy per destination and the work
-beside the exchange as run here: docs/design.md section 4, "Chunked exchange".
+and backward degree b independent: one autograd Function (:class:`PipelinedExperts`) over the
+exchange + expert compute + exchange back, its chunks cut by :class:`ChunkPlan` (two hops across
+nodes: ``moe/relay.py``'s ``RelayPlan``). The cuts, the atoms, the local rows first, the order
+(D1 D2 C1 D3 C2 ... Cn), the autograd, one copy per destination and the work beside the exchange
+as run here: docs/design.md section 4, "Chunked exchange". Degree (1, 1) is not this module: the
+layer runs ``compute.dispatch_compute_combine`` (or its ``_dedup`` form) unchanged.
 
 Legend: T tokens, K top-k, H hidden, R rows received, S local compute slots, D ranks, P elements
 per expert, f / b the forward / backward degrees.
-
-* **Cuts.** For every (source, destination) pair with n rows, chunk i of n chunks is rows
-  ``[floor(n (i-1) / deg), floor(n i / deg))`` of the pair's block (ragged, never padded; empty
-  and one-row chunks are legal). The **atoms** are the pieces between the union of the forward
-  cuts {i/f} and the backward cuts {j/b}: a forward chunk and a backward chunk are each a run of
-  whole atoms, so the forward's autograd graphs (one per atom) serve the backward's chunks.
-* **Local first.** The rows of this rank's own tokens on experts it holds (source == self) never
-  enter a collective: they are computed first, while chunk 1 is in flight.
-* **Order.** Dispatch i+1 is launched before chunk i is computed, combine i as soon as chunk i is
-  computed (D1 D2 C1 D3 C2 ... Cn); the backward runs the same schedule at degree b.
-* **Autograd.** One Function (:class:`PipelinedExperts`) over the exchange + expert compute +
-  exchange back, each atom's expert MLP under ``enable_grad`` on detached leaves, the backward's
-  ``torch.autograd.grad`` per backward chunk; two hops across nodes run through the same Function
-  with a :class:`~ds_fssdp.moe.relay.RelayPlan` (``moe/relay.py``).
-
-Degree (1, 1) is not this module: the layer runs ``compute.dispatch_compute_combine`` (or its
-``_dedup`` form) unchanged.
 """
 from __future__ import annotations
 
@@ -162,7 +149,8 @@ class ChunkPlan(Cuts):
             nxt = None
             if i + 1 < degree:
                 n0, n1, _ = self.chunk(degree, i + 1)
-                nxt = start_exchange(groups, rank, world, src_RH, self.ranges("send", n0, n1), self.ranges("recv", n0, n1))
+                nxt = start_exchange(groups, rank, world, src_RH, self.ranges("send", n0, n1),
+                                     self.ranges("recv", n0, n1))
             pending.land(recv_RH)
             work(atoms)
             returns.append(start_exchange(groups, rank, world, back_recv_RH, self.ranges("recv", q0, q1),

@@ -84,6 +84,14 @@ def _write(rows: torch.Tensor, whole) -> None:
         rows.copy_(flat.view_as(rows))
 
 
+def _complete(works: list, complete) -> None:
+    """Wait for a started reduce's collectives, then run its completion."""
+    for w in works:
+        if w is not None:
+            w.wait()
+    complete()
+
+
 def _step_alone(optimizer, param) -> None:
     """Step ``optimizer`` for ``param`` only: the others' gradients are hidden meanwhile (torch's
     Adam, AdamW and SGD skip a parameter without one and keep their state per parameter)."""
@@ -111,10 +119,6 @@ class _ExpertState:
         self._reduced = set()  # layers whose reduce this step has landed (their gradient is final)
         self._summed = {}  # layer -> this rank's slice of its summed gradient (split steps), until publish
 
-    def _device(self):
-        """Where the layers' rows live (the CPU for a pipeline stage without MoE layers)."""
-        return self.shards[0].rows.device if self.shards else torch.device("cpu")
-
     @staticmethod
     def _pieces(numel: int, slice_elems: int) -> list:
         """[start, end) ranges of ``slice_elems`` elements covering ``numel`` (none for 0)."""
@@ -128,17 +132,10 @@ class _ExpertState:
         sizes = self._sizes(full.numel())
         return full.reshape(-1).split(sizes)[self.j]
 
-    def _reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of ``flat`` summed over the EDP group (one reduce-scatter, waited)."""
-        works, part = self._start_reduce_scatter(flat, max(1, self._sizes(flat.numel())[0]))
-        for w in works:
-            w.wait()
-        return part
-
     def _start_reduce_scatter(self, flat: torch.Tensor, slice_elems: int) -> tuple:
-        """:meth:`_reduce_scatter` asynchronously: piece [a, b) of every rank's slice is one
-        reduce-scatter (the same per-element sums as the one collective). Returns the collectives
-        and this rank's slice, final once they are waited for."""
+        """This rank's slice of ``flat`` summed over the EDP group, asynchronously: piece [a, b) of
+        every rank's slice is one reduce-scatter (the same per-element sums as one collective).
+        Returns the collectives and this rank's slice, final once they are waited for."""
         sizes = self._sizes(flat.numel())
         if not flat.numel():
             return [], flat[:0]
@@ -207,14 +204,27 @@ class _ExpertState:
         """Land every reduce started in the gaps (their results stay for the step) and every
         layer's all-gather deferred by ``publish``."""
         for i in sorted(self._inflight):
-            works, complete = self._inflight.pop(i)
-            for w in works:
-                if w is not None:
-                    w.wait()
-            complete()
+            _complete(*self._inflight.pop(i))
             self._reduced.add(i)
         for s in self.shards:
             s.land()
+
+    @torch.no_grad()
+    def reduce(self, scale: float) -> torch.Tensor:
+        """Scale the accumulated gradients and sum them over the EDP group (the layers not already
+        reduced in the gaps): as :meth:`start_reduce` does, in one collective per layer, waited.
+        Returns this rank's part of the global squared norm: its slice of every layer (disjoint over
+        the EDP group; replicated, the same elements split or not, so the same norm). Lands what is
+        in flight first (gap reduces, deferred all-gathers, a split step's updates)."""
+        self.wait_in_flight()
+        # on the rows' device (the CPU for a pipeline stage without MoE layers)
+        sq = torch.zeros((), dtype=torch.float32, device=self.shards[0].rows.device if self.shards else "cpu")
+        for i, s in enumerate(self.shards):
+            if i not in self._reduced:
+                _complete(*self._start(i, scale, s.rows.numel()))
+            sq += self.reduced_slice(i).pow(2).sum()
+        self._reduced = set()
+        return sq
 
     def start_reduce(self, i: int, scale: float, slice_elems: int) -> int:
         """Start layer ``i``'s reduce (asynchronous, sliced); returns the collectives issued."""
@@ -309,31 +319,9 @@ class ReplicatedExperts(_ExpertState):
             flat.copy_(sent)
 
     @torch.no_grad()
-    def reduce(self, scale: float) -> torch.Tensor:
-        """Scale the accumulated gradients, sum them over the EDP group (the layers not already
-        reduced in the gaps): all-reduced into the masters' gradients, or on a split step
-        reduce-scattered into this rank's slices. Returns this rank's part of the global squared
-        norm: its slice of every layer (disjoint over the EDP group; the same elements, so the
-        same norm, either way). Lands what is in flight first (gap reduces, a split step's
-        updates)."""
-        self.wait_in_flight()
-        sq = torch.zeros((), dtype=torch.float32, device=self._device())
-        for i, s in enumerate(self.shards):
-            if i not in self._reduced:
-                flat = self._scaled_grad(s, scale)
-                if self.split:
-                    self._summed[i] = self._reduce_scatter(flat.to(self.comm_dtype))
-                    s.master.grad = None
-                elif self.edp_group is not None:
-                    sent = flat.to(self.comm_dtype)  # flat itself in fp32
-                    dist.all_reduce(sent, group=self.edp_group)
-                    self._land(flat, sent)
-            sq += self.reduced_slice(i).pow(2).sum()
-        self._reduced = set()
-        return sq
-
-    @torch.no_grad()
     def _start(self, i: int, scale: float, slice_elems: int) -> tuple:
+        """Layer i's reduce started: all-reduced into the master's gradient, or on a split step
+        reduce-scattered into this rank's slice. Returns (collectives, completion)."""
         s = self.shards[i]
         flat = self._scaled_grad(s, scale)
         if self.split:
@@ -342,7 +330,7 @@ class ReplicatedExperts(_ExpertState):
             return works, lambda: self._summed.__setitem__(i, part)
         if self.edp_group is None:
             return [], lambda: None
-        sent = flat.to(self.comm_dtype)
+        sent = flat.to(self.comm_dtype)  # flat itself in fp32
         works = [dist.all_reduce(sent[a:b], group=self.edp_group, async_op=True)
                  for a, b in self._pieces(sent.numel(), slice_elems)]
         return works, lambda: self._land(flat, sent)
@@ -431,23 +419,12 @@ class PartitionedExperts(_ExpertState):
             return s.rows.new_zeros(s.rows.numel(), dtype=self.comm_dtype)
         return (g.float().reshape(-1) * scale).to(self.comm_dtype)
 
-    @torch.no_grad()
-    def reduce(self, scale: float) -> torch.Tensor:
-        """Reduce-scatter the rows' accumulated gradients over the EDP group into the slices'
-        gradients (the layers not already reduced in the gaps); this rank's part of the global
-        squared norm. Lands what is in flight first (gap reduces, deferred all-gathers)."""
-        self.wait_in_flight()
-        sq = torch.zeros((), dtype=torch.float32, device=self._device())
-        for i, (s, p) in enumerate(zip(self.shards, self.slices)):
-            if i not in self._reduced:
-                p.grad = self._reduce_scatter(self._scaled_flat(s, scale)).float()
-                s.rows.grad = None
-            sq += p.grad.pow(2).sum()
-        self._reduced = set()
-        return sq
+    def reduced_slice(self, i: int) -> torch.Tensor:
+        return self.slices[i].grad
 
     @torch.no_grad()
     def _start(self, i: int, scale: float, slice_elems: int) -> tuple:
+        """Layer i's reduce-scatter into its slice's gradient started: (collectives, completion)."""
         s = self.shards[i]
         flat = self._scaled_flat(s, scale)
         s.rows.grad = None
