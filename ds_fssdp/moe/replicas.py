@@ -181,11 +181,11 @@ class ReplicaManager:
         """Every rank joins every reduce, so the replicas stay in the graph even when empty."""
         self.records.forward_record().expected += 1
         replica_RP.requires_grad_(True)
-        replica_RP.register_post_accumulate_grad_hook(lambda t, lay=layout: self._replica_backward_done(t, lay))
 
-    def _replica_backward_done(self, replica_RP, layout) -> None:
-        self.uncount(replica_RP)  # the backward no longer needs the weights, only their gradient
-        self._reduce_start(replica_RP.grad, layout)
+        def done(t):
+            self.uncount(t)  # the backward no longer needs the weights, only their gradient
+            self._reduce_start(t.grad, layout)
+        replica_RP.register_post_accumulate_grad_hook(done)
 
     def _reduce_start(self, grad_RP, layout) -> None:
         """This layer's expert backward is done: start its SparseReduceScatter and, under RM, the

@@ -148,7 +148,6 @@ class ShardedExperts:
                                           ranks_per_node=topology.ranks_per_node if options.hierarchical else None,
                                           timings=self.timings)
         self.next = self.prev = None  # the following and preceding MoE layers (prefetch chain, :func:`chain`)
-        self.is_last = True
         self._gather = None  # (placement_ED, t, layout, SparseAllGather) started for the next forward
         self.stats = {}
         self.measured_window_s = None  # this rank's moving average of the overlap window (schedule.overlap_window)
@@ -234,10 +233,10 @@ class ShardedExperts:
                                              side_ratio=side_ratio)
         self.stats = self._stats(got, plan, tokens_ED, token_bytes=token_bytes, prediction_error=prediction_error,
                                  window=window, overlap_t=overlap_t, ctx=ctx)
-        self.stats["pipeline_degree_fwd"], self.stats["pipeline_degree_bwd"] = degrees
-        self.stats["one_copy"] = int(one_copy)
-        self.stats["side_overlapped"] = int(side is not None and tuple(degrees) != (1, 1))
-        self.stats.update({"gather_early_s": early_s, "gather_started_early": early_end is not None,
+        self.stats.update({"pipeline_degree_fwd": degrees[0], "pipeline_degree_bwd": degrees[1],
+                           "one_copy": int(one_copy),
+                           "side_overlapped": int(side is not None and tuple(degrees) != (1, 1)),
+                           "gather_early_s": early_s, "gather_started_early": early_end is not None,
                            "next_gather_started_early": early_next})
         self.stats.update(_dedup_stats(r, plan, ranks_per_node=self.topology.ranks_per_node, token_bytes=token_bytes,
                                        weight_bytes=weights_TK.element_size(), k=idx_TK.shape[1]))
@@ -291,7 +290,7 @@ class ShardedExperts:
         grad = torch.is_grad_enabled()
         # A forward that a backward may follow (or recompute, under checkpointing) is recorded.
         record = grad or observe
-        remat = record and self.options.rematerialize and not self.is_last
+        remat = record and self.options.rematerialize and self.next is not None  # the last layer keeps its own
         hooked = False
         if remat:
             self.replicas.drop_for_backward(layout)
@@ -463,7 +462,6 @@ def chain(shards: list) -> None:
         prev.next, nxt.prev = nxt, prev
         nxt.replicas.prev = prev.replicas
         prev.replicas.above = nxt.replicas  # gradients in the gaps: each backward completes the layer above
-        prev.is_last = False
 
 
 def _dedup_stats(r, plan, *, ranks_per_node: int, token_bytes: int, weight_bytes: int, k: int) -> dict:
@@ -475,8 +473,8 @@ def _dedup_stats(r, plan, *, ranks_per_node: int, token_bytes: int, weight_bytes
     minus ``a2a_bytes_saved``, plus ``a2a_meta_bytes``."""
     if not isinstance(r, DedupRoute):
         return {"a2a_bytes_saved": 0, "a2a_bytes_saved_inter": 0, "a2a_meta_bytes": 0}
-    node_D = torch.arange(r.hops[0].uniq_DD.shape[0]) // ranks_per_node
-    off = node_D.unsqueeze(1) != node_D.unsqueeze(0)  # [s, d] in other nodes
+    # [s, d]: in other nodes
+    off = ~Topology(num_ranks=r.hops[0].uniq_DD.shape[0], ranks_per_node=ranks_per_node).same_node_DD()
     moved = r.rows_moved()
     inter = sum(int(h.uniq_DD[off].sum()) for h in r.hops)
     moved_intra, moved_inter = plan.moved(ranks_per_node)
