@@ -25,8 +25,7 @@ _EXPORTS = {
     "save_step": "ds_fssdp.runtime.resume",
     "Topology": "ds_fssdp.topology",
 }
-__all__ = ["FSSDPConfig", "FSSDPConfigError", "FSSDPExperts", "FSSDPMoE", "MoE", "Preemption", "Topology", "__version__",
-           "destroy_process_group", "init_distributed", "initialize", "resume", "save_step"]
+__all__ = sorted([*_EXPORTS, "__version__"])
 
 
 def __getattr__(name: str):

@@ -149,9 +149,8 @@ class FSSDPConfig(_Strict):
 
     placement: str = "paper"
     """How replicas are chosen each iteration (``planner.place``): ``paper`` (Algorithm 1 on
-    per-expert loads; the best measured on both simulated clusters and on 2 CPU ranks,
-    ``benchmarks/results/README.md``) or ``joint`` (where the predicted tokens come from, every slot
-    that helps balance). (``cost`` was removed: it won nowhere.)"""
+    per-expert loads; the best measured, ``benchmarks/results/README.md``) or ``joint`` (where the
+    predicted tokens come from, every slot that helps balance)."""
 
     dispatch: Literal["balanced", "balanced-time", "paper"] = "balanced"
     """How tokens are split among holders: ``balanced`` (fewest rows on the most loaded rank, then

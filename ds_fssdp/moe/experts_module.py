@@ -7,30 +7,14 @@ expert_{idx_TK[t, k]}(x_TH[t])``: the routing is given (by our gate, or by a Hug
 family's own router), the planner's loads come from ``idx_TK``. Before ``ds_fssdp.initialize``
 (and on one rank) the module is ordinary and holds every expert as a [E, ...] parameter named
 by its :class:`ExpertSpec`; ``initialize`` replaces them by a :class:`ShardedExperts` holding
-only the experts this rank owns.
+only the experts this rank owns. Frozen experts (every expert tensor ``requires_grad=False``)
+stay frozen once sharded.
 
-Frozen experts (every expert tensor ``requires_grad=False``) stay frozen once sharded: no
-gradient, no optimizer state, no reduce.
-
-Tensor-parallel folding (``fold``, set by ``ds_fssdp.initialize`` under AutoTP): every TP rank
-holds the same tokens; the layer dispatches only this TP rank's slice of them and all-gathers
-the outputs over the TP group (``comm/fold.py``), so each token is computed once per TP group.
-
-Owned before initialize: a loader that reads only this rank's experts
-(``integrations/hf_load.from_pretrained``) hands the module its owned rows with
-:meth:`adopt_owned_rows`; the module then holds no ``[E, ...]`` tensors and ``initialize`` takes
-the rows as they are (no scatter). Lazy: a module built with its expert tensors on the meta device
-(``FSSDPMoE(lazy_experts=True)``, ``integrations/hf_load.from_config``) has no values yet;
-``initialize`` asks :meth:`fresh_rows` for the owned experts only, each drawn from its own
-generator, so every world and group size gets the same weights. :meth:`initial_rows` is what the
-stage asks.
-
-Routing bias (DeepSeek-V3's auxiliary-loss-free balancing): a router bias handed to
-:meth:`bind_router_bias` (an HF router's ``e_score_correction_bias``, FSSDPMoE's gate bias) moves
-after every optimizer step by its rate times ``sign(mean load - expert load)``, the loads counted
-over every training forward since the last step (global counts once sharded, so every rank moves
-it identically). The rate is ``fssdp.router_bias_update_rate`` when the config sets it, else the
-one given at binding (FSSDPMoE's ``bias_update_rate``; 0 for HF routers: the key turns them on).
+In docs/design.md: the routing bias (section 4, :meth:`bind_router_bias`: DeepSeek-V3's
+auxiliary-loss-free balancing, at ``fssdp.router_bias_update_rate`` when set, else the rate given
+at binding), and in section 5 tensor-parallel folding (``fold``), owned rows read by a loader
+before initialize (:meth:`adopt_owned_rows`, :meth:`keep_flags`) and lazy modules
+(:meth:`fresh_rows`; :meth:`initial_rows` is what the stage asks).
 """
 from __future__ import annotations
 
@@ -102,13 +86,17 @@ class FSSDPExperts(nn.Module):
         return flags.pop()
 
     def forward(self, x_TH: torch.Tensor, idx_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        out_TH, _ = self.route_and_compute(x_TH, idx_TK, weights_TK)
-        return out_TH
+        return self.route_and_compute(x_TH, idx_TK, weights_TK)
 
-    def route_and_compute(self, x_TH, idx_TK, weights_TK, counts_E=None) -> tuple:
-        """``(y_TH, load_E)``: the output and this forward's loads (global once sharded)."""
+    def route_and_compute(self, x_TH, idx_TK, weights_TK, counts_E=None) -> torch.Tensor:
+        """``y_TH`` (``counts_E``: the gate's, None: counted here). Folded over a TP group: routed
+        full, this TP rank's slice through the sharded layer, the outputs all-gathered over the TP
+        group (the loads count every token once: the FSSDP groups span the TP lanes)."""
         if self.fold is not None and self.sharded is not None:
-            return self._folded(x_TH, idx_TK, weights_TK)
+            f = self.fold
+            out_CH = self._route_and_compute(tp_fold.split(x_TH, f), tp_fold.split(idx_TK, f),
+                                             tp_fold.split(weights_TK, f))
+            return tp_fold.gather(out_CH, f, x_TH.shape[0])
         return self._route_and_compute(x_TH, idx_TK, weights_TK, counts_E)
 
     def lora_factors(self):
@@ -124,7 +112,7 @@ class FSSDPExperts(nn.Module):
             return 0.0
         return self.side.ratio
 
-    def _route_and_compute(self, x_TH, idx_TK, weights_TK, counts_E=None) -> tuple:
+    def _route_and_compute(self, x_TH, idx_TK, weights_TK, counts_E=None) -> torch.Tensor:
         if counts_E is None:
             counts_E = torch.bincount(idx_TK.reshape(-1), minlength=self.num_experts)
         lora = self.lora_factors()
@@ -138,16 +126,7 @@ class FSSDPExperts(nn.Module):
             load_E = None if tokens_ED is None else tokens_ED.sum(1)  # None: a recompute (counted once)
         if self.training and load_E is not None:
             self.observe_load(load_E)
-        return out_TH, load_E
-
-    def _folded(self, x_TH, idx_TK, weights_TK) -> tuple:
-        """Route full, partition the dispatch: this TP rank's slice through the sharded layer,
-        the outputs all-gathered over the TP group. The loads count every token once (the
-        FSSDP groups span the TP lanes)."""
-        f = self.fold
-        out_CH, load_E = self._route_and_compute(tp_fold.split(x_TH, f), tp_fold.split(idx_TK, f),
-                                                 tp_fold.split(weights_TK, f))
-        return tp_fold.gather(out_CH, f, x_TH.shape[0]), load_E
+        return out_TH
 
     def _local_forward(self, x_TH, idx_TK, weights_TK, counts_E, lora=None):
         counts_E = counts_E.cpu()
@@ -179,9 +158,8 @@ class FSSDPExperts(nn.Module):
     def expert_parameters(self) -> list:
         """The expert parameters the module shows until sharded (full tensors, lazy ones, or an owned
         module's meta stand-ins: ``keep_flags``): what ``initialize`` keeps out of DeepSpeed's optimizer."""
-        if self.sharded is not None:
-            return []
-        return [p for p in (self._parameters.get(n) for n in self.spec.names) if p is not None]
+        held = [] if self.sharded is not None else [self._parameters.get(n) for n in self.spec.names]
+        return [p for p in held if p is not None]
 
     @property
     def lazy(self) -> bool:
@@ -225,9 +203,7 @@ class FSSDPExperts(nn.Module):
                     f"{o.group_rank} of the FSSDP group, but initialize plans {owner_E.tolist()} at position "
                     f"{group_rank}: load the model with the same fssdp.group_size and world size as training")
             return o.rows_SP
-        if self.lazy:
-            return self.fresh_rows(owned_E)
-        return None
+        return self.fresh_rows(owned_E) if self.lazy else None
 
     def fresh_rows(self, owned_E: torch.Tensor) -> torch.Tensor:
         """Initial rows [S, P] of the experts ``owned_E`` of a lazy module, each expert from its own

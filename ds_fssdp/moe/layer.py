@@ -87,7 +87,7 @@ class FSSDPMoE(FSSDPExperts):
             raise ValueError(f"input last dim {x.shape[-1]} != hidden_size {self.hidden_size}")
         x_TH = x.reshape(-1, self.hidden_size)
         gate = self.gate(x_TH)
-        out_TH, _ = self.route_and_compute(x_TH, gate.idx_TK, gate.weights_TK, gate.counts_E)
+        out_TH = self.route_and_compute(x_TH, gate.idx_TK, gate.weights_TK, gate.counts_E)
         return out_TH.reshape(x.shape), gate.l_aux, gate.counts_E
 
 

@@ -1,32 +1,20 @@
 """One layer's token exchange split into ragged chunks that pipeline with the expert compute
 (FSMoE, seed 002; the modelled schedule is ``planner/schedule.py``'s docstring), forward degree f
-and backward degree b independent. The schedule, the links, one copy per destination and the work
-beside the exchange as run here: docs/design.md section 4, "Chunked exchange".
+and backward degree b independent: one autograd Function (:class:`PipelinedExperts`) over the
+exchange + expert compute + exchange back, its chunks cut by :class:`ChunkPlan` (two hops across
+nodes: ``moe/relay.py``'s ``RelayPlan``). The cuts, the atoms, the local rows first, the order
+(D1 D2 C1 D3 C2 ... Cn), the autograd, one copy per destination and the work beside the exchange
+as run here: docs/design.md section 4, "Chunked exchange". Degree (1, 1) is not this module: the
+layer runs ``compute.dispatch_compute_combine`` (or its ``_dedup`` form) unchanged.
 
 Legend: T tokens, K top-k, H hidden, R rows received, S local compute slots, D ranks, P elements
 per expert, f / b the forward / backward degrees.
-
-* **Cuts.** For every (source, destination) pair with n rows, chunk i of n chunks is rows
-  ``[floor(n (i-1) / deg), floor(n i / deg))`` of the pair's block (ragged, never padded; empty
-  and one-row chunks are legal). The **atoms** are the pieces between the union of the forward
-  cuts {i/f} and the backward cuts {j/b}: a forward chunk and a backward chunk are each a run of
-  whole atoms, so the forward's autograd graphs (one per atom) serve the backward's chunks.
-* **Local first.** The rows of this rank's own tokens on experts it holds (source == self) never
-  enter a collective: they are computed first, while chunk 1 is in flight.
-* **Order.** Dispatch i+1 is launched before chunk i is computed, combine i as soon as chunk i is
-  computed (D1 D2 C1 D3 C2 ... Cn); the backward runs the same schedule at degree b.
-* **Autograd.** One Function (:class:`PipelinedExperts`) over the exchange + expert compute +
-  exchange back, each atom's expert MLP under ``enable_grad`` on detached leaves, the backward's
-  ``torch.autograd.grad`` per backward chunk; two hops across nodes run through the same Function
-  with a :class:`~ds_fssdp.moe.relay.RelayPlan` (``moe/relay.py``).
-
-Degree (1, 1) is not this module: the layer runs ``compute.dispatch_compute_combine`` (or its
-``_dedup`` form) unchanged.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from fractions import Fraction
 from typing import Mapping, Optional, Sequence
@@ -76,14 +64,26 @@ def atom_of_rows(splits: list, cuts: list) -> torch.Tensor:
     return torch.searchsorted(cuts_DA[src_R], j_R[:, None], right=True).squeeze(1)
 
 
-def chunk_atoms(cuts: list, degree: int, i: int) -> tuple:
-    """Chunk i (0-based) of ``degree`` over the atoms between ``cuts``: its fractions (q0, q1) and
-    its atoms."""
-    q0, q1 = Fraction(i, degree), Fraction(i + 1, degree)
-    return q0, q1, [a for a in range(len(cuts) - 1) if cuts[a] >= q0 and cuts[a + 1] <= q1]
+def block_ranges(splits: list, off: list, rank: int, q0: Fraction, q1: Fraction) -> list:
+    """Rows ``[lo, hi)`` of each peer's block (``splits`` rows at ``off``) between fractions q0 and
+    q1 (None for ``rank``: its own block is handled whole)."""
+    return [None if d == rank else (o + cut(n, q0), o + cut(n, q1)) for d, (o, n) in enumerate(zip(off, splits))]
 
 
-class ChunkPlan:
+class Cuts:
+    """The atoms of degrees ``(forward, backward)`` and their chunks (this rank's view)."""
+
+    def __init__(self, rank: int, degrees: tuple):
+        self.rank, self.degrees = rank, tuple(int(d) for d in degrees)
+        self.cuts = atom_cuts(*self.degrees)
+
+    def chunk(self, degree: int, i: int) -> tuple:
+        """Chunk i (0-based) of ``degree``: its fractions (q0, q1) and its atoms."""
+        q0, q1 = Fraction(i, degree), Fraction(i + 1, degree)
+        return q0, q1, [a for a in range(len(self.cuts) - 1) if self.cuts[a] >= q0 and self.cuts[a + 1] <= q1]
+
+
+class ChunkPlan(Cuts):
     """The cuts of one dispatch (this rank's view), computed once per forward on the host.
 
     ``units[a]`` for atom a (and ``units[-1]`` for the local rows): the compute-order positions'
@@ -97,8 +97,7 @@ class ChunkPlan:
         ``expand``: one copy per destination's receiver tables ``(rows_UK, token_C)``
         (``moe/dedup.py``; the splits are then the unique rows'): each unit's received rows expand
         to their compute rows (``group_perm`` unused)."""
-        self.rank, self.degrees = rank, tuple(int(d) for d in degrees)
-        self.cuts = atom_cuts(*self.degrees)
+        super().__init__(rank, degrees)
         self.send_splits, self.recv_splits = [int(n) for n in send_splits], [int(n) for n in recv_splits]
         self.send_off = _offsets(self.send_splits)
         self.recv_off = _offsets(self.recv_splits)
@@ -115,33 +114,52 @@ class ChunkPlan:
         unit_C = unit_R[perm_C]
         order = torch.sort(unit_C, stable=True).indices  # compute order kept inside a unit
         counts = torch.bincount(unit_C, minlength=A + 1).tolist()
-        self.units = []
-        start = 0
-        for n in counts:
-            pos = order[start:start + n]
-            self.units.append((perm_C[pos].to(device), torch.bincount(slot_C[pos], minlength=S).tolist(), None))
-            start += n
-
-    def chunk(self, degree: int, i: int) -> tuple:
-        """Chunk i (0-based) of ``degree``: its fractions (q0, q1) and its atoms."""
-        return chunk_atoms(self.cuts, degree, i)
-
-    def run(self, degree: int, groups: ExchangeGroups, world: int, src_RH: torch.Tensor, recv_RH: torch.Tensor,
-            back_recv_RH: torch.Tensor, back_sent_RH: torch.Tensor, work, after=None) -> None:
-        """One direction of the schedule (:func:`run_chunks`)."""
-        run_chunks(self, degree, groups, world, src_RH, recv_RH, back_recv_RH, back_sent_RH, work, after)
+        self.units = [(perm_C[pos].to(device), torch.bincount(slot_C[pos], minlength=S).tolist(), None)
+                      for pos in torch.split(order, counts)]
 
     def ranges(self, side: str, q0: Fraction, q1: Fraction) -> list:
-        """Rows ``[lo, hi)`` of each peer's block between fractions q0 and q1 (None for this rank),
-        in the send buffer (``side`` "send") or the receive buffer ("recv")."""
+        """:func:`block_ranges` in the send buffer (``side`` "send") or the receive buffer ("recv")."""
         splits, off = (self.send_splits, self.send_off) if side == "send" else (self.recv_splits, self.recv_off)
-        return [None if d == self.rank else (o + cut(n, q0), o + cut(n, q1))
-                for d, (o, n) in enumerate(zip(off, splits))]
+        return block_ranges(splits, off, self.rank, q0, q1)
 
     def local(self, side: str) -> tuple:
         """This rank's own block ``[lo, hi)`` in the send or receive buffer."""
         splits, off = (self.send_splits, self.send_off) if side == "send" else (self.recv_splits, self.recv_off)
         return off[self.rank], off[self.rank] + splits[self.rank]
+
+    def run(self, degree: int, groups: ExchangeGroups, world: int, src_RH: torch.Tensor, recv_RH: torch.Tensor,
+            back_recv_RH: torch.Tensor, back_sent_RH: torch.Tensor, work, after=None) -> None:
+        """One direction of the chunked schedule, in ``planner/schedule.py``'s order: chunk 1 of
+        ``src_RH`` (send order) is launched, this rank's own rows are copied into ``recv_RH`` (receive
+        order) and worked on while it flies; then per chunk i: launch chunk i + 1, land chunk i, ``work``
+        its atoms (``work(units)`` fills ``back_recv_RH`` at their rows), send their results back into
+        ``back_sent_RH`` (send order); ``after()`` (the work beside the exchange) once the last return
+        is launched; every return landed at the end. The forward sends rows and
+        returns outputs; the backward sends output gradients and returns input gradients."""
+        rank = self.rank
+        q0, q1, _ = self.chunk(degree, 0)
+        pending = start_exchange(groups, rank, world, src_RH, self.ranges("send", q0, q1), self.ranges("recv", q0, q1))
+        (slo, shi), (rlo, rhi) = self.local("send"), self.local("recv")
+        recv_RH[rlo:rhi].copy_(src_RH[slo:shi])
+        work([len(self.units) - 1])  # the local rows, while chunk 1 is in flight
+        back_sent_RH[slo:shi].copy_(back_recv_RH[rlo:rhi])
+        returns = []
+        for i in range(degree):
+            q0, q1, atoms = self.chunk(degree, i)
+            nxt = None
+            if i + 1 < degree:
+                n0, n1, _ = self.chunk(degree, i + 1)
+                nxt = start_exchange(groups, rank, world, src_RH, self.ranges("send", n0, n1),
+                                     self.ranges("recv", n0, n1))
+            pending.land(recv_RH)
+            work(atoms)
+            returns.append(start_exchange(groups, rank, world, back_recv_RH, self.ranges("recv", q0, q1),
+                                          self.ranges("send", q0, q1)))
+            pending = nxt
+        if after is not None:
+            after()
+        for r in returns:
+            r.land(back_sent_RH)
 
 
 def _expanded_units(unit_U: torch.Tensor, slot_C: torch.Tensor, rows_UK: torch.Tensor, token_C: torch.Tensor, *,
@@ -167,11 +185,7 @@ def _expanded_units(unit_U: torch.Tensor, slot_C: torch.Tensor, rows_UK: torch.T
 
 
 def _offsets(splits: list) -> list:
-    out, acc = [], 0
-    for n in splits:
-        out.append(acc)
-        acc += n
-    return out
+    return list(itertools.accumulate(splits, initial=0))[:-1]
 
 
 class _Pending:
@@ -276,40 +290,6 @@ def _unit_fn(fn, x, w, sizes: list, tables) -> torch.Tensor:
     return combine_received(fn(expand_received(x, token_c, rows_uk), sizes), rows_uk, w)
 
 
-
-def run_chunks(plan: ChunkPlan, degree: int, groups: ExchangeGroups, world: int, src_RH: torch.Tensor,
-               recv_RH: torch.Tensor, back_recv_RH: torch.Tensor, back_sent_RH: torch.Tensor, work,
-               after=None) -> None:
-    """One direction of the chunked schedule, in ``planner/schedule.py``'s order: chunk 1 of
-    ``src_RH`` (send order) is launched, this rank's own rows are copied into ``recv_RH`` (receive
-    order) and worked on while it flies; then per chunk i: launch chunk i + 1, land chunk i, ``work``
-    its atoms (``work(units)`` fills ``back_recv_RH`` at their rows), send their results back into
-    ``back_sent_RH`` (send order); ``after()`` (the work beside the exchange) once the last return
-    is launched; every return landed at the end. The forward sends rows and
-    returns outputs; the backward sends output gradients and returns input gradients."""
-    rank = plan.rank
-    q0, q1, _ = plan.chunk(degree, 0)
-    pending = start_exchange(groups, rank, world, src_RH, plan.ranges("send", q0, q1), plan.ranges("recv", q0, q1))
-    (slo, shi), (rlo, rhi) = plan.local("send"), plan.local("recv")
-    recv_RH[rlo:rhi].copy_(src_RH[slo:shi])
-    work([len(plan.units) - 1])  # the local rows, while chunk 1 is in flight
-    back_sent_RH[slo:shi].copy_(back_recv_RH[rlo:rhi])
-    returns = []
-    for i in range(degree):
-        q0, q1, atoms = plan.chunk(degree, i)
-        nxt = None
-        if i + 1 < degree:
-            n0, n1, _ = plan.chunk(degree, i + 1)
-            nxt = start_exchange(groups, rank, world, src_RH, plan.ranges("send", n0, n1), plan.ranges("recv", n0, n1))
-        pending.land(recv_RH)
-        work(atoms)
-        returns.append(start_exchange(groups, rank, world, back_recv_RH, plan.ranges("recv", q0, q1),
-                                      plan.ranges("send", q0, q1)))
-        pending = nxt
-    if after is not None:
-        after()
-    for r in returns:
-        r.land(back_sent_RH)
 
 
 class PipelinedExperts(torch.autograd.Function):

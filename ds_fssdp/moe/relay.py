@@ -23,7 +23,7 @@ route has two hops and the degrees are not (1, 1):
   relay return. Every exchange is asynchronous; the returns land at the end.
 * **Both directions are the same schedule**: the forward copies rows out and sums outputs back,
   the backward copies output gradients out and sums input gradients back (the relay's gather and
-  sum are each other's adjoints), so :meth:`RelayPlan.run` serves both, like ``run_chunks``.
+  sum are each other's adjoints), so :meth:`RelayPlan.run` serves both, like ``ChunkPlan.run``.
 
 The sums are the unchunked path's (``compute.dispatch_compute_combine_dedup``): each relay row's
 returned rows in destination order, each source row's in relay order.
@@ -34,11 +34,11 @@ import torch
 
 from ds_fssdp import ops
 from ds_fssdp.moe.compute import hop_weights
-from ds_fssdp.moe.pipeline import (ExchangeGroups, _expanded_units, _offsets, atom_cuts, atom_of_rows,
-                                   chunk_atoms, cut, run_pipelined_experts, start_exchange)
+from ds_fssdp.moe.pipeline import (Cuts, ExchangeGroups, _expanded_units, _offsets, atom_of_rows, block_ranges,
+                                   run_pipelined_experts, start_exchange)
 
 
-class RelayPlan:
+class RelayPlan(Cuts):
     """The cuts of one two-hop dispatch (this rank's view: as source, relay and final receiver).
 
     ``relay``, ``last``: the route's :class:`~ds_fssdp.moe.dedup.Hop` s, ``last`` staged (A + 1
@@ -49,8 +49,7 @@ class RelayPlan:
 
     def __init__(self, *, rank: int, degrees: tuple, relay, last, rows_UK: torch.Tensor, token_C: torch.Tensor,
                  group_sizes: list, device=None):
-        self.rank, self.degrees = rank, tuple(int(d) for d in degrees)
-        self.cuts = atom_cuts(*self.degrees)
+        super().__init__(rank, degrees)
         A, S = len(self.cuts) - 1, len(group_sizes)
         if last.stage_splits is None or last.stage_splits.shape[1] != A + 1:
             raise ValueError(f"RelayPlan: the last hop must be staged by the {A} atoms of degrees {self.degrees} "
@@ -69,15 +68,11 @@ class RelayPlan:
         self.token_U, self.uniq_TK = last.token_U.to(device), last.uniq_TK.to(device)
         self.u_send = int(last.stage_splits.sum())
 
-    def chunk(self, degree: int, i: int) -> tuple:
-        return chunk_atoms(self.cuts, degree, i)
-
     def _relay_ranges(self, side: str, q0, q1) -> list:
-        """Rows [lo, hi) of each peer's relay-hop block between fractions q0 and q1 (None for this
-        rank: its own block is copied whole first)."""
+        """:func:`~ds_fssdp.moe.pipeline.block_ranges` of the relay hop (this rank's block is copied
+        whole first)."""
         splits, off = (self.v_send, self.v_send_off) if side == "send" else (self.v_recv, self.v_recv_off)
-        return [None if d == self.rank else (o + cut(n, q0), o + cut(n, q1))
-                for d, (o, n) in enumerate(zip(off, splits))]
+        return block_ranges(splits, off, self.rank, q0, q1)
 
     def _last_ranges(self, side: str, s0: int, s1: int) -> list:
         """Rows [lo, hi) of stages s0 .. s1 - 1 in each peer's last-hop block."""

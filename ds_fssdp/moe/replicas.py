@@ -1,42 +1,29 @@
 """One layer's expert rows on one rank and the replicas that visit it: the sparse collectives,
-re-materialization and memory accounting (Megatron-Core's "experts" part of a layer).
+re-materialization and memory accounting (Megatron-Core's "experts" part of a layer; docs/design.md
+section 4, and section 2 for the rows' landing).
 
 Legend: E experts, D ranks, S owned rows, R replica rows, P elements per expert.
 
 * the owned rows (``rows``, with an fp32 ``master`` beside low-precision rows) and their owners;
-* :meth:`start_gather` / :meth:`gather_now`: a SparseAllGather of a layout's replicas
-  (asynchronous, or on the critical path for what post-gating adds, merged into one buffer
-  without what calibration evicted);
-* :meth:`hook_replicas`: when the replicas' gradient exists, their SparseReduceScatter starts;
-  :meth:`accumulate_grads` (after the engine's backward) folds everything into ``master.grad``;
-  with gradients in the gaps (``gaps``: the stage's, on the boundary micro-step) the fold
-  happens during the backward instead, when the layer below's expert backward is done
-  (:meth:`backward_done_below`, chained by ``above``), and ``gaps`` is told the owned gradient is
-  final (the stage starts its EDP reduce);
-* re-materialization: the replicas of a layer are dropped after its forward and gathered again
-  when the following layer's expert backward is done (:meth:`start_rematerialize`, chained by
-  ``prev``), the re-materializing expert Function (``moe/remat.py``) asks :meth:`rematerialized`;
-* the rows' landing (gradients in the gaps with several FSSDP groups): the step's EDP all-gather
-  (under ZeRO >= 1 of the updated slices; on a split ZeRO 0 step of the summed gradient, the
-  layer's optimizer update following it, ``runtime/expert_dp.py``) is left in flight and handed
-  over with :meth:`defer`; :meth:`land` waits for it and writes ``rows`` before anything here reads
-  or writes them (the gathers, so the first gather of the next forward, and the owned-state
-  methods), so it overlaps what runs until the layer's first use. Reading the rows' shape, dtype
-  or size does not land it;
-* :class:`ReplicaMemory`: bytes of replica rows alive on this rank (all layers) and their peak, and
-  how many layers' replicas are alive at once (the next layer's gather starts during this layer's
-  expert compute, so two layers' live across it).
+* :meth:`start_gather` / :meth:`gather_now`: a SparseAllGather of a layout's replicas;
+* :meth:`hook_replicas`: their SparseReduceScatter starts when their gradient exists;
+  :meth:`accumulate_grads` folds everything into ``master.grad`` (with gradients in the gaps, during
+  the backward: :meth:`backward_done_below`, chained by ``above``);
+* re-materialization: replicas dropped after the forward, gathered again when the following
+  layer's expert backward is done (:meth:`start_rematerialize`, chained by ``prev``);
+* the rows' landing: a write left in flight by the step (:meth:`defer`) runs before anything here
+  reads or writes the rows (:meth:`land`; reading their shape, dtype or size does not land it);
+* :class:`ReplicaMemory`: replica bytes alive on this rank (all layers), their peak, and how many
+  layers' replicas are alive at once.
 
-What a forward leaves for its backward (the reduces to expect, RM's layout, the replica buffers it
-keeps alive) is kept per micro-batch in ``records`` (``moe/records.py``): a forward writes the
-newest record, a backward works on the oldest and drops it when done, so several forwards may be
-in flight (DeepSpeed's pipeline engine, 1F1B).
-
-No decisions are made here: layouts come from the planner's placements.
+What a forward leaves for its backward is kept per micro-batch in ``records`` (``moe/records.py``),
+so several forwards may be in flight (DeepSpeed's pipeline engine, 1F1B). No decisions are made
+here: layouts come from the planner's placements.
 """
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import torch
 from deepspeed import comm as dist
@@ -56,22 +43,20 @@ class ReplicaMemory:
     def __init__(self):
         self.current = 0
         self.peak = 0
-        self._by_layer = {}  # id(owner) -> live buffers with rows
+        self._by_layer = Counter()  # id(owner) -> live buffers with rows
         self.layers_peak = 0
 
     def add(self, nbytes: int, owner=None) -> None:
         self.current += nbytes
         self.peak = max(self.peak, self.current)
         if owner is not None and nbytes:
-            self._by_layer[id(owner)] = self._by_layer.get(id(owner), 0) + 1
+            self._by_layer[id(owner)] += 1
             self.layers_peak = max(self.layers_peak, len(self._by_layer))
 
     def release(self, nbytes: int, owner=None) -> None:
         self.current -= nbytes
-        if owner is not None and nbytes and id(owner) in self._by_layer:
-            self._by_layer[id(owner)] -= 1
-            if not self._by_layer[id(owner)]:
-                del self._by_layer[id(owner)]
+        if owner is not None and nbytes:
+            self._by_layer -= Counter([id(owner)])  # drops a layer at 0
 
     def reset_peak(self) -> None:
         self.peak = self.current
@@ -196,11 +181,11 @@ class ReplicaManager:
         """Every rank joins every reduce, so the replicas stay in the graph even when empty."""
         self.records.forward_record().expected += 1
         replica_RP.requires_grad_(True)
-        replica_RP.register_post_accumulate_grad_hook(lambda t, lay=layout: self._replica_backward_done(t, lay))
 
-    def _replica_backward_done(self, replica_RP, layout) -> None:
-        self.uncount(replica_RP)  # the backward no longer needs the weights, only their gradient
-        self._reduce_start(replica_RP.grad, layout)
+        def done(t):
+            self.uncount(t)  # the backward no longer needs the weights, only their gradient
+            self._reduce_start(t.grad, layout)
+        replica_RP.register_post_accumulate_grad_hook(done)
 
     def _reduce_start(self, grad_RP, layout) -> None:
         """This layer's expert backward is done: start its SparseReduceScatter and, under RM, the

@@ -148,7 +148,6 @@ class ShardedExperts:
                                           ranks_per_node=topology.ranks_per_node if options.hierarchical else None,
                                           timings=self.timings)
         self.next = self.prev = None  # the following and preceding MoE layers (prefetch chain, :func:`chain`)
-        self.is_last = True
         self._gather = None  # (placement_ED, t, layout, SparseAllGather) started for the next forward
         self.stats = {}
         self.measured_window_s = None  # this rank's moving average of the overlap window (schedule.overlap_window)
@@ -193,7 +192,9 @@ class ShardedExperts:
         A forward run inside a backward pass (activation checkpointing recomputing its segment)
         is not a new iteration: it replays the last recorded forward of this layer (same route,
         same replicas, re-gathered under RM) and plans, observes and prefetches nothing."""
-        if torch._C._current_graph_task_id() != -1 and self._recorded():
+        # a recompute: the micro-batch whose backward runs has a recorded forward left to replay
+        record = self.records.backward_record() if torch._C._current_graph_task_id() != -1 else None
+        if record is not None and record.iterations:
             return self._replay(x_TH, idx_TK, weights_TK, side, lora), None
         ctx = self.context()
         self.replicas.land()  # the step's EDP all-gather, where no prefetch's gather landed it
@@ -212,8 +213,12 @@ class ShardedExperts:
         token_bytes = x_TH.shape[1] * x_TH.element_size()
         traffic_DD = functools.cache(lambda: plan.traffic_DD().numpy())  # what "auto" decides from, once
         side_ratio = 0.0 if side is None else side.ratio
-        degrees, one_copy = self._exchange(ctx, traffic_DD, token_bytes=token_bytes, top_k=idx_TK.shape[1],
-                                           weight_bytes=weights_TK.element_size(), side_ratio=side_ratio)
+        # what is "auto" is the schedule's choice on the agreed costs and this plan's traffic (one on every rank)
+        degrees, one_copy = exchange_decision(
+            ctx.schedule_costs, traffic_DD, pipeline_degree=ctx.pipeline_degree,
+            one_copy=self.options.one_copy_per_destination, ranks_per_node=self.topology.ranks_per_node,
+            token_bytes=token_bytes, top_k=idx_TK.shape[1], weight_bytes=weights_TK.element_size(),
+            two_hops=ctx.two_hops, side_ratio=side_ratio)
         r = self.dispatcher.route(idx_TK, plan, local_E=got.layout.local_E, grouped=grouped, dedup=one_copy,
                                   degrees=degrees)
         out_TH, early_next = self._compute(x_TH, weights_TK, r, got, gate_idx_TK=gate_idx_TK, observe=observe,
@@ -228,10 +233,10 @@ class ShardedExperts:
                                              side_ratio=side_ratio)
         self.stats = self._stats(got, plan, tokens_ED, token_bytes=token_bytes, prediction_error=prediction_error,
                                  window=window, overlap_t=overlap_t, ctx=ctx)
-        self.stats["pipeline_degree_fwd"], self.stats["pipeline_degree_bwd"] = degrees
-        self.stats["one_copy"] = int(one_copy)
-        self.stats["side_overlapped"] = int(side is not None and tuple(degrees) != (1, 1))
-        self.stats.update({"gather_early_s": early_s, "gather_started_early": early_end is not None,
+        self.stats.update({"pipeline_degree_fwd": degrees[0], "pipeline_degree_bwd": degrees[1],
+                           "one_copy": int(one_copy),
+                           "side_overlapped": int(side is not None and tuple(degrees) != (1, 1)),
+                           "gather_early_s": early_s, "gather_started_early": early_end is not None,
                            "next_gather_started_early": early_next})
         self.stats.update(_dedup_stats(r, plan, ranks_per_node=self.topology.ranks_per_node, token_bytes=token_bytes,
                                        weight_bytes=weights_TK.element_size(), k=idx_TK.shape[1]))
@@ -285,7 +290,7 @@ class ShardedExperts:
         grad = torch.is_grad_enabled()
         # A forward that a backward may follow (or recompute, under checkpointing) is recorded.
         record = grad or observe
-        remat = record and self.options.rematerialize and not self.is_last
+        remat = record and self.options.rematerialize and self.next is not None  # the last layer keeps its own
         hooked = False
         if remat:
             self.replicas.drop_for_backward(layout)
@@ -310,11 +315,6 @@ class ShardedExperts:
             self.replicas.adopt(mine)  # the replicas its backward keeps alive are counted for it
         return out_TH, early_next
 
-    def _recorded(self) -> bool:
-        """The micro-batch whose backward runs has a recorded forward left to replay."""
-        record = self.records.backward_record()
-        return record is not None and bool(record.iterations)
-
     def _replay(self, x_TH, idx_TK, weights_TK, side=None, lora=None) -> torch.Tensor:
         """The recompute of the micro-batch in backward's last recorded forward (its oldest in
         flight; moe/records.py): same route and replicas, new autograd graph (and its work beside
@@ -335,18 +335,11 @@ class ShardedExperts:
     def _other_bytes(self, early_next: bool) -> tuple:
         """Bytes of the replicas' collectives in flight during this layer's timed forward and
         backward (``planner.schedule.LayerLoad.other_*_bytes``; units of ``LayerTimings.link_bytes``):
-        (fwd intra, fwd inter, bwd intra, bwd inter).
-
-        Called when the forward span starts. Forward: the next layer's gather when this forward
-        started it (``early_next``, right before the span) and its first, asynchronous phase has
-        not landed yet (it runs during the span; the rest waits for its ``finish`` in the next
-        forward; measured on 2 CPU ranks, it had landed before the span in about half the steps).
-        Backward: none. This layer's replica reduce starts when the replicas' gradient is
-        accumulated, which autograd does after the span: the replicas enter the expert compute
-        through the ``torch.cat`` with the owned rows made before the span, whose backward runs
-        after the span's input stamp (measured on 2 CPU ranks, ``benchmarks/replica_spans.py``:
-        every reduce was issued after its layer's backward span and had landed before the next
-        layer's backward span began). Not counted either: RM's re-gathers."""
+        (fwd intra, fwd inter, bwd intra, bwd inter), when the forward span starts. Forward: the
+        next layer's gather when this forward started it (``early_next``) and its first,
+        asynchronous phase has not landed yet. Backward: none (this layer's replica reduce starts
+        after its backward span: the replicas' ``torch.cat`` with the owned rows is made before the
+        span, ``benchmarks/replica_spans.py``); RM's re-gathers are not counted either."""
         if early_next and self.next._gather is not None:
             _, _, layout, gather = self.next._gather
             phases = layout.phases if gather.in_flight else None
@@ -354,18 +347,6 @@ class ShardedExperts:
                 return (*self.timings.link_bytes(phases[0].send_splits, phases[0].recv_splits,
                                                  self.next.expert_bytes), 0.0, 0.0)
         return (0.0, 0.0, 0.0, 0.0)
-
-    def _exchange(self, ctx: StepContext, traffic_DD, *, token_bytes: int, top_k: int, weight_bytes: int,
-                  side_ratio: float = 0.0) -> tuple:
-        """((forward, backward) pipeline degrees, one copy per destination) this iteration: the
-        options' where fixed; what is "auto" the schedule's choice (``onecopy.choose_exchange``) on
-        the agreed costs and this plan's traffic (``traffic_DD()``), priced as the exchange that
-        runs (two hops where they run), the same on every rank. Without costs: degree 1 and one
-        copy on."""
-        return exchange_decision(ctx.schedule_costs, traffic_DD, pipeline_degree=ctx.pipeline_degree,
-                                 one_copy=self.options.one_copy_per_destination,
-                                 ranks_per_node=self.topology.ranks_per_node, token_bytes=token_bytes, top_k=top_k,
-                                 weight_bytes=weight_bytes, two_hops=ctx.two_hops, side_ratio=side_ratio)
 
     def _run(self, x_TH, weights_TK, r, replica_RP, *, remat: bool, local_E, degrees: tuple,
              other=None, side=None, lora=None) -> torch.Tensor:
@@ -481,7 +462,6 @@ def chain(shards: list) -> None:
         prev.next, nxt.prev = nxt, prev
         nxt.replicas.prev = prev.replicas
         prev.replicas.above = nxt.replicas  # gradients in the gaps: each backward completes the layer above
-        prev.is_last = False
 
 
 def _dedup_stats(r, plan, *, ranks_per_node: int, token_bytes: int, weight_bytes: int, k: int) -> dict:
@@ -493,8 +473,8 @@ def _dedup_stats(r, plan, *, ranks_per_node: int, token_bytes: int, weight_bytes
     minus ``a2a_bytes_saved``, plus ``a2a_meta_bytes``."""
     if not isinstance(r, DedupRoute):
         return {"a2a_bytes_saved": 0, "a2a_bytes_saved_inter": 0, "a2a_meta_bytes": 0}
-    node_D = torch.arange(r.hops[0].uniq_DD.shape[0]) // ranks_per_node
-    off = node_D.unsqueeze(1) != node_D.unsqueeze(0)  # [s, d] in other nodes
+    # [s, d]: in other nodes
+    off = ~Topology(num_ranks=r.hops[0].uniq_DD.shape[0], ranks_per_node=ranks_per_node).same_node_DD()
     moved = r.rows_moved()
     inter = sum(int(h.uniq_DD[off].sum()) for h in r.hops)
     moved_intra, moved_inter = plan.moved(ranks_per_node)

@@ -1,22 +1,15 @@
 """Work beside the exchange: a MoE block's shared experts computed inside its chunked token
 exchange (``moe/pipeline.py``), while the last combine chunk is in flight, and handed to the
-block's own call (the schedule's model: ``planner/schedule.py``, ``LayerLoad.side_rows``).
+block's own call (the schedule's model: ``planner/schedule.py``, ``LayerLoad.side_rows``; as run
+here, and where it is not: docs/design.md section 4, "Work beside the exchange").
 
 Legend: T tokens, H hidden.
 
-A family whose block runs its shared experts after its routed experts, on the same hidden states
-(DeepSeek-V2/V3, GLM-4-MoE: ``self.shared_experts(residuals)`` after ``self.experts(...)``), leaves
-them nothing to overlap with: the block waits for the exchange's last combine, then computes them.
-:class:`SharedSide` binds such a block's shared module. The experts module asks it for the
-layer's :class:`SideWork` (the module and the experts' input); a chunked layer computes it inside
-its exchange (forward: after the last chunk's GEMM; backward: the same, through the module's own
-graph) and :meth:`SharedSide.deliver` keeps the output; the block's call of the module then gets
-that output instead of computing it again, when its input is the tensor the work was computed on
-(same storage, layout and version), else the module runs as written, and a block that calls it on
-another input than its experts' (which the source does not show) gets no more side work: the same
-call on every rank, so every rank stops alike. At degree 1, under
-tensor-parallel folding and before ``ds_fssdp.initialize`` nothing is delivered: the block computes
-its shared experts itself, as before. The same module, input and weights compute the same values;
+:class:`SharedSide` binds the shared module of a block that runs it after its routed experts on
+the same hidden states; the experts module asks it for the layer's :class:`SideWork`, and the
+block's call of the module gets the delivered output when its input is the tensor the work was
+computed on (same storage, layout and version), else the module runs as written (and no more side
+work is made: the same on every rank). The same module, input and weights compute the same values;
 only where they run changes.
 """
 from __future__ import annotations
@@ -98,26 +91,18 @@ class SharedSide:
         """Whether the block still calls this module (its ``site`` holds it)."""
         return self.site is None or getattr(self.site[0], self.site[1], None) is self.module
 
-    def trains_without_input_grad(self, x_TH: torch.Tensor) -> bool:
-        """True when the module has trainable weights but ``x_TH`` carries no gradient: the layer's
-        Function would then have no input to take a backward through, so the block computes it."""
-        return (torch.is_grad_enabled() and not x_TH.requires_grad
-                and any(p.requires_grad for p in self.module.parameters()))
-
     def work(self, x_TH: torch.Tensor) -> SideWork | None:
         """The layer's side work over the experts' input ``x_TH`` (None where the block must
-        compute it itself)."""
+        compute it itself: also when the module has trainable weights but ``x_TH`` carries no
+        gradient, since the layer's Function would have no input to take a backward through)."""
         self._stash = None
-        if self.missed or self.trains_without_input_grad(x_TH) or not self.in_place():
+        trains_without_input_grad = (torch.is_grad_enabled() and not x_TH.requires_grad
+                                     and any(p.requires_grad for p in self.module.parameters()))
+        if self.missed or trains_without_input_grad or not self.in_place():
             return None
-        return SideWork(fn=self._forward, x_TH=x_TH, ratio=self.ratio, deliver=self._deliver(x_TH))
-
-    def _deliver(self, x_TH: torch.Tensor) -> Callable:
         key = _key(x_TH)
-
-        def deliver(y):
-            self._stash = (key, y)
-        return deliver
+        return SideWork(fn=self._forward, x_TH=x_TH, ratio=self.ratio,
+                        deliver=lambda y: setattr(self, "_stash", (key, y)))
 
     def _call(self, x, *args, **kwargs):
         stash, self._stash = self._stash, None

@@ -138,10 +138,8 @@ class LayerTimings:
         """The expert function (rows grouped by local expert, group sizes) -> rows, timed."""
         if not self.enabled:
             return expert_fn
-        def run(x_RH, group_sizes):
-            return self.timed(lambda x: expert_fn(x, group_sizes), x_RH, (float(x_RH.shape[0]),), "gemm_fwd",
-                              "gemm_bwd")
-        return run
+        return lambda x_RH, group_sizes: self.timed(lambda x: expert_fn(x, group_sizes), x_RH,
+                                                    (float(x_RH.shape[0]),), "gemm_fwd", "gemm_bwd")
 
     def layer(self, fn, x_TH: torch.Tensor, route, *, other=None, side_rows: float = 0.0) -> torch.Tensor:
         """``fn(x_TH)``: the layer's dispatch, compute and combine over ``route``. ``other``: a

@@ -42,6 +42,11 @@ from ds_fssdp.topology import Topology
 INPUT_ARRAYS = ("decision_schedule_costs", "decision_row_bytes", "decision_side_ratio")
 # The runtime's other inputs per row (docs/traces.md): the steps, the agreed windows.
 STEP_INPUTS = ("optimizer_step", "agreed_window_s", "agreed_attention_s")
+# The sidecar's settings read as they are (key: ReplaySettings field, type), the field's default when absent.
+_META = {"policy": ("policy", str), "materialization_budget": ("budget", int), "load_window": ("window", int),
+         "placement": ("placement", str), "dispatch": ("dispatch", str), "dispatch_slack": ("dispatch_slack", float),
+         "calibration": ("calibration", bool), "smartmoe_interval": ("smartmoe_interval", int),
+         "rematerialize": ("rematerialize", bool), "fssdp_groups": ("fssdp_groups", int)}
 
 
 @dataclass
@@ -97,8 +102,11 @@ class ReplaySettings:
         meta = trace.meta
         s = cls()
         notes = []
-        s.policy = str(meta.get("policy", s.policy))
-        s.budget = int(meta.get("materialization_budget", s.budget))
+        for key, (name, kind) in _META.items():  # missing: the default
+            setattr(s, name, kind(meta.get(key, getattr(s, name))))
+        s.reshard_interval = int(meta.get("reshard_interval") or 0)
+        for name in ("ranks_per_node", "calibration_latency_budget", "hardware", "expert_shape"):
+            setattr(s, name, meta.get(name))
         t = meta.get("overlap_degree", s.overlap_degree)
         windows = "agreed_window_s" in trace.arrays
         if t == "auto" and not windows:
@@ -106,18 +114,6 @@ class ReplaySettings:
                          'unlimited')
             t = trace.num_experts
         s.overlap_degree = t if t == "auto" else int(t)
-        s.window = int(meta.get("load_window", s.window))
-        s.ranks_per_node = meta.get("ranks_per_node")
-        s.placement = str(meta.get("placement", s.placement))
-        s.dispatch = str(meta.get("dispatch", s.dispatch))
-        s.dispatch_slack = float(meta.get("dispatch_slack", s.dispatch_slack))
-        s.reshard_interval = int(meta.get("reshard_interval", 0) or 0)
-        s.calibration = bool(meta.get("calibration", False))
-        s.calibration_latency_budget = meta.get("calibration_latency_budget")
-        s.smartmoe_interval = int(meta.get("smartmoe_interval", s.smartmoe_interval))
-        s.rematerialize = bool(meta.get("rematerialize", False))
-        s.hardware, s.expert_shape = meta.get("hardware"), meta.get("expert_shape")
-        s.fssdp_groups = int(meta.get("fssdp_groups", 1))
         if "pipeline_degree" in meta:
             s.exchange = {k: meta[k] for k in ("top_k", "one_copy_per_destination", "pipeline_degree",
                                                 "topology_aware")}
@@ -248,8 +244,7 @@ def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
         reshards.append(done)
         if done:
             reshard_steps.append(step)
-        for r in done:
-            owner_LE = r.owner_LE
+            owner_LE = done[-1].owner_LE
         decisions = []
         for l, planner in enumerate(planners):
             tokens_ED = tokens[row, l]
@@ -283,11 +278,8 @@ def replay(trace: Trace, settings: ReplaySettings | None = None) -> Replay:
             rec.pop(key)
     if "decision_attention_s" not in trace.arrays:  # a trace from before it was recorded
         rec.pop("decision_attention_s")
-    # Static EP: every owner computes all its experts' rows.
-    ep_rows = np.zeros((S, L, D), dtype=np.int64)
-    load_SLE = trace.tokens_SLED.sum(3, dtype=np.int64)
-    for e, d in enumerate(homogeneous_owner(E, D).tolist()):
-        ep_rows[:, :, d] += load_SLE[:, :, e]
+    # Static EP: every owner computes all its experts' rows (the loads times the one-hot owners [E, D]).
+    ep_rows = trace.tokens_SLED.sum(3, dtype=np.int64) @ np.eye(D, dtype=np.int64)[homogeneous_owner(E, D).numpy()]
     return Replay(settings=s, owner_SLE=rec["decision_owner"], held_SLED=rec["decision_held"],
                   rows_SLD=rec["decision_rows"], ep_rows_SLD=ep_rows, decisions=rec, reshards=reshards,
                   reshard_steps=reshard_steps)

@@ -1,28 +1,19 @@
 """The schedule's cost model fitted on this machine (``planner.schedule.ScheduleCosts``): short
-measurements at initialize, refitted from the run's own timings.
+measurements at initialize, refitted from the run's own timings (docs/design.md section 5).
 
 Legend: D ranks, L MoE layers, R rows, H hidden.
 
 At initialize (``measure``): the token all-to-all over the token group at a few sizes (with
-several nodes once with bytes only to this node's peers, once only to other nodes', so each link
-class gets its own fit), and the layer's compute between the exchanges (permutations, grouped
-expert MLP over the experts a rank owns, combine) forward and backward over a few row counts;
-one warm-up, then the median of ``repeats``. Every rank's times are agreed (one all-reduce, MAX)
-before ``schedule.fit_schedule_costs``, so every rank fits the same costs.
-
-While training (``CostFit.refit``), each layer's ``moe.timing.LayerTimings`` holds its last
-exchange spans and its compute spans (the layer's span less its exchanges: the permutations, the
-grouped MLP, the combine; the same work the initial measurement times). They are agreed in one
-all-reduce (MAX): an exchange is one collective, seen by every rank in the same order, so its
-sample takes the largest bytes any rank moved and the shortest time any rank waited (the rank
-that arrived last waited for no one); compute samples are every rank's own (each rank writes its
-slot). The fit uses the initial measurements and the
-agreed run samples together.
+several nodes once per link class), and the layer's compute between the exchanges (permutations,
+grouped expert MLP over the experts a rank owns, combine) forward and backward over a few row
+counts; one warm-up, then the median of ``repeats``. While training (``CostFit.refit``): each
+layer's ``moe.timing.LayerTimings`` spans of the same work. Every rank's samples are agreed in one
+all-reduce (MAX: an exchange, seen by every rank, takes the largest bytes and the shortest wait;
+compute samples are every rank's own) before ``schedule.fit_schedule_costs``, so every rank fits
+the same costs.
 """
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -110,11 +101,7 @@ def measure_gemm(spec: ExpertSpec, *, dtype, device, rows=None, experts: int = 1
     w = {n: (torch.randn(experts, *s, dtype=dtype, device=device) * 0.02).requires_grad_()
          for n, s in spec.shapes.items()}
     out = {"gemm_fwd": [], "gemm_bwd": []}
-
-    def sync():
-        if torch.device(device).type == "cuda":
-            torch.cuda.synchronize()
-
+    cuda = torch.device(device).type == "cuda"
     for r in rows:
         x = torch.randn(r, H, dtype=dtype, device=device, requires_grad=True)
         sizes = [r // experts + (e < r % experts) for e in range(experts)]
@@ -123,28 +110,21 @@ def measure_gemm(spec: ExpertSpec, *, dtype, device, rows=None, experts: int = 1
         unsend, ungroup = torch.argsort(send).view(-1, 1), torch.argsort(group)
         ones = torch.ones(r, 1, dtype=dtype, device=device)
 
-        def layer_compute(x_RH):
-            grouped = ops.permute_tokens(ops.permute_tokens(x_RH, send, unsend), group, ungroup.view(-1, 1))
+        def layer_compute():
+            grouped = ops.permute_tokens(ops.permute_tokens(x, send, unsend), group, ungroup.view(-1, 1))
             y = ops.expert_mlp(grouped, w, sizes, activation=spec.activation, act_params=spec.act_params)
             return ops.unpermute_combine(ops.permute_tokens(y, ungroup, group.view(-1, 1)), unsend, ones)
-        fwd, bwd = [], []
-        for i in range(repeats + 1):
-            sync()
-            t0 = time.perf_counter()
-            y = layer_compute(x)
-            sync()
-            t1 = time.perf_counter()
-            y.backward(torch.ones_like(y))
-            sync()
-            t2 = time.perf_counter()
-            x.grad = None
-            for p in w.values():
-                p.grad = None
-            if i:
-                fwd.append(t1 - t0)
-                bwd.append(t2 - t1)
-        out["gemm_fwd"].append((float(r), statistics.median(fwd)))
-        out["gemm_bwd"].append((float(r), statistics.median(bwd)))
+        graph = []
+
+        def forward():  # untimed, ahead of each timed backward: a fresh graph, no gradients
+            for t in (x, *w.values()):
+                t.grad = None
+            graph[:] = [layer_compute()]
+            if cuda:
+                torch.cuda.synchronize()
+        out["gemm_fwd"].append((float(r), median_seconds(layer_compute, repeats=repeats, cuda=cuda)))
+        out["gemm_bwd"].append((float(r), median_seconds(lambda: graph[0].backward(torch.ones_like(graph[0])),
+                                                         repeats=repeats, cuda=cuda, before=forward)))
     return out
 
 

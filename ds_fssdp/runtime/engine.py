@@ -30,7 +30,7 @@ from ds_fssdp.runtime.faults import install_from_env as install_faults
 from ds_fssdp.runtime.groups import build_groups
 from ds_fssdp.runtime.monitor import StageMonitor
 from ds_fssdp.runtime.health import apply_run_settings, check_combinations, skipped_optimizer_step
-from ds_fssdp.runtime import pipeline
+from ds_fssdp.runtime import checkpoint, pipeline
 from ds_fssdp.planner import sync_dtype
 from ds_fssdp.runtime.sequence_parallel import sequence_parallel_size, sp_grad_scale
 from ds_fssdp.runtime.tensor_parallel import attach_fold, tensor_parallel_size, tp_grad_scale
@@ -58,24 +58,8 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
         if fcfg.enabled:
             logger.warning("fssdp: the model has no FSSDP experts (FSSDPMoE layers or converted HF experts); initializing plain DeepSpeed")
         return _deepspeed_initialize(**ds_kwargs)
-    for key in (sync_dtype.KEY, sync_dtype.SP_KEY):  # DeepSpeed refuses a bad one after the collectives below
-        sync_dtype.configured_dtype(ds_config, key)
-    layout, whole = None, model
-    if pipe:
-        layout = pipeline.check_pipeline(ds_config, model, mpu=mpu, mesh_param=mesh_param)
-        whole = pipeline.whole_model(model)  # every stage's layers: every rank refuses alike
-        pipeline.check_layers(whole)
-        check_combinations(ds_config, fcfg, model=whole)
-        sp = tp = 1
-    else:
-        sp = check_supported(ds_config, fcfg, model=model, mpu=mpu, mesh_param=mesh_param)
-        tp = tensor_parallel_size(ds_config)  # AutoTP: the FSSDP layers fold over its TP groups
-    for layer in layers:  # a layer's own checks (integrations/peft_lora.py: LoRA on HF experts)
-        if hasattr(layer, "prepare_initialize"):
-            layer.prepare_initialize(ds_config, fcfg, model=model)
-    prepare_zero3(layers, ds_config)  # before any collective: it may refuse
-    check_expert_optimizer(ds_config, optimizer, trains=any(m.trainable for m in whole.modules()
-                                                            if isinstance(m, FSSDPExperts)))
+    layout, whole, sp, tp = _check_before_collectives(ds_config, fcfg, model, layers, optimizer=optimizer, mpu=mpu,
+                                                      mesh_param=mesh_param)
     requested, requested_by = requested_group_size(whole)
 
     init_distributed(backend=get_accelerator().communication_backend_name(), distributed_port=distributed_port,
@@ -86,22 +70,21 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
     device = engine_device(args)
     for layer in layers:
         layer.move_experts(device)
+    if any(l.sharded is not None for l in layers):
+        raise FSSDPConfigError("fssdp: the model's FSSDPMoE layers are already sharded (initialize called twice?)")
     world = dist.get_world_size()
     ranks_per_node = fcfg.resolve_ranks_per_node(world)
+    global_layers = None
     if pipe:  # FSSDP runs inside each stage's data-parallel ranks
         pipeline.check_stage_nodes(layout, ranks_per_node)
         group_size = fcfg.resolve_group_size(layout.dp_size, ranks_per_node, requested, requested_by,
                                              domain="the pipeline stage's data-parallel size")
-    else:
-        group_size = fcfg.resolve_group_size(world, ranks_per_node, requested, requested_by)
-    if any(l.sharded is not None for l in layers):
-        raise FSSDPConfigError("fssdp: the model's FSSDPMoE layers are already sharded (initialize called twice?)")
-    global_layers = None
-    if pipe:
         global_layers = pipeline.global_layer_indices(len(layers), layout)  # the first collective
         if not global_layers[1]:
             logger.warning("fssdp: no pipeline stage has FSSDP experts; initializing plain DeepSpeed")
             return _deepspeed_initialize(**ds_kwargs)
+    else:
+        group_size = fcfg.resolve_group_size(world, ranks_per_node, requested, requested_by)
 
     expert_ids = {id(p) for layer in layers for p in layer.expert_parameters()}
     # FSSDP groups and their expert-data-parallel groups; the sparse collectives get their own
@@ -113,10 +96,8 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
     apply_run_settings(fcfg, groups=timed)  # collective timeout, deterministic mode
     # DeepSpeed's divisor of the summed gradients (SP and TP are never combined: refused; under
     # pipeline parallelism its data-parallel size).
-    if pipe:
-        grad_scale = 1.0 / layout.dp_size
-    else:
-        grad_scale = sp_grad_scale(ds_config, world=world, sp=sp) if tp == 1 else tp_grad_scale(world=world, tp=tp)
+    grad_scale = (1.0 / layout.dp_size if pipe else
+                  sp_grad_scale(ds_config, world=world, sp=sp) if tp == 1 else tp_grad_scale(world=world, tp=tp))
     stage = FSSDPStage(layers, fcfg, groups, grad_scale=grad_scale, zero_stage=zero_stage(ds_config), layout=layout,
                        global_layers=global_layers)
     ds_kwargs["model_parameters"] = _without(model_parameters, expert_ids)
@@ -136,6 +117,30 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
     engine.fssdp_monitor = StageMonitor.for_engine(stage, engine)
     install_faults(engine)  # only when FSSDP_FAULTS is set (tests)
     return engine, ds_optimizer, dataloader, scheduler
+
+
+def _check_before_collectives(ds_config: dict, fcfg: FSSDPConfig, model, layers: list, *, optimizer, mpu,
+                              mesh_param) -> tuple:
+    """Everything ``initialize`` refuses before its first collective, on every rank alike. Returns
+    ``(pipeline layout or None, every stage's layers as one module, SP size, TP size)``."""
+    for key in (sync_dtype.KEY, sync_dtype.SP_KEY):  # DeepSpeed refuses a bad one after the collectives
+        sync_dtype.configured_dtype(ds_config, key)
+    layout, whole, sp, tp = None, model, 1, 1
+    if isinstance(model, PipelineModule):
+        layout = pipeline.check_pipeline(ds_config, model, mpu=mpu, mesh_param=mesh_param)
+        whole = pipeline.whole_model(model)  # every stage's layers: every rank refuses alike
+        pipeline.check_layers(whole)
+        check_combinations(ds_config, fcfg, model=whole)
+    else:
+        sp = check_supported(ds_config, fcfg, model=model, mpu=mpu, mesh_param=mesh_param)
+        tp = tensor_parallel_size(ds_config)  # AutoTP: the FSSDP layers fold over its TP groups
+    for layer in layers:  # a layer's own checks (integrations/peft_lora.py: LoRA on HF experts)
+        if hasattr(layer, "prepare_initialize"):
+            layer.prepare_initialize(ds_config, fcfg, model=model)
+    prepare_zero3(layers, ds_config)  # it may refuse
+    check_expert_optimizer(ds_config, optimizer, trains=any(m.trainable for m in whole.modules()
+                                                            if isinstance(m, FSSDPExperts)))
+    return layout, whole, sp, tp
 
 
 def engine_device(args=None) -> torch.device:
@@ -164,10 +169,7 @@ def requested_group_size(model) -> tuple:
         raise FSSDPConfigError("fssdp: the model's layers ask for different FSSDP group sizes: " +
                                ", ".join(f"{who} ({size})" for size, who in sorted(asks.items())) +
                                "; one group size applies to every layer")
-    if not asks:
-        return None, ""
-    (size, who), = asks.items()
-    return size, who
+    return next(iter(asks.items()), (None, ""))  # the one size asked for, and who asks
 
 
 def check_supported(ds_config: dict, fcfg: FSSDPConfig, *, model, mpu, mesh_param=None) -> int:
@@ -191,34 +193,24 @@ def _read_config(args, config, config_params) -> dict:
     cfg = config if config is not None else config_params
     if cfg is None and getattr(args, "deepspeed_config", None) is not None:
         cfg = args.deepspeed_config
-    if cfg is None:
-        return {}
-    return dict(load_ds_config(cfg))
+    return {} if cfg is None else dict(load_ds_config(cfg))
 
 
 def _without(params, drop_ids: set):
+    """``model_parameters`` (tensors or param-group dicts) without the ``drop_ids`` tensors."""
     if params is None:
         return None
-    kept = []
-    for item in params:
-        if isinstance(item, dict):
-            group = dict(item)
-            group["params"] = [p for p in group["params"] if id(p) not in drop_ids]
-            kept.append(group)
-        elif id(item) not in drop_ids:
-            kept.append(item)
-    return kept
+    return [dict(item, params=[p for p in item["params"] if id(p) not in drop_ids]) if isinstance(item, dict) else item
+            for item in params if isinstance(item, dict) or id(item) not in drop_ids]
 
 
 def _strip_params(optimizer: torch.optim.Optimizer, drop_ids: set) -> None:
     removed = 0
-    for group in optimizer.param_groups:
-        before = len(group["params"])
-        group["params"] = [p for p in group["params"] if id(p) not in drop_ids]
-        removed += before - len(group["params"])
-    for p in list(optimizer.state):
-        if id(p) in drop_ids:
-            del optimizer.state[p]
+    for group in optimizer.param_groups:  # in place: the client's groups stay its own
+        kept = [p for p in group["params"] if id(p) not in drop_ids]
+        removed, group["params"] = removed + len(group["params"]) - len(kept), kept
+    for p in [p for p in optimizer.state if id(p) in drop_ids]:
+        del optimizer.state[p]
     if removed:
         logger.info(f"fssdp: moved {removed} expert parameters from the client optimizer to the FSSDP stage")
 
@@ -265,7 +257,6 @@ class FSSDPEngineMixin:
         stage the whole state in host memory now and return; the files are written and committed
         in the background while training goes on (``wait_for_checkpoint``). A save first waits for
         the one before it."""
-        from ds_fssdp.runtime import checkpoint
         self.fssdp.wait_in_flight()
         return checkpoint.save(self, save_dir, tag, client_state=client_state, save_latest=save_latest,
                                exclude_frozen_parameters=exclude_frozen_parameters, async_save=async_save,
@@ -275,7 +266,6 @@ class FSSDPEngineMixin:
         """Block until a pending ``save_checkpoint(..., async_save=True)`` is committed; its error,
         on any rank, is raised on every rank. Collective (every rank calls); no-op when none is
         pending."""
-        from ds_fssdp.runtime import checkpoint
         checkpoint.wait(self)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
@@ -286,7 +276,6 @@ class FSSDPEngineMixin:
         and read with ``weights_only=True``. ``load_expert_optimizer_states`` (default: as
         ``load_optimizer_states``); ``verify``: check sha256 digests, not only sizes. A pending
         asynchronous save is committed first (it may be the checkpoint being loaded)."""
-        from ds_fssdp.runtime import checkpoint
         self.fssdp.wait_in_flight()
         checkpoint.wait(self)
         return checkpoint.load(self, load_dir, tag, ds_load=super().load_checkpoint,

@@ -1,85 +1,31 @@
 """Expert data parallelism: owners' gradients across FSSDP groups, and where the expert optimizer
-state lives (``fssdp.group_size``).
+state lives (``fssdp.group_size``; docs/design.md section 2, "Expert optimizer state" and
+"Gradients / Parameters / Updates in the gaps", and "Precision" in section 5).
 
 Legend: S rows owned by this rank, P elements per expert, N ranks of the EDP group, C elements of
 this rank's slice (the S * P owned elements split into N contiguous slices, sizes differing by at
 most one).
 
-Every FSSDP group owns every expert once; the ranks at the same position in every group (the EDP
-group, ``runtime/groups.py``) own the same experts and see different data, so their gradients
-are averaged over the EDP group like DeepSpeed's data-parallel gradients (every gradient carries
-the 1 / world factor, then is summed over the EDP group).
-
 * ``ReplicatedExperts`` (ZeRO stage 0, or one FSSDP group): every owner keeps the fp32 master and
-  the optimizer moments of its rows (in fp32 the master is the compute rows); gradients are
-  all-reduced over the EDP group and every owner steps the same update, as DeepSpeed replicates
-  dense optimizer state at stage 0 (with gradients in the gaps a step may be split: below).
+  moments of its rows; gradients are all-reduced over the EDP group (on a split step:
+  reduce-scattered, and each layer's all-gather and update land at its rows' first use).
 * ``PartitionedExperts`` (ZeRO stage >= 1 with more than one group): EDP rank j keeps only slice j
-  of its rows' fp32 master and moments, so the world holds one copy. The compute rows accumulate
-  the gradient (in their dtype, as ZeRO 1/2 do for dense parameters), which is reduce-scattered
-  over the EDP group at the step; each rank steps its slice and the updated slices are
-  all-gathered back into the compute rows (with gradients in the gaps, in the next forward's gaps:
-  below).
+  of its rows' fp32 master and moments; gradients are reduce-scattered into the slices and the
+  stepped slices all-gathered back into the compute rows (deferred to the rows' first use with
+  gradients in the gaps).
 
-The global-norm clip counts each expert once: every rank counts its slice j of each layer's reduced
-gradient (partitioned: its own slices; replicated: those elements of the all-reduced gradient, or
-a split step's slices, so both give the same sum), disjoint over the world. The stage all-reduces
-the squared norm over the world.
-
-Gradients in the gaps (``fssdp.grads_in_gaps``): :meth:`start_reduce` starts one layer's reduce
-asynchronously during the backward (as soon as its owned gradient is final), in slices of at most
-``slice_elems`` elements per rank, each its own asynchronous collective; ``reduce`` at the step then
-waits for what is still in flight and reduces the layers not started, synchronously, as without.
-Each element is summed over the same ranks either way (bitwise the same sums where the collective's
-order is the same). :meth:`wait_in_flight` lands everything started (checkpoints, re-sharding).
-
-Parameters in the gaps (the same setting, partitioned only): ``publish(deferred=True)`` starts
-every layer's all-gather of the updated slices asynchronously, in layer order (the same collective
-and layout as the synchronous one: the same rows, bitwise), and hands each layer its landing (wait,
-copy into the compute rows) with ``ShardedExperts.defer``; it runs at the rows' first use
-(``moe/replicas.py``: the first gather of the layer's next forward, for layer 0 from the model's
-forward pre-hook, for the others during the previous layer's forward), so each all-gather overlaps
-what runs before that. Every method here that reads or writes the rows or the slices lands first
-(``full_state``, ``set_state`` and through them ``migrate``, ``reduce``, ``publish``), and so does
-:meth:`wait_in_flight`. Replicated experts copy their master into the rows at the step (nothing to
-gather), unless the step is split.
-
-Updates in the gaps (the same setting, replicated over an EDP group of more than one rank, when the
-stage sets ``split`` for a step, as ``runtime/edp_sync.EDPSyncPlan.decide_split`` decides): an
-all-reduce is a reduce-scatter and an all-gather of the same bytes, and nothing needs layer l's
-update before its rows' first use.
-So each layer's reduce is a reduce-scatter into this rank's slice of its summed gradient (the
-partitioned code, in the gaps or at the step), the stage steps nothing, and ``publish`` starts
-every trainable layer's all-gather of those slices and defers its landing: the full gradient times
-the step's unscale/clip factor into the master's gradient, the expert optimizer stepped for that
-master alone (torch's Adam, AdamW and SGD keep their state per parameter; its hyperparameters are
-still the step's), the master into the rows. The same sums, the same factor and the same
-per-parameter update as the all-reduce at the step: bitwise the same master and moments (EDP
-groups of 2). It lands where the partitioned all-gather does, and ``full_state``, ``set_state``,
-``migrate`` and ``reduce`` land first. A step not applied drops the slices (``clear_grads``).
-
-Communication dtype: ``comm_dtype``, given at construction, is DeepSpeed's
-``engine.communication_data_type`` (the stage takes it from ``planner/sync_dtype.py`` and checks it
-against the engine's: by default the training dtype, so bf16 under bf16). Every collective of the
-gradient sync sends the gradient in it: the all-reduce (ZeRO 0), the reduce-scatter (ZeRO >= 1, and
-a split step's), the slices in the gaps, a split step's all-gather of the summed slices. The
-gradient is scaled first, in fp32 (the accumulated gradient times ``scale``, DeepSpeed's 1 /
-world), then cast once, reduced, and the sum lands in the fp32 master or slice gradient (cast
-back: ``master.grad`` / ``slice.grad`` stay fp32, the norm's squares are taken from them in fp32).
-That is DeepSpeed's own path for its dense gradients and its MoE's experts (0.19.8:
-``engine.allreduce_bucket`` casts the fp32 gradient buffer, which BF16_Optimizer accumulates
-into, to ``communication_data_type``, all-reduces it and copies the sum back into the buffer;
-``stage_1_and_2.average_tensor``'s reduce-scatter divides by the world before it reduces, in the
-bucket's communication dtype), with the division before the sum: DeepSpeed's reduce-scatter's
-order and its ``prescale_gradients`` option (its all-reduce default divides after; for a power-of-two
-world both give the same values, and dividing first keeps an fp16 sum away from overflow). In
-fp32 (every exactness test) every cast is the identity, no copy: the same collectives on the same
-tensors as without the option.
+The global-norm clip counts each expert once: every rank counts its slice j of each layer's
+reduced gradient, disjoint over the world. Every collective of the gradient sync sends
+``comm_dtype`` (DeepSpeed's ``communication_data_type``): the gradient is scaled by ``scale``
+(DeepSpeed's 1 / world) in fp32 first, then cast once (the division before the sum, as
+DeepSpeed's reduce-scatter and ``prescale_gradients``), and the sum lands in the fp32 master or
+slice gradient; in fp32 every cast is the identity. Every method that reads or writes the rows or
+slices lands their pending write first (``ShardedExperts.land``).
 
 Both give the stage, re-sharding and checkpoints one interface: ``params()`` (what the expert
 optimizer steps), ``full_state(i)`` / ``set_state(i, ...)`` (layer i's full fp32 master and row
-states of the owned rows, gathered from the slices or re-sliced; collective over the EDP group
-when partitioned), ``migrate(i, ...)`` (new owners inside the FSSDP group) and ``state_bytes()``.
+states of the owned rows; collective over the EDP group when partitioned), ``migrate(i, ...)``
+(new owners inside the FSSDP group) and ``state_bytes()``.
 """
 from __future__ import annotations
 
@@ -89,7 +35,7 @@ import torch
 from deepspeed import comm as dist
 
 from ds_fssdp.planner.sync_dtype import expert_sync_dtype
-from ds_fssdp.runtime.reshard import migrate_rows, migrate_shard
+from ds_fssdp.runtime.reshard import migrate_rows
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # planner/sync_dtype.py's names
@@ -108,8 +54,6 @@ def engine_comm_dtype(engine, training: torch.dtype) -> torch.dtype:
                            f"engine sends its gradients in {engine.communication_data_type}: "
                            "planner/sync_dtype.py no longer follows this DeepSpeed")
     return DTYPES[name]
-
-
 
 
 def make_expert_state(shards: list, *, zero_stage: int, edp_group, edp_size: int, edp_rank: int,
@@ -140,6 +84,14 @@ def _write(rows: torch.Tensor, whole) -> None:
         rows.copy_(flat.view_as(rows))
 
 
+def _complete(works: list, complete) -> None:
+    """Wait for a started reduce's collectives, then run its completion."""
+    for w in works:
+        if w is not None:
+            w.wait()
+    complete()
+
+
 def _step_alone(optimizer, param) -> None:
     """Step ``optimizer`` for ``param`` only: the others' gradients are hidden meanwhile (torch's
     Adam, AdamW and SGD skip a parameter without one and keep their state per parameter)."""
@@ -165,10 +117,7 @@ class _ExpertState:
         self.optimizer = None  # the expert optimizer over params(), set by the stage
         self._inflight = {}  # layer -> (works, completion) of a reduce started in the gaps
         self._reduced = set()  # layers whose reduce this step has landed (their gradient is final)
-
-    def _device(self):
-        """Where the layers' rows live (the CPU for a pipeline stage without MoE layers)."""
-        return self.shards[0].rows.device if self.shards else torch.device("cpu")
+        self._summed = {}  # layer -> this rank's slice of its summed gradient (split steps), until publish
 
     @staticmethod
     def _pieces(numel: int, slice_elems: int) -> list:
@@ -183,17 +132,10 @@ class _ExpertState:
         sizes = self._sizes(full.numel())
         return full.reshape(-1).split(sizes)[self.j]
 
-    def _reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of ``flat`` summed over the EDP group (one reduce-scatter, waited)."""
-        works, part = self._start_reduce_scatter(flat, max(1, self._sizes(flat.numel())[0]))
-        for w in works:
-            w.wait()
-        return part
-
     def _start_reduce_scatter(self, flat: torch.Tensor, slice_elems: int) -> tuple:
-        """:meth:`_reduce_scatter` asynchronously: piece [a, b) of every rank's slice is one
-        reduce-scatter (the same per-element sums as the one collective). Returns the collectives
-        and this rank's slice, final once they are waited for."""
+        """This rank's slice of ``flat`` summed over the EDP group, asynchronously: piece [a, b) of
+        every rank's slice is one reduce-scatter (the same per-element sums as one collective).
+        Returns the collectives and this rank's slice, final once they are waited for."""
         sizes = self._sizes(flat.numel())
         if not flat.numel():
             return [], flat[:0]
@@ -262,14 +204,27 @@ class _ExpertState:
         """Land every reduce started in the gaps (their results stay for the step) and every
         layer's all-gather deferred by ``publish``."""
         for i in sorted(self._inflight):
-            works, complete = self._inflight.pop(i)
-            for w in works:
-                if w is not None:
-                    w.wait()
-            complete()
+            _complete(*self._inflight.pop(i))
             self._reduced.add(i)
         for s in self.shards:
             s.land()
+
+    @torch.no_grad()
+    def reduce(self, scale: float) -> torch.Tensor:
+        """Scale the accumulated gradients and sum them over the EDP group (the layers not already
+        reduced in the gaps): as :meth:`start_reduce` does, in one collective per layer, waited.
+        Returns this rank's part of the global squared norm: its slice of every layer (disjoint over
+        the EDP group; replicated, the same elements split or not, so the same norm). Lands what is
+        in flight first (gap reduces, deferred all-gathers, a split step's updates)."""
+        self.wait_in_flight()
+        # on the rows' device (the CPU for a pipeline stage without MoE layers)
+        sq = torch.zeros((), dtype=torch.float32, device=self.shards[0].rows.device if self.shards else "cpu")
+        for i, s in enumerate(self.shards):
+            if i not in self._reduced:
+                _complete(*self._start(i, scale, s.rows.numel()))
+            sq += self.reduced_slice(i).pow(2).sum()
+        self._reduced = set()
+        return sq
 
     def start_reduce(self, i: int, scale: float, slice_elems: int) -> int:
         """Start layer ``i``'s reduce (asynchronous, sliced); returns the collectives issued."""
@@ -279,13 +234,40 @@ class _ExpertState:
         self._inflight[i] = (works, complete)
         return len(works)
 
-    def _check_quiet(self, what: str) -> None:
-        if self._inflight:
-            raise RuntimeError(f"fssdp: {what} while expert gradient reduces of layers {sorted(self._inflight)} are in "
-                               "flight (wait_in_flight first)")
-
     def params(self) -> list:
         raise NotImplementedError
+
+    def migrate(self, i: int, new_owner_E, group) -> int:
+        """Layer i's full state (gathered over the EDP group when partitioned) moved inside the FSSDP
+        group to ``new_owner_E`` as a re-shard does (the master, its per-element optimizer state and
+        separate low-precision rows), then set again (re-sliced). Returns the bytes this rank sent."""
+        if self._inflight:
+            raise RuntimeError(f"fssdp: re-sharding while expert gradient reduces of layers {sorted(self._inflight)} "
+                               "are in flight (wait_in_flight first)")
+        s = self.shards[i]
+        new_owner_E = new_owner_E.to("cpu", torch.long)
+        if torch.equal(new_owner_E, s.owner_E):
+            return 0
+        move = functools.partial(migrate_rows, old_owner_E=s.owner_E, new_owner_E=new_owner_E, rank=s.rank,
+                                 group=group)
+        master_SP, rows, scalars = self.full_state(i)  # lands the rows first
+        new_master, sent = move(master_SP)
+        moved, compute = {}, None
+        for k, v in rows.items():
+            moved[k], n = move(v)
+            sent += n
+        if s.master is not s.rows:  # replicated low-precision rows move as they are
+            compute, n = move(s.rows.detach())
+            sent += n
+        self.set_state(i, owner_E=new_owner_E, master_SP=new_master, rows=moved, scalars=scalars, compute_SP=compute)
+        return sent
+
+    def state_bytes(self) -> dict:
+        params = sum(_nbytes(s.rows) for s in self.shards)
+        master, stored = self._master_bytes()
+        opt = sum(_nbytes(v) for p in self.params() for v in self._state(p).values() if _is_row_state(v, p))
+        return {"expert_params": params, "expert_master": master, "expert_optimizer": opt,
+                "expert_total": params + stored + opt}
 
     def _state(self, param) -> dict:
         return self.optimizer.state.get(param, {}) if self.optimizer is not None else {}
@@ -311,16 +293,10 @@ class _ExpertState:
         p = self.params()[i]
         return sorted(k for k, v in self._state(p).items() if _is_row_state(v, p))
 
-    def optimizer_bytes(self) -> int:
-        return sum(_nbytes(v) for p in self.params() for v in self._state(p).values() if _is_row_state(v, p))
 
 
 class ReplicatedExperts(_ExpertState):
     """Full fp32 master and moments on every owner (see the module docstring)."""
-
-    def __init__(self, shards: list, *, edp_group, edp_size: int, edp_rank: int, comm_dtype: torch.dtype):
-        super().__init__(shards, edp_group=edp_group, edp_size=edp_size, edp_rank=edp_rank, comm_dtype=comm_dtype)
-        self._summed = {}  # layer -> this rank's slice of its summed gradient (split steps), until publish
 
     def params(self) -> list:
         return [s.master for s in self.shards]
@@ -343,31 +319,9 @@ class ReplicatedExperts(_ExpertState):
             flat.copy_(sent)
 
     @torch.no_grad()
-    def reduce(self, scale: float) -> torch.Tensor:
-        """Scale the accumulated gradients, sum them over the EDP group (the layers not already
-        reduced in the gaps): all-reduced into the masters' gradients, or on a split step
-        reduce-scattered into this rank's slices. Returns this rank's part of the global squared
-        norm: its slice of every layer (disjoint over the EDP group; the same elements, so the
-        same norm, either way). Lands what is in flight first (gap reduces, a split step's
-        updates)."""
-        self.wait_in_flight()
-        sq = torch.zeros((), dtype=torch.float32, device=self._device())
-        for i, s in enumerate(self.shards):
-            if i not in self._reduced:
-                flat = self._scaled_grad(s, scale)
-                if self.split:
-                    self._summed[i] = self._reduce_scatter(flat.to(self.comm_dtype))
-                    s.master.grad = None
-                elif self.edp_group is not None:
-                    sent = flat.to(self.comm_dtype)  # flat itself in fp32
-                    dist.all_reduce(sent, group=self.edp_group)
-                    self._land(flat, sent)
-            sq += self.reduced_slice(i).pow(2).sum()
-        self._reduced = set()
-        return sq
-
-    @torch.no_grad()
     def _start(self, i: int, scale: float, slice_elems: int) -> tuple:
+        """Layer i's reduce started: all-reduced into the master's gradient, or on a split step
+        reduce-scattered into this rank's slice. Returns (collectives, completion)."""
         s = self.shards[i]
         flat = self._scaled_grad(s, scale)
         if self.split:
@@ -376,7 +330,7 @@ class ReplicatedExperts(_ExpertState):
             return works, lambda: self._summed.__setitem__(i, part)
         if self.edp_group is None:
             return [], lambda: None
-        sent = flat.to(self.comm_dtype)
+        sent = flat.to(self.comm_dtype)  # flat itself in fp32
         works = [dist.all_reduce(sent[a:b], group=self.edp_group, async_op=True)
                  for a, b in self._pieces(sent.numel(), slice_elems)]
         return works, lambda: self._land(flat, sent)
@@ -423,28 +377,23 @@ class ReplicatedExperts(_ExpertState):
         return master.detach().float(), rows, self.scalars(i)
 
     @torch.no_grad()
-    def set_state(self, i: int, *, owner_E, master_SP, rows=None, scalars=None) -> None:
+    def set_state(self, i: int, *, owner_E, master_SP, rows=None, scalars=None, compute_SP=None) -> None:
+        """``compute_SP``: the low-precision rows where they are separate (None: the master cast)."""
         s = self.shards[i]
         s.land()  # a pending update steps the master replaced here
         device = s.master.device
         master = master_SP.to(device=device, dtype=torch.float32, copy=True).requires_grad_(True)
-        compute = master if s.master is s.rows else master.detach().to(s.rows.dtype).requires_grad_(True)
+        if compute_SP is None:
+            compute_SP = master.detach().to(s.rows.dtype)
+        compute = master if s.master is s.rows else compute_SP.requires_grad_(True)
         state = None if rows is None else dict({k: v.to(device) for k, v in rows.items()}, **(scalars or {}))
         self._adopt(s.master, master, state)
         s.set_owners(owner_E, rows=compute, master=master)
 
-    def migrate(self, i: int, new_owner_E, group) -> int:
-        self._check_quiet("re-sharding")
-        self.shards[i].land()
-        return migrate_shard(self.shards[i], new_owner_E, self.optimizer, group)
-
-    def state_bytes(self) -> dict:
-        params = sum(_nbytes(s.rows) for s in self.shards)
-        separate = sum(_nbytes(s.master) for s in self.shards if s.master is not s.rows)
-        master = sum(s.master.numel() * 4 for s in self.shards)
-        opt = self.optimizer_bytes()
-        return {"expert_params": params, "expert_master": master, "expert_optimizer": opt,
-                "expert_total": params + separate + opt}
+    def _master_bytes(self) -> tuple:
+        """(fp32 master bytes, bytes stored besides the rows)."""
+        return (sum(s.master.numel() * 4 for s in self.shards),
+                sum(_nbytes(s.master) for s in self.shards if s.master is not s.rows))
 
 
 class PartitionedExperts(_ExpertState):
@@ -452,8 +401,8 @@ class PartitionedExperts(_ExpertState):
 
     partitioned = True
 
-    def __init__(self, shards: list, *, edp_group, edp_size: int, edp_rank: int, comm_dtype: torch.dtype):
-        super().__init__(shards, edp_group=edp_group, edp_size=edp_size, edp_rank=edp_rank, comm_dtype=comm_dtype)
+    def __init__(self, shards: list, **kw):
+        super().__init__(shards, **kw)
         self.slices = []
         for s in shards:
             full = s.master.detach().float()
@@ -470,23 +419,12 @@ class PartitionedExperts(_ExpertState):
             return s.rows.new_zeros(s.rows.numel(), dtype=self.comm_dtype)
         return (g.float().reshape(-1) * scale).to(self.comm_dtype)
 
-    @torch.no_grad()
-    def reduce(self, scale: float) -> torch.Tensor:
-        """Reduce-scatter the rows' accumulated gradients over the EDP group into the slices'
-        gradients (the layers not already reduced in the gaps); this rank's part of the global
-        squared norm. Lands what is in flight first (gap reduces, deferred all-gathers)."""
-        self.wait_in_flight()
-        sq = torch.zeros((), dtype=torch.float32, device=self._device())
-        for i, (s, p) in enumerate(zip(self.shards, self.slices)):
-            if i not in self._reduced:
-                p.grad = self._reduce_scatter(self._scaled_flat(s, scale)).float()
-                s.rows.grad = None
-            sq += p.grad.pow(2).sum()
-        self._reduced = set()
-        return sq
+    def reduced_slice(self, i: int) -> torch.Tensor:
+        return self.slices[i].grad
 
     @torch.no_grad()
     def _start(self, i: int, scale: float, slice_elems: int) -> tuple:
+        """Layer i's reduce-scatter into its slice's gradient started: (collectives, completion)."""
         s = self.shards[i]
         flat = self._scaled_flat(s, scale)
         s.rows.grad = None
@@ -517,7 +455,7 @@ class PartitionedExperts(_ExpertState):
         return self._gather(p.detach(), numel)().view(shape), rows, self.scalars(i)
 
     @torch.no_grad()
-    def set_state(self, i: int, *, owner_E, master_SP, rows=None, scalars=None) -> None:
+    def set_state(self, i: int, *, owner_E, master_SP, rows=None, scalars=None, compute_SP=None) -> None:
         s = self.shards[i]
         s.land()  # the pending write targets the rows replaced here
         device = s.rows.device
@@ -532,27 +470,6 @@ class PartitionedExperts(_ExpertState):
         self._adopt(self.slices[i], p, state)
         self.slices[i] = p
 
-    def migrate(self, i: int, new_owner_E, group) -> int:
-        """Gather the full state over the EDP group, move it inside the FSSDP group as a re-shard
-        does, slice it again. Returns the bytes this rank sent inside the FSSDP group."""
-        self._check_quiet("re-sharding")
-        s = self.shards[i]
-        new_owner_E = new_owner_E.to("cpu", torch.long)
-        old_owner_E = s.owner_E
-        if torch.equal(new_owner_E, old_owner_E):
-            return 0
-        master_SP, rows, scalars = self.full_state(i)
-        moved = {}
-        new_master, sent = migrate_rows(master_SP, old_owner_E, new_owner_E, rank=s.rank, group=group)
-        for k, v in rows.items():
-            moved[k], n = migrate_rows(v, old_owner_E, new_owner_E, rank=s.rank, group=group)
-            sent += n
-        self.set_state(i, owner_E=new_owner_E, master_SP=new_master, rows=moved, scalars=scalars)
-        return sent
-
-    def state_bytes(self) -> dict:
-        params = sum(_nbytes(s.rows) for s in self.shards)
+    def _master_bytes(self) -> tuple:
         master = sum(_nbytes(p) for p in self.slices)
-        opt = self.optimizer_bytes()
-        return {"expert_params": params, "expert_master": master, "expert_optimizer": opt,
-                "expert_total": params + master + opt}
+        return master, master

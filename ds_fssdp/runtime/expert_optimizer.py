@@ -7,19 +7,14 @@ import torch
 
 from ds_fssdp.config import FSSDPConfigError
 
+try:
+    from deepspeed.ops.adam import FusedAdam
+except ImportError:  # a DeepSpeed without its ops package: torch's optimizers only
+    FusedAdam = None
 
 # DeepSpeed's optimizer.type names (lower case, as DeepSpeed compares them) whose optimizer the experts run.
 CONFIG_TYPES = ("adam", "adamw", "sgd")
-
-
-def _allowed() -> tuple:
-    allowed = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
-    try:
-        from deepspeed.ops.adam import FusedAdam
-        allowed += (FusedAdam, )
-    except ImportError:
-        pass
-    return allowed
+ALLOWED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD) + ((FusedAdam, ) if FusedAdam is not None else ())
 
 
 def _refuse(name: str) -> FSSDPConfigError:
@@ -35,7 +30,7 @@ def check_expert_optimizer(ds_config: dict, optimizer=None, *, trains: bool = Tr
     if not trains:
         return
     if isinstance(optimizer, torch.optim.Optimizer):
-        if type(optimizer) not in _allowed():
+        if type(optimizer) not in ALLOWED:
             raise _refuse(type(optimizer).__name__)
         return
     kind = (ds_config.get("optimizer") or {}).get("type") if optimizer is None else None
@@ -49,16 +44,10 @@ def build_expert_optimizer(basic_optimizer, params: list):
     if basic_optimizer is None or not params:
         return None
     cls = type(basic_optimizer)
-    if cls not in _allowed():
+    if cls not in ALLOWED:
         raise _refuse(cls.__name__)
-    extra = {}
-    try:
-        from deepspeed.ops.adam import FusedAdam
-        if isinstance(basic_optimizer, FusedAdam):
-            extra["adam_w_mode"] = basic_optimizer.adam_w_mode
-    except ImportError:
-        pass
     accepted = inspect.signature(cls.__init__).parameters
     kwargs = {k: v for k, v in basic_optimizer.defaults.items() if k in accepted}
-    kwargs.update(extra)
+    if FusedAdam is not None and isinstance(basic_optimizer, FusedAdam):
+        kwargs["adam_w_mode"] = basic_optimizer.adam_w_mode
     return cls(params, **kwargs)

@@ -151,16 +151,11 @@ def _wrap_fp16(opt, hook: ExpertNorm) -> None:
 
     opt.unscale_and_clip_grads = unscale_and_clip_grads
     checker = opt.overflow_checker
+
+    def or_expert_overflow(orig_check):
+        return lambda *args, **kwargs: orig_check(*args, **kwargs) or (
+            hook.expert_sq is not None and not math.isfinite(float(hook.expert_sq)))
+
     for name in ("check", "has_overflow", "check_using_norm"):
-        orig_check = getattr(checker, name, None)
-        if orig_check is not None:
-            setattr(checker, name, _or_expert_overflow(orig_check, hook))
-
-
-def _or_expert_overflow(orig_check, hook: ExpertNorm):
-
-    def check(*args, **kwargs):
-        overflow = orig_check(*args, **kwargs)
-        return overflow or (hook.expert_sq is not None and not math.isfinite(float(hook.expert_sq)))
-
-    return check
+        if getattr(checker, name, None) is not None:
+            setattr(checker, name, or_expert_overflow(getattr(checker, name)))

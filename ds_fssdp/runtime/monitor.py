@@ -56,11 +56,9 @@ class StageMonitor:
         self.csv_path = csv_path if rank == 0 else None
         self.columns = (["step", "samples"] +
                         [f"layer{l}/{m}" for l in range(num_layers) for m in LAYER_METRICS] + list(STEP_METRICS))
-        self._file = None
-        self._writer = None
+        self._file = self._writer = None
         if self.csv_path:
-            directory = os.path.dirname(os.path.abspath(self.csv_path))
-            os.makedirs(directory, exist_ok=True)
+            os.makedirs(os.path.dirname(os.path.abspath(self.csv_path)), exist_ok=True)
             self._file = open(self.csv_path, "w", newline="", encoding="utf-8")
             self._writer = csv.writer(self._file)
             self._writer.writerow(self.columns)

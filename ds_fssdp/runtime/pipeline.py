@@ -222,16 +222,16 @@ class PipelineRun:
         for m in self.aux:
             m.scale = scale
 
-    def aux_mean(self, *, dp: int, micro_batches: int, device) -> torch.Tensor:
-        """The auxiliary terms of this batch's forwards, summed over every stage and averaged over
-        the data-parallel ranks and micro-batches, as DeepSpeed averages the loss (collective over
-        the world: stages without such terms join with 0)."""
-        total = torch.zeros((), dtype=torch.float32, device=device)
+    def with_aux(self, loss: torch.Tensor, *, dp: int, micro_batches: int) -> torch.Tensor:
+        """``loss`` plus the auxiliary terms of this batch's forwards, summed over every stage and
+        averaged over the data-parallel ranks and micro-batches, as DeepSpeed averages the loss
+        (collective over the world: stages without such terms join with 0)."""
+        total = torch.zeros((), dtype=torch.float32, device=loss.device)
         for m in self.aux:
             if m.total is not None:
-                total += m.total.to(device)
+                total += m.total.to(loss.device)
         dist.all_reduce(total)
-        return total / (dp * micro_batches)
+        return loss + (total / (dp * micro_batches)).to(loss.dtype)
 
 
 def trace_file(trace_path: str | None, layout: PipelineLayout | None, *, rank: int, global_layers: list) -> str | None:
@@ -264,8 +264,7 @@ class FSSDPPipelineMixin:
         if run.backwards != self.micro_batches:
             raise RuntimeError(f"fssdp: {run.backwards} backward passes ran in a batch of {self.micro_batches} "
                                "micro-batches")
-        aux = run.aux_mean(dp=self.fssdp_layout.dp_size, micro_batches=self.micro_batches, device=loss.device)
-        self.agg_train_loss = loss + aux.to(loss.dtype)
+        self.agg_train_loss = run.with_aux(loss, dp=self.fssdp_layout.dp_size, micro_batches=self.micro_batches)
         return self.agg_train_loss
 
     def eval_batch(self, data_iter, return_logits=False, compute_loss=True, reduce_output="avg", bcast_loss=True,
@@ -278,9 +277,8 @@ class FSSDPPipelineMixin:
         if not (compute_loss and bcast_loss and reduce_output == "avg"):
             return out
         loss, rest = (out[0], out[1:]) if return_logits else (out, ())
-        aux = self.fssdp_pipe.aux_mean(dp=self.fssdp_layout.dp_size,
-                                       micro_batches=num_micro_batches or self.micro_batches, device=loss.device)
-        loss = loss + aux.to(loss.dtype)
+        loss = self.fssdp_pipe.with_aux(loss, dp=self.fssdp_layout.dp_size,
+                                        micro_batches=num_micro_batches or self.micro_batches)
         return (loss, *rest) if return_logits else loss
 
     def _exec_schedule(self, pipe_schedule):

@@ -1,4 +1,5 @@
-"""Heterogeneous re-sharding in the runtime: new owners for every layer, state migrated.
+"""Heterogeneous re-sharding in the runtime: new owners for every layer, state migrated
+(``expert_dp.migrate`` moves each tensor with :func:`migrate_rows`).
 
 Legend: E experts, D ranks, S rows owned before, S2 rows owned after, P elements per expert.
 
@@ -12,8 +13,6 @@ from __future__ import annotations
 
 import torch
 from deepspeed import comm as dist
-
-from ds_fssdp.moe.sharded import ShardedExperts
 
 
 @torch.no_grad()
@@ -44,37 +43,3 @@ def migrate_rows(rows_SP: torch.Tensor, old_owner_E: torch.Tensor, new_owner_E: 
         out.index_copy_(0, torch.tensor([new_pos[e] for _, e in arriving], device=rows_SP.device), recv)
     return out, send.numel() * send.element_size()
 
-
-@torch.no_grad()
-def migrate_shard(shard: ShardedExperts, new_owner_E: torch.Tensor, optimizer, group) -> int:
-    """Move one layer's expert state to ``new_owner_E``; returns the bytes this rank sent."""
-    new_owner_E = new_owner_E.to("cpu", torch.long)
-    old_owner_E = shard.owner_E
-    if torch.equal(new_owner_E, old_owner_E):
-        return 0
-    rank = shard.rank
-    sent = 0
-    old_master = shard.master
-    new_master, n = migrate_rows(old_master.detach(), old_owner_E, new_owner_E, rank=rank, group=group)
-    sent += n
-    state = optimizer.state.pop(old_master, {}) if optimizer is not None else {}
-    new_state = {}
-    for key, value in state.items():
-        if torch.is_tensor(value) and value.shape == old_master.shape:
-            value, n = migrate_rows(value, old_owner_E, new_owner_E, rank=rank, group=group)
-            sent += n
-        new_state[key] = value
-    new_master = new_master.requires_grad_(True)
-    if shard.master is shard.rows:
-        new_rows = new_master
-    else:
-        new_rows, n = migrate_rows(shard.rows.detach(), old_owner_E, new_owner_E, rank=rank, group=group)
-        sent += n
-        new_rows = new_rows.requires_grad_(True)
-    if optimizer is not None:
-        for group_ in optimizer.param_groups:
-            group_["params"] = [new_master if p is old_master else p for p in group_["params"]]
-        if new_state:
-            optimizer.state[new_master] = new_state
-    shard.set_owners(new_owner_E, rows=new_rows, master=new_master)
-    return sent

@@ -1,24 +1,15 @@
-"""Ulysses sequence parallelism (DeepSpeed's ALST) with FSSDP experts.
+"""Ulysses sequence parallelism (DeepSpeed's ALST) with FSSDP experts (docs/design.md section 5).
 
 Legend: W ranks in the world, s ranks per sequence-parallel (SP) group, W / s data-parallel
 replicas of the sequence.
 
-``UlyssesSPAttentionHF.register_with_transformers`` returns an mpu (DeepSpeed's
-``parallel_state_sp``) that ``initialize(mpu=...)`` accepts: each rank holds a slice of each
-sequence, the attention exchanges heads for sequence with an all-to-all over the SP group, and
-everything else, the MoE layers included, sees only this rank's slice. FSSDP therefore runs
-unchanged over all W ranks, each with its own tokens (the FSSDP groups are formed over the whole
-world, as without SP).
-
-Gradient scale (DeepSpeed's convention, measured against DeepSpeed 0.19.8). Every SP rank
-backpropagates the same loss, gathered over the SP group with a differentiable all-gather, so the
-gradients summed over all W ranks are s times the sum of the full sequences' gradients. ZeRO 0, 1
-and 2 divide that sum by W / s: the dense gradient is s times the data-parallel mean of the full
-sequences' gradients. ZeRO 3's default reduce (``zero_optimization.reduce_scatter`` true) divides
-by W: 1 times that mean (its contiguous all-reduce path, taken with reduce_scatter false for
-buckets up to ``reduce_bucket_size``, divides by W / s, so its scale depends on the bucket: that
-mix is refused). The expert gradients take DeepSpeed's divisor (``sp_grad_scale``), so one global
-norm and clipping see one consistent gradient.
+The mpu ``UlyssesSPAttentionHF.register_with_transformers`` returns is accepted: every rank holds
+a slice of each sequence and the MoE layers see only that slice, so FSSDP runs unchanged over all
+W ranks. Every SP rank backpropagates the same gathered loss, so the gradients summed over all W
+ranks are s times the full sequences'; the expert gradients take DeepSpeed's divisor of the dense
+ones (:func:`sp_grad_scale`, measured against DeepSpeed 0.19.8: W / s under ZeRO 0-2, W under ZeRO
+3's default reduce-scatter; ZeRO 3's contiguous all-reduce path scales by bucket size and is
+refused), so one global norm and clipping see one consistent gradient.
 """
 from __future__ import annotations
 

@@ -4,24 +4,15 @@ Legend: E experts, D ranks, S owned rows, P elements per expert.
 
 DeepSpeed keeps the dense parameters (data parallel, ZeRO 0-3). The stage keeps every expert's
 parameters, fp32 master and optimizer moments on its owner only (one owner per FSSDP group; with
-several groups the owners' state is replicated or partitioned over the expert-data-parallel
-group, ``runtime/expert_dp.py``). Per micro-step it folds the owned gradient and the replicas'
-reduced gradients into the owner's gradient; at the optimizer step it averages them over all ranks
-like DeepSpeed's data-parallel gradients, folds their norm into DeepSpeed's global norm, applies
-the same unscale/clip factor, and steps them with the optimizer type and hyperparameters DeepSpeed
-built from the same config. The policy and its cost model are built at attach
-(``runtime/policy_setup.py``).
-
-With ``fssdp.grads_in_gaps`` each layer's EDP reduce starts during the backward (``before_backward``),
-in slices planned after each step (``runtime/edp_sync.py``), and, under ZeRO >= 1 with several
-FSSDP groups, each layer's EDP all-gather of the stepped slices starts at the step and lands at the
-layer's first use in the next forward (``expert_dp.py``): ``last_step["edp_gather_in_gaps"]`` lists
-the layers deferred, each layer's stats the seconds its landing took (``edp_gather_wait_s``). Under
-ZeRO 0 with several groups, after each step ``EDPSyncPlan.decide_split`` (``runtime/edp_sync.py``)
-decides, from the cost model and the modelled gaps, whether the next step's sync is split around
-it: a reduce-scatter in the gaps, no expert optimizer step at the step, and each layer's all-gather
-and update landing at its first use (``expert_dp.py``); ``last_step["edp_split"]`` says whether a
-step was. :meth:`wait_in_flight` (checkpoint save and load, re-shards) lands all of them.
+several groups replicated or partitioned over the expert-data-parallel group,
+``runtime/expert_dp.py``). Per micro-step it folds the owned and the replicas' reduced gradients
+into the owner's gradient; at the optimizer step it averages them over all ranks like DeepSpeed's
+data-parallel gradients, folds their norm into DeepSpeed's global norm, applies the same
+unscale/clip factor, and steps them with the optimizer DeepSpeed built from the same config. The
+policy and its cost model are built at attach (``runtime/policy_setup.py``). Gradients,
+parameters and updates in the gaps (``fssdp.grads_in_gaps``; ``runtime/edp_sync.py``,
+``expert_dp.py``): docs/design.md section 2; ``last_step`` records what each step did, and
+:meth:`wait_in_flight` (checkpoint save and load, re-shards) lands all of it.
 """
 from __future__ import annotations
 
@@ -186,11 +177,8 @@ class FSSDPStage:
 
     def attach(self, engine) -> None:
         """Adopt the engine's precision and device, its optimizer type and its clipping."""
-        dtype = torch.float32
-        if engine.bfloat16_enabled():
-            dtype = torch.bfloat16
-        elif engine.fp16_enabled():
-            dtype = torch.float16
+        dtype = (torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled()
+                 else torch.float32)
         zero_stage = int(engine.zero_optimization_stage())
         if zero_stage != self.zero_stage:  # the layers were built for the config's (side work, moe/side.py)
             raise RuntimeError(f"fssdp: DeepSpeed runs ZeRO stage {zero_stage}, the stage was built for "
@@ -357,8 +345,9 @@ class FSSDPStage:
         # flight: a group's collectives run in order (one NCCL stream), so one issued after them,
         # and the host's read of its result, would wait for every layer's all-gather.
         self._agree_on_windows(engine.device)
-        if applied:
-            self._reduce_router_loads(engine.device)
+        if applied and self.edp_size > 1:  # the bias updates count loads over the world: each group saw its own
+            for load_E in (load_E for layer in self.layers for load_E in layer.pending_loads()):
+                load_E.copy_(self._edp_reduce(load_E))
         next_split = self.edp_sync.decide_split(engine.device, attention_s=self.attention_s,
                                                 schedule_costs=self.schedule_costs)
         self.edp_sync.plan_slices(engine.device, split=next_split, schedule_costs=self.schedule_costs)
@@ -401,16 +390,6 @@ class FSSDPStage:
                           "edp_split": split,
                           "cost_fit_error": self.cost_fit.error if self.cost_fit is not None else None}
         self.memory.reset_peak()
-
-    def _reduce_router_loads(self, device) -> None:
-        """Routing-bias updates count loads over the world: each FSSDP group saw its own."""
-        if self.edp_size == 1:
-            return
-        for layer in self.layers:
-            for load_E in layer.pending_loads():
-                summed = load_E.to(device)
-                dist.all_reduce(summed, group=self.edp_group)
-                load_E.copy_(summed)
 
     def close(self) -> None:
         """Write what is pending (the trace). Also runs at interpreter exit."""
@@ -539,8 +518,7 @@ class FSSDPStage:
         group before anything moves; a difference is an error that names the layers."""
         if self.edp_size == 1:
             return
-        both = torch.stack([owner_LE, -owner_LE]).to(self.shards[0].rows.device, copy=True)
-        dist.all_reduce(both, op=dist.ReduceOp.MIN, group=self.edp_group)
+        both = self._edp_reduce(torch.stack([owner_LE, -owner_LE]), op=dist.ReduceOp.MIN)
         layers = (both[0] != -both[1]).any(1).nonzero().flatten().tolist()
         if layers:
             raise RuntimeError(f"fssdp: the FSSDP groups planned different owners at optimizer step {step} "
@@ -552,7 +530,12 @@ class FSSDPStage:
         load_LE = self.predictor.predict_all()
         if load_LE is None or self.edp_size == 1:
             return load_LE
-        load_LE = load_LE.to(self.shards[0].rows.device, copy=True)  # NCCL reduces device tensors only
-        dist.all_reduce(load_LE, group=self.edp_group)
-        return load_LE.cpu()
+        return self._edp_reduce(load_LE)
+
+    def _edp_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """``t`` reduced over the EDP group on the layers' device (NCCL reduces device tensors
+        only), returned on the host."""
+        out = t.to(self.shards[0].rows.device, copy=True)
+        dist.all_reduce(out, op=op, group=self.edp_group)
+        return out.cpu()
 
