@@ -38,6 +38,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+from deepspeed.runtime.pipe.schedule import TrainSchedule
 
 from ds_fssdp.planner.knobs import auto_materialization_budget
 from ds_fssdp.sim.bound import LowerBound
@@ -107,14 +108,10 @@ def stage_setups(cluster, model, gpus: int, stages: int, *, micro_batches: int, 
 
 
 def train_order(stages: int, stage: int, micro_batches: int) -> list:
-    """Stage ``stage``'s ("F" | "B", micro-batch) in DeepSpeed's TrainSchedule order: min(S - s - 1,
-    G) forwards, then a forward and a backward in turn, then the remaining backwards."""
-    G = micro_batches
-    warm = min(stages - stage - 1, G)
-    order = [("F", i) for i in range(warm)]
-    for j in range(G - warm):
-        order += [("F", warm + j), ("B", j)]
-    return order + [("B", j) for j in range(G - warm, G)]
+    """Stage ``stage``'s ("F" | "B", micro-batch) in the order DeepSpeed's TrainSchedule runs them."""
+    sched = TrainSchedule(micro_batches=micro_batches, stages=stages, stage_id=stage)
+    steps = (sched._step_to_micro_batch(i) for i in range(2 * (micro_batches + stages - 1)))
+    return [("F" if forward else "B", mb) for mb, forward in steps if sched._valid_micro_batch(mb)]
 
 
 def one_f_one_b(forward_SG, backward_SG, p2p_s: float = 0.0) -> tuple:

@@ -279,11 +279,15 @@ class Policy:
         shard_ED = shard_placement(owner_E, self.topology.num_ranks)
         if not bool(placement_ED[shard_ED].all()):
             raise ValueError(f"{self.name}: placement_ED must contain the shard placement of owner_E")
-        none = torch.zeros_like(placement_ED)
-        calibrated_ED = none if calibrated_ED is None else calibrated_ED & ~shard_ED
-        shadow_ED = none if shadow_ED is None else shadow_ED & ~shard_ED
-        persistent_ED = none if persistent_ED is None else persistent_ED & ~shard_ED
-        hidden_ED = placement_ED & ~shard_ED & ~calibrated_ED & ~shadow_ED & ~persistent_ED
+        none, beyond_ED = torch.zeros_like(placement_ED), ~shard_ED
+        hidden_ED = placement_ED & beyond_ED
+        parts = []
+        for part_ED in (calibrated_ED, shadow_ED, persistent_ED):
+            if part_ED is not None:
+                part_ED = part_ED & beyond_ED
+                hidden_ED &= ~part_ED
+            parts.append(none if part_ED is None else part_ED)
+        calibrated_ED, shadow_ED, persistent_ED = parts
         if evicted_ED is not None:
             evicted_ED = evicted_ED.to("cpu", torch.bool) & ~shard_ED
             if bool((evicted_ED & placement_ED).any()):
