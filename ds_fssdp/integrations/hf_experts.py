@@ -85,6 +85,11 @@ class Layout:
     def spec(self) -> ExpertSpec:
         return ExpertSpec(self.activation, self.hidden, self.ffn, bias=self.bias, act_params=self.act_params or None)
 
+    @property
+    def up_name(self) -> str:
+        """The HF tensor of the first projection: gate and up fused, or up alone."""
+        return "gate_up_proj" if self.gated else "up_proj"
+
 
 def read_layout(experts: nn.Module, *, model_type: str, where: str) -> Layout:
     """The module's layout and activation; refuses what the mapping cannot reproduce exactly."""
@@ -120,7 +125,7 @@ def _constant(experts: nn.Module, name: str):
     config = getattr(experts, "config", None)
     for attr in _CONSTANT_NAMES[name]:
         for owner in (experts, config):
-            value = getattr(owner, attr, None) if owner is not None else None
+            value = getattr(owner, attr, None)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 return float(value)
     return None
@@ -175,42 +180,35 @@ def _variant(name: str, params: dict, g_RI: torch.Tensor, u_RI: torch.Tensor | N
 def to_fssdp(experts: nn.Module, layout: Layout, *, copy: bool = True) -> dict:
     """HF fused tensors -> FSSDP's named [E, ...] tensors (contiguous copies; ``copy=False``: views
     of the HF tensors, for a caller that copies them into place itself)."""
-    I = layout.ffn
-    up = (experts.gate_up_proj if layout.gated else experts.up_proj).detach()
-    w_xw = up if layout.transposed else up.transpose(1, 2)  # [E, H, 2I] or [E, H, I], applied as x @ W
-    down = experts.down_proj.detach()
-    w_down = down if layout.transposed else down.transpose(1, 2)  # [E, I, H]
-    out = {}
-    if layout.gated:
-        gate, upw = _split(w_xw, I, layout.concatenated)
-        out.update(w_gate=gate, w_up=upw, w_down=w_down)
-    else:
-        out.update(w_a=w_xw, w_b=w_down)
+    up, down = getattr(experts, layout.up_name).detach(), experts.down_proj.detach()
+    # applied as x @ W: [E, H, 2I] (or [E, H, I]) and [E, I, H]
+    tensors = _unfuse(up if layout.transposed else up.transpose(1, 2),
+                      down if layout.transposed else down.transpose(1, 2), layout)
     if layout.bias:
-        b_up = (experts.gate_up_proj_bias if layout.gated else experts.up_proj_bias).detach()
-        if layout.gated:
-            out["b_gate"], out["b_up"] = _split(b_up, I, layout.concatenated)
-            out["b_down"] = experts.down_proj_bias.detach()
-        else:
-            out["b_a"], out["b_b"] = b_up, experts.down_proj_bias.detach()
+        tensors += _unfuse(getattr(experts, f"{layout.up_name}_bias").detach(), experts.down_proj_bias.detach(), layout)
+    out = dict(zip(layout.spec().names, tensors))
     return {k: v.contiguous().clone() for k, v in out.items()} if copy else out
 
 
 def to_hf(tensors: dict, layout: Layout) -> dict:
     """FSSDP's named tensors -> the HF module's fused tensors by attribute name (the inverse)."""
-    if layout.gated:
-        w_xw = _join(tensors["w_gate"], tensors["w_up"], layout.concatenated)
-        w_down = tensors["w_down"]
-    else:
-        w_xw, w_down = tensors["w_a"], tensors["w_b"]
-    up_name = "gate_up_proj" if layout.gated else "up_proj"
-    out = {up_name: w_xw if layout.transposed else w_xw.transpose(1, 2),
-           "down_proj": w_down if layout.transposed else w_down.transpose(1, 2)}
+    values, k = [tensors[n] for n in layout.spec().names], 3 if layout.gated else 2
+    up, down = _fuse(values[:k], layout)
+    out = {layout.up_name: up if layout.transposed else up.transpose(1, 2),
+           "down_proj": down if layout.transposed else down.transpose(1, 2)}
     if layout.bias:
-        out[f"{up_name}_bias"] = (_join(tensors["b_gate"], tensors["b_up"], layout.concatenated) if layout.gated
-                                  else tensors["b_a"])
-        out["down_proj_bias"] = tensors["b_down"] if layout.gated else tensors["b_b"]
+        out[f"{layout.up_name}_bias"], out["down_proj_bias"] = _fuse(values[k:], layout)
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def _unfuse(up, down, layout) -> list:
+    """An up tensor (gate and up fused when gated) and a down tensor -> FSSDP's tensors in row order."""
+    return [*(_split(up, layout.ffn, layout.concatenated) if layout.gated else (up, )), down]
+
+
+def _fuse(parts: list, layout) -> tuple:
+    """The inverse of :func:`_unfuse`: (up, down)."""
+    return (_join(parts[0], parts[1], layout.concatenated) if layout.gated else parts[0]), parts[-1]
 
 
 def _split(t, I, concatenated):
@@ -274,7 +272,7 @@ class FSSDPHFExperts(FSSDPExperts):
         layout = read_layout(experts, model_type=model_type, where=where)
         from ds_fssdp.integrations.hf_forward import check_forward
         check_forward(experts, layout, model_type=model_type, where=where)  # nothing computed beyond the mapped MLPs
-        hf_params = {n: p for n, p in experts.named_parameters(recurse=False)}
+        hf_params = dict(experts.named_parameters(recurse=False))
         first = next(iter(hf_params.values()))
         # Built on the meta device: the real tensors are the HF ones, mapped below.
         super().__init__(spec=layout.spec(), hidden_size=layout.hidden, ffn_hidden_size=layout.ffn,
@@ -291,30 +289,26 @@ class FSSDPHFExperts(FSSDPExperts):
         self.layout = layout
         self.model_type = model_type
         self.k = top_k
-        # PEFT LoRA (integrations/peft_lora.py): PEFT reads the layout flag, the wrappers above set
-        # their factors here for one forward, and the HF tensor names stay visible as empty
-        # stand-ins with their full shape in ``ds_shape`` (as ZeRO-3's partitioned parameters), so
-        # PEFT's ``target_parameters`` match a converted model too.
+        # PEFT LoRA (peft_lora.py; docs/design.md, "LoRA on experts"): PEFT reads the layout flag, the
+        # wrappers set their factors here for one forward, and the HF tensor names stay as empty
+        # stand-ins with ``ds_shape``, out of every state dict (dropped by ``prepare_initialize``
+        # when no wrapper targets this module).
         self.is_transposed = layout.transposed
         self._lora_active = {}
         self._adopt_handle = None  # convert's forward pre-hook on the MoE block (peft_lora.adopt_hook)
-        # They never enter a state dict, and ``prepare_initialize`` drops them when no PEFT wrapper
-        # targets this module (PEFT must be applied before initialize).
         self.stand_ins = tuple(hf_params)
+        self.register_state_dict_post_hook(_drop_stand_ins)
+        self.register_load_state_dict_pre_hook(_keep_stand_ins)
+        # The HF module, outside the module tree, for the way back (``to_hf_module``), its storage freed
+        # (meta tensors); ``_fresh_init``: (seed, the model's _init_weights) of a lazy module
+        # (hf_load.from_config), how fresh_rows draws each expert.
+        object.__setattr__(self, "_hf_experts", experts)
+        object.__setattr__(self, "_fresh_init", None)
         for name, p in hf_params.items():
             stand_in = nn.Parameter(torch.empty(0, dtype=p.dtype, device="cpu" if p.is_meta else p.device),
                                     requires_grad=False)
             stand_in.ds_shape = p.shape
             setattr(self, name, stand_in)
-        self.register_state_dict_post_hook(_drop_stand_ins)
-        self.register_load_state_dict_pre_hook(_keep_stand_ins)
-        # The HF module is kept outside the module tree for the way back (``to_hf_module``); its
-        # storage is freed (meta tensors of the same shapes).
-        object.__setattr__(self, "_hf_experts", experts)
-        # (seed, the model's _init_weights) when built lazily (integrations/hf_load.from_config): how
-        # fresh_rows draws each expert
-        object.__setattr__(self, "_fresh_init", None)
-        for name, p in hf_params.items():
             setattr(experts, name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
                                                 requires_grad=p.requires_grad))
 
@@ -384,8 +378,7 @@ class FSSDPHFExperts(FSSDPExperts):
     def lora_targets(self) -> dict:
         """HF tensor name -> (in, out) features of the projections LoRA may target."""
         lay = self.layout
-        up = "gate_up_proj" if lay.gated else "up_proj"
-        return {up: (lay.hidden, 2 * lay.ffn if lay.gated else lay.ffn), "down_proj": (lay.ffn, lay.hidden)}
+        return {lay.up_name: (lay.hidden, 2 * lay.ffn if lay.gated else lay.ffn), "down_proj": (lay.ffn, lay.hidden)}
 
     @torch.no_grad()
     def hf_tensors(self, like: torch.Tensor | None = None) -> dict:

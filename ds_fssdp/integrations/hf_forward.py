@@ -89,10 +89,7 @@ def _probe(experts: nn.Module, layout, *, hidden: int, ffn: int, distinct: bool)
 
 
 def _forward_owner(experts: nn.Module) -> str:
-    for cls in type(experts).__mro__:
-        if "forward" in cls.__dict__:
-            return f"{cls.__name__}.forward"
-    return "forward"
+    return next((f"{cls.__name__}.forward" for cls in type(experts).__mro__ if "forward" in cls.__dict__), "forward")
 
 
 def _probe_copy(experts: nn.Module, layout, *, hidden: int, ffn: int, distinct: bool) -> nn.Module:
@@ -108,11 +105,10 @@ def _probe_copy(experts: nn.Module, layout, *, hidden: int, ffn: int, distinct: 
         probe.config._experts_implementation_internal = "eager"
     gen = torch.Generator().manual_seed(0)
     E, out = layout.num_experts, (2 * ffn if layout.gated else ffn)
-    shapes = {("gate_up_proj" if layout.gated else "up_proj"): (hidden, out) if layout.transposed else (out, hidden),
+    shapes = {layout.up_name: (hidden, out) if layout.transposed else (out, hidden),
               "down_proj": (ffn, hidden) if layout.transposed else (hidden, ffn)}
     if layout.bias:
-        shapes[("gate_up_proj_bias" if layout.gated else "up_proj_bias")] = (out, )
-        shapes["down_proj_bias"] = (hidden, )
+        shapes.update({f"{layout.up_name}_bias": (out, ), "down_proj_bias": (hidden, )})
     for name, shape in shapes.items():
         t = torch.randn((E if distinct else 1, *shape), generator=gen) * (0.5 if distinct else shape[-1]**-0.5)
         probe._parameters[name] = nn.Parameter(t if distinct else t.expand(E, *shape), requires_grad=False)
