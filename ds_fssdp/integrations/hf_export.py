@@ -34,7 +34,7 @@ def export_hf(load_dir: str, out_dir: str, *, model: str, tag=None, dtype=None, 
 
     from ds_fssdp.integrations.hf import convert, converted_experts, expert_keys
     from ds_fssdp.integrations.hf_load import _hf_zero3_off
-    from ds_fssdp.integrations.hf_save import Comm, write_hf_dir
+    from ds_fssdp.integrations.hf_save import write_hf_dir
     from ds_fssdp.runtime.checkpoint.export import all_rows, dense_state_dict, open_checkpoint
     from ds_fssdp.runtime.checkpoint.reshape import RankFiles
     root, meta = open_checkpoint(load_dir, tag, verify=verify)
@@ -67,8 +67,7 @@ def export_hf(load_dir: str, out_dir: str, *, model: str, tag=None, dtype=None, 
         l, saved = layers[next(n for n, m in modules.items() if m is module)]
         return torch.arange(saved["num_experts"]), all_rows(files, l, saved)
 
-    return write_hf_dir(skeleton, out_dir, dense=dense, rows=rows, dtype=dtype, comm=Comm(),
-                        max_shard_size=max_shard_size)
+    return write_hf_dir(skeleton, out_dir, dense=dense, rows=rows, dtype=dtype, max_shard_size=max_shard_size)
 
 
 def _dtype(value) -> torch.dtype:

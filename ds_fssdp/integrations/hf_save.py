@@ -23,6 +23,7 @@ import shutil
 
 import torch
 
+from ds_fssdp.runtime.checkpoint.collective import agreed, rank
 from ds_fssdp.runtime.checkpoint.files import CheckpointError, fsync_dir, write_json
 
 INDEX = "model.safetensors.index.json"
@@ -49,14 +50,13 @@ def save_pretrained(model, out_dir, *, max_shard_size="50GB", save_original_form
     model = unwrap(model)
     if _is_peft(model):
         return _save_peft(model, out_dir, max_shard_size=max_shard_size)
-    comm = Comm()
     return write_hf_dir(model, out_dir, dense=lambda: dense_state_dict(model),
-                        rows=lambda module: own_rows(module, comm.rank), dtype=_saved_dtype(model), comm=comm,
+                        rows=lambda module: own_rows(module, rank()), dtype=_saved_dtype(model),
                         max_shard_size=max_shard_size, save_original_format=save_original_format,
                         overwrite=overwrite)
 
 
-def write_hf_dir(model, out_dir, *, dense, rows, dtype: torch.dtype, comm, max_shard_size="50GB",
+def write_hf_dir(model, out_dir, *, dense, rows, dtype: torch.dtype, max_shard_size="50GB",
                  save_original_format: bool = True, overwrite: bool = False) -> str:
     """The writer behind :func:`save_pretrained` and the offline export (``hf_export.py``):
     ``model`` (converted; may be a meta skeleton) names and lays out everything; ``dense()`` is the
@@ -74,21 +74,20 @@ def write_hf_dir(model, out_dir, *, dense, rows, dtype: torch.dtype, comm, max_s
              for name, module in modules]
     shards = plan_shards([p for s in saved for p in s.planned], max_bytes=convert_file_size_to_int(max_shard_size))
     tmp = os.path.join(os.path.dirname(out_dir), f".tmp-{os.path.basename(out_dir)}")
-    comm.agree(f"preparing {out_dir}", lambda: _prepare(out_dir, tmp, overwrite), root_only=True)
+    agreed(f"preparing {out_dir}", lambda: _prepare(out_dir, tmp, overwrite), root_only=True)
     try:
         held = {}  # a failure on one rank (rank 0 holds the dense part) fails every rank alike
-        comm.agree(f"gathering the dense part of {out_dir}", lambda: held.update(state=dense()))  # ZeRO-3: collective
+        agreed(f"gathering the dense part of {out_dir}", lambda: held.update(state=dense()))  # ZeRO-3: collective
         files = [ShardFile(os.path.join(tmp, f"experts-{i:05d}.safetensors"), shard) for i, shard in enumerate(shards)]
-        comm.agree(f"writing the dense part into {tmp}",
-                   lambda: _write_dense(model, tmp, held["state"], files, max_shard_size, save_original_format),
-                   root_only=True)
+        agreed(f"writing the dense part into {tmp}",
+               lambda: _write_dense(model, tmp, held["state"], files, max_shard_size, save_original_format),
+               root_only=True)
         del held
         file_of = {key: f for f in files for key in f.entries}
-        comm.agree(f"writing the experts into {tmp}", lambda: _write_experts(modules, saved, file_of, rows))
-        comm.agree(f"committing {out_dir}", lambda: _commit(tmp, out_dir, files, overwrite),
-                   root_only=True)
+        agreed(f"writing the experts into {tmp}", lambda: _write_experts(modules, saved, file_of, rows))
+        agreed(f"committing {out_dir}", lambda: _commit(tmp, out_dir, files, overwrite), root_only=True)
     except BaseException:
-        if comm.rank == 0 and os.path.lexists(tmp):
+        if rank() == 0 and os.path.lexists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
@@ -102,23 +101,6 @@ def unwrap(model):
     while isinstance(model, (DeepSpeedEngine, DistributedDataParallel)):
         model = model.module
     return model
-
-
-class Comm:
-    """Agreement between the ranks when distributed (else a single process)."""
-
-    def __init__(self):
-        from deepspeed import comm as dist
-        self.distributed = dist.is_initialized() and dist.get_world_size() > 1
-        self.rank = dist.get_rank() if self.distributed else 0
-
-    def agree(self, what: str, fn, *, root_only: bool = False) -> None:
-        from ds_fssdp.runtime.checkpoint.collective import agreed, attempt
-        if self.distributed:
-            return agreed(what, fn, root_only=root_only)
-        err = attempt(fn)
-        if err is not None:
-            raise CheckpointError(f"{what} failed: {type(err).__name__}: {err}") from err
 
 
 def model_files(out_dir: str) -> list:
@@ -154,14 +136,12 @@ def dense_state_dict(model) -> dict:
     """The model's state dict (the converted experts hold no entries in it), on rank 0; under ZeRO-3
     each module's partitioned parameters gathered in turn (collective), as DeepSpeed's 16-bit
     consolidation does. Other ranks get {}."""
-    from deepspeed import comm as dist
-
     from ds_fssdp.integrations.hf import expert_keys
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    is_root = rank() == 0
     experts = expert_keys(model)
     params = [p for p in model.parameters() if hasattr(p, "ds_id")]
     if not params:
-        return {k: v.detach().cpu() for k, v in model.state_dict().items() if k not in experts} if rank == 0 else {}
+        return {k: v.detach().cpu() for k, v in model.state_dict().items() if k not in experts} if is_root else {}
     import deepspeed
     # A tied parameter (two names, one tensor) is gathered once, on every rank alike, and stays one
     # tensor: transformers' save drops the alias.
@@ -171,16 +151,16 @@ def dense_state_dict(model) -> dict:
         new = [p for _, p in own if id(p) not in seen]
         seen.update(id(p) for p in new)
         with deepspeed.zero.GatheredParameters(new, modifier_rank=None):
-            if rank == 0:
+            if is_root:
                 for n, p in own:
                     if id(p) not in gathered:
                         gathered[id(p)] = p.detach().cpu().clone()
                     out[f"{prefix}.{n}" if prefix else n] = gathered[id(p)]
-        if rank == 0:
+        if is_root:
             for n, b in module.named_buffers(recurse=False):
                 if n not in module._non_persistent_buffers_set:
                     out[f"{prefix}.{n}" if prefix else n] = b.detach().cpu().clone()
-    if rank == 0:  # in state_dict order, without what it leaves out (tied duplicates stay: transformers drops them)
+    if is_root:  # in state_dict order, without what it leaves out (tied duplicates stay: transformers drops them)
         keys = model.state_dict(keep_vars=True).keys()
         out = {k: out[k] for k in keys if k in out and k not in experts}
     return out
@@ -310,12 +290,11 @@ def _is_peft(model) -> bool:
 
 def _save_peft(model, out_dir, *, max_shard_size) -> str:
     """PEFT saves its adapters as it always does (dense parameters, whole on rank 0)."""
-    comm = Comm()
     if any(hasattr(p, "ds_id") for p in model.parameters()):
         raise CheckpointError("saving a PEFT model whose parameters ZeRO-3 partitions: use trainer.save_model, which "
                               "gathers the adapters as PEFT expects")
-    comm.agree(f"saving the PEFT adapters into {out_dir}",
-               lambda: model.save_pretrained(out_dir, max_shard_size=max_shard_size), root_only=True)
+    agreed(f"saving the PEFT adapters into {out_dir}",
+           lambda: model.save_pretrained(out_dir, max_shard_size=max_shard_size), root_only=True)
     return os.fspath(out_dir)
 
 
@@ -328,45 +307,39 @@ def route_trainer_save() -> None:
     """Make ``transformers.Trainer.save_model`` write a converted model with :func:`save_pretrained`
     on every rank (idempotent); other models keep the Trainer's own."""
     import transformers
-    trainer = transformers.Trainer
     route_model_save()
-    if getattr(trainer.save_model, "_fssdp_original", None) is not None:
-        return
-    original = trainer.save_model
 
-    def save_model(self, output_dir=None, _internal_call=False):
-        model = self.accelerator.unwrap_model(self.model) if hasattr(self, "accelerator") else self.model
-        if not _is_fssdp_model(model):
-            return original(self, output_dir, _internal_call=_internal_call)
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
-        save_pretrained(model, output_dir, overwrite=True)  # as the Trainer's own save overwrites
-        if self.args.should_save:  # what Trainer._save adds beside the weights
-            if self.processing_class is not None:
-                self.processing_class.save_pretrained(output_dir)
-            from transformers.trainer import TRAINING_ARGS_NAME
-            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
-        if self.args.push_to_hub and not _internal_call:
-            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+    def routed(original):
+        def save_model(self, output_dir=None, _internal_call=False):
+            model = self.accelerator.unwrap_model(self.model) if hasattr(self, "accelerator") else self.model
+            if not _is_fssdp_model(model):
+                return original(self, output_dir, _internal_call=_internal_call)
+            output_dir = output_dir if output_dir is not None else self.args.output_dir
+            save_pretrained(model, output_dir, overwrite=True)  # as the Trainer's own save overwrites
+            if self.args.should_save:  # what Trainer._save adds beside the weights
+                if self.processing_class is not None:
+                    self.processing_class.save_pretrained(output_dir)
+                from transformers.trainer import TRAINING_ARGS_NAME
+                torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+            if self.args.push_to_hub and not _internal_call:
+                self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+        return save_model
 
-    save_model._fssdp_original = original
-    trainer.save_model = save_model
+    _route(transformers.Trainer, "save_model", routed)
 
 
 def restore_trainer_save() -> None:
     """Undo :func:`route_trainer_save` (and :func:`route_model_save`)."""
     import transformers
     from transformers.modeling_utils import PreTrainedModel
-    original = getattr(transformers.Trainer.save_model, "_fssdp_original", None)
-    if original is not None:
-        transformers.Trainer.save_model = original
-    PreTrainedModel.save_pretrained = hf_save_pretrained()
+    for owner, name in ((transformers.Trainer, "save_model"), (PreTrainedModel, "save_pretrained")):
+        setattr(owner, name, _original(owner, name))
 
 
 def hf_save_pretrained():
     """transformers' own ``PreTrainedModel.save_pretrained`` (also while :func:`route_model_save` is installed)."""
     from transformers.modeling_utils import PreTrainedModel
-    current = PreTrainedModel.save_pretrained
-    return getattr(current, "_fssdp_original", current)
+    return _original(PreTrainedModel, "save_pretrained")
 
 
 def route_model_save() -> None:
@@ -375,19 +348,31 @@ def route_model_save() -> None:
     other models, and a call given the whole ``state_dict`` (``hf_state_dict(model)``), keep
     transformers' own. Idempotent."""
     from transformers.modeling_utils import PreTrainedModel
-    if getattr(PreTrainedModel.save_pretrained, "_fssdp_original", None) is not None:
-        return
-    original = PreTrainedModel.save_pretrained
 
-    @functools.wraps(original)
-    def save(self, save_directory, *args, **kwargs):
-        if kwargs.get("state_dict") is not None or not _is_fssdp_model(self):
-            return original(self, save_directory, *args, **kwargs)
-        if args:
-            raise ValueError(f"{type(self).__name__}.save_pretrained on a converted model takes keyword arguments only "
-                             f"(got {len(args)} positional): it is ds_fssdp.integrations.hf.save_pretrained")
-        kwargs.setdefault("overwrite", True)  # as transformers' own save overwrites
-        return save_pretrained(self, save_directory, **kwargs)
+    def routed(original):
+        @functools.wraps(original)
+        def save(self, save_directory, *args, **kwargs):
+            if kwargs.get("state_dict") is not None or not _is_fssdp_model(self):
+                return original(self, save_directory, *args, **kwargs)
+            if args:
+                raise ValueError(f"{type(self).__name__}.save_pretrained on a converted model takes keyword arguments "
+                                 f"only (got {len(args)} positional): it is ds_fssdp.integrations.hf.save_pretrained")
+            kwargs.setdefault("overwrite", True)  # as transformers' own save overwrites
+            return save_pretrained(self, save_directory, **kwargs)
+        return save
 
-    save._fssdp_original = original
-    PreTrainedModel.save_pretrained = save
+    _route(PreTrainedModel, "save_pretrained", routed)
+
+
+def _route(owner, name: str, routed) -> None:
+    """``owner.name = routed(original)``, the original kept on it as ``_fssdp_original`` (idempotent)."""
+    original = getattr(owner, name)
+    if getattr(original, "_fssdp_original", None) is None:
+        replacement = routed(original)
+        replacement._fssdp_original = original
+        setattr(owner, name, replacement)
+
+
+def _original(owner, name: str):
+    current = getattr(owner, name)
+    return getattr(current, "_fssdp_original", current)
