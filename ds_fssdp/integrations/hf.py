@@ -1,23 +1,14 @@
 """Train Hugging Face ``transformers`` MoE models with FSSDP: in-place conversion and the HF Trainer
 (README: "Hugging Face models and the Trainer", "Big models in and out").
 
-:func:`convert` replaces each **experts module** on transformers' experts contract
+:func:`convert` replaces each experts module on transformers' experts contract
 (``@use_experts_implementation``) by an :class:`~ds_fssdp.integrations.hf_experts.FSSDPHFExperts`
-holding the same weights, and keeps the family's block, router, shared experts and scaling exactly
-as HF wrote them. The expert math is read off the module (layout flags, its own ``_apply_gate`` /
-``act_fn``); a model without such a module, or whose experts compute something ds_fssdp's expert
-variants do not, is refused with :class:`UnsupportedModelError` naming its model type and what is
-missing. ``convert`` also routes ``deepspeed.initialize`` (which accelerate looks up at call time)
-to ``ds_fssdp.initialize`` (models without FSSDP experts still get plain DeepSpeed from it) and the
-Trainer's ``save_model`` to :func:`save_pretrained` (``hf_save.py``). Under ZeRO 3 build the model
-outside ``deepspeed.zero.Init`` or load it with :func:`from_pretrained` (``hf_load.py``): experts
-partitioned by ``zero.Init`` are refused by name. PEFT LoRA on the experts: ``peft_lora.py``.
-
-Saving: the state dict of a converted model holds the experts as ``<...>.experts.w_gate`` etc. (or
-not at all once sharded). :func:`unconvert` puts every original HF experts module back in place
-with the trained weights (a collective: every rank calls it); :func:`hf_state_dict` returns the
-HF-layout state dict without changing the model (also collective), e.g. for
-``model.save_pretrained(out_dir, state_dict=fssdp_hf.hf_state_dict(model))`` mid-training.
+holding the same weights, the family's block, router, shared experts and scaling untouched; a model
+without one, or whose experts compute what ds_fssdp's variants do not, is refused with
+:class:`UnsupportedModelError`. It also routes ``deepspeed.initialize`` to ``ds_fssdp.initialize``
+and the Trainer's ``save_model`` to :func:`save_pretrained` (``hf_save.py``). :func:`unconvert` puts
+the HF experts modules back with the trained weights and :func:`hf_state_dict` returns the HF-layout
+state dict without changing the model (both collective once sharded).
 """
 from __future__ import annotations
 

@@ -1,19 +1,14 @@
 """An engine checkpoint of a converted HF model, exported offline as a Hugging Face directory, one
-layer of experts at a time.
+layer of experts at a time (docs/design.md section 5, "Big models in and out").
 
 Legend: E experts, P elements per expert row.
 
     python -m ds_fssdp.integrations.hf_export CHECKPOINT_DIR OUT_DIR --model HF_MODEL_DIR_OR_NAME \\
         [--tag TAG] [--dtype bfloat16] [--max-shard-size 5GB] [--trust-remote-code]
 
-One process, no rank running, nothing gathered: the model (``--model``: the directory or hub name it
-was loaded from, for its config) is built on the meta device and converted; the dense weights come
-from DeepSpeed's files (its module state, or under ZeRO-3 its own ``zero_to_fp32`` consolidation,
-``runtime/checkpoint/export.dense_state_dict``); each experts module's fp32 master rows are read
-from the per-rank files one layer at a time (``reshape.gather_rows``), checked against the
-manifest first, and written with the writer of ``save_pretrained`` (``hf_save.write_hf_dir``):
-the same keys, shards, index and atomic rename. The peak is the dense part plus one layer's
-experts (twice: the rows and their HF layout).
+One process: the model (``--model``, for its config) on the meta device, converted; the dense
+weights from DeepSpeed's files (``runtime/checkpoint/export.dense_state_dict``); each experts
+module's fp32 master rows from the rank files, written by ``hf_save.write_hf_dir``.
 """
 from __future__ import annotations
 

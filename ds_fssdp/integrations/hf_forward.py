@@ -1,21 +1,15 @@
 """What an HF experts module computes, checked before it is replaced: the gate-weighted sum of the
-expert MLPs that ``hf_experts.to_fssdp`` maps, and nothing else.
+expert MLPs that ``hf_experts.to_fssdp`` maps, and nothing else (docs/design.md section 5).
 
 Legend: E experts, H hidden, I expert FFN hidden, T tokens, K top-k.
 
-``convert`` replaces the experts module by FSSDP's expert compute, which knows the module's expert
-tensors (``gate_up_proj`` / ``up_proj``, ``down_proj``, their biases), its layout flags and its
-activation (``hf_experts.read_layout``). A family may add to that inside the module: a subclass that
-overrides the decorated forward (transformers' ``use_experts_implementation``) to apply, say, a
-learned norm to each route before the weighted sum (Ergo's ``post_expert_norm``), or tensors of its
-own the forward reads. Replacing such a module would drop that work silently, so it is refused by
-name: any parameter or buffer of the module beyond the mapped tensors, and any forward whose output
-on probe values differs from the weighted expert MLPs computed by ``ds_fssdp.ops`` on the same
-tensors. The probe runs the module's own forward (its eager implementation: the family's math,
-whichever kernel the model was loaded with) on a copy holding small random tensors of its layout
-(E experts as in the module, H = 8, I = 4), so it costs nothing on a meta skeleton of a big model; a
-forward sized by its config instead of its tensors is probed again at the module's own H and I,
-every expert a view of one random expert. Checked once per class, forward, layout and config.
+A family may compute more inside the module (a subclass overriding the decorated forward, tensors
+of its own such as Ergo's ``post_expert_norm``); replacing it would drop that silently, so it is
+refused by name: any parameter or buffer beyond the mapped tensors, and any forward whose output on
+probe values differs from the weighted expert MLPs of ``ds_fssdp.ops``. The probe runs the module's
+own (eager) forward on a copy holding small random tensors of its layout (H = 8, I = 4), or, for a
+forward sized by its config, at its own H and I with every expert a view of one. Checked once per
+class, forward, layout and config.
 """
 from __future__ import annotations
 

@@ -1,18 +1,13 @@
 """Where a converted experts module's tensors are in a Hugging Face checkpoint, both ways, read off
-transformers' own conversion mapping (docs/design.md section 5, "Big models in and out").
+transformers' own conversion mapping, with no table of families (docs/design.md section 5, "Big
+models in and out").
 
 Legend: E experts, S experts read or written here (a rank's own).
 
-A checkpoint holds an experts module's tensors fused ([E, ...], as transformers 5 holds them) or one
-per expert (``experts.{e}.w1.weight``), which the family's ``WeightConverter`` fuses at load and its
-reverse splits at save (``save_original_format``). No table of families here. Load
-(:func:`plan_experts`, :func:`read_owned`): transformers' ``rename_source_key`` says which keys land
-on each tensor, through which converter pattern; the plan is checked on every rank alike before
-anything is read (each tensor's sources, experts 0..E-1 and no other, the converted shape, every op
-acting per expert), then a rank reads only its own experts. Save (:class:`SavedExperts`):
-``revert_weight_conversion`` on meta tensors of the full shapes (every key known on every rank before
-any byte is written), then on a rank's own experts, each expert's index put back where the pattern's
-``*`` is.
+A checkpoint holds an experts module's tensors fused ([E, ...]) or one per expert
+(``experts.{e}.w1.weight``), which the family's ``WeightConverter`` fuses at load and its reverse
+splits at save. Load: :func:`plan_experts` (checked on every rank alike before anything is read),
+:func:`read_owned`. Save: :class:`SavedExperts`.
 """
 from __future__ import annotations
 

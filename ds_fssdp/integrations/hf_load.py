@@ -3,15 +3,11 @@ section 5, "Big models in and out"; README, "Loading").
 
 Legend: E experts, S experts a rank owns, P elements per expert row.
 
-:func:`from_pretrained` runs transformers' own ``from_pretrained`` with one step added where it
-would start reading weights (``PreTrainedModel._load_pretrained_model``, wrapped for the call:
-:func:`_load`): the meta skeleton's experts modules are converted, their checkpoint keys planned and
-checked on every rank alike before any collective (``hf_keys.plan_experts``), and each module reads
-exactly its own experts (``planner.initial_ownership``, the stage's own decision) into rows on the
-engine's device; transformers' loader never reads the experts' keys. :func:`from_config` builds a
-fresh model with lazy experts, drawn per rank at ``initialize`` (``FSSDPHFExperts.fresh_rows``);
-:func:`materialize_experts` in one process is the reference. Under ZeRO stage 3 the dense part is
-partitioned while it loads (``hf_zero3.py``).
+:func:`from_pretrained` is transformers' own ``from_pretrained`` with one step added where it would
+start reading weights (``PreTrainedModel._load_pretrained_model``, wrapped for the call: :func:`_load`):
+the skeleton's experts are converted, their keys planned (``hf_keys.plan_experts``) and each module
+reads exactly its own experts (``planner.initial_ownership``); ZeRO-3's dense part: ``hf_zero3.py``.
+:func:`from_config` builds a model with lazy experts, drawn per rank at ``initialize``.
 """
 from __future__ import annotations
 

@@ -3,15 +3,11 @@
 
 Legend: E experts, S experts a rank owns, P elements per expert row.
 
-:func:`save_pretrained` (collective) writes what ``save_pretrained`` would write for the unconverted
-model: rank 0 the dense part through transformers' own ``save_pretrained`` (under ZeRO-3 gathered one
-module at a time), and each rank of the first FSSDP group its own experts' byte ranges, one layer at
-a time, into shards laid out before any byte is written (``hf_keys.SavedExperts``,
-``safetensors_io.ShardFile``): no expert crosses a link. Everything goes into ``.tmp-<name>`` beside
-``out_dir`` and is renamed into place, or moved in file by file, the index last, when ``out_dir``
-holds other things; a failure on any rank fails every rank alike. ``trainer.save_model`` and
-``model.save_pretrained`` on a converted model are routed here (:func:`route_trainer_save`,
-:func:`route_model_save`); a PEFT model keeps PEFT's own saving.
+:func:`save_pretrained` (collective) writes what ``save_pretrained`` writes for the unconverted model:
+rank 0 the dense part through transformers' own, each rank of the first FSSDP group its own experts'
+byte ranges into shards laid out first (``hf_keys.SavedExperts``, ``safetensors_io.ShardFile``), all
+into ``.tmp-<name>``, then renamed or moved into place, the index last. ``trainer.save_model`` and
+``model.save_pretrained`` on a converted model are routed here; a PEFT model keeps PEFT's saving.
 """
 from __future__ import annotations
 

@@ -1,32 +1,22 @@
 """The background half of an asynchronous save: write the staged files, then commit them
-atomically (manifest, rename, ``latest`` last) while training goes on.
+atomically (manifest, rename, ``latest`` last) while training goes on (docs/robustness.md, "Saves
+that don't stop training").
 
-Every rank's thread writes its own staged states into ``.tmp-<tag>`` (DeepSpeed's with DeepSpeed's
-own writer, ours as a synchronous save writes them; each file flushed to disk and hashed), then
-reports under ``.tmp-<tag>/.written/rankRRRRR.json``: the digests of its files, or its error.
-Rank 0's thread waits for every rank's report and, when all succeeded, writes the manifest and
-commits exactly as a synchronous save does. The ranks agree through the shared filesystem the
-checkpoint already needs, not through a collective: a collective from a second thread on the
-training's process group could interleave with the training's own, and a separate group would
-break when the job tears its groups down with a write still pending (at exit). A rank killed
-before its report leaves ``.tmp-<tag>`` uncommitted and ``latest`` untouched; rank 0 gives up
-after the collective timeout (``fssdp.collective_timeout_s``, else DeepSpeed's).
+Every rank's thread writes its staged states into ``.tmp-<tag>`` (each file flushed and hashed) and
+reports its digests, or its error, under ``.tmp-<tag>/.written/rankRRRRR.json``; rank 0's thread
+waits for every report (at most the collective timeout) and commits as a synchronous save does. The
+ranks agree through the shared filesystem, not a collective: one from a second thread could
+interleave with the training's own on its group, and a separate group would break when the job
+tears its groups down with a write pending. ``wait`` (main thread, every rank) joins the thread
+and raises any rank's error on every rank; at exit a pending write is waited for and its error
+logged.
 
-Why not DeepSpeed's or torch's asynchronous writers (read for 0.19.8 / torch 2.13):
-* DeepSpeed's decoupled engine (``checkpoint.writer.decoupled``) hands the state to a spawned
-  writer process per rank that needs the FastPersist writer (``async_io``, not buildable on a CPU
-  machine), waits for the write at the next optimizer step (training stalls there instead), moves
-  ``latest`` with a plain write, and knows nothing of our expert files, manifest and rename commit.
-  Its extension point, the checkpoint engine's ``save(state, path)``, is what ``staging.py`` uses.
-* torch DCP's ``async_save`` writes DCP's own format (``.distcp`` shards and ``.metadata``), not
-  the ``torch.save`` files DeepSpeed's loader, Universal Checkpoint and ours read; its staging only
-  takes tensors and plain Python leaves (DeepSpeed's states hold loss scalers and dataclasses);
-  and it finishes with a collective from the background thread.
-
-``wait`` is the step where ranks agree: a collective on the main thread (every rank calls it, as
-every rank calls ``save_checkpoint``) that joins this rank's thread and raises any rank's error on
-every rank. A save waits for the one before it this way. At exit, a pending write is waited for
-(the thread is not a daemon) and its error, if any, logged: nothing is swallowed.
+Why not DeepSpeed's or torch's asynchronous writers (read for 0.19.8 / torch 2.13): DeepSpeed's
+decoupled engine needs the FastPersist writer (``async_io``, not buildable on a CPU machine), waits
+at the next optimizer step, moves ``latest`` with a plain write and knows nothing of our files
+(its extension point, the checkpoint engine's ``save(state, path)``, is what ``staging.py`` uses);
+torch DCP's ``async_save`` writes its own format, not the ``torch.save`` files DeepSpeed and we
+read, stages only tensors and plain leaves, and finishes with a collective from the thread.
 """
 from __future__ import annotations
 

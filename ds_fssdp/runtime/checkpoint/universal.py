@@ -1,23 +1,17 @@
-"""The dense part on another world size: DeepSpeed's Universal Checkpoint.
+"""The dense part on another world size: DeepSpeed's Universal Checkpoint (docs/robustness.md).
 
-ZeRO 1/2 partition the dense optimizer state (and ZeRO 3 the dense parameters too) by
-data-parallel rank, so their files only load on the world size that wrote them. On another world
-size the dense part is converted once by DeepSpeed's own ``ds_to_universal`` (rank 0, every other
-rank waits) into ``<load_dir>/.universal-<tag>/universal/`` (with DeepSpeed's ``latest_universal``
-beside it), which DeepSpeed's engine then loads through its ``checkpoint.load_universal`` path (set
-on the engine for that one load). The conversion is written into ``.universal-tmp-<tag>`` and
-renamed when complete; it is reused by later loads while the checkpoint's manifest is unchanged (a
-new save of the same tag converts again). The experts do not need it: their files are keyed by
-(layer, expert) and load at any world size (reshape.py).
-
-The same conversion by hand, e.g. on a read-only checkpoint directory (then pass the output's
-parent as ``load_dir`` to a plain ``deepspeed`` engine with ``checkpoint.load_universal``):
+ZeRO 1/2 partition the dense optimizer state (ZeRO 3 the parameters too) by data-parallel rank. On
+another world size rank 0 converts the dense part once with DeepSpeed's own ``ds_to_universal``
+into ``<load_dir>/.universal-<tag>/universal/`` (written as ``.universal-tmp-<tag>``, renamed when
+complete, reused while the checkpoint's manifest is unchanged), which DeepSpeed's engine loads
+through ``checkpoint.load_universal``. The experts need none of it (reshape.py). By hand, e.g. on a
+read-only checkpoint (then load ``<out>`` with ``checkpoint.load_universal``):
 
     python -m deepspeed.checkpoint.ds_to_universal --inject_missing_state \
         --input_folder <load_dir>/<tag> --output_folder <out>/universal
 
-DeepSpeed's converter reads the ZeRO files with ``weights_only=False``: the files are checked
-against the manifest first, but a checkpoint is only as trustworthy as whoever wrote it.
+DeepSpeed's converter reads the ZeRO files with ``weights_only=False``: they are checked against the
+manifest first, but a checkpoint is only as trustworthy as whoever wrote it.
 """
 from __future__ import annotations
 
