@@ -155,10 +155,7 @@ def _bind_router_bias(block: nn.Module, block_name: str, module: FSSDPHFExperts)
 
 def _dense_like(model: nn.Module):
     """A dense parameter: the device and dtype HF tensors are returned in (bf16 once an engine casts)."""
-    for name, p in model.named_parameters():
-        if p.device.type != "meta":
-            return p
-    return None
+    return next((p for p in model.parameters() if p.device.type != "meta"), None)
 
 
 __all__ = ["UnsupportedModelError", "convert", "converted_experts", "unconvert", "hf_state_dict", "initialize",

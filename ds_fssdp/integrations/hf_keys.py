@@ -35,7 +35,6 @@ class UnmappableExpertsError(ValueError):
 class TensorSource:
     """Where one HF experts tensor (``module.attr``, [E, ...]) comes from in the checkpoint."""
     target: str  # the model's name of the tensor
-    attr: str
     shape: tuple  # its full shape
     converter: object = None  # transformers' WeightConverter (None: a key renamed, or not, onto it)
     keys: dict = field(default_factory=dict)  # source pattern (or the key) -> [key of expert e] or [fused key]
@@ -61,13 +60,12 @@ def plan_experts(model, modules: list, files, weight_mapping, *, model_type: str
     from transformers.core_model_loading import dot_natural_key, rename_source_key
     renamings, converters = split_mapping(weight_mapping)
     by_pattern = {p: c for c in converters for p in c.source_patterns}
-    plan = {name: {attr: TensorSource(target=f"{name}.{attr}" if name else attr, attr=attr, shape=shape)
+    plan = {name: {attr: TensorSource(target=f"{name}.{attr}" if name else attr, shape=shape)
                    for attr, shape in hf_shapes(module).items()} for name, module in modules}
     sources = {s.target: s for tensors in plan.values() for s in tensors.values()}
     # What transformers matches names against (its meta state dict): the dense keys and the HF
     # tensors of the converted modules.
-    known = dict.fromkeys(model.state_dict().keys(), True)
-    known.update(dict.fromkeys(sources, True))
+    known = dict.fromkeys([*model.state_dict(), *sources], True)
     for key in sorted(files.keys(), key=dot_natural_key):
         renamed, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, known)
         source = sources.get(renamed)

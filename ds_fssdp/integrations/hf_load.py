@@ -215,9 +215,8 @@ def _load(layout: Layout, cfg: dict, original, model, state_dict, checkpoint_fil
     except UnmappableExpertsError as err:
         raise UnsupportedModelError(str(err)) from None
     device = engine_device()
-    read = 0
-    for name, module in modules:
-        read += _read_module(module, plan[name], files, layout, config=model.config, device=device)
+    read = sum(_read_module(module, plan[name], files, layout, config=model.config, device=device)
+               for name, module in modules)
     # The experts' checkpoint keys are not in the converted model: transformers reports them as
     # unexpected (and never reads them); they are not.
     ignore = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
@@ -289,7 +288,6 @@ def check_transformers(original) -> None:
     checkpoint_files, load_config)`` and reads three fields of its ``load_config``: another shape of
     them is refused naming the installed version; a version outside :data:`TESTED_TRANSFORMERS` with
     the same shape is warned about once."""
-    import dataclasses
     import inspect
 
     from packaging.specifiers import SpecifierSet
@@ -303,8 +301,7 @@ def check_transformers(original) -> None:
         raise RuntimeError(f"{where}({', '.join(_HOOK_PARAMS)}, ...), which this version takes as "
                            f"({', '.join(params)}, ...)); install transformers{TESTED_TRANSFORMERS}")
     from transformers.modeling_utils import LoadStateDictConfig
-    fields = {f.name for f in dataclasses.fields(LoadStateDictConfig)} if dataclasses.is_dataclass(
-        LoadStateDictConfig) else set(vars(LoadStateDictConfig))
+    fields = getattr(LoadStateDictConfig, "__dataclass_fields__", None) or vars(LoadStateDictConfig)
     missing = [f for f in _LOAD_CONFIG_FIELDS if f not in fields]
     if missing:
         raise RuntimeError(f"{where} and reads LoadStateDictConfig.{', '.join(missing)}, which this version does not "

@@ -16,12 +16,14 @@ safetensors, data beyond the end of the file (truncated), a key in two files, a 
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import struct
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ds_fssdp.runtime.checkpoint.files import CheckpointError
@@ -135,31 +137,19 @@ class CheckpointFiles:
 
 
 def _runs(rows: list) -> list:
-    """Ascending indices as (first, count) runs of consecutive ones."""
-    runs = []
-    for r in rows:
-        if runs and r == runs[-1][0] + runs[-1][1]:
-            runs[-1][1] += 1
-        else:
-            runs.append([r, 1])
-    return [tuple(r) for r in runs]
+    """Ascending indices as (first, count) runs of consecutive ones (``r - i`` constant along a run)."""
+    runs = (list(run) for _, run in itertools.groupby(enumerate(rows), lambda ir: ir[1] - ir[0]))
+    return [(run[0][1], len(run)) for run in runs]
 
 
 def _read_range(e: Entry, offset: int, nbytes: int) -> torch.Tensor:
-    buf = torch.empty(nbytes, dtype=torch.uint8)
-    view = memoryview(buf.numpy()) if nbytes else None
     try:
-        with open(e.path, "rb") as f:
-            f.seek(offset)
-            got = 0
-            while got < nbytes:
-                n = f.readinto(view[got:])
-                if not n:
-                    raise CheckpointError(f"checkpoint file {e.path} is truncated: tensor {e.key!r} ends early")
-                got += n
+        data = np.fromfile(e.path, dtype=np.uint8, count=nbytes, offset=offset)
     except OSError as err:
         raise CheckpointError(f"reading tensor {e.key!r} from {e.path} failed: {err}") from err
-    return buf.view(e.dtype)
+    if data.size != nbytes:
+        raise CheckpointError(f"checkpoint file {e.path} is truncated: tensor {e.key!r} ends early")
+    return torch.from_numpy(data).view(e.dtype)
 
 
 @dataclass(frozen=True)
