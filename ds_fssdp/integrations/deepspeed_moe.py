@@ -1,9 +1,7 @@
-"""``ds_fssdp.MoE``: a drop-in for ``deepspeed.moe.layer.MoE`` that trains under FSSDP.
+"""``ds_fssdp.MoE``: a drop-in for ``deepspeed.moe.layer.MoE`` that trains under FSSDP (README,
+"Coming from DeepSpeed MoE").
 
 Legend: T tokens, H hidden, F expert FFN hidden, E experts, K top-k.
-
-Code written for DeepSpeed MoE moves by changing one import (README, "Coming from DeepSpeed MoE")
-and calling ``ds_fssdp.initialize`` in place of ``deepspeed.initialize``.
 
 Same constructor, same RNG draws at construction (same seed: the same initial weights as
 DeepSpeed's layer: every expert a copy of the template, the gate an ``nn.Linear(H, E,
@@ -22,20 +20,15 @@ The gate reproduces ``deepspeed.moe.sharded_moe.TopKGate`` exactly, dropless:
 * ``exp_counts``: assignments per expert. Top-1's random token selection draws the same random
   numbers as DeepSpeed (so later random draws stay aligned) although dropless makes it moot.
 
-So with the same weights and the same RNG state the outputs, ``l_aux``, ``exp_counts`` and all
-gradients equal DeepSpeed's layer with ``drop_tokens=False`` (fp32 summation order).
-
-``ep_size=N`` is the FSSDP group size (``fssdp.group_size``; the ranks at the same position in
-every group are DeepSpeed's expert-data-parallel groups). Moot under FSSDP, accepted and logged
-once: ``capacity_factor``, ``eval_capacity_factor``, ``min_capacity``, ``drop_tokens`` (FSSDP is
-dropless), ``use_rts``, ``use_tutel``, ``enable_expert_tensor_parallelism`` (experts are never split).
+So with the same weights and RNG state the outputs, ``l_aux``, ``exp_counts`` and all gradients
+equal DeepSpeed's layer with ``drop_tokens=False`` (fp32 summation order). ``ep_size=N`` is the
+FSSDP group size; the capacity and token-dropping arguments, ``use_rts``, ``use_tutel`` and
+``enable_expert_tensor_parallelism`` are moot under FSSDP (accepted, logged once).
 
 Expert templates: ``nn.Sequential(nn.Linear(H, F), nn.GELU(), nn.Linear(F, H))`` with exact-erf
-GELU; anything else raises ``ValueError``. Biases are supported without a per-expert bias in
-FSSDP's expert rows: the first bias rides in the expert's first matrix on a constant-one input
-column (the layer's experts take [x, 1], the gate still sees x; the matching output column of the
-second matrix is zero and gets exactly zero gradient), the second bias is a dense ``[E, H]``
-parameter added as ``sum_k w_k * b2[e_k]``.
+GELU. The first bias rides in the expert's first matrix on a constant-one input column (the experts
+take [x, 1], the gate sees x; the matching output column of the second matrix is zero and gets
+exactly zero gradient); the second is a dense ``[E, H]`` parameter added as ``sum_k w_k * b2[e_k]``.
 """
 from __future__ import annotations
 
