@@ -37,13 +37,10 @@ from ds_fssdp import ops
 from ds_fssdp.moe.experts import ExpertSpec
 from ds_fssdp.moe.experts_module import FSSDPExperts
 from ds_fssdp.moe.layer import expert_seed
+from ds_fssdp.ops import activations
 from ds_fssdp.ops.lora import LoraFactors
 
 LAYOUT_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
-# Gated expert variants tried against a module's ``_apply_gate``, with the constants each needs.
-GATED = (("swiglu", ()), ("geglu", ()), ("geglu_tanh", ()), ("swiglu_limit", ("limit", )),
-         ("gptoss", ("alpha", "limit")))
-UNGATED = (("gelu", ()), ("gelu_tanh", ()), ("relu2", ()))
 # Where families keep the constants of their clamped activations (module attribute or config key).
 _CONSTANT_NAMES = {"alpha": ("alpha", "swiglu_alpha"), "limit": ("limit", "swiglu_limit")}
 
@@ -141,17 +138,14 @@ def _probe_activation(experts, *, gated: bool, concatenated: bool, model_type: s
     u = torch.cat([torch.randn(64, generator=gen) * 10, torch.linspace(-3, 3, 64)]).view(-1, 1).expand(-1, width)
     g, u = g.contiguous().float(), u.flip(0).contiguous().float()
     if gated:
-        packed = torch.cat([g, u], -1) if concatenated else torch.stack([g, u], -1).reshape(g.shape[0], -1)
-        want = experts._apply_gate(packed).float()
+        want = experts._apply_gate(_join(g, u, concatenated)).float()
         hook = "_apply_gate"
     else:
         want = experts.act_fn(g).float()
         hook = f"act_fn ({type(getattr(experts, 'act_fn', None)).__name__})"
     tried = []
-    for name, needs in (GATED if gated else UNGATED):
-        if name not in ops.ACTIVATIONS:
-            continue
-        params = {n: _constant(experts, n) for n in needs}
+    for name in (n for n in ops.ACTIVATIONS if activations.is_gated(n) == gated):  # in ops' order, with the
+        params = {n: _constant(experts, n) for n in activations.TABLE[name].params}  # constants each needs
         if any(v is None for v in params.values()):
             continue
         tried.append(name)

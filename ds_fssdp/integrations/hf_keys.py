@@ -216,20 +216,17 @@ class SavedExperts:
     (``save_pretrained(save_original_format=False)``)."""
 
     def __init__(self, model, name: str, module, dtype: torch.dtype, *, original_format: bool = True):
-        self.model, self.name, self.module = model, name, module
-        self.original_format = original_format
-        self.E = module.num_experts
+        self.model, self.name, self.original_format, self.dtype = model, name, original_format, dtype
         full = self._revert({attr: torch.empty(shape, dtype=dtype, device="meta")
                              for attr, shape in hf_shapes(module).items()})
         self.shapes = {k: tuple(v.shape) for k, v in full.items()}
-        self.dtype = dtype
         self.patterns = sorted({p for c in self._reversed_converters() for p in c.target_patterns if "*" in p},
                                key=len, reverse=True)
-        self.fused = {k for k in self.shapes if not any(self._index_span(k, p) for p in self.patterns)}
+        self.fused = {k for k in self.shapes if self._span(k) is None}
         for k in self.fused:
-            if not self.shapes[k] or self.shapes[k][0] != self.E:
+            if not self.shapes[k] or self.shapes[k][0] != module.num_experts:
                 raise UnmappableExpertsError(f"{k}: saved as shape {list(self.shapes[k])}, which does not hold the "
-                                             f"{self.E} experts on its first dimension")
+                                             f"{module.num_experts} experts on its first dimension")
 
     @property
     def planned(self) -> list:
@@ -254,10 +251,14 @@ class SavedExperts:
                                        if type(c).__name__ != "PrefixChange"])
         return converters
 
-    @staticmethod
-    def _index_span(key: str, pattern: str):
-        m = re.search(re.escape(pattern.replace("\\.", ".")).replace(r"\*", r"(\d+)"), key)
-        return None if m is None else m.span(1)
+    def _span(self, key: str):
+        """Where the expert index is in a per-expert ``key`` (the first pattern, longest first, that
+        matches), or None."""
+        for pattern in self.patterns:
+            m = re.search(re.escape(pattern.replace("\\.", ".")).replace(r"\*", r"(\d+)"), key)
+            if m is not None:
+                return m.span(1)
+        return None
 
     def values(self, hf_tensors: dict, owned_E: torch.Tensor) -> list:
         """``[(key, tensor, first_row)]`` of a rank's experts ``owned_E`` (ascending) from their HF
@@ -271,7 +272,7 @@ class SavedExperts:
                     out.append((key, t[i:i + count], first))
                     i += count
                 continue
-            span = next((s for s in (self._index_span(key, p) for p in self.patterns) if s), None)
+            span = self._span(key)
             if span is None:
                 raise UnmappableExpertsError(f"{self.name}: the reverse conversion wrote {key}, which is neither a "
                                              "planned fused key nor a per-expert one")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import re
 import zlib
-from contextlib import contextmanager
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -26,7 +25,7 @@ from deepspeed.utils import logger
 from ds_fssdp.config import FSSDPConfig, FSSDPConfigError
 from ds_fssdp.moe.experts_module import OwnedRows
 from ds_fssdp.planner import initial_ownership
-from ds_fssdp.runtime.checkpoint.files import CheckpointError
+from ds_fssdp.runtime.checkpoint.files import CheckpointError, patched
 
 
 # Experts read, converted and copied into their rows together: the loader's only other copy.
@@ -264,7 +263,6 @@ def _read_module(module, sources: dict, files, layout: Layout, *, config, device
     return nbytes
 
 
-@contextmanager
 def _loading_hook(hook):
     """transformers' ``PreTrainedModel._load_pretrained_model`` (where it starts reading weights
     into the meta skeleton) routed through ``hook(original, model, state_dict, checkpoint_files,
@@ -272,15 +270,8 @@ def _loading_hook(hook):
     from transformers.modeling_utils import PreTrainedModel
     original = PreTrainedModel.__dict__.get("_load_pretrained_model")
     check_transformers(original)
-
-    def wrapped(*args, **kwargs):
-        return hook(original.__func__, *args, **kwargs)
-
-    PreTrainedModel._load_pretrained_model = staticmethod(wrapped)
-    try:
-        yield
-    finally:
-        PreTrainedModel._load_pretrained_model = original
+    return patched(PreTrainedModel, "_load_pretrained_model",
+                   staticmethod(lambda *args, **kwargs: hook(original.__func__, *args, **kwargs)))
 
 
 def check_transformers(original) -> None:
@@ -322,18 +313,13 @@ def installed_transformers():
     return Version(transformers.__version__)
 
 
-@contextmanager
 def _hf_zero3_off():
     """transformers builds a model under ``deepspeed.zero.Init`` while a ZeRO-3 HF DeepSpeed config
     is alive (``TrainingArguments`` with ZeRO-3): the experts would be partitioned like dense weights.
-    The skeleton is built on the meta device instead; ZeRO-3's dense partitioning is ``hf_zero3.py``'s."""
+    The skeleton is built on the meta device instead (``unset_hf_deepspeed_config`` for the duration);
+    ZeRO-3's dense partitioning is ``hf_zero3.py``'s."""
     from transformers.integrations import deepspeed as hf_ds
-    ref = hf_ds._hf_deepspeed_config_weak_ref
-    hf_ds.unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        hf_ds._hf_deepspeed_config_weak_ref = ref
+    return patched(hf_ds, "_hf_deepspeed_config_weak_ref", None)
 
 
 __all__ = ["from_pretrained", "from_config", "materialize_experts", "layout_of", "Layout", "CheckpointError"]

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import copy
 import os
-from contextlib import contextmanager
 
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-from ds_fssdp.runtime.checkpoint.files import CheckpointError
+from ds_fssdp.runtime.checkpoint.files import CheckpointError, patched
 
 
 def to_host(obj, memo=None):
@@ -76,13 +75,6 @@ def check_stageable(engine) -> None:
                               f"{type(ce).__name__} (checkpoint.writer / datastates are not supported with it)")
 
 
-@contextmanager
 def staging_deepspeed(engine):
     """DeepSpeed's ``save_checkpoint`` stages its files into the yielded engine's ``staged``."""
-    real = engine.checkpoint_engine
-    staging = StagingCheckpointEngine(real)
-    engine.checkpoint_engine = staging
-    try:
-        yield staging
-    finally:
-        engine.checkpoint_engine = real
+    return patched(engine, "checkpoint_engine", StagingCheckpointEngine(engine.checkpoint_engine))

@@ -25,7 +25,7 @@ from deepspeed import comm as dist
 from deepspeed.utils import logger
 
 from ds_fssdp.runtime.checkpoint.collective import agreed
-from ds_fssdp.runtime.checkpoint.files import CheckpointError, fsync_dir, read_json, write_json
+from ds_fssdp.runtime.checkpoint.files import CheckpointError, fsync_dir, patched, read_json, write_json
 
 PREFIX = ".universal-"
 TMP_PREFIX = ".universal-tmp-"
@@ -65,16 +65,9 @@ def convert(load_dir: str, dir_tag: str, manifest: dict) -> tuple:
     return final, TAG
 
 
-@contextlib.contextmanager
 def loading_universal(engine):
     """DeepSpeed's engine loads a universal checkpoint while this is active (``checkpoint.load_universal``)."""
-    config = engine._config
-    saved = config.load_universal_checkpoint
-    config.load_universal_checkpoint = True
-    try:
-        yield
-    finally:
-        config.load_universal_checkpoint = saved
+    return patched(engine._config, "load_universal_checkpoint", True)
 
 
 def _convert(src: str, final: str, tmp: str, manifest: dict) -> None:
