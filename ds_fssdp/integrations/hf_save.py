@@ -140,22 +140,17 @@ def dense_state_dict(model) -> dict:
         return {k: v.detach().cpu() for k, v in model.state_dict().items() if k not in experts} if is_root else {}
     import deepspeed
     # A tied parameter (two names, one tensor) is gathered once, on every rank alike, and stays one
-    # tensor: transformers' save drops the alias.
-    out, seen, gathered = {}, set(), {}
+    # tensor: transformers' save drops the alias. ``gathered``: id -> its copy (rank 0's; None elsewhere).
+    out, gathered = {}, {}
     for prefix, module in model.named_modules():
         own = list(module.named_parameters(recurse=False))
-        new = [p for _, p in own if id(p) not in seen]
-        seen.update(id(p) for p in new)
+        new = [p for _, p in own if id(p) not in gathered]
         with deepspeed.zero.GatheredParameters(new, modifier_rank=None):
-            if is_root:
-                for n, p in own:
-                    if id(p) not in gathered:
-                        gathered[id(p)] = p.detach().cpu().clone()
-                    out[f"{prefix}.{n}" if prefix else n] = gathered[id(p)]
+            gathered.update((id(p), p.detach().cpu().clone() if is_root else None) for p in new)
         if is_root:
-            for n, b in module.named_buffers(recurse=False):
-                if n not in module._non_persistent_buffers_set:
-                    out[f"{prefix}.{n}" if prefix else n] = b.detach().cpu().clone()
+            out.update({f"{prefix}.{n}" if prefix else n: gathered[id(p)] for n, p in own})
+            out.update({f"{prefix}.{n}" if prefix else n: b.detach().cpu().clone()
+                        for n, b in module.named_buffers(recurse=False) if n not in module._non_persistent_buffers_set})
     if is_root:  # in state_dict order, without what it leaves out (tied duplicates stay: transformers drops them)
         keys = model.state_dict(keep_vars=True).keys()
         out = {k: out[k] for k in keys if k in out and k not in experts}

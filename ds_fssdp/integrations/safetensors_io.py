@@ -2,17 +2,13 @@
 
 Legend: E experts, S experts read or written here.
 
-The format (github.com/huggingface/safetensors, "Format"): 8 bytes little-endian header size N, N
-bytes of JSON ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``
-(padded with spaces), then the data: each tensor row-major at its offsets, back to back. A fused
-expert tensor [E, ...] therefore holds expert e's bytes at ``begin + e * (end - begin) / E``, and a
-rank reads (:meth:`CheckpointFiles.read` with ``rows``) or writes (:meth:`ShardFile.write`) exactly
-its own experts' bytes, per-expert tensors likewise. safetensors' ``safe_open`` maps the whole file
-into the reader's memory and its writer takes every tensor of a file at once; these move ranges,
-and their files load with safetensors and transformers unchanged (tests/test_hf_io.py).
-
-Every problem names its file and key: a missing or unreadable file, a header that is not
-safetensors, data beyond the end of the file (truncated), a key in two files, a missing key.
+The format (github.com/huggingface/safetensors, "Format"): an 8-byte little-endian header size, the
+JSON header (each tensor's dtype, shape and ``data_offsets``), then each tensor row-major, back to
+back. A fused expert tensor [E, ...] holds expert e's bytes at ``begin + e * (end - begin) / E``, so
+a rank reads (:meth:`CheckpointFiles.read` with ``rows``) or writes (:meth:`ShardFile.write`) exactly
+its own experts' bytes; safetensors' own ``safe_open`` maps the whole file and its writer takes every
+tensor of a file at once. The files load with safetensors and transformers unchanged. Every problem
+names its file and key (missing, unreadable, not safetensors, truncated, a key in two files).
 """
 from __future__ import annotations
 
