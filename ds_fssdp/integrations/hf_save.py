@@ -199,9 +199,7 @@ def own_rows(module, rank: int):
     if module.lazy:
         raise CheckpointError(f"{type(module).__name__}: its experts are not drawn yet (lazy); save after "
                               "ds_fssdp.initialize, or materialize them (integrations.hf_load.materialize_experts)")
-    if rank != 0:
-        return None
-    return torch.arange(module.num_experts), module.spec.flatten(module.export_experts())
+    return (torch.arange(module.num_experts), module.spec.flatten(module.export_experts())) if rank == 0 else None
 
 
 def _commit(tmp: str, out_dir: str, files: list, overwrite: bool = False) -> None:
