@@ -70,9 +70,8 @@ class DeepSpeedTopKGate(TopKGate):
         E, T = self.num_experts, x_TH.shape[0]
         me_E = probs_TE.mean(0)
         if self.k == 1:
-            select_TE = probs_TE
-            if self.noisy_gate_policy == "RSample" and self.training:
-                select_TE = logits_TE + gumbel_rsample(logits_TE.shape, device=logits_TE.device)
+            rsample = self.noisy_gate_policy == "RSample" and self.training
+            select_TE = logits_TE + gumbel_rsample(logits_TE.shape, device=logits_TE.device) if rsample else probs_TE
             idx_TK = torch.argmax(select_TE, dim=1, keepdim=True)
             weights_TK = probs_TE.gather(1, idx_TK)
             ce_E = F.one_hot(idx_TK[:, 0], E).float().mean(0)
@@ -84,14 +83,12 @@ class DeepSpeedTopKGate(TopKGate):
         elif self.k == 2:
             idx1_T = torch.argmax(probs_TE, dim=1)
             mask1_TE = F.one_hot(idx1_T, E)
-            second_TE = logits_TE
-            if self.top2_2nd_expert_sampling:
-                second_TE = logits_TE + gumbel_rsample(logits_TE.shape, device=logits_TE.device)
+            second_TE = logits_TE + gumbel_rsample(logits_TE.shape, device=logits_TE.device) \
+                if self.top2_2nd_expert_sampling else logits_TE
             idx2_T = torch.argmax(second_TE.masked_fill(mask1_TE.bool(), float("-inf")), dim=1)
             idx_TK = torch.stack([idx1_T, idx2_T], dim=1)
             g_TK = probs_TE.gather(1, idx_TK)
-            denom_T = torch.clamp(g_TK.sum(1, keepdim=True), min=torch.finfo(g_TK.dtype).eps)
-            weights_TK = g_TK / denom_T
+            weights_TK = g_TK / torch.clamp(g_TK.sum(1, keepdim=True), min=torch.finfo(g_TK.dtype).eps)
             l_aux = torch.mean(me_E * mask1_TE.float().mean(0)) * E * E
         else:
             top_TK, idx_TK = torch.topk(probs_TE, self.k, dim=1)

@@ -240,12 +240,8 @@ class ExpertLora:
 
 def _fssdp_parts(hf_name: str, b_ErO: torch.Tensor, layout) -> list:
     """The FSSDP weights an HF target feeds, with their columns of ``B^T``."""
-    if hf_name == "down_proj":
-        return [("w_down" if layout.gated else "w_b", b_ErO)]
-    if hf_name == "up_proj":
-        return [("w_a", b_ErO)]
-    gate, up = _split(b_ErO, layout.ffn, layout.concatenated)
-    return [("w_gate", gate), ("w_up", up)]
+    names = layout.spec().names[:3 if layout.gated else 2]
+    return [(names[-1], b_ErO)] if hf_name == "down_proj" else list(zip(names, _unfuse(b_ErO, None, layout)[:-1]))
 
 
 def _drop_stand_ins(module, state_dict, prefix, local_metadata) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import importlib
 import json
 import os
 import shutil
@@ -221,6 +222,8 @@ def _commit(tmp: str, out_dir: str, files: list, overwrite: bool = False) -> Non
             weight_map[key] = final
             total_size += entry.nbytes
             total_params += entry.nbytes // entry.dtype.itemsize
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
         os.replace(path, os.path.join(tmp, final))
     for n in names:  # config.json, generation_config.json, remote code: transformers' own files
         if n == INDEX:
@@ -228,10 +231,6 @@ def _commit(tmp: str, out_dir: str, files: list, overwrite: bool = False) -> Non
         elif n not in dense_files:
             os.replace(os.path.join(dense_dir, n), os.path.join(tmp, n))
     os.rmdir(dense_dir)
-    for n in os.listdir(tmp):
-        if n.endswith(".safetensors"):
-            with open(os.path.join(tmp, n), "rb") as f:
-                os.fsync(f.fileno())
     write_json({"metadata": {"total_size": total_size, "total_parameters": total_params},
                 "weight_map": dict(sorted(weight_map.items()))}, os.path.join(tmp, INDEX))
     fsync_dir(tmp)
@@ -271,10 +270,7 @@ def _move_into(tmp: str, out_dir: str, overwrite: bool) -> None:
 
 def _is_peft(model) -> bool:
     from ds_fssdp.integrations.peft_lora import has_peft
-    if not has_peft():
-        return False
-    from peft import PeftModel
-    return isinstance(model, PeftModel)
+    return has_peft() and isinstance(model, importlib.import_module("peft").PeftModel)
 
 
 def _save_peft(model, out_dir, *, max_shard_size) -> str:

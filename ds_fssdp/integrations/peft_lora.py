@@ -14,6 +14,7 @@ is refused: docs/design.md section 4, "LoRA on experts"; README, "LoRA on expert
 from __future__ import annotations
 
 import functools
+import re
 
 import torch.nn as nn
 
@@ -21,15 +22,9 @@ import torch.nn as nn
 # the experts module (has_peft: also for this module's callers)
 from ds_fssdp.integrations.hf_experts import FSSDPHFExperts, has_peft, is_param_wrapper
 
-BASE_LAYER = "base_layer"
-
-
 def strip_wrappers(name: str) -> str:
     """The module name PEFT's wrappers took over: ``a.experts.base_layer.base_layer`` -> ``a.experts``."""
-    suffix = f".{BASE_LAYER}"
-    while name.endswith(suffix):
-        name = name[:-len(suffix)]
-    return name
+    return re.sub(r"(\.base_layer)+$", "", name)
 
 
 def wrapper_chain(site: nn.Module) -> list:
