@@ -111,8 +111,7 @@ def hf_state_dict(model: nn.Module) -> dict:
         prefix = f"{name}." if name else ""
         for key in module.spec.names:
             state.pop(prefix + key, None)
-        for key, tensor in module.hf_tensors(like).items():
-            state[prefix + key] = tensor
+        state.update({prefix + key: tensor for key, tensor in module.hf_tensors(like).items()})
     return state
 
 
@@ -134,12 +133,10 @@ def restore_deepspeed_initialize() -> None:
 
 def _top_k(model):
     config = getattr(model, "config", None)
-    config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
-    for key in ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"):
-        value = getattr(config, key, None)
-        if isinstance(value, int):
-            return value
-    return None
+    config = getattr(config, "get_text_config", lambda: config)()
+    keys = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts")
+    values = (getattr(config, key, None) for key in keys)
+    return next((v for v in values if isinstance(v, int)), None)
 
 
 def _bind_router_bias(block: nn.Module, block_name: str, module: FSSDPHFExperts) -> None:

@@ -119,13 +119,9 @@ def read_layout(experts: nn.Module, *, model_type: str, where: str) -> Layout:
 
 
 def _constant(experts: nn.Module, name: str):
-    config = getattr(experts, "config", None)
-    for attr in _CONSTANT_NAMES[name]:
-        for owner in (experts, config):
-            value = getattr(owner, attr, None)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return float(value)
-    return None
+    owners = (experts, getattr(experts, "config", None))
+    values = (getattr(owner, attr, None) for attr in _CONSTANT_NAMES[name] for owner in owners)
+    return next((float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)), None)
 
 
 @torch.no_grad()
@@ -375,17 +371,14 @@ class FSSDPHFExperts(FSSDPExperts):
         """The HF module's tensors by attribute name (collective once sharded: every rank calls it,
         in the same module order). ``like``: the device and dtype to return them in."""
         tensors = to_hf(self.export_experts(), self.layout)
-        if like is not None:
-            tensors = {k: v.to(device=like.device, dtype=like.dtype) for k, v in tensors.items()}
-        return tensors
+        return tensors if like is None else {k: v.to(device=like.device, dtype=like.dtype) for k, v in tensors.items()}
 
     @torch.no_grad()
     def to_hf_module(self, like: torch.Tensor | None = None) -> nn.Module:
         """The original HF experts module holding the current weights (collective once sharded)."""
         experts = self._hf_experts
         for name, tensor in self.hf_tensors(like).items():
-            old = getattr(experts, name)
-            setattr(experts, name, nn.Parameter(tensor, requires_grad=old.requires_grad))
+            setattr(experts, name, nn.Parameter(tensor, requires_grad=getattr(experts, name).requires_grad))
         return experts
 
     def extra_repr(self) -> str:

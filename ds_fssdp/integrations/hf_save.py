@@ -44,11 +44,14 @@ def save_pretrained(model, out_dir, *, max_shard_size="50GB", save_original_form
         raise ValueError(f"ds_fssdp.integrations.hf.save_pretrained: {key}={value!r} is not supported (it is "
                          "collective, every rank calls it, and writes safetensors into a local directory; "
                          f"supported: {', '.join(HONOURED)})")
+    from ds_fssdp.integrations.hf import _dense_like
     model = unwrap(model)
     if _is_peft(model):
         return _save_peft(model, out_dir, max_shard_size=max_shard_size)
+    # saved in the dense parameters' dtype, as transformers saves (the experts follow, as hf_state_dict)
     return write_hf_dir(model, out_dir, dense=lambda: dense_state_dict(model),
-                        rows=lambda module: own_rows(module, rank()), dtype=_saved_dtype(model),
+                        rows=lambda module: own_rows(module, rank()),
+                        dtype=getattr(_dense_like(model), "dtype", torch.float32),
                         max_shard_size=max_shard_size, save_original_format=save_original_format,
                         overwrite=overwrite)
 
@@ -121,14 +124,6 @@ def _prepare(out_dir: str, tmp: str, overwrite: bool) -> None:
     os.makedirs(tmp)
 
 
-def _saved_dtype(model) -> torch.dtype:
-    """The dtype transformers saves the model in: its dense parameters' (the experts follow them,
-    as ``hf_state_dict`` returns them)."""
-    from ds_fssdp.integrations.hf import _dense_like
-    like = _dense_like(model)
-    return like.dtype if like is not None else torch.float32
-
-
 def dense_state_dict(model) -> dict:
     """The model's state dict (the converted experts hold no entries in it), on rank 0; under ZeRO-3
     each module's partitioned parameters gathered in turn (collective), as DeepSpeed's 16-bit
@@ -161,8 +156,9 @@ def dense_state_dict(model) -> dict:
 def _write_dense(model, tmp: str, dense: dict, files: list, max_shard_size, original_format: bool) -> None:
     """Rank 0: transformers' own save of the dense part (config, generation config, shards), then the
     expert shards' headers."""
-    hf_save_pretrained()(model, os.path.join(tmp, _DENSE), state_dict=dense, max_shard_size=max_shard_size,
-                         save_original_format=original_format)
+    from transformers.modeling_utils import PreTrainedModel
+    _original(PreTrainedModel, "save_pretrained")(model, os.path.join(tmp, _DENSE), state_dict=dense,
+                                                  max_shard_size=max_shard_size, save_original_format=original_format)
     for f in files:
         f.create()
 
@@ -321,12 +317,6 @@ def restore_trainer_save() -> None:
         setattr(owner, name, _original(owner, name))
 
 
-def hf_save_pretrained():
-    """transformers' own ``PreTrainedModel.save_pretrained`` (also while :func:`route_model_save` is installed)."""
-    from transformers.modeling_utils import PreTrainedModel
-    return _original(PreTrainedModel, "save_pretrained")
-
-
 def route_model_save() -> None:
     """Make ``model.save_pretrained(out_dir, ...)`` on a converted model :func:`save_pretrained`
     (collective; transformers' own would write the FSSDP tensor names and drop the sharded experts);
@@ -359,5 +349,6 @@ def _route(owner, name: str, routed) -> None:
 
 
 def _original(owner, name: str):
+    """``owner.name`` as it was before :func:`_route` (transformers' own ``save_pretrained`` while routed)."""
     current = getattr(owner, name)
     return getattr(current, "_fssdp_original", current)

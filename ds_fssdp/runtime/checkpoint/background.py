@@ -117,9 +117,7 @@ def _digests(job: Job) -> dict:
         raise CheckpointError(f"checkpoint {job.tag!r} not committed: writing failed on rank(s) {sorted(failed)}: "
                               + "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items())))
     shutil.rmtree(os.path.join(job.tmp_dir, WRITTEN))
-    for name in walk(job.tmp_dir):
-        if name not in digests:
-            digests[name] = digest(os.path.join(job.tmp_dir, name))
+    digests.update({name: digest(os.path.join(job.tmp_dir, name)) for name in walk(job.tmp_dir) if name not in digests})
     return digests
 
 

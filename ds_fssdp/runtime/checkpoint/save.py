@@ -186,14 +186,11 @@ def layer_meta(engine) -> list:
     """This rank's layers' descriptions for the metadata."""
     stage = engine.fssdp
     names = {id(m): n for n, m in engine.module.named_modules()}
-    layers = []
-    for l, (layer, shard) in enumerate(zip(stage.layers, stage.shards)):
-        layers.append({"name": names.get(id(layer), ""), "num_experts": layer.num_experts,
-                       "activation": layer.spec.activation, "hidden_size": layer.hidden_size,
-                       "ffn_hidden_size": layer.ffn_hidden_size, "numel": layer.spec.numel,
-                       "spec": layer.spec.describe(), "owner_E": shard.owner_E.tolist(),
-                       "optimizer_rows": stage.expert_state.row_keys(l), "dtype": str(shard.rows.dtype)})
-    return layers
+    return [{"name": names.get(id(layer), ""), "num_experts": layer.num_experts, "activation": layer.spec.activation,
+             "hidden_size": layer.hidden_size, "ffn_hidden_size": layer.ffn_hidden_size, "numel": layer.spec.numel,
+             "spec": layer.spec.describe(), "owner_E": shard.owner_E.tolist(),
+             "optimizer_rows": stage.expert_state.row_keys(l), "dtype": str(shard.rows.dtype)}
+            for l, (layer, shard) in enumerate(zip(stage.layers, stage.shards))]
 
 
 def meta_state(engine, tag: str, *, layers: list | None = None) -> dict:
