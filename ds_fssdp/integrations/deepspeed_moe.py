@@ -8,17 +8,15 @@ DeepSpeed's layer: every expert a copy of the template, the gate an ``nn.Linear(
 bias=False)``, ``coefficient`` for ``use_residual``), same ``forward(hidden_states)`` and triple.
 The gate reproduces ``deepspeed.moe.sharded_moe.TopKGate`` exactly, dropless:
 
-* logits ``x.float() @ wg^T``; fp32 softmax; ``noisy_gate_policy`` ``"Jitter"`` (input jitter, in
-  training) and ``"RSample"`` (Gumbel-noised top-1 selection, in training), with DeepSpeed's own
-  noise functions;
-* k = 1: the argmax expert with its unnormalised probability; ``l_aux = E * sum_e me_e * ce_e``;
-* k = 2: argmax, then the second expert by argmax of the logits (Gumbel-noised when
-  ``top2_2nd_expert_sampling``, DeepSpeed's default, in training and eval alike) without the first;
-  weights renormalised over the two; ``l_aux = E^2 * mean_e(me_e * ce_e)`` with ``ce`` counting
-  first choices only (DeepSpeed's definition, kept);
+* logits ``x.float() @ wg^T``; fp32 softmax; ``noisy_gate_policy`` ``"Jitter"`` / ``"RSample"`` (in
+  training) with DeepSpeed's own noise functions;
+* k = 1: the argmax expert, its unnormalised probability; ``l_aux = E * sum_e me_e * ce_e``;
+* k = 2: argmax, then the argmax of the logits (Gumbel-noised when ``top2_2nd_expert_sampling``, in
+  training and eval alike) without the first, renormalised; ``l_aux = E^2 * mean_e(me_e * ce_e)``,
+  ``ce`` counting first choices only (DeepSpeed's definition);
 * k > 2: top-k, renormalised; ``l_aux = E^2 / k * mean_e(me_e * ce_e)``;
-* ``exp_counts``: assignments per expert. Top-1's random token selection draws the same random
-  numbers as DeepSpeed (so later random draws stay aligned) although dropless makes it moot.
+* ``exp_counts``: assignments per expert; top-1's random token selection draws DeepSpeed's random
+  numbers (later draws stay aligned) although dropless makes it moot.
 
 So with the same weights and RNG state the outputs, ``l_aux``, ``exp_counts`` and all gradients
 equal DeepSpeed's layer with ``drop_tokens=False`` (fp32 summation order). ``ep_size=N`` is the
@@ -169,9 +167,7 @@ class MoE(nn.Module):
         with torch.no_grad():
             moe.gate.weight.copy_(wg.weight)
         self.moe = moe
-        self.expert_bias = None
-        if b2 is not None:
-            self.expert_bias = nn.Parameter(b2.detach().unsqueeze(0).repeat(num_experts, 1))
+        self.expert_bias = None if b2 is None else nn.Parameter(b2.detach().unsqueeze(0).repeat(num_experts, 1))
         if use_residual:
             self.mlp = expert
             self.coefficient = nn.Linear(hidden_size, 2)

@@ -4,28 +4,23 @@ Legend: E experts, H hidden, I expert FFN hidden (HF's ``moe_intermediate_size``
 
 transformers 5.x decorates a family's experts module with ``use_experts_implementation``: its
 forward is ``(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]`` with the
-routing weights applied inside, and layout flags on the module say how its fused tensors are
-stored:
+routing weights applied inside, and layout flags say how its fused tensors are stored:
 
 * ``has_gate``: ``gate_up_proj`` (gate and up fused) or only ``up_proj``;
-* ``is_transposed``: weights applied as ``x @ W`` ([E, H, 2I], [E, I, H]) instead of ``x @ W^T``
-  ([E, 2I, H], [E, H, I]);
+* ``is_transposed``: weights applied as ``x @ W`` ([E, H, 2I], [E, I, H]) instead of ``x @ W^T``;
 * ``is_concatenated``: gate rows then up rows, or interleaved (gate0, up0, gate1, ...);
 * ``has_bias``: ``gate_up_proj_bias`` [E, 2I] / ``up_proj_bias`` [E, I] and ``down_proj_bias`` [E, H];
 * ``has_post_expert_norm``: a norm after each expert (not mapped: refused).
 
-The activation is ``_apply_gate`` (gated) or ``act_fn`` (not gated). Rather than a table of
-families, :func:`read_layout` asks the module itself: it runs the module's own ``_apply_gate`` /
-``act_fn`` on probe values (clamps included) and picks the ``ds_fssdp.ops`` expert variant that
-computes the same function, with its constants (``alpha``, ``limit``) read from the module. A
-family whose math is none of them is refused, naming the model type and what is missing.
-
-The mapping into FSSDP's layout (``w_gate``/``w_up`` [E, H, I], ``w_down`` [E, I, H], biases
-``b_gate``/``b_up`` [E, I], ``b_down`` [E, H]; ``w_a``/``w_b`` and ``b_a``/``b_b`` when not gated) is
-exact: transposes, slices and de-interleaving, inverted by :func:`to_hf`.
+Rather than a table of families, :func:`read_layout` runs the module's own ``_apply_gate`` (gated) or
+``act_fn`` on probe values (clamps included) and picks the ``ds_fssdp.ops`` expert variant computing
+the same function, its constants (``alpha``, ``limit``) read from the module; none: refused by name.
+The mapping into FSSDP's named tensors ([E, H, I] / [E, I, H] and their biases, in the spec's row
+order) is exact: transposes, slices and de-interleaving, inverted by :func:`to_hf`.
 """
 from __future__ import annotations
 
+import importlib
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -60,10 +55,7 @@ def has_peft() -> bool:
 
 
 def is_param_wrapper(module: nn.Module) -> bool:
-    if not has_peft():
-        return False
-    from peft.tuners.lora.layer import ParamWrapper
-    return isinstance(module, ParamWrapper)
+    return has_peft() and isinstance(module, importlib.import_module("peft.tuners.lora.layer").ParamWrapper)
 
 
 @dataclass(frozen=True)
@@ -96,10 +88,8 @@ def read_layout(experts: nn.Module, *, model_type: str, where: str) -> Layout:
     if getattr(experts, "_is_expert_parallel", False):
         raise UnsupportedExpertsError(f"{where}: the experts module is already expert-parallel (transformers' own "
                                       "tensor/expert parallel plan); load the model without it")
-    gated = bool(experts.has_gate)
-    transposed = bool(experts.is_transposed)
-    up = experts.gate_up_proj if gated else experts.up_proj
-    down = experts.down_proj
+    gated, transposed = bool(experts.has_gate), bool(experts.is_transposed)
+    up, down = experts.gate_up_proj if gated else experts.up_proj, experts.down_proj
     if up.dim() != 3 or down.dim() != 3:
         raise UnsupportedExpertsError(f"{where}: model_type {model_type!r}: expert tensors of shapes "
                                       f"{tuple(up.shape)} and {tuple(down.shape)} are not fused [E, ...] tensors")
@@ -214,15 +204,13 @@ class ExpertLora:
     """The active adapters' factors of one experts module, by FSSDP weight name, stacked [E, ...]."""
 
     def __init__(self, experts: "FSSDPHFExperts", active: dict):
-        E = experts.num_experts
-        layout = experts.layout
-        self.stacks = {}
+        E, self.stacks = experts.num_experts, {}
         for hf_name, adapters in active.items():
             for A_w, B_w, scaling in adapters:
                 r = A_w.shape[0] // E
                 a_EIr = A_w.view(E, r, A_w.shape[1]).transpose(1, 2)
                 b_ErO = B_w.view(B_w.shape[0], r, E).permute(2, 1, 0)
-                for name, part_ErO in _fssdp_parts(hf_name, b_ErO, layout):
+                for name, part_ErO in _fssdp_parts(hf_name, b_ErO, experts.layout):
                     self.stacks.setdefault(name, []).append((a_EIr, part_ErO, float(scaling)))
 
     def __call__(self, local_E: torch.Tensor) -> dict:

@@ -86,9 +86,8 @@ def main(argv=None) -> None:
     parser.add_argument("--no-verify", action="store_true", help="check sizes only, not sha256 digests")
     args = parser.parse_args(argv)
     kwargs = {"trust_remote_code": True} if args.trust_remote_code else {}
-    out = export_hf(args.load_dir, args.out_dir, model=args.model, tag=args.tag, dtype=args.dtype,
-                    max_shard_size=args.max_shard_size, verify=not args.no_verify, **kwargs)
-    print(out)
+    print(export_hf(args.load_dir, args.out_dir, model=args.model, tag=args.tag, dtype=args.dtype,
+                    max_shard_size=args.max_shard_size, verify=not args.no_verify, **kwargs))
 
 
 if __name__ == "__main__":

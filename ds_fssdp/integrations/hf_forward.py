@@ -32,8 +32,7 @@ class ExtraComputeError(UnsupportedExpertsError):
 
 def check_forward(experts: nn.Module, layout, *, model_type, where: str) -> None:
     """Refuse ``experts`` (by name) unless its forward is the gate-weighted expert MLP of ``layout``."""
-    extra = [n for n, _ in experts.named_parameters() if n not in MAPPED]
-    extra += [n for n, _ in experts.named_buffers()]
+    extra = [n for n, _ in experts.named_parameters() if n not in MAPPED] + [n for n, _ in experts.named_buffers()]
     if extra:
         raise ExtraComputeError(
             f"{where}: model_type {model_type!r}: the experts module holds {extra} beside its expert tensors; its "

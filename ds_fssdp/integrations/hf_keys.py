@@ -208,12 +208,10 @@ def _dir(files) -> str:
 
 
 class SavedExperts:
-    """The tensors ``save_pretrained`` writes for one converted experts module, in ``dtype``:
-    transformers' own reverse conversion of the module's HF tensors. ``planned``: key, dtype and
-    full shape of each (every rank knows them, nothing read); :meth:`values`: a rank's own experts'
-    pieces, each as ``(key, tensor, first_row)`` (a fused key's rows from ``first_row``, or a whole
-    per-expert tensor at 0). ``original_format=False``: the fused keys as the model holds them
-    (``save_pretrained(save_original_format=False)``)."""
+    """The tensors ``save_pretrained`` writes for one converted experts module, in ``dtype``, through
+    transformers' own reverse conversion (``original_format=False``: the fused keys as the model holds
+    them). ``planned``: key, dtype and full shape of each (known on every rank, nothing read);
+    :meth:`values`: a rank's own experts' pieces."""
 
     def __init__(self, model, name: str, module, dtype: torch.dtype, *, original_format: bool = True):
         self.model, self.name, self.original_format, self.dtype = model, name, original_format, dtype

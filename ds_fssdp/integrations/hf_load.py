@@ -75,9 +75,8 @@ def read_config(ds_config) -> dict:
 
 
 def layout_of(ds_config: dict, *, start_comm: bool = True) -> Layout:
-    """The FSSDP layout ``initialize`` will build from the same config, DeepSpeed's comm started
-    first (as ``deepspeed.init_distributed`` does); every config error names its key before any
-    collective."""
+    """The FSSDP layout ``initialize`` will build from the same config, DeepSpeed's comm started first;
+    every config error names its key before any collective."""
     from deepspeed.accelerator import get_accelerator
 
     from ds_fssdp.runtime.elastic import init_distributed
@@ -98,9 +97,8 @@ def layout_of(ds_config: dict, *, start_comm: bool = True) -> Layout:
 
 
 def from_pretrained(name_or_path, *, ds_config, **hf_kwargs):
-    """``convert(AutoModelForCausalLM.from_pretrained(name_or_path, **hf_kwargs))``, each rank
-    reading only the experts it will own (module docstring). Every rank calls it. The HF kwargs pass
-    through (``output_loading_info=True`` returns ``(model, info)`` as transformers does) except
+    """``convert(AutoModelForCausalLM.from_pretrained(name_or_path, **hf_kwargs))``, each rank reading
+    only the experts it will own; every rank calls it. The HF kwargs pass through but
     :data:`REFUSED_KWARGS`, refused by name before anything starts."""
     for key, why in REFUSED_KWARGS.items():
         if hf_kwargs.get(key) is not None:
@@ -122,10 +120,8 @@ def load_as(layout: Layout, cfg: dict, name_or_path, **hf_kwargs):
 
 
 def _own_all(model) -> None:
-    """A rank that owns every expert (one FSSDP group of one rank) gets an ordinary module, as
-    ``convert`` returns; a rank owning some gets meta stand-ins of the full tensors beside its rows
-    (``keep_flags``). Both installed once transformers' loader, which would take them for missing
-    weights, is done."""
+    """Once transformers' loader is done (it would take them for missing weights): an ordinary module
+    on a rank owning every expert, meta stand-ins beside the rows elsewhere (``keep_flags``)."""
     from ds_fssdp.integrations.hf import converted_experts
     for _, module in converted_experts(model):
         whole = module.__dict__.pop("_loaded_whole", None)
@@ -138,9 +134,8 @@ def _own_all(model) -> None:
 
 
 def from_config(config, *, ds_config, seed: int = 0, **hf_kwargs):
-    """A fresh ``AutoModelForCausalLM.from_config(config, **hf_kwargs)``, converted, without any rank
-    materializing an expert: the dense part initialized under ``seed``, the experts drawn per rank at
-    ``initialize`` (module docstring). Every rank calls it."""
+    """A fresh ``AutoModelForCausalLM.from_config(config, **hf_kwargs)``, converted, the dense part
+    initialized under ``seed``, the experts drawn per rank at ``initialize``; every rank calls it."""
     import transformers
 
     from ds_fssdp.integrations.hf import convert, converted_experts, expert_keys
@@ -275,10 +270,8 @@ def _loading_hook(hook):
 
 
 def check_transformers(original) -> None:
-    """The loader hooks transformers' private ``_load_pretrained_model(model, state_dict,
-    checkpoint_files, load_config)`` and reads three fields of its ``load_config``: another shape of
-    them is refused naming the installed version; a version outside :data:`TESTED_TRANSFORMERS` with
-    the same shape is warned about once."""
+    """Another shape of the hooked ``_load_pretrained_model`` or of the ``load_config`` fields read is
+    refused naming the installed version; a version outside :data:`TESTED_TRANSFORMERS` is warned about once."""
     import inspect
 
     from packaging.specifiers import SpecifierSet
@@ -314,10 +307,8 @@ def installed_transformers():
 
 
 def _hf_zero3_off():
-    """transformers builds a model under ``deepspeed.zero.Init`` while a ZeRO-3 HF DeepSpeed config
-    is alive (``TrainingArguments`` with ZeRO-3): the experts would be partitioned like dense weights.
-    The skeleton is built on the meta device instead (``unset_hf_deepspeed_config`` for the duration);
-    ZeRO-3's dense partitioning is ``hf_zero3.py``'s."""
+    """No ZeRO-3 HF DeepSpeed config for the duration (``TrainingArguments`` with ZeRO-3 would build the
+    model under ``zero.Init``, the experts partitioned like dense weights; ``hf_zero3.py`` partitions)."""
     from transformers.integrations import deepspeed as hf_ds
     return patched(hf_ds, "_hf_deepspeed_config_weak_ref", None)
 

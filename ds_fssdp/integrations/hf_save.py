@@ -34,10 +34,8 @@ MODEL_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.inde
 
 def save_pretrained(model, out_dir, *, max_shard_size="50GB", save_original_format: bool = True,
                     overwrite: bool = False, **kw) -> str:
-    """Write ``model`` (converted, sharded or not) as a Hugging Face directory (module docstring).
-    Collective: every rank calls it. Returns ``out_dir``. ``overwrite``: a model's files already in
-    ``out_dir`` are replaced (removed just before the new ones move in, the index last) instead of
-    refused, as transformers' own save and the Trainer's ``save_model`` do."""
+    """Write ``model`` (converted, sharded or not) as a Hugging Face directory; collective, returns
+    ``out_dir``. ``overwrite``: a model's files already in ``out_dir`` are replaced, not refused."""
     for key, value in kw.items():
         if key == "safe_serialization" and value is not False:
             continue
@@ -58,11 +56,9 @@ def save_pretrained(model, out_dir, *, max_shard_size="50GB", save_original_form
 
 def write_hf_dir(model, out_dir, *, dense, rows, dtype: torch.dtype, max_shard_size="50GB",
                  save_original_format: bool = True, overwrite: bool = False) -> str:
-    """The writer behind :func:`save_pretrained` and the offline export (``hf_export.py``):
-    ``model`` (converted; may be a meta skeleton) names and lays out everything; ``dense()`` is the
-    dense state dict (rank 0's; collective where it gathers); ``rows(module)`` this rank's
-    ``(owned_E, rows_SP)`` of one experts module, or None, asked one module at a time and dropped
-    before the next."""
+    """The writer behind :func:`save_pretrained` and ``hf_export.py``: ``model`` (converted; may be a meta
+    skeleton) names and lays out everything; ``dense()``: rank 0's dense state dict (collective where it
+    gathers); ``rows(module)``: this rank's ``(owned_E, rows_SP)`` of one experts module, or None."""
     from ds_fssdp.integrations.hf import converted_experts
     from transformers.utils.hub import convert_file_size_to_int
 
@@ -240,10 +236,8 @@ def _commit(tmp: str, out_dir: str, files: list, overwrite: bool = False) -> Non
 
 
 def _move_into(tmp: str, out_dir: str, overwrite: bool) -> None:
-    """A directory holding other things (the Trainer's ``output_dir`` with its ``checkpoint-N``
-    folders and logs; model files only with ``overwrite``, removed first): the files move in one by
-    one, the index last, so the model is loadable only once complete; a failure removes the ones
-    moved."""
+    """Into a directory holding other things (the Trainer's ``output_dir``): one file at a time, the
+    index last; a failure removes the ones moved."""
     if overwrite:
         for n in model_files(out_dir):  # the previous model's, stale shards included
             os.remove(os.path.join(out_dir, n))
@@ -318,10 +312,8 @@ def restore_trainer_save() -> None:
 
 
 def route_model_save() -> None:
-    """Make ``model.save_pretrained(out_dir, ...)`` on a converted model :func:`save_pretrained`
-    (collective; transformers' own would write the FSSDP tensor names and drop the sharded experts);
-    other models, and a call given the whole ``state_dict`` (``hf_state_dict(model)``), keep
-    transformers' own. Idempotent."""
+    """Make ``model.save_pretrained(out_dir, ...)`` on a converted model :func:`save_pretrained` (not given
+    a ``state_dict``; transformers' own would write FSSDP's names without the sharded experts). Idempotent."""
     from transformers.modeling_utils import PreTrainedModel
 
     def routed(original):

@@ -100,12 +100,9 @@ def adopt_hook(child: str, where: str):
     """A forward pre-hook for the MoE block holding the experts as ``child``: adopts wrappers PEFT
     put there after ``convert`` (one type check per forward once adopted)."""
 
-    def hook(block, args):
+    def hook(block, args):  # no chain: no PEFT, or the experts themselves
         site = block._modules.get(child)
-        if site is None or isinstance(site, FSSDPHFExperts) or (has_peft() and type(site) is fssdp_wrapper_class()):
-            return
-        chain = wrapper_chain(site)
-        if chain:
+        if not (has_peft() and type(site) is fssdp_wrapper_class()) and (chain := wrapper_chain(site)):
             adopt(site, chain[-1].base_layer, where=where)
 
     return hook

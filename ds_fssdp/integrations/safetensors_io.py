@@ -174,9 +174,8 @@ class ShardFile:
         raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors' own writer does
         self.header = struct.pack("<Q", len(raw)) + raw
         self.size = len(self.header) + offset
-        self.entries = {t.key: Entry(path, t.key, t.dtype, tuple(t.shape), len(self.header) + h["data_offsets"][0],
-                                     t.nbytes)
-                        for t, h in zip(tensors, (header[t.key] for t in tensors))}
+        self.entries = {t.key: Entry(path, t.key, t.dtype, tuple(t.shape),
+                                     len(self.header) + header[t.key]["data_offsets"][0], t.nbytes) for t in tensors}
 
     def create(self) -> None:
         """Write the header and size the file (one writer, before the others write their ranges)."""

@@ -115,9 +115,7 @@ class GPTMoE(nn.Module):
             x, l_aux = block(x) if checkpoint is None or not torch.is_grad_enabled() else checkpoint(block, x)
             aux = aux + l_aux
         logits_BSV = self.head(self.ln_f(x))
-        if targets_BS is None:
-            return logits_BSV
-        return lm_loss(logits_BSV, targets_BS) + self.cfg.aux_loss_coef * aux
+        return logits_BSV if targets_BS is None else lm_loss(logits_BSV, targets_BS) + self.cfg.aux_loss_coef * aux
 
 
 def lm_loss(logits_BSV, targets_BS):

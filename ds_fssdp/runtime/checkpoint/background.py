@@ -2,21 +2,18 @@
 atomically (manifest, rename, ``latest`` last) while training goes on (docs/robustness.md, "Saves
 that don't stop training").
 
-Every rank's thread writes its staged states into ``.tmp-<tag>`` (each file flushed and hashed) and
-reports its digests, or its error, under ``.tmp-<tag>/.written/rankRRRRR.json``; rank 0's thread
-waits for every report (at most the collective timeout) and commits as a synchronous save does. The
-ranks agree through the shared filesystem, not a collective: one from a second thread could
-interleave with the training's own on its group, and a separate group would break when the job
-tears its groups down with a write pending. ``wait`` (main thread, every rank) joins the thread
-and raises any rank's error on every rank; at exit a pending write is waited for and its error
-logged.
+Every rank's thread writes its staged states into ``.tmp-<tag>`` (flushed, hashed) and reports its
+digests, or its error, under ``.tmp-<tag>/.written/``; rank 0's thread waits for every report (at
+most the collective timeout) and commits as a synchronous save does. The ranks agree through the
+shared filesystem: a collective from a second thread could interleave with the training's own, and
+a separate group would break when the job tears its groups down with a write pending. ``wait``
+(every rank) joins the thread and raises any rank's error on every rank; at exit a pending write is
+waited for and its error logged.
 
-Why not DeepSpeed's or torch's asynchronous writers (read for 0.19.8 / torch 2.13): DeepSpeed's
-decoupled engine needs the FastPersist writer (``async_io``, not buildable on a CPU machine), waits
-at the next optimizer step, moves ``latest`` with a plain write and knows nothing of our files
-(its extension point, the checkpoint engine's ``save(state, path)``, is what ``staging.py`` uses);
-torch DCP's ``async_save`` writes its own format, not the ``torch.save`` files DeepSpeed and we
-read, stages only tensors and plain leaves, and finishes with a collective from the thread.
+Not DeepSpeed's decoupled writer (read for 0.19.8: it needs FastPersist's ``async_io``, not buildable
+on a CPU machine, waits at the next step, moves ``latest`` with a plain write and knows none of our
+files; its extension point is what ``staging.py`` uses), nor torch DCP's ``async_save`` (its own
+format, tensors and plain leaves only, a collective from the thread).
 """
 from __future__ import annotations
 
@@ -125,9 +122,7 @@ class BackgroundWriter:
     """One engine's background save: at most one at a time."""
 
     def __init__(self):
-        self._thread = None
-        self._tag = None
-        self._error = None
+        self._thread = self._tag = self._error = None
         self.last_seconds = None  # how long this rank's last background write (and commit) took
         atexit.register(self._at_exit)
 

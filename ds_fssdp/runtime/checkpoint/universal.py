@@ -92,11 +92,8 @@ def _convert(src: str, final: str, tmp: str, manifest: dict) -> None:
 
 
 def _is_current(final: str, manifest: dict) -> bool:
-    path = os.path.join(final, SOURCE)
-    if not os.path.isfile(path):
-        return False
-    try:
-        return read_json(path).get("files") == manifest["files"]
+    try:  # a missing or unreadable record is a CheckpointError too
+        return read_json(os.path.join(final, SOURCE)).get("files") == manifest["files"]
     except CheckpointError:
         return False
 
