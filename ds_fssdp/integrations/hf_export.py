@@ -23,8 +23,7 @@ from ds_fssdp.runtime.checkpoint.files import CheckpointError
 def export_hf(load_dir: str, out_dir: str, *, model: str, tag=None, dtype=None, max_shard_size="50GB",
               verify: bool = True, **hf_kwargs) -> str:
     """Write the checkpoint ``tag`` (default ``latest``) of ``load_dir`` as a Hugging Face directory
-    ``out_dir`` (new or empty), the model's config read from ``model``. ``dtype``: of the saved
-    tensors (default: the config's). Returns ``out_dir``."""
+    ``out_dir`` (new or empty), the config read from ``model``, tensors in ``dtype`` (default: the config's)."""
     import transformers
 
     from ds_fssdp.integrations.hf import convert, converted_experts, expert_keys

@@ -54,9 +54,8 @@ def split_mapping(weight_mapping) -> tuple:
 
 
 def plan_experts(model, modules: list, files, weight_mapping, *, model_type: str) -> dict:
-    """``{module name: {attr: TensorSource}}`` for the converted ``modules`` ([(name, module)]),
-    checked against the checkpoint's keys and shapes (``files``: safetensors_io.CheckpointFiles).
-    Raises naming the key, the file or the op before anything is read."""
+    """``{module name: {attr: TensorSource}}`` for the converted ``modules`` ([(name, module)]), checked
+    against the checkpoint ``files``' keys and shapes: raises naming the key, the file or the op."""
     from transformers.core_model_loading import dot_natural_key, rename_source_key
     renamings, converters = split_mapping(weight_mapping)
     by_pattern = {p: c for c in converters for p in c.source_patterns}

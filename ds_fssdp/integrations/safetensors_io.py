@@ -118,7 +118,7 @@ class CheckpointFiles:
         each contiguous run of them, nothing else."""
         e = self.entry(key)
         if rows is None:
-            return _read_range(e, e.begin, e.nbytes).reshape(e.shape)
+            return _read_range(e, e.begin, e.nbytes).view(e.dtype).reshape(e.shape)
         rows = [int(r) for r in rows]
         if not e.shape or any(not 0 <= r < e.shape[0] for r in rows):
             raise CheckpointError(f"{e.path}: tensor {key!r} of shape {list(e.shape)} has no rows {rows}")
@@ -126,8 +126,8 @@ class CheckpointFiles:
         flat = out.view(-1).view(torch.uint8) if out.numel() else out
         i = 0
         for first, count in _runs(rows):
-            chunk = _read_range(e, e.begin + first * e.row_bytes, count * e.row_bytes)
-            flat[i * e.row_bytes:(i + count) * e.row_bytes].copy_(chunk.view(torch.uint8))
+            flat[i * e.row_bytes:(i + count) * e.row_bytes].copy_(_read_range(e, e.begin + first * e.row_bytes,
+                                                                              count * e.row_bytes))
             i += count
         return out
 
@@ -139,13 +139,14 @@ def _runs(rows: list) -> list:
 
 
 def _read_range(e: Entry, offset: int, nbytes: int) -> torch.Tensor:
+    """``nbytes`` bytes of ``e``'s file from ``offset`` (uint8)."""
     try:
         data = np.fromfile(e.path, dtype=np.uint8, count=nbytes, offset=offset)
     except OSError as err:
         raise CheckpointError(f"reading tensor {e.key!r} from {e.path} failed: {err}") from err
     if data.size != nbytes:
         raise CheckpointError(f"checkpoint file {e.path} is truncated: tensor {e.key!r} ends early")
-    return torch.from_numpy(data).view(e.dtype)
+    return torch.from_numpy(data)
 
 
 @dataclass(frozen=True)
