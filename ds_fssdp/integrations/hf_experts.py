@@ -129,9 +129,9 @@ def _probe_activation(experts, *, gated: bool, concatenated: bool, model_type: s
     else:
         want = experts.act_fn(g).float()
         hook = f"act_fn ({type(getattr(experts, 'act_fn', None)).__name__})"
-    tried = []
-    for name in (n for n in ops.ACTIVATIONS if activations.is_gated(n) == gated):  # in ops' order, with the
-        params = {n: _constant(experts, n) for n in activations.TABLE[name].params}  # constants each needs
+    tried = []  # ops' variants of this kind, in ops' order, with the constants each needs
+    for name in (n for n in ops.ACTIVATIONS if activations.is_gated(n) == gated):
+        params = {n: _constant(experts, n) for n in activations.TABLE[name].params}
         if any(v is None for v in params.values()):
             continue
         tried.append(name)
@@ -172,12 +172,12 @@ def to_fssdp(experts: nn.Module, layout: Layout, *, copy: bool = True) -> dict:
 
 def to_hf(tensors: dict, layout: Layout) -> dict:
     """FSSDP's named tensors -> the HF module's fused tensors by attribute name (the inverse)."""
-    values, k = [tensors[n] for n in layout.spec().names], 3 if layout.gated else 2
-    up, down = _fuse(values[:k], layout)
+    values, weights = [tensors[n] for n in layout.spec().names], 3 if layout.gated else 2
+    up, down = _fuse(values[:weights], layout)
     out = {layout.up_name: up if layout.transposed else up.transpose(1, 2),
            "down_proj": down if layout.transposed else down.transpose(1, 2)}
     if layout.bias:
-        out[f"{layout.up_name}_bias"], out["down_proj_bias"] = _fuse(values[k:], layout)
+        out[f"{layout.up_name}_bias"], out["down_proj_bias"] = _fuse(values[weights:], layout)
     return {k: v.contiguous() for k, v in out.items()}
 
 

@@ -72,8 +72,7 @@ def _probe(experts: nn.Module, layout, *, hidden: int, ffn: int, distinct: bool)
     ``ffn``; ``distinct=False``: every expert one random expert (a view: no E copies at full size)."""
     probe = _probe_copy(experts, layout, hidden=hidden, ffn=ffn, distinct=distinct)
     gen = torch.Generator().manual_seed(1)
-    E = layout.num_experts
-    K = min(2, E)
+    E, K = layout.num_experts, min(2, layout.num_experts)
     x_TH = torch.randn(_T, hidden, generator=gen)
     idx_TK = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(_T)])
     w_TK = torch.rand(_T, K, generator=gen) + 0.25

@@ -49,8 +49,7 @@ class PreemptionCallback(transformers.TrainerCallback):
     ends normally (exit 0)."""
 
     def __init__(self, preemption, *, save: bool = True):
-        self.preemption, self.save = preemption, save
-        self.stopped_at = None
+        self.preemption, self.save, self.stopped_at = preemption, save, None
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.preemption.device = args.device  # the flag's all-reduce runs where the backend can (NCCL: the GPU)

@@ -4,6 +4,7 @@ Legend: B batch, S sequence, H hidden (d_model), V vocabulary.
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 import torch
@@ -40,16 +41,11 @@ class GPTMoEConfig:
                              f"{tuple(CHECKPOINTING)}")
 
 
-def _deepspeed_checkpoint(fn, *args):
-    import deepspeed
-    return deepspeed.checkpointing.checkpoint(fn, *args)
-
-
 CHECKPOINTING = {
     "none": None,
     "torch": lambda fn, *args: torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False),
     "torch-reentrant": lambda fn, *args: torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=True),
-    "deepspeed": _deepspeed_checkpoint,
+    "deepspeed": lambda fn, *args: importlib.import_module("deepspeed").checkpointing.checkpoint(fn, *args),
 }
 
 
