@@ -39,17 +39,9 @@ class Activation(NamedTuple):
     fn: Callable  # gated: (g, u, params) -> act; non-gated: (h, params) -> act
 
 
-def _swiglu_limit(g, u, p):
-    limit = p["limit"]
-    return F.silu(g.clamp(max=limit)) * u.clamp(min=-limit, max=limit)
-
-
 def _gptoss(g, u, p):
-    limit = p["limit"]
-    g = g.clamp(min=None, max=limit)
-    u = u.clamp(min=-limit, max=limit)
-    glu = g * torch.sigmoid(g * p["alpha"])
-    return (u + 1) * glu
+    g, u = g.clamp(min=None, max=p["limit"]), u.clamp(min=-p["limit"], max=p["limit"])
+    return (u + 1) * (g * torch.sigmoid(g * p["alpha"]))
 
 
 TABLE = {
@@ -58,7 +50,8 @@ TABLE = {
     "swiglu": Activation(GATED, (), lambda g, u, p: F.silu(g) * u),
     "geglu": Activation(GATED, (), lambda g, u, p: F.gelu(g) * u),
     "geglu_tanh": Activation(GATED, (), lambda g, u, p: F.gelu(g, approximate="tanh") * u),
-    "swiglu_limit": Activation(GATED, ("limit",), _swiglu_limit),
+    "swiglu_limit": Activation(GATED, ("limit", ),
+                               lambda g, u, p: F.silu(g.clamp(max=p["limit"])) * u.clamp(min=-p["limit"], max=p["limit"])),
     "gptoss": Activation(GATED, ("alpha", "limit"), _gptoss),
 }
 

@@ -33,9 +33,8 @@ def backend_for(device: torch.device) -> str:
     """'triton' or 'torch' for tensors on ``device`` (decided once per device type)."""
     kind = torch.device(device).type
     if kind not in _chosen:
-        choice, why = _choose(kind)
-        _chosen[kind] = choice
-        logger.info("ds_fssdp.ops: %s tensors use the %s implementation (%s)", kind, choice, why)
+        _chosen[kind], why = _choose(kind)
+        logger.info("ds_fssdp.ops: %s tensors use the %s implementation (%s)", kind, _chosen[kind], why)
     return _chosen[kind]
 
 

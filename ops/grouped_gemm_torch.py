@@ -33,15 +33,13 @@ def gemm(x_RH: torch.Tensor, w_GHF: torch.Tensor, sizes: Sequence[int], *, trans
         else:
             torch.baddbmm(bias_GF.unsqueeze(1), x_GnH, w, out=y_GnF)
         return y_RF
-    start = 0
-    for g, n in enumerate(sizes):
-        if n:
+    for g, (x_nH, y_nF) in enumerate(zip(x_RH.split(sizes), y_RF.split(sizes))):
+        if sizes[g]:
             w = w_GHF[g].t() if trans_w else w_GHF[g]
             if bias_GF is None:
-                torch.mm(x_RH[start:start + n], w, out=y_RF[start:start + n])
+                torch.mm(x_nH, w, out=y_nF)
             else:
-                torch.addmm(bias_GF[g], x_RH[start:start + n], w, out=y_RF[start:start + n])
-        start += n
+                torch.addmm(bias_GF[g], x_nH, w, out=y_nF)
     return y_RF
 
 
@@ -57,16 +55,13 @@ def wgrad(x_RH: torch.Tensor, dy_RF: torch.Tensor, sizes: Sequence[int], *, tran
         if trans_w:
             return torch.bmm(dy_GnF.transpose(1, 2), x_GnH, out=dw)
         return torch.bmm(x_GnH.transpose(1, 2), dy_GnF, out=dw)
-    start = 0
-    for g, n in enumerate(sizes):
-        x_gH, dy_gF = x_RH[start:start + n], dy_RF[start:start + n]
-        if n == 0:
+    for g, (x_gH, dy_gF) in enumerate(zip(x_RH.split(sizes), dy_RF.split(sizes))):
+        if sizes[g] == 0:
             dw[g].zero_()
         elif trans_w:
             torch.mm(dy_gF.t(), x_gH, out=dw[g])
         else:
             torch.mm(x_gH.t(), dy_gF, out=dw[g])
-        start += n
     return dw
 
 
@@ -77,11 +72,9 @@ def group_sum(dy_RF: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
     if _equal(sizes):
         return dy_RF.reshape(G, sizes[0], F).sum(1)
     db_GF = dy_RF.new_zeros(G, F)
-    start = 0
-    for g, n in enumerate(sizes):
-        if n:
-            torch.sum(dy_RF[start:start + n], 0, out=db_GF[g])
-        start += n
+    for g, dy_nF in enumerate(dy_RF.split(sizes)):
+        if sizes[g]:
+            torch.sum(dy_nF, 0, out=db_GF[g])
     return db_GF
 
 

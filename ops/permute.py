@@ -92,6 +92,5 @@ class _UnpermuteCombine(torch.autograd.Function):
 
 
 def _kernels(x: torch.Tensor):
-    if backend_for(x.device) == "triton":
-        return importlib.import_module("ds_fssdp.ops.triton.permute_kernels")
-    return permute_torch
+    triton = backend_for(x.device) == "triton"
+    return importlib.import_module("ds_fssdp.ops.triton.permute_kernels") if triton else permute_torch

@@ -58,8 +58,7 @@ def combine_backward(gout_TH: torch.Tensor, y_RH: torch.Tensor, assign_R: torch.
     gy_RH = g_RH.mul_(w_R).to(y_RH.dtype)
     gw_A = torch.zeros(A + 1, dtype=acc, device=y_RH.device)  # slot A takes the rows of no assignment
     gw_A.index_put_((torch.where(valid_R, assign_R, A),), dot_R, accumulate=True)
-    gw_A = gw_A[:A]
-    return gy_RH, gw_A.to(weights_A.dtype)
+    return gy_RH, gw_A[:A].to(weights_A.dtype)
 
 
 def _zero_rows(x_MH: torch.Tensor, mask_M: torch.Tensor) -> torch.Tensor:

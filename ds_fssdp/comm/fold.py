@@ -1,16 +1,13 @@
-"""Tensor-parallel folding of an MoE layer (AutoEP's "route full, partition the dispatch").
+"""Tensor-parallel folding of an MoE layer (AutoEP's "route full, partition the dispatch";
+docs/design.md section 5, AutoTP).
 
 Legend: T tokens (identical on every TP rank), C = ceil(T / p) tokens per TP rank's slice, p TP ranks.
 
-Under AutoTP every TP rank holds the same tokens and the same router output. Each TP rank
-dispatches only its slice (rows ``[r * C, min(T, (r + 1) * C))``), and the slices' outputs are
-all-gathered over the TP group. The two exchanges are Megatron's sequence-parallel pair, so the
-gradients stay what a replicated layer would compute:
-
-* ``split``: forward takes this rank's slice; backward all-gathers the slices' gradients, so the
-  router and everything before the layer get the full, identical gradient on every TP rank;
-* ``gather``: forward all-gathers the slices; backward takes this rank's slice of the incoming
-  gradient, which is identical on every TP rank (AutoTP's own backward reductions make it so).
+Each TP rank dispatches only its slice (rows ``[r * C, min(T, (r + 1) * C))``) of the tokens every TP
+rank holds, and the slices' outputs are all-gathered. The pair is Megatron's sequence-parallel one,
+so the gradients stay a replicated layer's: ``split``'s backward all-gathers the slices' gradients
+(the router and everything before get the full gradient on every TP rank), ``gather``'s takes this
+rank's slice of the incoming gradient (identical on every TP rank).
 """
 from __future__ import annotations
 

@@ -21,8 +21,7 @@ class _Phases:
 
     def __init__(self, layout: GatherLayout, group):
         self.layout, self.group = layout, group
-        self._work = None
-        self._recv = None
+        self._work = self._recv = None
         self.sent = 0  # bytes this rank sent for this collective
 
     def _issue(self, source, send_rows, send_splits, recv_splits, *, async_op) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ds_fssdp.data.stdlib_corpus import windows
+
 BLOCK = 4096  # starts drawn per generator seeding: sample i is entry i % BLOCK of block i // BLOCK
 
 
@@ -35,9 +37,8 @@ class WindowSampler:
         out = []
         for rank in ranks:
             first = self.position + rank * batch
-            starts_B = torch.stack([self._start(i) for i in range(first, first + batch)])
-            seq = self.corpus_N[starts_B[:, None] + torch.arange(self.seq_len + 1)].long()
-            out.append((seq[:, :-1], seq[:, 1:]))
+            out.append(windows(self.corpus_N, torch.stack([self._start(i) for i in range(first, first + batch)]),
+                               self.seq_len))
         self.position += world * batch
         return out
 

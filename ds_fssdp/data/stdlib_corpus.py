@@ -42,7 +42,10 @@ def split(corpus_N: torch.Tensor, val_fraction: float = 0.05) -> tuple:
 
 def sample_batch(corpus_N: torch.Tensor, batch: int, seq_len: int, gen: torch.Generator) -> tuple:
     """Random windows: inputs and next-byte targets, long [B, S] each."""
-    starts = torch.randint(0, corpus_N.numel() - seq_len - 1, (batch, ), generator=gen)
-    idx = starts[:, None] + torch.arange(seq_len + 1)
-    seq = corpus_N[idx].long()
+    return windows(corpus_N, torch.randint(0, corpus_N.numel() - seq_len - 1, (batch, ), generator=gen), seq_len)
+
+
+def windows(corpus_N: torch.Tensor, starts_B: torch.Tensor, seq_len: int) -> tuple:
+    """The windows from ``starts_B``: inputs and next-byte targets, long [B, S] each."""
+    seq = corpus_N[starts_B[:, None] + torch.arange(seq_len + 1)].long()
     return seq[:, :-1], seq[:, 1:]

@@ -1,41 +1,32 @@
-"""``ds_fssdp.MoE``: a drop-in for ``deepspeed.moe.layer.MoE`` that trains under FSSDP.
+"""``ds_fssdp.MoE``: a drop-in for ``deepspeed.moe.layer.MoE`` that trains under FSSDP (README,
+"Coming from DeepSpeed MoE").
 
 Legend: T tokens, H hidden, F expert FFN hidden, E experts, K top-k.
-
-Code written for DeepSpeed MoE moves by changing one import (README, "Coming from DeepSpeed MoE")
-and calling ``ds_fssdp.initialize`` in place of ``deepspeed.initialize``.
 
 Same constructor, same RNG draws at construction (same seed: the same initial weights as
 DeepSpeed's layer: every expert a copy of the template, the gate an ``nn.Linear(H, E,
 bias=False)``, ``coefficient`` for ``use_residual``), same ``forward(hidden_states)`` and triple.
 The gate reproduces ``deepspeed.moe.sharded_moe.TopKGate`` exactly, dropless:
 
-* logits ``x.float() @ wg^T``; fp32 softmax; ``noisy_gate_policy`` ``"Jitter"`` (input jitter, in
-  training) and ``"RSample"`` (Gumbel-noised top-1 selection, in training), with DeepSpeed's own
-  noise functions;
-* k = 1: the argmax expert with its unnormalised probability; ``l_aux = E * sum_e me_e * ce_e``;
-* k = 2: argmax, then the second expert by argmax of the logits (Gumbel-noised when
-  ``top2_2nd_expert_sampling``, DeepSpeed's default, in training and eval alike) without the first;
-  weights renormalised over the two; ``l_aux = E^2 * mean_e(me_e * ce_e)`` with ``ce`` counting
-  first choices only (DeepSpeed's definition, kept);
+* logits ``x.float() @ wg^T``; fp32 softmax; ``noisy_gate_policy`` ``"Jitter"`` / ``"RSample"`` (in
+  training) with DeepSpeed's own noise functions;
+* k = 1: the argmax expert, its unnormalised probability; ``l_aux = E * sum_e me_e * ce_e``;
+* k = 2: argmax, then the argmax of the logits (Gumbel-noised when ``top2_2nd_expert_sampling``, in
+  training and eval alike) without the first, renormalised; ``l_aux = E^2 * mean_e(me_e * ce_e)``,
+  ``ce`` counting first choices only (DeepSpeed's definition);
 * k > 2: top-k, renormalised; ``l_aux = E^2 / k * mean_e(me_e * ce_e)``;
-* ``exp_counts``: assignments per expert. Top-1's random token selection draws the same random
-  numbers as DeepSpeed (so later random draws stay aligned) although dropless makes it moot.
+* ``exp_counts``: assignments per expert; top-1's random token selection draws DeepSpeed's random
+  numbers (later draws stay aligned) although dropless makes it moot.
 
-So with the same weights and the same RNG state the outputs, ``l_aux``, ``exp_counts`` and all
-gradients equal DeepSpeed's layer with ``drop_tokens=False`` (fp32 summation order).
-
-``ep_size=N`` is the FSSDP group size (``fssdp.group_size``; the ranks at the same position in
-every group are DeepSpeed's expert-data-parallel groups). Moot under FSSDP, accepted and logged
-once: ``capacity_factor``, ``eval_capacity_factor``, ``min_capacity``, ``drop_tokens`` (FSSDP is
-dropless), ``use_rts``, ``use_tutel``, ``enable_expert_tensor_parallelism`` (experts are never split).
+So with the same weights and RNG state the outputs, ``l_aux``, ``exp_counts`` and all gradients
+equal DeepSpeed's layer with ``drop_tokens=False`` (fp32 summation order). ``ep_size=N`` is the
+FSSDP group size; the capacity and token-dropping arguments, ``use_rts``, ``use_tutel`` and
+``enable_expert_tensor_parallelism`` are moot under FSSDP (accepted, logged once).
 
 Expert templates: ``nn.Sequential(nn.Linear(H, F), nn.GELU(), nn.Linear(F, H))`` with exact-erf
-GELU; anything else raises ``ValueError``. Biases are supported without a per-expert bias in
-FSSDP's expert rows: the first bias rides in the expert's first matrix on a constant-one input
-column (the layer's experts take [x, 1], the gate still sees x; the matching output column of the
-second matrix is zero and gets exactly zero gradient), the second bias is a dense ``[E, H]``
-parameter added as ``sum_k w_k * b2[e_k]``.
+GELU. The first bias rides in the expert's first matrix on a constant-one input column (the experts
+take [x, 1], the gate sees x; the matching output column of the second matrix is zero and gets
+exactly zero gradient); the second is a dense ``[E, H]`` parameter added as ``sum_k w_k * b2[e_k]``.
 """
 from __future__ import annotations
 
@@ -77,9 +68,8 @@ class DeepSpeedTopKGate(TopKGate):
         E, T = self.num_experts, x_TH.shape[0]
         me_E = probs_TE.mean(0)
         if self.k == 1:
-            select_TE = probs_TE
-            if self.noisy_gate_policy == "RSample" and self.training:
-                select_TE = logits_TE + gumbel_rsample(logits_TE.shape, device=logits_TE.device)
+            rsample = self.noisy_gate_policy == "RSample" and self.training
+            select_TE = logits_TE + gumbel_rsample(logits_TE.shape, device=logits_TE.device) if rsample else probs_TE
             idx_TK = torch.argmax(select_TE, dim=1, keepdim=True)
             weights_TK = probs_TE.gather(1, idx_TK)
             ce_E = F.one_hot(idx_TK[:, 0], E).float().mean(0)
@@ -91,14 +81,12 @@ class DeepSpeedTopKGate(TopKGate):
         elif self.k == 2:
             idx1_T = torch.argmax(probs_TE, dim=1)
             mask1_TE = F.one_hot(idx1_T, E)
-            second_TE = logits_TE
-            if self.top2_2nd_expert_sampling:
-                second_TE = logits_TE + gumbel_rsample(logits_TE.shape, device=logits_TE.device)
+            second_TE = logits_TE + gumbel_rsample(logits_TE.shape, device=logits_TE.device) \
+                if self.top2_2nd_expert_sampling else logits_TE
             idx2_T = torch.argmax(second_TE.masked_fill(mask1_TE.bool(), float("-inf")), dim=1)
             idx_TK = torch.stack([idx1_T, idx2_T], dim=1)
             g_TK = probs_TE.gather(1, idx_TK)
-            denom_T = torch.clamp(g_TK.sum(1, keepdim=True), min=torch.finfo(g_TK.dtype).eps)
-            weights_TK = g_TK / denom_T
+            weights_TK = g_TK / torch.clamp(g_TK.sum(1, keepdim=True), min=torch.finfo(g_TK.dtype).eps)
             l_aux = torch.mean(me_E * mask1_TE.float().mean(0)) * E * E
         else:
             top_TK, idx_TK = torch.topk(probs_TE, self.k, dim=1)
@@ -179,9 +167,7 @@ class MoE(nn.Module):
         with torch.no_grad():
             moe.gate.weight.copy_(wg.weight)
         self.moe = moe
-        self.expert_bias = None
-        if b2 is not None:
-            self.expert_bias = nn.Parameter(b2.detach().unsqueeze(0).repeat(num_experts, 1))
+        self.expert_bias = None if b2 is None else nn.Parameter(b2.detach().unsqueeze(0).repeat(num_experts, 1))
         if use_residual:
             self.mlp = expert
             self.coefficient = nn.Linear(hidden_size, 2)

@@ -1,23 +1,14 @@
 """Train Hugging Face ``transformers`` MoE models with FSSDP: in-place conversion and the HF Trainer
 (README: "Hugging Face models and the Trainer", "Big models in and out").
 
-:func:`convert` replaces each **experts module** on transformers' experts contract
+:func:`convert` replaces each experts module on transformers' experts contract
 (``@use_experts_implementation``) by an :class:`~ds_fssdp.integrations.hf_experts.FSSDPHFExperts`
-holding the same weights, and keeps the family's block, router, shared experts and scaling exactly
-as HF wrote them. The expert math is read off the module (layout flags, its own ``_apply_gate`` /
-``act_fn``); a model without such a module, or whose experts compute something ds_fssdp's expert
-variants do not, is refused with :class:`UnsupportedModelError` naming its model type and what is
-missing. ``convert`` also routes ``deepspeed.initialize`` (which accelerate looks up at call time)
-to ``ds_fssdp.initialize`` (models without FSSDP experts still get plain DeepSpeed from it) and the
-Trainer's ``save_model`` to :func:`save_pretrained` (``hf_save.py``). Under ZeRO 3 build the model
-outside ``deepspeed.zero.Init`` or load it with :func:`from_pretrained` (``hf_load.py``): experts
-partitioned by ``zero.Init`` are refused by name. PEFT LoRA on the experts: ``peft_lora.py``.
-
-Saving: the state dict of a converted model holds the experts as ``<...>.experts.w_gate`` etc. (or
-not at all once sharded). :func:`unconvert` puts every original HF experts module back in place
-with the trained weights (a collective: every rank calls it); :func:`hf_state_dict` returns the
-HF-layout state dict without changing the model (also collective), e.g. for
-``model.save_pretrained(out_dir, state_dict=fssdp_hf.hf_state_dict(model))`` mid-training.
+holding the same weights, the family's block, router, shared experts and scaling untouched; a model
+without one, or whose experts compute what ds_fssdp's variants do not, is refused with
+:class:`UnsupportedModelError`. It also routes ``deepspeed.initialize`` to ``ds_fssdp.initialize``
+and the Trainer's ``save_model`` to :func:`save_pretrained` (``hf_save.py``). :func:`unconvert` puts
+the HF experts modules back with the trained weights and :func:`hf_state_dict` returns the HF-layout
+state dict without changing the model (both collective once sharded).
 """
 from __future__ import annotations
 
@@ -120,8 +111,7 @@ def hf_state_dict(model: nn.Module) -> dict:
         prefix = f"{name}." if name else ""
         for key in module.spec.names:
             state.pop(prefix + key, None)
-        for key, tensor in module.hf_tensors(like).items():
-            state[prefix + key] = tensor
+        state.update({prefix + key: tensor for key, tensor in module.hf_tensors(like).items()})
     return state
 
 
@@ -143,12 +133,10 @@ def restore_deepspeed_initialize() -> None:
 
 def _top_k(model):
     config = getattr(model, "config", None)
-    config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
-    for key in ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"):
-        value = getattr(config, key, None)
-        if isinstance(value, int):
-            return value
-    return None
+    config = getattr(config, "get_text_config", lambda: config)()
+    keys = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts")
+    values = (getattr(config, key, None) for key in keys)
+    return next((v for v in values if isinstance(v, int)), None)
 
 
 def _bind_router_bias(block: nn.Module, block_name: str, module: FSSDPHFExperts) -> None:
@@ -164,10 +152,7 @@ def _bind_router_bias(block: nn.Module, block_name: str, module: FSSDPHFExperts)
 
 def _dense_like(model: nn.Module):
     """A dense parameter: the device and dtype HF tensors are returned in (bf16 once an engine casts)."""
-    for name, p in model.named_parameters():
-        if p.device.type != "meta":
-            return p
-    return None
+    return next((p for p in model.parameters() if p.device.type != "meta"), None)
 
 
 __all__ = ["UnsupportedModelError", "convert", "converted_experts", "unconvert", "hf_state_dict", "initialize",

@@ -4,28 +4,23 @@ Legend: E experts, H hidden, I expert FFN hidden (HF's ``moe_intermediate_size``
 
 transformers 5.x decorates a family's experts module with ``use_experts_implementation``: its
 forward is ``(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]`` with the
-routing weights applied inside, and layout flags on the module say how its fused tensors are
-stored:
+routing weights applied inside, and layout flags say how its fused tensors are stored:
 
 * ``has_gate``: ``gate_up_proj`` (gate and up fused) or only ``up_proj``;
-* ``is_transposed``: weights applied as ``x @ W`` ([E, H, 2I], [E, I, H]) instead of ``x @ W^T``
-  ([E, 2I, H], [E, H, I]);
+* ``is_transposed``: weights applied as ``x @ W`` ([E, H, 2I], [E, I, H]) instead of ``x @ W^T``;
 * ``is_concatenated``: gate rows then up rows, or interleaved (gate0, up0, gate1, ...);
 * ``has_bias``: ``gate_up_proj_bias`` [E, 2I] / ``up_proj_bias`` [E, I] and ``down_proj_bias`` [E, H];
 * ``has_post_expert_norm``: a norm after each expert (not mapped: refused).
 
-The activation is ``_apply_gate`` (gated) or ``act_fn`` (not gated). Rather than a table of
-families, :func:`read_layout` asks the module itself: it runs the module's own ``_apply_gate`` /
-``act_fn`` on probe values (clamps included) and picks the ``ds_fssdp.ops`` expert variant that
-computes the same function, with its constants (``alpha``, ``limit``) read from the module. A
-family whose math is none of them is refused, naming the model type and what is missing.
-
-The mapping into FSSDP's layout (``w_gate``/``w_up`` [E, H, I], ``w_down`` [E, I, H], biases
-``b_gate``/``b_up`` [E, I], ``b_down`` [E, H]; ``w_a``/``w_b`` and ``b_a``/``b_b`` when not gated) is
-exact: transposes, slices and de-interleaving, inverted by :func:`to_hf`.
+Rather than a table of families, :func:`read_layout` runs the module's own ``_apply_gate`` (gated) or
+``act_fn`` on probe values (clamps included) and picks the ``ds_fssdp.ops`` expert variant computing
+the same function, its constants (``alpha``, ``limit``) read from the module; none: refused by name.
+The mapping into FSSDP's named tensors ([E, H, I] / [E, I, H] and their biases, in the spec's row
+order) is exact: transposes, slices and de-interleaving, inverted by :func:`to_hf`.
 """
 from __future__ import annotations
 
+import importlib
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -37,13 +32,10 @@ from ds_fssdp import ops
 from ds_fssdp.moe.experts import ExpertSpec
 from ds_fssdp.moe.experts_module import FSSDPExperts
 from ds_fssdp.moe.layer import expert_seed
+from ds_fssdp.ops import activations
 from ds_fssdp.ops.lora import LoraFactors
 
 LAYOUT_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
-# Gated expert variants tried against a module's ``_apply_gate``, with the constants each needs.
-GATED = (("swiglu", ()), ("geglu", ()), ("geglu_tanh", ()), ("swiglu_limit", ("limit", )),
-         ("gptoss", ("alpha", "limit")))
-UNGATED = (("gelu", ()), ("gelu_tanh", ()), ("relu2", ()))
 # Where families keep the constants of their clamped activations (module attribute or config key).
 _CONSTANT_NAMES = {"alpha": ("alpha", "swiglu_alpha"), "limit": ("limit", "swiglu_limit")}
 
@@ -63,10 +55,7 @@ def has_peft() -> bool:
 
 
 def is_param_wrapper(module: nn.Module) -> bool:
-    if not has_peft():
-        return False
-    from peft.tuners.lora.layer import ParamWrapper
-    return isinstance(module, ParamWrapper)
+    return has_peft() and isinstance(module, importlib.import_module("peft.tuners.lora.layer").ParamWrapper)
 
 
 @dataclass(frozen=True)
@@ -85,6 +74,11 @@ class Layout:
     def spec(self) -> ExpertSpec:
         return ExpertSpec(self.activation, self.hidden, self.ffn, bias=self.bias, act_params=self.act_params or None)
 
+    @property
+    def up_name(self) -> str:
+        """The HF tensor of the first projection: gate and up fused, or up alone."""
+        return "gate_up_proj" if self.gated else "up_proj"
+
 
 def read_layout(experts: nn.Module, *, model_type: str, where: str) -> Layout:
     """The module's layout and activation; refuses what the mapping cannot reproduce exactly."""
@@ -94,10 +88,8 @@ def read_layout(experts: nn.Module, *, model_type: str, where: str) -> Layout:
     if getattr(experts, "_is_expert_parallel", False):
         raise UnsupportedExpertsError(f"{where}: the experts module is already expert-parallel (transformers' own "
                                       "tensor/expert parallel plan); load the model without it")
-    gated = bool(experts.has_gate)
-    transposed = bool(experts.is_transposed)
-    up = experts.gate_up_proj if gated else experts.up_proj
-    down = experts.down_proj
+    gated, transposed = bool(experts.has_gate), bool(experts.is_transposed)
+    up, down = experts.gate_up_proj if gated else experts.up_proj, experts.down_proj
     if up.dim() != 3 or down.dim() != 3:
         raise UnsupportedExpertsError(f"{where}: model_type {model_type!r}: expert tensors of shapes "
                                       f"{tuple(up.shape)} and {tuple(down.shape)} are not fused [E, ...] tensors")
@@ -117,13 +109,9 @@ def read_layout(experts: nn.Module, *, model_type: str, where: str) -> Layout:
 
 
 def _constant(experts: nn.Module, name: str):
-    config = getattr(experts, "config", None)
-    for attr in _CONSTANT_NAMES[name]:
-        for owner in (experts, config):
-            value = getattr(owner, attr, None) if owner is not None else None
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return float(value)
-    return None
+    owners = (experts, getattr(experts, "config", None))
+    values = (getattr(owner, attr, None) for attr in _CONSTANT_NAMES[name] for owner in owners)
+    return next((float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)), None)
 
 
 @torch.no_grad()
@@ -136,17 +124,14 @@ def _probe_activation(experts, *, gated: bool, concatenated: bool, model_type: s
     u = torch.cat([torch.randn(64, generator=gen) * 10, torch.linspace(-3, 3, 64)]).view(-1, 1).expand(-1, width)
     g, u = g.contiguous().float(), u.flip(0).contiguous().float()
     if gated:
-        packed = torch.cat([g, u], -1) if concatenated else torch.stack([g, u], -1).reshape(g.shape[0], -1)
-        want = experts._apply_gate(packed).float()
+        want = experts._apply_gate(_join(g, u, concatenated)).float()
         hook = "_apply_gate"
     else:
         want = experts.act_fn(g).float()
         hook = f"act_fn ({type(getattr(experts, 'act_fn', None)).__name__})"
-    tried = []
-    for name, needs in (GATED if gated else UNGATED):
-        if name not in ops.ACTIVATIONS:
-            continue
-        params = {n: _constant(experts, n) for n in needs}
+    tried = []  # ops' variants of this kind, in ops' order, with the constants each needs
+    for name in (n for n in ops.ACTIVATIONS if activations.is_gated(n) == gated):
+        params = {n: _constant(experts, n) for n in activations.TABLE[name].params}
         if any(v is None for v in params.values()):
             continue
         tried.append(name)
@@ -175,42 +160,35 @@ def _variant(name: str, params: dict, g_RI: torch.Tensor, u_RI: torch.Tensor | N
 def to_fssdp(experts: nn.Module, layout: Layout, *, copy: bool = True) -> dict:
     """HF fused tensors -> FSSDP's named [E, ...] tensors (contiguous copies; ``copy=False``: views
     of the HF tensors, for a caller that copies them into place itself)."""
-    I = layout.ffn
-    up = (experts.gate_up_proj if layout.gated else experts.up_proj).detach()
-    w_xw = up if layout.transposed else up.transpose(1, 2)  # [E, H, 2I] or [E, H, I], applied as x @ W
-    down = experts.down_proj.detach()
-    w_down = down if layout.transposed else down.transpose(1, 2)  # [E, I, H]
-    out = {}
-    if layout.gated:
-        gate, upw = _split(w_xw, I, layout.concatenated)
-        out.update(w_gate=gate, w_up=upw, w_down=w_down)
-    else:
-        out.update(w_a=w_xw, w_b=w_down)
+    up, down = getattr(experts, layout.up_name).detach(), experts.down_proj.detach()
+    # applied as x @ W: [E, H, 2I] (or [E, H, I]) and [E, I, H]
+    tensors = _unfuse(up if layout.transposed else up.transpose(1, 2),
+                      down if layout.transposed else down.transpose(1, 2), layout)
     if layout.bias:
-        b_up = (experts.gate_up_proj_bias if layout.gated else experts.up_proj_bias).detach()
-        if layout.gated:
-            out["b_gate"], out["b_up"] = _split(b_up, I, layout.concatenated)
-            out["b_down"] = experts.down_proj_bias.detach()
-        else:
-            out["b_a"], out["b_b"] = b_up, experts.down_proj_bias.detach()
+        tensors += _unfuse(getattr(experts, f"{layout.up_name}_bias").detach(), experts.down_proj_bias.detach(), layout)
+    out = dict(zip(layout.spec().names, tensors))
     return {k: v.contiguous().clone() for k, v in out.items()} if copy else out
 
 
 def to_hf(tensors: dict, layout: Layout) -> dict:
     """FSSDP's named tensors -> the HF module's fused tensors by attribute name (the inverse)."""
-    if layout.gated:
-        w_xw = _join(tensors["w_gate"], tensors["w_up"], layout.concatenated)
-        w_down = tensors["w_down"]
-    else:
-        w_xw, w_down = tensors["w_a"], tensors["w_b"]
-    up_name = "gate_up_proj" if layout.gated else "up_proj"
-    out = {up_name: w_xw if layout.transposed else w_xw.transpose(1, 2),
-           "down_proj": w_down if layout.transposed else w_down.transpose(1, 2)}
+    values, weights = [tensors[n] for n in layout.spec().names], 3 if layout.gated else 2
+    up, down = _fuse(values[:weights], layout)
+    out = {layout.up_name: up if layout.transposed else up.transpose(1, 2),
+           "down_proj": down if layout.transposed else down.transpose(1, 2)}
     if layout.bias:
-        out[f"{up_name}_bias"] = (_join(tensors["b_gate"], tensors["b_up"], layout.concatenated) if layout.gated
-                                  else tensors["b_a"])
-        out["down_proj_bias"] = tensors["b_down"] if layout.gated else tensors["b_b"]
+        out[f"{layout.up_name}_bias"], out["down_proj_bias"] = _fuse(values[weights:], layout)
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def _unfuse(up, down, layout) -> list:
+    """An up tensor (gate and up fused when gated) and a down tensor -> FSSDP's tensors in row order."""
+    return [*(_split(up, layout.ffn, layout.concatenated) if layout.gated else (up, )), down]
+
+
+def _fuse(parts: list, layout) -> tuple:
+    """The inverse of :func:`_unfuse`: (up, down)."""
+    return (_join(parts[0], parts[1], layout.concatenated) if layout.gated else parts[0]), parts[-1]
 
 
 def _split(t, I, concatenated):
@@ -226,15 +204,13 @@ class ExpertLora:
     """The active adapters' factors of one experts module, by FSSDP weight name, stacked [E, ...]."""
 
     def __init__(self, experts: "FSSDPHFExperts", active: dict):
-        E = experts.num_experts
-        layout = experts.layout
-        self.stacks = {}
+        E, self.stacks = experts.num_experts, {}
         for hf_name, adapters in active.items():
             for A_w, B_w, scaling in adapters:
                 r = A_w.shape[0] // E
                 a_EIr = A_w.view(E, r, A_w.shape[1]).transpose(1, 2)
                 b_ErO = B_w.view(B_w.shape[0], r, E).permute(2, 1, 0)
-                for name, part_ErO in _fssdp_parts(hf_name, b_ErO, layout):
+                for name, part_ErO in _fssdp_parts(hf_name, b_ErO, experts.layout):
                     self.stacks.setdefault(name, []).append((a_EIr, part_ErO, float(scaling)))
 
     def __call__(self, local_E: torch.Tensor) -> dict:
@@ -248,12 +224,8 @@ class ExpertLora:
 
 def _fssdp_parts(hf_name: str, b_ErO: torch.Tensor, layout) -> list:
     """The FSSDP weights an HF target feeds, with their columns of ``B^T``."""
-    if hf_name == "down_proj":
-        return [("w_down" if layout.gated else "w_b", b_ErO)]
-    if hf_name == "up_proj":
-        return [("w_a", b_ErO)]
-    gate, up = _split(b_ErO, layout.ffn, layout.concatenated)
-    return [("w_gate", gate), ("w_up", up)]
+    names = layout.spec().names[:3 if layout.gated else 2]
+    return [(names[-1], b_ErO)] if hf_name == "down_proj" else list(zip(names, _unfuse(b_ErO, None, layout)[:-1]))
 
 
 def _drop_stand_ins(module, state_dict, prefix, local_metadata) -> None:
@@ -274,7 +246,7 @@ class FSSDPHFExperts(FSSDPExperts):
         layout = read_layout(experts, model_type=model_type, where=where)
         from ds_fssdp.integrations.hf_forward import check_forward
         check_forward(experts, layout, model_type=model_type, where=where)  # nothing computed beyond the mapped MLPs
-        hf_params = {n: p for n, p in experts.named_parameters(recurse=False)}
+        hf_params = dict(experts.named_parameters(recurse=False))
         first = next(iter(hf_params.values()))
         # Built on the meta device: the real tensors are the HF ones, mapped below.
         super().__init__(spec=layout.spec(), hidden_size=layout.hidden, ffn_hidden_size=layout.ffn,
@@ -291,30 +263,26 @@ class FSSDPHFExperts(FSSDPExperts):
         self.layout = layout
         self.model_type = model_type
         self.k = top_k
-        # PEFT LoRA (integrations/peft_lora.py): PEFT reads the layout flag, the wrappers above set
-        # their factors here for one forward, and the HF tensor names stay visible as empty
-        # stand-ins with their full shape in ``ds_shape`` (as ZeRO-3's partitioned parameters), so
-        # PEFT's ``target_parameters`` match a converted model too.
+        # PEFT LoRA (peft_lora.py; docs/design.md, "LoRA on experts"): PEFT reads the layout flag, the
+        # wrappers set their factors here for one forward, and the HF tensor names stay as empty
+        # stand-ins with ``ds_shape``, out of every state dict (dropped by ``prepare_initialize``
+        # when no wrapper targets this module).
         self.is_transposed = layout.transposed
         self._lora_active = {}
         self._adopt_handle = None  # convert's forward pre-hook on the MoE block (peft_lora.adopt_hook)
-        # They never enter a state dict, and ``prepare_initialize`` drops them when no PEFT wrapper
-        # targets this module (PEFT must be applied before initialize).
         self.stand_ins = tuple(hf_params)
+        self.register_state_dict_post_hook(_drop_stand_ins)
+        self.register_load_state_dict_pre_hook(_keep_stand_ins)
+        # The HF module, outside the module tree, for the way back (``to_hf_module``), its storage freed
+        # (meta tensors); ``_fresh_init``: (seed, the model's _init_weights) of a lazy module
+        # (hf_load.from_config), how fresh_rows draws each expert.
+        object.__setattr__(self, "_hf_experts", experts)
+        object.__setattr__(self, "_fresh_init", None)
         for name, p in hf_params.items():
             stand_in = nn.Parameter(torch.empty(0, dtype=p.dtype, device="cpu" if p.is_meta else p.device),
                                     requires_grad=False)
             stand_in.ds_shape = p.shape
             setattr(self, name, stand_in)
-        self.register_state_dict_post_hook(_drop_stand_ins)
-        self.register_load_state_dict_pre_hook(_keep_stand_ins)
-        # The HF module is kept outside the module tree for the way back (``to_hf_module``); its
-        # storage is freed (meta tensors of the same shapes).
-        object.__setattr__(self, "_hf_experts", experts)
-        # (seed, the model's _init_weights) when built lazily (integrations/hf_load.from_config): how
-        # fresh_rows draws each expert
-        object.__setattr__(self, "_fresh_init", None)
-        for name, p in hf_params.items():
             setattr(experts, name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
                                                 requires_grad=p.requires_grad))
 
@@ -384,25 +352,21 @@ class FSSDPHFExperts(FSSDPExperts):
     def lora_targets(self) -> dict:
         """HF tensor name -> (in, out) features of the projections LoRA may target."""
         lay = self.layout
-        up = "gate_up_proj" if lay.gated else "up_proj"
-        return {up: (lay.hidden, 2 * lay.ffn if lay.gated else lay.ffn), "down_proj": (lay.ffn, lay.hidden)}
+        return {lay.up_name: (lay.hidden, 2 * lay.ffn if lay.gated else lay.ffn), "down_proj": (lay.ffn, lay.hidden)}
 
     @torch.no_grad()
     def hf_tensors(self, like: torch.Tensor | None = None) -> dict:
         """The HF module's tensors by attribute name (collective once sharded: every rank calls it,
         in the same module order). ``like``: the device and dtype to return them in."""
         tensors = to_hf(self.export_experts(), self.layout)
-        if like is not None:
-            tensors = {k: v.to(device=like.device, dtype=like.dtype) for k, v in tensors.items()}
-        return tensors
+        return tensors if like is None else {k: v.to(device=like.device, dtype=like.dtype) for k, v in tensors.items()}
 
     @torch.no_grad()
     def to_hf_module(self, like: torch.Tensor | None = None) -> nn.Module:
         """The original HF experts module holding the current weights (collective once sharded)."""
         experts = self._hf_experts
         for name, tensor in self.hf_tensors(like).items():
-            old = getattr(experts, name)
-            setattr(experts, name, nn.Parameter(tensor, requires_grad=old.requires_grad))
+            setattr(experts, name, nn.Parameter(tensor, requires_grad=getattr(experts, name).requires_grad))
         return experts
 
     def extra_repr(self) -> str:

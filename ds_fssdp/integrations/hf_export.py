@@ -1,19 +1,14 @@
 """An engine checkpoint of a converted HF model, exported offline as a Hugging Face directory, one
-layer of experts at a time.
+layer of experts at a time (docs/design.md section 5, "Big models in and out").
 
 Legend: E experts, P elements per expert row.
 
     python -m ds_fssdp.integrations.hf_export CHECKPOINT_DIR OUT_DIR --model HF_MODEL_DIR_OR_NAME \\
         [--tag TAG] [--dtype bfloat16] [--max-shard-size 5GB] [--trust-remote-code]
 
-One process, no rank running, nothing gathered: the model (``--model``: the directory or hub name it
-was loaded from, for its config) is built on the meta device and converted; the dense weights come
-from DeepSpeed's files (its module state, or under ZeRO-3 its own ``zero_to_fp32`` consolidation,
-``runtime/checkpoint/export.dense_state_dict``); each experts module's fp32 master rows are read
-from the per-rank files one layer at a time (``reshape.gather_rows``), checked against the
-manifest first, and written with the writer of ``save_pretrained`` (``hf_save.write_hf_dir``):
-the same keys, shards, index and atomic rename. The peak is the dense part plus one layer's
-experts (twice: the rows and their HF layout).
+One process: the model (``--model``, for its config) on the meta device, converted; the dense
+weights from DeepSpeed's files (``runtime/checkpoint/export.dense_state_dict``); each experts
+module's fp32 master rows from the rank files, written by ``hf_save.write_hf_dir``.
 """
 from __future__ import annotations
 
@@ -28,13 +23,12 @@ from ds_fssdp.runtime.checkpoint.files import CheckpointError
 def export_hf(load_dir: str, out_dir: str, *, model: str, tag=None, dtype=None, max_shard_size="50GB",
               verify: bool = True, **hf_kwargs) -> str:
     """Write the checkpoint ``tag`` (default ``latest``) of ``load_dir`` as a Hugging Face directory
-    ``out_dir`` (new or empty), the model's config read from ``model``. ``dtype``: of the saved
-    tensors (default: the config's). Returns ``out_dir``."""
+    ``out_dir`` (new or empty), the config read from ``model``, tensors in ``dtype`` (default: the config's)."""
     import transformers
 
     from ds_fssdp.integrations.hf import convert, converted_experts, expert_keys
     from ds_fssdp.integrations.hf_load import _hf_zero3_off
-    from ds_fssdp.integrations.hf_save import Comm, write_hf_dir
+    from ds_fssdp.integrations.hf_save import write_hf_dir
     from ds_fssdp.runtime.checkpoint.export import all_rows, dense_state_dict, open_checkpoint
     from ds_fssdp.runtime.checkpoint.reshape import RankFiles
     root, meta = open_checkpoint(load_dir, tag, verify=verify)
@@ -67,8 +61,7 @@ def export_hf(load_dir: str, out_dir: str, *, model: str, tag=None, dtype=None, 
         l, saved = layers[next(n for n, m in modules.items() if m is module)]
         return torch.arange(saved["num_experts"]), all_rows(files, l, saved)
 
-    return write_hf_dir(skeleton, out_dir, dense=dense, rows=rows, dtype=dtype, comm=Comm(),
-                        max_shard_size=max_shard_size)
+    return write_hf_dir(skeleton, out_dir, dense=dense, rows=rows, dtype=dtype, max_shard_size=max_shard_size)
 
 
 def _dtype(value) -> torch.dtype:
@@ -92,9 +85,8 @@ def main(argv=None) -> None:
     parser.add_argument("--no-verify", action="store_true", help="check sizes only, not sha256 digests")
     args = parser.parse_args(argv)
     kwargs = {"trust_remote_code": True} if args.trust_remote_code else {}
-    out = export_hf(args.load_dir, args.out_dir, model=args.model, tag=args.tag, dtype=args.dtype,
-                    max_shard_size=args.max_shard_size, verify=not args.no_verify, **kwargs)
-    print(out)
+    print(export_hf(args.load_dir, args.out_dir, model=args.model, tag=args.tag, dtype=args.dtype,
+                    max_shard_size=args.max_shard_size, verify=not args.no_verify, **kwargs))
 
 
 if __name__ == "__main__":

@@ -1,21 +1,15 @@
 """What an HF experts module computes, checked before it is replaced: the gate-weighted sum of the
-expert MLPs that ``hf_experts.to_fssdp`` maps, and nothing else.
+expert MLPs that ``hf_experts.to_fssdp`` maps, and nothing else (docs/design.md section 5).
 
 Legend: E experts, H hidden, I expert FFN hidden, T tokens, K top-k.
 
-``convert`` replaces the experts module by FSSDP's expert compute, which knows the module's expert
-tensors (``gate_up_proj`` / ``up_proj``, ``down_proj``, their biases), its layout flags and its
-activation (``hf_experts.read_layout``). A family may add to that inside the module: a subclass that
-overrides the decorated forward (transformers' ``use_experts_implementation``) to apply, say, a
-learned norm to each route before the weighted sum (Ergo's ``post_expert_norm``), or tensors of its
-own the forward reads. Replacing such a module would drop that work silently, so it is refused by
-name: any parameter or buffer of the module beyond the mapped tensors, and any forward whose output
-on probe values differs from the weighted expert MLPs computed by ``ds_fssdp.ops`` on the same
-tensors. The probe runs the module's own forward (its eager implementation: the family's math,
-whichever kernel the model was loaded with) on a copy holding small random tensors of its layout
-(E experts as in the module, H = 8, I = 4), so it costs nothing on a meta skeleton of a big model; a
-forward sized by its config instead of its tensors is probed again at the module's own H and I,
-every expert a view of one random expert. Checked once per class, forward, layout and config.
+A family may compute more inside the module (a subclass overriding the decorated forward, tensors
+of its own such as Ergo's ``post_expert_norm``); replacing it would drop that silently, so it is
+refused by name: any parameter or buffer beyond the mapped tensors, and any forward whose output on
+probe values differs from the weighted expert MLPs of ``ds_fssdp.ops``. The probe runs the module's
+own (eager) forward on a copy holding small random tensors of its layout (H = 8, I = 4), or, for a
+forward sized by its config, at its own H and I with every expert a view of one. Checked once per
+class, forward, layout and config.
 """
 from __future__ import annotations
 
@@ -38,8 +32,7 @@ class ExtraComputeError(UnsupportedExpertsError):
 
 def check_forward(experts: nn.Module, layout, *, model_type, where: str) -> None:
     """Refuse ``experts`` (by name) unless its forward is the gate-weighted expert MLP of ``layout``."""
-    extra = [n for n, _ in experts.named_parameters() if n not in MAPPED]
-    extra += [n for n, _ in experts.named_buffers()]
+    extra = [n for n, _ in experts.named_parameters() if n not in MAPPED] + [n for n, _ in experts.named_buffers()]
     if extra:
         raise ExtraComputeError(
             f"{where}: model_type {model_type!r}: the experts module holds {extra} beside its expert tensors; its "
@@ -79,8 +72,7 @@ def _probe(experts: nn.Module, layout, *, hidden: int, ffn: int, distinct: bool)
     ``ffn``; ``distinct=False``: every expert one random expert (a view: no E copies at full size)."""
     probe = _probe_copy(experts, layout, hidden=hidden, ffn=ffn, distinct=distinct)
     gen = torch.Generator().manual_seed(1)
-    E = layout.num_experts
-    K = min(2, E)
+    E, K = layout.num_experts, min(2, layout.num_experts)
     x_TH = torch.randn(_T, hidden, generator=gen)
     idx_TK = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(_T)])
     w_TK = torch.rand(_T, K, generator=gen) + 0.25
@@ -89,10 +81,7 @@ def _probe(experts: nn.Module, layout, *, hidden: int, ffn: int, distinct: bool)
 
 
 def _forward_owner(experts: nn.Module) -> str:
-    for cls in type(experts).__mro__:
-        if "forward" in cls.__dict__:
-            return f"{cls.__name__}.forward"
-    return "forward"
+    return next((f"{cls.__name__}.forward" for cls in type(experts).__mro__ if "forward" in cls.__dict__), "forward")
 
 
 def _probe_copy(experts: nn.Module, layout, *, hidden: int, ffn: int, distinct: bool) -> nn.Module:
@@ -108,11 +97,10 @@ def _probe_copy(experts: nn.Module, layout, *, hidden: int, ffn: int, distinct: 
         probe.config._experts_implementation_internal = "eager"
     gen = torch.Generator().manual_seed(0)
     E, out = layout.num_experts, (2 * ffn if layout.gated else ffn)
-    shapes = {("gate_up_proj" if layout.gated else "up_proj"): (hidden, out) if layout.transposed else (out, hidden),
+    shapes = {layout.up_name: (hidden, out) if layout.transposed else (out, hidden),
               "down_proj": (ffn, hidden) if layout.transposed else (hidden, ffn)}
     if layout.bias:
-        shapes[("gate_up_proj_bias" if layout.gated else "up_proj_bias")] = (out, )
-        shapes["down_proj_bias"] = (hidden, )
+        shapes.update({f"{layout.up_name}_bias": (out, ), "down_proj_bias": (hidden, )})
     for name, shape in shapes.items():
         t = torch.randn((E if distinct else 1, *shape), generator=gen) * (0.5 if distinct else shape[-1]**-0.5)
         probe._parameters[name] = nn.Parameter(t if distinct else t.expand(E, *shape), requires_grad=False)

@@ -1,18 +1,13 @@
 """Where a converted experts module's tensors are in a Hugging Face checkpoint, both ways, read off
-transformers' own conversion mapping (docs/design.md section 5, "Big models in and out").
+transformers' own conversion mapping, with no table of families (docs/design.md section 5, "Big
+models in and out").
 
 Legend: E experts, S experts read or written here (a rank's own).
 
-A checkpoint holds an experts module's tensors fused ([E, ...], as transformers 5 holds them) or one
-per expert (``experts.{e}.w1.weight``), which the family's ``WeightConverter`` fuses at load and its
-reverse splits at save (``save_original_format``). No table of families here. Load
-(:func:`plan_experts`, :func:`read_owned`): transformers' ``rename_source_key`` says which keys land
-on each tensor, through which converter pattern; the plan is checked on every rank alike before
-anything is read (each tensor's sources, experts 0..E-1 and no other, the converted shape, every op
-acting per expert), then a rank reads only its own experts. Save (:class:`SavedExperts`):
-``revert_weight_conversion`` on meta tensors of the full shapes (every key known on every rank before
-any byte is written), then on a rank's own experts, each expert's index put back where the pattern's
-``*`` is.
+A checkpoint holds an experts module's tensors fused ([E, ...]) or one per expert
+(``experts.{e}.w1.weight``), which the family's ``WeightConverter`` fuses at load and its reverse
+splits at save. Load: :func:`plan_experts` (checked on every rank alike before anything is read),
+:func:`read_owned`. Save: :class:`SavedExperts`.
 """
 from __future__ import annotations
 
@@ -40,7 +35,6 @@ class UnmappableExpertsError(ValueError):
 class TensorSource:
     """Where one HF experts tensor (``module.attr``, [E, ...]) comes from in the checkpoint."""
     target: str  # the model's name of the tensor
-    attr: str
     shape: tuple  # its full shape
     converter: object = None  # transformers' WeightConverter (None: a key renamed, or not, onto it)
     keys: dict = field(default_factory=dict)  # source pattern (or the key) -> [key of expert e] or [fused key]
@@ -60,19 +54,17 @@ def split_mapping(weight_mapping) -> tuple:
 
 
 def plan_experts(model, modules: list, files, weight_mapping, *, model_type: str) -> dict:
-    """``{module name: {attr: TensorSource}}`` for the converted ``modules`` ([(name, module)]),
-    checked against the checkpoint's keys and shapes (``files``: safetensors_io.CheckpointFiles).
-    Raises naming the key, the file or the op before anything is read."""
+    """``{module name: {attr: TensorSource}}`` for the converted ``modules`` ([(name, module)]), checked
+    against the checkpoint ``files``' keys and shapes: raises naming the key, the file or the op."""
     from transformers.core_model_loading import dot_natural_key, rename_source_key
     renamings, converters = split_mapping(weight_mapping)
     by_pattern = {p: c for c in converters for p in c.source_patterns}
-    plan = {name: {attr: TensorSource(target=f"{name}.{attr}" if name else attr, attr=attr, shape=shape)
+    plan = {name: {attr: TensorSource(target=f"{name}.{attr}" if name else attr, shape=shape)
                    for attr, shape in hf_shapes(module).items()} for name, module in modules}
     sources = {s.target: s for tensors in plan.values() for s in tensors.values()}
     # What transformers matches names against (its meta state dict): the dense keys and the HF
     # tensors of the converted modules.
-    known = dict.fromkeys(model.state_dict().keys(), True)
-    known.update(dict.fromkeys(sources, True))
+    known = dict.fromkeys([*model.state_dict(), *sources], True)
     for key in sorted(files.keys(), key=dot_natural_key):
         renamed, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, known)
         source = sources.get(renamed)
@@ -215,28 +207,23 @@ def _dir(files) -> str:
 
 
 class SavedExperts:
-    """The tensors ``save_pretrained`` writes for one converted experts module, in ``dtype``:
-    transformers' own reverse conversion of the module's HF tensors. ``planned``: key, dtype and
-    full shape of each (every rank knows them, nothing read); :meth:`values`: a rank's own experts'
-    pieces, each as ``(key, tensor, first_row)`` (a fused key's rows from ``first_row``, or a whole
-    per-expert tensor at 0). ``original_format=False``: the fused keys as the model holds them
-    (``save_pretrained(save_original_format=False)``)."""
+    """The tensors ``save_pretrained`` writes for one converted experts module, in ``dtype``, through
+    transformers' own reverse conversion (``original_format=False``: the fused keys as the model holds
+    them). ``planned``: key, dtype and full shape of each (known on every rank, nothing read);
+    :meth:`values`: a rank's own experts' pieces."""
 
     def __init__(self, model, name: str, module, dtype: torch.dtype, *, original_format: bool = True):
-        self.model, self.name, self.module = model, name, module
-        self.original_format = original_format
-        self.E = module.num_experts
+        self.model, self.name, self.original_format, self.dtype = model, name, original_format, dtype
         full = self._revert({attr: torch.empty(shape, dtype=dtype, device="meta")
                              for attr, shape in hf_shapes(module).items()})
         self.shapes = {k: tuple(v.shape) for k, v in full.items()}
-        self.dtype = dtype
         self.patterns = sorted({p for c in self._reversed_converters() for p in c.target_patterns if "*" in p},
                                key=len, reverse=True)
-        self.fused = {k for k in self.shapes if not any(self._index_span(k, p) for p in self.patterns)}
+        self.fused = {k for k in self.shapes if self._span(k) is None}
         for k in self.fused:
-            if not self.shapes[k] or self.shapes[k][0] != self.E:
+            if not self.shapes[k] or self.shapes[k][0] != module.num_experts:
                 raise UnmappableExpertsError(f"{k}: saved as shape {list(self.shapes[k])}, which does not hold the "
-                                             f"{self.E} experts on its first dimension")
+                                             f"{module.num_experts} experts on its first dimension")
 
     @property
     def planned(self) -> list:
@@ -261,10 +248,14 @@ class SavedExperts:
                                        if type(c).__name__ != "PrefixChange"])
         return converters
 
-    @staticmethod
-    def _index_span(key: str, pattern: str):
-        m = re.search(re.escape(pattern.replace("\\.", ".")).replace(r"\*", r"(\d+)"), key)
-        return None if m is None else m.span(1)
+    def _span(self, key: str):
+        """Where the expert index is in a per-expert ``key`` (the first pattern, longest first, that
+        matches), or None."""
+        for pattern in self.patterns:
+            m = re.search(re.escape(pattern.replace("\\.", ".")).replace(r"\*", r"(\d+)"), key)
+            if m is not None:
+                return m.span(1)
+        return None
 
     def values(self, hf_tensors: dict, owned_E: torch.Tensor) -> list:
         """``[(key, tensor, first_row)]`` of a rank's experts ``owned_E`` (ascending) from their HF
@@ -278,7 +269,7 @@ class SavedExperts:
                     out.append((key, t[i:i + count], first))
                     i += count
                 continue
-            span = next((s for s in (self._index_span(key, p) for p in self.patterns) if s), None)
+            span = self._span(key)
             if span is None:
                 raise UnmappableExpertsError(f"{self.name}: the reverse conversion wrote {key}, which is neither a "
                                              "planned fused key nor a per-expert one")

@@ -3,22 +3,17 @@ section 5, "Big models in and out"; README, "Loading").
 
 Legend: E experts, S experts a rank owns, P elements per expert row.
 
-:func:`from_pretrained` runs transformers' own ``from_pretrained`` with one step added where it
-would start reading weights (``PreTrainedModel._load_pretrained_model``, wrapped for the call:
-:func:`_load`): the meta skeleton's experts modules are converted, their checkpoint keys planned and
-checked on every rank alike before any collective (``hf_keys.plan_experts``), and each module reads
-exactly its own experts (``planner.initial_ownership``, the stage's own decision) into rows on the
-engine's device; transformers' loader never reads the experts' keys. :func:`from_config` builds a
-fresh model with lazy experts, drawn per rank at ``initialize`` (``FSSDPHFExperts.fresh_rows``);
-:func:`materialize_experts` in one process is the reference. Under ZeRO stage 3 the dense part is
-partitioned while it loads (``hf_zero3.py``).
+:func:`from_pretrained` is transformers' own ``from_pretrained`` with one step added where it would
+start reading weights (``PreTrainedModel._load_pretrained_model``, wrapped for the call: :func:`_load`):
+the skeleton's experts are converted, their keys planned (``hf_keys.plan_experts``) and each module
+reads exactly its own experts (``planner.initial_ownership``); ZeRO-3's dense part: ``hf_zero3.py``.
+:func:`from_config` builds a model with lazy experts, drawn per rank at ``initialize``.
 """
 from __future__ import annotations
 
 import os
 import re
 import zlib
-from contextlib import contextmanager
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -30,7 +25,7 @@ from deepspeed.utils import logger
 from ds_fssdp.config import FSSDPConfig, FSSDPConfigError
 from ds_fssdp.moe.experts_module import OwnedRows
 from ds_fssdp.planner import initial_ownership
-from ds_fssdp.runtime.checkpoint.files import CheckpointError
+from ds_fssdp.runtime.checkpoint.files import CheckpointError, patched
 
 
 # Experts read, converted and copied into their rows together: the loader's only other copy.
@@ -80,9 +75,8 @@ def read_config(ds_config) -> dict:
 
 
 def layout_of(ds_config: dict, *, start_comm: bool = True) -> Layout:
-    """The FSSDP layout ``initialize`` will build from the same config, DeepSpeed's comm started
-    first (as ``deepspeed.init_distributed`` does); every config error names its key before any
-    collective."""
+    """The FSSDP layout ``initialize`` will build from the same config, DeepSpeed's comm started first;
+    every config error names its key before any collective."""
     from deepspeed.accelerator import get_accelerator
 
     from ds_fssdp.runtime.elastic import init_distributed
@@ -103,9 +97,8 @@ def layout_of(ds_config: dict, *, start_comm: bool = True) -> Layout:
 
 
 def from_pretrained(name_or_path, *, ds_config, **hf_kwargs):
-    """``convert(AutoModelForCausalLM.from_pretrained(name_or_path, **hf_kwargs))``, each rank
-    reading only the experts it will own (module docstring). Every rank calls it. The HF kwargs pass
-    through (``output_loading_info=True`` returns ``(model, info)`` as transformers does) except
+    """``convert(AutoModelForCausalLM.from_pretrained(name_or_path, **hf_kwargs))``, each rank reading
+    only the experts it will own; every rank calls it. The HF kwargs pass through but
     :data:`REFUSED_KWARGS`, refused by name before anything starts."""
     for key, why in REFUSED_KWARGS.items():
         if hf_kwargs.get(key) is not None:
@@ -127,10 +120,8 @@ def load_as(layout: Layout, cfg: dict, name_or_path, **hf_kwargs):
 
 
 def _own_all(model) -> None:
-    """A rank that owns every expert (one FSSDP group of one rank) gets an ordinary module, as
-    ``convert`` returns; a rank owning some gets meta stand-ins of the full tensors beside its rows
-    (``keep_flags``). Both installed once transformers' loader, which would take them for missing
-    weights, is done."""
+    """Once transformers' loader is done (it would take them for missing weights): an ordinary module
+    on a rank owning every expert, meta stand-ins beside the rows elsewhere (``keep_flags``)."""
     from ds_fssdp.integrations.hf import converted_experts
     for _, module in converted_experts(model):
         whole = module.__dict__.pop("_loaded_whole", None)
@@ -143,9 +134,8 @@ def _own_all(model) -> None:
 
 
 def from_config(config, *, ds_config, seed: int = 0, **hf_kwargs):
-    """A fresh ``AutoModelForCausalLM.from_config(config, **hf_kwargs)``, converted, without any rank
-    materializing an expert: the dense part initialized under ``seed``, the experts drawn per rank at
-    ``initialize`` (module docstring). Every rank calls it."""
+    """A fresh ``AutoModelForCausalLM.from_config(config, **hf_kwargs)``, converted, the dense part
+    initialized under ``seed``, the experts drawn per rank at ``initialize``; every rank calls it."""
     import transformers
 
     from ds_fssdp.integrations.hf import convert, converted_experts, expert_keys
@@ -219,9 +209,8 @@ def _load(layout: Layout, cfg: dict, original, model, state_dict, checkpoint_fil
     except UnmappableExpertsError as err:
         raise UnsupportedModelError(str(err)) from None
     device = engine_device()
-    read = 0
-    for name, module in modules:
-        read += _read_module(module, plan[name], files, layout, config=model.config, device=device)
+    read = sum(_read_module(module, plan[name], files, layout, config=model.config, device=device)
+               for name, module in modules)
     # The experts' checkpoint keys are not in the converted model: transformers reports them as
     # unexpected (and never reads them); they are not.
     ignore = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
@@ -269,7 +258,6 @@ def _read_module(module, sources: dict, files, layout: Layout, *, config, device
     return nbytes
 
 
-@contextmanager
 def _loading_hook(hook):
     """transformers' ``PreTrainedModel._load_pretrained_model`` (where it starts reading weights
     into the meta skeleton) routed through ``hook(original, model, state_dict, checkpoint_files,
@@ -277,23 +265,13 @@ def _loading_hook(hook):
     from transformers.modeling_utils import PreTrainedModel
     original = PreTrainedModel.__dict__.get("_load_pretrained_model")
     check_transformers(original)
-
-    def wrapped(*args, **kwargs):
-        return hook(original.__func__, *args, **kwargs)
-
-    PreTrainedModel._load_pretrained_model = staticmethod(wrapped)
-    try:
-        yield
-    finally:
-        PreTrainedModel._load_pretrained_model = original
+    return patched(PreTrainedModel, "_load_pretrained_model",
+                   staticmethod(lambda *args, **kwargs: hook(original.__func__, *args, **kwargs)))
 
 
 def check_transformers(original) -> None:
-    """The loader hooks transformers' private ``_load_pretrained_model(model, state_dict,
-    checkpoint_files, load_config)`` and reads three fields of its ``load_config``: another shape of
-    them is refused naming the installed version; a version outside :data:`TESTED_TRANSFORMERS` with
-    the same shape is warned about once."""
-    import dataclasses
+    """Another shape of the hooked ``_load_pretrained_model`` or of the ``load_config`` fields read is
+    refused naming the installed version; a version outside :data:`TESTED_TRANSFORMERS` is warned about once."""
     import inspect
 
     from packaging.specifiers import SpecifierSet
@@ -307,8 +285,7 @@ def check_transformers(original) -> None:
         raise RuntimeError(f"{where}({', '.join(_HOOK_PARAMS)}, ...), which this version takes as "
                            f"({', '.join(params)}, ...)); install transformers{TESTED_TRANSFORMERS}")
     from transformers.modeling_utils import LoadStateDictConfig
-    fields = {f.name for f in dataclasses.fields(LoadStateDictConfig)} if dataclasses.is_dataclass(
-        LoadStateDictConfig) else set(vars(LoadStateDictConfig))
+    fields = getattr(LoadStateDictConfig, "__dataclass_fields__", None) or vars(LoadStateDictConfig)
     missing = [f for f in _LOAD_CONFIG_FIELDS if f not in fields]
     if missing:
         raise RuntimeError(f"{where} and reads LoadStateDictConfig.{', '.join(missing)}, which this version does not "
@@ -329,18 +306,11 @@ def installed_transformers():
     return Version(transformers.__version__)
 
 
-@contextmanager
 def _hf_zero3_off():
-    """transformers builds a model under ``deepspeed.zero.Init`` while a ZeRO-3 HF DeepSpeed config
-    is alive (``TrainingArguments`` with ZeRO-3): the experts would be partitioned like dense weights.
-    The skeleton is built on the meta device instead; ZeRO-3's dense partitioning is ``hf_zero3.py``'s."""
+    """No ZeRO-3 HF DeepSpeed config for the duration (``TrainingArguments`` with ZeRO-3 would build the
+    model under ``zero.Init``, the experts partitioned like dense weights; ``hf_zero3.py`` partitions)."""
     from transformers.integrations import deepspeed as hf_ds
-    ref = hf_ds._hf_deepspeed_config_weak_ref
-    hf_ds.unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        hf_ds._hf_deepspeed_config_weak_ref = ref
+    return patched(hf_ds, "_hf_deepspeed_config_weak_ref", None)
 
 
 __all__ = ["from_pretrained", "from_config", "materialize_experts", "layout_of", "Layout", "CheckpointError"]

@@ -33,18 +33,14 @@ def last_complete_checkpoint(output_dir: str, *, which: str = "latest") -> str |
         raise ValueError(f"which ({which!r}) must be one of {WHICH}")
     if not os.path.isdir(output_dir):
         return None
-    numbered = sorted(((int(m.group(1)), name) for name in os.listdir(output_dir)
-                       if (m := _CHECKPOINT_RE.match(name)) and os.path.isdir(os.path.join(output_dir, name))),
+    numbered = sorted(((int(m.group(1)), name) for name in os.listdir(output_dir) if (m := _CHECKPOINT_RE.match(name))),
                       reverse=True)
-    complete = [os.path.join(output_dir, name) for _, name in numbered if _finished(os.path.join(output_dir, name))]
-    for skipped in (name for _, name in numbered if os.path.join(output_dir, name) not in complete):
-        logger.info(f"fssdp: {os.path.join(output_dir, skipped)} is unfinished (a save was cut short); not resuming it")
-    return newest_valid(complete, lambda path: verify_files(*_root_and_manifest(path), digests=True), which=which)
-
-
-def _root_and_manifest(path: str) -> tuple:
-    root = _engine_checkpoint(path)
-    return root, read_manifest(root)
+    paths = [p for _, name in numbered if os.path.isdir(p := os.path.join(output_dir, name))]
+    complete = [p for p in paths if _finished(p)]
+    for skipped in (p for p in paths if p not in complete):
+        logger.info(f"fssdp: {skipped} is unfinished (a save was cut short); not resuming it")
+    return newest_valid(complete, lambda path: verify_files(root := _engine_checkpoint(path), read_manifest(root),
+                                                            digests=True), which=which)
 
 
 class PreemptionCallback(transformers.TrainerCallback):
@@ -53,8 +49,7 @@ class PreemptionCallback(transformers.TrainerCallback):
     ends normally (exit 0)."""
 
     def __init__(self, preemption, *, save: bool = True):
-        self.preemption, self.save = preemption, save
-        self.stopped_at = None
+        self.preemption, self.save, self.stopped_at = preemption, save, None
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.preemption.device = args.device  # the flag's all-reduce runs where the backend can (NCCL: the GPU)

@@ -3,26 +3,24 @@
 
 Legend: E experts, S experts a rank owns, P elements per expert row.
 
-:func:`save_pretrained` (collective) writes what ``save_pretrained`` would write for the unconverted
-model: rank 0 the dense part through transformers' own ``save_pretrained`` (under ZeRO-3 gathered one
-module at a time), and each rank of the first FSSDP group its own experts' byte ranges, one layer at
-a time, into shards laid out before any byte is written (``hf_keys.SavedExperts``,
-``safetensors_io.ShardFile``): no expert crosses a link. Everything goes into ``.tmp-<name>`` beside
-``out_dir`` and is renamed into place, or moved in file by file, the index last, when ``out_dir``
-holds other things; a failure on any rank fails every rank alike. ``trainer.save_model`` and
-``model.save_pretrained`` on a converted model are routed here (:func:`route_trainer_save`,
-:func:`route_model_save`); a PEFT model keeps PEFT's own saving.
+:func:`save_pretrained` (collective) writes what ``save_pretrained`` writes for the unconverted model:
+rank 0 the dense part through transformers' own, each rank of the first FSSDP group its own experts'
+byte ranges into shards laid out first (``hf_keys.SavedExperts``, ``safetensors_io.ShardFile``), all
+into ``.tmp-<name>``, then renamed or moved into place, the index last. ``trainer.save_model`` and
+``model.save_pretrained`` on a converted model are routed here; a PEFT model keeps PEFT's saving.
 """
 from __future__ import annotations
 
 import fnmatch
 import functools
+import importlib
 import json
 import os
 import shutil
 
 import torch
 
+from ds_fssdp.runtime.checkpoint.collective import agreed, rank
 from ds_fssdp.runtime.checkpoint.files import CheckpointError, fsync_dir, write_json
 
 INDEX = "model.safetensors.index.json"
@@ -36,33 +34,31 @@ MODEL_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.inde
 
 def save_pretrained(model, out_dir, *, max_shard_size="50GB", save_original_format: bool = True,
                     overwrite: bool = False, **kw) -> str:
-    """Write ``model`` (converted, sharded or not) as a Hugging Face directory (module docstring).
-    Collective: every rank calls it. Returns ``out_dir``. ``overwrite``: a model's files already in
-    ``out_dir`` are replaced (removed just before the new ones move in, the index last) instead of
-    refused, as transformers' own save and the Trainer's ``save_model`` do."""
+    """Write ``model`` (converted, sharded or not) as a Hugging Face directory; collective, returns
+    ``out_dir``. ``overwrite``: a model's files already in ``out_dir`` are replaced, not refused."""
     for key, value in kw.items():
         if key == "safe_serialization" and value is not False:
             continue
         raise ValueError(f"ds_fssdp.integrations.hf.save_pretrained: {key}={value!r} is not supported (it is "
                          "collective, every rank calls it, and writes safetensors into a local directory; "
                          f"supported: {', '.join(HONOURED)})")
+    from ds_fssdp.integrations.hf import _dense_like
     model = unwrap(model)
     if _is_peft(model):
         return _save_peft(model, out_dir, max_shard_size=max_shard_size)
-    comm = Comm()
+    # saved in the dense parameters' dtype, as transformers saves (the experts follow, as hf_state_dict)
     return write_hf_dir(model, out_dir, dense=lambda: dense_state_dict(model),
-                        rows=lambda module: own_rows(module, comm.rank), dtype=_saved_dtype(model), comm=comm,
+                        rows=lambda module: own_rows(module, rank()),
+                        dtype=getattr(_dense_like(model), "dtype", torch.float32),
                         max_shard_size=max_shard_size, save_original_format=save_original_format,
                         overwrite=overwrite)
 
 
-def write_hf_dir(model, out_dir, *, dense, rows, dtype: torch.dtype, comm, max_shard_size="50GB",
+def write_hf_dir(model, out_dir, *, dense, rows, dtype: torch.dtype, max_shard_size="50GB",
                  save_original_format: bool = True, overwrite: bool = False) -> str:
-    """The writer behind :func:`save_pretrained` and the offline export (``hf_export.py``):
-    ``model`` (converted; may be a meta skeleton) names and lays out everything; ``dense()`` is the
-    dense state dict (rank 0's; collective where it gathers); ``rows(module)`` this rank's
-    ``(owned_E, rows_SP)`` of one experts module, or None, asked one module at a time and dropped
-    before the next."""
+    """The writer behind :func:`save_pretrained` and ``hf_export.py``: ``model`` (converted; may be a meta
+    skeleton) names and lays out everything; ``dense()``: rank 0's dense state dict (collective where it
+    gathers); ``rows(module)``: this rank's ``(owned_E, rows_SP)`` of one experts module, or None."""
     from ds_fssdp.integrations.hf import converted_experts
     from transformers.utils.hub import convert_file_size_to_int
 
@@ -74,21 +70,20 @@ def write_hf_dir(model, out_dir, *, dense, rows, dtype: torch.dtype, comm, max_s
              for name, module in modules]
     shards = plan_shards([p for s in saved for p in s.planned], max_bytes=convert_file_size_to_int(max_shard_size))
     tmp = os.path.join(os.path.dirname(out_dir), f".tmp-{os.path.basename(out_dir)}")
-    comm.agree(f"preparing {out_dir}", lambda: _prepare(out_dir, tmp, overwrite), root_only=True)
+    agreed(f"preparing {out_dir}", lambda: _prepare(out_dir, tmp, overwrite), root_only=True)
     try:
         held = {}  # a failure on one rank (rank 0 holds the dense part) fails every rank alike
-        comm.agree(f"gathering the dense part of {out_dir}", lambda: held.update(state=dense()))  # ZeRO-3: collective
+        agreed(f"gathering the dense part of {out_dir}", lambda: held.update(state=dense()))  # ZeRO-3: collective
         files = [ShardFile(os.path.join(tmp, f"experts-{i:05d}.safetensors"), shard) for i, shard in enumerate(shards)]
-        comm.agree(f"writing the dense part into {tmp}",
-                   lambda: _write_dense(model, tmp, held["state"], files, max_shard_size, save_original_format),
-                   root_only=True)
+        agreed(f"writing the dense part into {tmp}",
+               lambda: _write_dense(model, tmp, held["state"], files, max_shard_size, save_original_format),
+               root_only=True)
         del held
         file_of = {key: f for f in files for key in f.entries}
-        comm.agree(f"writing the experts into {tmp}", lambda: _write_experts(modules, saved, file_of, rows))
-        comm.agree(f"committing {out_dir}", lambda: _commit(tmp, out_dir, files, overwrite),
-                   root_only=True)
+        agreed(f"writing the experts into {tmp}", lambda: _write_experts(modules, saved, file_of, rows))
+        agreed(f"committing {out_dir}", lambda: _commit(tmp, out_dir, files, overwrite), root_only=True)
     except BaseException:
-        if comm.rank == 0 and os.path.lexists(tmp):
+        if rank() == 0 and os.path.lexists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
@@ -102,23 +97,6 @@ def unwrap(model):
     while isinstance(model, (DeepSpeedEngine, DistributedDataParallel)):
         model = model.module
     return model
-
-
-class Comm:
-    """Agreement between the ranks when distributed (else a single process)."""
-
-    def __init__(self):
-        from deepspeed import comm as dist
-        self.distributed = dist.is_initialized() and dist.get_world_size() > 1
-        self.rank = dist.get_rank() if self.distributed else 0
-
-    def agree(self, what: str, fn, *, root_only: bool = False) -> None:
-        from ds_fssdp.runtime.checkpoint.collective import agreed, attempt
-        if self.distributed:
-            return agreed(what, fn, root_only=root_only)
-        err = attempt(fn)
-        if err is not None:
-            raise CheckpointError(f"{what} failed: {type(err).__name__}: {err}") from err
 
 
 def model_files(out_dir: str) -> list:
@@ -142,45 +120,30 @@ def _prepare(out_dir: str, tmp: str, overwrite: bool) -> None:
     os.makedirs(tmp)
 
 
-def _saved_dtype(model) -> torch.dtype:
-    """The dtype transformers saves the model in: its dense parameters' (the experts follow them,
-    as ``hf_state_dict`` returns them)."""
-    from ds_fssdp.integrations.hf import _dense_like
-    like = _dense_like(model)
-    return like.dtype if like is not None else torch.float32
-
-
 def dense_state_dict(model) -> dict:
     """The model's state dict (the converted experts hold no entries in it), on rank 0; under ZeRO-3
     each module's partitioned parameters gathered in turn (collective), as DeepSpeed's 16-bit
     consolidation does. Other ranks get {}."""
-    from deepspeed import comm as dist
-
     from ds_fssdp.integrations.hf import expert_keys
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    is_root = rank() == 0
     experts = expert_keys(model)
     params = [p for p in model.parameters() if hasattr(p, "ds_id")]
     if not params:
-        return {k: v.detach().cpu() for k, v in model.state_dict().items() if k not in experts} if rank == 0 else {}
+        return {k: v.detach().cpu() for k, v in model.state_dict().items() if k not in experts} if is_root else {}
     import deepspeed
     # A tied parameter (two names, one tensor) is gathered once, on every rank alike, and stays one
-    # tensor: transformers' save drops the alias.
-    out, seen, gathered = {}, set(), {}
+    # tensor: transformers' save drops the alias. ``gathered``: id -> its copy (rank 0's; None elsewhere).
+    out, gathered = {}, {}
     for prefix, module in model.named_modules():
         own = list(module.named_parameters(recurse=False))
-        new = [p for _, p in own if id(p) not in seen]
-        seen.update(id(p) for p in new)
+        new = [p for _, p in own if id(p) not in gathered]
         with deepspeed.zero.GatheredParameters(new, modifier_rank=None):
-            if rank == 0:
-                for n, p in own:
-                    if id(p) not in gathered:
-                        gathered[id(p)] = p.detach().cpu().clone()
-                    out[f"{prefix}.{n}" if prefix else n] = gathered[id(p)]
-        if rank == 0:
-            for n, b in module.named_buffers(recurse=False):
-                if n not in module._non_persistent_buffers_set:
-                    out[f"{prefix}.{n}" if prefix else n] = b.detach().cpu().clone()
-    if rank == 0:  # in state_dict order, without what it leaves out (tied duplicates stay: transformers drops them)
+            gathered.update((id(p), p.detach().cpu().clone() if is_root else None) for p in new)
+        if is_root:
+            out.update({f"{prefix}.{n}" if prefix else n: gathered[id(p)] for n, p in own})
+            out.update({f"{prefix}.{n}" if prefix else n: b.detach().cpu().clone()
+                        for n, b in module.named_buffers(recurse=False) if n not in module._non_persistent_buffers_set})
+    if is_root:  # in state_dict order, without what it leaves out (tied duplicates stay: transformers drops them)
         keys = model.state_dict(keep_vars=True).keys()
         out = {k: out[k] for k in keys if k in out and k not in experts}
     return out
@@ -189,8 +152,9 @@ def dense_state_dict(model) -> dict:
 def _write_dense(model, tmp: str, dense: dict, files: list, max_shard_size, original_format: bool) -> None:
     """Rank 0: transformers' own save of the dense part (config, generation config, shards), then the
     expert shards' headers."""
-    hf_save_pretrained()(model, os.path.join(tmp, _DENSE), state_dict=dense, max_shard_size=max_shard_size,
-                         save_original_format=original_format)
+    from transformers.modeling_utils import PreTrainedModel
+    _original(PreTrainedModel, "save_pretrained")(model, os.path.join(tmp, _DENSE), state_dict=dense,
+                                                  max_shard_size=max_shard_size, save_original_format=original_format)
     for f in files:
         f.create()
 
@@ -228,9 +192,7 @@ def own_rows(module, rank: int):
     if module.lazy:
         raise CheckpointError(f"{type(module).__name__}: its experts are not drawn yet (lazy); save after "
                               "ds_fssdp.initialize, or materialize them (integrations.hf_load.materialize_experts)")
-    if rank != 0:
-        return None
-    return torch.arange(module.num_experts), module.spec.flatten(module.export_experts())
+    return (torch.arange(module.num_experts), module.spec.flatten(module.export_experts())) if rank == 0 else None
 
 
 def _commit(tmp: str, out_dir: str, files: list, overwrite: bool = False) -> None:
@@ -252,6 +214,8 @@ def _commit(tmp: str, out_dir: str, files: list, overwrite: bool = False) -> Non
             weight_map[key] = final
             total_size += entry.nbytes
             total_params += entry.nbytes // entry.dtype.itemsize
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
         os.replace(path, os.path.join(tmp, final))
     for n in names:  # config.json, generation_config.json, remote code: transformers' own files
         if n == INDEX:
@@ -259,10 +223,6 @@ def _commit(tmp: str, out_dir: str, files: list, overwrite: bool = False) -> Non
         elif n not in dense_files:
             os.replace(os.path.join(dense_dir, n), os.path.join(tmp, n))
     os.rmdir(dense_dir)
-    for n in os.listdir(tmp):
-        if n.endswith(".safetensors"):
-            with open(os.path.join(tmp, n), "rb") as f:
-                os.fsync(f.fileno())
     write_json({"metadata": {"total_size": total_size, "total_parameters": total_params},
                 "weight_map": dict(sorted(weight_map.items()))}, os.path.join(tmp, INDEX))
     fsync_dir(tmp)
@@ -276,10 +236,8 @@ def _commit(tmp: str, out_dir: str, files: list, overwrite: bool = False) -> Non
 
 
 def _move_into(tmp: str, out_dir: str, overwrite: bool) -> None:
-    """A directory holding other things (the Trainer's ``output_dir`` with its ``checkpoint-N``
-    folders and logs; model files only with ``overwrite``, removed first): the files move in one by
-    one, the index last, so the model is loadable only once complete; a failure removes the ones
-    moved."""
+    """Into a directory holding other things (the Trainer's ``output_dir``): one file at a time, the
+    index last; a failure removes the ones moved."""
     if overwrite:
         for n in model_files(out_dir):  # the previous model's, stale shards included
             os.remove(os.path.join(out_dir, n))
@@ -302,20 +260,16 @@ def _move_into(tmp: str, out_dir: str, overwrite: bool) -> None:
 
 def _is_peft(model) -> bool:
     from ds_fssdp.integrations.peft_lora import has_peft
-    if not has_peft():
-        return False
-    from peft import PeftModel
-    return isinstance(model, PeftModel)
+    return has_peft() and isinstance(model, importlib.import_module("peft").PeftModel)
 
 
 def _save_peft(model, out_dir, *, max_shard_size) -> str:
     """PEFT saves its adapters as it always does (dense parameters, whole on rank 0)."""
-    comm = Comm()
     if any(hasattr(p, "ds_id") for p in model.parameters()):
         raise CheckpointError("saving a PEFT model whose parameters ZeRO-3 partitions: use trainer.save_model, which "
                               "gathers the adapters as PEFT expects")
-    comm.agree(f"saving the PEFT adapters into {out_dir}",
-               lambda: model.save_pretrained(out_dir, max_shard_size=max_shard_size), root_only=True)
+    agreed(f"saving the PEFT adapters into {out_dir}",
+           lambda: model.save_pretrained(out_dir, max_shard_size=max_shard_size), root_only=True)
     return os.fspath(out_dir)
 
 
@@ -328,66 +282,65 @@ def route_trainer_save() -> None:
     """Make ``transformers.Trainer.save_model`` write a converted model with :func:`save_pretrained`
     on every rank (idempotent); other models keep the Trainer's own."""
     import transformers
-    trainer = transformers.Trainer
     route_model_save()
-    if getattr(trainer.save_model, "_fssdp_original", None) is not None:
-        return
-    original = trainer.save_model
 
-    def save_model(self, output_dir=None, _internal_call=False):
-        model = self.accelerator.unwrap_model(self.model) if hasattr(self, "accelerator") else self.model
-        if not _is_fssdp_model(model):
-            return original(self, output_dir, _internal_call=_internal_call)
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
-        save_pretrained(model, output_dir, overwrite=True)  # as the Trainer's own save overwrites
-        if self.args.should_save:  # what Trainer._save adds beside the weights
-            if self.processing_class is not None:
-                self.processing_class.save_pretrained(output_dir)
-            from transformers.trainer import TRAINING_ARGS_NAME
-            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
-        if self.args.push_to_hub and not _internal_call:
-            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+    def routed(original):
+        def save_model(self, output_dir=None, _internal_call=False):
+            model = self.accelerator.unwrap_model(self.model) if hasattr(self, "accelerator") else self.model
+            if not _is_fssdp_model(model):
+                return original(self, output_dir, _internal_call=_internal_call)
+            output_dir = output_dir if output_dir is not None else self.args.output_dir
+            save_pretrained(model, output_dir, overwrite=True)  # as the Trainer's own save overwrites
+            if self.args.should_save:  # what Trainer._save adds beside the weights
+                if self.processing_class is not None:
+                    self.processing_class.save_pretrained(output_dir)
+                from transformers.trainer import TRAINING_ARGS_NAME
+                torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+            if self.args.push_to_hub and not _internal_call:
+                self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+        return save_model
 
-    save_model._fssdp_original = original
-    trainer.save_model = save_model
+    _route(transformers.Trainer, "save_model", routed)
 
 
 def restore_trainer_save() -> None:
     """Undo :func:`route_trainer_save` (and :func:`route_model_save`)."""
     import transformers
     from transformers.modeling_utils import PreTrainedModel
-    original = getattr(transformers.Trainer.save_model, "_fssdp_original", None)
-    if original is not None:
-        transformers.Trainer.save_model = original
-    PreTrainedModel.save_pretrained = hf_save_pretrained()
-
-
-def hf_save_pretrained():
-    """transformers' own ``PreTrainedModel.save_pretrained`` (also while :func:`route_model_save` is installed)."""
-    from transformers.modeling_utils import PreTrainedModel
-    current = PreTrainedModel.save_pretrained
-    return getattr(current, "_fssdp_original", current)
+    for owner, name in ((transformers.Trainer, "save_model"), (PreTrainedModel, "save_pretrained")):
+        setattr(owner, name, _original(owner, name))
 
 
 def route_model_save() -> None:
-    """Make ``model.save_pretrained(out_dir, ...)`` on a converted model :func:`save_pretrained`
-    (collective; transformers' own would write the FSSDP tensor names and drop the sharded experts);
-    other models, and a call given the whole ``state_dict`` (``hf_state_dict(model)``), keep
-    transformers' own. Idempotent."""
+    """Make ``model.save_pretrained(out_dir, ...)`` on a converted model :func:`save_pretrained` (not given
+    a ``state_dict``; transformers' own would write FSSDP's names without the sharded experts). Idempotent."""
     from transformers.modeling_utils import PreTrainedModel
-    if getattr(PreTrainedModel.save_pretrained, "_fssdp_original", None) is not None:
-        return
-    original = PreTrainedModel.save_pretrained
 
-    @functools.wraps(original)
-    def save(self, save_directory, *args, **kwargs):
-        if kwargs.get("state_dict") is not None or not _is_fssdp_model(self):
-            return original(self, save_directory, *args, **kwargs)
-        if args:
-            raise ValueError(f"{type(self).__name__}.save_pretrained on a converted model takes keyword arguments only "
-                             f"(got {len(args)} positional): it is ds_fssdp.integrations.hf.save_pretrained")
-        kwargs.setdefault("overwrite", True)  # as transformers' own save overwrites
-        return save_pretrained(self, save_directory, **kwargs)
+    def routed(original):
+        @functools.wraps(original)
+        def save(self, save_directory, *args, **kwargs):
+            if kwargs.get("state_dict") is not None or not _is_fssdp_model(self):
+                return original(self, save_directory, *args, **kwargs)
+            if args:
+                raise ValueError(f"{type(self).__name__}.save_pretrained on a converted model takes keyword arguments "
+                                 f"only (got {len(args)} positional): it is ds_fssdp.integrations.hf.save_pretrained")
+            kwargs.setdefault("overwrite", True)  # as transformers' own save overwrites
+            return save_pretrained(self, save_directory, **kwargs)
+        return save
 
-    save._fssdp_original = original
-    PreTrainedModel.save_pretrained = save
+    _route(PreTrainedModel, "save_pretrained", routed)
+
+
+def _route(owner, name: str, routed) -> None:
+    """``owner.name = routed(original)``, the original kept on it as ``_fssdp_original`` (idempotent)."""
+    original = getattr(owner, name)
+    if getattr(original, "_fssdp_original", None) is None:
+        replacement = routed(original)
+        replacement._fssdp_original = original
+        setattr(owner, name, replacement)
+
+
+def _original(owner, name: str):
+    """``owner.name`` as it was before :func:`_route` (transformers' own ``save_pretrained`` while routed)."""
+    current = getattr(owner, name)
+    return getattr(current, "_fssdp_original", current)

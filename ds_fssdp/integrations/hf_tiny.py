@@ -17,31 +17,29 @@ def _family_keys(hidden: int, experts: int, ffn: int) -> dict:
     linear = dict(layer_types=None, linear_conv_kernel_dim=2, linear_key_head_dim=4, linear_value_head_dim=4,
                   linear_num_key_heads=2, linear_num_value_heads=2)
     shared = 2 * ffn - 4
+    local = dict(**heads, num_local_experts=experts, intermediate_size=ffn)
+    grouped = dict(n_routed_experts=experts, moe_intermediate_size=ffn, n_shared_experts=1, n_group=2, topk_group=1,
+                   first_k_dense_replace=0)
     return {
-        "mixtral": dict(**heads, num_local_experts=experts, intermediate_size=ffn),
+        "mixtral": local,
         # norm_topk_prob False (the Qwen default): raw softmax weights; a shared expert behind a sigmoid gate.
         "qwen2_moe": dict(**heads, num_experts=experts, moe_intermediate_size=ffn, shared_expert_intermediate_size=shared,
                           norm_topk_prob=False),
         "qwen3_moe": dict(**heads, num_experts=experts, moe_intermediate_size=ffn, norm_topk_prob=True),
         "olmoe": dict(**heads, num_experts=experts, intermediate_size=ffn, norm_topk_prob=False),
         # Sigmoid scores + e_score_correction_bias, group-limited top-k (2 groups, 1 kept), routed scaling.
-        "deepseek_v3": dict(**mla, n_routed_experts=experts, moe_intermediate_size=ffn, n_shared_experts=1, n_group=2,
-                            topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=0, norm_topk_prob=True),
+        "deepseek_v3": dict(**mla, **grouped, routed_scaling_factor=2.5, norm_topk_prob=True),
         # Group-limited greedy top-k over softmax scores, routed scaling, shared experts.
-        "deepseek_v2": dict(**mla, n_routed_experts=experts, moe_intermediate_size=ffn, n_shared_experts=1, n_group=2,
-                            topk_group=1, topk_method="group_limited_greedy", routed_scaling_factor=1.5,
-                            first_k_dense_replace=0, norm_topk_prob=False),
-        "glm4_moe": dict(**heads, n_routed_experts=experts, moe_intermediate_size=ffn, n_shared_experts=1, n_group=2,
-                         topk_group=1, routed_scaling_factor=1.5, first_k_dense_replace=0, norm_topk_prob=True),
+        "deepseek_v2": dict(**mla, **grouped, topk_method="group_limited_greedy", routed_scaling_factor=1.5,
+                            norm_topk_prob=False),
+        "glm4_moe": dict(**heads, **grouped, routed_scaling_factor=1.5, norm_topk_prob=True),
         "qwen3_5_moe_text": dict(**heads, **linear, num_experts=experts, moe_intermediate_size=ffn,
                                  shared_expert_intermediate_size=shared),
         "qwen3_next": dict(**heads, **linear, num_experts=experts, moe_intermediate_size=ffn,
                            shared_expert_intermediate_size=shared, norm_topk_prob=True),
         # Interleaved, transposed gate/up with biases; clamped (up + 1) * gate * sigmoid(alpha * gate).
         "gpt_oss": dict(**heads, num_local_experts=experts, intermediate_size=ffn, layer_types=None, sliding_window=8),
-        "minimax_m2": dict(**heads, num_local_experts=experts, intermediate_size=ffn),
-        "phimoe": dict(**heads, num_local_experts=experts, intermediate_size=ffn),
-        "granitemoe": dict(**heads, num_local_experts=experts, intermediate_size=ffn),
+        **dict.fromkeys(("minimax_m2", "phimoe", "granitemoe"), local),
     }
 
 

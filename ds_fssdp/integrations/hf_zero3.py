@@ -112,8 +112,7 @@ def in_init_order(model):
 
     def visit(module, name, owner):
         for child_name, child in module.named_children():
-            child_owner = child if isinstance(child, PreTrainedModel) else owner
-            yield from visit(child, _full(name, child_name), child_owner)
+            yield from visit(child, _full(name, child_name), child if isinstance(child, PreTrainedModel) else owner)
         yield name, module, owner
 
     yield from visit(model, "", model)
@@ -123,9 +122,7 @@ def zero_init_config(ds_config: dict) -> dict:
     """The config ``zero.Init`` partitions with: the user's, without the HF Trainer's "auto" values
     (filled only once the Trainer knows its batch sizes; partitioning needs the ZeRO section alone)."""
     def clean(value):
-        if isinstance(value, dict):
-            return {k: clean(v) for k, v in value.items() if v != "auto"}
-        return value
+        return {k: clean(v) for k, v in value.items() if v != "auto"} if isinstance(value, dict) else value
     cfg = clean(ds_config)
     if not any(k in cfg for k in ("train_batch_size", "train_micro_batch_size_per_gpu")):
         cfg.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)

@@ -1,38 +1,20 @@
-"""PEFT LoRA on FSSDP experts: the adapters of ``LoraConfig(target_parameters=[...])`` computed
-inside FSSDP's expert compute, on whichever rank computes an expert's tokens (owner or replica).
+"""PEFT LoRA on FSSDP experts (``LoraConfig(target_parameters=[...])``): the wrappers' side.
 
-Legend: E experts, I in features, O out features, r LoRA rank, G local experts.
+Legend: E experts, I in features, O out features, r LoRA rank.
 
-PEFT (0.17+) puts LoRA on transformers 5's fused expert tensors with
-``target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]``: each target becomes a
-``ParamWrapper`` (nested when a module has two targets) holding ``lora_A`` = ``Linear(I, r * E)``
-and ``lora_B`` = ``Linear(r * E, O)``; at every forward it parametrizes the whole [E, ...] tensor
-with ``W + scaling * delta`` (``peft/tuners/lora/layer.py``). Expert e's factors are
-``A_e = lora_A.weight.view(E, r, I)[e]`` and ``B_e = lora_B.weight.view(O, r, E)[:, :, e]``, and
-for every layout (``is_transposed`` or not) the expert's projection gains
-``scaling * (x @ A_e^T) @ B_e^T``.
-
-Under FSSDP the base experts are sharded rows (frozen: PEFT freezes them), so there is no [E, ...]
-tensor to parametrize. Instead the wrappers are adopted: their class becomes
-:class:`FSSDPParamWrapper` (a ``ParamWrapper`` subclass, so PEFT's saving, loading, adapter
-switching and ``isinstance`` checks keep working), whose forward hands its factors to the
-:class:`~ds_fssdp.integrations.hf_experts.FSSDPHFExperts` below it; the experts module passes
-the factors of the experts a rank computes (``local_E``: owned, then replicas) to the grouped
-expert MLP (``ops.lora``). A gate/up fused target is split like the weights (``w_gate``/``w_up``
-take the gate/up columns of ``B``, both share ``A``).
-
-The factors stay ordinary dense parameters under DeepSpeed: r * (I + O) per expert and projection
-(r = 8 on Qwen3-30B-A3B: 1.6% of an expert), so keeping them with the experts' rows would buy
-little memory and cost a second sparse gather and reduce per layer.
-
-PEFT applied to a converted model finds the HF tensor names as empty stand-ins with ``ds_shape``
-(as ZeRO-3's partitioned parameters), so its ``target_parameters`` match; the wrappers are adopted
-at the MoE block's next forward. ``unconvert`` gives the wrappers their class back, so
-``merge_and_unload`` works afterwards. What is refused, and where: README, "LoRA on experts".
+PEFT's ``ParamWrapper`` of a fused [E, ...] expert tensor holds ``lora_A`` = ``Linear(I, r * E)`` and
+``lora_B`` = ``Linear(r * E, O)`` and would parametrize the whole tensor, which FSSDP shards. The
+wrappers are adopted instead: their class becomes :class:`FSSDPParamWrapper` (a ``ParamWrapper``
+subclass: PEFT's saving, loading, adapter switching and ``isinstance`` checks keep working), whose
+forward hands its factors to the ``FSSDPHFExperts`` below it for one forward (``hf_experts.ExpertLora``,
+``ops/lora.py``). Adopted at ``convert``, or at the MoE block's next forward when PEFT comes after it;
+``unconvert`` gives them their class back (``merge_and_unload`` works then). The whole path and what
+is refused: docs/design.md section 4, "LoRA on experts"; README, "LoRA on experts, TRL and accelerate".
 """
 from __future__ import annotations
 
 import functools
+import re
 
 import torch.nn as nn
 
@@ -40,15 +22,9 @@ import torch.nn as nn
 # the experts module (has_peft: also for this module's callers)
 from ds_fssdp.integrations.hf_experts import FSSDPHFExperts, has_peft, is_param_wrapper
 
-BASE_LAYER = "base_layer"
-
-
 def strip_wrappers(name: str) -> str:
     """The module name PEFT's wrappers took over: ``a.experts.base_layer.base_layer`` -> ``a.experts``."""
-    suffix = f".{BASE_LAYER}"
-    while name.endswith(suffix):
-        name = name[:-len(suffix)]
-    return name
+    return re.sub(r"(\.base_layer)+$", "", name)
 
 
 def wrapper_chain(site: nn.Module) -> list:
@@ -124,12 +100,9 @@ def adopt_hook(child: str, where: str):
     """A forward pre-hook for the MoE block holding the experts as ``child``: adopts wrappers PEFT
     put there after ``convert`` (one type check per forward once adopted)."""
 
-    def hook(block, args):
+    def hook(block, args):  # no chain: no PEFT, or the experts themselves
         site = block._modules.get(child)
-        if site is None or isinstance(site, FSSDPHFExperts) or (has_peft() and type(site) is fssdp_wrapper_class()):
-            return
-        chain = wrapper_chain(site)
-        if chain:
+        if not (has_peft() and type(site) is fssdp_wrapper_class()) and (chain := wrapper_chain(site)):
             adopt(site, chain[-1].base_layer, where=where)
 
     return hook

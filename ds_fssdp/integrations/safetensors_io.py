@@ -2,26 +2,24 @@
 
 Legend: E experts, S experts read or written here.
 
-The format (github.com/huggingface/safetensors, "Format"): 8 bytes little-endian header size N, N
-bytes of JSON ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``
-(padded with spaces), then the data: each tensor row-major at its offsets, back to back. A fused
-expert tensor [E, ...] therefore holds expert e's bytes at ``begin + e * (end - begin) / E``, and a
-rank reads (:meth:`CheckpointFiles.read` with ``rows``) or writes (:meth:`ShardFile.write`) exactly
-its own experts' bytes, per-expert tensors likewise. safetensors' ``safe_open`` maps the whole file
-into the reader's memory and its writer takes every tensor of a file at once; these move ranges,
-and their files load with safetensors and transformers unchanged (tests/test_hf_io.py).
-
-Every problem names its file and key: a missing or unreadable file, a header that is not
-safetensors, data beyond the end of the file (truncated), a key in two files, a missing key.
+The format (github.com/huggingface/safetensors, "Format"): an 8-byte little-endian header size, the
+JSON header (each tensor's dtype, shape and ``data_offsets``), then each tensor row-major, back to
+back. A fused expert tensor [E, ...] holds expert e's bytes at ``begin + e * (end - begin) / E``, so
+a rank reads (:meth:`CheckpointFiles.read` with ``rows``) or writes (:meth:`ShardFile.write`) exactly
+its own experts' bytes; safetensors' own ``safe_open`` maps the whole file and its writer takes every
+tensor of a file at once. The files load with safetensors and transformers unchanged. Every problem
+names its file and key (missing, unreadable, not safetensors, truncated, a key in two files).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import struct
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ds_fssdp.runtime.checkpoint.files import CheckpointError
@@ -120,7 +118,7 @@ class CheckpointFiles:
         each contiguous run of them, nothing else."""
         e = self.entry(key)
         if rows is None:
-            return _read_range(e, e.begin, e.nbytes).reshape(e.shape)
+            return _read_range(e, e.begin, e.nbytes).view(e.dtype).reshape(e.shape)
         rows = [int(r) for r in rows]
         if not e.shape or any(not 0 <= r < e.shape[0] for r in rows):
             raise CheckpointError(f"{e.path}: tensor {key!r} of shape {list(e.shape)} has no rows {rows}")
@@ -128,38 +126,27 @@ class CheckpointFiles:
         flat = out.view(-1).view(torch.uint8) if out.numel() else out
         i = 0
         for first, count in _runs(rows):
-            chunk = _read_range(e, e.begin + first * e.row_bytes, count * e.row_bytes)
-            flat[i * e.row_bytes:(i + count) * e.row_bytes].copy_(chunk.view(torch.uint8))
+            flat[i * e.row_bytes:(i + count) * e.row_bytes].copy_(_read_range(e, e.begin + first * e.row_bytes,
+                                                                              count * e.row_bytes))
             i += count
         return out
 
 
 def _runs(rows: list) -> list:
-    """Ascending indices as (first, count) runs of consecutive ones."""
-    runs = []
-    for r in rows:
-        if runs and r == runs[-1][0] + runs[-1][1]:
-            runs[-1][1] += 1
-        else:
-            runs.append([r, 1])
-    return [tuple(r) for r in runs]
+    """Ascending indices as (first, count) runs of consecutive ones (``r - i`` constant along a run)."""
+    runs = (list(run) for _, run in itertools.groupby(enumerate(rows), lambda ir: ir[1] - ir[0]))
+    return [(run[0][1], len(run)) for run in runs]
 
 
 def _read_range(e: Entry, offset: int, nbytes: int) -> torch.Tensor:
-    buf = torch.empty(nbytes, dtype=torch.uint8)
-    view = memoryview(buf.numpy()) if nbytes else None
+    """``nbytes`` bytes of ``e``'s file from ``offset`` (uint8)."""
     try:
-        with open(e.path, "rb") as f:
-            f.seek(offset)
-            got = 0
-            while got < nbytes:
-                n = f.readinto(view[got:])
-                if not n:
-                    raise CheckpointError(f"checkpoint file {e.path} is truncated: tensor {e.key!r} ends early")
-                got += n
+        data = np.fromfile(e.path, dtype=np.uint8, count=nbytes, offset=offset)
     except OSError as err:
         raise CheckpointError(f"reading tensor {e.key!r} from {e.path} failed: {err}") from err
-    return buf.view(e.dtype)
+    if data.size != nbytes:
+        raise CheckpointError(f"checkpoint file {e.path} is truncated: tensor {e.key!r} ends early")
+    return torch.from_numpy(data)
 
 
 @dataclass(frozen=True)
@@ -188,9 +175,8 @@ class ShardFile:
         raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors' own writer does
         self.header = struct.pack("<Q", len(raw)) + raw
         self.size = len(self.header) + offset
-        self.entries = {t.key: Entry(path, t.key, t.dtype, tuple(t.shape), len(self.header) + h["data_offsets"][0],
-                                     t.nbytes)
-                        for t, h in zip(tensors, (header[t.key] for t in tensors))}
+        self.entries = {t.key: Entry(path, t.key, t.dtype, tuple(t.shape),
+                                     len(self.header) + header[t.key]["data_offsets"][0], t.nbytes) for t in tensors}
 
     def create(self) -> None:
         """Write the header and size the file (one writer, before the others write their ranges)."""

@@ -4,6 +4,7 @@ Legend: B batch, S sequence, H hidden (d_model), V vocabulary.
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 import torch
@@ -40,16 +41,11 @@ class GPTMoEConfig:
                              f"{tuple(CHECKPOINTING)}")
 
 
-def _deepspeed_checkpoint(fn, *args):
-    import deepspeed
-    return deepspeed.checkpointing.checkpoint(fn, *args)
-
-
 CHECKPOINTING = {
     "none": None,
     "torch": lambda fn, *args: torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False),
     "torch-reentrant": lambda fn, *args: torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=True),
-    "deepspeed": _deepspeed_checkpoint,
+    "deepspeed": lambda fn, *args: importlib.import_module("deepspeed").checkpointing.checkpoint(fn, *args),
 }
 
 
@@ -115,9 +111,7 @@ class GPTMoE(nn.Module):
             x, l_aux = block(x) if checkpoint is None or not torch.is_grad_enabled() else checkpoint(block, x)
             aux = aux + l_aux
         logits_BSV = self.head(self.ln_f(x))
-        if targets_BS is None:
-            return logits_BSV
-        return lm_loss(logits_BSV, targets_BS) + self.cfg.aux_loss_coef * aux
+        return logits_BSV if targets_BS is None else lm_loss(logits_BSV, targets_BS) + self.cfg.aux_loss_coef * aux
 
 
 def lm_loss(logits_BSV, targets_BS):

@@ -2,18 +2,14 @@
 
 Legend: B batch, S sequence, H hidden (d_model), V vocabulary.
 
-``GPTMoEPipe(model, num_stages=S)`` wraps an existing :class:`~ds_fssdp.models.gpt_moe.GPTMoE`'s
-modules (so both start from the same weights) as ``[embedding, block 0, ..., block n-1, head]``
-and keeps only this rank's stage; the loss is the cross-entropy on the last stage. Each block's
-router loss enters the backward where the block is (``moe/aux_loss.AuxLossToBackward`` with the
-model's ``aux_loss_coef``), and the FSSDP pipeline engine's ``train_batch`` returns
-cross-entropy plus those terms, what ``GPTMoE`` returns without pipelining. Stages are cut to
-balance the MoE blocks (DeepSpeed's ``type:BlockPipe``), or at ``parts`` (DeepSpeed's stage
-boundaries: stage s holds layers ``parts[s] .. parts[s+1] - 1``). Activation checkpointing: the
-model's own mode (``GPTMoEConfig.activation_checkpointing``), or DeepSpeed's pipeline one
-(``activation_checkpoint_interval`` here or ``pipeline.activation_checkpoint_interval`` in the
-config), which checkpoints blocks only (``checkpointable_layers``: the embedding's input is the
-token ids, which DeepSpeed's reentrant checkpoint cannot differentiate through).
+``GPTMoEPipe(model, num_stages=S)`` wraps a :class:`~ds_fssdp.models.gpt_moe.GPTMoE`'s modules (the
+same weights) as ``[embedding, block 0, ..., block n-1, head]`` and keeps this rank's stage; the loss
+is the cross-entropy on the last stage, each block's router loss entering the backward where the
+block is (``moe/aux_loss.AuxLossToBackward``), so ``train_batch`` returns what ``GPTMoE`` returns.
+Stages balance the MoE blocks (DeepSpeed's ``type:BlockPipe``) or are cut at ``parts`` (stage s:
+layers ``parts[s] .. parts[s+1] - 1``). Activation checkpointing: the model's own mode, or
+DeepSpeed's pipeline one (``activation_checkpoint_interval``), of blocks only (the embedding's input
+is token ids, which DeepSpeed's reentrant checkpoint cannot differentiate through).
 """
 from __future__ import annotations
 
@@ -44,11 +40,8 @@ class BlockPipe(nn.Module):
         self.checkpoint = CHECKPOINTING[checkpointing]
 
     def forward(self, x_BSH):
-        if self.checkpoint is None or not (self.training and torch.is_grad_enabled()):
-            x_BSH, l_aux = self.block(x_BSH)
-        else:
-            x_BSH, l_aux = self.checkpoint(self.block, x_BSH)
-        return self.aux(x_BSH, l_aux)
+        checkpointed = self.checkpoint is not None and self.training and torch.is_grad_enabled()
+        return self.aux(*(self.checkpoint(self.block, x_BSH) if checkpointed else self.block(x_BSH)))
 
 
 class HeadPipe(nn.Module):

@@ -1,15 +1,7 @@
 """Checkpoints of an FSSDP engine: DeepSpeed's dense state plus every expert's state keyed by
 (layer, expert), never by rank; written atomically, loaded safely, under any owners and world size.
-
-One module per job: ``save`` (writing and committing; ``staging`` and ``background`` for an
-asynchronous save), ``load`` (checking and loading), ``reshape`` (owners and rows on another world
-size), ``export`` (the consolidated state dict), ``pipeline`` (experts by global layer index under
-pipeline parallelism), over the shared ``layout`` (names, manifest, metadata), ``files`` (atomic
-writes, digests, the safe reader), ``collective`` (agreement between ranks) and ``rng``.
-
-What is saved (format ``ds_fssdp.checkpoint`` version 1), the atomic save, the safe load and the
-owners after a load on another world size: docs/robustness.md, "Checkpoints"; pipeline
-checkpoints: docs/design.md section 9 and ``pipeline``.
+What is saved (format ``ds_fssdp.checkpoint`` version 1), the atomic save and the safe load:
+docs/robustness.md, "Checkpoints"; the modules: docs/design.md section 1; pipelines: section 9.
 """
 from ds_fssdp.runtime.checkpoint.export import consolidated_state_dict, export_consolidated
 from ds_fssdp.runtime.checkpoint.files import CheckpointError, load_file, safe_deepspeed_loading

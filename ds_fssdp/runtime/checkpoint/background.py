@@ -1,32 +1,19 @@
 """The background half of an asynchronous save: write the staged files, then commit them
-atomically (manifest, rename, ``latest`` last) while training goes on.
+atomically (manifest, rename, ``latest`` last) while training goes on (docs/robustness.md, "Saves
+that don't stop training").
 
-Every rank's thread writes its own staged states into ``.tmp-<tag>`` (DeepSpeed's with DeepSpeed's
-own writer, ours as a synchronous save writes them; each file flushed to disk and hashed), then
-reports under ``.tmp-<tag>/.written/rankRRRRR.json``: the digests of its files, or its error.
-Rank 0's thread waits for every rank's report and, when all succeeded, writes the manifest and
-commits exactly as a synchronous save does. The ranks agree through the shared filesystem the
-checkpoint already needs, not through a collective: a collective from a second thread on the
-training's process group could interleave with the training's own, and a separate group would
-break when the job tears its groups down with a write still pending (at exit). A rank killed
-before its report leaves ``.tmp-<tag>`` uncommitted and ``latest`` untouched; rank 0 gives up
-after the collective timeout (``fssdp.collective_timeout_s``, else DeepSpeed's).
+Every rank's thread writes its staged states into ``.tmp-<tag>`` (flushed, hashed) and reports its
+digests, or its error, under ``.tmp-<tag>/.written/``; rank 0's thread waits for every report (at
+most the collective timeout) and commits as a synchronous save does. The ranks agree through the
+shared filesystem: a collective from a second thread could interleave with the training's own, and
+a separate group would break when the job tears its groups down with a write pending. ``wait``
+(every rank) joins the thread and raises any rank's error on every rank; at exit a pending write is
+waited for and its error logged.
 
-Why not DeepSpeed's or torch's asynchronous writers (read for 0.19.8 / torch 2.13):
-* DeepSpeed's decoupled engine (``checkpoint.writer.decoupled``) hands the state to a spawned
-  writer process per rank that needs the FastPersist writer (``async_io``, not buildable on a CPU
-  machine), waits for the write at the next optimizer step (training stalls there instead), moves
-  ``latest`` with a plain write, and knows nothing of our expert files, manifest and rename commit.
-  Its extension point, the checkpoint engine's ``save(state, path)``, is what ``staging.py`` uses.
-* torch DCP's ``async_save`` writes DCP's own format (``.distcp`` shards and ``.metadata``), not
-  the ``torch.save`` files DeepSpeed's loader, Universal Checkpoint and ours read; its staging only
-  takes tensors and plain Python leaves (DeepSpeed's states hold loss scalers and dataclasses);
-  and it finishes with a collective from the background thread.
-
-``wait`` is the step where ranks agree: a collective on the main thread (every rank calls it, as
-every rank calls ``save_checkpoint``) that joins this rank's thread and raises any rank's error on
-every rank. A save waits for the one before it this way. At exit, a pending write is waited for
-(the thread is not a daemon) and its error, if any, logged: nothing is swallowed.
+Not DeepSpeed's decoupled writer (read for 0.19.8: it needs FastPersist's ``async_io``, not buildable
+on a CPU machine, waits at the next step, moves ``latest`` with a plain write and knows none of our
+files; its extension point is what ``staging.py`` uses), nor torch DCP's ``async_save`` (its own
+format, tensors and plain leaves only, a collective from the thread).
 """
 from __future__ import annotations
 
@@ -127,9 +114,7 @@ def _digests(job: Job) -> dict:
         raise CheckpointError(f"checkpoint {job.tag!r} not committed: writing failed on rank(s) {sorted(failed)}: "
                               + "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items())))
     shutil.rmtree(os.path.join(job.tmp_dir, WRITTEN))
-    for name in walk(job.tmp_dir):
-        if name not in digests:
-            digests[name] = digest(os.path.join(job.tmp_dir, name))
+    digests.update({name: digest(os.path.join(job.tmp_dir, name)) for name in walk(job.tmp_dir) if name not in digests})
     return digests
 
 
@@ -137,9 +122,7 @@ class BackgroundWriter:
     """One engine's background save: at most one at a time."""
 
     def __init__(self):
-        self._thread = None
-        self._tag = None
-        self._error = None
+        self._thread = self._tag = self._error = None
         self.last_seconds = None  # how long this rank's last background write (and commit) took
         atexit.register(self._at_exit)
 

@@ -1,4 +1,5 @@
-"""Agreement between ranks during a save or load: a failure on any rank fails every rank alike."""
+"""Agreement between ranks during a save or load: a failure on any rank fails every rank alike (a
+process without distributed comm is the one rank)."""
 from __future__ import annotations
 
 import torch.distributed as tdist
@@ -18,7 +19,11 @@ def attempt(fn):
 
 def agreed(what: str, fn, *, root_only: bool = False) -> None:
     """Run ``fn`` (on rank 0 alone with ``root_only``) and :func:`agree` on its outcome."""
-    agree(what, attempt(fn) if not root_only or dist.get_rank() == 0 else None)
+    agree(what, attempt(fn) if not root_only or rank() == 0 else None)
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def agree(what: str, err) -> None:
@@ -32,6 +37,8 @@ def agree(what: str, err) -> None:
 
 
 def all_gather(obj) -> list:
+    if not dist.is_initialized():
+        return [obj]
     out = [None] * dist.get_world_size()
     tdist.all_gather_object(out, obj)
     return out

@@ -1,6 +1,7 @@
 """Checkpoint files: writes flushed to disk, atomic text replacement, digests, the safe reader
 (``torch.load(weights_only=True)`` plus DeepSpeed's plain data classes), and write failures (a full
-disk, a size limit) reported with the file's path and the space left, on every rank alike."""
+disk, a size limit) reported with the file's path and the space left, on every rank alike; and
+:func:`patched`, how a save or load changes a DeepSpeed or transformers object for its duration."""
 from __future__ import annotations
 
 import hashlib
@@ -9,7 +10,7 @@ import os
 import pickle
 import resource
 import shutil
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 
 import torch
 
@@ -35,14 +36,27 @@ def load_file(path: str, *, map_location="cpu", mmap: bool = False):
 
 
 @contextmanager
+def patched(obj, name: str, value):
+    """``obj.name`` is ``value`` while this is active; then its own attribute is back (or gone, when
+    it had none: the class's shows again)."""
+    own = vars(obj).get(name, _NONE)
+    setattr(obj, name, value)
+    try:
+        yield value
+    finally:
+        if own is _NONE:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, own)
+
+
+_NONE = object()
+
+
 def safe_deepspeed_loading(engine):
     """DeepSpeed's checkpoint engine reads with :func:`load_file` while this is active."""
-    ce = engine.checkpoint_engine
-    ce.load = lambda path, map_location=None: load_file(path, map_location=map_location)
-    try:
-        yield
-    finally:
-        del ce.load
+    return patched(engine.checkpoint_engine, "load",
+                   lambda path, map_location=None: load_file(path, map_location=map_location))
 
 
 def _allowed(classes: list):
@@ -124,17 +138,10 @@ def deferred_write_errors(engine):
 
     wrapped = [(engine.checkpoint_engine, "save", lambda state_dict, path: path),
                (engine, "_copy_recovery_script", lambda save_path: os.path.join(save_path, "zero_to_fp32.py"))]
-    own = [vars(obj).get(name) for obj, name, _ in wrapped]
-    for obj, name, path_of in wrapped:
-        setattr(obj, name, deferred(getattr(obj, name), path_of))
-    try:
+    with ExitStack() as stack:
+        for obj, name, path_of in wrapped:
+            stack.enter_context(patched(obj, name, deferred(getattr(obj, name), path_of)))
         yield errors
-    finally:
-        for (obj, name, _), previous in zip(wrapped, own):
-            if previous is None:
-                delattr(obj, name)
-            else:
-                setattr(obj, name, previous)
 
 
 def read_json(path: str) -> dict:

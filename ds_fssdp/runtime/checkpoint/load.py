@@ -147,6 +147,4 @@ def _scalar_to(value, device, group: dict):
     """As torch's Optimizer.load_state_dict: ``step`` stays on the CPU unless capturable/fused."""
     if not torch.is_tensor(value):
         return value
-    if group.get("capturable") or group.get("fused"):
-        return value.clone().to(device)
-    return value.clone()
+    return value.clone().to(device) if group.get("capturable") or group.get("fused") else value.clone()

@@ -24,9 +24,7 @@ def every_stage_layers(stage, layers: list) -> list:
     layout = stage.layout
     first = layout.stages[layout.stage_id][0]
     mine = [dict(d, stage=layout.stage_id, first_rank=first, local=l) for l, d in enumerate(layers)]
-    out = {}
-    for part, indices in all_gather((mine, list(stage.global_layers))):
-        out.update(zip(indices, part))
+    out = {g: d for part, indices in all_gather((mine, list(stage.global_layers))) for g, d in zip(indices, part)}
     return [out[g] for g in range(len(out))]
 
 

@@ -85,16 +85,16 @@ def _start_async(engine, save_dir: str, tag: str, tmp_dir: str, *, client_state,
                 exclude_frozen_parameters=exclude_frozen_parameters)
     files = {}  # file name -> how to write it (given its path), in the background
 
-    def stage():
-        real = staging.real
-        files.update({_inside(tmp_dir, path): partial(_ds_write, real, state)
+    def stage():  # DeepSpeed's files by its own writer, as in a synchronous save
+        files.update({_inside(tmp_dir, path): partial(staging.real.save, state)
                       for path, state in staging.staged.items()})
         os.makedirs(os.path.join(tmp_dir, "fssdp"), exist_ok=True)
         for name, state in expert_state(engine, tag).items():
             files[name] = partial(write_json if name.endswith(".json") else save_tensors, to_host(state))
 
     agreed(f"staging checkpoint {tag!r}", stage)
-    timeout = engine.fssdp.config.collective_timeout_s or _default_timeout_s()
+    from deepspeed.constants import default_pg_timeout  # DEEPSPEED_TIMEOUT minutes
+    timeout = engine.fssdp.config.collective_timeout_s or default_pg_timeout.total_seconds()
     job = background.Job(tag=tag, tmp_dir=tmp_dir, rank=dist.get_rank(), world=dist.get_world_size(),
                          timeout_s=float(timeout), files=files,
                          commit=partial(commit_files, save_dir, tag, tmp_dir, save_latest=save_latest))
@@ -103,20 +103,11 @@ def _start_async(engine, save_dir: str, tag: str, tmp_dir: str, *, client_state,
     engine.fssdp_checkpoint_writer.start(job)
 
 
-def _ds_write(real, state, path: str) -> None:
-    real.save(state, path)  # DeepSpeed's own writer, as in a synchronous save
-
-
 def _inside(tmp_dir: str, path: str) -> str:
     name = os.path.relpath(path, os.path.abspath(tmp_dir))
     if name.startswith(os.pardir):
         raise CheckpointError(f"DeepSpeed staged {path}, outside the checkpoint's directory {tmp_dir}")
     return name
-
-
-def _default_timeout_s() -> float:
-    from deepspeed.constants import default_pg_timeout  # DEEPSPEED_TIMEOUT minutes
-    return default_pg_timeout.total_seconds()
 
 
 def commit_files(save_dir: str, tag: str, tmp_dir: str, digests: dict, *, save_latest: bool) -> None:
@@ -162,9 +153,8 @@ def rank_state(stage, device) -> dict:
         master, rows, _ = stage.expert_state.full_state(l)
         layers.append({"experts": shard.owned_E.clone(), "master": master.cpu(),
                        "optimizer_rows": {k: v.cpu() for k, v in rows.items()}})
-    out = {"format": FORMAT, "version": VERSION, "rank": dist.get_rank(), "layers": layers, "rng": rng_state(device)}
-    if stage.edp_size > 1:
-        out["layers"] = out["layers"] if stage.group_index == 0 else []  # the first group's files hold every expert
+    out = {"format": FORMAT, "version": VERSION, "rank": dist.get_rank(),  # the first group's files: every expert
+           "layers": layers if stage.edp_size == 1 or stage.group_index == 0 else [], "rng": rng_state(device)}
     if stage.edp_size > 1 or stage.layout is not None:
         # Each FSSDP group (and each pipeline stage) plans from its own loads and windows.
         out.update(predictor=stage.predictor.state_dict(), window_s=list(stage.window_s),
@@ -196,14 +186,11 @@ def layer_meta(engine) -> list:
     """This rank's layers' descriptions for the metadata."""
     stage = engine.fssdp
     names = {id(m): n for n, m in engine.module.named_modules()}
-    layers = []
-    for l, (layer, shard) in enumerate(zip(stage.layers, stage.shards)):
-        layers.append({"name": names.get(id(layer), ""), "num_experts": layer.num_experts,
-                       "activation": layer.spec.activation, "hidden_size": layer.hidden_size,
-                       "ffn_hidden_size": layer.ffn_hidden_size, "numel": layer.spec.numel,
-                       "spec": layer.spec.describe(), "owner_E": shard.owner_E.tolist(),
-                       "optimizer_rows": stage.expert_state.row_keys(l), "dtype": str(shard.rows.dtype)})
-    return layers
+    return [{"name": names.get(id(layer), ""), "num_experts": layer.num_experts, "activation": layer.spec.activation,
+             "hidden_size": layer.hidden_size, "ffn_hidden_size": layer.ffn_hidden_size, "numel": layer.spec.numel,
+             "spec": layer.spec.describe(), "owner_E": shard.owner_E.tolist(),
+             "optimizer_rows": stage.expert_state.row_keys(l), "dtype": str(shard.rows.dtype)}
+            for l, (layer, shard) in enumerate(zip(stage.layers, stage.shards))]
 
 
 def meta_state(engine, tag: str, *, layers: list | None = None) -> dict:

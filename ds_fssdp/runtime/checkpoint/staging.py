@@ -1,28 +1,24 @@
-"""Staging a checkpoint in host memory at the step boundary: every state the save would write,
-DeepSpeed's included, copied now (tensors to fresh host tensors, everything else deep-copied), so
-that the background writer writes exactly the state of this step while training goes on.
+"""Staging a checkpoint in host memory at the step boundary (docs/robustness.md, "Saves that don't
+stop training"): every state the save would write, DeepSpeed's included, copied now, so that the
+background writer writes exactly this step's state while training goes on.
 
 DeepSpeed writes its part through its checkpoint engine (``engine.checkpoint_engine.save(state,
-path)``, the extension point of its decoupled and FastPersist engines). During an asynchronous
-save that engine is swapped for :class:`StagingCheckpointEngine`, which keeps a host copy of each
-state instead of writing it; the background thread later writes it with the real engine's own
-``save``. DeepSpeed's ``save_checkpoint`` therefore runs unchanged and synchronously, with its
-collectives (tag validation, barriers) and its ZeRO partition logic, on every rank.
-
-Copies, not references: a state dict holds live objects (on the CPU ``tensor.cpu()`` is the
-tensor itself; the user's ``client_state``; DeepSpeed's loss scaler), which the next steps change.
+path)``, the extension point of its decoupled and FastPersist engines); during an asynchronous save
+it is swapped for :class:`StagingCheckpointEngine`, which keeps a host copy of each state, and
+DeepSpeed's ``save_checkpoint`` runs unchanged, with its collectives, on every rank. Copies, not
+references: a state dict holds live objects (on the CPU ``tensor.cpu()`` is the tensor itself; the
+``client_state``; the loss scaler) that the next steps change.
 """
 from __future__ import annotations
 
 import copy
 import os
-from contextlib import contextmanager
 
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-from ds_fssdp.runtime.checkpoint.files import CheckpointError
+from ds_fssdp.runtime.checkpoint.files import CheckpointError, patched
 
 
 def to_host(obj, memo=None):
@@ -79,13 +75,6 @@ def check_stageable(engine) -> None:
                               f"{type(ce).__name__} (checkpoint.writer / datastates are not supported with it)")
 
 
-@contextmanager
 def staging_deepspeed(engine):
     """DeepSpeed's ``save_checkpoint`` stages its files into the yielded engine's ``staged``."""
-    real = engine.checkpoint_engine
-    staging = StagingCheckpointEngine(real)
-    engine.checkpoint_engine = staging
-    try:
-        yield staging
-    finally:
-        engine.checkpoint_engine = real
+    return patched(engine, "checkpoint_engine", StagingCheckpointEngine(engine.checkpoint_engine))

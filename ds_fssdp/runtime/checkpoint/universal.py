@@ -1,23 +1,17 @@
-"""The dense part on another world size: DeepSpeed's Universal Checkpoint.
+"""The dense part on another world size: DeepSpeed's Universal Checkpoint (docs/robustness.md).
 
-ZeRO 1/2 partition the dense optimizer state (and ZeRO 3 the dense parameters too) by
-data-parallel rank, so their files only load on the world size that wrote them. On another world
-size the dense part is converted once by DeepSpeed's own ``ds_to_universal`` (rank 0, every other
-rank waits) into ``<load_dir>/.universal-<tag>/universal/`` (with DeepSpeed's ``latest_universal``
-beside it), which DeepSpeed's engine then loads through its ``checkpoint.load_universal`` path (set
-on the engine for that one load). The conversion is written into ``.universal-tmp-<tag>`` and
-renamed when complete; it is reused by later loads while the checkpoint's manifest is unchanged (a
-new save of the same tag converts again). The experts do not need it: their files are keyed by
-(layer, expert) and load at any world size (reshape.py).
-
-The same conversion by hand, e.g. on a read-only checkpoint directory (then pass the output's
-parent as ``load_dir`` to a plain ``deepspeed`` engine with ``checkpoint.load_universal``):
+ZeRO 1/2 partition the dense optimizer state (ZeRO 3 the parameters too) by data-parallel rank. On
+another world size rank 0 converts the dense part once with DeepSpeed's own ``ds_to_universal``
+into ``<load_dir>/.universal-<tag>/universal/`` (written as ``.universal-tmp-<tag>``, renamed when
+complete, reused while the checkpoint's manifest is unchanged), which DeepSpeed's engine loads
+through ``checkpoint.load_universal``. The experts need none of it (reshape.py). By hand, e.g. on a
+read-only checkpoint (then load ``<out>`` with ``checkpoint.load_universal``):
 
     python -m deepspeed.checkpoint.ds_to_universal --inject_missing_state \
         --input_folder <load_dir>/<tag> --output_folder <out>/universal
 
-DeepSpeed's converter reads the ZeRO files with ``weights_only=False``: the files are checked
-against the manifest first, but a checkpoint is only as trustworthy as whoever wrote it.
+DeepSpeed's converter reads the ZeRO files with ``weights_only=False``: they are checked against the
+manifest first, but a checkpoint is only as trustworthy as whoever wrote it.
 """
 from __future__ import annotations
 
@@ -31,7 +25,7 @@ from deepspeed import comm as dist
 from deepspeed.utils import logger
 
 from ds_fssdp.runtime.checkpoint.collective import agreed
-from ds_fssdp.runtime.checkpoint.files import CheckpointError, fsync_dir, read_json, write_json
+from ds_fssdp.runtime.checkpoint.files import CheckpointError, fsync_dir, patched, read_json, write_json
 
 PREFIX = ".universal-"
 TMP_PREFIX = ".universal-tmp-"
@@ -71,16 +65,9 @@ def convert(load_dir: str, dir_tag: str, manifest: dict) -> tuple:
     return final, TAG
 
 
-@contextlib.contextmanager
 def loading_universal(engine):
     """DeepSpeed's engine loads a universal checkpoint while this is active (``checkpoint.load_universal``)."""
-    config = engine._config
-    saved = config.load_universal_checkpoint
-    config.load_universal_checkpoint = True
-    try:
-        yield
-    finally:
-        config.load_universal_checkpoint = saved
+    return patched(engine._config, "load_universal_checkpoint", True)
 
 
 def _convert(src: str, final: str, tmp: str, manifest: dict) -> None:
@@ -105,11 +92,8 @@ def _convert(src: str, final: str, tmp: str, manifest: dict) -> None:
 
 
 def _is_current(final: str, manifest: dict) -> bool:
-    path = os.path.join(final, SOURCE)
-    if not os.path.isfile(path):
-        return False
-    try:
-        return read_json(path).get("files") == manifest["files"]
+    try:  # a missing or unreadable record is a CheckpointError too
+        return read_json(os.path.join(final, SOURCE)).get("files") == manifest["files"]
     except CheckpointError:
         return False
 
