@@ -153,9 +153,12 @@ def test_leaving_bytes_never_exceeds_what_one_copy_per_destination_sends():
     assert float(leaving_bytes(np.array(rows), np.array(40.0), k, tb, share=np.array(share))) == pytest.approx(want)
 
 
-def test_top_rows_are_the_running_sums_of_each_column_largest_first():
+@pytest.mark.parametrize("in_c", [True, False])
+def test_top_rows_are_the_running_sums_of_each_column_largest_first(monkeypatch, in_c):
+    if not in_c:  # the numpy path
+        monkeypatch.setattr(bound_module, "_fastbound", None)
     rng = np.random.default_rng(4)
-    for shape in [(7, ), (16, 3, 5), (9, 1, 1), (0, 4), (1, 2)]:
+    for shape in [(7, ), (16, 3, 5), (9, 1, 1), (0, 4), (1, 2), (16, 3, 5)]:
         t = rng.integers(0, 50, shape).astype(np.float64) * rng.uniform(0.5, 2.0)
         before = t.copy()
         want = np.zeros((shape[0] + 1, ) + shape[1:])
@@ -164,6 +167,8 @@ def test_top_rows_are_the_running_sums_of_each_column_largest_first():
             want[i + 1] = want[i] + desc[i]
         got = top_rows(t)
         assert got.shape == want.shape and got.tobytes() == want.tobytes(), shape
+        into = np.full(want.shape, np.nan)
+        assert top_rows(t, out=into) is into and into.tobytes() == want.tobytes(), shape
         assert (t == before).all()  # the input is left alone
 
 

@@ -6,7 +6,8 @@
  * Legend: L layers, K states, C choices (state_C sorted; starts_K: each state's first choice), B
  * groups, V values of v, U values of u. Arrays are row-major float64: m_LKB, busy_LKB [L*K*B],
  * b_LCB [L*C*B], g_C, extra_C [C], v_V [V], u_U [U]; starts_K int64 [K]; out_UBV [U*B*V] (the
- * least over the choices before the all-reduce term (1 - v) all-reduce, which the caller adds).
+ * least over the choices before the all-reduce term (1 - v) all-reduce, which the caller adds). Also
+ * top_rows' transposes and running sums.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -136,8 +137,63 @@ done:
     return result;
 }
 
+/* top_rows' copies: rows_XE[x, e] = t_EX[e, x] (transpose), and out_EX[k, x] the sum of the k largest of
+ * row x of asc_XE (sorted ascending): out[0] = 0, out[1] = the largest, out[k + 1] = out[k] + the
+ * (k + 1)-th largest (numpy's cumsum, one addition per row in order). Blocks of columns keep both
+ * sides in cache. */
+#define COLUMNS 64
+static PyObject *transpose(PyObject *self, PyObject *args) {
+    Py_buffer in, out;
+    long long E, X;
+    if (!PyArg_ParseTuple(args, "y*w*LL", &in, &out, &E, &X)) return NULL;
+    PyObject *result = NULL;
+    if (E < 0 || X < 0 || in.len != 8 * E * X || out.len != in.len) {
+        PyErr_SetString(PyExc_ValueError, "transpose: in and out must both hold E*X float64");
+        goto done;
+    }
+    const double *t = in.buf;
+    double *o = out.buf;
+    for (int64_t x0 = 0; x0 < X; x0 += COLUMNS) {
+        int64_t x1 = x0 + COLUMNS < X ? x0 + COLUMNS : X;
+        for (int64_t e = 0; e < E; e++)
+            for (int64_t x = x0; x < x1; x++) o[x * E + e] = t[e * X + x];
+    }
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&in);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+static PyObject *running_rows(PyObject *self, PyObject *args) {
+    Py_buffer in, out;
+    long long E, X;
+    if (!PyArg_ParseTuple(args, "y*w*LL", &in, &out, &E, &X)) return NULL;
+    PyObject *result = NULL;
+    if (E < 0 || X < 0 || in.len != 8 * E * X || out.len != 8 * (E + 1) * X) {
+        PyErr_SetString(PyExc_ValueError, "running_rows: asc [X*E] and out [(E+1)*X] float64");
+        goto done;
+    }
+    const double *asc = in.buf;
+    double *o = out.buf;
+    for (int64_t x = 0; x < X; x++) o[x] = 0.0;
+    for (int64_t x0 = 0; x0 < X && E > 0; x0 += COLUMNS) {
+        int64_t x1 = x0 + COLUMNS < X ? x0 + COLUMNS : X;
+        for (int64_t x = x0; x < x1; x++) o[X + x] = asc[x * E + E - 1];
+        for (int64_t k = 1; k < E; k++)
+            for (int64_t x = x0; x < x1; x++) o[(k + 1) * X + x] = o[k * X + x] + asc[x * E + E - 1 - k];
+    }
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&in);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"chain", chain, METH_VARARGS, "chain_bound's least values for every u, group and v (before the all-reduce)."},
+    {"transpose", transpose, METH_VARARGS, "rows_XE = t_EX transposed (float64)."},
+    {"running_rows", running_rows, METH_VARARGS, "out_EX: the sums of each row's k largest, k = 0..E (asc sorted)."},
     {NULL, NULL, 0, NULL},
 };
 
