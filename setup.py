@@ -14,11 +14,14 @@ setup(
     python_requires=">=3.10",
     packages=packages + ops_packages,
     package_dir={"ds_fssdp.ops": "ops"},
-    # The planner's and the router's per-iteration hot paths (Python references beside them).
+    # The planner's, the router's and the lower bound's hot paths (Python references beside them).
     ext_modules=[Extension("ds_fssdp.planner._fastplan", ["ds_fssdp/planner/_fastplan.c"],
                            # no fused multiply-add: the C placements match their Python references float for float
                            extra_compile_args=["-O3", "-ffp-contract=off"]),
-                 Extension("ds_fssdp.moe._fastroute", ["ds_fssdp/moe/_fastroute.c"], extra_compile_args=["-O3"])],
+                 Extension("ds_fssdp.moe._fastroute", ["ds_fssdp/moe/_fastroute.c"], extra_compile_args=["-O3"]),
+                 # the simulators' lower bound: its chain float for float with its numpy path (no FMA either)
+                 Extension("ds_fssdp.sim._fastbound", ["ds_fssdp/sim/_fastbound.c"],
+                           extra_compile_args=["-O3", "-ffp-contract=off"])],
     install_requires=[
         # torch is required but not pinned: a GPU user keeps their CUDA build; CPU machines pass
         # constraints/cpu.txt (see README) so pip takes the CPU wheel.

@@ -13,7 +13,8 @@ import pytest
 
 from ds_fssdp import Topology
 from ds_fssdp.planner import ExpertShape, Hardware
-from ds_fssdp.sim.bound import Choices, LowerBound, chain_bound, leaving_bytes
+from ds_fssdp.sim import bound as bound_module
+from ds_fssdp.sim.bound import Choices, LowerBound, chain_bound, chain_values, leaving_bytes, top_rows
 from ds_fssdp.sim.cluster import simulate_cluster
 from ds_fssdp.sim.links import distinct_fraction
 from ds_fssdp.sim.setup import Setup, derive_overlap_degree
@@ -80,6 +81,36 @@ def test_chain_bound_of_many_v_is_each_v_alone_exactly():
         assert len(set(one)) > 1, trial  # v matters here: a negative control for a grid collapsed to one v
 
 
+@pytest.mark.skipif(bound_module._fastbound is None, reason="ds_fssdp.sim._fastbound is not built")
+def test_chain_in_c_is_the_numpy_path_exactly(monkeypatch):
+    # _fastbound.chain: every u, group and v of the numpy path bit for bit (==, not approx), also
+    # with ties among the states' a (the stable order) and gathers equal to an a (searchsorted's side)
+    rng = np.random.default_rng(2)
+    vs = np.linspace(0.0, 1.0, 11)
+    for trial in range(30):
+        L, K, B = int(rng.integers(1, 8)), int(rng.integers(1, 25)), int(rng.integers(1, 4))
+        state = np.sort(np.concatenate([np.arange(K), rng.integers(0, K, int(rng.integers(0, 50)))]))
+        m = rng.uniform(0, 1, (L, K, B))
+        if trial % 3 == 0:  # ties: few distinct values
+            m = np.round(m * 4) / 4
+        busy = m * rng.uniform(0, 1, (L, K, B)) * (trial % 2)
+        b, x = rng.uniform(0, 1, (L, state.size, B)), rng.uniform(0, 0.5, state.size) * (trial % 4 != 1)
+        g = rng.uniform(0, 2, state.size)
+        attn = float(rng.uniform(0, 0.5))
+        if trial % 3 == 0:
+            g[: state.size // 2] = attn + m[0, rng.integers(0, K, state.size // 2), 0]  # a gather at an a
+        us = np.array([1.0, 0.0, 0.3, float(rng.uniform(0, 1))])
+        kw = {"state_C": state, "exposed_C": x if trial % 5 else None}
+        fast = chain_values(m, b, g, attn, vs, busy, us, **kw)
+        ones = [chain_bound(m[:, :, 0], b[:, :, 0], g, attn, v, 0.7, busy[:, :, 0], u=0.3, **kw) for v in vs]
+        with monkeypatch.context() as patch:
+            patch.setattr(bound_module, "_fastbound", None)
+            slow = chain_values(m, b, g, attn, vs, busy, us, **kw)
+            assert [chain_bound(m[:, :, 0], b[:, :, 0], g, attn, v, 0.7, busy[:, :, 0], u=0.3, **kw) for v in vs] == ones
+        assert fast.shape == (us.size, B, vs.size) and fast.tolist() == slow.tolist(), trial
+        assert len(np.unique(fast)) > us.size, trial  # u, b and v matter: not one number everywhere
+
+
 def test_slot_choices_span_what_a_node_can_hold():
     # 2 nodes of 4 ranks, 16 experts, one owned a rank: a node's S distinct experts beyond its 4 owned
     # are gathered (at most 4 R) or kept in slots (at most 4 x 2), and every split is a choice
@@ -122,11 +153,53 @@ def test_leaving_bytes_never_exceeds_what_one_copy_per_destination_sends():
     assert float(leaving_bytes(np.array(rows), np.array(40.0), k, tb, share=np.array(share))) == pytest.approx(want)
 
 
+@pytest.mark.parametrize("in_c", [True, False])
+def test_top_rows_are_the_running_sums_of_each_column_largest_first(monkeypatch, in_c):
+    if not in_c:  # the numpy path
+        monkeypatch.setattr(bound_module, "_fastbound", None)
+    rng = np.random.default_rng(4)
+    for shape in [(7, ), (16, 3, 5), (9, 1, 1), (0, 4), (1, 2), (16, 3, 5)]:
+        t = rng.integers(0, 50, shape).astype(np.float64) * rng.uniform(0.5, 2.0)
+        before = t.copy()
+        want = np.zeros((shape[0] + 1, ) + shape[1:])
+        desc = -np.sort(-t, axis=0)
+        for i in range(shape[0]):  # one addition per row, in order
+            want[i + 1] = want[i] + desc[i]
+        got = top_rows(t)
+        assert got.shape == want.shape and got.tobytes() == want.tobytes(), shape
+        into = np.full(want.shape, np.nan)
+        assert top_rows(t, out=into) is into and into.tobytes() == want.tobytes(), shape
+        assert (t == before).all()  # the input is left alone
+
+
 def bound(setup, tokens, **kw):
     low = LowerBound(setup, group_size=8, **kw)
     for s, t in enumerate(tokens):
         low.step(s, t)
     return low.result()
+
+
+@pytest.mark.skipif(bound_module._fastbound is None, reason="ds_fssdp.sim._fastbound is not built")
+@pytest.mark.parametrize("ranks_per_node", [2, 8])
+def test_bound_with_its_chain_in_c_is_the_numpy_bound_exactly(monkeypatch, ranks_per_node):
+    # several groups, ZeRO 0 (both syncs) and ZeRO 1 (the (u, v) grid), replicas and slots
+    hw = Hardware(flops=100e12, intra_bw=50e9, inter_bw=5e9, latency=10e-6, hbm_bw=2e12)
+    setup = setup_with(hw, ranks_per_node=ranks_per_node)
+    tokens = skewed(setup, steps=8)
+    for zero in (0, 1):
+        st = dataclasses.replace(setup, zero_stage=zero)
+        kw = {"group_size": 4, "budget": 2, "persistent": 1, "plain": 1}
+
+        def run():
+            low = LowerBound(st, **kw)
+            for s, t in enumerate(tokens):
+                low.step(s, t)
+            return low.result()
+
+        fast = run()
+        with monkeypatch.context() as patch:
+            patch.setattr(bound_module, "_fastbound", None)
+            assert run() == fast, zero
 
 
 def test_replicas_and_slots_lower_the_bound_and_holding_more_never_raises_it():

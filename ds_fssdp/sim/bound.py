@@ -91,6 +91,11 @@ from ds_fssdp.sim.memory import optimizer_params
 from ds_fssdp.sim.setup import GRAD_BYTES, OPT_TRAFFIC_BYTES, Setup
 from ds_fssdp.sim.sync import sync_times
 
+try:  # chain_bound's loop in C (the same numbers), None where not built
+    from ds_fssdp.sim import _fastbound
+except ImportError:
+    _fastbound = None
+
 WEIGHTS = np.linspace(0.0, 1.0, 11)  # the v (and, under ZeRO 1, u) grid of the max relaxations
 
 
@@ -151,10 +156,11 @@ class LowerBound:
         m_LKB = np.zeros((L, K, B))
         c_LKB = np.zeros((L, K, B))  # the backward's attention, exchange and compute
         u_LKB = np.zeros((L, K, B))
+        top_KBN, top_SBn = np.empty((E + 1, B, N)), np.empty((E + 1, B, n))  # every layer's top_rows, in turn
         for l in range(L):
             t_EBN = tokens_LED[l].reshape(E, D // N, N)[:, :B].astype(np.float64)
             rows_BN = t_EBN.sum(0)
-            top_KBN = top_rows(t_EBN)
+            top_rows(t_EBN, out=top_KBN)
             rows_1BN = rows_BN[None]
             share_ABN = np.divide(top_KBN[keep_A], rows_1BN, out=np.zeros((A, B, N)), where=rows_1BN > 0)
             out_AB = leaving_bytes(rows_1BN, top_KBN[keep_A], k, tb, share=share_ABN).max(2)  # what a rank sends
@@ -163,7 +169,7 @@ class LowerBound:
             if n > 1:  # what must leave a node over its link: rows on experts the node does not hold
                 t_EBn = t_EBN.reshape(E, B, n, G).sum(3)
                 # per rank, by the node's s experts, with destinations of keep_A experts each
-                common_SB = leaving_bytes(t_EBn.sum(0)[None], top_rows(t_EBn)[S], k, tb).max(2)
+                common_SB = leaving_bytes(t_EBn.sum(0)[None], top_rows(t_EBn, out=top_SBn)[S], k, tb).max(2)
                 ranks_KBN = leaving_bytes(rows_1BN, top_KBN[S[s_K]], k, tb, share=share_ABN[a_K],
                                           phi_share=phi_power(share_ABN, k)[a_K])
                 cross_KB = np.maximum(common_SB[s_K], ranks_KBN.reshape(K, B, n, G).sum(3).max(2))
@@ -180,14 +186,17 @@ class LowerBound:
         tail = st.extra_compute_s + optimizer_params(st, owned, N) * OPT_TRAFFIC_BYTES / hw.hbm_bw
         b_LCB = np.maximum(c_LKB[:, state_C], reduce_C[None, :, None] + u_LKB[:, state_C])
 
-        def least(b: int, sync, us) -> float:  # the best relaxation of one way to sync: every v at once per u
-            return sync.step_gather_s + max(
-                max(chain_bound(m_LKB[:, :, b], b_LCB[:, :, b], gather_C, attn_f, WEIGHTS, sync.reduce_s,
-                                u_LKB[:, :, b], state_C=state_C, exposed_C=exposed_C, u=u)
-                    + (1.0 - u) * sync.forward_gather_s)
-                for u in us)
-
-        low_B = np.array([min(least(b, sync, us) for sync, us in zip(self.syncs, self.us)) for b in range(B)])
+        # every way to sync at every u: the path's values are the same for every sync (only the
+        # all-reduce term differs), so each u runs once for all groups
+        u_U = np.unique(np.concatenate([np.atleast_1d(np.asarray(us, dtype=np.float64)) for us in self.us]))
+        least_UBV = chain_values(m_LKB, b_LCB, gather_C, attn_f, WEIGHTS, u_LKB, u_U, state_C=state_C,
+                                 exposed_C=exposed_C)
+        low_SB = []
+        for sync, us in zip(self.syncs, self.us):  # the best relaxation of one way to sync: max over u and v
+            u_X = np.atleast_1d(np.asarray(us, dtype=np.float64))
+            at_XBV = least_UBV[np.searchsorted(u_U, u_X)] + (1.0 - WEIGHTS) * sync.reduce_s
+            low_SB.append(sync.step_gather_s + (at_XBV + ((1.0 - u_X) * sync.forward_gather_s)[:, None, None]).max(2).max(0))
+        low_B = np.min(low_SB, axis=0)
         self.total += float(low_B.max()) + tail
         self.counted += 1
 
@@ -268,17 +277,32 @@ def phi_power(x: np.ndarray, k: int) -> np.ndarray:
     return 1.0 - (1.0 - x) ** k
 
 
-def top_rows(t_E__: np.ndarray) -> np.ndarray:
-    """Rows on the k largest experts for k = 0..E, per column: float64 [E + 1, ...]."""
-    # (a cumulative sum as row additions in order: numpy's cumsum down axis 0 is slow; the same sums)
-    desc = np.sort(t_E__, axis=0)[::-1]  # largest first, value for value -sort(-t) (counts: no -0.0)
-    out = np.empty((t_E__.shape[0] + 1, ) + t_E__.shape[1:])
-    out[0] = 0.0
-    if len(desc):
-        out[1] = desc[0]
-    for i in range(1, len(desc)):
-        np.add(out[i:i + 1], desc[i:i + 1], out=out[i + 1:i + 2])
+def top_rows(t_E__: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Rows on the k largest experts for k = 0..E, per column: float64 [E + 1, ...] (into ``out``
+    if given: a caller's buffer reused across layers spares fresh pages)."""
+    # sorted and summed along the last axis of a contiguous copy (numpy's sort and cumsum down axis
+    # 0 are slow); cumsum adds in order, out[k + 1] = out[k] + the (k + 1)-th largest (counts: no -0.0)
+    E, X = t_E__.shape[0], math.prod(t_E__.shape[1:])
+    out = np.empty((E + 1, ) + t_E__.shape[1:]) if out is None else out
+    if _fastbound is None or t_E__.dtype != np.float64:
+        asc_E = np.moveaxis(t_E__, 0, -1).astype(np.float64, order="C", copy=True)  # sorted in place: a copy
+        asc_E.sort(axis=-1)
+        out_E = np.empty(asc_E.shape[:-1] + (E + 1, ))
+        out_E[..., 0] = 0.0
+        np.cumsum(asc_E[..., ::-1], axis=-1, out=out_E[..., 1:])
+        out[...] = np.moveaxis(out_E, -1, 0)
+        return out
+    # the same in C: the copies transposed in blocks, the same additions; the sorted copy's buffer kept
+    if _SORTED[0].size != X * E:
+        _SORTED[0] = np.empty(X * E)
+    asc_XE = _SORTED[0].reshape(X, E)
+    _fastbound.transpose(np.ascontiguousarray(t_E__), asc_XE, E, X)
+    asc_XE.sort(axis=-1)
+    _fastbound.running_rows(asc_XE, out, E, X)
     return out
+
+
+_SORTED = [np.empty(0)]  # top_rows' sorted copy, reused (it never leaves top_rows)
 
 
 def chain_bound(m_LK: np.ndarray, b_LC: np.ndarray, g_C: np.ndarray, attention_s: float, v: float,
@@ -295,18 +319,42 @@ def chain_bound(m_LK: np.ndarray, b_LC: np.ndarray, g_C: np.ndarray, attention_s
     the states sorted by a, a choice of gather g costs min(least V' with a <= g, plus g; least
     V' + a with a > g), V' = V + u, V a state's least value over its choices. ``v`` an array: the
     bound at each of its values (an array; the same numbers as one call each)."""
-    L, K = m_LK.shape
     busy_LK = np.zeros_like(m_LK) if busy_LK is None else busy_LK
-    # the forward's terms are all linear in (attention, m, g, busy): weighing them weighs the sum
-    m_LK, busy_LK, g_C, attention_s = u * m_LK, u * busy_LK, u * g_C, u * attention_s
+    least_V = chain_values(m_LK[:, :, None], b_LC[:, :, None], g_C, attention_s, v, busy_LK[:, :, None], [u],
+                           state_C=state_C, exposed_C=exposed_C)[0, 0] + (1.0 - np.reshape(v, -1)) * allreduce_s
+    return float(least_V[0]) if np.ndim(v) == 0 else least_V
+
+
+def chain_values(m_LKB: np.ndarray, b_LCB: np.ndarray, g_C: np.ndarray, attention_s: float, v, busy_LKB: np.ndarray,
+                 u_U, *, state_C: np.ndarray | None = None, exposed_C: np.ndarray | None = None) -> np.ndarray:
+    """:func:`chain_bound` of every group b (the last axis) at every forward weight u of ``u_U`` and
+    every v, before its all-reduce term (1 - v) all-reduce: float64 [U, B, V]. In C where it is
+    built (``_fastbound.chain``: the same operations in the same order, the same numbers)."""
+    L, K, B = m_LKB.shape
     if state_C is None:
         state_C = np.arange(K)
     starts = np.flatnonzero(np.r_[True, state_C[1:] != state_C[:-1]])
     if starts.size != K:
         raise ValueError(f"state_C must be sorted with every one of the {K} states present")
-    extra_C = 0.0 if exposed_C is None else exposed_C
+    u_U, v_V = np.atleast_1d(np.asarray(u_U, dtype=np.float64)), np.reshape(v, -1).astype(np.float64)
+    if _fastbound is not None:
+        C = b_LCB.shape[1]
+        out = np.empty((u_U.size, B, v_V.size))
+        extra_C = np.zeros(C) if exposed_C is None else exposed_C
+        _fastbound.chain(*(np.ascontiguousarray(a, dtype=np.float64) for a in (m_LKB, busy_LKB, b_LCB, g_C, extra_C)),
+                         starts.astype(np.int64), v_V, u_U, out, L, B, float(attention_s))
+        return out
+    return np.array([[_chain_numpy(m_LKB[:, :, b], b_LCB[:, :, b], g_C, attention_s, v_V, busy_LKB[:, :, b], starts,
+                                   0.0 if exposed_C is None else exposed_C, u) for b in range(B)] for u in u_U])
+
+
+def _chain_numpy(m_LK, b_LC, g_C, attention_s, v_V, busy_LK, starts, extra_C, u) -> np.ndarray:
+    """:func:`chain_values` of one group at one u, in numpy (its reference)."""
+    L, K = m_LK.shape
+    # the forward's terms are all linear in (attention, m, g, busy): weighing them weighs the sum
+    m_LK, busy_LK, g_C, attention_s = u * m_LK, u * busy_LK, u * g_C, u * attention_s
     # every v at once (rows): the path's order of states and the gathers' places in it depend on u alone
-    v_V1 = np.reshape(v, (-1, 1))
+    v_V1 = v_V[:, None]
     value_VC = np.maximum(attention_s, g_C) + v_V1 * b_LC[0] + extra_C  # layer 0: its window is its attention alone
     for l in range(1, L):
         a_K = attention_s + m_LK[l - 1] - busy_LK[l - 1]
@@ -319,5 +367,4 @@ def chain_bound(m_LK: np.ndarray, b_LC: np.ndarray, g_C: np.ndarray, attention_s
         with_g = np.where(i > 0, below[:, np.maximum(i - 1, 0)] + g_C, np.inf)
         with_a = np.where(i < K, above[:, np.minimum(i, K - 1)], np.inf)
         value_VC = np.minimum(with_g, with_a) + v_V1 * b_LC[l] + extra_C
-    least_V = (np.minimum.reduceat(value_VC, starts, axis=1) + m_LK[L - 1]).min(1) + (1.0 - v_V1[:, 0]) * allreduce_s
-    return float(least_V[0]) if np.ndim(v) == 0 else least_V
+    return (np.minimum.reduceat(value_VC, starts, axis=1) + m_LK[L - 1]).min(1)
