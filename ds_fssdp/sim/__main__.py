@@ -147,16 +147,23 @@ def schedule_options(args) -> ScheduleOptions:
         return SERIAL
     d = args.pipeline_degree
     if d != "auto":
-        try:
-            d = int(d)
-        except ValueError:
-            raise SystemExit(f"--pipeline-degree ({d!r}) must be 'auto' or an integer in [1, {MAX_DEGREE}]")
+        d = int(d) if d.strip().lstrip("+-").isdigit() else 0
         if not 1 <= d <= MAX_DEGREE:
-            raise SystemExit(f"--pipeline-degree ({d}) must be 'auto' or an integer in [1, {MAX_DEGREE}]")
+            raise SystemExit(f"--pipeline-degree ({args.pipeline_degree}) must be 'auto' or an integer in [1, "
+                             f"{MAX_DEGREE}]")
     dedup = False if args.no_dedup else {"auto": "auto", "on": True, "off": False}[args.dedup]
     return ScheduleOptions(pipeline_degree=None if d == "auto" else d, dedup=dedup,
                            grad_gaps=not args.no_grad_gaps, idle_link=not args.no_idle_link,
                            price_by_schedule=not args.no_price_by_schedule, t_by_time=args.t_by == "time")
+
+
+def parse_policies(text: str, known, where: str) -> list:
+    """``--policies``' comma-separated names, each one of ``known``."""
+    policies = [p for p in text.split(",") if p]
+    unknown = [p for p in policies if p not in known]
+    if unknown:
+        raise SystemExit(f"--policies: unknown {unknown}; known{where}: {', '.join(known)}")
+    return policies
 
 
 def main(argv=None, *, out=None) -> int:
@@ -179,22 +186,18 @@ def _run(args, out) -> int:
                          "micro-batches are the accumulation (--micro-batches)")
     if args.micro_batches is not None and args.pipeline_stages == 1:
         raise SystemExit(f"--micro-batches ({args.micro_batches}) needs --pipeline-stages above 1")
+    dispatcher = functools.partial(dispatch_plan, mode=args.dispatch, slack=FSSDPConfig().dispatch_slack)
     if args.pipeline_stages != 1:
         if args.pipeline_stages < 1:
             raise SystemExit(f"--pipeline-stages ({args.pipeline_stages}) must be >= 1")
         from ds_fssdp.sim.stages import run_cli
-        slack = FSSDPConfig().dispatch_slack
-        return run_cli(args, out, schedule=schedule_options(args),
-                       dispatcher=functools.partial(dispatch_plan, mode=args.dispatch, slack=slack))
+        policies = parse_policies(args.policies or "ep,fsmoe,fssdp,fssdp-rm", CLUSTER_POLICIES, " with pipeline stages")
+        return run_cli(args, out, policies=policies, schedule=schedule_options(args), dispatcher=dispatcher)
     cluster, model = cluster_preset(args.cluster), model_preset(args.model)
     at_scale = model.fixed or any(v is not None for v in (args.group_size, args.load_cv, args.memory_cap,
                                                           args.max_groups))
     known = CLUSTER_POLICIES if at_scale else SIM_POLICY_NAMES
-    policies = [p for p in (args.policies or ",".join(known)).split(",") if p]
-    unknown = [p for p in policies if p not in known]
-    if unknown:
-        raise SystemExit(f"--policies: unknown {unknown}; known{' at cluster scale' if at_scale else ''}: "
-                         f"{', '.join(known)}")
+    policies = parse_policies(args.policies or ",".join(known), known, " at cluster scale" if at_scale else "")
     if args.load_cv is not None and args.target_std is not None:
         raise SystemExit("--load-cv and --target-std both set: give one skew")
     if args.zero_stage not in ZERO_STAGES:
@@ -232,7 +235,6 @@ def _run(args, out) -> int:
         if trace is None:
             raise SystemExit("--save-trace: a load-CV trace is generated as it is read; it is not kept")
         save_trace(args.save_trace, trace)
-    dispatcher = functools.partial(dispatch_plan, mode=args.dispatch, slack=FSSDPConfig().dispatch_slack)
     if at_scale and args.predictor != "window":
         raise SystemExit(f"--predictor {args.predictor}: the paper's report only (at cluster scale each group plans "
                          f"on its own window)")
@@ -245,11 +247,8 @@ def _run(args, out) -> int:
     else:
         results = simulate(setup, source, policies, dispatcher=dispatcher, schedule=schedule,
                            fixed_t=args.overlap_degree is not None, predictor=args.predictor)
-    summary = setup.summary()
-    summary["dispatch"] = args.dispatch
-    summary["predictor"] = args.predictor
-    summary["group_size"] = args.group_size or args.gpus
-    summary["schedule"] = dataclasses.asdict(schedule)
+    summary = dict(setup.summary(), dispatch=args.dispatch, predictor=args.predictor,
+                   group_size=args.group_size or args.gpus, schedule=dataclasses.asdict(schedule))
     if not args.no_png:
         png = args.png or f"sim_{cluster.name}_{model.name}_{args.gpus}.png"
         from ds_fssdp.sim.plot import plot_results  # matplotlib only when plotting (0.4 s)

@@ -124,6 +124,14 @@ def _check_run(name: str, setup: Setup, N: int, max_groups: int | None) -> None:
         raise ValueError(f"max_groups ({max_groups}) must be >= 1 or None")
 
 
+def _log_layer(log: list | None, l: int, item) -> None:
+    """Append layer ``l``'s ``item`` to ``log``'s current step (a new one at layer 0)."""
+    if log is not None:
+        if l == 0:
+            log.append([])
+        log[-1].append(item)
+
+
 def plan_links(plan: DispatchPlan, ranks_per_node: int, row_bytes: float) -> Links:
     fl = plan.flows_4F
     flows_4F = np.stack([np.zeros_like(fl[0]), fl[1], fl[2], fl[3]])
@@ -239,7 +247,9 @@ class PolicyRun:
         self._dense_s = dense_sync(st)
         self._split = False  # this step's experts' sync split around the step (decided after the last)
         self.split_steps = 0
-        self.count_links = self._count_links()
+        # one layer's all-gather of the counts in every group
+        moved, nodes = float((self.N - 1) * st.num_experts * COUNT_BYTES), self.N // self.topo.ranks_per_node
+        self.count_links = Links(np.full((self.B, self.N), moved), np.full((self.B, nodes), moved * (nodes > 1)))
         self.totals = dict.fromkeys(CATEGORIES, 0.0)
         self.links = {}  # category -> [bytes per GPU link, per node link] (the simulated groups', or the world's)
         self.step_s, self.straggler, self.inter_bytes, self.replicas = [], [], 0.0, 0.0
@@ -267,8 +277,10 @@ class PolicyRun:
         if self.degree_log is not None:
             self.degree_log.append(acc.layer_degrees)
         acc.group_B["comp"] += st.extra_compute_s  # every micro-step's dense layers
-        owned_N = np.bincount(self.owner_LE.numpy().ravel(), minlength=self.N).astype(np.float64) * st.shape.params
-        self._memory(owned_N, acc.ephemeral_BLN)
+        owned_N = self._owned_N() * st.shape.params
+        total, parts = peak_state(st, owned_N, acc.ephemeral_BLN, rm=self.rm, group_size=self.N, reserved=self.reserved)
+        if total > self.peak_total:
+            self.peak_total, self.peak_memory = total, parts
         if timed:
             self.micro_counted += 1
             self.count_s += st.num_layers * float(self.count_links.time_B(st.hw)[0])
@@ -292,7 +304,7 @@ class PolicyRun:
         else:
             owner_E = self.owner_LE[l]
             shard_ED = shard_placement(owner_E, N)
-            self._record(l, owner_E, shard_ED, shard_ED)
+            _log_layer(self.decisions, l, (owner_E.clone(), shard_ED.clone(), shard_ED.clone()))
             holder_BE, flows_4F, spag = np.broadcast_to(owner_E.numpy(), (B, E)), None, None
         lt = self.sched.layer(traffic_BNN(tokens_BEN, holder_BE, flows_4F))
         group_B["comp"] += attn_f + attn_b + lt.moe_B + lt.side_B
@@ -306,10 +318,7 @@ class PolicyRun:
         if spag is not None:
             hidden = self._charge_replicas(spag, window_B, window_b_B, ar_class, group_B, charge)
         self._leave_gaps(l, lt, acc, ar_class, hidden)
-        if self.charges is not None:
-            if l == 0:
-                self.charges.append([])
-            self.charges[-1].append(charge)
+        _log_layer(self.charges, l, charge)
         if timed:
             self._count_layer(lt)
 
@@ -435,10 +444,8 @@ class PolicyRun:
             acc.ephemeral_BLN[b, l] = lp.ephemeral_ED.sum(0).numpy()
             held += float(lp.persistent_ED.sum())
             self._charge_baselines(b, owner_E, lp, acc)
-        owner_np = owner_E.numpy()
-        shard_EN = np.zeros((E, N), dtype=bool)
-        shard_EN[np.arange(E), owner_np] = True
-        gather, reduce, calib = (sparse_collective_links(owner_np, shard_EN | held_BEN, ranks_per_node=G,
+        shard_EN = shard_placement(owner_E, N).numpy()
+        gather, reduce, calib = (sparse_collective_links(owner_E.numpy(), shard_EN | held_BEN, ranks_per_node=G,
                                                          chunk_bytes=psi, relay=self.inputs.relay)
                                  for held_BEN in (gathered_BEN, hidden_BEN | calibrated_BEN, calibrated_BEN))
         times = 2.0 if self.rm else 1.0
@@ -465,7 +472,7 @@ class PolicyRun:
             self.plan_pre_s += (t1 - t0) / self.B
             self.plan_post_s += (t2 - t1) / self.B
         if b == 0:
-            self._record(l, owner_E, placement_ED, lp.placement_ED)
+            _log_layer(self.decisions, l, (owner_E.clone(), placement_ED.clone(), lp.placement_ED.clone()))
         return lp, plan
 
     def _charge_baselines(self, b: int, owner_E: torch.Tensor, lp, acc: StepAccounts) -> None:
@@ -482,12 +489,6 @@ class PolicyRun:
             group_B["ar"][b] += self.cost.allreduce_time(groups_KD, torch.full((groups_KD.shape[0], ),
                                                                                float(self.setup.shape.expert_bytes)))
             acc.persistent_BN[b] += lp.persistent_ED.sum(0).numpy()
-
-    def _record(self, l: int, owner_E: torch.Tensor, placed_ED: torch.Tensor, held_ED: torch.Tensor) -> None:
-        if self.decisions is not None:
-            if l == 0:
-                self.decisions.append([])
-            self.decisions[-1].append((owner_E.clone(), placed_ED.clone(), held_ED.clone()))
 
     # -- pieces ------------------------------------------------------------------------------------
     def _route(self, tokens_LED: np.ndarray) -> np.ndarray:
@@ -534,26 +535,15 @@ class PolicyRun:
         self._sync_cache = {}
         return self.cost.transfer_time(traffic_DD)
 
-    def _count_links(self) -> Links:
-        """One layer's all-gather of the counts in every group."""
-        N, G, B = self.N, self.topo.ranks_per_node, self.B
-        moved = float((N - 1) * self.setup.num_experts * COUNT_BYTES)
-        nodes = N // G
-        return Links(np.full((B, N), moved), np.full((B, nodes), moved if nodes > 1 else 0.0))
-
     def _sync(self, split: bool):
         """The step's sync at the owners (:func:`~ds_fssdp.sim.sync.sync_times`): its links and
         the link class it binds on; ``split`` (ZeRO 0): the experts' all-reduce split around the step."""
         if split not in self._sync_cache:
-            owned_N = np.bincount(self.owner_LE.numpy().ravel(), minlength=self.N).astype(np.float64)
-            self._sync_cache[split] = sync_times(self.setup, self.N, owned_N, split_experts=split)
+            self._sync_cache[split] = sync_times(self.setup, self.N, self._owned_N(), split_experts=split)
         return self._sync_cache[split]
 
-    def _memory(self, owned_N: np.ndarray, ephemeral_BLN: np.ndarray) -> None:
-        total, parts = peak_state(self.setup, owned_N, ephemeral_BLN, rm=self.rm, group_size=self.N,
-                                  reserved=self.reserved)
-        if total > self.peak_total:
-            self.peak_total, self.peak_memory = total, parts
+    def _owned_N(self) -> np.ndarray:
+        return np.bincount(self.owner_LE.numpy().ravel(), minlength=self.N).astype(np.float64)
 
     def _add_links(self, category: str, links: Links, times: float) -> None:
         """Add ``times`` x ``links`` to the category's link totals: per simulated group (rows b of

@@ -249,12 +249,11 @@ def format_stages(label: str, stages: int, micro_batches: int, setups: list, res
     return "\n".join(lines)
 
 
-def run_cli(args, out, *, schedule, dispatcher) -> int:
+def run_cli(args, out, *, policies: list, schedule, dispatcher) -> int:
     """``python -m ds_fssdp.sim --pipeline-stages S``: the table (or ``--json``) for the cluster
     preset's synthetic load-CV workload, every policy under the same stages."""
     import json
 
-    from ds_fssdp.sim.cluster import CLUSTER_POLICIES
     from ds_fssdp.sim.presets import cluster_preset, model_preset
     from ds_fssdp.sim.workload import DEFAULT_LOAD_CV, SYNTHETIC
     S = args.pipeline_stages
@@ -269,10 +268,6 @@ def run_cli(args, out, *, schedule, dispatcher) -> int:
     if args.group_size not in (None, args.gpus // S):
         raise SystemExit(f"--group-size ({args.group_size}) with --pipeline-stages {S}: the groups are each stage's "
                          f"{args.gpus // S} data-parallel GPUs (EP's at most the expert count)")
-    policies = [p for p in (args.policies or "ep,fsmoe,fssdp,fssdp-rm").split(",") if p]
-    unknown = [p for p in policies if p not in CLUSTER_POLICIES]
-    if unknown:
-        raise SystemExit(f"--policies: unknown {unknown}; known with pipeline stages: {', '.join(CLUSTER_POLICIES)}")
     cluster, model = cluster_preset(args.cluster), model_preset(args.model)
     memory = None if args.replica_memory_gb is None else args.replica_memory_gb * 1e9
     setups = stage_setups(cluster, model, args.gpus, S, micro_batches=G, memory_cap=args.memory_cap,
