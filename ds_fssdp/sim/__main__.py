@@ -187,13 +187,19 @@ def _run(args, out) -> int:
     if args.micro_batches is not None and args.pipeline_stages == 1:
         raise SystemExit(f"--micro-batches ({args.micro_batches}) needs --pipeline-stages above 1")
     dispatcher = functools.partial(dispatch_plan, mode=args.dispatch, slack=FSSDPConfig().dispatch_slack)
+    cluster, model = cluster_preset(args.cluster), model_preset(args.model)
+    memory = None if args.replica_memory_gb is None else args.replica_memory_gb * 1e9
+    options = dict(tokens_per_gpu=args.tokens_per_gpu, replica_memory_bytes=memory, overlap_degree=args.overlap_degree,
+                   reshard_interval=args.reshard_interval, smartmoe_interval=args.smartmoe_interval,
+                   calibration_budget=args.calibration_budget, zero_stage=args.zero_stage,
+                   communication_data_type=args.communication_data_type)  # the Setup's, every path alike
     if args.pipeline_stages != 1:
         if args.pipeline_stages < 1:
             raise SystemExit(f"--pipeline-stages ({args.pipeline_stages}) must be >= 1")
         from ds_fssdp.sim.stages import run_cli
         policies = parse_policies(args.policies or "ep,fsmoe,fssdp,fssdp-rm", CLUSTER_POLICIES, " with pipeline stages")
-        return run_cli(args, out, policies=policies, schedule=schedule_options(args), dispatcher=dispatcher)
-    cluster, model = cluster_preset(args.cluster), model_preset(args.model)
+        return run_cli(args, out, cluster=cluster, model=model, policies=policies, setup_options=options,
+                       schedule=schedule_options(args), dispatcher=dispatcher)
     at_scale = model.fixed or any(v is not None for v in (args.group_size, args.load_cv, args.memory_cap,
                                                           args.max_groups))
     known = CLUSTER_POLICIES if at_scale else SIM_POLICY_NAMES
@@ -208,16 +214,11 @@ def _run(args, out) -> int:
                          "the paper's report models ZeRO 0")
     if args.memory_cap is not None and (args.budget is not None or args.budget_rm is not None):
         raise SystemExit(f"--memory-cap ({args.memory_cap}) chooses m: do not also give --budget / --budget-rm")
-    memory = None if args.replica_memory_gb is None else args.replica_memory_gb * 1e9
     schedule = schedule_options(args)
     calibration = (not at_scale) if args.calibration is None else args.calibration
-    setup = build_setup(cluster, model, args.gpus, tokens_per_gpu=args.tokens_per_gpu, replica_memory_bytes=memory,
-                        overlap_degree=args.overlap_degree, budget=args.budget, budget_rm=args.budget_rm,
-                        flexmoe_slots=args.flexmoe_slots, reshard_interval=args.reshard_interval,
-                        smartmoe_interval=args.smartmoe_interval, flexmoe_threshold=args.flexmoe_threshold,
-                        flexmoe_interval=args.flexmoe_interval, calibration=calibration,
-                        calibration_budget=args.calibration_budget, zero_stage=args.zero_stage, gas=args.gas,
-                        communication_data_type=args.communication_data_type)
+    setup = build_setup(cluster, model, args.gpus, budget=args.budget, budget_rm=args.budget_rm,
+                        flexmoe_slots=args.flexmoe_slots, flexmoe_threshold=args.flexmoe_threshold,
+                        flexmoe_interval=args.flexmoe_interval, calibration=calibration, gas=args.gas, **options)
     synth = {k: v for k, v in (("drift", args.drift), ("jitter", args.jitter)) if v is not None}
     if at_scale and args.trace == SYNTHETIC and args.target_std is None:
         cv = DEFAULT_LOAD_CV if args.load_cv is None else args.load_cv

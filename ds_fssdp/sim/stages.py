@@ -249,12 +249,11 @@ def format_stages(label: str, stages: int, micro_batches: int, setups: list, res
     return "\n".join(lines)
 
 
-def run_cli(args, out, *, policies: list, schedule, dispatcher) -> int:
+def run_cli(args, out, *, cluster, model, policies: list, setup_options: dict, schedule, dispatcher) -> int:
     """``python -m ds_fssdp.sim --pipeline-stages S``: the table (or ``--json``) for the cluster
     preset's synthetic load-CV workload, every policy under the same stages."""
     import json
 
-    from ds_fssdp.sim.presets import cluster_preset, model_preset
     from ds_fssdp.sim.workload import DEFAULT_LOAD_CV, SYNTHETIC
     S = args.pipeline_stages
     G = 4 * S if args.micro_batches is None else args.micro_batches
@@ -268,14 +267,8 @@ def run_cli(args, out, *, policies: list, schedule, dispatcher) -> int:
     if args.group_size not in (None, args.gpus // S):
         raise SystemExit(f"--group-size ({args.group_size}) with --pipeline-stages {S}: the groups are each stage's "
                          f"{args.gpus // S} data-parallel GPUs (EP's at most the expert count)")
-    cluster, model = cluster_preset(args.cluster), model_preset(args.model)
-    memory = None if args.replica_memory_gb is None else args.replica_memory_gb * 1e9
     setups = stage_setups(cluster, model, args.gpus, S, micro_batches=G, memory_cap=args.memory_cap,
-                          tokens_per_gpu=args.tokens_per_gpu, replica_memory_bytes=memory,
-                          overlap_degree=args.overlap_degree, reshard_interval=args.reshard_interval,
-                          smartmoe_interval=args.smartmoe_interval, calibration=bool(args.calibration),
-                          calibration_budget=args.calibration_budget, zero_stage=args.zero_stage,
-                          communication_data_type=args.communication_data_type)
+                          calibration=bool(args.calibration), **setup_options)
     cv = DEFAULT_LOAD_CV if args.load_cv is None else args.load_cv
     steps = args.steps if args.steps is not None else math.ceil(setups[0].load_window / G) + 2
     results, low, summaries = simulate_stages(setups, policies, micro_batches=G, steps=steps, load_cv=cv,
