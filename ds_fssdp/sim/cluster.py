@@ -65,13 +65,13 @@ from ds_fssdp.planner.layer import LayerPlanner, migrations
 from ds_fssdp.planner.materialize import materialize as algorithm1  # the default materializer
 from ds_fssdp.planner.plan import DispatchPlan
 from ds_fssdp.planner.schedule import overlap_window, split_sync_pays
+from ds_fssdp.planner.scheduled import ScheduledCostModel
 from ds_fssdp.planner.shard import shard_placement
 from ds_fssdp.sim.bound import LowerBound
 from ds_fssdp.sim.foresight import make_predictor
 from ds_fssdp.sim.links import Links, sparse_collective_links, traffic_BNN, traffic_links
 from ds_fssdp.sim.memory import budget_for_cap, ep_memory_bytes, optimizer_params, peak_state
-from ds_fssdp.sim.pipeline import (INTER, INTRA, LayerSchedule, ScheduleOptions, binding_class, policy_options,
-                                   scheduled_cost_model)
+from ds_fssdp.sim.pipeline import INTER, INTRA, LayerSchedule, ScheduleOptions, binding_class, policy_options
 from ds_fssdp.sim.report import CATEGORIES, ClusterResult
 from ds_fssdp.sim.setup import MIGRATE_BYTES, OPT_TRAFFIC_BYTES, Setup, derive_overlap_degree, sim_settings
 from ds_fssdp.sim.sync import dense_sync, expert_inputs, exposed_sync, sync_times
@@ -217,10 +217,10 @@ class PolicyRun:
         L, E = st.num_layers, st.num_experts
         self.sched = LayerSchedule(st.hw, st.shape, ranks_per_node=self.topo.ranks_per_node, top_k=st.top_k,
                                    options=options, two_hops=lambda: self.inputs.two_hops, side_ratio=st.side_ratio)
-        if options.price_by_schedule:  # placement by time: calibration and balanced-time price the schedule
-            self.cost = scheduled_cost_model(st.hw, st.shape, self.topo, self.sched)
-        else:
-            self.cost = CostModel(st.hw, st.shape, self.topo)
+        # placement by time: calibration and balanced-time price a plan as the schedule runs it
+        self.cost = (ScheduledCostModel(st.hw, st.shape, self.topo, exchange=lambda: self.sched.exchange,
+                                        costs=self.sched.costs)
+                     if options.price_by_schedule else CostModel(st.hw, st.shape, self.topo))
         self.inputs = planner_inputs(sim_settings(self.name, st, budget=self.budget,
                                                   by_window=options.idle_link and not self.fixed_t,
                                                   t_by_time=options.t_by_time, overlap_degree=self.overlap_degree,
@@ -586,39 +586,32 @@ def run_cluster(runs: list, source, *, bound: bool = True) -> list:
     the workload's :class:`~ds_fssdp.sim.bound.LowerBound` (the least over the runs' group sizes,
     with the most replicas any run may hold) as ``lower_bound_s`` (none under gradient
     accumulation: the bound prices one micro-step per optimizer step)."""
+    st = runs[0].setup if runs else None
     bounds = []
-    if bound and runs and runs[0].setup.gas == 1:
+    if bound and st is not None and st.gas == 1:
         budget = max([r.budget for r in runs if r.fssdp], default=0)
         # past the most a run holds without re-materializing, the reduce runs twice (fssdp-rm)
         plain = max([r.budget for r in runs if r.fssdp and not r.rm], default=0)
         shapes = dict.fromkeys((r.N, r.B) for r in runs)  # runs of one group shape share a bound
-        bounds = [LowerBound(runs[0].setup, group_size=N, budget=budget, groups=B, plain=plain) for N, B in shapes]
+        bounds = [LowerBound(st, group_size=N, budget=budget, groups=B, plain=plain) for N, B in shapes]
     steps = 0
     for s, tokens_LED in enumerate(source):
         tokens_LED = np.asarray(tokens_LED)
-        _check_trace(tokens_LED.shape, runs[0].setup)
-        for run in runs:
-            run.step(s, tokens_LED)
-        for b in bounds:
-            b.step(s, tokens_LED)
+        if tokens_LED.shape != (st.num_layers, st.num_experts, st.topology.num_ranks):
+            L, E, D = tokens_LED.shape
+            raise ValueError(f"trace is [steps, {L} layers, {E} experts, {D} ranks] but the setup has "
+                             f"{st.num_layers} layers, {st.num_experts} experts, {st.topology.num_ranks} ranks")
+        for stepped in (*runs, *bounds):
+            stepped.step(s, tokens_LED)
         steps += 1
-    if runs and steps < runs[0].setup.rows_needed:
-        st = runs[0].setup
+    if st is not None and steps < st.rows_needed:
         raise ValueError(f"the trace has {steps} steps; the simulation needs {st.rows_needed}: one whole optimizer "
                          f"step ({st.gas} rows) after the load window ({st.load_window})")
     results = [run.result() for run in runs]
-    if bounds:
-        low = min(b.result() for b in bounds)
-        for r in results:
-            r.lower_bound_s = low
+    low = min((b.result() for b in bounds), default=None)
+    for r in results:
+        r.lower_bound_s = low
     return results
-
-
-def _check_trace(shape_LED: tuple, setup: Setup) -> None:
-    if tuple(shape_LED) != (setup.num_layers, setup.num_experts, setup.topology.num_ranks):
-        L, E, D = shape_LED
-        raise ValueError(f"trace is [steps, {L} layers, {E} experts, {D} ranks] but the setup has "
-                         f"{setup.num_layers} layers, {setup.num_experts} experts, {setup.topology.num_ranks} ranks")
 
 
 def simulate(setup: Setup, tokens_SLED: np.ndarray, policies, *, bound: bool = True, fixed_t: bool = False,

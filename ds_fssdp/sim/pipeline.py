@@ -49,7 +49,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ds_fssdp.planner.cost import Hardware, schedule_costs
-from ds_fssdp.planner.scheduled import ExchangeOptions, ScheduledCostModel, reduce_window_s
+from ds_fssdp.planner.scheduled import ExchangeOptions, reduce_window_s
 from ds_fssdp.planner.schedule import MAX_DEGREE, link_busy
 from ds_fssdp.sim.links import Links, traffic_links
 
@@ -184,12 +184,3 @@ def binding_class(links: Links, hw: Hardware) -> int:
     intra = float(links.rank_BN.max()) / hw.intra_bw
     inter = float(links.node_Bn.max()) / hw.inter_bw if links.node_Bn.size else 0.0
     return INTER if inter > intra else INTRA
-
-
-def scheduled_cost_model(hw: Hardware, shape, topology, schedule: LayerSchedule) -> ScheduledCostModel:
-    """The simulator's cost model with the layer priced by the schedule (placement by time):
-    calibration and the ``balanced-time`` dispatch weigh a candidate plan by its forward +
-    backward as ``schedule`` runs it (the planner's :class:`~ds_fssdp.planner.scheduled.ScheduledCostModel`,
-    which the runtime builds from its configuration), so keeping tokens local and balancing rows
-    are one objective. Sparse collectives priced as the runtime moves them (``planner/inputs.py``)."""
-    return ScheduledCostModel(hw, shape, topology, exchange=lambda: schedule.exchange, costs=schedule.costs)

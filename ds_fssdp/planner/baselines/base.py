@@ -198,10 +198,8 @@ class Policy:
         self.config = config
         self.topology = config.topology
         self._own_dispatcher = dispatcher is None
-        if dispatcher is None:
-            dispatcher = functools.partial(planner_dispatch, mode=config.dispatch, cost=config.cost,
-                                           slack=config.dispatch_slack)
-        self.dispatcher = dispatcher
+        self.dispatcher = dispatcher or functools.partial(planner_dispatch, mode=config.dispatch, cost=config.cost,
+                                                          slack=config.dispatch_slack)
         self.materializer = materializer
 
     # -- memory the policy reserves beyond the shard ------------------------------------------------
@@ -279,15 +277,10 @@ class Policy:
         shard_ED = shard_placement(owner_E, self.topology.num_ranks)
         if not bool(placement_ED[shard_ED].all()):
             raise ValueError(f"{self.name}: placement_ED must contain the shard placement of owner_E")
-        none, beyond_ED = torch.zeros_like(placement_ED), ~shard_ED
-        hidden_ED = placement_ED & beyond_ED
-        parts = []
-        for part_ED in (calibrated_ED, shadow_ED, persistent_ED):
-            if part_ED is not None:
-                part_ED = part_ED & beyond_ED
-                hidden_ED &= ~part_ED
-            parts.append(none if part_ED is None else part_ED)
-        calibrated_ED, shadow_ED, persistent_ED = parts
+        beyond_ED = ~shard_ED
+        calibrated_ED, shadow_ED, persistent_ED = (beyond_ED & (torch.zeros_like(placement_ED) if p is None else p)
+                                                   for p in (calibrated_ED, shadow_ED, persistent_ED))
+        hidden_ED = placement_ED & beyond_ED & ~(calibrated_ED | shadow_ED | persistent_ED)
         if evicted_ED is not None:
             evicted_ED = evicted_ED.to("cpu", torch.bool) & ~shard_ED
             if bool((evicted_ED & placement_ED).any()):
