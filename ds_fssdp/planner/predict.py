@@ -68,9 +68,7 @@ class LoadPredictor:
     def predict_all(self) -> torch.Tensor | None:
         """Predicted loads of all layers (float64 [L, E]), or None if any layer lacks history."""
         preds = [self.predict(l) for l in range(self.num_layers)]
-        if any(p is None for p in preds):
-            return None
-        return torch.stack(preds)
+        return None if any(p is None for p in preds) else torch.stack(preds)
 
     def state_dict(self) -> dict:
         return {"window": self.window, "history": [[h.clone() for h in hist] for hist in self._history],
