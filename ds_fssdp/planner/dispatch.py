@@ -70,9 +70,7 @@ def time_balanced_dispatch(placement_ED: torch.Tensor, tokens_ED: torch.Tensor, 
 def paper_dispatch(placement_ED: torch.Tensor, tokens_ED: torch.Tensor, topology: Topology) -> torch.Tensor:
     """Algorithm 3 (in C when the extension is built)."""
     check_dispatch_inputs(placement_ED, tokens_ED)
-    if fast.AVAILABLE:
-        return fast.dispatch_paper(placement_ED, tokens_ED, topology)
-    return paper_dispatch_reference(placement_ED, tokens_ED, topology)
+    return (fast.dispatch_paper if fast.AVAILABLE else paper_dispatch_reference)(placement_ED, tokens_ED, topology)
 
 
 def paper_dispatch_reference(placement_ED: torch.Tensor, tokens_ED: torch.Tensor, topology: Topology) -> torch.Tensor:

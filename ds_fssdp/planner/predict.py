@@ -61,9 +61,7 @@ class LoadPredictor:
         """Predicted ``tokens_ED`` (float64 [E, D]) if the window holds per-rank observations of
         one shape, else None."""
         hist = self._history[layer]
-        if not hist or hist[0].shape[1] == 1 or any(h.shape != hist[0].shape for h in hist):
-            return None
-        return _mean(hist)
+        return None if not hist or hist[0].shape[1] == 1 or any(h.shape != hist[0].shape for h in hist) else _mean(hist)
 
     def predict_all(self) -> torch.Tensor | None:
         """Predicted loads of all layers (float64 [L, E]), or None if any layer lacks history."""

@@ -199,9 +199,8 @@ class PolicyRun:
         self.budget = budget if budget is not None else (setup.budget_rm if self.rm else setup.budget)
         self.memory_cap = memory_cap
         self.fixed_t = overlap_degree is not None if fixed_t is None else fixed_t
-        if overlap_degree is None:
-            overlap_degree = derive_overlap_degree(setup.hw, self.topo, setup.shape, attention_s=setup.attention_fwd_s)
-        self.overlap_degree = overlap_degree
+        self.overlap_degree = overlap_degree if overlap_degree is not None else derive_overlap_degree(
+            setup.hw, self.topo, setup.shape, attention_s=setup.attention_fwd_s)
         self.options = policy_options(name, schedule)
         dispatcher = (dispatcher or functools.partial(dispatch_plan, mode="paper")) if dispatch is None else None
         self._build_planner(dispatcher, materializer, predictor,

@@ -58,9 +58,8 @@ class FlexMoEPolicy(Policy):
         copies = []
         for l in range(owner_LE.shape[0]):
             copies += [(l, e, src, dst) for e, src, dst in self._adjust(l, owner_LE[l], history_load_LE[l])]
-        if not copies:
-            return None
-        return Reshard(owner_LE=owner_LE, copies_M4=torch.tensor(copies, dtype=torch.long).view(-1, 4))
+        return (Reshard(owner_LE=owner_LE, copies_M4=torch.tensor(copies, dtype=torch.long).view(-1, 4)) if copies
+                else None)
 
     def _adjust(self, layer: int, owner_E: torch.Tensor, load_E: torch.Tensor) -> list:
         cfg, topo = self.config, self.topology
