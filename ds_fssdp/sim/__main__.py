@@ -4,25 +4,13 @@ Replays the trace through each policy on the cost model of the chosen cluster an
 table (time per iteration, speedup over EP and FasterMoE, Figure 11's breakdown, Figure 12's
 model-state memory) and writes a PNG bar chart. ``--json`` prints the same as JSON instead.
 
-``--dispatch paper`` (default) models Themis as published: every policy's token dispatch is the
-paper's Algorithm 3. ``--dispatch balanced`` gives every policy the runtime's default balancing
-dispatcher instead (with the config's default ``dispatch_slack``): what FSSDP here does beyond the
-paper.
-
 At cluster scale (:mod:`ds_fssdp.sim.cluster`; chosen by ``--group-size``, ``--load-cv``,
-``--memory-cap`` or a fixed model preset such as ``deepseek-v3-671b``):
+``--memory-cap``, ``--max-groups`` or a fixed model preset such as ``deepseek-v3-671b``), with EP
+groups of at most E (DeepSpeed's ``ep_size`` divides the experts) and calibration off by default
+(the runtime's default too):
 
     python -m ds_fssdp.sim --trace synthetic --cluster b --model deepseek-v3-671b --gpus 1024 \
         --group-size 64 --load-cv 0.5 --memory-cap 1.2 --steps 20
-
-``--group-size N``: EP groups of N with expert-data-parallel replicas (``ep``; at most E, as
-DeepSpeed's ``ep_size`` divides the experts), FSSDP groups of N (``fssdp``, ``fssdp-rm``); without
-it one group spans the world (the paper's report is that run). ``--load-cv``: synthetic skew
-as the coefficient of variation of expert load (valid for any expert count; default 0.5 for fixed
-presets). ``--memory-cap X``: m (and fssdp-rm's m) chosen
-so that FSSDP's model-state memory is at most X times EP's at the same group size. Calibration is
-off there unless ``--calibration`` (off is the runtime's default too).
-Policies: ep, uniform, fssdp, fssdp-rm.
 """
 from __future__ import annotations
 
@@ -95,7 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--smartmoe-interval", type=int, default=25)
     p.add_argument("--reshard-interval", type=int, default=100)
     p.add_argument("--dispatch", default="paper", choices=["paper", "balanced"],
-                   help="token dispatch of every policy: the paper's Algorithm 3 or the balancing dispatcher")
+                   help="token dispatch of every policy: the paper's Algorithm 3 (Themis as published) or the runtime's "
+                   "balancing dispatcher (with the config's default dispatch_slack)")
     p.add_argument("--calibration", action=argparse.BooleanOptionalAction, default=None,
                    help="FSSDP calibration (default: on in the paper's report, off at cluster scale)")
     p.add_argument("--calibration-budget", type=float, default=1.0, help="in attention forward times")
