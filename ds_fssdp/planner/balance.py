@@ -91,12 +91,9 @@ def row_bound(P_XD: np.ndarray, load_X: np.ndarray, base_D: np.ndarray) -> float
         return bound
     if X <= _EXACT_SETS:
         masks = ((np.arange(1, 1 << X)[:, None] >> np.arange(X)) & 1).astype(bool)  # [2^X - 1, X]
-    else:  # singletons and the hottest prefixes
-        order = np.argsort(-load_X, kind="stable")
-        masks = np.zeros((2 * X, X), dtype=bool)
-        masks[np.arange(X), np.arange(X)] = True
-        for i in range(X):
-            masks[X + i, order[:i + 1]] = True
+    else:  # singletons and the hottest prefixes (row i: the i + 1 hottest)
+        rank_X = np.argsort(np.argsort(-load_X, kind="stable"))
+        masks = np.vstack([np.eye(X, dtype=bool), np.tri(X, dtype=bool)[:, rank_X]])
     reach = (masks.astype(np.int64) @ P_XD.astype(np.int64)) > 0  # holders of each set
     num = masks @ load_X + reach @ base_D
     return max(bound, float((num / reach.sum(1)).max()))

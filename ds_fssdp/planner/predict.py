@@ -15,7 +15,7 @@ class LoadPredictor:
     Every rank observes the same all-gathered counts, so every rank predicts the same loads and
     plans the same placement without exchanging plans. It also keeps its own error: the relative L1
     error of each prediction it made against the loads then observed (:meth:`error`, the mean of
-    the last ``window``), which the cost placement takes as its headroom.
+    the last ``window``).
     """
 
     def __init__(self, num_experts_L, window: int = 5):

@@ -83,8 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--smartmoe-interval", type=int, default=25)
     p.add_argument("--reshard-interval", type=int, default=100)
     p.add_argument("--dispatch", default="paper", choices=["paper", "balanced"],
-                   help="token dispatch of every policy: the paper's Algorithm 3 (Themis as published) or the runtime's "
-                   "balancing dispatcher (with the config's default dispatch_slack)")
+                   help="token dispatch of every policy: the paper's Algorithm 3 (Themis as published) or the "
+                   "runtime's balancing dispatcher (with the config's default dispatch_slack)")
     p.add_argument("--calibration", action=argparse.BooleanOptionalAction, default=None,
                    help="FSSDP calibration (default: on in the paper's report, off at cluster scale)")
     p.add_argument("--calibration-budget", type=float, default=1.0, help="in attention forward times")

@@ -26,8 +26,7 @@ STATE_BYTES = PARAM_BYTES + GRAD_BYTES  # a held parameter and its gradient (the
 
 def owned_per_layer(num_experts: int, group_size: int) -> int:
     """Experts the fullest rank of a group owns per layer (homogeneous sharding)."""
-    owner_E = homogeneous_owner(num_experts, group_size)
-    return int(owner_E.bincount(minlength=group_size).max())
+    return int(homogeneous_owner(num_experts, group_size).bincount(minlength=group_size).max())
 
 
 def optimizer_params(setup: Setup, owned, group_size: int):
