@@ -60,11 +60,10 @@ class ClusterResult(PolicyResult):
 
     def to_dict(self) -> dict:
         out = super().to_dict()
-        memory = sum(self.memory_bytes.values())
         out.update(iteration_s=self.iteration_s, memory_bytes=self.memory_bytes, group_size=self.group_size,
                    count_allgather_ms=1e3 * self.count_allgather_s,
                    planning_ms={k: 1e3 * v for k, v in self.planning_s.items()}, total_ms=1e3 * self.total_s,
-                   link_bytes=self.link_bytes, memory_vs_ep=memory / self.ep_memory_bytes,
+                   link_bytes=self.link_bytes, memory_vs_ep=sum(self.memory_bytes.values()) / self.ep_memory_bytes,
                    memory_cap=self.memory_cap, overlap_degree=self.overlap_degree, groups=self.groups,
                    groups_simulated=self.groups_simulated, split_steps=self.split_steps)
         return out
