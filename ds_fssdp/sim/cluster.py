@@ -39,10 +39,8 @@ Beside ``iteration_s``: ``count_allgather_s`` (each layer's all-gather of ``toke
 group: a ring, one latency), ``planning_s`` (thread CPU time of the real planner per iteration on one
 rank, before and after gating), ``link_bytes`` (per GPU and node link per iteration, per category).
 
-Memory per rank (:func:`~.memory.peak_state`): 2 + 2 + 12 bytes per parameter of the dense part, the
-owned experts and FlexMoE's reserved slots; ephemeral replicas (FSSDP's, FasterMoE's shadows) 2 + 2,
-all layers' at once or, re-materialized, two consecutive layers'; at the peak rank and step;
-activations not counted. Averages are over the optimizer steps after the predictor's first window.
+Memory per rank: :func:`~.memory.peak_state` (:mod:`.memory` states the bytes) at the peak rank and
+step. Averages are over the optimizer steps after the predictor's first window.
 Each result carries the workload's lower bound (:mod:`.bound`; none under gradient accumulation).
 Not modelled: contention of overlapped collectives with the exchanges or the dense sync, the gate,
 norms and element-wise work (alike for every policy).
