@@ -285,9 +285,7 @@ def _pipeline(x: np.ndarray, g: np.ndarray, compute: np.ndarray, n: int, side=0.
     dispatch i has landed; combine i waits for chunk i's work; the ``side`` work after the last
     chunk's, while the last combine flies."""
     link = x * 0.0
-    done_d = [None] * (n + 1)
-    done_g = [None] * (n + 1)
-    gi = 1
+    done_d, done_g, gi = [None] * (n + 1), [None] * (n + 1), 1
     for kind, i in _link_order(n):
         if kind == "d":
             link = link + x
@@ -584,8 +582,7 @@ def split_sync_exposed(reduce_L, gather_L, backward_gaps_L, forward_gaps_L, *, l
     drained in the forward's gaps (``forward_gaps_L``: :func:`drain_before_deadlines`). A sync
     whole before the step is the same with nothing to gather. What the simulators charge a gapped
     schedule and what :func:`split_sync_pays` compares."""
-    back = list(backward_gaps_L)[::-1]
-    return (drain_in_gaps(list(reduce_L)[::-1], back)
+    return (drain_in_gaps(list(reduce_L)[::-1], list(backward_gaps_L)[::-1])
             + drain_before_deadlines(list(gather_L), list(forward_gaps_L), lead=lead))
 
 

@@ -158,8 +158,7 @@ def simulate_stages(setups: list, policies, *, micro_batches: int, steps: int, l
     """``(results, lower bound seconds per step, per-stage trace summaries)``: every policy on every
     stage, micro-batch by micro-batch, then 1F1B step by step over the timed steps (those whose
     micro-batches all come after the predictor's first window)."""
-    G = micro_batches
-    S = len(setups)
+    G, S = micro_batches, len(setups)
     phases = {p: [[] for _ in range(S)] for p in policies}  # per stage, per micro-batch
     replicas = dict.fromkeys(policies, 0.0)
     budgets = {p: [] for p in policies}
