@@ -577,21 +577,21 @@ class PolicyRun:
                              dedup_saved_gb=self.dedup_saved / c / 1e9, split_steps=self.split_steps / c)
 
 
-def run_cluster(runs: list, source, *, bound: bool = True) -> list:
+def run_cluster(runs: list, source, *, bound: bool = True, bounds: list | None = None) -> list:
     """Feed every step of ``source`` (an iterable of ``tokens_LED``: a [S, L, E, D] array, or a
     :class:`~ds_fssdp.sim.loadcv.LoadCVSource`) to every run in turn; their results, each with
     the workload's :class:`~ds_fssdp.sim.bound.LowerBound` (the least over the runs' group sizes,
     with the most replicas any run may hold) as ``lower_bound_s`` (none under gradient
-    accumulation: the bound prices one micro-step per optimizer step)."""
+    accumulation: the bound prices one micro-step per optimizer step). ``bounds``: the bounds to step
+    and take the least of instead (the paper's report's)."""
     st = runs[0].setup if runs else None
-    bounds = []
-    if bound and st is not None and st.gas == 1:
+    if bounds is None and bound and st is not None and st.gas == 1:
         budget = max([r.budget for r in runs if r.fssdp], default=0)
         # past the most a run holds without re-materializing, the reduce runs twice (fssdp-rm)
         plain = max([r.budget for r in runs if r.fssdp and not r.rm], default=0)
         shapes = dict.fromkeys((r.N, r.B) for r in runs)  # runs of one group shape share a bound
         bounds = [LowerBound(st, group_size=N, budget=budget, groups=B, plain=plain) for N, B in shapes]
-    steps = 0
+    bounds, steps = bounds or [], 0
     for s, tokens_LED in enumerate(source):
         tokens_LED = np.asarray(tokens_LED)
         if tokens_LED.shape != (st.num_layers, st.num_experts, st.topology.num_ranks):
@@ -624,16 +624,12 @@ def simulate(setup: Setup, tokens_SLED: np.ndarray, policies, *, bound: bool = T
     tokens_SLED = np.asarray(tokens_SLED)
     runs = [PolicyRun(name, setup, overlap_degree=setup.overlap_degree, fixed_t=fixed_t, **options)
             for name in policies]
-    results = [r.paper() for r in run_cluster(runs, tokens_SLED, bound=False)]
+    low = []
     if bound and setup.gas == 1:
         most = setup.num_experts if "fastermoe" in policies else max(setup.budget, setup.budget_rm)
         kept = setup.flexmoe_slots if "flexmoe" in policies else 0
-        low = LowerBound(setup, group_size=setup.topology.num_ranks, budget=most, persistent=kept, plain=setup.budget)
-        for s, tokens_LED in enumerate(tokens_SLED):
-            low.step(s, tokens_LED)
-        for r in results:
-            r.lower_bound_s = low.result()
-    return results
+        low = [LowerBound(setup, group_size=setup.topology.num_ranks, budget=most, persistent=kept, plain=setup.budget)]
+    return [r.paper() for r in run_cluster(runs, tokens_SLED, bounds=low)]
 
 
 def simulate_cluster(setup: Setup, source, policies, *, group_size: int | None = None,
