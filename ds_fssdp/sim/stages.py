@@ -97,12 +97,9 @@ def stage_setups(cluster, model, gpus: int, stages: int, *, micro_batches: int, 
                      label=f"{whole.label.rsplit(',', 1)[0]}, stage {s} of {stages} ({gpus // stages} GPUs)")
         k = min(micro_batches, stages - s)
         N = st.topology.num_ranks if group_size is None else group_size
-        if memory_cap is not None:
-            m, m_rm = (budget_for_cap(st, N, memory_cap, rematerialize=rm, in_flight=k) for rm in (False, True))
-        else:
-            m, m_rm = (auto_materialization_budget(memory_bytes=int(memory), expert_bytes=st.shape.expert_bytes,
-                                                   num_layers=L_s, rematerialize=rm, in_flight=k)
-                       for rm in (False, True))
+        m, m_rm = (budget_for_cap(st, N, memory_cap, rematerialize=rm, in_flight=k) if memory_cap is not None else
+                   auto_materialization_budget(memory_bytes=int(memory), expert_bytes=st.shape.expert_bytes,
+                                               num_layers=L_s, rematerialize=rm, in_flight=k) for rm in (False, True))
         out.append(replace(st, budget=m, budget_rm=m_rm))
     return out
 
