@@ -23,11 +23,9 @@ Policies are pure and deterministic: every rank that makes the same calls with t
 gets the same answers, so the runtime exchanges only ``tokens_ED``. A policy object keeps state
 across iterations only where the baseline it models does (FlexMoE's persistent replicas).
 
-This is THE interface: the runtime (``moe/sharded.py`` through :class:`ds_fssdp.planner.layer.LayerPlanner`,
-``runtime/stage.py`` for ``reshard``), the simulator and the report's replay call the same
-methods with the same inputs. Only the :class:`Clock` differs: what the time-dependent knobs are
-this iteration (the overlap degree t and calibration's latency budget), measured in the runtime,
-modelled in the simulators, read back from the trace in the replay.
+This is THE interface: the runtime (through :class:`ds_fssdp.planner.layer.LayerPlanner`;
+``runtime/stage.py`` for ``reshard``), the simulator and the replay call it alike, only their
+:class:`Clock` (t and calibration's latency budget) measured, modelled or read back.
 """
 from __future__ import annotations
 
