@@ -152,14 +152,12 @@ def cluster_table(results: list) -> str:
               f"{'(pre/post)':>14} {'total ms':>9} | {'GPU link GB':>11} {'node link GB':>12}")
     lines = [header, "-" * len(header)]
     for r in results:
-        gpu = sum(v["gpu_max"] for v in r.link_bytes.values()) / 1e9
-        node = sum(v["node_max"] for v in r.link_bytes.values()) / 1e9
+        gpu, node = (sum(v[k] for v in r.link_bytes.values()) / 1e9 for k in ("gpu_max", "node_max"))
         pre, post = (1e3 * r.planning_s.get(k, 0.0) for k in ("pre_gating", "post_gating"))
         mem = sum(r.memory_bytes.values()) / r.ep_memory_bytes
-        split = f"{pre:.1f}/{post:.1f}"
         lines.append(f"{r.policy:<10} {r.group_size:>6} {r.overlap_degree:>3} {r.budget:>4} {mem:>7.3f} | "
                      f"{1e3 * r.count_allgather_s:>8.2f} "
-                     f"{pre + post:>8.2f} {split:>14} {1e3 * r.total_s:>9.1f} | {gpu:>11.2f} {node:>12.2f}")
+                     f"{pre + post:>8.2f} {f'{pre:.1f}/{post:.1f}':>14} {1e3 * r.total_s:>9.1f} | {gpu:>11.2f} {node:>12.2f}")
     lines.append("count = the tokens_ED all-gather of every layer; plan = measured planning on one rank (pre: "
                  "placement before gating, post: calibration + dispatch, on the critical path); total = iteration + "
                  "count + post; links: the busiest GPU / node link's bytes per iteration (summed over categories' "
