@@ -352,11 +352,11 @@ def test_placement_by_time_prices_the_schedule():
     """Calibration's and balanced-time's cost model prices a plan by the schedule's layer time,
     the same number for the dense plan and the compact plan, and below the serial price wherever
     the pipeline hides something."""
-    from ds_fssdp.sim.pipeline import scheduled_cost_model
     from ds_fssdp.planner import CostModel
+    from ds_fssdp.planner.scheduled import ScheduledCostModel
     topo = Topology(num_ranks=8, ranks_per_node=4)
     sched = LayerSchedule(HW, SHAPE, ranks_per_node=4, top_k=2, options=ScheduleOptions())
-    dense_cost = scheduled_cost_model(HW, SHAPE, topo, sched)
+    dense_cost = ScheduledCostModel(HW, SHAPE, topo, exchange=lambda: sched.exchange, costs=sched.costs)
     serial = CostModel(HW, SHAPE, topo, relay=True)
     gen = torch.Generator().manual_seed(9)
     owner = homogeneous_owner(16, 8)

@@ -47,25 +47,27 @@ def balanced_dispatch(placement_ED: torch.Tensor, tokens_ED: torch.Tensor, topol
     if slack < 0:
         raise ValueError(f"slack ({slack}) must be >= 0")
     if fast.AVAILABLE:
-        if tuple(tokens_ED.shape) != tuple(placement_ED.shape):
-            raise ValueError(f"tokens_ED {tuple(tokens_ED.shape)} and placement_ED {tuple(placement_ED.shape)} differ")
-        if not bool(placement_ED.any(1).all()):
-            raise ValueError("every expert needs at least one holder in placement_ED")
+        check_dispatch_inputs(placement_ED, tokens_ED)
         return fast.dispatch_balanced(placement_ED, tokens_ED, topology, slack)
     return balanced_dispatch_reference(placement_ED, tokens_ED, topology, slack=slack)
+
+
+def check_dispatch_inputs(placement_ED: torch.Tensor, tokens_ED: torch.Tensor) -> None:
+    """A dispatcher's inputs: one shape, and every expert held somewhere."""
+    if tuple(tokens_ED.shape) != tuple(placement_ED.shape):
+        raise ValueError(f"tokens_ED {tuple(tokens_ED.shape)} and placement_ED {tuple(placement_ED.shape)} differ")
+    if not bool(placement_ED.any(1).all()):
+        raise ValueError("every expert needs at least one holder in placement_ED")
 
 
 def balanced_dispatch_reference(placement_ED: torch.Tensor, tokens_ED: torch.Tensor, topology: Topology, *,
                                 slack: float = 0.0) -> torch.Tensor:
     """The Python specification the C version is tested against."""
+    check_dispatch_inputs(placement_ED, tokens_ED)
     P = placement_ED.to("cpu", torch.bool).numpy()
     T = tokens_ED.to("cpu", torch.long).numpy().astype(np.int64)
     E, D = P.shape
-    if T.shape != P.shape:
-        raise ValueError(f"tokens_ED {T.shape} and placement_ED {P.shape} differ")
     holders_E = P.sum(1)
-    if (holders_E == 0).any():
-        raise ValueError("every expert needs at least one holder in placement_ED")
     node_D = topology.node_D().numpy()
     plan = np.zeros((E, D, D), dtype=np.int64)
     single = np.nonzero(holders_E == 1)[0]
@@ -89,12 +91,9 @@ def row_bound(P_XD: np.ndarray, load_X: np.ndarray, base_D: np.ndarray) -> float
         return bound
     if X <= _EXACT_SETS:
         masks = ((np.arange(1, 1 << X)[:, None] >> np.arange(X)) & 1).astype(bool)  # [2^X - 1, X]
-    else:  # singletons and the hottest prefixes
-        order = np.argsort(-load_X, kind="stable")
-        masks = np.zeros((2 * X, X), dtype=bool)
-        masks[np.arange(X), np.arange(X)] = True
-        for i in range(X):
-            masks[X + i, order[:i + 1]] = True
+    else:  # singletons and the hottest prefixes (row i: the i + 1 hottest)
+        rank_X = np.argsort(np.argsort(-load_X, kind="stable"))
+        masks = np.vstack([np.eye(X, dtype=bool), np.tri(X, dtype=bool)[:, rank_X]])
     reach = (masks.astype(np.int64) @ P_XD.astype(np.int64)) > 0  # holders of each set
     num = masks @ load_X + reach @ base_D
     return max(bound, float((num / reach.sum(1)).max()))

@@ -63,9 +63,7 @@ def calibrate(owner_E: torch.Tensor, placement_ED: torch.Tensor, tokens_ED: torc
     def finish(final_ED):
         """(final_ED, new_ED, extra gather) of a candidate; None: it adds nothing."""
         new_ED = final_ED & ~placement_ED
-        if not bool(new_ED.any()):
-            return None
-        return final_ED, new_ED, cost.gather_time(owner_E, shard_ED | new_ED)
+        return (final_ED, new_ED, cost.gather_time(owner_E, shard_ED | new_ED)) if bool(new_ED.any()) else None
 
     def merge(t):
         """Algorithm 1 at t into the slots the placement left free."""

@@ -83,8 +83,7 @@ class CostModel:
     # -- compute ---------------------------------------------------------------------------------
     def compute_time_D(self, rows_D: torch.Tensor, *, backward: bool = True) -> torch.Tensor:
         """Expert compute per rank; the backward costs twice the forward."""
-        passes = 3.0 if backward else 1.0
-        return rows_D.double() * (passes * self.shape.row_flops / self.hw.flops)
+        return rows_D.double() * ((3.0 if backward else 1.0) * self.shape.row_flops / self.hw.flops)
 
     # -- token all-to-all -----------------------------------------------------------------------
     def a2a_time(self, plan_EDD: torch.Tensor) -> float:
@@ -188,8 +187,7 @@ class CostModel:
         ``plan_EDD``: the dense plan, or a compact :class:`~ds_fssdp.planner.plan.DispatchPlan`."""
         if isinstance(plan_EDD, DispatchPlan):
             return float(self.flow_layer_times(plan_EDD.traffic_DD()[None])[0])
-        rows_D = plan_EDD.sum((0, 1))
-        return float(self.compute_time_D(rows_D).max()) + 4 * self.a2a_time(plan_EDD)
+        return float(self.compute_time_D(plan_EDD.sum((0, 1))).max()) + 4 * self.a2a_time(plan_EDD)
 
 
 def schedule_costs(hw: Hardware, shape: ExpertShape, *, backward_factor: float = 2.0) -> ScheduleCosts:

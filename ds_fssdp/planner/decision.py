@@ -61,28 +61,21 @@ class Decision:
                    row_bytes=tuple(int(b) for b in row_bytes), side_ratio=float(side_ratio))
 
 
+# the trace's decision_<key> arrays: (key, Decision field, dtype), in the trace's order
+_ARRAYS = (("owner", "owner_E", np.int64), ("placed", "placed_ED", bool), ("held", "held_ED", bool),
+           ("t", "overlap_degree", np.int64), ("latency_budget", "latency_budget", np.float64),
+           ("window_s", "window_s", np.float64), ("attention_s", "attention_s", np.float64),
+           ("overlap_t", "overlap_t", np.int64), ("calibration_t", "calibration_t", np.int64),
+           ("calibration_accepted", "calibration_accepted", bool), ("plan_digest", "plan_digest", np.int64),
+           ("rows", "rows_D", np.int64), ("traffic", "traffic_DD", np.int64), ("degrees", "degrees", np.int64),
+           ("one_copy", "one_copy", np.int64), ("schedule_costs", "schedule_costs", np.float64),
+           ("row_bytes", "row_bytes", np.int64), ("side_ratio", "side_ratio", np.float64))
+
+
 def decision_arrays(decisions: list) -> dict:
     """One iteration's decisions of every layer as the trace's per-step arrays (docs/traces.md)."""
-    def stack(f, dtype):
-        return np.stack([np.asarray(f(d), dtype=dtype) for d in decisions])
-    return {"decision_owner": stack(lambda d: d.owner_E.numpy(), np.int64),
-            "decision_placed": stack(lambda d: d.placed_ED.numpy(), bool),
-            "decision_held": stack(lambda d: d.held_ED.numpy(), bool),
-            "decision_t": stack(lambda d: d.overlap_degree, np.int64),
-            "decision_latency_budget": stack(lambda d: d.latency_budget, np.float64),
-            "decision_window_s": stack(lambda d: d.window_s, np.float64),
-            "decision_attention_s": stack(lambda d: d.attention_s, np.float64),
-            "decision_overlap_t": stack(lambda d: d.overlap_t, np.int64),
-            "decision_calibration_t": stack(lambda d: d.calibration_t, np.int64),
-            "decision_calibration_accepted": stack(lambda d: d.calibration_accepted, bool),
-            "decision_plan_digest": stack(lambda d: d.plan_digest, np.int64),
-            "decision_rows": stack(lambda d: d.rows_D.numpy(), np.int64),
-            "decision_traffic": stack(lambda d: d.traffic_DD.numpy(), np.int64),
-            "decision_degrees": stack(lambda d: d.degrees, np.int64),
-            "decision_one_copy": stack(lambda d: d.one_copy, np.int64),
-            "decision_schedule_costs": stack(lambda d: d.schedule_costs, np.float64),
-            "decision_row_bytes": stack(lambda d: d.row_bytes, np.int64),
-            "decision_side_ratio": stack(lambda d: d.side_ratio, np.float64)}
+    return {f"decision_{key}": np.stack([np.asarray(getattr(d, field), dtype=dtype) for d in decisions])
+            for key, field, dtype in _ARRAYS}
 
 
 def plan_digest(plan) -> int:

@@ -15,7 +15,7 @@ import torch
 
 from ds_fssdp.planner import fast
 from ds_fssdp.planner.plan import DispatchPlan
-from ds_fssdp.planner.balance import balanced_dispatch
+from ds_fssdp.planner.balance import balanced_dispatch, check_dispatch_inputs
 from ds_fssdp.topology import Topology
 
 
@@ -69,28 +69,16 @@ def time_balanced_dispatch(placement_ED: torch.Tensor, tokens_ED: torch.Tensor, 
 
 def paper_dispatch(placement_ED: torch.Tensor, tokens_ED: torch.Tensor, topology: Topology) -> torch.Tensor:
     """Algorithm 3 (in C when the extension is built)."""
-    _check(placement_ED, tokens_ED)
-    if fast.AVAILABLE:
-        return fast.dispatch_paper(placement_ED, tokens_ED, topology)
-    return paper_dispatch_reference(placement_ED, tokens_ED, topology)
-
-
-def _check(placement_ED: torch.Tensor, tokens_ED: torch.Tensor) -> None:
-    if tuple(tokens_ED.shape) != tuple(placement_ED.shape):
-        raise ValueError(f"tokens_ED {tuple(tokens_ED.shape)} and placement_ED {tuple(placement_ED.shape)} differ")
-    if not bool(placement_ED.any(1).all()):
-        raise ValueError("every expert needs at least one holder in placement_ED")
+    check_dispatch_inputs(placement_ED, tokens_ED)
+    return (fast.dispatch_paper if fast.AVAILABLE else paper_dispatch_reference)(placement_ED, tokens_ED, topology)
 
 
 def paper_dispatch_reference(placement_ED: torch.Tensor, tokens_ED: torch.Tensor, topology: Topology) -> torch.Tensor:
     """Algorithm 3 in Python: the specification the C version is tested against."""
+    check_dispatch_inputs(placement_ED, tokens_ED)
     placement_ED = placement_ED.to("cpu", torch.bool)
     tokens_ED = tokens_ED.to("cpu", torch.long)
     num_experts, num_ranks = placement_ED.shape
-    if tokens_ED.shape != placement_ED.shape:
-        raise ValueError(f"tokens_ED {tuple(tokens_ED.shape)} and placement_ED {tuple(placement_ED.shape)} differ")
-    if not bool(placement_ED.any(1).all()):
-        raise ValueError("every expert needs at least one holder in placement_ED")
     same_node_DD = topology.same_node_DD()
     plan_EDD = torch.zeros(num_experts, num_ranks, num_ranks, dtype=torch.long)
     ranks = torch.arange(num_ranks)

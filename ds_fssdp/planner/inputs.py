@@ -141,11 +141,9 @@ def planner_inputs(settings: PlannerSettings, *, num_experts_L: list, topology, 
                           flexmoe_threshold=s.flexmoe_threshold, flexmoe_slots=s.flexmoe_slots,
                           flexmoe_interval=s.flexmoe_interval)
     extra = {} if materializer is None else {"materializer": materializer}
-    policies = {}
-    for E in num_experts_L:
-        if int(E) not in policies:  # one policy object decides for every layer of one expert count
-            policies[int(E)] = make_policy(s.policy_name, dataclasses.replace(config, num_experts=int(E)),
-                                           dispatcher=dispatcher, **extra)
+    # one policy object decides for every layer of one expert count
+    policies = {E: make_policy(s.policy_name, dataclasses.replace(config, num_experts=E), dispatcher=dispatcher,
+                               **extra) for E in dict.fromkeys(int(E) for E in num_experts_L)}
     policy = policies[E0]
     rule = ClockRule(num_experts=E0, overlap_degree=s.overlap_degree, latency_budget=latency, cost=cost)
     return PlannerInputs(policy=policy, policies=policies,

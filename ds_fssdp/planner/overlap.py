@@ -58,11 +58,9 @@ def layer_seconds(cost: CostModel, owner_E: torch.Tensor, placement_ED: torch.Te
     ``window_s`` and the reduce past the backward's window: the attention backward (twice
     ``attention_s``) and the link the layer's backward exchange leaves free, where the cost model
     prices the schedule (else, or without ``attention_s``, twice ``window_s``)."""
-    plan = plan_of(placement_ED, tokens_ED)
-    layer_s, window_b = cost.layer_price(plan, attention_s)
-    exposed = exposed_transfer(cost.gather_time(owner_E, placement_ED), window_s, rematerialize=rematerialize,
-                               backward_window_s=window_b)
-    return layer_s + exposed
+    layer_s, window_b = cost.layer_price(plan_of(placement_ED, tokens_ED), attention_s)
+    return layer_s + exposed_transfer(cost.gather_time(owner_E, placement_ED), window_s, rematerialize=rematerialize,
+                                      backward_window_s=window_b)
 
 
 def choose_overlap_degree(place_at: Callable[[int], torch.Tensor], seconds_of: Callable[[torch.Tensor], float], *,

@@ -10,9 +10,6 @@ Legend: E experts, D ranks.
 * ``placement "paper"``, or per-expert loads only (``tokens_ED`` of shape [E]): Algorithm 1
   (``materialize``).
 * ``"joint"``: ``joint_materialize`` (replicas where the tokens come from, every useful slot).
-
-``"cost"`` (replicate only what pays, on the cost model) was removed: it won on no cluster and no
-CPU run (``benchmarks/results/README.md``); the configuration refuses it by name.
 """
 from __future__ import annotations
 

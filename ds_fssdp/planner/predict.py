@@ -15,7 +15,7 @@ class LoadPredictor:
     Every rank observes the same all-gathered counts, so every rank predicts the same loads and
     plans the same placement without exchanging plans. It also keeps its own error: the relative L1
     error of each prediction it made against the loads then observed (:meth:`error`, the mean of
-    the last ``window``), which the cost placement takes as its headroom.
+    the last ``window``).
     """
 
     def __init__(self, num_experts_L, window: int = 5):
@@ -61,16 +61,12 @@ class LoadPredictor:
         """Predicted ``tokens_ED`` (float64 [E, D]) if the window holds per-rank observations of
         one shape, else None."""
         hist = self._history[layer]
-        if not hist or hist[0].shape[1] == 1 or any(h.shape != hist[0].shape for h in hist):
-            return None
-        return _mean(hist)
+        return None if not hist or hist[0].shape[1] == 1 or any(h.shape != hist[0].shape for h in hist) else _mean(hist)
 
     def predict_all(self) -> torch.Tensor | None:
         """Predicted loads of all layers (float64 [L, E]), or None if any layer lacks history."""
         preds = [self.predict(l) for l in range(self.num_layers)]
-        if any(p is None for p in preds):
-            return None
-        return torch.stack(preds)
+        return None if any(p is None for p in preds) else torch.stack(preds)
 
     def state_dict(self) -> dict:
         return {"window": self.window, "history": [[h.clone() for h in hist] for hist in self._history],

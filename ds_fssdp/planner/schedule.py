@@ -268,14 +268,11 @@ def _one_hop_times(costs: ScheduleCosts, loads: list, cols, degree: int, backwar
     def gemm(rows):
         return factor * _lin(costs.gemm, rows)
 
-    def exchange(i_bytes, e_bytes):
-        return _exchange(costs, i_bytes, e_bytes)
-
     if degree == 1:
-        return 2.0 * exchange(intra, inter) + gemm(local + remote) + gemm(side) + _other_traffic(costs, loads,
-                                                                                                 backward)
+        return (2.0 * _exchange(costs, intra, inter) + gemm(local + remote) + gemm(side)
+                + _other_traffic(costs, loads, backward))
     n = degree
-    x = exchange(intra / n, inter / n)
+    x = _exchange(costs, intra / n, inter / n)
     g = gemm(remote / n)
     if not costs.concurrent:
         return 2.0 * n * x + gemm(side) + gemm(local) + n * g + _other_traffic(costs, loads, backward)
@@ -288,9 +285,7 @@ def _pipeline(x: np.ndarray, g: np.ndarray, compute: np.ndarray, n: int, side=0.
     dispatch i has landed; combine i waits for chunk i's work; the ``side`` work after the last
     chunk's, while the last combine flies."""
     link = x * 0.0
-    done_d = [None] * (n + 1)
-    done_g = [None] * (n + 1)
-    gi = 1
+    done_d, done_g, gi = [None] * (n + 1), [None] * (n + 1), 1
     for kind, i in _link_order(n):
         if kind == "d":
             link = link + x
@@ -336,12 +331,7 @@ def other_traffic_s(costs: ScheduleCosts, load: LayerLoad, *, backward: bool = F
 
 
 def _link_order(n: int) -> list:
-    order = [("d", 1)]
-    for i in range(2, n + 1):
-        order.append(("d", i))
-        order.append(("c", i - 1))
-    order.append(("c", n))
-    return order
+    return [("d", 1)] + [op for i in range(2, n + 1) for op in (("d", i), ("c", i - 1))] + [("c", n)]
 
 
 def choose_degree(costs: ScheduleCosts, load: LayerLoad, *, backward: bool, max_degree: int = MAX_DEGREE) -> int:
@@ -516,21 +506,20 @@ def fit_schedule_costs(intra, inter, gemm_forward, gemm_backward, *, concurrent:
     forward fit that best predicts the backward samples. The error is the largest of the four
     fits' median relative errors (``fit_linear``'s). ``concurrent``: :attr:`ScheduleCosts.concurrent`
     (the device's, not fitted)."""
-    def fit(pairs, what):
+    def usable(pairs, what):
         pairs = [(u, s) for u, s in pairs if u > 0 and s > 0]
         if len(pairs) < 2:
             raise ValueError(f"fit_schedule_costs: {what} needs >= 2 samples with units and seconds > 0, got "
                              f"{len(pairs)}")
-        units, secs = zip(*pairs)
-        return fit_linear(units, secs)
+        return pairs
+
+    def fit(pairs, what):
+        return fit_linear(*zip(*usable(pairs, what)))
 
     a2a_intra, e_intra = fit(intra, "intra")
     a2a_inter, e_inter = fit(inter, "inter") if len(inter) else (a2a_intra, 0.0)
     gemm, e_fwd = fit(gemm_forward, "gemm_forward")
-    back = [(r, s) for r, s in gemm_backward if r > 0 and s > 0]
-    if len(back) < 2:
-        raise ValueError(f"fit_schedule_costs: gemm_backward needs >= 2 samples with rows and seconds > 0, got "
-                         f"{len(back)}")
+    back = usable(gemm_backward, "gemm_backward")
     g = np.array([gemm(r) for r, _ in back])
     b = np.array([s for _, s in back])
     factor = float(g @ b / (g @ g)) if float(g @ g) > 0 else 2.0
@@ -593,8 +582,7 @@ def split_sync_exposed(reduce_L, gather_L, backward_gaps_L, forward_gaps_L, *, l
     drained in the forward's gaps (``forward_gaps_L``: :func:`drain_before_deadlines`). A sync
     whole before the step is the same with nothing to gather. What the simulators charge a gapped
     schedule and what :func:`split_sync_pays` compares."""
-    back = list(backward_gaps_L)[::-1]
-    return (drain_in_gaps(list(reduce_L)[::-1], back)
+    return (drain_in_gaps(list(reduce_L)[::-1], list(backward_gaps_L)[::-1])
             + drain_before_deadlines(list(gather_L), list(forward_gaps_L), lead=lead))
 
 

@@ -124,9 +124,8 @@ class ScheduledCostModel(CostModel):
         without ``attention_s``)."""
         p = self.price(plan)
         layer_s = float(p.forward_R.max() + p.backward_R.max())
-        if attention_s is None:
-            return layer_s, None
-        return layer_s, reduce_window_s(self.costs, p, attention_s, across_nodes=self.topology.num_nodes > 1)
+        return layer_s, (None if attention_s is None else
+                         reduce_window_s(self.costs, p, attention_s, across_nodes=self.topology.num_nodes > 1))
 
 
 def reduce_window_s(costs: ScheduleCosts, price: ExchangePrice, attention_s: float, *, across_nodes: bool) -> float:

@@ -4,25 +4,13 @@ Replays the trace through each policy on the cost model of the chosen cluster an
 table (time per iteration, speedup over EP and FasterMoE, Figure 11's breakdown, Figure 12's
 model-state memory) and writes a PNG bar chart. ``--json`` prints the same as JSON instead.
 
-``--dispatch paper`` (default) models Themis as published: every policy's token dispatch is the
-paper's Algorithm 3. ``--dispatch balanced`` gives every policy the runtime's default balancing
-dispatcher instead (with the config's default ``dispatch_slack``): what FSSDP here does beyond the
-paper.
-
 At cluster scale (:mod:`ds_fssdp.sim.cluster`; chosen by ``--group-size``, ``--load-cv``,
-``--memory-cap`` or a fixed model preset such as ``deepseek-v3-671b``):
+``--memory-cap``, ``--max-groups`` or a fixed model preset such as ``deepseek-v3-671b``), with EP
+groups of at most E (DeepSpeed's ``ep_size`` divides the experts) and calibration off by default
+(the runtime's default too):
 
     python -m ds_fssdp.sim --trace synthetic --cluster b --model deepseek-v3-671b --gpus 1024 \
         --group-size 64 --load-cv 0.5 --memory-cap 1.2 --steps 20
-
-``--group-size N``: EP groups of N with expert-data-parallel replicas (``ep``; at most E, as
-DeepSpeed's ``ep_size`` divides the experts), FSSDP groups of N (``fssdp``, ``fssdp-rm``); without
-it one group spans the world (the paper's report is that run). ``--load-cv``: synthetic skew
-as the coefficient of variation of expert load (valid for any expert count; default 0.5 for fixed
-presets). ``--memory-cap X``: m (and fssdp-rm's m) chosen
-so that FSSDP's model-state memory is at most X times EP's at the same group size. Calibration is
-off there unless ``--calibration`` (off is the runtime's default too).
-Policies: ep, uniform, fssdp, fssdp-rm.
 """
 from __future__ import annotations
 
@@ -95,7 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--smartmoe-interval", type=int, default=25)
     p.add_argument("--reshard-interval", type=int, default=100)
     p.add_argument("--dispatch", default="paper", choices=["paper", "balanced"],
-                   help="token dispatch of every policy: the paper's Algorithm 3 or the balancing dispatcher")
+                   help="token dispatch of every policy: the paper's Algorithm 3 (Themis as published) or the "
+                   "runtime's balancing dispatcher (with the config's default dispatch_slack)")
     p.add_argument("--calibration", action=argparse.BooleanOptionalAction, default=None,
                    help="FSSDP calibration (default: on in the paper's report, off at cluster scale)")
     p.add_argument("--calibration-budget", type=float, default=1.0, help="in attention forward times")
@@ -147,16 +136,23 @@ def schedule_options(args) -> ScheduleOptions:
         return SERIAL
     d = args.pipeline_degree
     if d != "auto":
-        try:
-            d = int(d)
-        except ValueError:
-            raise SystemExit(f"--pipeline-degree ({d!r}) must be 'auto' or an integer in [1, {MAX_DEGREE}]")
+        d = int(d) if d.strip().lstrip("+-").isdigit() else 0
         if not 1 <= d <= MAX_DEGREE:
-            raise SystemExit(f"--pipeline-degree ({d}) must be 'auto' or an integer in [1, {MAX_DEGREE}]")
+            raise SystemExit(f"--pipeline-degree ({args.pipeline_degree}) must be 'auto' or an integer in [1, "
+                             f"{MAX_DEGREE}]")
     dedup = False if args.no_dedup else {"auto": "auto", "on": True, "off": False}[args.dedup]
     return ScheduleOptions(pipeline_degree=None if d == "auto" else d, dedup=dedup,
                            grad_gaps=not args.no_grad_gaps, idle_link=not args.no_idle_link,
                            price_by_schedule=not args.no_price_by_schedule, t_by_time=args.t_by == "time")
+
+
+def parse_policies(text: str, known, where: str) -> list:
+    """``--policies``' comma-separated names, each one of ``known``."""
+    policies = [p for p in text.split(",") if p]
+    unknown = [p for p in policies if p not in known]
+    if unknown:
+        raise SystemExit(f"--policies: unknown {unknown}; known{where}: {', '.join(known)}")
+    return policies
 
 
 def main(argv=None, *, out=None) -> int:
@@ -179,22 +175,24 @@ def _run(args, out) -> int:
                          "micro-batches are the accumulation (--micro-batches)")
     if args.micro_batches is not None and args.pipeline_stages == 1:
         raise SystemExit(f"--micro-batches ({args.micro_batches}) needs --pipeline-stages above 1")
+    dispatcher = functools.partial(dispatch_plan, mode=args.dispatch, slack=FSSDPConfig().dispatch_slack)
+    cluster, model = cluster_preset(args.cluster), model_preset(args.model)
+    memory = None if args.replica_memory_gb is None else args.replica_memory_gb * 1e9
+    options = dict(tokens_per_gpu=args.tokens_per_gpu, replica_memory_bytes=memory, overlap_degree=args.overlap_degree,
+                   reshard_interval=args.reshard_interval, smartmoe_interval=args.smartmoe_interval,
+                   calibration_budget=args.calibration_budget, zero_stage=args.zero_stage,
+                   communication_data_type=args.communication_data_type)  # the Setup's, every path alike
     if args.pipeline_stages != 1:
         if args.pipeline_stages < 1:
             raise SystemExit(f"--pipeline-stages ({args.pipeline_stages}) must be >= 1")
         from ds_fssdp.sim.stages import run_cli
-        slack = FSSDPConfig().dispatch_slack
-        return run_cli(args, out, schedule=schedule_options(args),
-                       dispatcher=functools.partial(dispatch_plan, mode=args.dispatch, slack=slack))
-    cluster, model = cluster_preset(args.cluster), model_preset(args.model)
+        policies = parse_policies(args.policies or "ep,fsmoe,fssdp,fssdp-rm", CLUSTER_POLICIES, " with pipeline stages")
+        return run_cli(args, out, cluster=cluster, model=model, policies=policies, setup_options=options,
+                       schedule=schedule_options(args), dispatcher=dispatcher)
     at_scale = model.fixed or any(v is not None for v in (args.group_size, args.load_cv, args.memory_cap,
                                                           args.max_groups))
     known = CLUSTER_POLICIES if at_scale else SIM_POLICY_NAMES
-    policies = [p for p in (args.policies or ",".join(known)).split(",") if p]
-    unknown = [p for p in policies if p not in known]
-    if unknown:
-        raise SystemExit(f"--policies: unknown {unknown}; known{' at cluster scale' if at_scale else ''}: "
-                         f"{', '.join(known)}")
+    policies = parse_policies(args.policies or ",".join(known), known, " at cluster scale" if at_scale else "")
     if args.load_cv is not None and args.target_std is not None:
         raise SystemExit("--load-cv and --target-std both set: give one skew")
     if args.zero_stage not in ZERO_STAGES:
@@ -205,16 +203,11 @@ def _run(args, out) -> int:
                          "the paper's report models ZeRO 0")
     if args.memory_cap is not None and (args.budget is not None or args.budget_rm is not None):
         raise SystemExit(f"--memory-cap ({args.memory_cap}) chooses m: do not also give --budget / --budget-rm")
-    memory = None if args.replica_memory_gb is None else args.replica_memory_gb * 1e9
     schedule = schedule_options(args)
     calibration = (not at_scale) if args.calibration is None else args.calibration
-    setup = build_setup(cluster, model, args.gpus, tokens_per_gpu=args.tokens_per_gpu, replica_memory_bytes=memory,
-                        overlap_degree=args.overlap_degree, budget=args.budget, budget_rm=args.budget_rm,
-                        flexmoe_slots=args.flexmoe_slots, reshard_interval=args.reshard_interval,
-                        smartmoe_interval=args.smartmoe_interval, flexmoe_threshold=args.flexmoe_threshold,
-                        flexmoe_interval=args.flexmoe_interval, calibration=calibration,
-                        calibration_budget=args.calibration_budget, zero_stage=args.zero_stage, gas=args.gas,
-                        communication_data_type=args.communication_data_type)
+    setup = build_setup(cluster, model, args.gpus, budget=args.budget, budget_rm=args.budget_rm,
+                        flexmoe_slots=args.flexmoe_slots, flexmoe_threshold=args.flexmoe_threshold,
+                        flexmoe_interval=args.flexmoe_interval, calibration=calibration, gas=args.gas, **options)
     synth = {k: v for k, v in (("drift", args.drift), ("jitter", args.jitter)) if v is not None}
     if at_scale and args.trace == SYNTHETIC and args.target_std is None:
         cv = DEFAULT_LOAD_CV if args.load_cv is None else args.load_cv
@@ -232,7 +225,6 @@ def _run(args, out) -> int:
         if trace is None:
             raise SystemExit("--save-trace: a load-CV trace is generated as it is read; it is not kept")
         save_trace(args.save_trace, trace)
-    dispatcher = functools.partial(dispatch_plan, mode=args.dispatch, slack=FSSDPConfig().dispatch_slack)
     if at_scale and args.predictor != "window":
         raise SystemExit(f"--predictor {args.predictor}: the paper's report only (at cluster scale each group plans "
                          f"on its own window)")
@@ -245,11 +237,8 @@ def _run(args, out) -> int:
     else:
         results = simulate(setup, source, policies, dispatcher=dispatcher, schedule=schedule,
                            fixed_t=args.overlap_degree is not None, predictor=args.predictor)
-    summary = setup.summary()
-    summary["dispatch"] = args.dispatch
-    summary["predictor"] = args.predictor
-    summary["group_size"] = args.group_size or args.gpus
-    summary["schedule"] = dataclasses.asdict(schedule)
+    summary = dict(setup.summary(), dispatch=args.dispatch, predictor=args.predictor,
+                   group_size=args.group_size or args.gpus, schedule=dataclasses.asdict(schedule))
     if not args.no_png:
         png = args.png or f"sim_{cluster.name}_{model.name}_{args.gpus}.png"
         from ds_fssdp.sim.plot import plot_results  # matplotlib only when plotting (0.4 s)

@@ -39,10 +39,8 @@ Beside ``iteration_s``: ``count_allgather_s`` (each layer's all-gather of ``toke
 group: a ring, one latency), ``planning_s`` (thread CPU time of the real planner per iteration on one
 rank, before and after gating), ``link_bytes`` (per GPU and node link per iteration, per category).
 
-Memory per rank (:func:`~.memory.peak_state`): 2 + 2 + 12 bytes per parameter of the dense part, the
-owned experts and FlexMoE's reserved slots; ephemeral replicas (FSSDP's, FasterMoE's shadows) 2 + 2,
-all layers' at once or, re-materialized, two consecutive layers'; at the peak rank and step;
-activations not counted. Averages are over the optimizer steps after the predictor's first window.
+Memory per rank: :func:`~.memory.peak_state` (:mod:`.memory` states the bytes) at the peak rank and
+step. Averages are over the optimizer steps after the predictor's first window.
 Each result carries the workload's lower bound (:mod:`.bound`; none under gradient accumulation).
 Not modelled: contention of overlapped collectives with the exchanges or the dense sync, the gate,
 norms and element-wise work (alike for every policy).
@@ -65,13 +63,13 @@ from ds_fssdp.planner.layer import LayerPlanner, migrations
 from ds_fssdp.planner.materialize import materialize as algorithm1  # the default materializer
 from ds_fssdp.planner.plan import DispatchPlan
 from ds_fssdp.planner.schedule import overlap_window, split_sync_pays
+from ds_fssdp.planner.scheduled import ScheduledCostModel
 from ds_fssdp.planner.shard import shard_placement
 from ds_fssdp.sim.bound import LowerBound
 from ds_fssdp.sim.foresight import make_predictor
 from ds_fssdp.sim.links import Links, sparse_collective_links, traffic_BNN, traffic_links
 from ds_fssdp.sim.memory import budget_for_cap, ep_memory_bytes, optimizer_params, peak_state
-from ds_fssdp.sim.pipeline import (INTER, INTRA, LayerSchedule, ScheduleOptions, binding_class, policy_options,
-                                   scheduled_cost_model)
+from ds_fssdp.sim.pipeline import INTER, INTRA, LayerSchedule, ScheduleOptions, binding_class, policy_options
 from ds_fssdp.sim.report import CATEGORIES, ClusterResult
 from ds_fssdp.sim.setup import MIGRATE_BYTES, OPT_TRAFFIC_BYTES, Setup, derive_overlap_degree, sim_settings
 from ds_fssdp.sim.sync import dense_sync, expert_inputs, exposed_sync, sync_times
@@ -122,6 +120,14 @@ def _check_run(name: str, setup: Setup, N: int, max_groups: int | None) -> None:
                          f"ep_size divides the experts)")
     if max_groups is not None and max_groups < 1:
         raise ValueError(f"max_groups ({max_groups}) must be >= 1 or None")
+
+
+def _log_layer(log: list | None, l: int, item) -> None:
+    """Append layer ``l``'s ``item`` to ``log``'s current step (a new one at layer 0)."""
+    if log is not None:
+        if l == 0:
+            log.append([])
+        log[-1].append(item)
 
 
 def plan_links(plan: DispatchPlan, ranks_per_node: int, row_bytes: float) -> Links:
@@ -191,9 +197,8 @@ class PolicyRun:
         self.budget = budget if budget is not None else (setup.budget_rm if self.rm else setup.budget)
         self.memory_cap = memory_cap
         self.fixed_t = overlap_degree is not None if fixed_t is None else fixed_t
-        if overlap_degree is None:
-            overlap_degree = derive_overlap_degree(setup.hw, self.topo, setup.shape, attention_s=setup.attention_fwd_s)
-        self.overlap_degree = overlap_degree
+        self.overlap_degree = overlap_degree if overlap_degree is not None else derive_overlap_degree(
+            setup.hw, self.topo, setup.shape, attention_s=setup.attention_fwd_s)
         self.options = policy_options(name, schedule)
         dispatcher = (dispatcher or functools.partial(dispatch_plan, mode="paper")) if dispatch is None else None
         self._build_planner(dispatcher, materializer, predictor,
@@ -209,10 +214,10 @@ class PolicyRun:
         L, E = st.num_layers, st.num_experts
         self.sched = LayerSchedule(st.hw, st.shape, ranks_per_node=self.topo.ranks_per_node, top_k=st.top_k,
                                    options=options, two_hops=lambda: self.inputs.two_hops, side_ratio=st.side_ratio)
-        if options.price_by_schedule:  # placement by time: calibration and balanced-time price the schedule
-            self.cost = scheduled_cost_model(st.hw, st.shape, self.topo, self.sched)
-        else:
-            self.cost = CostModel(st.hw, st.shape, self.topo)
+        # placement by time: calibration and balanced-time price a plan as the schedule runs it
+        self.cost = (ScheduledCostModel(st.hw, st.shape, self.topo, exchange=lambda: self.sched.exchange,
+                                        costs=self.sched.costs)
+                     if options.price_by_schedule else CostModel(st.hw, st.shape, self.topo))
         self.inputs = planner_inputs(sim_settings(self.name, st, budget=self.budget,
                                                   by_window=options.idle_link and not self.fixed_t,
                                                   t_by_time=options.t_by_time, overlap_degree=self.overlap_degree,
@@ -239,7 +244,9 @@ class PolicyRun:
         self._dense_s = dense_sync(st)
         self._split = False  # this step's experts' sync split around the step (decided after the last)
         self.split_steps = 0
-        self.count_links = self._count_links()
+        # one layer's all-gather of the counts in every group
+        moved, nodes = float((self.N - 1) * st.num_experts * COUNT_BYTES), self.N // self.topo.ranks_per_node
+        self.count_links = Links(np.full((self.B, self.N), moved), np.full((self.B, nodes), moved * (nodes > 1)))
         self.totals = dict.fromkeys(CATEGORIES, 0.0)
         self.links = {}  # category -> [bytes per GPU link, per node link] (the simulated groups', or the world's)
         self.step_s, self.straggler, self.inter_bytes, self.replicas = [], [], 0.0, 0.0
@@ -267,8 +274,10 @@ class PolicyRun:
         if self.degree_log is not None:
             self.degree_log.append(acc.layer_degrees)
         acc.group_B["comp"] += st.extra_compute_s  # every micro-step's dense layers
-        owned_N = np.bincount(self.owner_LE.numpy().ravel(), minlength=self.N).astype(np.float64) * st.shape.params
-        self._memory(owned_N, acc.ephemeral_BLN)
+        owned_N = self._owned_N() * st.shape.params
+        total, parts = peak_state(st, owned_N, acc.ephemeral_BLN, rm=self.rm, group_size=self.N, reserved=self.reserved)
+        if total > self.peak_total:
+            self.peak_total, self.peak_memory = total, parts
         if timed:
             self.micro_counted += 1
             self.count_s += st.num_layers * float(self.count_links.time_B(st.hw)[0])
@@ -292,7 +301,7 @@ class PolicyRun:
         else:
             owner_E = self.owner_LE[l]
             shard_ED = shard_placement(owner_E, N)
-            self._record(l, owner_E, shard_ED, shard_ED)
+            _log_layer(self.decisions, l, (owner_E.clone(), shard_ED.clone(), shard_ED.clone()))
             holder_BE, flows_4F, spag = np.broadcast_to(owner_E.numpy(), (B, E)), None, None
         lt = self.sched.layer(traffic_BNN(tokens_BEN, holder_BE, flows_4F))
         group_B["comp"] += attn_f + attn_b + lt.moe_B + lt.side_B
@@ -306,10 +315,7 @@ class PolicyRun:
         if spag is not None:
             hidden = self._charge_replicas(spag, window_B, window_b_B, ar_class, group_B, charge)
         self._leave_gaps(l, lt, acc, ar_class, hidden)
-        if self.charges is not None:
-            if l == 0:
-                self.charges.append([])
-            self.charges[-1].append(charge)
+        _log_layer(self.charges, l, charge)
         if timed:
             self._count_layer(lt)
 
@@ -435,10 +441,8 @@ class PolicyRun:
             acc.ephemeral_BLN[b, l] = lp.ephemeral_ED.sum(0).numpy()
             held += float(lp.persistent_ED.sum())
             self._charge_baselines(b, owner_E, lp, acc)
-        owner_np = owner_E.numpy()
-        shard_EN = np.zeros((E, N), dtype=bool)
-        shard_EN[np.arange(E), owner_np] = True
-        gather, reduce, calib = (sparse_collective_links(owner_np, shard_EN | held_BEN, ranks_per_node=G,
+        shard_EN = shard_placement(owner_E, N).numpy()
+        gather, reduce, calib = (sparse_collective_links(owner_E.numpy(), shard_EN | held_BEN, ranks_per_node=G,
                                                          chunk_bytes=psi, relay=self.inputs.relay)
                                  for held_BEN in (gathered_BEN, hidden_BEN | calibrated_BEN, calibrated_BEN))
         times = 2.0 if self.rm else 1.0
@@ -465,7 +469,7 @@ class PolicyRun:
             self.plan_pre_s += (t1 - t0) / self.B
             self.plan_post_s += (t2 - t1) / self.B
         if b == 0:
-            self._record(l, owner_E, placement_ED, lp.placement_ED)
+            _log_layer(self.decisions, l, (owner_E.clone(), placement_ED.clone(), lp.placement_ED.clone()))
         return lp, plan
 
     def _charge_baselines(self, b: int, owner_E: torch.Tensor, lp, acc: StepAccounts) -> None:
@@ -482,12 +486,6 @@ class PolicyRun:
             group_B["ar"][b] += self.cost.allreduce_time(groups_KD, torch.full((groups_KD.shape[0], ),
                                                                                float(self.setup.shape.expert_bytes)))
             acc.persistent_BN[b] += lp.persistent_ED.sum(0).numpy()
-
-    def _record(self, l: int, owner_E: torch.Tensor, placed_ED: torch.Tensor, held_ED: torch.Tensor) -> None:
-        if self.decisions is not None:
-            if l == 0:
-                self.decisions.append([])
-            self.decisions[-1].append((owner_E.clone(), placed_ED.clone(), held_ED.clone()))
 
     # -- pieces ------------------------------------------------------------------------------------
     def _route(self, tokens_LED: np.ndarray) -> np.ndarray:
@@ -534,26 +532,15 @@ class PolicyRun:
         self._sync_cache = {}
         return self.cost.transfer_time(traffic_DD)
 
-    def _count_links(self) -> Links:
-        """One layer's all-gather of the counts in every group."""
-        N, G, B = self.N, self.topo.ranks_per_node, self.B
-        moved = float((N - 1) * self.setup.num_experts * COUNT_BYTES)
-        nodes = N // G
-        return Links(np.full((B, N), moved), np.full((B, nodes), moved if nodes > 1 else 0.0))
-
     def _sync(self, split: bool):
         """The step's sync at the owners (:func:`~ds_fssdp.sim.sync.sync_times`): its links and
         the link class it binds on; ``split`` (ZeRO 0): the experts' all-reduce split around the step."""
         if split not in self._sync_cache:
-            owned_N = np.bincount(self.owner_LE.numpy().ravel(), minlength=self.N).astype(np.float64)
-            self._sync_cache[split] = sync_times(self.setup, self.N, owned_N, split_experts=split)
+            self._sync_cache[split] = sync_times(self.setup, self.N, self._owned_N(), split_experts=split)
         return self._sync_cache[split]
 
-    def _memory(self, owned_N: np.ndarray, ephemeral_BLN: np.ndarray) -> None:
-        total, parts = peak_state(self.setup, owned_N, ephemeral_BLN, rm=self.rm, group_size=self.N,
-                                  reserved=self.reserved)
-        if total > self.peak_total:
-            self.peak_total, self.peak_memory = total, parts
+    def _owned_N(self) -> np.ndarray:
+        return np.bincount(self.owner_LE.numpy().ravel(), minlength=self.N).astype(np.float64)
 
     def _add_links(self, category: str, links: Links, times: float) -> None:
         """Add ``times`` x ``links`` to the category's link totals: per simulated group (rows b of
@@ -590,45 +577,38 @@ class PolicyRun:
                              dedup_saved_gb=self.dedup_saved / c / 1e9, split_steps=self.split_steps / c)
 
 
-def run_cluster(runs: list, source, *, bound: bool = True) -> list:
+def run_cluster(runs: list, source, *, bound: bool = True, bounds: list | None = None) -> list:
     """Feed every step of ``source`` (an iterable of ``tokens_LED``: a [S, L, E, D] array, or a
     :class:`~ds_fssdp.sim.loadcv.LoadCVSource`) to every run in turn; their results, each with
     the workload's :class:`~ds_fssdp.sim.bound.LowerBound` (the least over the runs' group sizes,
     with the most replicas any run may hold) as ``lower_bound_s`` (none under gradient
-    accumulation: the bound prices one micro-step per optimizer step)."""
-    bounds = []
-    if bound and runs and runs[0].setup.gas == 1:
+    accumulation: the bound prices one micro-step per optimizer step). ``bounds``: the bounds to step
+    and take the least of instead (the paper's report's)."""
+    st = runs[0].setup if runs else None
+    if bounds is None and bound and st is not None and st.gas == 1:
         budget = max([r.budget for r in runs if r.fssdp], default=0)
         # past the most a run holds without re-materializing, the reduce runs twice (fssdp-rm)
         plain = max([r.budget for r in runs if r.fssdp and not r.rm], default=0)
         shapes = dict.fromkeys((r.N, r.B) for r in runs)  # runs of one group shape share a bound
-        bounds = [LowerBound(runs[0].setup, group_size=N, budget=budget, groups=B, plain=plain) for N, B in shapes]
-    steps = 0
+        bounds = [LowerBound(st, group_size=N, budget=budget, groups=B, plain=plain) for N, B in shapes]
+    bounds, steps = bounds or [], 0
     for s, tokens_LED in enumerate(source):
         tokens_LED = np.asarray(tokens_LED)
-        _check_trace(tokens_LED.shape, runs[0].setup)
-        for run in runs:
-            run.step(s, tokens_LED)
-        for b in bounds:
-            b.step(s, tokens_LED)
+        if tokens_LED.shape != (st.num_layers, st.num_experts, st.topology.num_ranks):
+            L, E, D = tokens_LED.shape
+            raise ValueError(f"trace is [steps, {L} layers, {E} experts, {D} ranks] but the setup has "
+                             f"{st.num_layers} layers, {st.num_experts} experts, {st.topology.num_ranks} ranks")
+        for stepped in (*runs, *bounds):
+            stepped.step(s, tokens_LED)
         steps += 1
-    if runs and steps < runs[0].setup.rows_needed:
-        st = runs[0].setup
+    if st is not None and steps < st.rows_needed:
         raise ValueError(f"the trace has {steps} steps; the simulation needs {st.rows_needed}: one whole optimizer "
                          f"step ({st.gas} rows) after the load window ({st.load_window})")
     results = [run.result() for run in runs]
-    if bounds:
-        low = min(b.result() for b in bounds)
-        for r in results:
-            r.lower_bound_s = low
+    low = min((b.result() for b in bounds), default=None)
+    for r in results:
+        r.lower_bound_s = low
     return results
-
-
-def _check_trace(shape_LED: tuple, setup: Setup) -> None:
-    if tuple(shape_LED) != (setup.num_layers, setup.num_experts, setup.topology.num_ranks):
-        L, E, D = shape_LED
-        raise ValueError(f"trace is [steps, {L} layers, {E} experts, {D} ranks] but the setup has "
-                         f"{setup.num_layers} layers, {setup.num_experts} experts, {setup.topology.num_ranks} ranks")
 
 
 def simulate(setup: Setup, tokens_SLED: np.ndarray, policies, *, bound: bool = True, fixed_t: bool = False,
@@ -644,16 +624,12 @@ def simulate(setup: Setup, tokens_SLED: np.ndarray, policies, *, bound: bool = T
     tokens_SLED = np.asarray(tokens_SLED)
     runs = [PolicyRun(name, setup, overlap_degree=setup.overlap_degree, fixed_t=fixed_t, **options)
             for name in policies]
-    results = [r.paper() for r in run_cluster(runs, tokens_SLED, bound=False)]
+    low = []
     if bound and setup.gas == 1:
         most = setup.num_experts if "fastermoe" in policies else max(setup.budget, setup.budget_rm)
         kept = setup.flexmoe_slots if "flexmoe" in policies else 0
-        low = LowerBound(setup, group_size=setup.topology.num_ranks, budget=most, persistent=kept, plain=setup.budget)
-        for s, tokens_LED in enumerate(tokens_SLED):
-            low.step(s, tokens_LED)
-        for r in results:
-            r.lower_bound_s = low.result()
-    return results
+        low = [LowerBound(setup, group_size=setup.topology.num_ranks, budget=most, persistent=kept, plain=setup.budget)]
+    return [r.paper() for r in run_cluster(runs, tokens_SLED, bounds=low)]
 
 
 def simulate_cluster(setup: Setup, source, policies, *, group_size: int | None = None,

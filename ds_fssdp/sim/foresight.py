@@ -53,5 +53,4 @@ def make_predictor(kind: str, num_experts_L, *, window: int) -> LoadPredictor:
     """``kind``: "window" (the runtime's sliding window) or "oracle" (:class:`ForesightPredictor`)."""
     if kind not in PREDICTORS:
         raise ValueError(f"predictor ({kind!r}) must be one of {PREDICTORS}")
-    cls = ForesightPredictor if kind == "oracle" else LoadPredictor
-    return cls(num_experts_L, window=window)
+    return (ForesightPredictor if kind == "oracle" else LoadPredictor)(num_experts_L, window=window)

@@ -26,8 +26,7 @@ STATE_BYTES = PARAM_BYTES + GRAD_BYTES  # a held parameter and its gradient (the
 
 def owned_per_layer(num_experts: int, group_size: int) -> int:
     """Experts the fullest rank of a group owns per layer (homogeneous sharding)."""
-    owner_E = homogeneous_owner(num_experts, group_size)
-    return int(owner_E.bincount(minlength=group_size).max())
+    return int(homogeneous_owner(num_experts, group_size).bincount(minlength=group_size).max())
 
 
 def optimizer_params(setup: Setup, owned, group_size: int):
@@ -46,15 +45,14 @@ def peak_state(setup: Setup, owned, ephemeral_LN, *, rm: bool, group_size: int, 
     parameters (``[N]``), holding ``ephemeral_LN`` replicas per layer (leading axes: groups) alive
     all layers, or the largest two consecutive layers' under re-materialization (``rm``), and
     ``reserved`` parameters of slots with full state (FlexMoE's)."""
-    P, e = setup.shape.params, np.asarray(ephemeral_LN, dtype=np.float64)
+    P, e, owned = setup.shape.params, np.asarray(ephemeral_LN, dtype=np.float64), np.asarray(owned, dtype=np.float64)
     if rm:
         replica = (e[..., :-1, :] + e[..., 1:, :]).max(-2) * P if e.shape[-2] > 1 else e[..., 0, :] * P
     else:
         replica = e.sum(-2) * P
-    stateful = setup.dense_params + np.asarray(owned, dtype=np.float64) + reserved
+    stateful = setup.dense_params + owned + reserved
     param, grad = PARAM_BYTES * (stateful + replica), GRAD_BYTES * (stateful + replica)
-    opt = np.broadcast_to(OPT_BYTES * (optimizer_params(setup, np.asarray(owned, dtype=np.float64), group_size)
-                                       + reserved), param.shape)
+    opt = np.broadcast_to(OPT_BYTES * (optimizer_params(setup, owned, group_size) + reserved), param.shape)
     total = param + grad + opt
     i = np.unravel_index(int(np.argmax(total)), total.shape)
     return float(total[i]), {"param": float(param[i]), "grad": float(grad[i]), "opt": float(opt[i])}

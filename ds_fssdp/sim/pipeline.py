@@ -49,7 +49,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ds_fssdp.planner.cost import Hardware, schedule_costs
-from ds_fssdp.planner.scheduled import ExchangeOptions, ScheduledCostModel, reduce_window_s
+from ds_fssdp.planner.scheduled import ExchangeOptions, reduce_window_s
 from ds_fssdp.planner.schedule import MAX_DEGREE, link_busy
 from ds_fssdp.sim.links import Links, traffic_links
 
@@ -139,24 +139,21 @@ class LayerSchedule:
         B = traffic_BNN.shape[0]
         fwd, bwd = np.zeros(B), np.zeros(B)
         busy_f, busy_b = np.zeros((B, 2)), np.zeros((B, 2))
-        degrees, taken, sent_BNN, routed, prices = [], [], traffic_BNN.copy(), {}, []
+        sent_BNN, routed, prices = traffic_BNN.copy(), {}, []
         for b in range(B):
             # The decisions, as the runtime takes them (onecopy.choose_exchange's price_exchange on the
             # plan's traffic, through the by-time decisions' one pricing call); the time, from what crosses
             # (one copy per destination sends fewer rows than it computes, and its routing entries and gate
             # weights besides).
             price = self.exchange.price(self.costs, traffic_BNN[b], ranks_per_node=self.G)
-            deg, load = price.degrees, price.link_load
             prices.append(price)
-            degrees.append(deg)
-            taken.append(price.one_copy)
             if price.one_copy:
                 sent_BNN[b] = price.sent_DD
                 if price.routed is not None:
                     routed[b] = price.routed
             fwd[b], bwd[b] = price.forward_R.max(), price.backward_R.max()
             # Every rank's load carries the group's busiest links (loads_from_traffic): one is enough.
-            busy_f[b], busy_b[b] = link_busy(self.costs, load, deg[0]), link_busy(self.costs, load, deg[1])
+            busy_f[b], busy_b[b] = (link_busy(self.costs, price.link_load, d) for d in price.degrees)
         links = traffic_links(sent_BNN, ranks_per_node=self.G, row_bytes=row_bytes, rows_BNN=traffic_BNN)
         if routed:  # one copy per destination over two hops: the routed bytes in place of one hop's
             idx = list(routed)
@@ -167,10 +164,11 @@ class LayerSchedule:
         moe_B = links.rows_BN.max(1) * (3.0 * self.shape.row_flops / self.hw.flops)
         side_B = np.array([p.load_cols[:, 4].max() for p in prices]) * (3.0 * self.shape.row_flops /
                                                                                      self.hw.flops)
-        return LayerTimes(links=links, moe_B=moe_B, side_B=side_B, forward_B=fwd, backward_B=bwd, degrees=degrees,
-                          busy_forward_B2=busy_f, busy_backward_B2=busy_b,
+        return LayerTimes(links=links, moe_B=moe_B, side_B=side_B, forward_B=fwd, backward_B=bwd,
+                          degrees=[p.degrees for p in prices], busy_forward_B2=busy_f, busy_backward_B2=busy_b,
                           saved_bytes=float(plain.rank_BN.sum() + plain.node_Bn.sum() - links.rank_BN.sum()
-                                            - links.node_Bn.sum()), one_copy=taken, prices=prices)
+                                            - links.node_Bn.sum()), one_copy=[p.one_copy for p in prices],
+                          prices=prices)
 
     def reduce_windows(self, lt: LayerTimes, attention_s: float, *, across_nodes: bool) -> np.ndarray:
         """Per group, the seconds that hide the layer's replica reduce: the planner's
@@ -184,12 +182,3 @@ def binding_class(links: Links, hw: Hardware) -> int:
     intra = float(links.rank_BN.max()) / hw.intra_bw
     inter = float(links.node_Bn.max()) / hw.inter_bw if links.node_Bn.size else 0.0
     return INTER if inter > intra else INTRA
-
-
-def scheduled_cost_model(hw: Hardware, shape, topology, schedule: LayerSchedule) -> ScheduledCostModel:
-    """The simulator's cost model with the layer priced by the schedule (placement by time):
-    calibration and the ``balanced-time`` dispatch weigh a candidate plan by its forward +
-    backward as ``schedule`` runs it (the planner's :class:`~ds_fssdp.planner.scheduled.ScheduledCostModel`,
-    which the runtime builds from its configuration), so keeping tokens local and balancing rows
-    are one objective. Sparse collectives priced as the runtime moves them (``planner/inputs.py``)."""
-    return ScheduledCostModel(hw, shape, topology, exchange=lambda: schedule.exchange, costs=schedule.costs)

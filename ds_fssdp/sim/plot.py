@@ -14,31 +14,30 @@ _LABELS = {"comp": "Comp", "a2a": "A2A", "spag": "SpAG/SpRS", "rearr": "Rearr", 
 
 def plot_results(path: str, results: list, *, title: str) -> None:
     names = [r.policy for r in results]
-    x = range(len(names))
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(names) + 4), 4.5))
-    bottom = [0.0] * len(names)
-    for cat in CATEGORIES:
-        values = [1e3 * r.breakdown_s[cat] for r in results]
-        ax_t.bar(x, values, bottom=bottom, label=_LABELS[cat])
-        bottom = [b + v for b, v in zip(bottom, values)]
+    top = _stacked(ax_t, names, [(_LABELS[c], [1e3 * r.breakdown_s[c] for r in results]) for c in CATEGORIES],
+                   ylabel="ms per iteration (critical path)", title="time (speedup over EP)")
     speedup = ratios(results)["speedup_vs_ep"]
     for i, r in enumerate(results):
         if r.policy in speedup:
-            ax_t.text(i, bottom[i], f"{speedup[r.policy]:.2f}x", ha="center", va="bottom", fontsize=8)
-    ax_t.set_xticks(list(x), names, rotation=30, ha="right")
-    ax_t.set_ylabel("ms per iteration (critical path)")
-    ax_t.set_title("time (speedup over EP)")
-    ax_t.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    bottom = [0.0] * len(names)
-    for key, label in (("param", "Param"), ("grad", "Grad"), ("opt", "Opt")):
-        values = [r.memory_bytes[key] / 1e9 for r in results]
-        ax_m.bar(x, values, bottom=bottom, label=label)
-        bottom = [b + v for b, v in zip(bottom, values)]
-    ax_m.set_xticks(list(x), names, rotation=30, ha="right")
-    ax_m.set_ylabel("GB (fullest rank, activations excluded)")
-    ax_m.set_title("model-state memory")
-    ax_m.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+            ax_t.text(i, top[i], f"{speedup[r.policy]:.2f}x", ha="center", va="bottom", fontsize=8)
+    _stacked(ax_m, names, [(label, [r.memory_bytes[key] / 1e9 for r in results])
+                           for key, label in (("param", "Param"), ("grad", "Grad"), ("opt", "Opt"))],
+             ylabel="GB (fullest rank, activations excluded)", title="model-state memory")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _stacked(ax, names: list, series: list, *, ylabel: str, title: str) -> list:
+    """Bars of ``series`` ((label, one value per name) each) stacked per name; returns their tops."""
+    bottom = [0.0] * len(names)
+    for label, values in series:
+        ax.bar(range(len(names)), values, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_xticks(list(range(len(names))), names, rotation=30, ha="right")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return bottom

@@ -28,9 +28,7 @@ def prediction_r2(load_SLE: np.ndarray, window: int = 5, *, per_layer: bool = Fa
     load_SLE = np.asarray(load_SLE, dtype=np.float64)
     pred = predicted_loads(load_SLE, window)
     actual = load_SLE[window:]
-    if per_layer:
-        return [_r2(actual[:, l], pred[:, l]) for l in range(actual.shape[1])]
-    return _r2(actual, pred)
+    return [_r2(actual[:, l], pred[:, l]) for l in range(actual.shape[1])] if per_layer else _r2(actual, pred)
 
 
 def _r2(actual: np.ndarray, pred: np.ndarray) -> float:

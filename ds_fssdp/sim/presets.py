@@ -126,8 +126,7 @@ class ModelPreset:
         """Forward FLOPs of one token through one attention layer: QKV and output projections
         (4 d^2 weights, 2 FLOPs each) plus scores and weighted sum (2 x 2 S d, halved by the causal
         mask)."""
-        s = self.seq_len
-        return 2.0 * self.attention_weights + 2.0 * s * (self.attention_dim or self.d_model)
+        return 2.0 * self.attention_weights + 2.0 * self.seq_len * (self.attention_dim or self.d_model)
 
     @property
     def attention_weights(self) -> int:

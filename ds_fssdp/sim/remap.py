@@ -41,10 +41,8 @@ def remap_trace(trace: Trace, *, num_ranks: int, assignments_per_rank: int, num_
     k = E2 // E
     shift = S // math.ceil(L2 / L) if layer_shift is None else layer_shift
     rng = np.random.default_rng(seed)
-    if split_concentration is None:
-        w_LEK = np.full((L2, E, k), 1.0 / k)
-    else:
-        w_LEK = rng.dirichlet(np.full(k, split_concentration), size=(L2, E))
+    w_LEK = (np.full((L2, E, k), 1.0 / k) if split_concentration is None else
+             rng.dirichlet(np.full(k, split_concentration), size=(L2, E)))
     perm_LE = np.stack([rng.permutation(E2) for _ in range(L2)])  # new id of sub-expert (e, j) = perm[e*k + j]
     src_layer = np.arange(L2) % L
     step_offset = (np.arange(L2) // L) * shift

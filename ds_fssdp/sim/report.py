@@ -60,11 +60,10 @@ class ClusterResult(PolicyResult):
 
     def to_dict(self) -> dict:
         out = super().to_dict()
-        memory = sum(self.memory_bytes.values())
         out.update(iteration_s=self.iteration_s, memory_bytes=self.memory_bytes, group_size=self.group_size,
                    count_allgather_ms=1e3 * self.count_allgather_s,
                    planning_ms={k: 1e3 * v for k, v in self.planning_s.items()}, total_ms=1e3 * self.total_s,
-                   link_bytes=self.link_bytes, memory_vs_ep=memory / self.ep_memory_bytes,
+                   link_bytes=self.link_bytes, memory_vs_ep=sum(self.memory_bytes.values()) / self.ep_memory_bytes,
                    memory_cap=self.memory_cap, overlap_degree=self.overlap_degree, groups=self.groups,
                    groups_simulated=self.groups_simulated, split_steps=self.split_steps)
         return out
@@ -153,14 +152,12 @@ def cluster_table(results: list) -> str:
               f"{'(pre/post)':>14} {'total ms':>9} | {'GPU link GB':>11} {'node link GB':>12}")
     lines = [header, "-" * len(header)]
     for r in results:
-        gpu = sum(v["gpu_max"] for v in r.link_bytes.values()) / 1e9
-        node = sum(v["node_max"] for v in r.link_bytes.values()) / 1e9
+        gpu, node = (sum(v[k] for v in r.link_bytes.values()) / 1e9 for k in ("gpu_max", "node_max"))
         pre, post = (1e3 * r.planning_s.get(k, 0.0) for k in ("pre_gating", "post_gating"))
         mem = sum(r.memory_bytes.values()) / r.ep_memory_bytes
-        split = f"{pre:.1f}/{post:.1f}"
         lines.append(f"{r.policy:<10} {r.group_size:>6} {r.overlap_degree:>3} {r.budget:>4} {mem:>7.3f} | "
                      f"{1e3 * r.count_allgather_s:>8.2f} "
-                     f"{pre + post:>8.2f} {split:>14} {1e3 * r.total_s:>9.1f} | {gpu:>11.2f} {node:>12.2f}")
+                     f"{pre + post:>8.2f} {f'{pre:.1f}/{post:.1f}':>14} {1e3 * r.total_s:>9.1f} | {gpu:>11.2f} {node:>12.2f}")
     lines.append("count = the tokens_ED all-gather of every layer; plan = measured planning on one rank (pre: "
                  "placement before gating, post: calibration + dispatch, on the critical path); total = iteration + "
                  "count + post; links: the busiest GPU / node link's bytes per iteration (summed over categories' "

@@ -17,7 +17,7 @@ Knobs derived as the runtime's "auto" settings would (ds_fssdp.planner.knobs):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 from ds_fssdp.planner.cost import CostModel, ExpertShape, Hardware
 from ds_fssdp.planner.inputs import PlannerSettings
@@ -105,11 +105,11 @@ class Setup:
 
     def with_hardware(self, hw: Hardware, *, rederive_overlap: bool = True) -> "Setup":
         """Same setup on other hardware; t follows the new bandwidth unless told otherwise."""
-        t = self.overlap_degree
+        out = replace(self, hw=hw)
         if rederive_overlap:
-            t = derive_overlap_degree(hw, self.topology, self.shape,
-                                      attention_s=self.tokens_per_gpu * self.attention_flops_per_token / hw.flops)
-        return replace(self, hw=hw, overlap_degree=t)
+            out = replace(out, overlap_degree=derive_overlap_degree(hw, self.topology, self.shape,
+                                                                    attention_s=out.attention_fwd_s))
+        return out
 
     def summary(self) -> dict:
         return {
@@ -121,10 +121,7 @@ class Setup:
             "smartmoe_interval": self.smartmoe_interval, "flexmoe_threshold": self.flexmoe_threshold,
             "calibration": self.calibration, "calibration_budget_attn": self.calibration_budget,
             "dense_params": self.dense_params, "extra_compute_ms": 1e3 * self.extra_compute_s,
-            "side_ratio": self.side_ratio, "zero_stage": self.zero_stage, "gas": self.gas, "hardware": {
-                "flops": self.hw.flops, "intra_bw": self.hw.intra_bw, "inter_bw": self.hw.inter_bw,
-                "latency": self.hw.latency, "hbm_bw": self.hw.hbm_bw
-            }
+            "side_ratio": self.side_ratio, "zero_stage": self.zero_stage, "gas": self.gas, "hardware": asdict(self.hw)
         }
 
 
@@ -164,10 +161,7 @@ def build_setup(cluster: ClusterPreset, model: ModelPreset, gpus: int, *, tokens
     if gpus < 1 or (gpus > G and gpus % G):
         raise ValueError(f"gpus ({gpus}) must be >= 1 and, beyond one node, a multiple of {G} GPUs per node")
     topology = Topology(num_ranks=gpus, ranks_per_node=min(G, gpus))
-    hw = cluster.hardware()
-    shape = model.expert_shape()
-    L = model.num_layers(cluster.name)
-    E = model.num_experts(gpus)
+    hw, shape, L, E = cluster.hardware(), model.expert_shape(), model.num_layers(cluster.name), model.num_experts(gpus)
     tokens = model.tokens_per_gpu(cluster) if tokens_per_gpu is None else tokens_per_gpu
     if tokens < 1:
         raise ValueError(f"tokens_per_gpu ({tokens}) must be >= 1")
@@ -175,14 +169,11 @@ def build_setup(cluster: ClusterPreset, model: ModelPreset, gpus: int, *, tokens
     if memory < 0:
         raise ValueError(f"replica_memory_bytes ({memory}) must be >= 0")
     attention_s = tokens * model.attention_flops_per_token() / hw.flops
-    psi = shape.expert_bytes
-    t = overlap_degree
-    if t is None:
-        t = derive_overlap_degree(hw, topology, shape, attention_s=attention_s)
-    m = budget if budget is not None else auto_materialization_budget(
-        memory_bytes=int(memory), expert_bytes=psi, num_layers=L, rematerialize=False)
-    m_rm = budget_rm if budget_rm is not None else auto_materialization_budget(
-        memory_bytes=int(memory), expert_bytes=psi, num_layers=L, rematerialize=True)
+    t = overlap_degree if overlap_degree is not None else derive_overlap_degree(hw, topology, shape,
+                                                                                attention_s=attention_s)
+    m, m_rm = (given if given is not None else auto_materialization_budget(
+        memory_bytes=int(memory), expert_bytes=shape.expert_bytes, num_layers=L, rematerialize=rm)
+        for given, rm in ((budget, False), (budget_rm, True)))
     full_state = (PARAM_BYTES + GRAD_BYTES + OPT_BYTES) * shape.params
     slots = flexmoe_slots if flexmoe_slots is not None else max(1, int(memory // (full_state * L)))
     label = options.pop("label", f"cluster {cluster.name.upper()}, {model.name}, {gpus} GPUs")
@@ -191,5 +182,4 @@ def build_setup(cluster: ClusterPreset, model: ModelPreset, gpus: int, *, tokens
                  dense_params=L * model.dense_params_per_layer(E) + model.extra_dense_params(), overlap_degree=t,
                  budget=m, budget_rm=m_rm, flexmoe_slots=slots, label=label, top_k=model.top_k,
                  extra_compute_s=3.0 * tokens * model.extra_flops_per_token() / hw.flops, hbm_bytes=cluster.hbm_bytes,
-                 side_ratio=model.side_ratio,
-                 **options)
+                 side_ratio=model.side_ratio, **options)

@@ -97,12 +97,9 @@ def stage_setups(cluster, model, gpus: int, stages: int, *, micro_batches: int, 
                      label=f"{whole.label.rsplit(',', 1)[0]}, stage {s} of {stages} ({gpus // stages} GPUs)")
         k = min(micro_batches, stages - s)
         N = st.topology.num_ranks if group_size is None else group_size
-        if memory_cap is not None:
-            m, m_rm = (budget_for_cap(st, N, memory_cap, rematerialize=rm, in_flight=k) for rm in (False, True))
-        else:
-            m, m_rm = (auto_materialization_budget(memory_bytes=int(memory), expert_bytes=st.shape.expert_bytes,
-                                                   num_layers=L_s, rematerialize=rm, in_flight=k)
-                       for rm in (False, True))
+        m, m_rm = (budget_for_cap(st, N, memory_cap, rematerialize=rm, in_flight=k) if memory_cap is not None else
+                   auto_materialization_budget(memory_bytes=int(memory), expert_bytes=st.shape.expert_bytes,
+                                               num_layers=L_s, rematerialize=rm, in_flight=k) for rm in (False, True))
         out.append(replace(st, budget=m, budget_rm=m_rm))
     return out
 
@@ -158,8 +155,7 @@ def simulate_stages(setups: list, policies, *, micro_batches: int, steps: int, l
     """``(results, lower bound seconds per step, per-stage trace summaries)``: every policy on every
     stage, micro-batch by micro-batch, then 1F1B step by step over the timed steps (those whose
     micro-batches all come after the predictor's first window)."""
-    G = micro_batches
-    S = len(setups)
+    G, S = micro_batches, len(setups)
     phases = {p: [[] for _ in range(S)] for p in policies}  # per stage, per micro-batch
     replicas = dict.fromkeys(policies, 0.0)
     budgets = {p: [] for p in policies}
@@ -249,13 +245,11 @@ def format_stages(label: str, stages: int, micro_batches: int, setups: list, res
     return "\n".join(lines)
 
 
-def run_cli(args, out, *, schedule, dispatcher) -> int:
+def run_cli(args, out, *, cluster, model, policies: list, setup_options: dict, schedule, dispatcher) -> int:
     """``python -m ds_fssdp.sim --pipeline-stages S``: the table (or ``--json``) for the cluster
     preset's synthetic load-CV workload, every policy under the same stages."""
     import json
 
-    from ds_fssdp.sim.cluster import CLUSTER_POLICIES
-    from ds_fssdp.sim.presets import cluster_preset, model_preset
     from ds_fssdp.sim.workload import DEFAULT_LOAD_CV, SYNTHETIC
     S = args.pipeline_stages
     G = 4 * S if args.micro_batches is None else args.micro_batches
@@ -269,18 +263,8 @@ def run_cli(args, out, *, schedule, dispatcher) -> int:
     if args.group_size not in (None, args.gpus // S):
         raise SystemExit(f"--group-size ({args.group_size}) with --pipeline-stages {S}: the groups are each stage's "
                          f"{args.gpus // S} data-parallel GPUs (EP's at most the expert count)")
-    policies = [p for p in (args.policies or "ep,fsmoe,fssdp,fssdp-rm").split(",") if p]
-    unknown = [p for p in policies if p not in CLUSTER_POLICIES]
-    if unknown:
-        raise SystemExit(f"--policies: unknown {unknown}; known with pipeline stages: {', '.join(CLUSTER_POLICIES)}")
-    cluster, model = cluster_preset(args.cluster), model_preset(args.model)
-    memory = None if args.replica_memory_gb is None else args.replica_memory_gb * 1e9
     setups = stage_setups(cluster, model, args.gpus, S, micro_batches=G, memory_cap=args.memory_cap,
-                          tokens_per_gpu=args.tokens_per_gpu, replica_memory_bytes=memory,
-                          overlap_degree=args.overlap_degree, reshard_interval=args.reshard_interval,
-                          smartmoe_interval=args.smartmoe_interval, calibration=bool(args.calibration),
-                          calibration_budget=args.calibration_budget, zero_stage=args.zero_stage,
-                          communication_data_type=args.communication_data_type)
+                          calibration=bool(args.calibration), **setup_options)
     cv = DEFAULT_LOAD_CV if args.load_cv is None else args.load_cv
     steps = args.steps if args.steps is not None else math.ceil(setups[0].load_window / G) + 2
     results, low, summaries = simulate_stages(setups, policies, micro_batches=G, steps=steps, load_cv=cv,

@@ -146,10 +146,7 @@ class TraceWriter:
         self.path = npz_path(path)
         self.meta = dict(meta or {})
         self.flush_every = flush_every
-        self._tokens = []
-        self._scalars = {}
-        self._arrays = {}
-        self._unflushed = 0
+        self._tokens, self._scalars, self._arrays, self._unflushed = [], {}, {}, 0
 
     def append(self, tokens_LED, *, arrays: dict | None = None, **scalars) -> None:
         """``arrays``: per-step arrays of a fixed shape (the runtime's decision record), stacked

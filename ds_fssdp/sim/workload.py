@@ -8,7 +8,7 @@ from ds_fssdp.sim.prediction import prediction_r2
 from ds_fssdp.sim.remap import remap_trace
 from ds_fssdp.sim.setup import Setup
 from ds_fssdp.sim.synth import synthetic_trace
-from ds_fssdp.sim.traces import Trace, load_trace, share_std
+from ds_fssdp.sim.traces import load_trace, share_std
 
 SYNTHETIC = "synthetic"
 DEFAULT_LOAD_CV = 0.5  # the shared recorded trace's (/work/shared/data/trace_e8.npz: 0.49 over its last 200 steps)
@@ -30,15 +30,15 @@ def trace_for_setup(setup: Setup, source: str, *, top_k: int, steps: int | None 
         trace = synthetic_trace(steps=n, num_layers=L, num_experts=E, num_ranks=D, assignments_per_rank=assignments,
                                 target_std=target_std, top_k=top_k, seed=seed, **synthetic_options)
         desc = f"synthetic, target skew {target_std}, seed {seed}"
-        return trace, _summary(trace, window, description=desc, source=SYNTHETIC)
+        return trace, _load_summary(trace.load_SLE(), window, description=desc, source=SYNTHETIC)
     recorded = load_trace(source)
     recorded = recorded.slice(start, steps)
     src_summary = {"steps": recorded.steps, "layers": recorded.num_layers, "experts": recorded.num_experts,
                    "ranks": recorded.num_ranks, "share_std": recorded.share_std(),
                    "r2": prediction_r2(recorded.load_SLE(), window) if recorded.steps > window else None}
     if (recorded.num_layers, recorded.num_experts, recorded.num_ranks) == (L, E, D):
-        return recorded, _summary(recorded, window, description=f"{source} steps [{start}, {start + recorded.steps})",
-                                  source=source, recorded=src_summary)
+        return recorded, _load_summary(recorded.load_SLE(), window, source=source, recorded=src_summary,
+                                       description=f"{source} steps [{start}, {start + recorded.steps})")
     if E % recorded.num_experts:
         raise ValueError(f"trace {source!r} has {recorded.num_experts} experts; the setup's {E} must be a multiple "
                          f"of it to remap")
@@ -46,7 +46,7 @@ def trace_for_setup(setup: Setup, source: str, *, top_k: int, steps: int | None 
                         split_concentration=split_concentration, seed=seed)
     desc = (f"{source} steps [{start}, {start + recorded.steps}) remapped {recorded.num_layers}x{recorded.num_experts}"
             f"x{recorded.num_ranks} -> {L}x{E}x{D} (layers x experts x ranks)")
-    return trace, _summary(trace, window, description=desc, source=source, recorded=src_summary)
+    return trace, _load_summary(trace.load_SLE(), window, description=desc, source=source, recorded=src_summary)
 
 
 class RecordedLoads:
@@ -62,8 +62,7 @@ class RecordedLoads:
             yield tokens_LED
 
     def summary(self, window: int) -> dict:
-        load_SLE = np.stack(self.load_SLE)
-        return _load_summary(load_SLE, window, description=self.description, source=SYNTHETIC)
+        return _load_summary(np.stack(self.load_SLE), window, description=self.description, source=SYNTHETIC)
 
 
 def cv_workload(setup: Setup, *, top_k: int, steps: int | None, load_cv_target: float, seed: int = 0,
@@ -75,10 +74,6 @@ def cv_workload(setup: Setup, *, top_k: int, steps: int | None, load_cv_target: 
                           num_ranks=setup.topology.num_ranks, assignments_per_rank=setup.tokens_per_gpu * top_k,
                           cv=load_cv_target, top_k=top_k, seed=seed, **synthetic_options)
     return RecordedLoads(source, f"synthetic, load CV {load_cv_target}, seed {seed}")
-
-
-def _summary(trace: Trace, window: int, **extra) -> dict:
-    return _load_summary(trace.load_SLE(), window, **extra)
 
 
 def _load_summary(load_SLE: np.ndarray, window: int, **extra) -> dict:

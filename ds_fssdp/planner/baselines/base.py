@@ -23,11 +23,9 @@ Policies are pure and deterministic: every rank that makes the same calls with t
 gets the same answers, so the runtime exchanges only ``tokens_ED``. A policy object keeps state
 across iterations only where the baseline it models does (FlexMoE's persistent replicas).
 
-This is THE interface: the runtime (``moe/sharded.py`` through :class:`ds_fssdp.planner.layer.LayerPlanner`,
-``runtime/stage.py`` for ``reshard``), the simulator and the report's replay call the same
-methods with the same inputs. Only the :class:`Clock` differs: what the time-dependent knobs are
-this iteration (the overlap degree t and calibration's latency budget), measured in the runtime,
-modelled in the simulators, read back from the trace in the replay.
+This is THE interface: the runtime (through :class:`ds_fssdp.planner.layer.LayerPlanner`;
+``runtime/stage.py`` for ``reshard``), the simulator and the replay call it alike, only their
+:class:`Clock` (t and calibration's latency budget) measured, modelled or read back.
 """
 from __future__ import annotations
 
@@ -198,10 +196,8 @@ class Policy:
         self.config = config
         self.topology = config.topology
         self._own_dispatcher = dispatcher is None
-        if dispatcher is None:
-            dispatcher = functools.partial(planner_dispatch, mode=config.dispatch, cost=config.cost,
-                                           slack=config.dispatch_slack)
-        self.dispatcher = dispatcher
+        self.dispatcher = dispatcher or functools.partial(planner_dispatch, mode=config.dispatch, cost=config.cost,
+                                                          slack=config.dispatch_slack)
         self.materializer = materializer
 
     # -- memory the policy reserves beyond the shard ------------------------------------------------
@@ -279,15 +275,10 @@ class Policy:
         shard_ED = shard_placement(owner_E, self.topology.num_ranks)
         if not bool(placement_ED[shard_ED].all()):
             raise ValueError(f"{self.name}: placement_ED must contain the shard placement of owner_E")
-        none, beyond_ED = torch.zeros_like(placement_ED), ~shard_ED
-        hidden_ED = placement_ED & beyond_ED
-        parts = []
-        for part_ED in (calibrated_ED, shadow_ED, persistent_ED):
-            if part_ED is not None:
-                part_ED = part_ED & beyond_ED
-                hidden_ED &= ~part_ED
-            parts.append(none if part_ED is None else part_ED)
-        calibrated_ED, shadow_ED, persistent_ED = parts
+        beyond_ED = ~shard_ED
+        calibrated_ED, shadow_ED, persistent_ED = (beyond_ED & (torch.zeros_like(placement_ED) if p is None else p)
+                                                   for p in (calibrated_ED, shadow_ED, persistent_ED))
+        hidden_ED = placement_ED & beyond_ED & ~(calibrated_ED | shadow_ED | persistent_ED)
         if evicted_ED is not None:
             evicted_ED = evicted_ED.to("cpu", torch.bool) & ~shard_ED
             if bool((evicted_ED & placement_ED).any()):

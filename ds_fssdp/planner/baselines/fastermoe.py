@@ -35,8 +35,7 @@ class FasterMoEPolicy(Policy):
         shard_ED = shard_placement(owner_E, self.topology.num_ranks)
         current_ED = placement_ED.to("cpu", torch.bool).clone()
         shadow_ED = torch.zeros_like(current_ED)
-        cap = self.config.fastermoe_max_shadow
-        cap = owner_E.numel() if cap is None else cap
+        cap = owner_E.numel() if self.config.fastermoe_max_shadow is None else self.config.fastermoe_max_shadow
         plan_EDD = self.dense_plan(current_ED, tokens_ED).double()
         local_EDD = torch.diag_embed(tokens_ED.double())  # each expert's plan once it is everywhere
         flow_DD = plan_EDD.sum(0)

@@ -43,8 +43,7 @@ class FlexMoEPolicy(Policy):
         return self.config.flexmoe_slots
 
     def persistent_ED(self, layer: int, owner_E: torch.Tensor) -> torch.Tensor:
-        shard_ED = shard_placement(owner_E.to("cpu", torch.long), self.topology.num_ranks)
-        return self._replicas_LED[layer] & ~shard_ED
+        return self._replicas_LED[layer] & ~shard_placement(owner_E.to("cpu", torch.long), self.topology.num_ranks)
 
     def post_gating(self, layer: int, owner_E: torch.Tensor, placement_ED: torch.Tensor, *,
                     tokens_ED: torch.Tensor, clock=None) -> LayerPlan:
@@ -58,15 +57,13 @@ class FlexMoEPolicy(Policy):
         copies = []
         for l in range(owner_LE.shape[0]):
             copies += [(l, e, src, dst) for e, src, dst in self._adjust(l, owner_LE[l], history_load_LE[l])]
-        if not copies:
-            return None
-        return Reshard(owner_LE=owner_LE, copies_M4=torch.tensor(copies, dtype=torch.long).view(-1, 4))
+        return (Reshard(owner_LE=owner_LE, copies_M4=torch.tensor(copies, dtype=torch.long).view(-1, 4)) if copies
+                else None)
 
     def _adjust(self, layer: int, owner_E: torch.Tensor, load_E: torch.Tensor) -> list:
         cfg, topo = self.config, self.topology
         load_E = load_E.to("cpu", torch.float64)
-        D = topo.num_ranks
-        shard_ED = shard_placement(owner_E, D)
+        shard_ED = shard_placement(owner_E, topo.num_ranks)
         rep_ED = self._replicas_LED[layer] & ~shard_ED
         node_D = topo.node_D()
         ratio = balance_ratio(shard_ED | rep_ED, load_E)

@@ -127,11 +127,10 @@ class FSSDPPolicy(Policy):
                   clock: Clock | None = None) -> Calibration:
         """:func:`ds_fssdp.planner.calibrate` with this policy's materializer, dispatcher, the
         clock's latency budget and :meth:`calibration_overlap_degree`."""
-        cfg = self.config
-        budget = self.latency_budget(clock)
-        return calibrate(owner_E, placement_ED, tokens_ED, self.topology, cfg.cost,
-                         overlap_degree=self.calibration_overlap_degree(clock), budget=cfg.budget,
-                         latency_budget=budget, dispatcher=self.dispatcher, materializer=self.materializer)
+        return calibrate(owner_E, placement_ED, tokens_ED, self.topology, self.config.cost,
+                         overlap_degree=self.calibration_overlap_degree(clock), budget=self.config.budget,
+                         latency_budget=self.latency_budget(clock), dispatcher=self.dispatcher,
+                         materializer=self.materializer)
 
     def calibration_overlap_degree(self, clock: Clock | None = None) -> int:
         """Distinct experts calibration may replicate: the t of the hidden gather plus what the

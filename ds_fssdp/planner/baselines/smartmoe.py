@@ -23,8 +23,7 @@ class SmartMoEPolicy(Policy):
 
     def reshard(self, step: int, history_load_LE: torch.Tensor | None, *, owner_LE: torch.Tensor,
                 clock=None) -> Reshard | None:
-        interval = self.config.smartmoe_interval
-        if history_load_LE is None or step == 0 or step % interval:
+        if history_load_LE is None or step == 0 or step % self.config.smartmoe_interval:
             return None
         owner_LE = owner_LE.to("cpu", torch.long)
         D = self.topology.num_ranks
