@@ -73,17 +73,14 @@ def run(job: Job) -> None:
     except Exception as e:  # reported to rank 0, then raised here
         err = e
     job.files = {}  # the staged states are no longer needed
-    _report(job, {"files": written} if err is None else {"error": f"{type(err).__name__}: {err}"})
+    path = report_path(job.tmp_dir, job.rank)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    atomic_write_text(path, json.dumps({"files": written} if err is None else  # rank 0 never reads half a report
+                                       {"error": f"{type(err).__name__}: {err}"}))
     if err is not None:
         raise err
     if job.rank == 0:
         job.commit(_digests(job))
-
-
-def _report(job: Job, body: dict) -> None:
-    path = report_path(job.tmp_dir, job.rank)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    atomic_write_text(path, json.dumps(body))  # rank 0 never reads half a report
 
 
 def _digests(job: Job) -> dict:
