@@ -237,9 +237,7 @@ class FSSDPConfig(_Strict):
         pd = self.pipeline_degree
         if pd == "auto":
             return "auto"
-        if isinstance(pd, int):
-            return (pd, pd)
-        return (pd.forward, pd.backward)
+        return (pd, pd) if isinstance(pd, int) else (pd.forward, pd.backward)
 
     def resolve_ranks_per_node(self, world_size: int, env: Mapping[str, str] | None = None) -> int:
         """Ranks per node for this world; "auto" reads the launcher's local world size."""

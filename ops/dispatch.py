@@ -62,9 +62,7 @@ def _triton_problem() -> str:
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
     found = version.Version(_triton_version())
-    if found < MIN_TRITON:
-        return f"triton {found} is older than {MIN_TRITON}"
-    return ""
+    return f"triton {found} is older than {MIN_TRITON}" if found < MIN_TRITON else ""
 
 
 def _triton_version() -> str:

@@ -135,7 +135,8 @@ def _check(source: TensorSource, files, *, model_type: str, num_experts: int, co
     # The whole conversion on meta tensors: the model's shape must come out.
     got = _convert(source, lambda key, rows=None: _meta(files.entry(key), rows), list(range(E)), config=config)
     if tuple(got.shape) != tuple(source.shape):
-        raise CheckpointError(f"{where}: the checkpoint's tensor(s) {_sample(source.keys)} ({_shapes(source, files)}) "
+        raise CheckpointError(f"{where}: the checkpoint's tensor(s) {_sample(source.keys)} ("
+                              f"{', '.join(str(list(files.entry(k).shape)) for k in _sample(source.keys))}) "
                               f"convert to shape {list(got.shape)}, the model's is {list(source.shape)}")
 
 
@@ -196,10 +197,6 @@ def _with_index(key: str, pattern: str, e: int) -> str:
 
 def _sample(keys: dict) -> list:
     return [next(iter(v.values())) if isinstance(v, dict) else v[0] for v in keys.values()]
-
-
-def _shapes(source, files) -> str:
-    return ", ".join(str(list(files.entry(k).shape)) for k in _sample(source.keys))
 
 
 def _dir(files) -> str:

@@ -21,7 +21,7 @@ import shutil
 import torch
 
 from ds_fssdp.runtime.checkpoint.collective import agreed, rank
-from ds_fssdp.runtime.checkpoint.files import CheckpointError, fsync_dir, write_json
+from ds_fssdp.runtime.checkpoint.files import CheckpointError, fsync_dir, write_file
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -223,7 +223,7 @@ def _commit(tmp: str, out_dir: str, files: list, overwrite: bool = False) -> Non
         elif n not in dense_files:
             os.replace(os.path.join(dense_dir, n), os.path.join(tmp, n))
     os.rmdir(dense_dir)
-    write_json({"metadata": {"total_size": total_size, "total_parameters": total_params},
+    write_file({"metadata": {"total_size": total_size, "total_parameters": total_params},
                 "weight_map": dict(sorted(weight_map.items()))}, os.path.join(tmp, INDEX))
     fsync_dir(tmp)
     if os.path.isdir(out_dir) and os.listdir(out_dir):

@@ -39,9 +39,7 @@ class AuxLossToBackward(nn.Module):
         if torch._C._current_graph_task_id() == -1:  # not a recompute inside the backward: counted once
             term = self.coef * aux.detach().float()
             self.total = term if self.total is None else self.total + term
-        if torch.is_grad_enabled() and aux.requires_grad:
-            return _ToBackward.apply(x, aux, self)
-        return x
+        return _ToBackward.apply(x, aux, self) if torch.is_grad_enabled() and aux.requires_grad else x
 
 
 class _ToBackward(torch.autograd.Function):

@@ -64,7 +64,8 @@ class ExpertSpec:
 
     def flatten(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Named [S, *shape] tensors -> rows [S, P]."""
-        return torch.cat([tensors[n].reshape(tensors[n].shape[0], -1) for n in self.names], dim=1)
+        return torch.cat([tensors[n].reshape(tensors[n].shape[0], math.prod(tensors[n].shape[1:])) for n in self.names],
+                         dim=1)  # no -1: also for 0 rows
 
     def views(self, rows_SP: torch.Tensor) -> dict:
         """rows [S, P] -> named [S, *shape] views (no copy; autograd flows back to the rows)."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import math
 from fractions import Fraction
 from typing import Mapping, Optional, Sequence
 
@@ -424,8 +423,7 @@ class PipelinedExperts(torch.autograd.Function):
         by_target = {id(t): g for t, g in zip(targets, sums)}
         named = {n: (by_target.get(id(t)) if by_target.get(id(t)) is not None else torch.zeros_like(t))
                  for n, t in zip(w_names, w_tensors)}
-        d_rows_all = torch.cat([named[n].reshape(named[n].shape[0], math.prod(named[n].shape[1:]))
-                                for n in experts.spec.names], dim=1)  # spec.flatten, also for 0 rows
+        d_rows_all = experts.spec.flatten(named)
         S0 = experts.rows.shape[0]
         d_rows, d_replica = d_rows_all[:S0], d_rows_all[S0:]
         out = [d_rows if ctx.needs[0] else None]

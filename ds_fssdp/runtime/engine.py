@@ -10,7 +10,9 @@ every stage (``runtime/pipeline.py``).
 """
 from __future__ import annotations
 
+import functools
 import os
+from contextlib import nullcontext
 
 import deepspeed
 import torch
@@ -245,9 +247,7 @@ class FSSDPEngineMixin:
         norm = self.fssdp.norm
         skip = self.fssdp.health.decide(norm.expert_sq if norm is not None else None, step=self.global_steps + 1,
                                         rank=dist.get_rank(), shards=self.fssdp.shards)
-        if not skip:
-            return super()._take_model_step(lr_kwargs, *args, **kwargs)
-        with skipped_optimizer_step(self.optimizer):
+        with skipped_optimizer_step(self.optimizer) if skip else nullcontext():
             return super()._take_model_step(lr_kwargs, *args, **kwargs)
 
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False,
@@ -285,17 +285,12 @@ class FSSDPEngineMixin:
                                verify=verify)
 
 
-_ENGINE_CLASSES = {}
-
-
+@functools.cache
 def _fssdp_engine_class(base: type) -> type:
     """``FSSDP<EngineClass>``, a subclass of the engine's own class; for DeepSpeed's pipeline engine
     also the pipeline mixin and its instruction map with the FSSDP work wrapped around the
     forward, backward and optimizer-step instructions (runtime/pipeline.py)."""
-    if base not in _ENGINE_CLASSES:
-        if issubclass(base, PipelineEngine):
-            _ENGINE_CLASSES[base] = type(f"FSSDP{base.__name__}", (pipeline.FSSDPPipelineMixin, FSSDPEngineMixin, base),
-                                         {"_INSTRUCTION_MAP": pipeline.instruction_map(base._INSTRUCTION_MAP)})
-        else:
-            _ENGINE_CLASSES[base] = type(f"FSSDP{base.__name__}", (FSSDPEngineMixin, base), {})
-    return _ENGINE_CLASSES[base]
+    if issubclass(base, PipelineEngine):
+        return type(f"FSSDP{base.__name__}", (pipeline.FSSDPPipelineMixin, FSSDPEngineMixin, base),
+                    {"_INSTRUCTION_MAP": pipeline.instruction_map(base._INSTRUCTION_MAP)})
+    return type(f"FSSDP{base.__name__}", (FSSDPEngineMixin, base), {})

@@ -306,24 +306,14 @@ class ReplicatedExperts(_ExpertState):
         split step holds, or the same elements of the all-reduced gradient."""
         return self._summed[i].float() if self.split else self._slice(self.shards[i].master.grad)
 
-    @staticmethod
-    def _scaled_grad(s, scale: float) -> torch.Tensor:
-        if s.master.grad is None:
-            s.master.grad = torch.zeros_like(s.master)
-        return s.master.grad.mul_(scale).view(-1)
-
-    @staticmethod
-    def _land(flat: torch.Tensor, sent: torch.Tensor) -> None:
-        """The all-reduced ``sent`` into the fp32 gradient ``flat`` (nothing where it was reduced in place)."""
-        if sent is not flat:
-            flat.copy_(sent)
-
     @torch.no_grad()
     def _start(self, i: int, scale: float, slice_elems: int) -> tuple:
         """Layer i's reduce started: all-reduced into the master's gradient, or on a split step
         reduce-scattered into this rank's slice. Returns (collectives, completion)."""
         s = self.shards[i]
-        flat = self._scaled_grad(s, scale)
+        if s.master.grad is None:
+            s.master.grad = torch.zeros_like(s.master)
+        flat = s.master.grad.mul_(scale).view(-1)
         if self.split:
             works, part = self._start_reduce_scatter(flat.to(self.comm_dtype), slice_elems)
             s.master.grad = None
@@ -333,7 +323,8 @@ class ReplicatedExperts(_ExpertState):
         sent = flat.to(self.comm_dtype)  # flat itself in fp32
         works = [dist.all_reduce(sent[a:b], group=self.edp_group, async_op=True)
                  for a, b in self._pieces(sent.numel(), slice_elems)]
-        return works, lambda: self._land(flat, sent)
+        # the all-reduced gradient into the fp32 one (nothing where it was reduced in place)
+        return works, (lambda: None) if sent is flat else (lambda: flat.copy_(sent))
 
     def publish(self, *, deferred: bool = False, factor: float = 1.0) -> list:
         """Copy each master into its compute rows (a local copy: never deferred; returns []). On a

@@ -101,9 +101,7 @@ def install_expert_norm(engine, *, dense_group=None) -> ExpertNorm:
 def loss_scale_of(opt) -> float:
     if isinstance(opt, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)):
         return float(opt.loss_scale)
-    if isinstance(opt, (FP16_Optimizer, FP16_UnfusedOptimizer)):
-        return float(opt.loss_scale_config.cur_scale)
-    return 1.0
+    return float(opt.loss_scale_config.cur_scale) if isinstance(opt, (FP16_Optimizer, FP16_UnfusedOptimizer)) else 1.0
 
 
 def _wrap_zero(opt, hook: ExpertNorm) -> None:

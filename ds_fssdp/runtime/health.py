@@ -25,6 +25,7 @@ import torch
 from deepspeed.utils import logger
 
 from ds_fssdp.config import FSSDPConfig, FSSDPConfigError
+from ds_fssdp.runtime.checkpoint.files import patched
 
 
 # -- combinations refused before any collective ------------------------------------------------
@@ -156,32 +157,19 @@ def skipped_optimizer_step(optimizer):
             optimizer.clear_hp_grads()
             optimizer.clear_lp_grads()
 
-        optimizer.step = skip
-        try:
+        with patched(optimizer, "step", skip):
             yield
-        finally:
-            del optimizer.step
     elif isinstance(optimizer, DeepSpeedZeroOptimizer):
         # Its own overflow branch clears the partitioned gradients and buffers; bf16 skips the
         # check unless told, so force both the check and its answer.
-        saved = optimizer.check_grad_overflow
-        optimizer.check_grad_overflow = True
-        optimizer.check_overflow = lambda partition_gradients=True: setattr(optimizer, "overflow", True)
-        try:
+        with patched(optimizer, "check_grad_overflow", True), patched(
+                optimizer, "check_overflow", lambda partition_gradients=True: setattr(optimizer, "overflow", True)):
             yield
-        finally:
-            optimizer.check_grad_overflow = saved
-            del optimizer.check_overflow
     elif hasattr(optimizer, "overflow"):
         # FP16_Optimizer / FP16_UnfusedOptimizer: their overflow check already ORs in the
         # non-finite expert norm (grad_norm.py), so they take their own overflow path.
         yield
     else:
         # A torch optimizer (ZeRO 0, fp32) or another wrapper without an overflow flag.
-        optimizer.step = lambda *args, **kwargs: None
-        optimizer.overflow = True
-        try:
+        with patched(optimizer, "step", lambda *args, **kwargs: None), patched(optimizer, "overflow", True):
             yield
-        finally:
-            del optimizer.step
-            del optimizer.overflow

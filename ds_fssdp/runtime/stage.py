@@ -528,9 +528,7 @@ class FSSDPStage:
         """Predicted loads of all layers (float64 [L, E]) summed over the FSSDP groups, so that
         every group plans the same owners (None without history: the same in every group)."""
         load_LE = self.predictor.predict_all()
-        if load_LE is None or self.edp_size == 1:
-            return load_LE
-        return self._edp_reduce(load_LE)
+        return load_LE if load_LE is None or self.edp_size == 1 else self._edp_reduce(load_LE)
 
     def _edp_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """``t`` reduced over the EDP group on the layers' device (NCCL reduces device tensors

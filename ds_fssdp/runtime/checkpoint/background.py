@@ -30,7 +30,7 @@ from typing import Callable
 from deepspeed.utils import logger
 
 from ds_fssdp.runtime.checkpoint.collective import agree
-from ds_fssdp.runtime.checkpoint.files import CheckpointError, digest, walk
+from ds_fssdp.runtime.checkpoint.files import CheckpointError, atomic_write_text, digest, read_json, walk
 
 WRITTEN = ".written"  # inside .tmp-<tag>: one report per rank, removed before the commit
 POLL_S = 0.02
@@ -73,19 +73,14 @@ def run(job: Job) -> None:
     except Exception as e:  # reported to rank 0, then raised here
         err = e
     job.files = {}  # the staged states are no longer needed
-    _report(job, {"files": written} if err is None else {"error": f"{type(err).__name__}: {err}"})
+    path = report_path(job.tmp_dir, job.rank)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    atomic_write_text(path, json.dumps({"files": written} if err is None else  # rank 0 never reads half a report
+                                       {"error": f"{type(err).__name__}: {err}"}))
     if err is not None:
         raise err
     if job.rank == 0:
         job.commit(_digests(job))
-
-
-def _report(job: Job, body: dict) -> None:
-    path = report_path(job.tmp_dir, job.rank)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(body, f)
-    os.replace(path + ".tmp", path)  # rank 0 never reads half a report
 
 
 def _digests(job: Job) -> dict:
@@ -104,8 +99,7 @@ def _digests(job: Job) -> dict:
         time.sleep(POLL_S)
     digests, failed = {}, {}
     for r in range(job.world):
-        with open(report_path(job.tmp_dir, r)) as f:
-            body = json.load(f)
+        body = read_json(report_path(job.tmp_dir, r))
         if "error" in body:
             failed[r] = body["error"]
         else:

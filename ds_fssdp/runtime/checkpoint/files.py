@@ -79,16 +79,16 @@ def _first_line(err) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-def save_tensors(obj, path: str) -> None:
-    with reported_write(path), open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def write_json(obj, path: str) -> None:
-    with reported_write(path), open(path, "w") as f:
-        json.dump(obj, f, indent=1)
+def write_file(obj, path: str) -> None:
+    """``obj`` written and flushed to disk: a str as text, JSON into ``*.json``, else ``torch.save``."""
+    text = isinstance(obj, str) or path.endswith(".json")
+    with reported_write(path), open(path, "w" if text else "wb") as f:
+        if isinstance(obj, str):
+            f.write(obj)
+        elif text:
+            json.dump(obj, f, indent=1)
+        else:
+            torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
 
@@ -166,12 +166,8 @@ def read_text(path: str) -> str:
 
 
 def atomic_write_text(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with reported_write(tmp), open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_file(text, path + ".tmp")
+    os.replace(path + ".tmp", path)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 

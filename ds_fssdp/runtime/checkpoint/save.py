@@ -15,7 +15,7 @@ from deepspeed.utils import logger
 from ds_fssdp.runtime.checkpoint import background
 from ds_fssdp.runtime.checkpoint.collective import agree, agreed, all_gather, broadcast
 from ds_fssdp.runtime.checkpoint.files import (CheckpointError, atomic_write_text, deferred_write_errors, digest, fsync_dir,
-                                              save_tensors, walk, write_json)
+                                              walk, write_file)
 from ds_fssdp.runtime.checkpoint.layout import (COMMON, FORMAT, LATEST, MANIFEST, META, OLD_PREFIX, TMP_PREFIX, VERSION,
                                                rank_file)
 from ds_fssdp.runtime.checkpoint.pipeline import every_stage_layers, stages_of
@@ -90,7 +90,7 @@ def _start_async(engine, save_dir: str, tag: str, tmp_dir: str, *, client_state,
                       for path, state in staging.staged.items()})
         os.makedirs(os.path.join(tmp_dir, "fssdp"), exist_ok=True)
         for name, state in expert_state(engine, tag).items():
-            files[name] = partial(write_json if name.endswith(".json") else save_tensors, to_host(state))
+            files[name] = partial(write_file, to_host(state))
 
     agreed(f"staging checkpoint {tag!r}", stage)
     from deepspeed.constants import default_pg_timeout  # DEEPSPEED_TIMEOUT minutes
@@ -113,7 +113,7 @@ def _inside(tmp_dir: str, path: str) -> str:
 def commit_files(save_dir: str, tag: str, tmp_dir: str, digests: dict, *, save_latest: bool) -> None:
     """Rank 0, once every file is on disk: the manifest, then the renames (``latest`` last)."""
     manifest = {"format": FORMAT, "version": VERSION, "tag": tag, "files": {f: digests[f] for f in sorted(digests)}}
-    write_json(manifest, os.path.join(tmp_dir, MANIFEST))
+    write_file(manifest, os.path.join(tmp_dir, MANIFEST))
     _commit(save_dir, tag, tmp_dir, save_latest=save_latest)
 
 
@@ -127,7 +127,7 @@ def write_expert_files(engine, root: str, tag: str) -> None:
     """This rank's expert rows, and on rank 0 the metadata and the shared state."""
     os.makedirs(os.path.join(root, "fssdp"), exist_ok=True)
     for name, state in expert_state(engine, tag).items():
-        (write_json if name.endswith(".json") else save_tensors)(state, os.path.join(root, name))
+        write_file(state, os.path.join(root, name))
 
 
 def expert_state(engine, tag: str) -> dict:

@@ -25,7 +25,7 @@ from deepspeed import comm as dist
 from deepspeed.utils import logger
 
 from ds_fssdp.runtime.checkpoint.collective import agreed
-from ds_fssdp.runtime.checkpoint.files import CheckpointError, fsync_dir, patched, read_json, write_json
+from ds_fssdp.runtime.checkpoint.files import CheckpointError, fsync_dir, patched, read_json, write_file
 
 PREFIX = ".universal-"
 TMP_PREFIX = ".universal-tmp-"
@@ -86,7 +86,7 @@ def _convert(src: str, final: str, tmp: str, manifest: dict) -> None:
         ds_to_universal.main(args)
     logger.debug(f"fssdp: ds_to_universal output: {out.getvalue()}")
     logger.info(f"fssdp: converted the dense part of {src} with DeepSpeed's ds_to_universal into {final}")
-    write_json({"files": manifest["files"]}, os.path.join(tmp, SOURCE))
+    write_file({"files": manifest["files"]}, os.path.join(tmp, SOURCE))
     os.rename(tmp, final)
     fsync_dir(os.path.dirname(final))
 
