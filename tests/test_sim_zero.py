@@ -15,13 +15,14 @@ from ds_fssdp import Topology
 from ds_fssdp.planner import ExpertShape, Hardware
 from ds_fssdp.planner.schedule import drain_before_deadlines, drain_in_gaps, split_sync_pays
 from ds_fssdp.sim.__main__ import main
+from ds_fssdp.sim.bound import LowerBound
 from ds_fssdp.sim.cluster import PolicyRun, simulate_cluster
 from ds_fssdp.sim.links import allreduce_links
 from ds_fssdp.sim.memory import budget_for_cap, ep_memory_bytes, optimizer_params
 from ds_fssdp.sim.pipeline import ScheduleOptions
 from ds_fssdp.planner.prices import allreduce_share, reduce_scatter_share
 from ds_fssdp.planner.sync_dtype import expert_sync_bytes
-from ds_fssdp.sim.setup import GRAD_BYTES, OPT_BYTES, PARAM_BYTES, Setup, derive_overlap_degree
+from ds_fssdp.sim.setup import OPT_BYTES, PARAM_BYTES, Setup, derive_overlap_degree
 from ds_fssdp.sim.sync import dense_sync, expert_inputs, exposed_sync, sync_times
 from ds_fssdp.sim.synth import synthetic_trace
 
@@ -207,6 +208,19 @@ def runs():
     return out
 
 
+@pytest.mark.parametrize("comm", [None, "fp32"])
+def test_the_bound_syncs_in_the_communication_dtype(comm):
+    """The bound's ways to sync are every policy's, DeepSpeed's MoE's too, in the communication
+    dtype the runs are charged in (no bf16 copy for EP under fp32: it would loosen the bound)."""
+    for zero in (0, 1):
+        setup = dataclasses.replace(setup_with(zero), communication_data_type=comm)
+        kinds = (False, True) if zero == 0 else (False, )
+        seconds = [(t.step_gather_s, t.reduce_s, t.forward_gather_s) for t in
+                   LowerBound(setup, group_size=4, budget=3).syncs]
+        assert seconds == [(t.step_gather_s, t.reduce_s, t.forward_gather_s) for t in
+                           (sync_times(setup, 4, split_experts=k) for k in kinds)]
+
+
 def test_zero_1_charges_each_schedule_what_it_runs(runs):
     """EP reduces and gathers at the step, whole; fsmoe and FSSDP gather their experts in the next
     forward's gaps, before each layer's first use (FSSDP's a layer ahead: its replica gather), which
@@ -218,8 +232,8 @@ def test_zero_1_charges_each_schedule_what_it_runs(runs):
         assert r.breakdown_s["ar"] == pytest.approx(np.mean([v for *_, v in calls]))
         for dense_s, experts, kw, value in calls:
             assert kw["split"]
-            if name == "ep":  # DeepSpeed's MoE: its engine's bf16 experts' sync after the dense one, whole
-                whole = sync_times(setup_with(1), 4, np.full(4, 16.0), grad_bytes=GRAD_BYTES)
+            if name == "ep":  # DeepSpeed's MoE: its engine's experts' sync (bf16 here) after the dense one, whole
+                whole = sync_times(setup_with(1), 4, np.full(4, 16.0))
                 assert experts is None and not kw["gaps"]
                 assert value == pytest.approx(whole.step_gather_s + whole.reduce_s + whole.forward_gather_s)
                 assert whole.step_gather_s == pytest.approx(dense_sync(setup_with(1))) and value > whole.step_gather_s

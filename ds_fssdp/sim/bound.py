@@ -78,8 +78,8 @@ before each layer's first use in the next forward, so it can overlap that forwar
 
 for every u in [0, 1] too; :func:`chain_bound` weighs the forward's terms by u, and the bound is
 the best over the (u, v) grid. At ZeRO 0 a policy either all-reduces before the step or (FSSDP
-with the gaps) splits its experts' all-reduce the same way (:mod:`.sync`); DeepSpeed's MoE (EP,
-Uniform) reduces its experts' gradients in bf16: the bound is the least of these.
+with the gaps) splits its experts' all-reduce the same way (:mod:`.sync`; every policy's, DeepSpeed's
+MoE's too, in the communication dtype, ``Setup.grad_sync_bytes``): the bound is the least of these.
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ import math
 import numpy as np
 
 from ds_fssdp.sim.memory import optimizer_params
-from ds_fssdp.sim.setup import GRAD_BYTES, OPT_TRAFFIC_BYTES, Setup
+from ds_fssdp.sim.setup import OPT_TRAFFIC_BYTES, Setup
 from ds_fssdp.sim.sync import sync_times
 
 try:  # chain_bound's loop in C (the same numbers), None where not built
@@ -119,7 +119,6 @@ class LowerBound:
         # With an experts' gather beside the forward, the (u, v) grid; else v alone.
         kinds = (False, True) if setup.zero_stage == 0 and setup.topology.num_ranks // group_size > 1 else (False, )
         self.syncs = [sync_times(setup, group_size, split_experts=split) for split in kinds]
-        self.syncs.append(sync_times(setup, group_size, grad_bytes=GRAD_BYTES))  # DeepSpeed's MoE: bf16 experts
         self.us = [WEIGHTS if sync.forward_gather_s > 0 else (1.0, ) for sync in self.syncs]  # v: all of WEIGHTS
 
     def step(self, s: int, tokens_LED: np.ndarray) -> None:

@@ -122,15 +122,15 @@ def exposed_sync(dense_s: float, experts: tuple | None, *, gaps: bool, split: bo
 
 
 def sync_times(setup: Setup, group_size: int, owned_N: np.ndarray | None = None, *,
-               split_experts: bool = False, grad_bytes: int | None = None) -> SyncTimes:
+               split_experts: bool = False) -> SyncTimes:
     """A step's sync with groups of ``group_size`` ranks, rank i of a group owning ``owned_N[i]``
     experts over all layers (None: E L / N each, the even owners the bound assumes), the experts'
     part as one collective of all layers' bytes per ring (its least: one latency; DeepSpeed's EP
-    buckets them so), ``grad_bytes`` per element (None: the communication dtype's,
-    ``setup.grad_sync_bytes``, the runtime's and DeepSpeed's MoE's alike). ``split_experts``
+    buckets them so), in the communication dtype (``setup.grad_sync_bytes``: the runtime's and
+    DeepSpeed's MoE's alike). ``split_experts``
     (ZeRO 0): the experts' all-reduce runs as a reduce-scatter and an all-gather (ZeRO 1's always do)."""
     D, N = setup.topology.num_ranks, group_size
-    grad_bytes = setup.grad_sync_bytes if grad_bytes is None else grad_bytes
+    grad_bytes = setup.grad_sync_bytes
     parts = _dense_links(setup)
     reduce_s = gather_s = 0.0
     if D // N > 1:
