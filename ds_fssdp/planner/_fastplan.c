@@ -92,11 +92,10 @@ static int flows_reserve(Flows *fl, int64_t need) {
     return 0;
 }
 
-static inline int flows_push(Flows *fl, int64_t x, int64_t h, int64_t d, int64_t k) {
-    if (fl->n == fl->cap && flows_reserve(fl, fl->n + 1)) return -1;
+/* One more flow: fl has room for it. */
+static inline void flows_put(Flows *fl, int64_t x, int64_t h, int64_t d, int64_t k) {
     int64_t i = fl->n++;
     fl->col[0][i] = x; fl->col[1][i] = h; fl->col[2][i] = d; fl->col[3][i] = k;
-    return 0;
 }
 
 static int check_ranks(int64_t D) {
@@ -455,18 +454,21 @@ done:
 
 /* ---------------------------------------------------------------------------------------------
  * Who holds what: holder_E[e] = the single holder, or -1 for the X replicated experts (rep,
- * ascending); sum_E[e] = expert e's tokens. Raises if an expert has no holder or a count is
- * negative.
+ * ascending); sum_E[e] = expert e's tokens (sum_E NULL: not summed). Raises if an expert has no
+ * holder or a count is negative.
  */
 static int64_t holders(const uint8_t *P, const int64_t *T, int64_t E, int64_t D, int64_t *holder_E, int64_t *rep,
                        int64_t *sum_E) {
     int64_t X = 0, any = 0;
-    for (int64_t e = 0; e < E; e++) { /* one pass over the tokens: each row's sum, any sign bit */
-        int64_t sum = 0, or = 0;
-        for (int64_t d = 0; d < D; d++) { sum += T[e * D + d]; or |= T[e * D + d]; }
-        sum_E[e] = sum;
-        any |= or;
-    }
+    if (!sum_E)
+        for (int64_t i = 0; i < E * D; i++) any |= T[i]; /* any sign bit */
+    else
+        for (int64_t e = 0; e < E; e++) { /* one pass over the tokens: each row's sum, any sign bit */
+            int64_t sum = 0, or = 0;
+            for (int64_t d = 0; d < D; d++) { sum += T[e * D + d]; or |= T[e * D + d]; }
+            sum_E[e] = sum;
+            any |= or;
+        }
     if (any < 0)
         for (int64_t i = 0; i < E * D; i++)
             if (T[i] < 0) {
@@ -501,12 +503,13 @@ static int64_t holders(const uint8_t *P, const int64_t *T, int64_t E, int64_t D,
  * Algorithm 3 (paper dispatch): local, same node, all holders, even split with the remainder to
  * the holders following the source cyclically.
  */
-/* The flows of the replicated experts into fl (single-holder experts need none: all their tokens
- * go to the holder). Returns 0, or -1 with MemoryError set. */
-static int paper_core(const uint8_t *P, const int64_t *T, const int64_t *node_D, const int64_t *rep, int64_t X,
-                      int64_t D, Flows *fl) {
+/* The flows of the replicated experts (single-holder experts need none: all their tokens go to
+ * the holder), counted, and written into fl unless it is NULL (fl has room for them: the count
+ * of a first call with NULL). Returns the count. */
+static int64_t paper_core(const uint8_t *P, const int64_t *T, const int64_t *node_D, const int64_t *rep, int64_t X,
+                          int64_t D, Flows *fl) {
     int64_t all[MAX_D], lo[MAX_D + 1];
-    int64_t N = node_D[D - 1] + 1;
+    int64_t N = node_D[D - 1] + 1, count = 0;
     for (int64_t x = 0; x < X; x++) {
         int64_t e = rep[x];
         const uint8_t *hold = P + e * D;
@@ -515,7 +518,8 @@ static int paper_core(const uint8_t *P, const int64_t *T, const int64_t *node_D,
             int64_t c = T[e * D + d];
             if (c == 0) continue;
             if (hold[d]) {
-                if (flows_push(fl, x, d, d, c)) return -1;
+                if (fl) flows_put(fl, x, d, d, c);
+                count++;
                 continue;
             }
             /* targets: holders in d's node (ascending), else all holders; q each, and one more
@@ -523,16 +527,28 @@ static int paper_core(const uint8_t *P, const int64_t *T, const int64_t *node_D,
             int64_t nd = node_D[d], n = lo[nd + 1] - lo[nd];
             const int64_t *targets = n ? all + lo[nd] : all;
             if (!n) n = n_all;
-            int64_t q = c / n, r = c % n, first = 0;
+            count += c < n ? c : n; /* the targets with a token */
+            if (!fl) continue;
+            int64_t q, r, first = 0;
+            if (c <= UINT32_MAX) { /* c > 0: the same quotient, by a faster division */
+                q = (uint32_t)c / (uint32_t)n;
+                r = (uint32_t)c % (uint32_t)n;
+            } else {
+                q = c / n;
+                r = c % n;
+            }
             while (first < n && targets[first] < d) first++;
             if (first == n) first = 0;
-            for (int64_t i = 0; i < n; i++) {
-                int64_t k = q + ((i - first + n) % n < r);
-                if (k && flows_push(fl, x, targets[i], d, k)) return -1;
+            if (q) { /* target i is (i - first) mod n places after d's first */
+                for (int64_t i = 0; i < n; i++)
+                    flows_put(fl, x, targets[i], d, q + ((i >= first ? i - first : i - first + n) < r));
+            } else { /* r = c targets take one token each: first .. first + r - 1 cyclically, ascending */
+                for (int64_t i = 0; i < first + r - n; i++) flows_put(fl, x, targets[i], d, 1);
+                for (int64_t i = first; i < first + r && i < n; i++) flows_put(fl, x, targets[i], d, 1);
             }
         }
     }
-    return 0;
+    return count;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -1005,20 +1021,29 @@ static double load_time(const double *c, const double *ld, int64_t n, int backwa
  * Entry points.
  */
 
-/* Either dispatch, as both entries run it: the holders (holder_E, rep, sum_E: scratch of 3E + 1),
- * then the flows with tokens into fl. Returns X, or -1 with an error set. */
+/* Either dispatch's holders (holder_E, rep, and for the balanced one sum_E: scratch of 3E + 1) and
+ * node_D. Returns X, or -1 with an error set. */
+static int64_t dispatch_holders(const uint8_t *P, const int64_t *T, int64_t E, int64_t D, int64_t G, int balanced,
+                                int64_t **holder_E, int64_t *node_D) {
+    *holder_E = scratch_get(SCRATCH_ENTRY, sizeof(int64_t) * (size_t)(3 * E + 1));
+    if (!*holder_E || check_ranks(D) || node_ids(node_D, D, G)) return -1;
+    int64_t *rep = *holder_E + E;
+    return holders(P, T, E, D, *holder_E, rep, balanced ? rep + E + 1 : NULL);
+}
+
+/* Either dispatch, as both entries run it: the holders, then the flows with tokens into fl
+ * (SCRATCH_FLOWS). Returns X, or -1 with an error set. */
 static int64_t dispatch_flows(const uint8_t *P, const int64_t *T, int64_t E, int64_t D, int64_t G, double slack,
                               int balanced, int64_t **holder_E, Flows *fl) {
     int64_t node_D[MAX_D];
-    *holder_E = scratch_get(SCRATCH_ENTRY, sizeof(int64_t) * (size_t)(3 * E + 1));
-    if (!*holder_E || check_ranks(D) || node_ids(node_D, D, G)) return -1;
-    int64_t *rep = *holder_E + E, *sum_E = rep + E + 1;
-    int64_t X = holders(P, T, E, D, *holder_E, rep, sum_E);
+    int64_t X = dispatch_holders(P, T, E, D, G, balanced, holder_E, node_D);
     if (X < 0) return -1;
+    const int64_t *rep = *holder_E + E;
     flows_start(fl);
-    int failed = balanced ? balanced_core(P, T, node_D, *holder_E, rep, sum_E, X, E, D, slack, fl)
-                          : paper_core(P, T, node_D, rep, X, D, fl);
-    return failed ? -1 : X;
+    if (balanced) return balanced_core(P, T, node_D, *holder_E, rep, rep + E + 1, X, E, D, slack, fl) ? -1 : X;
+    if (flows_reserve(fl, paper_core(P, T, node_D, rep, X, D, NULL))) return -1;
+    paper_core(P, T, node_D, rep, X, D, fl);
+    return X;
 }
 
 /* dispatch_dense(P, T, plan, E, D, G, slack, balanced): plan [E*D*D] zeroed, filled. */
@@ -1057,21 +1082,31 @@ static PyObject *dispatch_compact(PyObject *self, PyObject *args) {
     double slack;
     int balanced;
     if (!PyArg_ParseTuple(args, "KKLLLdp", &place, &tokens, &E, &D, &G, &slack, &balanced)) return NULL;
+    const uint8_t *P = PTR(uint8_t, place);
     const int64_t *T = PTR(int64_t, tokens);
-    int64_t *holder_E;
+    int64_t *holder_E, node_D[MAX_D], X, F;
     PyObject *out = NULL;
     Flows fl;
-    int64_t X = dispatch_flows(PTR(uint8_t, place), T, E, D, G, slack, balanced, &holder_E, &fl);
-    if (X < 0) goto done;
+    if (balanced) {
+        if ((X = dispatch_flows(P, T, E, D, G, slack, balanced, &holder_E, &fl)) < 0) goto done;
+        F = fl.n;
+    } else { /* the paper's flows counted, then written straight into the bytes */
+        if ((X = dispatch_holders(P, T, E, D, G, balanced, &holder_E, node_D)) < 0) goto done;
+        F = paper_core(P, T, node_D, holder_E + E, X, D, NULL);
+    }
     const int64_t *rep = holder_E + E;
-    int64_t F = fl.n;
     PyObject *buf = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(sizeof(int64_t) * (size_t)(E + X + E * D + 4 * F)));
     if (!buf) goto done;
     int64_t *o = (int64_t *)PyBytes_AS_STRING(buf), *xs = o + E + X + E * D;
     memcpy(o, holder_E, sizeof(int64_t) * (size_t)E);
     memcpy(o + E, rep, sizeof(int64_t) * (size_t)X);
     memcpy(o + E + X, T, sizeof(int64_t) * (size_t)(E * D));
-    for (int j = 0; j < 4; j++) memcpy(xs + j * F, fl.col[j], sizeof(int64_t) * (size_t)F);
+    if (balanced) {
+        for (int j = 0; j < 4; j++) memcpy(xs + j * F, fl.col[j], sizeof(int64_t) * (size_t)F);
+    } else {
+        Flows into = {{xs, xs + F, xs + 2 * F, xs + 3 * F}, 0, F};
+        paper_core(P, T, node_D, rep, X, D, &into);
+    }
     out = Py_BuildValue("LLN", (long long)X, (long long)F, buf); /* N: the tuple takes buf */
 done:
     scratch_trim();
@@ -1113,19 +1148,21 @@ done:
 
 /* Per direction the degree whose slowest load is fastest, a degree winning only below the best so
  * far times (1 - 1e-9) (schedule.choose_degrees); a degree stops at the first load that reaches
- * that bar. scratch: 5 max_degree + 2 doubles. */
+ * that bar. scratch: 5 max_degree + 2 doubles. times (NULL: not kept): 3R doubles, of which
+ * times[backward * R + i] gets load i's time at the picked degree (a picked degree timed them all). */
 static void pick_degrees(const double *c, const double *L, long long R, long long max_degree, double *scratch,
-                         long long pick[2]) {
+                         long long pick[2], double *times) {
     for (int backward = 0; backward < 2; backward++) {
-        double pick_s = 0.0;
+        double pick_s = 0.0, *cur = times ? times + 2 * R : NULL, *kept = times ? times + backward * R : NULL;
         long long at = 0;
         pick[backward] = 1;
         for (long long n = 1; n <= max_degree; n++) {
             double bar = pick_s * (1.0 - 1e-9), s = 0.0;
             long long first = at;
             for (long long k = 0; k < R; k++) {
-                long long i = (first + k) % R; /* the last degree's slowest load first */
+                long long i = first + k < R ? first + k : first + k - R; /* the last degree's slowest load first */
                 double v = load_time(c, L + 6 * i, n, backward, scratch);
+                if (cur) cur[i] = v;
                 if (!k || v > s) {
                     s = v;
                     at = i;
@@ -1135,8 +1172,14 @@ static void pick_degrees(const double *c, const double *L, long long R, long lon
             if (n == 1 || s < bar) {
                 pick[backward] = n;
                 pick_s = s;
+                if (cur) { /* cur becomes the kept times (swapped: kept's memory is the next cur) */
+                    double *t = kept;
+                    kept = cur;
+                    cur = t;
+                }
             }
         }
+        if (kept && kept != times + backward * R) memcpy(times + backward * R, kept, sizeof(double) * (size_t)R);
     }
 }
 
@@ -1150,7 +1193,7 @@ static PyObject *choose_degrees(PyObject *self, PyObject *args) {
     if (schedule_args(&loads, R, &costs, max_degree)) goto done;
     if (!(scratch = scratch_get(SCRATCH_SCHEDULE, sizeof(double) * (size_t)(5 * max_degree + 2)))) goto done;
     long long pick[2];
-    pick_degrees(costs.buf, loads.buf, R, max_degree, scratch, pick);
+    pick_degrees(costs.buf, loads.buf, R, max_degree, scratch, pick, NULL);
     ret = Py_BuildValue("LL", pick[0], pick[1]);
 done:
     scratch_trim();
@@ -1472,7 +1515,7 @@ static PyObject *exchange_price(PyObject *self, PyObject *args) {
     most = deg[0] > most ? deg[0] : most;
     most = deg[1] > most ? deg[1] : most;
     if (!(scratch = scratch_get(SCRATCH_EXCHANGE, sizeof(double) * (size_t)(D * n + 2 * G * D + 8 * D + 2 * n))) ||
-        !(sched = scratch_get(SCRATCH_SCHEDULE, sizeof(double) * (size_t)(5 * most + 2))))
+        !(sched = scratch_get(SCRATCH_SCHEDULE, sizeof(double) * (size_t)(5 * most + 2 + 3 * D))))
         goto done;
     const double *t = traffic.buf, *c = costs.buf, *s = t;
     double *cols = out.buf, *fwd = cols + 6 * D, *bwd = fwd + D, *sent = bwd + D, *rank_D = sent + D * D,
@@ -1505,7 +1548,8 @@ static PyObject *exchange_price(PyObject *self, PyObject *args) {
         ld[0] = intra, ld[1] = inter, ld[2] = local, ld[3] = rows[d] - local, ld[5] = relay;
         ld[4] = side_scale != 0 ? row_sum(t + d * D, D) * side_scale : 0.0;
     }
-    if (!deg[0]) pick_degrees(c, cols, D, max_degree, sched, deg);
+    double *times = deg[0] ? NULL : sched + 5 * most + 2; /* the picked degrees' times: not timed again */
+    if (!deg[0]) pick_degrees(c, cols, D, max_degree, sched, deg, times);
     for (long long d = 0; d < D; d++) fwd[d] = over[d] = 0.0;
     if (one_copy) { /* onecopy.one_copy_overhead_s: the counts, the routing entries, the gate weights */
         double count = lin(c, (double)(D * 8)), *ri = tmp, *rc = ri + D;
@@ -1519,8 +1563,8 @@ static PyObject *exchange_price(PyObject *self, PyObject *args) {
     }
     double layer = 0.0;
     for (long long d = 0; d < D; d++) {
-        fwd[d] = load_time(c, cols + 6 * d, deg[0], 0, sched) + fwd[d];
-        bwd[d] = load_time(c, cols + 6 * d, deg[1], 1, sched) + over[d];
+        fwd[d] = (times ? times[d] : load_time(c, cols + 6 * d, deg[0], 0, sched)) + fwd[d];
+        bwd[d] = (times ? times[D + d] : load_time(c, cols + 6 * d, deg[1], 1, sched)) + over[d];
         double v = fwd[d] + bwd[d];
         layer = !d || v > layer ? v : layer;
     }
