@@ -1017,6 +1017,35 @@ static double load_time(const double *c, const double *ld, int64_t n, int backwa
     return dmax(link, compute + s);
 }
 
+/* load_time of four loads whose relay is > 0 at one degree n > 1: the same operations for each, the
+ * four interleaved (one load's steps wait on each other, four loads' do not). ended[kind][chunk]
+ * is read only at the chunk of the kind before it, so rolling values replace the array. */
+#define LANES(stmt) for (int l = 0; l < 4; l++) { stmt; }
+static void relay_times4(const double *c, const double *const ld[4], int64_t n, int backward, double out[4]) {
+    double f = backward ? c[6] : 1.0, dn = (double)n;
+    double r[4], x[4], g[4], s[4], f0[4], f1[4], f2[4], e0[4], e1[4], e1p[4], e2[4], e3[4], e3p[4];
+    LANES(g[l] = f * lin(c + 4, ld[l][3] / dn); s[l] = f * lin(c + 4, ld[l][4]); f2[l] = f * lin(c + 4, ld[l][2]);
+          r[l] = lin(c + 2, ld[l][5] / dn); x[l] = lin(c, ld[l][0] / dn); f0[l] = f1[l] = r[l] * 0.0;
+          e1[l] = e3[l] = 0.0)
+    LANES(e0[l] = f0[l] = f0[l] + r[l]) /* R of chunk 0 */
+    for (int64_t t = 0; t < n + 2; t++) {
+        LANES(e1p[l] = e1[l]; e3p[l] = e3[l])
+        if (t < n) {
+            if (t + 1 < n) { /* R of chunk t + 1, then I of chunk t (after its R, e0) */
+                LANES(double st = dmax(f1[l], e0[l]); e0[l] = f0[l] = f0[l] + r[l]; e1[l] = f1[l] = st + x[l])
+            } else {
+                LANES(e1[l] = f1[l] = dmax(f1[l], e0[l]) + x[l])
+            }
+        }
+        if (t >= 1 && t <= n) { /* C and J of chunk t - 1 */
+            LANES(e2[l] = f2[l] = dmax(f2[l], e1p[l]) + g[l]; e3[l] = f1[l] = dmax(f1[l], e2[l]) + x[l])
+        }
+        if (t >= 2) LANES(f0[l] = dmax(f0[l], e3p[l]) + r[l]) /* Q of chunk t - 2 */
+    }
+    LANES(double tail = dmax(f2[l], e3[l]); out[l] = dmax(f0[l], tail + s[l]))
+}
+#undef LANES
+
 /* ---------------------------------------------------------------------------------------------
  * Entry points.
  */
@@ -1152,6 +1181,8 @@ done:
  * times[backward * R + i] gets load i's time at the picked degree (a picked degree timed them all). */
 static void pick_degrees(const double *c, const double *L, long long R, long long max_degree, double *scratch,
                          long long pick[2], double *times) {
+    int relay = R >= 4;
+    for (long long i = 0; i < R; i++) relay &= L[6 * i + 5] > 0;
     for (int backward = 0; backward < 2; backward++) {
         double pick_s = 0.0, *cur = times ? times + 2 * R : NULL, *kept = times ? times + backward * R : NULL;
         long long at = 0;
@@ -1159,9 +1190,18 @@ static void pick_degrees(const double *c, const double *L, long long R, long lon
         for (long long n = 1; n <= max_degree; n++) {
             double bar = pick_s * (1.0 - 1e-9), s = 0.0;
             long long first = at;
+            double four[4];
             for (long long k = 0; k < R; k++) {
                 long long i = first + k < R ? first + k : first + k - R; /* the last degree's slowest load first */
-                double v = load_time(c, L + 6 * i, n, backward, scratch);
+                if (relay && n > 1 && !(k & 3)) { /* this load's and the next three's times at once */
+                    const double *ld[4];
+                    for (long long j = 0; j < 4; j++) {
+                        long long ij = first + k + j < R ? first + k + j : first + k + j - R;
+                        ld[j] = L + 6 * (k + j < R ? ij : i);
+                    }
+                    relay_times4(c, ld, n, backward, four);
+                }
+                double v = relay && n > 1 ? four[k & 3] : load_time(c, L + 6 * i, n, backward, scratch);
                 if (cur) cur[i] = v;
                 if (!k || v > s) {
                     s = v;
