@@ -182,7 +182,8 @@ def test_gather_links_in_c_is_the_reference(monkeypatch):
 
     from ds_fssdp.planner import prices
     rng = np.random.default_rng(3)
-    for B, E, N, G in [(1, 64, 32, 8), (5, 16, 8, 2), (2, 8, 8, 8), (1, 12, 4, 8), (3, 12, 6, 3), (1, 16, 8, 1)]:
+    for B, E, N, G in [(1, 64, 32, 8), (5, 16, 8, 2), (2, 8, 8, 8), (1, 12, 4, 8), (3, 12, 6, 3), (1, 16, 8, 1),
+                       (2, 20, 48, 16)]:  # G = 16: two 8-byte words per node
         for relay in (True, False):
             for frac in (0.0, 0.05, 0.5):
                 owner = rng.integers(0, N, E)

@@ -169,7 +169,38 @@ static int64_t pick_rank_alg1(const uint8_t *holds_D, const int64_t *free_D, con
     return best_key == none ? -1 : best;
 }
 
-/* base (calibration; NULL: none): P starts as base | shard, each rank's slots less its replicas there. */
+/* top[0 : E] = 0 .. E - 1 by load, descending, ties to the lower id (a stable sort); top has room for
+ * 2E (the second half: a merge sort's buffer). NaN loads order as insertion by `<` leaves them. */
+static void by_load(const double *load_E, int64_t E, int64_t *top) {
+    int nan = 0;
+    for (int64_t e = 0; e < E; e++) { top[e] = e; nan |= load_E[e] != load_E[e]; }
+    if (nan) { /* `<` is no strict weak order with NaN: the insertion's own order */
+        for (int64_t i = 1; i < E; i++) {
+            int64_t v = top[i], j = i - 1;
+            while (j >= 0 && load_E[top[j]] < load_E[v]) { top[j + 1] = top[j]; j--; }
+            top[j + 1] = v;
+        }
+        return;
+    }
+    /* bottom-up merges (the stable order is unique, so it is the insertion's): a right run's
+       expert goes first only if its load is larger */
+    int64_t *a = top, *b = top + E;
+    for (int64_t w = 1; w < E; w *= 2) {
+        for (int64_t lo = 0; lo < E; lo += 2 * w) {
+            int64_t mid = lo + w < E ? lo + w : E, hi = lo + 2 * w < E ? lo + 2 * w : E, i = lo, j = mid, k = lo;
+            while (i < mid && j < hi) b[k++] = load_E[a[j]] > load_E[a[i]] ? a[j++] : a[i++];
+            while (i < mid) b[k++] = a[i++];
+            while (j < hi) b[k++] = a[j++];
+        }
+        int64_t *t = a;
+        a = b;
+        b = t;
+    }
+    if (a != top) memcpy(top, a, sizeof(int64_t) * (size_t)E);
+}
+
+/* base (calibration; NULL: none): P starts as base | shard, each rank's slots less its replicas there.
+ * top: room for 2E. */
 static void alg1_core(const int64_t *owner_E, const double *load_E, const int64_t *node_D, uint8_t *P, int64_t E,
                       int64_t D, int64_t N, int64_t t, int64_t m, int64_t *top, const uint8_t *base) {
     int64_t free_D[MAX_D];
@@ -181,13 +212,7 @@ static void alg1_core(const int64_t *owner_E, const double *load_E, const int64_
     if (t > E) t = E;
     if (m > t) m = t;
     if (t == 0 || m == 0 || D == 1 || total <= 0) return;
-    /* top-t by load, ties to the lower id (stable insertion order) */
-    for (int64_t e = 0; e < E; e++) top[e] = e;
-    for (int64_t i = 1; i < E; i++) {
-        int64_t v = top[i], j = i - 1;
-        while (j >= 0 && load_E[top[j]] < load_E[v]) { top[j + 1] = top[j]; j--; }
-        top[j + 1] = v;
-    }
+    by_load(load_E, E, top); /* top-t by load, ties to the lower id */
     if (t <= m && !base) {
         for (int64_t i = 0; i < t; i++) memset(P + top[i] * D, 1, (size_t)D);
         return;
@@ -212,8 +237,11 @@ static void alg1_core(const int64_t *owner_E, const double *load_E, const int64_
         int64_t n = (int64_t)floor(slots_left * l / load_left + 0.5);
         if (n > slots_left) n = slots_left;
         load_left -= l;
-        memset(node_holds, 0, (size_t)N);
-        for (int64_t d = 0; d < D; d++) node_holds[node_D[d]] |= P[e * D + d];
+        for (int64_t nd = 0, G = D / N; nd < N; nd++) { /* nodes: blocks of G ranks */
+            uint8_t any = 0;
+            for (int64_t g = 0; g < G; g++) any |= P[e * D + nd * G + g];
+            node_holds[nd] = any;
+        }
         for (int64_t k = 0; k < n; k++) {
             int64_t d = pick_rank_alg1(P + e * D, free_D, rank_load_D, node_D, node_holds, D, m);
             if (d < 0) break;
@@ -232,7 +260,7 @@ static PyObject *materialize_alg1(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KKw*LLLLLK", &owner, &load, &place, &E, &D, &G, &t, &m, &base)) return NULL;
     PyObject *out = NULL;
     int64_t node_D[MAX_D];
-    int64_t *top = scratch_get(SCRATCH_CORE, sizeof(int64_t) * (size_t)(E + 1));
+    int64_t *top = scratch_get(SCRATCH_CORE, sizeof(int64_t) * (size_t)(2 * E + 1));
     if (!top) goto done;
     if (check_owner(PTR(int64_t, owner), E, D) || node_ids(node_D, D, G) || check_len(&place, E * D, "placement"))
         goto done;
@@ -1296,6 +1324,39 @@ done:
     return ret;
 }
 
+/* One group's counts for gather_links (zeroed here): count_N [N] the copies on each rank less the
+ * owners', in_n / out_n [n] the chunks entering / leaving each node. (restrict: the counts do not
+ * alias the placement's bytes, so the per-rank count vectorizes.) */
+static void gather_counts(const int64_t *O, const uint8_t *restrict P, int64_t E, int64_t N, int64_t G, int relay,
+                          int64_t *restrict count_N, int64_t *restrict in_n, int64_t *restrict out_n) {
+    int64_t n = N / G;
+    memset(count_N, 0, sizeof(int64_t) * (size_t)N);
+    memset(in_n, 0, sizeof(int64_t) * (size_t)n);
+    memset(out_n, 0, sizeof(int64_t) * (size_t)n);
+    for (int64_t e = 0; e < E; e++) {
+        const uint8_t *p = P + e * N;
+        int64_t home = O[e] / G, leaves = 0;
+        for (int64_t d = 0; d < N; d++) count_N[d] += p[d] != 0;
+        count_N[O[e]] -= p[O[e]] != 0; /* the owner's own copy is not added */
+        for (int64_t m = 0; m < n; m++) {
+            if (m == home) continue;
+            int entered; /* an OR of the node's bytes: nonzero where any rank holds a copy */
+            if (G % 8 == 0) { /* 8 bytes at a time */
+                uint64_t any = 0, w;
+                for (int64_t j = 0; j < G; j += 8) { memcpy(&w, p + m * G + j, 8); any |= w; }
+                entered = any != 0;
+            } else {
+                uint8_t any = 0;
+                for (int64_t j = 0; j < G; j++) any |= p[m * G + j];
+                entered = any != 0;
+            }
+            in_n[m] += entered;
+            leaves += entered;
+        }
+        out_n[home] += relay ? leaves > 0 : leaves;
+    }
+}
+
 /* gather_links(owner_E, placement_BED, rank_BN, node_Bn, B, E, N, G, chunk_bytes, relay): the links'
  * bytes of B groups' sparse collectives (ds_fssdp/planner/prices.py gather_links: the same counts,
  * times chunk_bytes); G <= N divides N, n = N / G nodes. */
@@ -1323,22 +1384,7 @@ static PyObject *gather_links(PyObject *self, PyObject *args) {
     out_n = in_n + n;
     int64_t *count_N = out_n + n;
     for (long long b = 0; b < B; b++) {
-        memset(in_n, 0, sizeof(int64_t) * (size_t)(2 * n + N));
-        for (long long e = 0; e < E; e++) {
-            const uint8_t *p = P + (b * E + e) * N;
-            int64_t home = O[e] / G, leaves = 0;
-            for (long long d = 0; d < N; d++) count_N[d] += p[d] != 0;
-            count_N[O[e]] -= p[O[e]] != 0; /* the owner's own copy is not added */
-            for (long long m = 0; m < n; m++) {
-                if (m == home) continue;
-                uint8_t any = 0; /* an OR of the node's bytes: nonzero where any rank holds a copy */
-                for (long long j = 0; j < G; j++) any |= p[m * G + j];
-                int entered = any != 0;
-                in_n[m] += entered;
-                leaves += entered;
-            }
-            out_n[home] += relay ? leaves > 0 : leaves;
-        }
+        gather_counts(O, P + b * E * N, E, N, G, relay, count_N, in_n, out_n);
         for (long long d = 0; d < N; d++) R[b * N + d] = (double)count_N[d] * chunk;
         for (long long m = 0; m < n; m++)
             M[b * n + m] = n == 1 ? 0.0 : (double)(in_n[m] > out_n[m] ? in_n[m] : out_n[m]) * chunk;
