@@ -17,6 +17,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
 
 
 #define MAX_D 4096
@@ -1045,32 +1048,63 @@ static double load_time(const double *c, const double *ld, int64_t n, int backwa
     return dmax(link, compute + s);
 }
 
+/* Two doubles for relay_times4, with the scalar operations it needs, lane by lane: SSE2 where
+ * the compiler has it, else a pair (the same IEEE operations either way). */
+#ifdef __SSE2__
+typedef __m128d v2;
+static inline v2 v_set(double lo, double hi) { return _mm_set_pd(hi, lo); }
+static inline v2 v_all(double a) { return _mm_set1_pd(a); }
+static inline v2 v_add(v2 a, v2 b) { return _mm_add_pd(a, b); }
+static inline v2 v_mul(v2 a, v2 b) { return _mm_mul_pd(a, b); }
+static inline v2 v_div(v2 a, v2 b) { return _mm_div_pd(a, b); }
+static inline v2 v_max(v2 a, v2 b) { /* dmax: a >= b ? a : b */
+    v2 m = _mm_cmpge_pd(a, b);
+    return _mm_or_pd(_mm_and_pd(m, a), _mm_andnot_pd(m, b));
+}
+static inline v2 v_lin(const double *c, v2 u) { /* lin: u <= 0 ? 0.0 : c[0] + c[1] * u */
+    return _mm_andnot_pd(_mm_cmple_pd(u, _mm_setzero_pd()), _mm_add_pd(_mm_set1_pd(c[0]), _mm_mul_pd(_mm_set1_pd(c[1]), u)));
+}
+static inline void v_store(double *out, v2 a) { _mm_storeu_pd(out, a); }
+#else
+typedef struct { double l[2]; } v2;
+static inline v2 v_set(double lo, double hi) { return (v2){{lo, hi}}; }
+static inline v2 v_all(double a) { return (v2){{a, a}}; }
+static inline v2 v_add(v2 a, v2 b) { return (v2){{a.l[0] + b.l[0], a.l[1] + b.l[1]}}; }
+static inline v2 v_mul(v2 a, v2 b) { return (v2){{a.l[0] * b.l[0], a.l[1] * b.l[1]}}; }
+static inline v2 v_div(v2 a, v2 b) { return (v2){{a.l[0] / b.l[0], a.l[1] / b.l[1]}}; }
+static inline v2 v_max(v2 a, v2 b) { return (v2){{dmax(a.l[0], b.l[0]), dmax(a.l[1], b.l[1])}}; }
+static inline v2 v_lin(const double *c, v2 u) { return (v2){{lin(c, u.l[0]), lin(c, u.l[1])}}; }
+static inline void v_store(double *out, v2 a) { out[0] = a.l[0]; out[1] = a.l[1]; }
+#endif
+
 /* load_time of four loads whose relay is > 0 at one degree n > 1: the same operations for each, the
- * four interleaved (one load's steps wait on each other, four loads' do not). ended[kind][chunk]
+ * four side by side (one load's steps wait on each other, four loads' do not). ended[kind][chunk]
  * is read only at the chunk of the kind before it, so rolling values replace the array. */
-#define LANES(stmt) for (int l = 0; l < 4; l++) { stmt; }
+#define LANES(stmt) for (int l = 0; l < 2; l++) { stmt; }
 static void relay_times4(const double *c, const double *const ld[4], int64_t n, int backward, double out[4]) {
-    double f = backward ? c[6] : 1.0, dn = (double)n;
-    double r[4], x[4], g[4], s[4], f0[4], f1[4], f2[4], e0[4], e1[4], e1p[4], e2[4], e3[4], e3p[4];
-    LANES(g[l] = f * lin(c + 4, ld[l][3] / dn); s[l] = f * lin(c + 4, ld[l][4]); f2[l] = f * lin(c + 4, ld[l][2]);
-          r[l] = lin(c + 2, ld[l][5] / dn); x[l] = lin(c, ld[l][0] / dn); f0[l] = f1[l] = r[l] * 0.0;
-          e1[l] = e3[l] = 0.0)
-    LANES(e0[l] = f0[l] = f0[l] + r[l]) /* R of chunk 0 */
+    v2 f = v_all(backward ? c[6] : 1.0), dn = v_all((double)n), zero = v_all(0.0);
+    v2 r[2], x[2], g[2], s[2], f0[2], f1[2], f2[2], e0[2], e1[2], e1p[2], e2[2], e3[2], e3p[2];
+#define COL(l, k) v_set(ld[2 * (l)][k], ld[2 * (l) + 1][k])
+    LANES(g[l] = v_mul(f, v_lin(c + 4, v_div(COL(l, 3), dn))); s[l] = v_mul(f, v_lin(c + 4, COL(l, 4)));
+          f2[l] = v_mul(f, v_lin(c + 4, COL(l, 2))); r[l] = v_lin(c + 2, v_div(COL(l, 5), dn));
+          x[l] = v_lin(c, v_div(COL(l, 0), dn)); f0[l] = f1[l] = v_mul(r[l], zero); e1[l] = e3[l] = zero)
+#undef COL
+    LANES(e0[l] = f0[l] = v_add(f0[l], r[l])) /* R of chunk 0 */
     for (int64_t t = 0; t < n + 2; t++) {
         LANES(e1p[l] = e1[l]; e3p[l] = e3[l])
         if (t < n) {
             if (t + 1 < n) { /* R of chunk t + 1, then I of chunk t (after its R, e0) */
-                LANES(double st = dmax(f1[l], e0[l]); e0[l] = f0[l] = f0[l] + r[l]; e1[l] = f1[l] = st + x[l])
+                LANES(v2 st = v_max(f1[l], e0[l]); e0[l] = f0[l] = v_add(f0[l], r[l]); e1[l] = f1[l] = v_add(st, x[l]))
             } else {
-                LANES(e1[l] = f1[l] = dmax(f1[l], e0[l]) + x[l])
+                LANES(e1[l] = f1[l] = v_add(v_max(f1[l], e0[l]), x[l]))
             }
         }
         if (t >= 1 && t <= n) { /* C and J of chunk t - 1 */
-            LANES(e2[l] = f2[l] = dmax(f2[l], e1p[l]) + g[l]; e3[l] = f1[l] = dmax(f1[l], e2[l]) + x[l])
+            LANES(e2[l] = f2[l] = v_add(v_max(f2[l], e1p[l]), g[l]); e3[l] = f1[l] = v_add(v_max(f1[l], e2[l]), x[l]))
         }
-        if (t >= 2) LANES(f0[l] = dmax(f0[l], e3p[l]) + r[l]) /* Q of chunk t - 2 */
+        if (t >= 2) LANES(f0[l] = v_add(v_max(f0[l], e3p[l]), r[l])) /* Q of chunk t - 2 */
     }
-    LANES(double tail = dmax(f2[l], e3[l]); out[l] = dmax(f0[l], tail + s[l]))
+    LANES(v2 tail = v_max(f2[l], e3[l]); v_store(out + 2 * l, v_max(f0[l], v_add(tail, s[l]))))
 }
 #undef LANES
 
