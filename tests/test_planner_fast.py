@@ -182,7 +182,8 @@ def test_gather_links_in_c_is_the_reference(monkeypatch):
 
     from ds_fssdp.planner import prices
     rng = np.random.default_rng(3)
-    for B, E, N, G in [(1, 64, 32, 8), (5, 16, 8, 2), (2, 8, 8, 8), (1, 12, 4, 8), (3, 12, 6, 3), (1, 16, 8, 1)]:
+    for B, E, N, G in [(1, 64, 32, 8), (5, 16, 8, 2), (2, 8, 8, 8), (1, 12, 4, 8), (3, 12, 6, 3), (1, 16, 8, 1),
+                       (2, 20, 48, 16)]:  # G = 16: two 8-byte words per node
         for relay in (True, False):
             for frac in (0.0, 0.05, 0.5):
                 owner = rng.integers(0, N, E)
@@ -215,3 +216,25 @@ def test_group_traffic_in_c_is_the_reference(monkeypatch):
                 m.setattr(links, "_fastplan", None)
                 want = links.traffic_BNN(tokens_BEN, holder_BE, flows_4F)
             assert np.array_equal(got, want) and got.dtype == want.dtype and want.any()
+
+
+def test_plan_traffic_rejects_flow_ranks_out_of_range():
+    """_fastplan.plan_traffic reads raw buffers: a flow's holder or source rank outside [0, D), in
+    one group or several, is a ValueError (nothing is written past the table)."""
+    import numpy as np
+    import pytest
+
+    from ds_fssdp.planner import _fastplan
+    E, D = 4, 6
+    holder, tokens = np.array([0, 1, -1, 5]), np.ones((E, D), dtype=np.int64)
+    for grouped in (False, True):
+        for h, d in [(0, 1), (6, 0), (0, 6), (-1, 0), (2, -3)]:
+            flows = np.array([[0, 0], [1, h], [2, d], [3, 4]], dtype=np.int64)
+            out = np.empty((D, D))
+            args = (holder, tokens, flows, out, 1, E, D, 2, grouped)
+            if 0 <= h < D and 0 <= d < D:
+                _fastplan.plan_traffic(*args)
+                assert out[d, h] == 4 + (h == 0) and out.sum() == 3 * D + 3 + 4
+            else:
+                with pytest.raises(ValueError, match="out of range"):
+                    _fastplan.plan_traffic(*args)

@@ -17,6 +17,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
 
 
 #define MAX_D 4096
@@ -92,11 +95,10 @@ static int flows_reserve(Flows *fl, int64_t need) {
     return 0;
 }
 
-static inline int flows_push(Flows *fl, int64_t x, int64_t h, int64_t d, int64_t k) {
-    if (fl->n == fl->cap && flows_reserve(fl, fl->n + 1)) return -1;
+/* One more flow: fl has room for it. */
+static inline void flows_put(Flows *fl, int64_t x, int64_t h, int64_t d, int64_t k) {
     int64_t i = fl->n++;
     fl->col[0][i] = x; fl->col[1][i] = h; fl->col[2][i] = d; fl->col[3][i] = k;
-    return 0;
 }
 
 static int check_ranks(int64_t D) {
@@ -170,7 +172,38 @@ static int64_t pick_rank_alg1(const uint8_t *holds_D, const int64_t *free_D, con
     return best_key == none ? -1 : best;
 }
 
-/* base (calibration; NULL: none): P starts as base | shard, each rank's slots less its replicas there. */
+/* top[0 : E] = 0 .. E - 1 by load, descending, ties to the lower id (a stable sort); top has room for
+ * 2E (the second half: a merge sort's buffer). NaN loads order as insertion by `<` leaves them. */
+static void by_load(const double *load_E, int64_t E, int64_t *top) {
+    int nan = 0;
+    for (int64_t e = 0; e < E; e++) { top[e] = e; nan |= load_E[e] != load_E[e]; }
+    if (nan) { /* `<` is no strict weak order with NaN: the insertion's own order */
+        for (int64_t i = 1; i < E; i++) {
+            int64_t v = top[i], j = i - 1;
+            while (j >= 0 && load_E[top[j]] < load_E[v]) { top[j + 1] = top[j]; j--; }
+            top[j + 1] = v;
+        }
+        return;
+    }
+    /* bottom-up merges (the stable order is unique, so it is the insertion's): a right run's
+       expert goes first only if its load is larger */
+    int64_t *a = top, *b = top + E;
+    for (int64_t w = 1; w < E; w *= 2) {
+        for (int64_t lo = 0; lo < E; lo += 2 * w) {
+            int64_t mid = lo + w < E ? lo + w : E, hi = lo + 2 * w < E ? lo + 2 * w : E, i = lo, j = mid, k = lo;
+            while (i < mid && j < hi) b[k++] = load_E[a[j]] > load_E[a[i]] ? a[j++] : a[i++];
+            while (i < mid) b[k++] = a[i++];
+            while (j < hi) b[k++] = a[j++];
+        }
+        int64_t *t = a;
+        a = b;
+        b = t;
+    }
+    if (a != top) memcpy(top, a, sizeof(int64_t) * (size_t)E);
+}
+
+/* base (calibration; NULL: none): P starts as base | shard, each rank's slots less its replicas there.
+ * top: room for 2E. */
 static void alg1_core(const int64_t *owner_E, const double *load_E, const int64_t *node_D, uint8_t *P, int64_t E,
                       int64_t D, int64_t N, int64_t t, int64_t m, int64_t *top, const uint8_t *base) {
     int64_t free_D[MAX_D];
@@ -182,13 +215,7 @@ static void alg1_core(const int64_t *owner_E, const double *load_E, const int64_
     if (t > E) t = E;
     if (m > t) m = t;
     if (t == 0 || m == 0 || D == 1 || total <= 0) return;
-    /* top-t by load, ties to the lower id (stable insertion order) */
-    for (int64_t e = 0; e < E; e++) top[e] = e;
-    for (int64_t i = 1; i < E; i++) {
-        int64_t v = top[i], j = i - 1;
-        while (j >= 0 && load_E[top[j]] < load_E[v]) { top[j + 1] = top[j]; j--; }
-        top[j + 1] = v;
-    }
+    by_load(load_E, E, top); /* top-t by load, ties to the lower id */
     if (t <= m && !base) {
         for (int64_t i = 0; i < t; i++) memset(P + top[i] * D, 1, (size_t)D);
         return;
@@ -213,8 +240,11 @@ static void alg1_core(const int64_t *owner_E, const double *load_E, const int64_
         int64_t n = (int64_t)floor(slots_left * l / load_left + 0.5);
         if (n > slots_left) n = slots_left;
         load_left -= l;
-        memset(node_holds, 0, (size_t)N);
-        for (int64_t d = 0; d < D; d++) node_holds[node_D[d]] |= P[e * D + d];
+        for (int64_t nd = 0, G = D / N; nd < N; nd++) { /* nodes: blocks of G ranks */
+            uint8_t any = 0;
+            for (int64_t g = 0; g < G; g++) any |= P[e * D + nd * G + g];
+            node_holds[nd] = any;
+        }
         for (int64_t k = 0; k < n; k++) {
             int64_t d = pick_rank_alg1(P + e * D, free_D, rank_load_D, node_D, node_holds, D, m);
             if (d < 0) break;
@@ -233,7 +263,7 @@ static PyObject *materialize_alg1(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KKw*LLLLLK", &owner, &load, &place, &E, &D, &G, &t, &m, &base)) return NULL;
     PyObject *out = NULL;
     int64_t node_D[MAX_D];
-    int64_t *top = scratch_get(SCRATCH_CORE, sizeof(int64_t) * (size_t)(E + 1));
+    int64_t *top = scratch_get(SCRATCH_CORE, sizeof(int64_t) * (size_t)(2 * E + 1));
     if (!top) goto done;
     if (check_owner(PTR(int64_t, owner), E, D) || node_ids(node_D, D, G) || check_len(&place, E * D, "placement"))
         goto done;
@@ -455,18 +485,21 @@ done:
 
 /* ---------------------------------------------------------------------------------------------
  * Who holds what: holder_E[e] = the single holder, or -1 for the X replicated experts (rep,
- * ascending); sum_E[e] = expert e's tokens. Raises if an expert has no holder or a count is
- * negative.
+ * ascending); sum_E[e] = expert e's tokens (sum_E NULL: not summed). Raises if an expert has no
+ * holder or a count is negative.
  */
 static int64_t holders(const uint8_t *P, const int64_t *T, int64_t E, int64_t D, int64_t *holder_E, int64_t *rep,
                        int64_t *sum_E) {
     int64_t X = 0, any = 0;
-    for (int64_t e = 0; e < E; e++) { /* one pass over the tokens: each row's sum, any sign bit */
-        int64_t sum = 0, or = 0;
-        for (int64_t d = 0; d < D; d++) { sum += T[e * D + d]; or |= T[e * D + d]; }
-        sum_E[e] = sum;
-        any |= or;
-    }
+    if (!sum_E)
+        for (int64_t i = 0; i < E * D; i++) any |= T[i]; /* any sign bit */
+    else
+        for (int64_t e = 0; e < E; e++) { /* one pass over the tokens: each row's sum, any sign bit */
+            int64_t sum = 0, or = 0;
+            for (int64_t d = 0; d < D; d++) { sum += T[e * D + d]; or |= T[e * D + d]; }
+            sum_E[e] = sum;
+            any |= or;
+        }
     if (any < 0)
         for (int64_t i = 0; i < E * D; i++)
             if (T[i] < 0) {
@@ -501,12 +534,13 @@ static int64_t holders(const uint8_t *P, const int64_t *T, int64_t E, int64_t D,
  * Algorithm 3 (paper dispatch): local, same node, all holders, even split with the remainder to
  * the holders following the source cyclically.
  */
-/* The flows of the replicated experts into fl (single-holder experts need none: all their tokens
- * go to the holder). Returns 0, or -1 with MemoryError set. */
-static int paper_core(const uint8_t *P, const int64_t *T, const int64_t *node_D, const int64_t *rep, int64_t X,
-                      int64_t D, Flows *fl) {
+/* The flows of the replicated experts (single-holder experts need none: all their tokens go to
+ * the holder), counted, and written into fl unless it is NULL (fl has room for them: the count
+ * of a first call with NULL). Returns the count. */
+static int64_t paper_core(const uint8_t *P, const int64_t *T, const int64_t *node_D, const int64_t *rep, int64_t X,
+                          int64_t D, Flows *fl) {
     int64_t all[MAX_D], lo[MAX_D + 1];
-    int64_t N = node_D[D - 1] + 1;
+    int64_t N = node_D[D - 1] + 1, count = 0;
     for (int64_t x = 0; x < X; x++) {
         int64_t e = rep[x];
         const uint8_t *hold = P + e * D;
@@ -515,7 +549,8 @@ static int paper_core(const uint8_t *P, const int64_t *T, const int64_t *node_D,
             int64_t c = T[e * D + d];
             if (c == 0) continue;
             if (hold[d]) {
-                if (flows_push(fl, x, d, d, c)) return -1;
+                if (fl) flows_put(fl, x, d, d, c);
+                count++;
                 continue;
             }
             /* targets: holders in d's node (ascending), else all holders; q each, and one more
@@ -523,16 +558,28 @@ static int paper_core(const uint8_t *P, const int64_t *T, const int64_t *node_D,
             int64_t nd = node_D[d], n = lo[nd + 1] - lo[nd];
             const int64_t *targets = n ? all + lo[nd] : all;
             if (!n) n = n_all;
-            int64_t q = c / n, r = c % n, first = 0;
+            count += c < n ? c : n; /* the targets with a token */
+            if (!fl) continue;
+            int64_t q, r, first = 0;
+            if (c <= UINT32_MAX) { /* c > 0: the same quotient, by a faster division */
+                q = (uint32_t)c / (uint32_t)n;
+                r = (uint32_t)c % (uint32_t)n;
+            } else {
+                q = c / n;
+                r = c % n;
+            }
             while (first < n && targets[first] < d) first++;
             if (first == n) first = 0;
-            for (int64_t i = 0; i < n; i++) {
-                int64_t k = q + ((i - first + n) % n < r);
-                if (k && flows_push(fl, x, targets[i], d, k)) return -1;
+            if (q) { /* target i is (i - first) mod n places after d's first */
+                for (int64_t i = 0; i < n; i++)
+                    flows_put(fl, x, targets[i], d, q + ((i >= first ? i - first : i - first + n) < r));
+            } else { /* r = c targets take one token each: first .. first + r - 1 cyclically, ascending */
+                for (int64_t i = 0; i < first + r - n; i++) flows_put(fl, x, targets[i], d, 1);
+                for (int64_t i = first; i < first + r && i < n; i++) flows_put(fl, x, targets[i], d, 1);
             }
         }
     }
-    return 0;
+    return count;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -1001,24 +1048,93 @@ static double load_time(const double *c, const double *ld, int64_t n, int backwa
     return dmax(link, compute + s);
 }
 
+/* Two doubles for relay_times4, with the scalar operations it needs, lane by lane: SSE2 where
+ * the compiler has it, else a pair (the same IEEE operations either way). */
+#ifdef __SSE2__
+typedef __m128d v2;
+static inline v2 v_set(double lo, double hi) { return _mm_set_pd(hi, lo); }
+static inline v2 v_all(double a) { return _mm_set1_pd(a); }
+static inline v2 v_add(v2 a, v2 b) { return _mm_add_pd(a, b); }
+static inline v2 v_mul(v2 a, v2 b) { return _mm_mul_pd(a, b); }
+static inline v2 v_div(v2 a, v2 b) { return _mm_div_pd(a, b); }
+static inline v2 v_max(v2 a, v2 b) { /* dmax: a >= b ? a : b */
+    v2 m = _mm_cmpge_pd(a, b);
+    return _mm_or_pd(_mm_and_pd(m, a), _mm_andnot_pd(m, b));
+}
+static inline v2 v_lin(const double *c, v2 u) { /* lin: u <= 0 ? 0.0 : c[0] + c[1] * u */
+    return _mm_andnot_pd(_mm_cmple_pd(u, _mm_setzero_pd()), _mm_add_pd(_mm_set1_pd(c[0]), _mm_mul_pd(_mm_set1_pd(c[1]), u)));
+}
+static inline void v_store(double *out, v2 a) { _mm_storeu_pd(out, a); }
+#else
+typedef struct { double l[2]; } v2;
+static inline v2 v_set(double lo, double hi) { return (v2){{lo, hi}}; }
+static inline v2 v_all(double a) { return (v2){{a, a}}; }
+static inline v2 v_add(v2 a, v2 b) { return (v2){{a.l[0] + b.l[0], a.l[1] + b.l[1]}}; }
+static inline v2 v_mul(v2 a, v2 b) { return (v2){{a.l[0] * b.l[0], a.l[1] * b.l[1]}}; }
+static inline v2 v_div(v2 a, v2 b) { return (v2){{a.l[0] / b.l[0], a.l[1] / b.l[1]}}; }
+static inline v2 v_max(v2 a, v2 b) { return (v2){{dmax(a.l[0], b.l[0]), dmax(a.l[1], b.l[1])}}; }
+static inline v2 v_lin(const double *c, v2 u) { return (v2){{lin(c, u.l[0]), lin(c, u.l[1])}}; }
+static inline void v_store(double *out, v2 a) { out[0] = a.l[0]; out[1] = a.l[1]; }
+#endif
+
+/* load_time of four loads whose relay is > 0 at one degree n > 1: the same operations for each, the
+ * four side by side (one load's steps wait on each other, four loads' do not). ended[kind][chunk]
+ * is read only at the chunk of the kind before it, so rolling values replace the array. */
+#define LANES(stmt) for (int l = 0; l < 2; l++) { stmt; }
+static void relay_times4(const double *c, const double *const ld[4], int64_t n, int backward, double out[4]) {
+    v2 f = v_all(backward ? c[6] : 1.0), dn = v_all((double)n), zero = v_all(0.0);
+    v2 r[2], x[2], g[2], s[2], f0[2], f1[2], f2[2], e0[2], e1[2], e1p[2], e2[2], e3[2], e3p[2];
+#define COL(l, k) v_set(ld[2 * (l)][k], ld[2 * (l) + 1][k])
+    LANES(g[l] = v_mul(f, v_lin(c + 4, v_div(COL(l, 3), dn))); s[l] = v_mul(f, v_lin(c + 4, COL(l, 4)));
+          f2[l] = v_mul(f, v_lin(c + 4, COL(l, 2))); r[l] = v_lin(c + 2, v_div(COL(l, 5), dn));
+          x[l] = v_lin(c, v_div(COL(l, 0), dn)); f0[l] = f1[l] = v_mul(r[l], zero); e1[l] = e3[l] = zero)
+#undef COL
+    LANES(e0[l] = f0[l] = v_add(f0[l], r[l])) /* R of chunk 0 */
+    for (int64_t t = 0; t < n + 2; t++) {
+        LANES(e1p[l] = e1[l]; e3p[l] = e3[l])
+        if (t < n) {
+            if (t + 1 < n) { /* R of chunk t + 1, then I of chunk t (after its R, e0) */
+                LANES(v2 st = v_max(f1[l], e0[l]); e0[l] = f0[l] = v_add(f0[l], r[l]); e1[l] = f1[l] = v_add(st, x[l]))
+            } else {
+                LANES(e1[l] = f1[l] = v_add(v_max(f1[l], e0[l]), x[l]))
+            }
+        }
+        if (t >= 1 && t <= n) { /* C and J of chunk t - 1 */
+            LANES(e2[l] = f2[l] = v_add(v_max(f2[l], e1p[l]), g[l]); e3[l] = f1[l] = v_add(v_max(f1[l], e2[l]), x[l]))
+        }
+        if (t >= 2) LANES(f0[l] = v_add(v_max(f0[l], e3p[l]), r[l])) /* Q of chunk t - 2 */
+    }
+    LANES(v2 tail = v_max(f2[l], e3[l]); v_store(out + 2 * l, v_max(f0[l], v_add(tail, s[l]))))
+}
+#undef LANES
+
 /* ---------------------------------------------------------------------------------------------
  * Entry points.
  */
 
-/* Either dispatch, as both entries run it: the holders (holder_E, rep, sum_E: scratch of 3E + 1),
- * then the flows with tokens into fl. Returns X, or -1 with an error set. */
+/* Either dispatch's holders (holder_E, rep, and for the balanced one sum_E: scratch of 3E + 1) and
+ * node_D. Returns X, or -1 with an error set. */
+static int64_t dispatch_holders(const uint8_t *P, const int64_t *T, int64_t E, int64_t D, int64_t G, int balanced,
+                                int64_t **holder_E, int64_t *node_D) {
+    *holder_E = scratch_get(SCRATCH_ENTRY, sizeof(int64_t) * (size_t)(3 * E + 1));
+    if (!*holder_E || check_ranks(D) || node_ids(node_D, D, G)) return -1;
+    int64_t *rep = *holder_E + E;
+    return holders(P, T, E, D, *holder_E, rep, balanced ? rep + E + 1 : NULL);
+}
+
+/* Either dispatch, as both entries run it: the holders, then the flows with tokens into fl
+ * (SCRATCH_FLOWS). Returns X, or -1 with an error set. */
 static int64_t dispatch_flows(const uint8_t *P, const int64_t *T, int64_t E, int64_t D, int64_t G, double slack,
                               int balanced, int64_t **holder_E, Flows *fl) {
     int64_t node_D[MAX_D];
-    *holder_E = scratch_get(SCRATCH_ENTRY, sizeof(int64_t) * (size_t)(3 * E + 1));
-    if (!*holder_E || check_ranks(D) || node_ids(node_D, D, G)) return -1;
-    int64_t *rep = *holder_E + E, *sum_E = rep + E + 1;
-    int64_t X = holders(P, T, E, D, *holder_E, rep, sum_E);
+    int64_t X = dispatch_holders(P, T, E, D, G, balanced, holder_E, node_D);
     if (X < 0) return -1;
+    const int64_t *rep = *holder_E + E;
     flows_start(fl);
-    int failed = balanced ? balanced_core(P, T, node_D, *holder_E, rep, sum_E, X, E, D, slack, fl)
-                          : paper_core(P, T, node_D, rep, X, D, fl);
-    return failed ? -1 : X;
+    if (balanced) return balanced_core(P, T, node_D, *holder_E, rep, rep + E + 1, X, E, D, slack, fl) ? -1 : X;
+    if (flows_reserve(fl, paper_core(P, T, node_D, rep, X, D, NULL))) return -1;
+    paper_core(P, T, node_D, rep, X, D, fl);
+    return X;
 }
 
 /* dispatch_dense(P, T, plan, E, D, G, slack, balanced): plan [E*D*D] zeroed, filled. */
@@ -1057,21 +1173,31 @@ static PyObject *dispatch_compact(PyObject *self, PyObject *args) {
     double slack;
     int balanced;
     if (!PyArg_ParseTuple(args, "KKLLLdp", &place, &tokens, &E, &D, &G, &slack, &balanced)) return NULL;
+    const uint8_t *P = PTR(uint8_t, place);
     const int64_t *T = PTR(int64_t, tokens);
-    int64_t *holder_E;
+    int64_t *holder_E, node_D[MAX_D], X, F;
     PyObject *out = NULL;
     Flows fl;
-    int64_t X = dispatch_flows(PTR(uint8_t, place), T, E, D, G, slack, balanced, &holder_E, &fl);
-    if (X < 0) goto done;
+    if (balanced) {
+        if ((X = dispatch_flows(P, T, E, D, G, slack, balanced, &holder_E, &fl)) < 0) goto done;
+        F = fl.n;
+    } else { /* the paper's flows counted, then written straight into the bytes */
+        if ((X = dispatch_holders(P, T, E, D, G, balanced, &holder_E, node_D)) < 0) goto done;
+        F = paper_core(P, T, node_D, holder_E + E, X, D, NULL);
+    }
     const int64_t *rep = holder_E + E;
-    int64_t F = fl.n;
     PyObject *buf = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(sizeof(int64_t) * (size_t)(E + X + E * D + 4 * F)));
     if (!buf) goto done;
     int64_t *o = (int64_t *)PyBytes_AS_STRING(buf), *xs = o + E + X + E * D;
     memcpy(o, holder_E, sizeof(int64_t) * (size_t)E);
     memcpy(o + E, rep, sizeof(int64_t) * (size_t)X);
     memcpy(o + E + X, T, sizeof(int64_t) * (size_t)(E * D));
-    for (int j = 0; j < 4; j++) memcpy(xs + j * F, fl.col[j], sizeof(int64_t) * (size_t)F);
+    if (balanced) {
+        for (int j = 0; j < 4; j++) memcpy(xs + j * F, fl.col[j], sizeof(int64_t) * (size_t)F);
+    } else {
+        Flows into = {{xs, xs + F, xs + 2 * F, xs + 3 * F}, 0, F};
+        paper_core(P, T, node_D, rep, X, D, &into);
+    }
     out = Py_BuildValue("LLN", (long long)X, (long long)F, buf); /* N: the tuple takes buf */
 done:
     scratch_trim();
@@ -1113,19 +1239,32 @@ done:
 
 /* Per direction the degree whose slowest load is fastest, a degree winning only below the best so
  * far times (1 - 1e-9) (schedule.choose_degrees); a degree stops at the first load that reaches
- * that bar. scratch: 5 max_degree + 2 doubles. */
+ * that bar. scratch: 5 max_degree + 2 doubles. times (NULL: not kept): 3R doubles, of which
+ * times[backward * R + i] gets load i's time at the picked degree (a picked degree timed them all). */
 static void pick_degrees(const double *c, const double *L, long long R, long long max_degree, double *scratch,
-                         long long pick[2]) {
+                         long long pick[2], double *times) {
+    int relay = R >= 4;
+    for (long long i = 0; i < R; i++) relay &= L[6 * i + 5] > 0;
     for (int backward = 0; backward < 2; backward++) {
-        double pick_s = 0.0;
+        double pick_s = 0.0, *cur = times ? times + 2 * R : NULL, *kept = times ? times + backward * R : NULL;
         long long at = 0;
         pick[backward] = 1;
         for (long long n = 1; n <= max_degree; n++) {
             double bar = pick_s * (1.0 - 1e-9), s = 0.0;
             long long first = at;
+            double four[4];
             for (long long k = 0; k < R; k++) {
-                long long i = (first + k) % R; /* the last degree's slowest load first */
-                double v = load_time(c, L + 6 * i, n, backward, scratch);
+                long long i = first + k < R ? first + k : first + k - R; /* the last degree's slowest load first */
+                if (relay && n > 1 && !(k & 3)) { /* this load's and the next three's times at once */
+                    const double *ld[4];
+                    for (long long j = 0; j < 4; j++) {
+                        long long ij = first + k + j < R ? first + k + j : first + k + j - R;
+                        ld[j] = L + 6 * (k + j < R ? ij : i);
+                    }
+                    relay_times4(c, ld, n, backward, four);
+                }
+                double v = relay && n > 1 ? four[k & 3] : load_time(c, L + 6 * i, n, backward, scratch);
+                if (cur) cur[i] = v;
                 if (!k || v > s) {
                     s = v;
                     at = i;
@@ -1135,8 +1274,14 @@ static void pick_degrees(const double *c, const double *L, long long R, long lon
             if (n == 1 || s < bar) {
                 pick[backward] = n;
                 pick_s = s;
+                if (cur) { /* cur becomes the kept times (swapped: kept's memory is the next cur) */
+                    double *t = kept;
+                    kept = cur;
+                    cur = t;
+                }
             }
         }
+        if (kept && kept != times + backward * R) memcpy(times + backward * R, kept, sizeof(double) * (size_t)R);
     }
 }
 
@@ -1150,7 +1295,7 @@ static PyObject *choose_degrees(PyObject *self, PyObject *args) {
     if (schedule_args(&loads, R, &costs, max_degree)) goto done;
     if (!(scratch = scratch_get(SCRATCH_SCHEDULE, sizeof(double) * (size_t)(5 * max_degree + 2)))) goto done;
     long long pick[2];
-    pick_degrees(costs.buf, loads.buf, R, max_degree, scratch, pick);
+    pick_degrees(costs.buf, loads.buf, R, max_degree, scratch, pick, NULL);
     ret = Py_BuildValue("LL", pick[0], pick[1]);
 done:
     scratch_trim();
@@ -1191,10 +1336,19 @@ static PyObject *plan_traffic(PyObject *self, PyObject *args) {
                 for (int64_t d = 0; d < D; d++) row[d] += k[d];
             }
         }
-    for (int64_t i = 0; i < F; i++) {
-        int64_t b = grouped ? fl[i] : 0, h = fl[F + i], d = fl[2 * F + i];
-        if (b < 0 || b >= B || h < 0 || h >= D || d < 0 || d >= D) goto bad;
-        acc[(b * D + h) * D + d] += fl[3 * F + i];
+    if (!grouped && B >= 1) { /* all in group 0: one test per flow (a negative rank is a large unsigned one) */
+        const int64_t *fh = fl + F, *fd = fl + 2 * F, *fk = fl + 3 * F;
+        for (int64_t i = 0; i < F; i++) {
+            uint64_t h = (uint64_t)fh[i], d = (uint64_t)fd[i];
+            if ((h >= (uint64_t)D) | (d >= (uint64_t)D)) goto bad;
+            acc[h * D + d] += fk[i];
+        }
+    } else {
+        for (int64_t i = 0; i < F; i++) {
+            int64_t b = grouped ? fl[i] : 0, h = fl[F + i], d = fl[2 * F + i];
+            if (b < 0 || b >= B || h < 0 || h >= D || d < 0 || d >= D) goto bad;
+            acc[(b * D + h) * D + d] += fl[3 * F + i];
+        }
     }
     for (int64_t b = 0; b < B; b++)
         for (int64_t d = 0; d < D; d++)
@@ -1211,6 +1365,39 @@ done:
     PyBuffer_Release(&flows);
     PyBuffer_Release(&out);
     return ret;
+}
+
+/* One group's counts for gather_links (zeroed here): count_N [N] the copies on each rank less the
+ * owners', in_n / out_n [n] the chunks entering / leaving each node. (restrict: the counts do not
+ * alias the placement's bytes, so the per-rank count vectorizes.) */
+static void gather_counts(const int64_t *O, const uint8_t *restrict P, int64_t E, int64_t N, int64_t G, int relay,
+                          int64_t *restrict count_N, int64_t *restrict in_n, int64_t *restrict out_n) {
+    int64_t n = N / G;
+    memset(count_N, 0, sizeof(int64_t) * (size_t)N);
+    memset(in_n, 0, sizeof(int64_t) * (size_t)n);
+    memset(out_n, 0, sizeof(int64_t) * (size_t)n);
+    for (int64_t e = 0; e < E; e++) {
+        const uint8_t *p = P + e * N;
+        int64_t home = O[e] / G, leaves = 0;
+        for (int64_t d = 0; d < N; d++) count_N[d] += p[d] != 0;
+        count_N[O[e]] -= p[O[e]] != 0; /* the owner's own copy is not added */
+        for (int64_t m = 0; m < n; m++) {
+            if (m == home) continue;
+            int entered; /* an OR of the node's bytes: nonzero where any rank holds a copy */
+            if (G % 8 == 0) { /* 8 bytes at a time */
+                uint64_t any = 0, w;
+                for (int64_t j = 0; j < G; j += 8) { memcpy(&w, p + m * G + j, 8); any |= w; }
+                entered = any != 0;
+            } else {
+                uint8_t any = 0;
+                for (int64_t j = 0; j < G; j++) any |= p[m * G + j];
+                entered = any != 0;
+            }
+            in_n[m] += entered;
+            leaves += entered;
+        }
+        out_n[home] += relay ? leaves > 0 : leaves;
+    }
 }
 
 /* gather_links(owner_E, placement_BED, rank_BN, node_Bn, B, E, N, G, chunk_bytes, relay): the links'
@@ -1240,22 +1427,7 @@ static PyObject *gather_links(PyObject *self, PyObject *args) {
     out_n = in_n + n;
     int64_t *count_N = out_n + n;
     for (long long b = 0; b < B; b++) {
-        memset(in_n, 0, sizeof(int64_t) * (size_t)(2 * n + N));
-        for (long long e = 0; e < E; e++) {
-            const uint8_t *p = P + (b * E + e) * N;
-            int64_t home = O[e] / G, leaves = 0;
-            for (long long d = 0; d < N; d++) count_N[d] += p[d] != 0;
-            count_N[O[e]] -= p[O[e]] != 0; /* the owner's own copy is not added */
-            for (long long m = 0; m < n; m++) {
-                if (m == home) continue;
-                uint8_t any = 0; /* an OR of the node's bytes: nonzero where any rank holds a copy */
-                for (long long j = 0; j < G; j++) any |= p[m * G + j];
-                int entered = any != 0;
-                in_n[m] += entered;
-                leaves += entered;
-            }
-            out_n[home] += relay ? leaves > 0 : leaves;
-        }
+        gather_counts(O, P + b * E * N, E, N, G, relay, count_N, in_n, out_n);
         for (long long d = 0; d < N; d++) R[b * N + d] = (double)count_N[d] * chunk;
         for (long long m = 0; m < n; m++)
             M[b * n + m] = n == 1 ? 0.0 : (double)(in_n[m] > out_n[m] ? in_n[m] : out_n[m]) * chunk;
@@ -1472,7 +1644,7 @@ static PyObject *exchange_price(PyObject *self, PyObject *args) {
     most = deg[0] > most ? deg[0] : most;
     most = deg[1] > most ? deg[1] : most;
     if (!(scratch = scratch_get(SCRATCH_EXCHANGE, sizeof(double) * (size_t)(D * n + 2 * G * D + 8 * D + 2 * n))) ||
-        !(sched = scratch_get(SCRATCH_SCHEDULE, sizeof(double) * (size_t)(5 * most + 2))))
+        !(sched = scratch_get(SCRATCH_SCHEDULE, sizeof(double) * (size_t)(5 * most + 2 + 3 * D))))
         goto done;
     const double *t = traffic.buf, *c = costs.buf, *s = t;
     double *cols = out.buf, *fwd = cols + 6 * D, *bwd = fwd + D, *sent = bwd + D, *rank_D = sent + D * D,
@@ -1505,7 +1677,8 @@ static PyObject *exchange_price(PyObject *self, PyObject *args) {
         ld[0] = intra, ld[1] = inter, ld[2] = local, ld[3] = rows[d] - local, ld[5] = relay;
         ld[4] = side_scale != 0 ? row_sum(t + d * D, D) * side_scale : 0.0;
     }
-    if (!deg[0]) pick_degrees(c, cols, D, max_degree, sched, deg);
+    double *times = deg[0] ? NULL : sched + 5 * most + 2; /* the picked degrees' times: not timed again */
+    if (!deg[0]) pick_degrees(c, cols, D, max_degree, sched, deg, times);
     for (long long d = 0; d < D; d++) fwd[d] = over[d] = 0.0;
     if (one_copy) { /* onecopy.one_copy_overhead_s: the counts, the routing entries, the gate weights */
         double count = lin(c, (double)(D * 8)), *ri = tmp, *rc = ri + D;
@@ -1519,8 +1692,8 @@ static PyObject *exchange_price(PyObject *self, PyObject *args) {
     }
     double layer = 0.0;
     for (long long d = 0; d < D; d++) {
-        fwd[d] = load_time(c, cols + 6 * d, deg[0], 0, sched) + fwd[d];
-        bwd[d] = load_time(c, cols + 6 * d, deg[1], 1, sched) + over[d];
+        fwd[d] = (times ? times[d] : load_time(c, cols + 6 * d, deg[0], 0, sched)) + fwd[d];
+        bwd[d] = (times ? times[D + d] : load_time(c, cols + 6 * d, deg[1], 1, sched)) + over[d];
         double v = fwd[d] + bwd[d];
         layer = !d || v > layer ? v : layer;
     }
