@@ -183,7 +183,12 @@ def to_hf(tensors: dict, layout: Layout) -> dict:
 
 def _unfuse(up, down, layout) -> list:
     """An up tensor (gate and up fused when gated) and a down tensor -> FSSDP's tensors in row order."""
-    return [*(_split(up, layout.ffn, layout.concatenated) if layout.gated else (up, )), down]
+    return [*_up_parts(up, layout), down]
+
+
+def _up_parts(up, layout) -> tuple:
+    """The FSSDP tensors an up tensor holds: (gate, up) when gated, else (up, )."""
+    return _split(up, layout.ffn, layout.concatenated) if layout.gated else (up, )
 
 
 def _fuse(parts: list, layout) -> tuple:
@@ -225,7 +230,7 @@ class ExpertLora:
 def _fssdp_parts(hf_name: str, b_ErO: torch.Tensor, layout) -> list:
     """The FSSDP weights an HF target feeds, with their columns of ``B^T``."""
     names = layout.spec().names[:3 if layout.gated else 2]
-    return [(names[-1], b_ErO)] if hf_name == "down_proj" else list(zip(names, _unfuse(b_ErO, None, layout)[:-1]))
+    return [(names[-1], b_ErO)] if hf_name == "down_proj" else list(zip(names, _up_parts(b_ErO, layout)))
 
 
 def _drop_stand_ins(module, state_dict, prefix, local_metadata) -> None:
