@@ -100,9 +100,12 @@ def adopt_hook(child: str, where: str):
     """A forward pre-hook for the MoE block holding the experts as ``child``: adopts wrappers PEFT
     put there after ``convert`` (one type check per forward once adopted)."""
 
-    def hook(block, args):  # no chain: no PEFT, or the experts themselves
+    def hook(block, args):
         site = block._modules.get(child)
-        if not (has_peft() and type(site) is fssdp_wrapper_class()) and (chain := wrapper_chain(site)):
+        if isinstance(site, FSSDPHFExperts) or not has_peft() or type(site) is fssdp_wrapper_class():
+            return  # the experts themselves (no wrapper), no PEFT, or adopted already
+        chain = wrapper_chain(site)
+        if chain:
             adopt(site, chain[-1].base_layer, where=where)
 
     return hook
