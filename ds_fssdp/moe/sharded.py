@@ -238,7 +238,7 @@ class ShardedExperts:
                            "side_overlapped": int(side is not None and tuple(degrees) != (1, 1)),
                            "gather_early_s": early_s, "gather_started_early": early_end is not None,
                            "next_gather_started_early": early_next})
-        self.stats.update(_dedup_stats(r, plan, ranks_per_node=self.topology.ranks_per_node, token_bytes=token_bytes,
+        self.stats.update(_dedup_stats(r, plan, topology=self.topology, token_bytes=token_bytes,
                                        weight_bytes=weights_TK.element_size(), k=idx_TK.shape[1]))
         return out_TH, tokens_ED
 
@@ -464,7 +464,7 @@ def chain(shards: list) -> None:
         prev.replicas.above = nxt.replicas  # gradients in the gaps: each backward completes the layer above
 
 
-def _dedup_stats(r, plan, *, ranks_per_node: int, token_bytes: int, weight_bytes: int, k: int) -> dict:
+def _dedup_stats(r, plan, *, topology: Topology, token_bytes: int, weight_bytes: int, k: int) -> dict:
     """The group's forward token-exchange bytes (dispatch + combine, rows that change rank) not
     sent thanks to one copy per destination, all links and across nodes (negative where relays'
     forwarding inside nodes cost more than the copies saved), and the routing entries sent
@@ -473,11 +473,10 @@ def _dedup_stats(r, plan, *, ranks_per_node: int, token_bytes: int, weight_bytes
     minus ``a2a_bytes_saved``, plus ``a2a_meta_bytes``."""
     if not isinstance(r, DedupRoute):
         return {"a2a_bytes_saved": 0, "a2a_bytes_saved_inter": 0, "a2a_meta_bytes": 0}
-    # [s, d]: in other nodes
-    off = ~Topology(num_ranks=r.hops[0].uniq_DD.shape[0], ranks_per_node=ranks_per_node).same_node_DD()
+    off = ~topology.same_node_DD()  # [s, d]: in other nodes
     moved = r.rows_moved()
     inter = sum(int(h.uniq_DD[off].sum()) for h in r.hops)
-    moved_intra, moved_inter = plan.moved(ranks_per_node)
+    moved_intra, moved_inter = plan.moved(topology.ranks_per_node)
     widths = [k * INDEX_BYTES * (1 if i == len(r.hops) - 1 else 2) + k * weight_bytes for i in range(len(r.hops))]
     return {"a2a_bytes_saved": (moved_intra + moved_inter - sum(moved)) * token_bytes * 2,
             "a2a_bytes_saved_inter": (moved_inter - inter) * token_bytes * 2,

@@ -346,13 +346,16 @@ class FSSDPStage:
         # and the host's read of its result, would wait for every layer's all-gather.
         self._agree_on_windows(engine.device)
         if applied and self.edp_size > 1:  # the bias updates count loads over the world: each group saw its own
-            for load_E in (load_E for layer in self.layers for load_E in layer.pending_loads()):
-                load_E.copy_(self._edp_reduce(load_E))
+            for layer in self.layers:
+                for load_E in layer.pending_loads():
+                    load_E.copy_(self._edp_reduce(load_E))
         next_split = self.edp_sync.decide_split(engine.device, attention_s=self.attention_s,
                                                 schedule_costs=self.schedule_costs)
         self.edp_sync.plan_slices(engine.device, split=next_split, schedule_costs=self.schedule_costs)
-        world_loads = self.reshard_load_LE = self.world_loads() if applied and self.migrators else None
-        moves = self.plan_reshard(world_loads, step=self.steps + 1) if applied and self.migrators else []
+        self.reshard_load_LE, moves = None, []
+        if applied and self.migrators:
+            self.reshard_load_LE = self.world_loads()
+            moves = self.plan_reshard(self.reshard_load_LE, step=self.steps + 1)
         deferred = []  # layers whose EDP all-gather lands in the next forward (expert_dp.py)
         if applied:
             if self.optimizer is not None:  # None: every expert is frozen
