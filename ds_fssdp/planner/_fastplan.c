@@ -1348,19 +1348,10 @@ static PyObject *plan_traffic(PyObject *self, PyObject *args) {
                 for (int64_t d = 0; d < D; d++) row[d] += k[d];
             }
         }
-    if (!grouped && B >= 1) { /* all in group 0: one test per flow (a negative rank is a large unsigned one) */
-        const int64_t *fh = fl + F, *fd = fl + 2 * F, *fk = fl + 3 * F;
-        for (int64_t i = 0; i < F; i++) {
-            uint64_t h = (uint64_t)fh[i], d = (uint64_t)fd[i];
-            if ((h >= (uint64_t)D) | (d >= (uint64_t)D)) goto bad;
-            acc[h * D + d] += fk[i];
-        }
-    } else {
-        for (int64_t i = 0; i < F; i++) {
-            int64_t b = grouped ? fl[i] : 0, h = fl[F + i], d = fl[2 * F + i];
-            if (b < 0 || b >= B || h < 0 || h >= D || d < 0 || d >= D) goto bad;
-            acc[(b * D + h) * D + d] += fl[3 * F + i];
-        }
+    for (int64_t i = 0; i < F; i++) { /* one test per flow: a negative group or rank is a large unsigned one */
+        uint64_t b = grouped ? (uint64_t)fl[i] : 0, h = (uint64_t)fl[F + i], d = (uint64_t)fl[2 * F + i];
+        if ((b >= (uint64_t)B) | (h >= (uint64_t)D) | (d >= (uint64_t)D)) goto bad;
+        acc[(b * D + h) * D + d] += fl[3 * F + i];
     }
     for (int64_t b = 0; b < B; b++)
         for (int64_t d = 0; d < D; d++)
