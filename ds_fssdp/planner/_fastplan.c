@@ -149,6 +149,21 @@ static int64_t holders_by_node(const uint8_t *p, int64_t D, int64_t N, int64_t *
     return nh;
 }
 
+/* The OR of the G bytes at p (a node's bytes of a placement row: nonzero where a rank holds a copy). */
+static inline uint8_t or_bytes(const uint8_t *p, int64_t G) {
+    if (G % 8 == 0) { /* 8 bytes at a time, then the word's bytes folded into one */
+        uint64_t any = 0, w;
+        for (int64_t j = 0; j < G; j += 8) { memcpy(&w, p + j, 8); any |= w; }
+        any |= any >> 32;
+        any |= any >> 16;
+        any |= any >> 8;
+        return (uint8_t)any;
+    }
+    uint8_t any = 0;
+    for (int64_t j = 0; j < G; j++) any |= p[j];
+    return any;
+}
+
 /* ---------------------------------------------------------------------------------------------
  * Algorithm 1 (paper): placement (zeroed) gets the shard, then the replicas.
  */
@@ -240,11 +255,8 @@ static void alg1_core(const int64_t *owner_E, const double *load_E, const int64_
         int64_t n = (int64_t)floor(slots_left * l / load_left + 0.5);
         if (n > slots_left) n = slots_left;
         load_left -= l;
-        for (int64_t nd = 0, G = D / N; nd < N; nd++) { /* nodes: blocks of G ranks */
-            uint8_t any = 0;
-            for (int64_t g = 0; g < G; g++) any |= P[e * D + nd * G + g];
-            node_holds[nd] = any;
-        }
+        for (int64_t nd = 0, G = D / N; nd < N; nd++) /* nodes: blocks of G ranks */
+            node_holds[nd] = or_bytes(P + e * D + nd * G, G);
         for (int64_t k = 0; k < n; k++) {
             int64_t d = pick_rank_alg1(P + e * D, free_D, rank_load_D, node_D, node_holds, D, m);
             if (d < 0) break;
@@ -1336,19 +1348,10 @@ static PyObject *plan_traffic(PyObject *self, PyObject *args) {
                 for (int64_t d = 0; d < D; d++) row[d] += k[d];
             }
         }
-    if (!grouped && B >= 1) { /* all in group 0: one test per flow (a negative rank is a large unsigned one) */
-        const int64_t *fh = fl + F, *fd = fl + 2 * F, *fk = fl + 3 * F;
-        for (int64_t i = 0; i < F; i++) {
-            uint64_t h = (uint64_t)fh[i], d = (uint64_t)fd[i];
-            if ((h >= (uint64_t)D) | (d >= (uint64_t)D)) goto bad;
-            acc[h * D + d] += fk[i];
-        }
-    } else {
-        for (int64_t i = 0; i < F; i++) {
-            int64_t b = grouped ? fl[i] : 0, h = fl[F + i], d = fl[2 * F + i];
-            if (b < 0 || b >= B || h < 0 || h >= D || d < 0 || d >= D) goto bad;
-            acc[(b * D + h) * D + d] += fl[3 * F + i];
-        }
+    for (int64_t i = 0; i < F; i++) { /* one test per flow: a negative group or rank is a large unsigned one */
+        uint64_t b = grouped ? (uint64_t)fl[i] : 0, h = (uint64_t)fl[F + i], d = (uint64_t)fl[2 * F + i];
+        if ((b >= (uint64_t)B) | (h >= (uint64_t)D) | (d >= (uint64_t)D)) goto bad;
+        acc[(b * D + h) * D + d] += fl[3 * F + i];
     }
     for (int64_t b = 0; b < B; b++)
         for (int64_t d = 0; d < D; d++)
@@ -1383,16 +1386,7 @@ static void gather_counts(const int64_t *O, const uint8_t *restrict P, int64_t E
         count_N[O[e]] -= p[O[e]] != 0; /* the owner's own copy is not added */
         for (int64_t m = 0; m < n; m++) {
             if (m == home) continue;
-            int entered; /* an OR of the node's bytes: nonzero where any rank holds a copy */
-            if (G % 8 == 0) { /* 8 bytes at a time */
-                uint64_t any = 0, w;
-                for (int64_t j = 0; j < G; j += 8) { memcpy(&w, p + m * G + j, 8); any |= w; }
-                entered = any != 0;
-            } else {
-                uint8_t any = 0;
-                for (int64_t j = 0; j < G; j++) any |= p[m * G + j];
-                entered = any != 0;
-            }
+            int entered = or_bytes(p + m * G, G) != 0;
             in_n[m] += entered;
             leaves += entered;
         }

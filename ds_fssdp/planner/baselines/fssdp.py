@@ -91,9 +91,9 @@ class FSSDPPolicy(Policy):
             tokens_ED = tokens_ED[:, None].expand(-1, topo.num_ranks) / topo.num_ranks
         tokens_ED = tokens_ED.round().long()
         # placement "paper" places by the per-expert loads: summed once for every t
-        paper_loads = predicted_load_E.sum(1) if cfg.placement == "paper" and predicted_load_E.dim() == 2 else None
-        families = {cfg.placement: lambda t: self._place(owner_E, predicted_load_E if paper_loads is None
-                                                         else paper_loads, t)}
+        paper = cfg.placement == "paper" and predicted_load_E.dim() == 2
+        place_loads = predicted_load_E.sum(1) if paper else predicted_load_E
+        families = {cfg.placement: lambda t: self._place(owner_E, place_loads, t)}
         if predicted_load_E.dim() == 2:
             families["joint-fill"] = lambda t: joint_materialize(owner_E, predicted_load_E, topo, overlap_degree=t,
                                                                  budget=cfg.budget, stop=0.0)
