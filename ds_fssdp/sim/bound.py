@@ -119,7 +119,10 @@ class LowerBound:
         # With an experts' gather beside the forward, the (u, v) grid; else v alone.
         kinds = (False, True) if setup.zero_stage == 0 and setup.topology.num_ranks // group_size > 1 else (False, )
         self.syncs = [sync_times(setup, group_size, split_experts=split) for split in kinds]
-        self.us = [WEIGHTS if sync.forward_gather_s > 0 else (1.0, ) for sync in self.syncs]  # v: all of WEIGHTS
+        self.us = [WEIGHTS if sync.forward_gather_s > 0 else np.ones(1) for sync in self.syncs]  # v: all of WEIGHTS
+        # every sync's u at once (chain_values runs each u once), and where each sync's are in it
+        self.u_U = np.unique(np.concatenate(self.us))
+        self.at = [np.searchsorted(self.u_U, u_X) for u_X in self.us]
 
     def step(self, s: int, tokens_LED: np.ndarray) -> None:
         if s < self.setup.load_window:
@@ -187,14 +190,13 @@ class LowerBound:
 
         # every way to sync at every u: the path's values are the same for every sync (only the
         # all-reduce term differs), so each u runs once for all groups
-        u_U = np.unique(np.concatenate([np.atleast_1d(np.asarray(us, dtype=np.float64)) for us in self.us]))
-        least_UBV = chain_values(m_LKB, b_LCB, gather_C, attn_f, WEIGHTS, u_LKB, u_U, state_C=state_C,
+        least_UBV = chain_values(m_LKB, b_LCB, gather_C, attn_f, WEIGHTS, u_LKB, self.u_U, state_C=state_C,
                                  exposed_C=exposed_C)
         low_SB = []
-        for sync, us in zip(self.syncs, self.us):  # the best relaxation of one way to sync: max over u and v
-            u_X = np.atleast_1d(np.asarray(us, dtype=np.float64))
-            at_XBV = least_UBV[np.searchsorted(u_U, u_X)] + (1.0 - WEIGHTS) * sync.reduce_s
-            low_SB.append(sync.step_gather_s + (at_XBV + ((1.0 - u_X) * sync.forward_gather_s)[:, None, None]).max(2).max(0))
+        for sync, u_X, at in zip(self.syncs, self.us, self.at):  # one way to sync's best relaxation: max over u, v
+            forward_X11 = ((1.0 - u_X) * sync.forward_gather_s)[:, None, None]
+            at_XBV = least_UBV[at] + (1.0 - WEIGHTS) * sync.reduce_s + forward_X11
+            low_SB.append(sync.step_gather_s + at_XBV.max(2).max(0))
         low_B = np.min(low_SB, axis=0)
         self.total += float(low_B.max()) + tail
         self.counted += 1
