@@ -158,11 +158,12 @@ class LowerBound:
         m_LKB = np.zeros((L, K, B))
         c_LKB = np.zeros((L, K, B))  # the backward's attention, exchange and compute
         u_LKB = np.zeros((L, K, B))
-        top_KBN, top_SBn = np.empty((E + 1, B, N)), np.empty((E + 1, B, n))  # every layer's top_rows, in turn
+        # every layer's top_rows, in turn, and their sorted copy (the larger's size serves both)
+        top_KBN, top_SBn, scratch = np.empty((E + 1, B, N)), np.empty((E + 1, B, n)), np.empty(E * B * N)
         for l in range(L):
             t_EBN = tokens_LED[l].reshape(E, D // N, N)[:, :B].astype(np.float64)
             rows_BN = t_EBN.sum(0)
-            top_rows(t_EBN, out=top_KBN)
+            top_rows(t_EBN, out=top_KBN, scratch=scratch)
             rows_1BN = rows_BN[None]
             share_ABN = np.divide(top_KBN[keep_A], rows_1BN, out=np.zeros((A, B, N)), where=rows_1BN > 0)
             out_AB = leaving_bytes(rows_1BN, top_KBN[keep_A], k, tb, share=share_ABN).max(2)  # what a rank sends
@@ -171,7 +172,8 @@ class LowerBound:
             if n > 1:  # what must leave a node over its link: rows on experts the node does not hold
                 t_EBn = t_EBN.reshape(E, B, n, G).sum(3)
                 # per rank, by the node's s experts, with destinations of keep_A experts each
-                common_SB = leaving_bytes(t_EBn.sum(0)[None], top_rows(t_EBn, out=top_SBn)[S], k, tb).max(2)
+                top_rows(t_EBn, out=top_SBn, scratch=scratch)
+                common_SB = leaving_bytes(t_EBn.sum(0)[None], top_SBn[S], k, tb).max(2)
                 ranks_KBN = leaving_bytes(rows_1BN, top_KBN[S[s_K]], k, tb, share=share_ABN[a_K],
                                           phi_share=phi_power(share_ABN, k)[a_K])
                 cross_KB = np.maximum(common_SB[s_K], ranks_KBN.reshape(K, B, n, G).sum(3).max(2))
@@ -278,9 +280,10 @@ def phi_power(x: np.ndarray, k: int) -> np.ndarray:
     return 1.0 - (1.0 - x) ** k
 
 
-def top_rows(t_E__: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+def top_rows(t_E__: np.ndarray, out: np.ndarray | None = None, scratch: np.ndarray | None = None) -> np.ndarray:
     """Rows on the k largest experts for k = 0..E, per column: float64 [E + 1, ...] (into ``out``
-    if given: a caller's buffer reused across layers spares fresh pages)."""
+    if given; ``scratch``: a flat float64 buffer of at least ``t_E__.size`` for the sorted copy: a
+    caller's buffers reused across layers spare fresh pages)."""
     # sorted and summed along the last axis of a contiguous copy (numpy's sort and cumsum down axis
     # 0 are slow); cumsum adds in order, out[k + 1] = out[k] + the (k + 1)-th largest (counts: no -0.0)
     E, X = t_E__.shape[0], math.prod(t_E__.shape[1:])
@@ -293,17 +296,13 @@ def top_rows(t_E__: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         np.cumsum(asc_E[..., ::-1], axis=-1, out=out_E[..., 1:])
         out[...] = np.moveaxis(out_E, -1, 0)
         return out
-    # the same in C: the copies transposed in blocks, the same additions; the sorted copy's buffer kept
-    if _SORTED[0].size != X * E:
-        _SORTED[0] = np.empty(X * E)
-    asc_XE = _SORTED[0].reshape(X, E)
+    # the same in C: the copies transposed in blocks, the same additions
+    asc_XE = (np.empty(X * E) if scratch is None else scratch[:X * E]).reshape(X, E)
     _fastbound.transpose(np.ascontiguousarray(t_E__), asc_XE, E, X)
     asc_XE.sort(axis=-1)
     _fastbound.running_rows(asc_XE, out, E, X)
     return out
 
-
-_SORTED = [np.empty(0)]  # top_rows' sorted copy, reused (it never leaves top_rows)
 
 
 def chain_bound(m_LK: np.ndarray, b_LC: np.ndarray, g_C: np.ndarray, attention_s: float, v: float,
