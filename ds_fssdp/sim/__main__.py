@@ -136,7 +136,10 @@ def schedule_options(args) -> ScheduleOptions:
         return SERIAL
     d = args.pipeline_degree
     if d != "auto":
-        d = int(d) if d.strip().lstrip("+-").isdigit() else 0
+        try:
+            d = int(d)
+        except ValueError:  # refused below, by its text
+            d = 0
         if not 1 <= d <= MAX_DEGREE:
             raise SystemExit(f"--pipeline-degree ({args.pipeline_degree}) must be 'auto' or an integer in [1, "
                              f"{MAX_DEGREE}]")

@@ -119,7 +119,10 @@ class LowerBound:
         # With an experts' gather beside the forward, the (u, v) grid; else v alone.
         kinds = (False, True) if setup.zero_stage == 0 and setup.topology.num_ranks // group_size > 1 else (False, )
         self.syncs = [sync_times(setup, group_size, split_experts=split) for split in kinds]
-        self.us = [WEIGHTS if sync.forward_gather_s > 0 else (1.0, ) for sync in self.syncs]  # v: all of WEIGHTS
+        self.us = [WEIGHTS if sync.forward_gather_s > 0 else np.ones(1) for sync in self.syncs]  # v: all of WEIGHTS
+        # every sync's u at once (chain_values runs each u once), and where each sync's are in it
+        self.u_U = np.unique(np.concatenate(self.us))
+        self.at = [np.searchsorted(self.u_U, u_X) for u_X in self.us]
 
     def step(self, s: int, tokens_LED: np.ndarray) -> None:
         if s < self.setup.load_window:
@@ -155,11 +158,12 @@ class LowerBound:
         m_LKB = np.zeros((L, K, B))
         c_LKB = np.zeros((L, K, B))  # the backward's attention, exchange and compute
         u_LKB = np.zeros((L, K, B))
-        top_KBN, top_SBn = np.empty((E + 1, B, N)), np.empty((E + 1, B, n))  # every layer's top_rows, in turn
+        # every layer's top_rows, in turn, and their sorted copy (the larger's size serves both)
+        top_KBN, top_SBn, scratch = np.empty((E + 1, B, N)), np.empty((E + 1, B, n)), np.empty(E * B * N)
         for l in range(L):
             t_EBN = tokens_LED[l].reshape(E, D // N, N)[:, :B].astype(np.float64)
             rows_BN = t_EBN.sum(0)
-            top_rows(t_EBN, out=top_KBN)
+            top_rows(t_EBN, out=top_KBN, scratch=scratch)
             rows_1BN = rows_BN[None]
             share_ABN = np.divide(top_KBN[keep_A], rows_1BN, out=np.zeros((A, B, N)), where=rows_1BN > 0)
             out_AB = leaving_bytes(rows_1BN, top_KBN[keep_A], k, tb, share=share_ABN).max(2)  # what a rank sends
@@ -168,7 +172,8 @@ class LowerBound:
             if n > 1:  # what must leave a node over its link: rows on experts the node does not hold
                 t_EBn = t_EBN.reshape(E, B, n, G).sum(3)
                 # per rank, by the node's s experts, with destinations of keep_A experts each
-                common_SB = leaving_bytes(t_EBn.sum(0)[None], top_rows(t_EBn, out=top_SBn)[S], k, tb).max(2)
+                top_rows(t_EBn, out=top_SBn, scratch=scratch)
+                common_SB = leaving_bytes(t_EBn.sum(0)[None], top_SBn[S], k, tb).max(2)
                 ranks_KBN = leaving_bytes(rows_1BN, top_KBN[S[s_K]], k, tb, share=share_ABN[a_K],
                                           phi_share=phi_power(share_ABN, k)[a_K])
                 cross_KB = np.maximum(common_SB[s_K], ranks_KBN.reshape(K, B, n, G).sum(3).max(2))
@@ -187,14 +192,13 @@ class LowerBound:
 
         # every way to sync at every u: the path's values are the same for every sync (only the
         # all-reduce term differs), so each u runs once for all groups
-        u_U = np.unique(np.concatenate([np.atleast_1d(np.asarray(us, dtype=np.float64)) for us in self.us]))
-        least_UBV = chain_values(m_LKB, b_LCB, gather_C, attn_f, WEIGHTS, u_LKB, u_U, state_C=state_C,
+        least_UBV = chain_values(m_LKB, b_LCB, gather_C, attn_f, WEIGHTS, u_LKB, self.u_U, state_C=state_C,
                                  exposed_C=exposed_C)
         low_SB = []
-        for sync, us in zip(self.syncs, self.us):  # the best relaxation of one way to sync: max over u and v
-            u_X = np.atleast_1d(np.asarray(us, dtype=np.float64))
-            at_XBV = least_UBV[np.searchsorted(u_U, u_X)] + (1.0 - WEIGHTS) * sync.reduce_s
-            low_SB.append(sync.step_gather_s + (at_XBV + ((1.0 - u_X) * sync.forward_gather_s)[:, None, None]).max(2).max(0))
+        for sync, u_X, at in zip(self.syncs, self.us, self.at):  # one way to sync's best relaxation: max over u, v
+            forward_X11 = ((1.0 - u_X) * sync.forward_gather_s)[:, None, None]
+            at_XBV = least_UBV[at] + (1.0 - WEIGHTS) * sync.reduce_s + forward_X11
+            low_SB.append(sync.step_gather_s + at_XBV.max(2).max(0))
         low_B = np.min(low_SB, axis=0)
         self.total += float(low_B.max()) + tail
         self.counted += 1
@@ -276,9 +280,10 @@ def phi_power(x: np.ndarray, k: int) -> np.ndarray:
     return 1.0 - (1.0 - x) ** k
 
 
-def top_rows(t_E__: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+def top_rows(t_E__: np.ndarray, out: np.ndarray | None = None, scratch: np.ndarray | None = None) -> np.ndarray:
     """Rows on the k largest experts for k = 0..E, per column: float64 [E + 1, ...] (into ``out``
-    if given: a caller's buffer reused across layers spares fresh pages)."""
+    if given; ``scratch``: a flat float64 buffer of at least ``t_E__.size`` for the sorted copy: a
+    caller's buffers reused across layers spare fresh pages)."""
     # sorted and summed along the last axis of a contiguous copy (numpy's sort and cumsum down axis
     # 0 are slow); cumsum adds in order, out[k + 1] = out[k] + the (k + 1)-th largest (counts: no -0.0)
     E, X = t_E__.shape[0], math.prod(t_E__.shape[1:])
@@ -291,17 +296,13 @@ def top_rows(t_E__: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         np.cumsum(asc_E[..., ::-1], axis=-1, out=out_E[..., 1:])
         out[...] = np.moveaxis(out_E, -1, 0)
         return out
-    # the same in C: the copies transposed in blocks, the same additions; the sorted copy's buffer kept
-    if _SORTED[0].size != X * E:
-        _SORTED[0] = np.empty(X * E)
-    asc_XE = _SORTED[0].reshape(X, E)
+    # the same in C: the copies transposed in blocks, the same additions
+    asc_XE = (np.empty(X * E) if scratch is None else scratch[:X * E]).reshape(X, E)
     _fastbound.transpose(np.ascontiguousarray(t_E__), asc_XE, E, X)
     asc_XE.sort(axis=-1)
     _fastbound.running_rows(asc_XE, out, E, X)
     return out
 
-
-_SORTED = [np.empty(0)]  # top_rows' sorted copy, reused (it never leaves top_rows)
 
 
 def chain_bound(m_LK: np.ndarray, b_LC: np.ndarray, g_C: np.ndarray, attention_s: float, v: float,

@@ -475,13 +475,13 @@ class PolicyRun:
     def _charge_baselines(self, b: int, owner_E: torch.Tensor, lp, acc: StepAccounts) -> None:
         """Group ``b``'s FasterMoE shadows (broadcast [rearr], reduce [ar]) and FlexMoE replicas
         (all-reduce [ar]; their optimizer step)."""
-        group_B, shard_ED = acc.group_B, shard_placement(owner_E, self.N)
+        group_B = acc.group_B  # the shard placement only where a baseline holds something (not FSSDP's groups)
         if bool(lp.shadow_ED.any()):
-            bcast = self.cost.broadcast_time(owner_E, shard_ED | lp.shadow_ED)
+            bcast = self.cost.broadcast_time(owner_E, shard_placement(owner_E, self.N) | lp.shadow_ED)
             group_B["rearr"][b] += bcast
             group_B["ar"][b] += bcast
         if bool(lp.persistent_ED.any()):
-            holders_ED = shard_ED | lp.persistent_ED
+            holders_ED = shard_placement(owner_E, self.N) | lp.persistent_ED
             groups_KD = holders_ED[holders_ED.sum(1) > 1]
             group_B["ar"][b] += self.cost.allreduce_time(groups_KD, torch.full((groups_KD.shape[0], ),
                                                                                float(self.setup.shape.expert_bytes)))
